@@ -1,0 +1,92 @@
+"""Chunk identity: a hash chain over fixed-size token chunks.
+
+KV is position- and prefix-dependent, so a chunk's identity is its own tokens *and*
+everything before it: ``key_i = H(key_{i-1}, tokens_i)``. The chain starts at a root key
+that folds in the cache namespace (model fingerprint, KV dtype, layout, chunk size, TP
+rank) and the request's own namespace (SGLang's ``extra_key``, e.g. a LoRA id, and its
+``cache_salt``), so two servers or two tenants never share a chain by accident.
+
+Keys are 128-bit BLAKE2b digests: at a billion chunks the collision probability is below
+1e-20, which is why the tree does not also store and compare every chunk's tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+ChunkKey = bytes
+KEY_BYTES = 16
+_TOKEN_TYPECODE = "q"  # tokens hashed as little-endian int64, whatever the input type
+
+
+@dataclass(frozen=True)
+class CacheNamespace:
+    """Everything that makes two KV caches of the same tokens different bytes."""
+
+    model_fingerprint: str
+    kv_dtype: str
+    chunk_size: int
+    layout: str = "token-major"
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def digest(self) -> bytes:
+        text = "|".join(
+            [
+                "pcr-ns-v1",
+                self.model_fingerprint,
+                self.kv_dtype,
+                str(self.chunk_size),
+                self.layout,
+                f"{self.tp_rank}/{self.tp_size}",
+            ]
+        )
+        return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
+
+
+def root_key(
+    namespace_digest: bytes, extra_key: Optional[str] = None, cache_salt: Optional[str] = None
+) -> ChunkKey:
+    """Key of the (virtual) parent of a request's first chunk."""
+    h = hashlib.blake2b(namespace_digest, digest_size=KEY_BYTES)
+    # Length-prefix each optional field so ("ab", None) and ("a", "b") differ.
+    for part in (extra_key, cache_salt):
+        if part is None:
+            h.update(b"\x00")
+        else:
+            data = part.encode()
+            h.update(b"\x01" + len(data).to_bytes(8, "little") + data)
+    return h.digest()
+
+
+def _as_int64_array(tokens: Sequence[int]) -> array:
+    if isinstance(tokens, array) and tokens.typecode == _TOKEN_TYPECODE:
+        return tokens
+    return array(_TOKEN_TYPECODE, tokens)
+
+
+def chunk_key(parent: ChunkKey, chunk_tokens: Sequence[int]) -> ChunkKey:
+    data = _as_int64_array(chunk_tokens).tobytes()
+    return hashlib.blake2b(parent + data, digest_size=KEY_BYTES).digest()
+
+
+def iter_chunk_keys(root: ChunkKey, tokens: Sequence[int], chunk_size: int) -> Iterator[ChunkKey]:
+    """Lazily yield the key of every whole chunk of ``tokens``; a partial tail is skipped.
+
+    Lazy so a match can stop hashing at its first miss: the cost of a lookup is
+    proportional to the chunks it matches, not to the prompt.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    data = _as_int64_array(tokens)
+    parent = root
+    for start in range(0, len(data) - chunk_size + 1, chunk_size):
+        parent = chunk_key(parent, data[start : start + chunk_size])
+        yield parent
+
+
+def chunk_keys(root: ChunkKey, tokens: Sequence[int], chunk_size: int) -> list[ChunkKey]:
+    return list(iter_chunk_keys(root, tokens, chunk_size))

@@ -1,0 +1,140 @@
+"""Build a tiny, deterministic, random-weight Llama with a locally trained BPE tokenizer.
+
+The model is meaningless as a language model but exercises every code path SGLang runs
+for a real Llama (paged KV pool, RoPE, GQA), in milliseconds per forward on a CPU. The
+tokenizer is trained by ``tokenizers`` on the Wikipedia corpus so RAG-style prompts
+tokenize to realistic lengths. Everything is seeded; the folder is rebuilt only when the
+recipe version changes.
+
+Usage: ``python -m pcr_sglang.models.tiny_llama [--out DIR]`` prints the folder path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pcr_sglang.models import cache_root
+
+logger = logging.getLogger(__name__)
+
+RECIPE_VERSION = 1
+STAMP_FILE = "pcr_recipe.json"
+
+
+@dataclass(frozen=True)
+class TinyLlamaRecipe:
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 8192
+    seed: int = 1234
+    tokenizer_corpus_articles: int = 3000
+    version: int = RECIPE_VERSION
+
+
+def default_tiny_llama_dir() -> Path:
+    return cache_root() / "models" / "tiny-llama"
+
+
+def _train_tokenizer(recipe: TinyLlamaRecipe, out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from pcr_sglang.data import load_wiki_articles
+
+    articles = load_wiki_articles()[: recipe.tokenizer_corpus_articles]
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=recipe.vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((a.text for a in articles), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+        pad_token="<|pad|>",
+    )
+    fast.save_pretrained(out_dir)
+
+
+def _build_model(recipe: TinyLlamaRecipe, out_dir: Path, vocab_size: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_hidden_layers,
+        num_attention_heads=recipe.num_attention_heads,
+        num_key_value_heads=recipe.num_key_value_heads,
+        max_position_embeddings=recipe.max_position_embeddings,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(recipe.seed)
+    model = LlamaForCausalLM(config)
+    # Larger-than-default init spreads the logits so greedy decoding is not dominated by
+    # ties, which would make token-for-token comparisons insensitive to wrong KV.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def build_tiny_llama(out_dir: Path | None = None, recipe: TinyLlamaRecipe | None = None) -> Path:
+    """Return the folder of the tiny model, building it first if missing or stale."""
+    recipe = recipe or TinyLlamaRecipe()
+    out_dir = Path(out_dir) if out_dir else default_tiny_llama_dir()
+    stamp = out_dir / STAMP_FILE
+    if stamp.is_file() and json.loads(stamp.read_text()) == asdict(recipe):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Build in a sibling temp folder and rename, so a concurrent or interrupted build
+    # never leaves a half-written model where tests look for it.
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=out_dir.parent))
+    try:
+        _train_tokenizer(recipe, tmp)
+        from transformers import AutoTokenizer
+
+        vocab_size = len(AutoTokenizer.from_pretrained(tmp))
+        _build_model(recipe, tmp, vocab_size)
+        (tmp / STAMP_FILE).write_text(json.dumps(asdict(recipe), indent=1))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("Built tiny Llama at %s", out_dir)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="Output folder (default: the cache).")
+    args = parser.parse_args()
+    print(build_tiny_llama(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""SGLang plugin entry point (group ``sglang.srt.plugins``), run in every SGLang process.
+
+It registers the ``pcr`` radix-cache backend and three hooks:
+
+* ``create_tree_cache`` (AROUND): ``--enable-pcr`` selects PCR's tree cache, otherwise
+  SGLang's own selection runs untouched;
+* ``ServerArgs.resolve_once`` (AFTER): PCR flags are validated once the page size is
+  resolved, so a bad value fails at startup with a message naming the flag;
+* ``prepare_server_args`` (BEFORE): ``--enable-pcr`` on an SGLang without our patches
+  fails with an explanation instead of argparse's "unrecognized arguments".
+
+SGLang's plugin loader logs and swallows exceptions raised here, so nothing in
+``register`` may raise for a user error: errors surface through the hooks instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from pcr_sglang.install_check import check_sglang_install
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "pcr"
+_registered = False
+
+
+class PCRStartupError(RuntimeError):
+    """pcr-sglang cannot start: the installation or the flags are wrong."""
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    problem = check_sglang_install()
+    HookRegistry.register(
+        "sglang.srt.server_args.prepare_server_args",
+        _make_argv_guard(problem.message if problem else None),
+        HookType.BEFORE,
+    )
+    if problem is not None:
+        logger.error("pcr-sglang is disabled: %s", problem.message)
+        return
+
+    from sglang.srt.mem_cache.registry import (
+        get_radix_cache_factory,
+        register_radix_cache_backend,
+    )
+
+    from pcr_sglang.sglang_adapter.factory import build_pcr_prefix_cache
+
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        register_radix_cache_backend(BACKEND_NAME, build_pcr_prefix_cache)
+    HookRegistry.register(
+        "sglang.srt.mem_cache.registry.create_tree_cache", _create_tree_cache, HookType.AROUND
+    )
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.resolve_once", _validate_after_resolution, HookType.AFTER
+    )
+
+
+def _make_argv_guard(problem: str | None) -> Callable[..., Any]:
+    def guard(argv: list[str], *args: Any, **kwargs: Any) -> None:
+        if problem is not None and any(
+            a == "--enable-pcr" or a.startswith("--pcr-") for a in argv
+        ):
+            raise PCRStartupError(f"--enable-pcr cannot be used: {problem}")
+        return None
+
+    return guard
+
+
+def _create_tree_cache(original: Callable[..., Any], ctx: Any, *args: Any, **kwargs: Any) -> Any:
+    if getattr(ctx.server_args, "enable_pcr", False):
+        from pcr_sglang.sglang_adapter.factory import build_pcr_prefix_cache
+
+        return build_pcr_prefix_cache(ctx)
+    return original(ctx, *args, **kwargs)
+
+
+_CONFLICTS = (
+    ("disable_radix_cache", "--disable-radix-cache"),
+    ("enable_hierarchical_cache", "--enable-hierarchical-cache"),
+    ("enable_lmcache", "--enable-lmcache"),
+    ("enable_flexkv", "--enable-flexkv"),
+    ("enable_streaming_session", "--enable-streaming-session"),
+    ("enable_session_radix_cache", "--enable-session-radix-cache"),
+)
+
+
+def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    if not getattr(server_args, "enable_pcr", False):
+        return None
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from pcr_sglang.config import PCRConfig
+
+    cfg = resolving_view(server_args)
+    PCRConfig.from_server_args(server_args).validate(int(cfg.page_size or 1))
+    for field, flag in _CONFLICTS:
+        if getattr(cfg, field, False):
+            raise PCRStartupError(f"--enable-pcr cannot be combined with {flag}")
+    backend = getattr(cfg, "radix_cache_backend", None)
+    if backend not in (None, BACKEND_NAME):
+        raise PCRStartupError(
+            f"--enable-pcr selects the '{BACKEND_NAME}' tree cache; drop --radix-cache-backend={backend}"
+        )
+    if getattr(cfg, "speculative_algorithm", None):
+        raise PCRStartupError("--enable-pcr does not support speculative decoding yet")
+    return None

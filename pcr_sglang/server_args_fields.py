@@ -1,0 +1,47 @@
+"""PCR's command-line flags, declared the way SGLang declares its own.
+
+SGLang 0.5.23 assembles ``ServerArgs`` (a msgspec Struct) from namespace classes when
+``sglang.srt.server_args`` is imported, before any plugin runs; fields cannot be added
+later. Our patch ``01-plugin-server-args-namespaces`` lets installed packages contribute
+namespaces through the entry-point group ``sglang.srt.server_args_namespaces``; this
+class is ours. Every field here becomes a ``--flag`` in ``launch_server --help`` and a
+keyword of ``sglang.Engine``.
+
+This module is imported while ``sglang.srt.server_args`` itself is being imported, so it
+may import only msgspec and SGLang's argument helpers.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from sglang.srt.arg_groups.arg_utils import A, Arg
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+class Pcr(msgspec.Struct):
+    """Namespace ``pcr``: Prefetch-enhanced Cache Reuse (pcr-sglang)."""
+
+    _NS_PATH = "pcr"
+
+    enable_pcr: A[
+        bool,
+        Arg(
+            help=(
+                "Replace the radix cache with PCR's chunk-granular prefix cache "
+                "(pcr-sglang): KV is cached and reused in chunks of --pcr-chunk-size "
+                "tokens keyed by their whole prefix."
+            )
+        ),
+    ] = False
+    pcr_chunk_size: A[
+        int,
+        Arg(
+            help=(
+                "Tokens per PCR chunk. Must be a positive multiple of --page-size. "
+                "Only whole chunks are cached; smaller chunks reuse more of a prompt, "
+                "larger ones cost less bookkeeping per token."
+            )
+        ),
+    ] = DEFAULT_CHUNK_SIZE

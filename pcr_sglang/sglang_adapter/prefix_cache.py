@@ -1,0 +1,250 @@
+"""PCRPrefixCache: SGLang's tree-cache interface on top of PCR's chunk tree.
+
+SGLang hands a tree cache the request's token ids and its row of KV slot indices; this
+class cuts them into chunks, asks :class:`~pcr_sglang.core.ChunkTree` what is cached,
+and keeps the allocator's books: a slot belongs either to the tree (a whole chunk) or to
+a request (its uncached tail and the partial last chunk), never to both, and is freed
+exactly once. The request-side protocol (``checkpoint``, locks, ``cache_protected_len``)
+mirrors SGLang's own ``RadixCache`` so the scheduler needs no change.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+
+from pcr_sglang.config import PCRConfig
+from pcr_sglang.core import CacheNamespace, ChunkNode, ChunkTree
+from pcr_sglang.core.keys import chunk_keys, iter_chunk_keys, root_key
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PCRCacheStats:
+    """Counters since start (or the last ``reset``), in tokens unless named otherwise."""
+
+    match_calls: int = 0
+    matched_tokens: int = 0
+    inserted_chunks: int = 0
+    duplicate_chunks: int = 0
+    evicted_chunks: int = 0
+
+
+class PCRPrefixCache(BasePrefixCache):
+    """A chunk-granular prefix cache on SGLang's device KV pool."""
+
+    def __init__(self, params: CacheInitParams, config: PCRConfig, namespace: CacheNamespace):
+        config.validate(params.page_size)
+        if params.is_eagle:
+            raise ValueError("--enable-pcr does not support speculative decoding yet")
+        self.disable = False
+        self.config = config
+        self.namespace = namespace
+        self.chunk_size = config.chunk_size
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = params.page_size
+        self.is_eagle = False
+        self._namespace_digest = namespace.digest()
+        device = getattr(self.token_to_kv_pool_allocator, "device", "cpu")
+        self.device = torch.device(device) if isinstance(device, (str, torch.device)) else torch.device("cpu")
+        if params.enable_metrics:
+            self.init_metrics_collector()
+        self.tree = ChunkTree()
+        self.stats = PCRCacheStats()
+        self.reset()
+        logger.info(
+            "PCR prefix cache: chunk_size=%d, namespace=%s", self.chunk_size, namespace
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def reset(self) -> None:
+        self.tree.reset()
+        self.root_node = self.tree.root
+        self.stats = PCRCacheStats()
+        self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
+
+    def supports_prefix_sharing(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ keys
+    def _root_key(self, extra_key: Optional[str], cache_salt: Optional[str]) -> bytes:
+        return root_key(self._namespace_digest, extra_key, cache_salt)
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        key: RadixKey = params.key
+        tokens = key.raw_token_ids()
+        self.stats.match_calls += 1
+        if len(tokens) < self.chunk_size:
+            return self._match_result(self.root_node)
+        outcome = self.tree.match(
+            iter_chunk_keys(self._root_key(key.extra_key, key.cache_salt), tokens, self.chunk_size)
+        )
+        self.stats.matched_tokens += outcome.num_chunks * self.chunk_size
+        return self._match_result(outcome.last_node)
+
+    def _match_result(self, node: ChunkNode) -> MatchResult:
+        return MatchResult(
+            device_prefix_len=node.depth * self.chunk_size,
+            last_device_node=node,
+            last_host_node=node,
+            best_match_node=node,
+        )
+
+    def touch_prefix(self, key: RadixKey) -> None:
+        tokens = key.raw_token_ids()
+        self.tree.match(
+            iter_chunk_keys(self._root_key(key.extra_key, key.cache_salt), tokens, self.chunk_size)
+        )
+
+    def path_device_indices(self, node: ChunkNode) -> torch.Tensor:
+        values = [n.device_value for n in node.path_from_root()]
+        return torch.cat(values) if values else self._empty_indices
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, params: InsertParams) -> InsertResult:
+        """Insert whole chunks of ``params.key`` with slots ``params.value``.
+
+        Returns the length that was already cached: the caller still owns (and must
+        free) its slots for that part, as with SGLang's ``RadixCache.insert``.
+        """
+        key = params.key
+        tokens = key.raw_token_ids()
+        num_chunks = len(tokens) // self.chunk_size
+        if num_chunks == 0:
+            return InsertResult(prefix_len=0, last_device_node=self.root_node)
+        values = params.value
+        if values is None:
+            raise ValueError("PCRPrefixCache.insert needs the KV slot indices (params.value)")
+        values = values[: num_chunks * self.chunk_size].to(dtype=torch.int64, copy=True)
+        keys = chunk_keys(
+            self._root_key(key.extra_key, key.cache_salt),
+            tokens[: num_chunks * self.chunk_size],
+            self.chunk_size,
+        )
+        outcome = self.tree.insert(keys, list(values.split(self.chunk_size)))
+        self.stats.inserted_chunks += len(outcome.new_nodes)
+        self.stats.duplicate_chunks += num_chunks - outcome.num_existing - len(outcome.new_nodes)
+        return InsertResult(
+            prefix_len=outcome.num_existing * self.chunk_size,
+            total_len=num_chunks * self.chunk_size,
+            last_device_node=outcome.last_node,
+        )
+
+    def checkpoint(self, req: Req, *, up_to: int, **kwargs) -> None:
+        """Hand the request's whole chunks in ``[0, up_to)`` to the tree.
+
+        Chunks another request cached meanwhile are deduplicated: the request's own
+        copies are freed and its row is repointed at the tree's slots. The partial last
+        chunk stays the request's; ``cache_protected_len`` marks where the tree's part
+        ends, so SGLang's ``release_kv_cache`` frees the rest.
+        """
+        kv = req.kv
+        token_ids = req.full_untruncated_fill_ids[:up_to]
+        aligned_len = len(token_ids) // self.chunk_size * self.chunk_size
+        if aligned_len <= kv.cache_protected_len:
+            return
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned_len]
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        result = self.insert(
+            InsertParams(
+                key=RadixKey(token_ids[:aligned_len], req.extra_key, cache_salt=req.cache_salt),
+                value=row,
+            )
+        )
+        kv.cache_inserted_len = max(kv.cache_inserted_len, aligned_len)
+        # Our duplicates of chunks the tree already had: [protected, already_cached).
+        if result.prefix_len > kv.cache_protected_len:
+            self.token_to_kv_pool_allocator.free_segment(
+                row[kv.cache_protected_len : result.prefix_len].clone(),
+                start_pos=kv.cache_protected_len,
+            )
+        new_last_node: ChunkNode = result.last_device_node
+        tree_indices = self.path_device_indices(new_last_node)
+        assert len(tree_indices) == aligned_len, (len(tree_indices), aligned_len)
+        self.req_to_token_pool.write(
+            (kv.req_pool_idx, slice(kv.cache_protected_len, aligned_len)),
+            tree_indices[kv.cache_protected_len :].to(row.dtype),
+        )
+        kv.cache_protected_len = aligned_len
+        self.unlock(req.lock)
+        req.lock = self.lock(new_last_node)
+        req.last_node = new_last_node
+
+    # ------------------------------------------------------------------ locks
+    def inc_lock_ref(self, node: ChunkNode) -> IncLockRefResult:
+        newly_locked = self.tree.lock(node)
+        return IncLockRefResult(delta=-newly_locked * self.chunk_size)
+
+    def dec_lock_ref(
+        self, node: ChunkNode, params: Optional[DecLockRefParams] = None
+    ) -> DecLockRefResult:
+        freed = self.tree.unlock(node)
+        return DecLockRefResult(delta=freed * self.chunk_size)
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, params: EvictParams) -> EvictResult:
+        if params.num_tokens <= 0:
+            return EvictResult()
+        start = time.perf_counter()
+        num_chunks = -(-params.num_tokens // self.chunk_size)
+        evicted = self.tree.evict(num_chunks, on_evict=self._free_device_slots)
+        self.stats.evicted_chunks += len(evicted)
+        num_tokens = len(evicted) * self.chunk_size
+        self.update_eviction_metrics(num_tokens, start)
+        return EvictResult(num_tokens_evicted=num_tokens)
+
+    def _free_device_slots(self, node: ChunkNode) -> None:
+        self.token_to_kv_pool_allocator.free_segment(node.device_value, start_pos=0)
+
+    # ------------------------------------------------------------------ sizes
+    def evictable_size(self) -> int:
+        return self.tree.evictable_chunks * self.chunk_size
+
+    def full_evictable_size(self) -> int:
+        return self.evictable_size()
+
+    def protected_size(self) -> int:
+        return self.tree.locked_chunks * self.chunk_size
+
+    def full_protected_size(self) -> int:
+        return self.protected_size()
+
+    def total_size(self) -> int:
+        return self.tree.num_chunks * self.chunk_size
+
+    def all_values_flatten(self) -> torch.Tensor:
+        values = [n.device_value for n in self.tree.iter_nodes()]
+        return torch.cat(values) if values else self._empty_indices
+
+    def pretty_print(self) -> None:
+        stats = self.tree.stats()
+        print(
+            f"PCR chunk tree: {stats.num_chunks} chunks of {self.chunk_size} tokens, "
+            f"{stats.locked_chunks} locked, {stats.evictable_leaves} evictable leaves"
+        )
