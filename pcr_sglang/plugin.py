@@ -1,13 +1,14 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``), run in every SGLang process.
 
-It registers the ``pcr`` radix-cache backend and three hooks:
+It registers the ``pcr`` radix-cache backend and four hooks:
 
 * ``create_tree_cache`` (AROUND): ``--enable-pcr`` selects PCR's tree cache, otherwise
   SGLang's own selection runs untouched;
 * ``ServerArgs.resolve_once`` (AFTER): PCR flags are validated once the page size is
   resolved, so a bad value fails at startup with a message naming the flag;
 * ``prepare_server_args`` (BEFORE): ``--enable-pcr`` on an SGLang without our patches
-  fails with an explanation instead of argparse's "unrecognized arguments".
+  fails with an explanation instead of argparse's "unrecognized arguments";
+* the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state.
 
 SGLang's plugin loader logs and swallows exceptions raised here, so nothing in
 ``register`` may raise for a user error: errors surface through the hooks instead.
@@ -62,6 +63,12 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.server_args.ServerArgs.resolve_once", _validate_after_resolution, HookType.AFTER
     )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.internal_state."
+        "SchedulerInternalStateController.get_internal_state",
+        _add_pcr_internal_state,
+        HookType.AFTER,
+    )
 
 
 def _make_argv_guard(problem: str | None) -> Callable[..., Any]:
@@ -81,6 +88,16 @@ def _create_tree_cache(original: Callable[..., Any], ctx: Any, *args: Any, **kwa
 
         return build_pcr_prefix_cache(ctx)
     return original(ctx, *args, **kwargs)
+
+
+def _add_pcr_internal_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
+    """Publish PCR's state under ``"pcr"`` in ``/server_info``'s ``internal_states``."""
+    from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
+
+    tree_cache = getattr(controller.scheduler, "tree_cache", None)
+    if isinstance(tree_cache, PCRPrefixCache):
+        result.internal_state["pcr"] = tree_cache.report(check_invariants=True)
+    return result
 
 
 _CONFLICTS = (

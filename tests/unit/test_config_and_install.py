@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pcr_sglang.config import PCRConfig, PCRConfigError
+from pcr_sglang.install_check import check_sglang_install
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_apply_patches():
+    spec = importlib.util.spec_from_file_location("apply_patches", REPO / "scripts" / "apply_patches.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["apply_patches"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "chunk_size,page_size,message",
+    [
+        (0, 1, "--pcr-chunk-size must be a positive"),
+        (-16, 1, "--pcr-chunk-size must be a positive"),
+        (24, 16, r"--pcr-chunk-size \(24\) must be a multiple of --page-size \(16\)"),
+        ("64", 1, "--pcr-chunk-size must be an integer"),
+    ],
+)
+def test_invalid_chunk_size_names_the_flag(chunk_size, page_size, message):
+    with pytest.raises(PCRConfigError, match=message):
+        PCRConfig(enabled=True, chunk_size=chunk_size).validate(page_size)
+
+
+def test_config_from_server_args_defaults():
+    config = PCRConfig.from_server_args(SimpleNamespace())
+    assert config == PCRConfig(enabled=False, chunk_size=64)
+    config.validate(page_size=16)
+
+
+def test_installed_sglang_is_patched():
+    assert check_sglang_install() is None
+
+
+def test_patch_applier_is_idempotent_and_detects_conflicts(tmp_path):
+    ap = load_apply_patches()
+    original = "a\nb\nc\nd\ne\nf\ng\n"
+    diff = (
+        "Header text explaining why.\n"
+        "--- a/pkg/mod.py\n+++ b/pkg/mod.py\n"
+        "@@ -2,4 +2,5 @@\n b\n c\n+inserted\n d\n-e\n+E\n"
+    )
+    (fp,) = ap.parse_patch(diff)
+    assert fp.path == "pkg/mod.py"
+    patched, state = ap.apply_file_patch(original, fp)
+    assert state == "applied" and patched == "a\nb\nc\ninserted\nd\nE\nf\ng\n"
+    again, state = ap.apply_file_patch(patched, fp)
+    assert state == "already" and again == patched
+    _, state = ap.apply_file_patch("something else entirely\n", fp)
+    assert state == "conflict"
+
+
+def test_every_patch_has_a_why_header_and_parses():
+    ap = load_apply_patches()
+    patches = sorted((REPO / "patches").glob("*/*.patch"))
+    assert patches
+    for path in patches:
+        text = path.read_text()
+        header = text.split("\n--- ", 1)[0]
+        assert "Why" in header or "why" in header, path
+        assert ap.parse_patch(text), path
+
+
+def test_install_check_rejects_modified_sglang(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    import pcr_sglang.install_check as ic
+
+    root = Path(metadata.distribution("sglang").locate_file(""))
+    stamp = json.loads((root / "sglang" / ic.STAMP_NAME).read_text())
+    fake_root = tmp_path
+    (fake_root / "sglang").mkdir()
+    for rel in stamp["files"]:
+        target = fake_root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("# not the patched file\n")
+    (fake_root / "sglang" / ic.STAMP_NAME).write_text(json.dumps(stamp))
+
+    class FakeDist:
+        version = "0.5.23"
+
+        def locate_file(self, _):
+            return fake_root
+
+    monkeypatch.setattr(ic.metadata, "distribution", lambda name: FakeDist())
+    monkeypatch.setattr(ic.metadata, "version", lambda name: FakeDist.version)
+    problem = ic.check_sglang_install()
+    assert problem is not None and "changed after pcr-sglang's patches" in problem.message
+    (fake_root / "sglang" / ic.STAMP_NAME).unlink()
+    problem = ic.check_sglang_install()
+    assert problem is not None and "without pcr-sglang's patches" in problem.message
