@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+CHUNK_SIZE = 16
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from pcr_sglang.models.tiny_llama import build_tiny_llama
+
+    return str(build_tiny_llama())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def rag_prompt_ids(tokenizer) -> list[list[int]]:
+    """50 RAG prompts over Wikipedia articles that share documents (Zipf popularity)."""
+    from pcr_sglang.workload import RagWorkloadParams, make_rag_workload
+
+    params = RagWorkloadParams(num_requests=50, doc_pool_size=40, min_docs=3, max_docs=5,
+                               max_doc_chars=700, seed=7)
+    return [tokenizer.encode(r.plain_prompt()) for r in make_rag_workload(params)]

@@ -1,0 +1,114 @@
+"""A real SGLang HTTP server with --enable-pcr on CPU, against one with no prefix cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pcr_sglang.launcher import ServerProcess
+from tests.conftest import CHUNK_SIZE
+from tests.e2e.helpers import COMMON_ARGS, generate_greedy, start_servers
+
+pytestmark = pytest.mark.e2e
+
+SMALL_POOL_ARGS = (
+    "--max-total-tokens", "2600", "--context-length", "2048", "--log-level", "warning",
+    "--sleep-on-idle",
+)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model):
+    baseline = ServerProcess(tiny_model, (*COMMON_ARGS, "--disable-radix-cache"))
+    pcr = ServerProcess(tiny_model, (*COMMON_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE)))
+    # A KV pool of ~3 prompts for a working set of ~40 documents: eviction all the time.
+    pcr_small = ServerProcess(
+        tiny_model, (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE))
+    )
+    start_servers([baseline, pcr, pcr_small])
+    yield {"baseline": baseline, "pcr": pcr, "pcr_small": pcr_small}
+    for s in (baseline, pcr, pcr_small):
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline_outputs(servers, rag_prompt_ids):
+    return [ids for ids, _ in generate_greedy(servers["baseline"], rag_prompt_ids)]
+
+
+def test_outputs_equal_baseline_and_cached_tokens_are_whole_chunks(servers, rag_prompt_ids, baseline_outputs):
+    results = generate_greedy(servers["pcr"], rag_prompt_ids)
+    assert [ids for ids, _ in results] == baseline_outputs
+    cached = [c for _, c in results]
+    assert all(c % CHUNK_SIZE == 0 for c in cached), cached
+    assert sum(1 for c in cached if c > 0) >= 10, cached  # the workload shares documents
+    state = servers["pcr"].pcr_state()
+    assert state["invariants"]["ok"], state
+    assert state["tree"]["locked_chunks"] == 0
+
+
+def test_concurrent_requests_keep_outputs_and_locks(servers, rag_prompt_ids, baseline_outputs):
+    # Same prompts, 8 at a time: batching changes scheduling, never tokens or lock counts.
+    results = generate_greedy(servers["pcr"], rag_prompt_ids, concurrency=8)
+    assert [ids for ids, _ in results] == baseline_outputs
+    state = servers["pcr"].pcr_state()
+    assert state["invariants"]["ok"] and state["tree"]["locked_chunks"] == 0
+
+
+def test_reuse_is_exactly_the_shared_whole_chunks(servers, tokenizer):
+    server = servers["pcr"]
+    rng = random.Random(1)
+    vocab = len(tokenizer)
+    prompt = [rng.randrange(10, vocab) for _ in range(10 * CHUNK_SIZE + 5)]
+
+    def cached(ids):
+        return server.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})[
+            "meta_info"]["cached_tokens"]
+
+    assert cached(prompt) == 0
+    first_differs = [prompt[0] + 1 if prompt[0] + 1 < vocab else 10] + prompt[1:]
+    assert cached(first_differs) == 0
+    for k in (1, 4, 9):
+        probe = list(prompt)
+        probe[k * CHUNK_SIZE + 3] = (probe[k * CHUNK_SIZE + 3] + 1 - 10) % (vocab - 10) + 10
+        assert cached(probe) == k * CHUNK_SIZE
+    # The whole prompt: every whole chunk, but not the 5-token tail.
+    assert cached(prompt) == 10 * CHUNK_SIZE
+
+
+def test_small_pool_evicts_serves_correctly_and_balances(servers, rag_prompt_ids, baseline_outputs):
+    server = servers["pcr_small"]
+    results = generate_greedy(server, rag_prompt_ids, concurrency=4)
+    assert [ids for ids, _ in results] == baseline_outputs
+    state = server.pcr_state()
+    assert state["counters"]["evicted_chunks"] > 0, state
+    assert state["invariants"]["ok"], state
+    assert state["tree"]["locked_chunks"] == 0
+    # Every device slot is either free or owned by exactly one cached chunk.
+    assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"], state
+
+
+def test_frontend_dsl_program_runs_against_pcr(servers):
+    import sglang as sgl
+
+    @sgl.function
+    def rag_qa(s, document, question):
+        s += "Document: " + document + "\n"
+        s += "Question: " + question + "\nAnswer:"
+        s += sgl.gen("answer", max_tokens=8, temperature=0)
+
+    document = " ".join(["The river Lune flows through Lancaster."] * 12)
+    answers = {}
+    for name in ("baseline", "pcr"):
+        backend = sgl.RuntimeEndpoint(servers[name].base_url)
+        states, answers[name] = [], []
+        for question in ("Where does it flow?", "What is the river?"):
+            # run() executes in the background; reading the answer waits for it, so the
+            # second program starts after the first has cached the shared document.
+            states.append(rag_qa.run(document=document, question=question, backend=backend))
+            answers[name].append(states[-1]["answer"])
+    assert answers["pcr"] == answers["baseline"]
+    assert all(isinstance(a, str) for a in answers["pcr"])
+    meta = states[1].get_meta_info("answer")
+    assert meta["cached_tokens"] > 0 and meta["cached_tokens"] % CHUNK_SIZE == 0
