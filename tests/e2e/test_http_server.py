@@ -26,9 +26,16 @@ def servers(tiny_model):
     pcr_small = ServerProcess(
         tiny_model, (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE))
     )
-    start_servers([baseline, pcr, pcr_small])
-    yield {"baseline": baseline, "pcr": pcr, "pcr_small": pcr_small}
-    for s in (baseline, pcr, pcr_small):
+    # SGLang's own HiCache on CPU (our host-pool patch and kvcacheio stand-in): the
+    # benchmarks' baseline, checked here for correctness under the same small pool.
+    hicache = ServerProcess(
+        tiny_model,
+        (*SMALL_POOL_ARGS, "--page-size", "16", "--enable-hierarchical-cache", "--hicache-size", "1"),
+    )
+    everything = {"baseline": baseline, "pcr": pcr, "pcr_small": pcr_small, "hicache": hicache}
+    start_servers(list(everything.values()))
+    yield everything
+    for s in everything.values():
         s.stop()
 
 
@@ -112,3 +119,15 @@ def test_frontend_dsl_program_runs_against_pcr(servers):
     assert all(isinstance(a, str) for a in answers["pcr"])
     meta = states[1].get_meta_info("answer")
     assert meta["cached_tokens"] > 0 and meta["cached_tokens"] % CHUNK_SIZE == 0
+
+
+def test_hicache_host_tier_works_on_cpu(servers, rag_prompt_ids, baseline_outputs):
+    results = generate_greedy(servers["hicache"], rag_prompt_ids, concurrency=4)
+    assert [ids for ids, _ in results] == baseline_outputs
+    # Replaying the first prompts: their KV was evicted from the small device pool long
+    # ago, so hits can only come back from HiCache's host tier.
+    replay = [
+        servers["hicache"].generate({"input_ids": p, "sampling_params": {"max_new_tokens": 1}})["meta_info"]
+        for p in rag_prompt_ids[:5]
+    ]
+    assert any((m.get("cached_tokens_details") or {}).get("host", 0) > 0 for m in replay), replay

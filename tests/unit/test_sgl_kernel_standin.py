@@ -53,3 +53,78 @@ def test_cuda_only_kernels_raise_naming_themselves():
         sgl_kernel.verify_tree_greedy_cpu()
     # Probes for names we do not provide keep answering truthfully.
     assert not hasattr(sgl_kernel, "flash_attn_with_kvcache")
+
+
+# ---------------------------------------------------------------- kvcacheio
+LAYERS, TOKENS, HEADS, DIM = 3, 40, 2, 8
+
+
+def _device_layers(dtype):
+    torch.manual_seed(1)
+    k = [torch.randn(TOKENS, HEADS, DIM).to(dtype) for _ in range(LAYERS)]
+    v = [torch.randn(TOKENS, HEADS, DIM).to(dtype) for _ in range(LAYERS)]
+    return k, v
+
+
+def _ptrs(tensors):
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+
+
+# Odd lengths and non-contiguous, unsorted index sets.
+SRC = torch.tensor([5, 1, 33, 17, 18, 39, 0])
+DST = torch.tensor([2, 30, 11, 12, 7, 0, 25])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8])
+def test_layer_first_round_trip_matches_reference(dtype):
+    from sgl_kernel.kvcacheio import transfer_kv_all_layer, transfer_kv_per_layer
+
+    dev_k, dev_v = _device_layers(dtype)
+    host_k = torch.zeros(LAYERS, TOKENS, HEADS, DIM, dtype=dtype)
+    host_v = torch.zeros_like(host_k)
+    item = HEADS * DIM * dtype.itemsize
+    # device -> host, all layers (backup)
+    transfer_kv_all_layer(_ptrs(dev_k), _ptrs(list(host_k)), _ptrs(dev_v), _ptrs(list(host_v)),
+                          SRC, DST, item, LAYERS)
+    for layer in range(LAYERS):
+        assert torch.equal(host_k[layer][DST], dev_k[layer][SRC])
+        assert torch.equal(host_v[layer][DST], dev_v[layer][SRC])
+    # host -> device, one layer (load back) into fresh slots
+    back_k, back_v = torch.zeros_like(dev_k[1]), torch.zeros_like(dev_v[1])
+    transfer_kv_per_layer(host_k[1], back_k, host_v[1], back_v, DST, SRC, item)
+    assert torch.equal(back_k[SRC], dev_k[1][SRC]) and torch.equal(back_v[SRC], dev_v[1][SRC])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_page_first_round_trip_matches_reference(dtype):
+    from sgl_kernel.kvcacheio import transfer_kv_all_layer_lf_pf, transfer_kv_per_layer_pf_lf
+
+    dev_k, dev_v = _device_layers(dtype)
+    host_k = torch.zeros(TOKENS, LAYERS, HEADS, DIM, dtype=dtype)  # page-first: token major
+    host_v = torch.zeros_like(host_k)
+    item = HEADS * DIM * dtype.itemsize
+    layout_dim = item * LAYERS
+    transfer_kv_all_layer_lf_pf(_ptrs(dev_k), host_k, _ptrs(dev_v), host_v, SRC, DST, item,
+                                layout_dim, LAYERS)
+    for layer in range(LAYERS):
+        assert torch.equal(host_k[DST, layer], dev_k[layer][SRC])
+        assert torch.equal(host_v[DST, layer], dev_v[layer][SRC])
+    for layer in range(LAYERS):
+        back_k, back_v = torch.zeros_like(dev_k[0]), torch.zeros_like(dev_v[0])
+        transfer_kv_per_layer_pf_lf(host_k, back_k, host_v, back_v, DST, SRC, layer, item, layout_dim)
+        assert torch.equal(back_k[SRC], dev_k[layer][SRC])
+        assert torch.equal(back_v[SRC], dev_v[layer][SRC])
+
+
+def test_direct_copy_and_unsupported_layouts():
+    from sgl_kernel import kvcacheio
+
+    src = [torch.arange(40.0).view(20, 2), torch.arange(40.0, 80.0).view(20, 2)]
+    dst = [torch.zeros(20, 2), torch.zeros(20, 2)]
+    kvcacheio.transfer_kv_direct(src, dst, SRC[SRC < 20], DST[SRC < 20] % 20, page_size=1)
+    for s, d in zip(src, dst):
+        assert torch.equal(d[DST[SRC < 20] % 20], s[SRC[SRC < 20]])
+    with pytest.raises(sgl_kernel.SglKernelUnavailableError, match="transfer_kv_per_layer_ph_lf"):
+        kvcacheio.transfer_kv_per_layer_ph_lf()
+    with pytest.raises(ValueError, match="differ in length"):
+        kvcacheio.transfer_kv_direct(src, dst, SRC, DST[:2], page_size=1)
