@@ -1,13 +1,15 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``), run in every SGLang process.
 
-It registers the ``pcr`` radix-cache backend and four hooks:
+It registers the ``pcr`` radix-cache backend and these hooks:
 
 * ``create_tree_cache`` (AROUND): ``--enable-pcr`` selects PCR's tree cache, otherwise
   SGLang's own selection runs untouched;
 * ``ServerArgs.resolve_once`` (AFTER): PCR flags are validated once the page size is
   resolved, so a bad value fails at startup with a message naming the flag;
-* ``prepare_server_args`` (BEFORE): ``--enable-pcr`` on an SGLang without our patches
-  fails with an explanation instead of argparse's "unrecognized arguments";
+* ``prepare_server_args`` (BEFORE, only when the installed SGLang is not the patched
+  0.5.23): PCR flags on the command line fail with an explanation instead of argparse's
+  "unrecognized arguments" (``Engine(enable_pcr=True)`` there fails in ServerArgs with
+  "unexpected keyword", and the plugin's log line says why);
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state.
 
 SGLang's plugin loader logs and swallows exceptions raised here, so nothing in
@@ -39,13 +41,13 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     problem = check_sglang_install()
-    HookRegistry.register(
-        "sglang.srt.server_args.prepare_server_args",
-        _make_argv_guard(problem.message if problem else None),
-        HookType.BEFORE,
-    )
     if problem is not None:
         logger.error("pcr-sglang is disabled: %s", problem.message)
+        HookRegistry.register(
+            "sglang.srt.server_args.prepare_server_args",
+            _make_argv_guard(problem.message),
+            HookType.BEFORE,
+        )
         return
 
     from sglang.srt.mem_cache.registry import (
@@ -71,11 +73,11 @@ def register() -> None:
     )
 
 
-def _make_argv_guard(problem: str | None) -> Callable[..., Any]:
+def _make_argv_guard(problem: str) -> Callable[..., Any]:
+    """Explain an unusable install instead of argparse's "unrecognized arguments"."""
+
     def guard(argv: list[str], *args: Any, **kwargs: Any) -> None:
-        if problem is not None and any(
-            a == "--enable-pcr" or a.startswith("--pcr-") for a in argv
-        ):
+        if any(a == "--enable-pcr" or a.startswith("--pcr-") for a in argv):
             raise PCRStartupError(f"--enable-pcr cannot be used: {problem}")
         return None
 

@@ -10,7 +10,7 @@ from tests.e2e.helpers import GREEDY
 pytestmark = pytest.mark.e2e
 
 ENGINE_KWARGS = dict(
-    device="cpu", attention_backend="torch_native", max_total_tokens=24000,
+    device="cpu", attention_backend="torch_native", dtype="float32", max_total_tokens=24000,
     context_length=4096, log_level="warning",
 )
 

@@ -103,3 +103,12 @@ def test_install_check_rejects_modified_sglang(tmp_path, monkeypatch):
     (fake_root / "sglang" / ic.STAMP_NAME).unlink()
     problem = ic.check_sglang_install()
     assert problem is not None and "without pcr-sglang's patches" in problem.message
+
+
+def test_unpatched_install_guards_explain_the_problem():
+    from pcr_sglang.plugin import PCRStartupError, _make_argv_guard
+
+    argv_guard = _make_argv_guard("SGLang 0.5.22 is installed")
+    assert argv_guard(["--model-path", "m"]) is None  # plain SGLang use is untouched
+    with pytest.raises(PCRStartupError, match="--enable-pcr cannot be used: SGLang 0.5.22"):
+        argv_guard(["--model-path", "m", "--pcr-chunk-size", "32"])
