@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from pcr_sglang.server_args_fields import DEFAULT_CHUNK_SIZE
+from pcr_sglang.server_args_fields import DEFAULT_CHUNK_SIZE, DEFAULT_LOOKAHEAD_WINDOW
 
 logger = logging.getLogger(__name__)
 
@@ -23,12 +23,14 @@ class PCRConfigError(ValueError):
 class PCRConfig:
     enabled: bool = False
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    lookahead_window: int = DEFAULT_LOOKAHEAD_WINDOW
 
     @classmethod
     def from_server_args(cls, args: Any) -> PCRConfig:
         return cls(
             enabled=bool(getattr(args, "enable_pcr", False)),
             chunk_size=getattr(args, "pcr_chunk_size", DEFAULT_CHUNK_SIZE),
+            lookahead_window=getattr(args, "pcr_lookahead_window", DEFAULT_LOOKAHEAD_WINDOW),
         )
 
     def validate(self, page_size: int) -> None:
@@ -40,6 +42,11 @@ class PCRConfig:
         if self.chunk_size <= 0:
             raise PCRConfigError(
                 f"--pcr-chunk-size must be a positive number of tokens, got {self.chunk_size}"
+            )
+        window = self.lookahead_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise PCRConfigError(
+                f"--pcr-lookahead-window must be a non-negative integer, got {self.lookahead_window!r}"
             )
         if page_size > 0 and self.chunk_size % page_size != 0:
             raise PCRConfigError(

@@ -10,6 +10,8 @@ It registers the ``pcr`` radix-cache backend and these hooks:
   0.5.23): PCR flags on the command line fail with an explanation instead of argparse's
   "unrecognized arguments" (``Engine(enable_pcr=True)`` there fails in ServerArgs with
   "unexpected keyword", and the plugin's log line says why);
+* the scheduler's ``_get_new_batch_prefill_raw`` (BEFORE): the waiting queue's head
+  feeds the look-ahead LRU each scheduling pass;
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state.
 
 SGLang's plugin loader logs and swallows exceptions raised here, so nothing in
@@ -66,6 +68,11 @@ def register() -> None:
         "sglang.srt.server_args.ServerArgs.resolve_once", _validate_after_resolution, HookType.AFTER
     )
     HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw",
+        _refresh_lookahead,
+        HookType.BEFORE,
+    )
+    HookRegistry.register(
         "sglang.srt.managers.scheduler_components.internal_state."
         "SchedulerInternalStateController.get_internal_state",
         _add_pcr_internal_state,
@@ -90,6 +97,16 @@ def _create_tree_cache(original: Callable[..., Any], ctx: Any, *args: Any, **kwa
 
         return build_pcr_prefix_cache(ctx)
     return original(ctx, *args, **kwargs)
+
+
+def _refresh_lookahead(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Before each prefill scheduling pass, hand the waiting queue to the look-ahead LRU."""
+    from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
+
+    tree_cache = getattr(scheduler, "tree_cache", None)
+    if isinstance(tree_cache, PCRPrefixCache):
+        tree_cache.update_lookahead(scheduler.waiting_queue)
+    return None
 
 
 def _add_pcr_internal_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:

@@ -18,6 +18,9 @@ import msgspec
 from sglang.srt.arg_groups.arg_utils import A, Arg
 
 DEFAULT_CHUNK_SIZE = 64
+# From bench/lookahead_sim.py: hit ratio grows with the window up to 16, gaining most at
+# small capacities; 8 keeps the per-step cost (chunks matched by 8 queued requests) small.
+DEFAULT_LOOKAHEAD_WINDOW = 8
 
 
 class Pcr(msgspec.Struct):
@@ -45,3 +48,13 @@ class Pcr(msgspec.Struct):
             )
         ),
     ] = DEFAULT_CHUNK_SIZE
+    pcr_lookahead_window: A[
+        int,
+        Arg(
+            help=(
+                "Look-ahead LRU: chunks that the first N requests of the waiting queue "
+                "will reuse are evicted only after every other chunk. 0 is plain LRU. "
+                f"Default: {DEFAULT_LOOKAHEAD_WINDOW}."
+            )
+        ),
+    ] = DEFAULT_LOOKAHEAD_WINDOW

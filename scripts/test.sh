@@ -7,4 +7,9 @@ bash "$REPO/scripts/install.sh"
 VENV="${PCR_VENV:-$REPO/.venv}"
 cd "$REPO"
 "$VENV/bin/python" -m pcr_sglang.models.tiny_llama >/dev/null
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests "$@"
+# Triton kernels are checked by Triton's interpreter on CPU (natively on a CUDA machine).
+# The variable must be set before Triton is imported, so they run in their own session.
+if [[ $# -eq 0 ]]; then
+  TRITON_INTERPRET=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/kernels
+fi
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests --ignore=tests/kernels "$@"

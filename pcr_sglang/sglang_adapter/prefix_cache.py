@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -32,7 +32,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 
 from pcr_sglang.config import PCRConfig
 from pcr_sglang.core import CacheNamespace, ChunkNode, ChunkTree
-from pcr_sglang.core.keys import chunk_keys, iter_chunk_keys, root_key
+from pcr_sglang.core.keys import ChunkKey, chunk_keys, iter_chunk_keys, root_key
+from pcr_sglang.core.lookahead import LookaheadProtection
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -44,13 +45,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PCRCacheStats:
-    """Counters since start (or the last ``reset``), in tokens unless named otherwise."""
+    """Counters since start (or the last ``reset``)."""
 
-    match_calls: int = 0
-    matched_tokens: int = 0
-    inserted_chunks: int = 0
-    duplicate_chunks: int = 0
+    match_calls: int = 0  # lookups; the scheduler may look a request up more than once
+    matched_tokens: int = 0  # tokens found cached, summed over lookups
+    inserted_chunks: int = 0  # chunks that became cached
+    duplicate_chunks: int = 0  # chunks a request computed that another had cached meanwhile
     evicted_chunks: int = 0
+    evicted_protected_chunks: int = 0  # look-ahead chunks evicted because nothing else was left
+    lookahead_refreshes: int = 0
 
 
 class PCRPrefixCache(BasePrefixCache):
@@ -74,15 +77,22 @@ class PCRPrefixCache(BasePrefixCache):
         if params.enable_metrics:
             self.init_metrics_collector()
         self.tree = ChunkTree()
+        self.lookahead = LookaheadProtection(self.tree, config.lookahead_window)
+        # Chunk keys of the requests in the look-ahead window, by rid: hashed once per
+        # request, not once per scheduler step.
+        self._lookahead_keys: dict[str, list[ChunkKey]] = {}
         self.stats = PCRCacheStats()
         self.reset()
         logger.info(
-            "PCR prefix cache: chunk_size=%d, namespace=%s", self.chunk_size, namespace
+            "PCR prefix cache: chunk_size=%d, lookahead_window=%d, namespace=%s",
+            self.chunk_size, config.lookahead_window, namespace,
         )
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
         self.tree.reset()
+        self.lookahead.clear()
+        self._lookahead_keys = {}
         self.root_node = self.tree.root
         self.stats = PCRCacheStats()
         self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
@@ -148,7 +158,6 @@ class PCRPrefixCache(BasePrefixCache):
         )
         outcome = self.tree.insert(keys, list(values.split(self.chunk_size)))
         self.stats.inserted_chunks += len(outcome.new_nodes)
-        self.stats.duplicate_chunks += num_chunks - outcome.num_existing - len(outcome.new_nodes)
         return InsertResult(
             prefix_len=outcome.num_existing * self.chunk_size,
             total_len=num_chunks * self.chunk_size,
@@ -180,6 +189,7 @@ class PCRPrefixCache(BasePrefixCache):
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned_len)
         # Our duplicates of chunks the tree already had: [protected, already_cached).
         if result.prefix_len > kv.cache_protected_len:
+            self.stats.duplicate_chunks += (result.prefix_len - kv.cache_protected_len) // self.chunk_size
             self.token_to_kv_pool_allocator.free_segment(
                 row[kv.cache_protected_len : result.prefix_len].clone(),
                 start_pos=kv.cache_protected_len,
@@ -207,13 +217,41 @@ class PCRPrefixCache(BasePrefixCache):
         freed = self.tree.unlock(node)
         return DecLockRefResult(delta=freed * self.chunk_size)
 
+    # ------------------------------------------------------------------ look-ahead
+    def update_lookahead(self, waiting_reqs: Sequence[Req]) -> None:
+        """Protect what the first ``--pcr-lookahead-window`` waiting requests will reuse.
+
+        Called by the scheduler hook before each prefill scheduling pass.
+        """
+        window = self.lookahead.window
+        if window == 0:
+            return
+        keys_by_rid: dict[str, list[ChunkKey]] = {}
+        for req in waiting_reqs[:window]:
+            keys = self._lookahead_keys.get(req.rid)
+            if keys is None:
+                keys = chunk_keys(
+                    self._root_key(req.extra_key, req.cache_salt), req.origin_input_ids, self.chunk_size
+                )
+            keys_by_rid[req.rid] = keys
+        self._lookahead_keys = keys_by_rid
+        self.lookahead.refresh(keys_by_rid.values())
+        self.stats.lookahead_refreshes += 1
+
     # ------------------------------------------------------------------ eviction
     def evict(self, params: EvictParams) -> EvictResult:
         if params.num_tokens <= 0:
             return EvictResult()
         start = time.perf_counter()
         num_chunks = -(-params.num_tokens // self.chunk_size)
-        evicted = self.tree.evict(num_chunks, on_evict=self._free_device_slots)
+        protected = self.lookahead if len(self.lookahead) else None
+        evicted = self.tree.evict(
+            num_chunks,
+            on_evict=self._free_device_slots,
+            is_protected=protected.__contains__ if protected is not None else None,
+        )
+        if protected is not None:
+            self.stats.evicted_protected_chunks += sum(1 for n in evicted if n in protected)
         self.stats.evicted_chunks += len(evicted)
         num_tokens = len(evicted) * self.chunk_size
         self.update_eviction_metrics(num_tokens, start)
@@ -259,6 +297,8 @@ class PCRPrefixCache(BasePrefixCache):
         allocator = self.token_to_kv_pool_allocator
         return {
             "chunk_size": self.chunk_size,
+            "lookahead_window": self.lookahead.window,
+            "lookahead_protected_chunks": len(self.lookahead),
             "namespace": asdict(self.namespace),
             "tree": asdict(tree_stats),
             "cached_tokens": self.total_size(),

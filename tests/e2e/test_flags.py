@@ -27,8 +27,9 @@ def resolve():
 
 
 def test_valid_flags_resolve(resolve, tiny_model):
-    args = resolve(tiny_model, "--enable-pcr", "--pcr-chunk-size", "32", "--page-size", "16")
-    assert args.enable_pcr is True and args.pcr_chunk_size == 32
+    args = resolve(tiny_model, "--enable-pcr", "--pcr-chunk-size", "32", "--page-size", "16",
+                   "--pcr-lookahead-window", "0")
+    assert args.enable_pcr is True and args.pcr_chunk_size == 32 and args.pcr_lookahead_window == 0
 
 
 @pytest.mark.parametrize(
@@ -36,6 +37,7 @@ def test_valid_flags_resolve(resolve, tiny_model):
     [
         (("--pcr-chunk-size", "0"), "--pcr-chunk-size must be a positive"),
         (("--page-size", "16", "--pcr-chunk-size", "24"), "must be a multiple of --page-size"),
+        (("--pcr-lookahead-window", "-1"), "--pcr-lookahead-window must be a non-negative integer"),
         (("--disable-radix-cache",), "cannot be combined with --disable-radix-cache"),
         (("--enable-hierarchical-cache",), "cannot be combined with --enable-hierarchical-cache"),
         (("--radix-cache-backend", "flexkv"), "drop --radix-cache-backend=flexkv"),

@@ -167,3 +167,55 @@ def test_randomized_operations_keep_invariants():
     assert stats.locked_chunks == 0
     tree.evict(10**6)
     assert tree.num_chunks == 0
+
+
+def test_paper_figure7_lookahead_lru_example():
+    """PCR paper, Figure 7: leaves {C2, C4, C6, C8}, C2 the oldest; the next request needs
+    C2. Making room for C9 (a child of C8) evicts C4 instead of C2; the leaf set becomes
+    {C2, C3, C6, C9}. Plain LRU would evict C2 and leave {C4, C6, C9}."""
+    from pcr_sglang.core.lookahead import LookaheadProtection
+
+    def build():
+        tree = ChunkTree()
+        c1 = [1] * CHUNK
+        paths = {
+            "C2": c1 + [2] * CHUNK,
+            "C4": c1 + [3] * CHUNK + [4] * CHUNK,
+            "C6": c1 + [5] * CHUNK + [6] * CHUNK,
+            "C8": c1 + [7] * CHUNK + [8] * CHUNK,
+        }
+        leaves = {name: insert(tree, tokens).last_node for name, tokens in paths.items()}
+        return tree, paths, leaves
+
+    def leaf_names(tree, names):
+        return {names[n] for n in tree.iter_nodes() if not n.children}
+
+    for lookahead in (True, False):
+        tree, paths, leaves = build()
+        names = {node: name for name, node in leaves.items()}
+        names[leaves["C4"].parent] = "C3"
+        protection = LookaheadProtection(tree, window=1 if lookahead else 0)
+        protection.refresh([keys(paths["C2"] + [0] * CHUNK)])  # next request: C1 C2 ...
+        tree.evict(1, is_protected=protection.__contains__)
+        c9 = insert(tree, paths["C8"] + [9] * CHUNK).last_node
+        names[c9] = "C9"
+        if lookahead:
+            assert leaf_names(tree, names) == {"C2", "C3", "C6", "C9"}
+        else:
+            assert leaf_names(tree, names) == {"C4", "C6", "C9"}
+        tree.check_invariants()
+
+
+def test_lookahead_refresh_does_not_touch_recency_and_respects_window():
+    from pcr_sglang.core.lookahead import LookaheadProtection
+
+    tree = ChunkTree()
+    a = insert(tree, [1] * 8)
+    b = insert(tree, [2] * 8)
+    before = [n.last_access for n in a.nodes + b.nodes]
+    protection = LookaheadProtection(tree, window=1)
+    assert protection.refresh([keys([1] * 8), keys([2] * 8)]) == 2  # only the first request
+    assert [n.last_access for n in a.nodes + b.nodes] == before
+    assert a.last_node in protection and b.last_node not in protection
+    with pytest.raises(ValueError):
+        LookaheadProtection(tree, window=-1)

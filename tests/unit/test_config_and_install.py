@@ -38,8 +38,14 @@ def test_invalid_chunk_size_names_the_flag(chunk_size, page_size, message):
 
 def test_config_from_server_args_defaults():
     config = PCRConfig.from_server_args(SimpleNamespace())
-    assert config == PCRConfig(enabled=False, chunk_size=64)
+    assert config == PCRConfig(enabled=False, chunk_size=64, lookahead_window=8)
     config.validate(page_size=16)
+
+
+@pytest.mark.parametrize("window", [-1, 1.5, True])
+def test_invalid_lookahead_window_names_the_flag(window):
+    with pytest.raises(PCRConfigError, match="--pcr-lookahead-window must be a non-negative integer"):
+        PCRConfig(enabled=True, lookahead_window=window).validate(page_size=1)
 
 
 def test_installed_sglang_is_patched():

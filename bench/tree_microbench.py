@@ -1,0 +1,111 @@
+"""Micro-benchmark of PCR's core chunk tree: per-operation cost as the tree grows.
+
+For trees of 10^3 to 10^6 chunks (built from random chains of 64 chunks, so the tree is
+both wide and deep), times, per chunk touched:
+
+* match: a 64-chunk lookup that hits its whole chain (hashing included),
+* insert: a new 64-chunk chain,
+* lock + unlock of a 64-chunk chain,
+* evict: removing 64 LRU leaves, with a look-ahead protection set of 8 chains,
+* look-ahead refresh for a window of 8 waiting requests.
+
+Each figure is the median of --repeats runs. If an operation's per-chunk cost stays flat
+as the tree grows 1000x, the operation is O(chunks touched), not O(tree).
+
+Usage: python bench/tree_microbench.py [--sizes 1e3,1e4,1e5,1e6] [--repeats 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from array import array
+
+from pcr_sglang.core import CacheNamespace, ChunkTree, chunk_keys, root_key
+from pcr_sglang.core.keys import iter_chunk_keys
+from pcr_sglang.core.lookahead import LookaheadProtection
+
+CHUNK = 64
+CHAIN = 64  # chunks per request (4,096 tokens)
+
+
+def random_prompt(rng: random.Random) -> array:
+    # Random 17-bit token ids, generated in bulk (a per-token randrange would dominate).
+    raw = array("i", rng.randbytes(4 * CHUNK * CHAIN))
+    return array("q", (t & 0x1FFFF for t in raw))
+
+
+def build(root: bytes, num_chunks: int, rng: random.Random) -> tuple[ChunkTree, list[array]]:
+    tree = ChunkTree()
+    prompts = []
+    # Chains share random-length prefixes with earlier ones, like RAG prompts do.
+    while tree.num_chunks < num_chunks:
+        if prompts and rng.random() < 0.7:
+            base = rng.choice(prompts)
+            cut = rng.randrange(1, CHAIN) * CHUNK
+            prompt = base[:cut] + random_prompt(rng)[cut:]
+        else:
+            prompt = random_prompt(rng)
+        keys = chunk_keys(root, prompt, CHUNK)
+        tree.insert(keys, [None] * len(keys))
+        prompts.append(prompt)
+    return tree, prompts
+
+
+
+def measure(size: int, repeats: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    root = root_key(CacheNamespace("bench", "float16", CHUNK).digest())
+    tree, prompts = build(root, size, rng)
+    out: dict[str, list[float]] = {k: [] for k in ("match", "insert", "lock+unlock", "evict", "lookahead")}
+    protection = LookaheadProtection(tree, window=8)
+    for _ in range(repeats):
+        prompt = rng.choice(prompts)
+        t = time.perf_counter()
+        m = tree.match(iter_chunk_keys(root, prompt, CHUNK))
+        out["match"].append((time.perf_counter() - t) / max(m.num_chunks, 1))
+
+        t = time.perf_counter()
+        tree.lock(m.last_node)
+        tree.unlock(m.last_node)
+        out["lock+unlock"].append((time.perf_counter() - t) / max(m.num_chunks, 1))
+
+        window = [chunk_keys(root, rng.choice(prompts), CHUNK) for _ in range(8)]
+        t = time.perf_counter()
+        protected = protection.refresh(window)
+        out["lookahead"].append((time.perf_counter() - t) / max(protected, 1))
+
+        new = random_prompt(rng)
+        keys = chunk_keys(root, new, CHUNK)
+        t = time.perf_counter()
+        tree.insert(keys, [None] * len(keys))
+        out["insert"].append((time.perf_counter() - t) / len(keys))
+
+        t = time.perf_counter()
+        evicted = tree.evict(CHAIN, is_protected=protection.__contains__)
+        out["evict"].append((time.perf_counter() - t) / max(len(evicted), 1))
+    return {k: statistics.median(v) * 1e6 for k, v in out.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1e3,1e4,1e5,1e6")
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    ops = ["match", "insert", "lock+unlock", "evict", "lookahead"]
+    print(f"per-chunk cost in microseconds (median of {args.repeats}); chunk {CHUNK} tokens, "
+          f"chains of {CHAIN} chunks")
+    print("tree chunks".rjust(12) + "".join(op.rjust(13) for op in ops))
+    for size in sizes:
+        t = time.perf_counter()
+        figures = measure(size, args.repeats, args.seed)
+        print(f"{size:>12,}" + "".join(f"{figures[op]:13.2f}" for op in ops)
+              + f"   (built+measured in {time.perf_counter() - t:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Moving KV between SGLang's device KV pool and PCR's host chunk slots."""

@@ -1,0 +1,133 @@
+"""Copy one layer of K and V between SGLang's device KV pool and PCR's host chunk slots.
+
+The device pool is token-indexed (``k_buffer[layer][token_slot]``, one row per token);
+the host pool is chunk-slot-indexed (see :mod:`pcr_sglang.transfer.layout`). A transfer
+names, for each chunk, its host slot and its ``chunk_size`` device token slots (any
+order, not contiguous). Both directions, any dtype: rows are copied as bytes.
+
+On CUDA the copy is a Triton kernel, one program per (token, block of row bytes), which
+reads a pinned host buffer directly and runs on whatever stream is current (the
+layer-wise pipeline puts it on a side stream). On CPU a torch gather/scatter does the
+same, and the Triton kernel is tested against it under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+import torch
+
+from pcr_sglang.transfer.layout import HostChunkLayout
+
+logger = logging.getLogger(__name__)
+
+_BLOCK_BYTES = 512
+
+
+class Direction(enum.IntEnum):
+    DEVICE_TO_HOST = 0
+    HOST_TO_DEVICE = 1
+
+
+def _byte_rows(buffer: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    if not buffer.is_contiguous():
+        raise ValueError("the device KV buffer must be contiguous")
+    return buffer.view(torch.uint8).reshape(-1, row_bytes)
+
+
+def _check(layout: HostChunkLayout, host: torch.Tensor, token_slots: torch.Tensor,
+           host_slots: torch.Tensor, layer: int) -> None:
+    if host.dtype != torch.uint8 or host.numel() != layout.total_bytes:
+        raise ValueError(f"host pool must be a uint8 tensor of {layout.total_bytes} bytes")
+    if token_slots.numel() != host_slots.numel() * layout.chunk_size:
+        raise ValueError(
+            f"{token_slots.numel()} device token slots for {host_slots.numel()} chunks of "
+            f"{layout.chunk_size}"
+        )
+    if not 0 <= layer < layout.num_layers:
+        raise ValueError(f"layer {layer} out of range [0, {layout.num_layers})")
+
+
+def copy_layer_torch(direction: Direction, device_k: torch.Tensor, device_v: torch.Tensor,
+                     host: torch.Tensor, token_slots: torch.Tensor, host_slots: torch.Tensor,
+                     layer: int, layout: HostChunkLayout) -> None:
+    """Reference and CPU path."""
+    _check(layout, host, token_slots, host_slots, layer)
+    if host_slots.numel() == 0:
+        return
+    host_view = host.view(layout.shape)
+    chunk = layout.chunk_size
+    slot_of_token = host_slots.to(host.device, torch.int64).repeat_interleave(chunk)
+    pos_in_chunk = torch.arange(token_slots.numel(), device=host.device) % chunk
+    rows = token_slots.to(device_k.device, torch.int64)
+    for kv, device in ((0, device_k), (1, device_v)):
+        dev_rows = _byte_rows(device, layout.row_bytes)
+        if direction == Direction.DEVICE_TO_HOST:
+            host_view[slot_of_token, layer, kv, pos_in_chunk] = dev_rows[rows].to(host.device)
+        else:
+            dev_rows[rows] = host_view[slot_of_token, layer, kv, pos_in_chunk].to(device.device)
+
+
+def _triton_kernel():
+    """Build the kernel on first use, so importing this module never needs Triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_layer_kernel(
+        dev_k_ptr, dev_v_ptr, host_ptr, token_slots_ptr, host_slots_ptr,
+        layer, num_layers, chunk_size, row_bytes,
+        DIRECTION: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        block = tl.program_id(1)
+        offs = block * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_bytes
+        chunk = token // chunk_size
+        pos = token % chunk_size
+        slot = tl.load(host_slots_ptr + chunk).to(tl.int64)
+        dev_row = tl.load(token_slots_ptr + token).to(tl.int64)
+        host_k = ((slot * num_layers + layer) * 2 * chunk_size + pos) * row_bytes + offs
+        host_v = host_k + chunk_size * row_bytes
+        dev = dev_row * row_bytes + offs
+        if DIRECTION == 0:
+            tl.store(host_ptr + host_k, tl.load(dev_k_ptr + dev, mask=mask), mask=mask)
+            tl.store(host_ptr + host_v, tl.load(dev_v_ptr + dev, mask=mask), mask=mask)
+        else:
+            tl.store(dev_k_ptr + dev, tl.load(host_ptr + host_k, mask=mask), mask=mask)
+            tl.store(dev_v_ptr + dev, tl.load(host_ptr + host_v, mask=mask), mask=mask)
+
+    return copy_layer_kernel
+
+
+_KERNEL = None
+
+
+def copy_layer_triton(direction: Direction, device_k: torch.Tensor, device_v: torch.Tensor,
+                      host: torch.Tensor, token_slots: torch.Tensor, host_slots: torch.Tensor,
+                      layer: int, layout: HostChunkLayout) -> None:
+    global _KERNEL
+    _check(layout, host, token_slots, host_slots, layer)
+    if host_slots.numel() == 0:
+        return
+    if _KERNEL is None:
+        _KERNEL = _triton_kernel()
+    import triton
+
+    grid = (token_slots.numel(), triton.cdiv(layout.row_bytes, _BLOCK_BYTES))
+    _KERNEL[grid](
+        _byte_rows(device_k, layout.row_bytes), _byte_rows(device_v, layout.row_bytes), host,
+        token_slots, host_slots, layer, layout.num_layers, layout.chunk_size, layout.row_bytes,
+        DIRECTION=int(direction), BLOCK=_BLOCK_BYTES,
+    )
+
+
+def copy_layer(direction: Direction, device_k: torch.Tensor, device_v: torch.Tensor,
+               host: torch.Tensor, token_slots: torch.Tensor, host_slots: torch.Tensor,
+               layer: int, layout: HostChunkLayout) -> None:
+    """Copy ``layer`` of every listed chunk; the Triton kernel on CUDA, torch elsewhere."""
+    if device_k.is_cuda:
+        copy_layer_triton(direction, device_k, device_v, host, token_slots, host_slots, layer, layout)
+    else:
+        copy_layer_torch(direction, device_k, device_v, host, token_slots, host_slots, layer, layout)
