@@ -1,0 +1,223 @@
+"""GPU check for PCR's host<->device KV transfers (run it when a CUDA machine is at hand).
+
+1. Copy bandwidth: the Triton kernel that moves one layer of K and V between a
+   token-indexed device pool and PCR's host chunk slots (scattered tokens, chunk slots out
+   of order), host-to-device and device-to-host, against a plain ``copy_`` of one
+   contiguous pinned buffer of the same size (the best case a copy engine reaches).
+2. Exposed transfer time: a stack of attention layers with Llama-3-8B shapes and random
+   weights prefills new tokens behind a cached prefix whose KV comes from host memory,
+   and offloads the new tokens' KV back. Synchronous copies (load everything, compute,
+   offload everything) against a layer-wise pipeline (layer i's load on a side stream,
+   its attention waiting only for that load; its offload on another side stream right
+   after it is written). Exposed time = run time minus compute-only time.
+
+Without a GPU it runs a reduced version on the CPU (torch copy path, no streams) so the
+script does not rot, and says so: those figures are not GPU figures.
+
+Usage: python bench/gpu_transfer_check.py [--layers 32] [--prefix 4096] [--new 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pcr_sglang.transfer.copy_kv import Direction, copy_layer
+from pcr_sglang.transfer.layout import HostChunkLayout
+
+# Llama-3-8B attention shapes.
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
+
+
+class Timer:
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def run(self, fn, repeats: int) -> float:
+        """Median seconds of ``fn()`` over ``repeats`` runs, after one warm-up."""
+        fn()
+        samples = []
+        for _ in range(repeats):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) / 1000)
+            else:
+                t = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t)
+        return statistics.median(samples)
+
+
+def host_buffer(num_bytes: int, cuda: bool) -> torch.Tensor:
+    buf = torch.empty(num_bytes, dtype=torch.uint8)
+    return buf.pin_memory() if cuda else buf
+
+
+def bandwidth(args, device: str, timer: Timer) -> None:
+    cuda = device == "cuda"
+    dtype = torch.bfloat16
+    row_bytes = KV_HEADS * HEAD_DIM * dtype.itemsize
+    chunks = args.bw_chunks
+    layout = HostChunkLayout(num_slots=chunks * 2, num_layers=1, chunk_size=args.chunk, row_bytes=row_bytes)
+    pool_tokens = chunks * args.chunk * 2
+    k = torch.randn(pool_tokens, KV_HEADS, HEAD_DIM, device=device).to(dtype)
+    v = torch.randn_like(k)
+    host = host_buffer(layout.total_bytes, cuda)
+    token_slots = torch.randperm(pool_tokens, device=device)[: chunks * args.chunk]
+    host_slots = torch.randperm(layout.num_slots, device=device)[:chunks]
+    moved = 2 * chunks * args.chunk * row_bytes
+    plain_host = host_buffer(moved, cuda)
+    plain_dev = torch.empty(moved, dtype=torch.uint8, device=device)
+    label = "kernel" if cuda else "torch path"
+    print(f"\n[bandwidth] one layer of {chunks} chunks x {args.chunk} tokens, K+V = {moved / 2**20:.1f} MiB")
+    for direction in Direction:
+        t_kernel = timer.run(lambda: copy_layer(direction, k, v, host, token_slots, host_slots, 0, layout),
+                             args.repeats)
+        if direction == Direction.HOST_TO_DEVICE:
+            t_plain = timer.run(lambda: plain_dev.copy_(plain_host, non_blocking=True), args.repeats)
+        else:
+            t_plain = timer.run(lambda: plain_host.copy_(plain_dev, non_blocking=True), args.repeats)
+        name = "host->device" if direction == Direction.HOST_TO_DEVICE else "device->host"
+        print(f"  {name}: {label} {moved / t_kernel / 1e9:6.2f} GB/s, plain copy_ {moved / t_plain / 1e9:6.2f} GB/s "
+              f"({label} at {100 * t_plain / t_kernel:.0f}% of plain)")
+
+
+class AttentionLayer(torch.nn.Module):
+    def __init__(self, device, dtype):
+        super().__init__()
+        self.qkv = torch.nn.Linear(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM, bias=False, device=device, dtype=dtype)
+        self.out = torch.nn.Linear(HEADS * HEAD_DIM, HIDDEN, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x, prefix_k, prefix_v):
+        t = x.shape[0]
+        q, k, v = self.qkv(x).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+        q = q.view(t, HEADS, HEAD_DIM).transpose(0, 1)
+        k_new = k.view(t, KV_HEADS, HEAD_DIM)
+        v_new = v.view(t, KV_HEADS, HEAD_DIM)
+        keys = torch.cat([prefix_k, k_new]).transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)
+        vals = torch.cat([prefix_v, v_new]).transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)
+        # Causal over the new tokens, full visibility of the prefix.
+        p = prefix_k.shape[0]
+        mask = torch.ones(t, p + t, dtype=torch.bool, device=x.device).tril(diagonal=p)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        return x + self.out(o.transpose(0, 1).reshape(t, HEADS * HEAD_DIM)), k_new, v_new
+
+
+def pipeline(args, device: str, timer: Timer) -> None:
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    layers = [AttentionLayer(device, dtype) for _ in range(args.layers)]
+    row_bytes = KV_HEADS * HEAD_DIM * dtype.itemsize
+    prefix_chunks = args.prefix // args.chunk
+    new_chunks = args.new // args.chunk
+    layout = HostChunkLayout(num_slots=prefix_chunks + new_chunks, num_layers=args.layers,
+                             chunk_size=args.chunk, row_bytes=row_bytes)
+    host = host_buffer(layout.total_bytes, cuda)
+    pool_tokens = args.prefix + args.new
+    k_pool = [torch.zeros(pool_tokens, KV_HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(args.layers)]
+    v_pool = [torch.zeros_like(k) for k in k_pool]
+    prefix_slots = torch.arange(args.prefix, device=device)
+    new_slots = torch.arange(args.prefix, pool_tokens, device=device)
+    prefix_host = torch.arange(prefix_chunks, device=device)
+    new_host = torch.arange(prefix_chunks, prefix_chunks + new_chunks, device=device)
+    x0 = torch.randn(args.new, HIDDEN, device=device, dtype=dtype)
+
+    def layer_compute(i, x):
+        x, k_new, v_new = layers[i](x, k_pool[i][: args.prefix], v_pool[i][: args.prefix])
+        k_pool[i][args.prefix:] = k_new
+        v_pool[i][args.prefix:] = v_new
+        return x
+
+    def load(i):
+        copy_layer(Direction.HOST_TO_DEVICE, k_pool[i], v_pool[i], host, prefix_slots, prefix_host, i, layout)
+
+    def offload(i):
+        copy_layer(Direction.DEVICE_TO_HOST, k_pool[i], v_pool[i], host, new_slots, new_host, i, layout)
+
+    def compute_only():
+        x = x0
+        for i in range(args.layers):
+            x = layer_compute(i, x)
+
+    def synchronous():
+        for i in range(args.layers):
+            load(i)
+        compute_only()
+        for i in range(args.layers):
+            offload(i)
+
+    load_stream = torch.cuda.Stream() if cuda else None
+    offload_stream = torch.cuda.Stream() if cuda else None
+
+    def on(stream):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def layerwise():
+        loaded, written = [], []
+        with on(load_stream):
+            for i in range(args.layers):
+                load(i)
+                loaded.append(torch.cuda.Event() if cuda else None)
+                if cuda:
+                    loaded[-1].record()
+        x = x0
+        for i in range(args.layers):
+            if cuda:
+                torch.cuda.current_stream().wait_event(loaded[i])
+            x = layer_compute(i, x)
+            if cuda:
+                written.append(torch.cuda.Event())
+                written[-1].record()
+            with on(offload_stream):
+                if cuda:
+                    offload_stream.wait_event(written[i])
+                offload(i)
+        if cuda:
+            torch.cuda.current_stream().wait_stream(offload_stream)
+
+    t_compute = timer.run(compute_only, args.repeats)
+    t_sync = timer.run(synchronous, args.repeats)
+    t_layer = timer.run(layerwise, args.repeats)
+    moved = layout.layer_bytes * (prefix_chunks + new_chunks) * args.layers / 2
+    print(f"\n[pipeline] {args.layers} layers, {args.prefix} cached + {args.new} new tokens, "
+          f"{moved / 2**20:.0f} MiB moved per forward")
+    print(f"  compute only      {t_compute * 1000:8.2f} ms")
+    print(f"  synchronous       {t_sync * 1000:8.2f} ms  (exposed transfer {1000 * (t_sync - t_compute):7.2f} ms)")
+    print(f"  layer-wise        {t_layer * 1000:8.2f} ms  (exposed transfer {1000 * (t_layer - t_compute):7.2f} ms)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--prefix", type=int, default=4096, help="cached tokens loaded from host")
+    parser.add_argument("--new", type=int, default=1024, help="new tokens computed and offloaded")
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--bw-chunks", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    if cuda:
+        print(f"GPU: {torch.cuda.get_device_name()}")
+    else:
+        print("No GPU found: running a reduced CPU version (torch copy path, no side streams). "
+              "These are not GPU figures.")
+        args.layers, args.prefix, args.new = min(args.layers, 2), min(args.prefix, 512), min(args.new, 256)
+        args.bw_chunks, args.repeats = min(args.bw_chunks, 16), min(args.repeats, 3)
+        args.chunk = min(args.chunk, 64)
+    timer = Timer(cuda)
+    bandwidth(args, device, timer)
+    pipeline(args, device, timer)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Storage tiers below the device KV pool: host DRAM chunk slots (and, later, SSD)."""

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from pcr_sglang.tiers.host_pool import HostChunkPool, HostPoolError, available_host_memory_bytes
+from pcr_sglang.transfer.layout import HostChunkLayout
+
+LAYOUT = HostChunkLayout(num_slots=6, num_layers=3, chunk_size=4, row_bytes=10)
+
+
+def test_slots_are_handed_out_once_and_taken_back():
+    with HostChunkPool(LAYOUT, pin=False) as pool:
+        a = pool.alloc(4)
+        assert len(set(a)) == 4 and pool.num_free == 2
+        assert pool.alloc(3) is None and pool.num_free == 2  # all or nothing
+        pool.free(a[:2])
+        with pytest.raises(ValueError, match="double free"):
+            pool.free(a[:1])
+        assert pool.num_used == 2 and pool.num_free == 4
+
+
+def _child_writes(info, slot, value):
+    pool = HostChunkPool.attach(info)
+    pool.slot_view(slot)[1, 0].fill_(value)  # layer 1, K rows
+    pool.close()
+
+
+def test_second_process_attaches_and_writes_the_same_memory():
+    with HostChunkPool(LAYOUT, pin=False) as pool:
+        (slot,) = pool.alloc(1)
+        ctx = mp.get_context("spawn")
+        child = ctx.Process(target=_child_writes, args=(pool.info(), slot, 7))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        view = pool.slot_view(slot)
+        assert bool((view[1, 0] == 7).all())
+        assert int(view[0].sum()) == 0 and int(view[1, 1].sum()) == 0
+        del view
+
+
+def test_too_large_a_pool_fails_with_a_clear_message():
+    rows = available_host_memory_bytes() // (2 * 4) + 1
+    huge = HostChunkLayout(num_slots=1, num_layers=1, chunk_size=4, row_bytes=rows)
+    with pytest.raises(HostPoolError, match="GiB of memory is available"):
+        HostChunkPool(huge, pin=False)
+
+
+def test_attach_to_missing_pool_fails_clearly():
+    from pcr_sglang.tiers.host_pool import HostPoolInfo
+
+    with pytest.raises(HostPoolError, match="does not exist"):
+        HostChunkPool.attach(HostPoolInfo(shm_name="pcr-host-missing", layout=LAYOUT))
+
+
+def test_segment_is_removed_when_the_owner_closes():
+    pool = HostChunkPool(LAYOUT, pin=False)
+    info = pool.info()
+    pool.close()
+    with pytest.raises(HostPoolError):
+        HostChunkPool.attach(info)
