@@ -24,6 +24,7 @@ class PCRConfig:
     enabled: bool = False
     chunk_size: int = DEFAULT_CHUNK_SIZE
     lookahead_window: int = DEFAULT_LOOKAHEAD_WINDOW
+    dram_gb: float = 0.0
 
     @classmethod
     def from_server_args(cls, args: Any) -> PCRConfig:
@@ -31,7 +32,12 @@ class PCRConfig:
             enabled=bool(getattr(args, "enable_pcr", False)),
             chunk_size=getattr(args, "pcr_chunk_size", DEFAULT_CHUNK_SIZE),
             lookahead_window=getattr(args, "pcr_lookahead_window", DEFAULT_LOOKAHEAD_WINDOW),
+            dram_gb=getattr(args, "pcr_dram_gb", 0.0),
         )
+
+    @property
+    def dram_bytes(self) -> int:
+        return int(self.dram_gb * (1 << 30))
 
     def validate(self, page_size: int) -> None:
         """Raise :class:`PCRConfigError` naming the offending flag."""
@@ -48,6 +54,9 @@ class PCRConfig:
             raise PCRConfigError(
                 f"--pcr-lookahead-window must be a non-negative integer, got {self.lookahead_window!r}"
             )
+        dram = self.dram_gb
+        if isinstance(dram, bool) or not isinstance(dram, (int, float)) or not dram >= 0:
+            raise PCRConfigError(f"--pcr-dram-gb must be a number of GB >= 0, got {dram!r}")
         if page_size > 0 and self.chunk_size % page_size != 0:
             raise PCRConfigError(
                 f"--pcr-chunk-size ({self.chunk_size}) must be a multiple of "

@@ -58,3 +58,13 @@ class Pcr(msgspec.Struct):
             )
         ),
     ] = DEFAULT_LOOKAHEAD_WINDOW
+    pcr_dram_gb: A[
+        float,
+        Arg(
+            help=(
+                "Size in GB of PCR's host-memory tier (shared memory, pinned on CUDA). "
+                "Chunks evicted from the GPU KV pool are kept there and copied back on a "
+                "hit instead of being recomputed. 0 disables the tier. Default: 0."
+            )
+        ),
+    ] = 0.0

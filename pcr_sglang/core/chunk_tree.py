@@ -2,14 +2,21 @@
 
 A node's key is the hash-chain key of its chunk (see :mod:`pcr_sglang.core.keys`), so a
 node is reachable only through its own prefix: equal tokens under different prefixes are
-different nodes (the paper's Figure 7). The tree stores an opaque ``device_value`` per
-node (the adapter puts the chunk's KV slot indices there) and never interprets it.
+different nodes (the paper's Figure 7).
 
-Eviction takes unlocked leaves, least recently used first. The order is kept in a heap
-with lazy invalidation: every time a node becomes an evictable leaf or is touched while
-one, a fresh ``(access_tick, seq, node)`` entry is pushed, and stale entries are skipped
-when popped. A match, an insert, a lock or an unlock therefore costs O(chunks on the
-path) plus O(log leaves) per heap push, never O(tree).
+Each node records where its KV lives: ``device_value`` (opaque to the tree; the adapter
+puts the chunk's device KV slot indices there) and ``host_slot`` (a host-pool slot). A
+node exists while it lives in at least one tier. Device residency is prefix-closed (a
+chunk is on the device only if its parent is), because only device *leaves* leave the
+device and chunks come back parent first; so a matched chain is a device-resident
+prefix followed by host-only chunks.
+
+Eviction in each tier takes only that tier's leaves (a node with a child resident in the
+tier is not a leaf of it), unlocked, least recently used first. The order is kept in one
+heap per tier with lazy invalidation: whenever a node becomes a leaf of a tier or is
+touched while one, a fresh ``(access_tick, seq, node)`` entry is pushed, and stale
+entries are skipped when popped. A match, an insert, a lock or an unlock therefore costs
+O(chunks on the path) plus O(log leaves) per heap push, never O(tree).
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from pcr_sglang.core.keys import ChunkKey
 
 logger = logging.getLogger(__name__)
 
+NodeCallback = Callable[["ChunkNode"], None]
+NodePredicate = Callable[["ChunkNode"], bool]
+
 
 class ChunkNode:
     """One chunk of KV. ``depth`` counts chunks from the root (the root has depth 0)."""
@@ -34,6 +44,9 @@ class ChunkNode:
         "children",
         "depth",
         "device_value",
+        "host_slot",
+        "device_children",
+        "host_children",
         "lock_ref",
         "last_access",
         "hit_count",
@@ -45,6 +58,9 @@ class ChunkNode:
         self.children: dict[ChunkKey, ChunkNode] = {}
         self.depth = 0 if parent is None else parent.depth + 1
         self.device_value = device_value
+        self.host_slot: Optional[int] = None
+        self.device_children = 0
+        self.host_children = 0
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
@@ -52,6 +68,14 @@ class ChunkNode:
     @property
     def is_root(self) -> bool:
         return self.parent is None
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_value is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_slot is not None
 
     def path_from_root(self) -> list[ChunkNode]:
         """Nodes from the first chunk down to this one (empty for the root)."""
@@ -64,18 +88,23 @@ class ChunkNode:
         return path
 
     def __repr__(self) -> str:
+        tiers = ("D" if self.on_device else "") + ("H" if self.on_host else "")
         return (
-            f"ChunkNode(key={self.key.hex()[:8]}, depth={self.depth}, "
+            f"ChunkNode(key={self.key.hex()[:8]}, depth={self.depth}, tiers={tiers or '-'}, "
             f"lock_ref={self.lock_ref}, children={len(self.children)})"
         )
 
 
 @dataclass
 class MatchOutcome:
-    """The matched chain, first chunk first; empty when the first chunk misses."""
+    """The matched chain, first chunk first; empty when the first chunk misses.
+
+    The first ``num_on_device`` nodes are on the device; the rest are host-only.
+    """
 
     nodes: list[ChunkNode]
     last_node: ChunkNode
+    num_on_device: int = 0
 
     @property
     def num_chunks(self) -> int:
@@ -84,8 +113,9 @@ class MatchOutcome:
 
 @dataclass
 class InsertOutcome:
-    """``nodes`` is the whole chain inserted; its first ``num_existing`` were already cached
-    (their values were not taken: the caller still owns the duplicates it passed in)."""
+    """``nodes`` is the whole chain inserted. Its first ``num_existing`` were already on
+    the device: their values were not taken, the caller still owns the duplicates it
+    passed in. Every later node took its value from ``values``."""
 
     nodes: list[ChunkNode]
     last_node: ChunkNode
@@ -96,13 +126,69 @@ class InsertOutcome:
 @dataclass(frozen=True)
 class TreeStats:
     num_chunks: int
+    device_chunks: int
+    host_chunks: int
     evictable_chunks: int
     locked_chunks: int
     evictable_leaves: int
+    host_evictable_leaves: int
+
+
+class _TierLeaves:
+    """The evictable leaves of one tier and their LRU heap (lazy invalidation)."""
+
+    def __init__(self, is_leaf: NodePredicate, seq: Iterable[int]):
+        self.is_leaf = is_leaf
+        self.leaves: set[ChunkNode] = set()
+        self.heap: list[tuple[int, int, ChunkNode]] = []
+        self._seq = seq
+
+    def refresh(self, node: ChunkNode) -> None:
+        if self.is_leaf(node):
+            self.leaves.add(node)
+            heapq.heappush(self.heap, (node.last_access, next(self._seq), node))
+            if len(self.heap) > 4 * len(self.leaves) + 1024:
+                self.heap = [(n.last_access, next(self._seq), n) for n in self.leaves]
+                heapq.heapify(self.heap)
+        else:
+            self.leaves.discard(node)
+
+    def pop(self) -> Optional[tuple[int, int, ChunkNode]]:
+        while self.heap:
+            entry = heapq.heappop(self.heap)
+            tick, _, node = entry
+            if node in self.leaves and node.last_access == tick:
+                return entry
+        return None
+
+    def pop_lru(self, count: int, is_protected: Optional[NodePredicate]) -> Iterable[ChunkNode]:
+        """Yield up to ``count`` leaves, LRU first, protected ones after all others.
+
+        The caller removes each yielded leaf from the tier before asking for the next, so
+        that a parent that becomes a leaf competes by its own recency.
+        """
+        deferred: list[tuple[int, int, ChunkNode]] = []
+        taken = 0
+        while taken < count:
+            entry = self.pop()
+            if entry is None:
+                if not deferred:
+                    break
+                entry = heapq.heappop(deferred)
+                if not self.is_leaf(entry[2]):
+                    continue
+            elif is_protected is not None and is_protected(entry[2]):
+                heapq.heappush(deferred, entry)
+                continue
+            taken += 1
+            yield entry[2]
+        for entry in deferred:
+            if self.is_leaf(entry[2]):
+                heapq.heappush(self.heap, entry)
 
 
 class ChunkTree:
-    """A prefix tree of chunks with lock counts and LRU eviction of unlocked leaves."""
+    """A prefix tree of chunks over two tiers with lock counts and per-tier LRU eviction."""
 
     def __init__(self) -> None:
         self._tick = itertools.count(1)
@@ -114,18 +200,29 @@ class ChunkTree:
         self.root = ChunkNode(key=b"", parent=None)
         self.root.lock_ref = 1  # the root is never evicted
         self._num_chunks = 0
+        self._device_chunks = 0
+        self._host_chunks = 0
         self._locked_chunks = 0
-        self._evictable_leaves: set[ChunkNode] = set()
-        self._heap: list[tuple[int, int, ChunkNode]] = []
+        self._locked_device_chunks = 0
+        self._device = _TierLeaves(self._is_device_leaf, self._seq)
+        self._host = _TierLeaves(self._is_host_leaf, self._seq)
 
     @property
     def num_chunks(self) -> int:
         return self._num_chunks
 
     @property
+    def device_chunks(self) -> int:
+        return self._device_chunks
+
+    @property
+    def host_chunks(self) -> int:
+        return self._host_chunks
+
+    @property
     def evictable_chunks(self) -> int:
-        """Chunks no running request holds: what eviction could eventually free."""
-        return self._num_chunks - self._locked_chunks
+        """Device chunks no lock holds: what device eviction could free."""
+        return self._device_chunks - self._locked_device_chunks
 
     @property
     def locked_chunks(self) -> int:
@@ -134,9 +231,12 @@ class ChunkTree:
     def stats(self) -> TreeStats:
         return TreeStats(
             num_chunks=self._num_chunks,
+            device_chunks=self._device_chunks,
+            host_chunks=self._host_chunks,
             evictable_chunks=self.evictable_chunks,
             locked_chunks=self._locked_chunks,
-            evictable_leaves=len(self._evictable_leaves),
+            evictable_leaves=len(self._device.leaves),
+            host_evictable_leaves=len(self._host.leaves),
         )
 
     # ------------------------------------------------------------------ lookup
@@ -149,18 +249,22 @@ class ChunkTree:
         """
         node = self.root
         nodes: list[ChunkNode] = []
+        on_device = 0
         for key in keys:
             child = node.children.get(key)
             if child is None:
                 break
             nodes.append(child)
+            if child.on_device and on_device == len(nodes) - 1:
+                on_device += 1
             node = child
         if touch and nodes:
             self._touch_chain(nodes)
-        return MatchOutcome(nodes=nodes, last_node=node)
+        return MatchOutcome(nodes=nodes, last_node=node, num_on_device=on_device)
 
     def insert(self, keys: Sequence[ChunkKey], values: Sequence[Any]) -> InsertOutcome:
-        """Insert a chain; chunks already present keep their value, new ones take ``values[i]``."""
+        """Insert a chain on the device. Chunks already on the device keep their value;
+        host-only chunks and new chunks take ``values[i]``."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         node = self.root
@@ -170,14 +274,16 @@ class ChunkTree:
         for key, value in zip(keys, values):
             child = node.children.get(key)
             if child is None:
-                child = ChunkNode(key=key, parent=node, device_value=value)
+                child = ChunkNode(key=key, parent=node)
                 node.children[key] = child
                 self._num_chunks += 1
                 new_nodes.append(child)
-                # The parent gained a child: it is no longer a leaf.
-                self._evictable_leaves.discard(node)
-            elif not new_nodes:
-                num_existing += 1
+                self.set_device(child, value)
+            elif child.on_device:
+                if num_existing == len(nodes):
+                    num_existing += 1
+            else:
+                self.set_device(child, value)
             nodes.append(child)
             node = child
         if nodes:
@@ -188,112 +294,197 @@ class ChunkTree:
             nodes=nodes, last_node=node, num_existing=num_existing, new_nodes=new_nodes
         )
 
+    # ------------------------------------------------------------------ residency
+    def set_device(self, node: ChunkNode, value: Any) -> None:
+        """Record that ``node``'s KV is (again) on the device, in ``value``."""
+        if value is None:
+            raise ValueError("a device value is required")
+        parent = node.parent
+        if parent is None:
+            raise ValueError("the root holds no KV")
+        if not parent.is_root and not parent.on_device:
+            raise RuntimeError(f"{node!r} cannot be on the device before its parent")
+        if not node.on_device:
+            self._device_chunks += 1
+            self._locked_device_chunks += node.lock_ref > 0
+            parent.device_children += 1
+            self._device.refresh(parent)
+        node.device_value = value
+        self._device.refresh(node)
+        self._host.refresh(node)
+
+    def set_host(self, node: ChunkNode, slot: int) -> None:
+        """Record that ``node``'s KV is also in host slot ``slot``."""
+        if node.parent is None:
+            raise ValueError("the root holds no KV")
+        if node.on_host:
+            raise RuntimeError(f"{node!r} already has host slot {node.host_slot}")
+        node.host_slot = slot
+        self._host_chunks += 1
+        node.parent.host_children += 1
+        self._host.refresh(node.parent)
+        self._host.refresh(node)
+
     # ------------------------------------------------------------------ locks
     def lock(self, node: ChunkNode) -> int:
-        """Protect ``node`` and its ancestors from eviction; returns chunks newly locked."""
-        newly = 0
+        """Protect ``node`` and its ancestors from eviction in every tier (a running
+        request's chain, or chunks in transit); returns device chunks newly locked
+        (the device tokens that stopped being evictable, in chunks)."""
+        newly = newly_on_device = 0
         while node.parent is not None:
             if node.lock_ref == 0:
                 newly += 1
-                self._evictable_leaves.discard(node)
+                newly_on_device += node.on_device
             node.lock_ref += 1
+            self._device.leaves.discard(node)
+            self._host.leaves.discard(node)
             node = node.parent
         self._locked_chunks += newly
-        return newly
+        self._locked_device_chunks += newly_on_device
+        return newly_on_device
 
     def unlock(self, node: ChunkNode) -> int:
-        """Undo one :meth:`lock` of ``node``; returns chunks that became evictable."""
-        freed = 0
+        """Undo one :meth:`lock` of ``node``; returns device chunks that became evictable."""
+        freed = freed_on_device = 0
         while node.parent is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"unlock of an unlocked chunk {node!r}: lock counts are unbalanced")
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 freed += 1
-                self._refresh_leaf(node)
+                freed_on_device += node.on_device
+                self._device.refresh(node)
+                self._host.refresh(node)
             node = node.parent
         self._locked_chunks -= freed
-        return freed
+        self._locked_device_chunks -= freed_on_device
+        return freed_on_device
 
     # ------------------------------------------------------------------ eviction
     def evict(
         self,
         num_chunks: int,
-        on_evict: Optional[Callable[[ChunkNode], None]] = None,
-        is_protected: Optional[Callable[[ChunkNode], bool]] = None,
+        on_evict: Optional[NodeCallback] = None,
+        is_protected: Optional[NodePredicate] = None,
+        on_drop_host: Optional[NodeCallback] = None,
     ) -> list[ChunkNode]:
-        """Remove up to ``num_chunks`` unlocked leaves, least recently used first.
+        """Take up to ``num_chunks`` unlocked device leaves off the device, LRU first.
 
-        ``on_evict`` is called for each removed node before it is detached (the adapter
-        frees its KV slots there). Leaves for which ``is_protected`` answers true are
-        evicted only after every unprotected candidate (look-ahead protection).
+        ``on_evict(node)`` runs first, while the device value is still set: the adapter
+        frees the device slots there, after demoting the chunk to the host (``set_host``)
+        if it wants to keep it. A chunk left in no tier is removed, and with it any
+        host-only descendants it carried, for which ``on_drop_host`` frees the host slot.
+        Leaves for which ``is_protected`` answers true go only after every other
+        (look-ahead protection).
         """
         evicted: list[ChunkNode] = []
-        deferred: list[tuple[int, int, ChunkNode]] = []
-        while len(evicted) < num_chunks:
-            entry = self._pop_evictable()
-            if entry is None:
-                if not deferred:
-                    break
-                # Only protected leaves remain: take them, oldest first.
-                entry = heapq.heappop(deferred)
-            elif is_protected is not None and is_protected(entry[2]):
-                heapq.heappush(deferred, entry)
-                continue
-            node = entry[2]
+        for node in self._device.pop_lru(num_chunks, is_protected):
             if on_evict is not None:
                 on_evict(node)
-            self._remove_leaf(node)
+            self._drop_device(node, on_drop_host)
             evicted.append(node)
-        for entry in deferred:
-            if self._is_evictable_leaf(entry[2]):
-                heapq.heappush(self._heap, entry)
         return evicted
 
-    def _pop_evictable(self) -> Optional[tuple[int, int, ChunkNode]]:
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            tick, _, node = entry
-            if node in self._evictable_leaves and node.last_access == tick:
-                return entry
-        return None
+    def evict_host(
+        self,
+        num_chunks: int,
+        on_evict: Optional[NodeCallback] = None,
+        is_protected: Optional[NodePredicate] = None,
+    ) -> list[ChunkNode]:
+        """Free up to ``num_chunks`` host slots of unlocked host leaves, LRU first.
+
+        ``on_evict(node)`` runs while ``node.host_slot`` is still set. A chunk left in no
+        tier is removed (it has no children: none on the host, so none on the device).
+        """
+        evicted: list[ChunkNode] = []
+        for node in self._host.pop_lru(num_chunks, is_protected):
+            if on_evict is not None:
+                on_evict(node)
+            self._drop_host(node)
+            if not node.on_device:
+                self._remove_leaf(node)
+            evicted.append(node)
+        return evicted
+
+    def _drop_device(self, node: ChunkNode, on_drop_host: Optional[NodeCallback]) -> None:
+        parent = node.parent
+        assert parent is not None and node.on_device and node.device_children == 0
+        node.device_value = None
+        self._device_chunks -= 1
+        parent.device_children -= 1
+        self._device.leaves.discard(node)
+        self._device.refresh(parent)
+        if node.on_host:
+            self._host.refresh(node)
+            return
+        # No tier holds this chunk any more: its host-only descendants are unreachable.
+        for child in list(node.children.values()):
+            self._drop_subtree(child, on_drop_host)
+        self._remove_leaf(node)
+
+    def _drop_subtree(self, node: ChunkNode, on_drop_host: Optional[NodeCallback]) -> None:
+        stack = [node]
+        order = []
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        for n in reversed(order):  # children before parents
+            assert not n.on_device and n.lock_ref == 0, n
+            if n.on_host:
+                if on_drop_host is not None:
+                    on_drop_host(n)
+                self._drop_host(n)
+            self._remove_leaf(n)
+
+    def _drop_host(self, node: ChunkNode) -> None:
+        parent = node.parent
+        assert parent is not None and node.on_host
+        node.host_slot = None
+        self._host_chunks -= 1
+        parent.host_children -= 1
+        self._host.leaves.discard(node)
+        self._host.refresh(parent)
 
     def _remove_leaf(self, node: ChunkNode) -> None:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
+        assert not node.on_device and not node.on_host
         del parent.children[node.key]
-        self._evictable_leaves.discard(node)
+        self._device.leaves.discard(node)
+        self._host.leaves.discard(node)
         self._num_chunks -= 1
         node.parent = None
-        node.device_value = None
-        self._refresh_leaf(parent)
 
     # ------------------------------------------------------------------ helpers
-    def _is_evictable_leaf(self, node: ChunkNode) -> bool:
-        return node.parent is not None and node.lock_ref == 0 and not node.children
+    @staticmethod
+    def _is_device_leaf(node: ChunkNode) -> bool:
+        return (
+            node.parent is not None
+            and node.on_device
+            and node.lock_ref == 0
+            and node.device_children == 0
+        )
 
-    def _refresh_leaf(self, node: ChunkNode) -> None:
-        if self._is_evictable_leaf(node):
-            self._evictable_leaves.add(node)
-            heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
-            self._maybe_compact_heap()
-        else:
-            self._evictable_leaves.discard(node)
+    @staticmethod
+    def _is_host_leaf(node: ChunkNode) -> bool:
+        return (
+            node.parent is not None and node.on_host and node.lock_ref == 0 and node.host_children == 0
+        )
 
     def _touch_chain(self, nodes: Sequence[ChunkNode]) -> None:
         tick = next(self._tick)
         for node in nodes:
             node.last_access = tick
             node.hit_count += 1
-        # Only the chain's last node can be a leaf: the others have a child on it.
-        self._refresh_leaf(nodes[-1])
-
-    def _maybe_compact_heap(self) -> None:
-        if len(self._heap) > 4 * len(self._evictable_leaves) + 1024:
-            self._heap = [
-                (n.last_access, next(self._seq), n) for n in self._evictable_leaves
-            ]
-            heapq.heapify(self._heap)
+        # Only a chain's last chunk in each tier can be a leaf of that tier, but which
+        # one that is differs per tier; refreshing the whole chain keeps it simple and
+        # stays O(chain).
+        for node in nodes:
+            if node in self._device.leaves or self._is_device_leaf(node):
+                self._device.refresh(node)
+            if node in self._host.leaves or self._is_host_leaf(node):
+                self._host.refresh(node)
 
     # ------------------------------------------------------------------ checks
     def iter_nodes(self) -> Iterable[ChunkNode]:
@@ -305,21 +496,35 @@ class ChunkTree:
 
     def check_invariants(self) -> TreeStats:
         """Walk the whole tree and verify its bookkeeping (tests and debugging only)."""
-        count = locked = 0
-        leaves = set()
+        count = locked = device = host = 0
+        device_leaves, host_leaves = set(), set()
         for node in self.iter_nodes():
             count += 1
-            assert node.parent is not None and node.parent.children.get(node.key) is node
-            assert node.depth == node.parent.depth + 1
+            parent = node.parent
+            assert parent is not None and parent.children.get(node.key) is node
+            assert node.depth == parent.depth + 1
+            assert node.on_device or node.on_host, f"{node!r} lives in no tier"
+            if node.on_device:
+                device += 1
+                assert parent.is_root or parent.on_device, f"{node!r} on device without its parent"
+            host += node.on_host
+            assert node.device_children == sum(c.on_device for c in node.children.values()), node
+            assert node.host_children == sum(c.on_host for c in node.children.values()), node
             assert node.lock_ref >= 0, node
-            child_locks = sum(c.lock_ref for c in node.children.values())
             # lock() raises every ancestor's count: a parent holds at least its children's.
-            assert node.lock_ref >= child_locks, node
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), node
             if node.lock_ref > 0:
                 locked += 1
-            if self._is_evictable_leaf(node):
-                leaves.add(node)
+            if self._is_device_leaf(node):
+                device_leaves.add(node)
+            if self._is_host_leaf(node):
+                host_leaves.add(node)
         assert count == self._num_chunks, (count, self._num_chunks)
+        assert device == self._device_chunks, (device, self._device_chunks)
+        assert host == self._host_chunks, (host, self._host_chunks)
         assert locked == self._locked_chunks, (locked, self._locked_chunks)
-        assert leaves == self._evictable_leaves
+        locked_device = sum(1 for n in self.iter_nodes() if n.lock_ref > 0 and n.on_device)
+        assert locked_device == self._locked_device_chunks, (locked_device, self._locked_device_chunks)
+        assert device_leaves == self._device.leaves
+        assert host_leaves == self._host.leaves
         return self.stats()

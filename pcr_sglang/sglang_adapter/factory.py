@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pcr_sglang.config import PCRConfig
+import torch
+
+from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core import CacheNamespace
 from pcr_sglang.sglang_adapter.fingerprint import model_fingerprint
 from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
+from pcr_sglang.tiers.host_pool import HostChunkPool, HostPoolError
+from pcr_sglang.transfer.layout import HostChunkLayout
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
@@ -21,6 +26,47 @@ def _kv_dtype_name(ctx: TreeCacheBuildContext) -> str:
     get_kvcache = getattr(allocator, "get_kvcache", None)
     dtype = getattr(get_kvcache(), "dtype", None) if get_kvcache else None
     return str(dtype if dtype is not None else ctx.server_args.kv_cache_dtype)
+
+
+def _row_bytes(buffers: Any) -> int:
+    """Bytes of one token's row in a token-major, contiguous per-layer KV buffer."""
+    if not isinstance(buffers, (list, tuple)) or not buffers:
+        raise PCRConfigError("--pcr-dram-gb needs a KV pool with one buffer per layer")
+    first: torch.Tensor = buffers[0]
+    if any(not b.is_contiguous() or b.shape != first.shape for b in buffers):
+        raise PCRConfigError("--pcr-dram-gb needs contiguous, equally shaped per-layer KV buffers")
+    return first[0].numel() * first.element_size()
+
+
+def build_host_pool(config: PCRConfig, allocator: Any) -> HostChunkPool:
+    kvcache = allocator.get_kvcache()
+    k_buffers = getattr(kvcache, "k_buffer", None)
+    v_buffers = getattr(kvcache, "v_buffer", None)
+    if k_buffers is None or v_buffers is None:
+        raise PCRConfigError(
+            f"--pcr-dram-gb supports separate K and V pools (MHA/GQA); {type(kvcache).__name__} has not"
+        )
+    row_bytes = _row_bytes(k_buffers)
+    if _row_bytes(v_buffers) != row_bytes or len(v_buffers) != len(k_buffers):
+        raise PCRConfigError("--pcr-dram-gb needs K and V rows of the same size")
+    per_slot = HostChunkLayout(1, len(k_buffers), config.chunk_size, row_bytes).slot_bytes
+    num_slots = config.dram_bytes // per_slot
+    if num_slots == 0:
+        raise PCRConfigError(
+            f"--pcr-dram-gb {config.dram_gb} holds no chunk: one chunk of this model needs "
+            f"{per_slot / 2**20:.1f} MiB"
+        )
+    layout = HostChunkLayout(num_slots, len(k_buffers), config.chunk_size, row_bytes)
+    try:
+        pool = HostChunkPool(layout)
+    except HostPoolError as e:
+        raise PCRConfigError(f"--pcr-dram-gb {config.dram_gb}: {e}") from e
+    atexit.register(pool.close)
+    logger.info(
+        "PCR host tier: %d chunk slots, %.2f GiB in shared memory %s%s",
+        num_slots, layout.total_bytes / 2**30, pool.info().shm_name, " (pinned)" if pool.pinned else "",
+    )
+    return pool
 
 
 def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
@@ -40,6 +86,10 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
         tp_rank=ctx.tp_rank,
         tp_size=ctx.tp_size,
     )
-    cache = PCRPrefixCache(ctx.params, config, namespace)
+    config.validate(ctx.params.page_size)
+    host_pool = None
+    if config.dram_bytes > 0:
+        host_pool = build_host_pool(config, ctx.params.token_to_kv_pool_allocator)
+    cache = PCRPrefixCache(ctx.params, config, namespace, host_pool=host_pool)
     logger.info("Tree cache initialized: source=pcr impl=%s", type(cache).__name__)
     return cache

@@ -34,6 +34,8 @@ from pcr_sglang.config import PCRConfig
 from pcr_sglang.core import CacheNamespace, ChunkNode, ChunkTree
 from pcr_sglang.core.keys import ChunkKey, chunk_keys, iter_chunk_keys, root_key
 from pcr_sglang.core.lookahead import LookaheadProtection
+from pcr_sglang.tiers.host_pool import HostChunkPool
+from pcr_sglang.transfer.copy_kv import Direction, copy_layer
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -54,12 +56,20 @@ class PCRCacheStats:
     evicted_chunks: int = 0
     evicted_protected_chunks: int = 0  # look-ahead chunks evicted because nothing else was left
     lookahead_refreshes: int = 0
+    device_hit_chunks: int = 0  # chunks found on the device by requests' matches
+    host_hit_chunks: int = 0  # chunks loaded back from the host tier for requests
+    demoted_chunks: int = 0  # device evictions kept on the host
+    host_evicted_chunks: int = 0
+    dropped_chunks: int = 0  # device evictions the host tier could not keep
+    bytes_host_to_device: int = 0
+    bytes_device_to_host: int = 0
 
 
 class PCRPrefixCache(BasePrefixCache):
     """A chunk-granular prefix cache on SGLang's device KV pool."""
 
-    def __init__(self, params: CacheInitParams, config: PCRConfig, namespace: CacheNamespace):
+    def __init__(self, params: CacheInitParams, config: PCRConfig, namespace: CacheNamespace,
+                 host_pool: Optional[HostChunkPool] = None):
         config.validate(params.page_size)
         if params.is_eagle:
             raise ValueError("--enable-pcr does not support speculative decoding yet")
@@ -76,6 +86,11 @@ class PCRPrefixCache(BasePrefixCache):
         self.device = torch.device(device) if isinstance(device, (str, torch.device)) else torch.device("cpu")
         if params.enable_metrics:
             self.init_metrics_collector()
+        self.host_pool = host_pool
+        self._kv_layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if host_pool is not None:
+            kvcache = self.token_to_kv_pool_allocator.get_kvcache()
+            self._kv_layers = list(zip(kvcache.k_buffer, kvcache.v_buffer))
         self.tree = ChunkTree()
         self.lookahead = LookaheadProtection(self.tree, config.lookahead_window)
         # Chunk keys of the requests in the look-ahead window, by rid: hashed once per
@@ -91,6 +106,8 @@ class PCRPrefixCache(BasePrefixCache):
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
         self.tree.reset()
+        if self.host_pool is not None:
+            self.host_pool.reset_slots()
         self.lookahead.clear()
         self._lookahead_keys = {}
         self.root_node = self.tree.root
@@ -114,8 +131,14 @@ class PCRPrefixCache(BasePrefixCache):
         outcome = self.tree.match(
             iter_chunk_keys(self._root_key(key.extra_key, key.cache_salt), tokens, self.chunk_size)
         )
-        self.stats.matched_tokens += outcome.num_chunks * self.chunk_size
-        return self._match_result(outcome.last_node)
+        last = outcome.nodes[outcome.num_on_device - 1] if outcome.num_on_device else self.root_node
+        if params.req is not None:
+            self.stats.device_hit_chunks += outcome.num_on_device
+            if outcome.num_chunks > outcome.num_on_device:
+                # Only a request's own match loads: probes must not move KV.
+                last = self._load_back(outcome.nodes, outcome.num_on_device) or last
+        self.stats.matched_tokens += last.depth * self.chunk_size
+        return self._match_result(last)
 
     def _match_result(self, node: ChunkNode) -> MatchResult:
         return MatchResult(
@@ -247,8 +270,9 @@ class PCRPrefixCache(BasePrefixCache):
         protected = self.lookahead if len(self.lookahead) else None
         evicted = self.tree.evict(
             num_chunks,
-            on_evict=self._free_device_slots,
+            on_evict=self._demote_and_free if self.host_pool is not None else self._free_device_slots,
             is_protected=protected.__contains__ if protected is not None else None,
+            on_drop_host=self._free_host_slot,
         )
         if protected is not None:
             self.stats.evicted_protected_chunks += sum(1 for n in evicted if n in protected)
@@ -259,6 +283,83 @@ class PCRPrefixCache(BasePrefixCache):
 
     def _free_device_slots(self, node: ChunkNode) -> None:
         self.token_to_kv_pool_allocator.free_segment(node.device_value, start_pos=0)
+
+    # ------------------------------------------------------------------ host tier
+    def _copy_chunks(self, direction: Direction, nodes: Sequence[ChunkNode],
+                     device_slots: torch.Tensor, host_slots: list[int]) -> None:
+        """Copy every layer of ``nodes`` between their device slots and host slots."""
+        pool = self.host_pool
+        assert pool is not None
+        host_index = torch.tensor(host_slots, dtype=torch.int64)
+        for layer, (k, v) in enumerate(self._kv_layers):
+            copy_layer(direction, k, v, pool.buffer, device_slots, host_index, layer, pool.layout)
+        moved = len(nodes) * pool.layout.slot_bytes
+        if direction == Direction.HOST_TO_DEVICE:
+            self.stats.bytes_host_to_device += moved
+        else:
+            self.stats.bytes_device_to_host += moved
+
+    def _alloc_host_slot(self) -> Optional[int]:
+        pool = self.host_pool
+        assert pool is not None
+        slots = pool.alloc(1)
+        if slots is None:
+            protected = self.lookahead if len(self.lookahead) else None
+            evicted = self.tree.evict_host(
+                1, on_evict=self._free_host_slot,
+                is_protected=protected.__contains__ if protected is not None else None,
+            )
+            self.stats.host_evicted_chunks += len(evicted)
+            slots = pool.alloc(1)
+        return slots[0] if slots else None
+
+    def _free_host_slot(self, node: ChunkNode) -> None:
+        assert self.host_pool is not None and node.host_slot is not None
+        self.host_pool.free([node.host_slot])
+
+    def _demote_and_free(self, node: ChunkNode) -> None:
+        """Device eviction with a host tier: copy the chunk to host memory first (unless
+        it is already there), then free its device slots."""
+        if not node.on_host:
+            slot = self._alloc_host_slot()
+            if slot is None:
+                self.stats.dropped_chunks += 1
+            else:
+                self._copy_chunks(Direction.DEVICE_TO_HOST, [node], node.device_value, [slot])
+                self.tree.set_host(node, slot)
+                self.stats.demoted_chunks += 1
+        self._free_device_slots(node)
+
+    def _load_back(self, nodes: list[ChunkNode], num_on_device: int) -> Optional[ChunkNode]:
+        """Copy the host-only tail ``nodes[num_on_device:]`` back to the device, as far as
+        device slots can be had; returns the deepest device-resident node of the chain.
+
+        The whole chain is locked meanwhile, so making room on the device can evict
+        neither its device part nor the host copies being read.
+        """
+        suffix = nodes[num_on_device:]
+        allocator = self.token_to_kv_pool_allocator
+        self.tree.lock(nodes[-1])
+        try:
+            want = len(suffix) * self.chunk_size
+            shortfall = want - allocator.available_size()
+            if shortfall > 0:
+                self.evict(EvictParams(num_tokens=shortfall))
+            fits = min(len(suffix), allocator.available_size() // self.chunk_size)
+            if fits == 0:
+                return None
+            slots = allocator.alloc(fits * self.chunk_size)
+            if slots is None:
+                return None
+            loading = suffix[:fits]
+            self._copy_chunks(Direction.HOST_TO_DEVICE, loading, slots,
+                              [n.host_slot for n in loading])
+            for node, chunk_slots in zip(loading, slots.to(torch.int64).split(self.chunk_size)):
+                self.tree.set_device(node, chunk_slots.clone())
+            self.stats.host_hit_chunks += fits
+            return loading[-1]
+        finally:
+            self.tree.unlock(nodes[-1])
 
     # ------------------------------------------------------------------ sizes
     def evictable_size(self) -> int:
@@ -274,10 +375,11 @@ class PCRPrefixCache(BasePrefixCache):
         return self.protected_size()
 
     def total_size(self) -> int:
-        return self.tree.num_chunks * self.chunk_size
+        """Device tokens the tree holds (host copies are reported separately)."""
+        return self.tree.device_chunks * self.chunk_size
 
     def all_values_flatten(self) -> torch.Tensor:
-        values = [n.device_value for n in self.tree.iter_nodes()]
+        values = [n.device_value for n in self.tree.iter_nodes() if n.on_device]
         return torch.cat(values) if values else self._empty_indices
 
     def report(self, check_invariants: bool = False) -> dict[str, Any]:
@@ -302,8 +404,12 @@ class PCRPrefixCache(BasePrefixCache):
             "namespace": asdict(self.namespace),
             "tree": asdict(tree_stats),
             "cached_tokens": self.total_size(),
+            "host_cached_tokens": self.tree.host_chunks * self.chunk_size,
             "device_pool_tokens": int(getattr(allocator, "size", 0)),
             "device_pool_free_tokens": int(allocator.available_size()),
+            "host_pool_slots": self.host_pool.layout.num_slots if self.host_pool else 0,
+            "host_pool_free_slots": self.host_pool.num_free if self.host_pool else 0,
+            "host_pool_bytes": self.host_pool.layout.total_bytes if self.host_pool else 0,
             "counters": asdict(self.stats),
             "invariants": {"checked": check_invariants, "ok": invariant_error is None,
                            "error": invariant_error},

@@ -92,8 +92,10 @@ class HostChunkPool:
             pin = torch.cuda.is_available()
         if pin and create:
             self._pin()
-        self._free = list(range(layout.num_slots - 1, -1, -1)) if create else []
-        self._used = set()
+        self._free: list[int] = []
+        self._used: set[int] = set()
+        if create:
+            self.reset_slots()
 
     # ------------------------------------------------------------------ lifecycle
     @staticmethod
@@ -156,6 +158,11 @@ class HostChunkPool:
     @property
     def num_used(self) -> int:
         return len(self._used)
+
+    def reset_slots(self) -> None:
+        """Every slot free again (the tree that owned them was reset)."""
+        self._free = list(range(self.layout.num_slots - 1, -1, -1))
+        self._used = set()
 
     def alloc(self, n: int) -> Optional[list[int]]:
         """``n`` free slots, or None (nothing taken) when fewer are free."""

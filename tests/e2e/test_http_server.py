@@ -32,7 +32,13 @@ def servers(tiny_model):
         tiny_model,
         (*SMALL_POOL_ARGS, "--page-size", "16", "--enable-hierarchical-cache", "--hicache-size", "1"),
     )
-    everything = {"baseline": baseline, "pcr": pcr, "pcr_small": pcr_small, "hicache": hicache}
+    # The same small device pool with PCR's host tier behind it.
+    pcr_dram = ServerProcess(
+        tiny_model,
+        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25"),
+    )
+    everything = {"baseline": baseline, "pcr": pcr, "pcr_small": pcr_small, "hicache": hicache,
+                  "pcr_dram": pcr_dram}
     start_servers(list(everything.values()))
     yield everything
     for s in everything.values():
@@ -131,3 +137,23 @@ def test_hicache_host_tier_works_on_cpu(servers, rag_prompt_ids, baseline_output
         for p in rag_prompt_ids[:5]
     ]
     assert any((m.get("cached_tokens_details") or {}).get("host", 0) > 0 for m in replay), replay
+
+
+def test_host_tier_serves_evicted_chunks_back_without_recomputing(servers, rag_prompt_ids, baseline_outputs):
+    server = servers["pcr_dram"]
+    results = generate_greedy(server, rag_prompt_ids, concurrency=4)
+    assert [ids for ids, _ in results] == baseline_outputs
+    before = server.pcr_state()["counters"]
+    # The first prompts' chunks left the small device pool long ago, to host memory.
+    replay = generate_greedy(server, rag_prompt_ids[:10])
+    assert [ids for ids, _ in replay] == baseline_outputs[:10]
+    state = server.pcr_state()
+    assert state["counters"]["host_hit_chunks"] > before["host_hit_chunks"], state["counters"]
+    assert state["counters"]["demoted_chunks"] > 0
+    assert all(c % CHUNK_SIZE == 0 for _, c in replay)
+    assert sum(c for _, c in replay) > sum(c for _, c in results[:10])
+    # Slot accounting in both tiers, and no lock left behind.
+    assert state["invariants"]["ok"], state
+    assert state["tree"]["locked_chunks"] == 0
+    assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"]
+    assert state["host_pool_slots"] - state["host_pool_free_slots"] == state["tree"]["host_chunks"]

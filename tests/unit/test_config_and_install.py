@@ -38,7 +38,7 @@ def test_invalid_chunk_size_names_the_flag(chunk_size, page_size, message):
 
 def test_config_from_server_args_defaults():
     config = PCRConfig.from_server_args(SimpleNamespace())
-    assert config == PCRConfig(enabled=False, chunk_size=64, lookahead_window=8)
+    assert config == PCRConfig(enabled=False, chunk_size=64, lookahead_window=8, dram_gb=0.0)
     config.validate(page_size=16)
 
 
