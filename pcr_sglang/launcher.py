@@ -128,6 +128,10 @@ class ServerProcess:
             except ProcessLookupError:
                 pass
             proc.wait(timeout=10)
+        # A scheduler stopped by a signal cannot unlink its PCR host pool itself.
+        from pcr_sglang.tiers.host_pool import remove_stale_segments
+
+        remove_stale_segments()
 
     def __enter__(self) -> ServerProcess:
         return self.start()

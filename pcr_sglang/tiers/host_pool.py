@@ -52,6 +52,45 @@ def shm_free_bytes() -> Optional[int]:
     return st.f_bavail * st.f_frsize
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink host pools left behind by processes that died without closing them.
+
+    A server killed with SIGKILL never runs its exit handlers, and a POSIX shared-memory
+    segment outlives its creator: without this sweep every crash would leak a pool's
+    worth of memory. Pool names carry the creator's pid, so a segment whose creator is
+    gone is garbage.
+    """
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(SHM_PREFIX):
+            continue
+        pid_text = name[len(SHM_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+        except OSError:
+            continue
+    if removed:
+        logger.warning("Removed %d host pool(s) left by dead processes: %s", len(removed), removed)
+    return removed
+
+
 @dataclass(frozen=True)
 class HostPoolInfo:
     """What a second process needs to attach: the segment's name and its layout."""
@@ -66,6 +105,7 @@ class HostChunkPool:
         self.layout = layout
         size = layout.total_bytes
         if create:
+            remove_stale_segments()
             self._check_capacity(size)
             name = shm_name or f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
             try:

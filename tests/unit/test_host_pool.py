@@ -62,3 +62,21 @@ def test_segment_is_removed_when_the_owner_closes():
     pool.close()
     with pytest.raises(HostPoolError):
         HostChunkPool.attach(info)
+
+
+def test_pools_of_dead_processes_are_swept(tmp_path):
+    import subprocess
+    import sys
+
+    from pcr_sglang.tiers.host_pool import SHM_PREFIX, remove_stale_segments
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"{SHM_PREFIX}{dead_pid}-abcd"
+    live = tmp_path / f"{SHM_PREFIX}{__import__('os').getpid()}-abcd"
+    other = tmp_path / "unrelated-123"
+    for f in (stale, live, other):
+        f.write_bytes(b"x")
+    assert remove_stale_segments(str(tmp_path)) == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()
