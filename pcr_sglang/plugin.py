@@ -10,8 +10,10 @@ It registers the ``pcr`` radix-cache backend and these hooks:
   0.5.23): PCR flags on the command line fail with an explanation instead of argparse's
   "unrecognized arguments" (``Engine(enable_pcr=True)`` there fails in ServerArgs with
   "unexpected keyword", and the plugin's log line says why);
-* the scheduler's ``_get_new_batch_prefill_raw`` (BEFORE): the waiting queue's head
-  feeds the look-ahead LRU each scheduling pass;
+* the scheduler's ``_get_new_batch_prefill_raw`` (BEFORE): each scheduling pass, the
+  waiting queue's head feeds the look-ahead LRU and PCR's metrics are published;
+* ``ScheduleBatch.prepare_for_extend`` (AROUND): responses count chunks copied back
+  from the host tier under ``cached_tokens_details["host"]``;
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state.
 
 SGLang's plugin loader logs and swallows exceptions raised here, so nothing in
@@ -69,8 +71,13 @@ def register() -> None:
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw",
-        _refresh_lookahead,
+        _on_scheduler_step,
         HookType.BEFORE,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
+        _report_host_hits,
+        HookType.AROUND,
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler_components.internal_state."
@@ -99,14 +106,34 @@ def _create_tree_cache(original: Callable[..., Any], ctx: Any, *args: Any, **kwa
     return original(ctx, *args, **kwargs)
 
 
-def _refresh_lookahead(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """Before each prefill scheduling pass, hand the waiting queue to the look-ahead LRU."""
+def _on_scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Before each prefill scheduling pass: the waiting queue feeds the look-ahead LRU,
+    and PCR's counters are published to Prometheus."""
     from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
 
     tree_cache = getattr(scheduler, "tree_cache", None)
     if isinstance(tree_cache, PCRPrefixCache):
-        tree_cache.update_lookahead(scheduler.waiting_queue)
+        tree_cache.on_scheduler_step(scheduler.waiting_queue)
     return None
+
+
+def _report_host_hits(original: Callable[..., Any], batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """Move the tokens PCR copied back from host memory from the ``device`` to the
+    ``host`` column of a response's ``cached_tokens_details``.
+
+    SGLang splits a request's cached prefix by tier once, in ``prepare_for_extend``, from
+    HiCache's load-back bookkeeping; PCR loads during its match instead and records the
+    loaded tokens on the request, so the split is corrected right after SGLang makes it.
+    """
+    fresh = [r for r in batch.reqs if not getattr(r, "_cache_breakdown_computed", True)]
+    result = original(batch, *args, **kwargs)
+    for req in fresh:
+        host = req.__dict__.pop("pcr_host_loaded_tokens", 0)
+        if host and req._cache_breakdown_computed:
+            moved = min(host, req.cached_tokens_device)
+            req.cached_tokens_device -= moved
+            req.cached_tokens_host += moved
+    return result
 
 
 def _add_pcr_internal_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:

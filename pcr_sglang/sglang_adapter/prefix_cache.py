@@ -34,6 +34,7 @@ from pcr_sglang.config import PCRConfig
 from pcr_sglang.core import CacheNamespace, ChunkNode, ChunkTree
 from pcr_sglang.core.keys import ChunkKey, chunk_keys, iter_chunk_keys, root_key
 from pcr_sglang.core.lookahead import LookaheadProtection
+from pcr_sglang.metrics import PCRMetrics
 from pcr_sglang.tiers.host_pool import HostChunkPool
 from pcr_sglang.transfer.copy_kv import Direction, copy_layer
 
@@ -84,8 +85,10 @@ class PCRPrefixCache(BasePrefixCache):
         self._namespace_digest = namespace.digest()
         device = getattr(self.token_to_kv_pool_allocator, "device", "cpu")
         self.device = torch.device(device) if isinstance(device, (str, torch.device)) else torch.device("cpu")
+        self.metrics: Optional[PCRMetrics] = None
         if params.enable_metrics:
             self.init_metrics_collector()
+            self.metrics = PCRMetrics(self.metrics_collector.labels, config.chunk_size)
         self.host_pool = host_pool
         self._kv_layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         if host_pool is not None:
@@ -136,7 +139,14 @@ class PCRPrefixCache(BasePrefixCache):
             self.stats.device_hit_chunks += outcome.num_on_device
             if outcome.num_chunks > outcome.num_on_device:
                 # Only a request's own match loads: probes must not move KV.
-                last = self._load_back(outcome.nodes, outcome.num_on_device) or last
+                loaded = self._load_back(outcome.nodes, outcome.num_on_device)
+                if loaded is not None:
+                    # Remembered on the request, so that its response reports these
+                    # tokens as host hits (see the plugin's prepare_for_extend hook).
+                    req = params.req
+                    req.pcr_host_loaded_tokens = getattr(req, "pcr_host_loaded_tokens", 0) + (
+                        loaded.depth - outcome.num_on_device) * self.chunk_size
+                    last = loaded
         self.stats.matched_tokens += last.depth * self.chunk_size
         return self._match_result(last)
 
@@ -240,12 +250,15 @@ class PCRPrefixCache(BasePrefixCache):
         freed = self.tree.unlock(node)
         return DecLockRefResult(delta=freed * self.chunk_size)
 
-    # ------------------------------------------------------------------ look-ahead
-    def update_lookahead(self, waiting_reqs: Sequence[Req]) -> None:
-        """Protect what the first ``--pcr-lookahead-window`` waiting requests will reuse.
+    # ------------------------------------------------------------------ per step
+    def on_scheduler_step(self, waiting_reqs: Sequence[Req]) -> None:
+        """Called by the scheduler hook before each prefill scheduling pass."""
+        self.update_lookahead(waiting_reqs)
+        if self.metrics is not None:
+            self.metrics.sync(self.stats, self.tree.device_chunks, self.tree.host_chunks)
 
-        Called by the scheduler hook before each prefill scheduling pass.
-        """
+    def update_lookahead(self, waiting_reqs: Sequence[Req]) -> None:
+        """Protect what the first ``--pcr-lookahead-window`` waiting requests will reuse."""
         window = self.lookahead.window
         if window == 0:
             return

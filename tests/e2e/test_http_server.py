@@ -8,7 +8,7 @@ import pytest
 
 from pcr_sglang.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
-from tests.e2e.helpers import COMMON_ARGS, generate_greedy, start_servers
+from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, start_servers
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +35,8 @@ def servers(tiny_model):
     # The same small device pool with PCR's host tier behind it.
     pcr_dram = ServerProcess(
         tiny_model,
-        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25"),
+        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
+         "--enable-metrics"),
     )
     everything = {"baseline": baseline, "pcr": pcr, "pcr_small": pcr_small, "hicache": hicache,
                   "pcr_dram": pcr_dram}
@@ -145,8 +146,15 @@ def test_host_tier_serves_evicted_chunks_back_without_recomputing(servers, rag_p
     assert [ids for ids, _ in results] == baseline_outputs
     before = server.pcr_state()["counters"]
     # The first prompts' chunks left the small device pool long ago, to host memory.
-    replay = generate_greedy(server, rag_prompt_ids[:10])
+    replay_meta = [server.generate({"input_ids": p, "sampling_params": GREEDY})
+                   for p in rag_prompt_ids[:10]]
+    replay = [(m["output_ids"], m["meta_info"]["cached_tokens"]) for m in replay_meta]
     assert [ids for ids, _ in replay] == baseline_outputs[:10]
+    # Responses say which tier the reused tokens came from.
+    details = [m["meta_info"].get("cached_tokens_details") or {} for m in replay_meta]
+    assert any(d.get("host", 0) > 0 for d in details), details
+    for (_, cached), d in zip(replay, details):
+        assert d.get("device", 0) + d.get("host", 0) == cached
     state = server.pcr_state()
     assert state["counters"]["host_hit_chunks"] > before["host_hit_chunks"], state["counters"]
     assert state["counters"]["demoted_chunks"] > 0
@@ -157,3 +165,10 @@ def test_host_tier_serves_evicted_chunks_back_without_recomputing(servers, rag_p
     assert state["tree"]["locked_chunks"] == 0
     assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"]
     assert state["host_pool_slots"] - state["host_pool_free_slots"] == state["tree"]["host_chunks"]
+    # And Prometheus has them, per tier (--enable-metrics).
+    import requests
+
+    metrics = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    host_hits = [line for line in metrics.splitlines()
+                 if line.startswith("sglang:pcr_hit_chunks_total") and 'tier="host"' in line]
+    assert host_hits and float(host_hits[0].rsplit(" ", 1)[1]) > 0, host_hits

@@ -1,0 +1,77 @@
+"""PCR's Prometheus metrics, exported through SGLang's ``/metrics`` (``--enable-metrics``).
+
+The cache keeps plain counters (:class:`PCRCacheStats`, also shown in ``/server_info``);
+once per scheduler step the adapter calls :meth:`PCRMetrics.sync`, which adds what
+changed since the last sync to the Prometheus series. SGLang runs the client in
+multiprocess mode, so series written in the scheduler process show up on the HTTP
+server's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+# counter field -> (metric attribute, label values)
+_COUNTER_FIELDS = {
+    "device_hit_chunks": ("hit_chunks", {"tier": "device"}),
+    "host_hit_chunks": ("hit_chunks", {"tier": "host"}),
+    "evicted_chunks": ("evicted_chunks", {"tier": "device"}),
+    "host_evicted_chunks": ("evicted_chunks", {"tier": "host"}),
+    "demoted_chunks": ("demoted_chunks", {}),
+    "dropped_chunks": ("dropped_chunks", {}),
+    "bytes_host_to_device": ("transfer_bytes", {"direction": "host_to_device"}),
+    "bytes_device_to_host": ("transfer_bytes", {"direction": "device_to_host"}),
+}
+
+
+class PCRMetrics:
+    def __init__(self, labels: dict[str, str], chunk_size: int):
+        from prometheus_client import Counter, Gauge
+
+        names = list(labels)
+        self.labels = dict(labels)
+        self.chunk_size = chunk_size
+        self.hit_chunks = Counter(
+            "sglang:pcr_hit_chunks_total",
+            "PCR chunks reused by requests, by the tier they were found in "
+            "(host: copied back to the device instead of recomputed).",
+            labelnames=names + ["tier"],
+        )
+        self.evicted_chunks = Counter(
+            "sglang:pcr_evicted_chunks_total",
+            "PCR chunks evicted from a tier (device evictions may be kept on the host).",
+            labelnames=names + ["tier"],
+        )
+        self.demoted_chunks = Counter(
+            "sglang:pcr_demoted_chunks_total",
+            "PCR chunks evicted from the device and kept in the host tier.",
+            labelnames=names,
+        )
+        self.dropped_chunks = Counter(
+            "sglang:pcr_dropped_chunks_total",
+            "PCR chunks evicted from the device that the host tier could not keep.",
+            labelnames=names,
+        )
+        self.transfer_bytes = Counter(
+            "sglang:pcr_transfer_bytes_total",
+            "KV bytes PCR copied between the device and the host tier.",
+            labelnames=names + ["direction"],
+        )
+        self.cached_chunks = Gauge(
+            "sglang:pcr_cached_chunks",
+            "PCR chunks resident in each tier.",
+            labelnames=names + ["tier"],
+            multiprocess_mode="mostrecent",
+        )
+        self._last: dict[str, int] = {}
+
+    def sync(self, stats: Any, device_chunks: int, host_chunks: int) -> None:
+        values = asdict(stats)
+        for field, (attr, extra) in _COUNTER_FIELDS.items():
+            delta = values[field] - self._last.get(field, 0)
+            if delta > 0:
+                getattr(self, attr).labels(**self.labels, **extra).inc(delta)
+            self._last[field] = values[field]
+        self.cached_chunks.labels(**self.labels, tier="device").set(device_chunks)
+        self.cached_chunks.labels(**self.labels, tier="host").set(host_chunks)
