@@ -17,12 +17,8 @@ Usage: python bench/tier_compare.py [--requests 48] [--model-path DIR]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from dataclasses import dataclass
-
-import requests
 
 from pcr_sglang.launcher import ServerProcess
 from pcr_sglang.workload import RagWorkloadParams, make_rag_workload
@@ -37,20 +33,12 @@ class Result:
 
 
 def stream(server: ServerProcess, ids: list[int], max_new_tokens: int) -> Result:
-    payload = {"input_ids": ids, "stream": True,
-               "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
-    start = time.perf_counter()
-    ttft, last = None, {}
-    with requests.post(f"{server.base_url}/generate", json=payload, stream=True, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - start
-            last = json.loads(line[5:])
-    meta = last["meta_info"]
-    return Result(ttft, meta["cached_tokens"], meta["prompt_tokens"], last.get("output_ids", []))
+    response = server.generate_stream(
+        {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
+    )
+    meta = response.final["meta_info"]
+    return Result(response.ttft_s, meta["cached_tokens"], meta["prompt_tokens"],
+                  response.final.get("output_ids", []))
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -11,13 +11,9 @@ Usage: ``python -m pcr_sglang.demo [--requests N] [--chunk-size N] [--seed N]``
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from dataclasses import dataclass
-
-import requests
 
 from pcr_sglang.launcher import ServerProcess
 from pcr_sglang.workload import RagRequest, RagWorkloadParams, make_rag_workload
@@ -34,33 +30,17 @@ class DemoResult:
 
 
 def stream_generate(server: ServerProcess, text: str, max_new_tokens: int) -> DemoResult:
-    payload = {
-        "text": text,
-        "stream": True,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
-    }
-    start = time.perf_counter()
-    ttft = None
-    last: dict = {}
-    with requests.post(f"{server.base_url}/generate", json=payload, stream=True, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            if ttft is None:
-                ttft = time.perf_counter() - start
-            last = json.loads(data)
-    meta = last.get("meta_info", {})
+    response = server.generate_stream(
+        {"text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
+    )
+    meta = response.final.get("meta_info", {})
     return DemoResult(
         rid=meta.get("id", ""),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
-        ttft_s=ttft if ttft is not None else float("nan"),
-        latency_s=time.perf_counter() - start,
-        answer=last.get("text", "").strip(),
+        ttft_s=response.ttft_s,
+        latency_s=response.latency_s,
+        answer=response.final.get("text", "").strip(),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+import psutil
 import requests
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_gone(processes: list[psutil.Process], timeout_s: float) -> None:
+    """Wait until every process has exited (a zombie counts as exited)."""
+    deadline = time.monotonic() + timeout_s
+    for p in processes:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.1)
+
+
 def cpu_only() -> bool:
     try:
         import torch
@@ -37,6 +52,15 @@ def cpu_only() -> bool:
         return not torch.cuda.is_available()
     except ImportError:
         return True
+
+
+@dataclass(frozen=True)
+class StreamedResponse:
+    """A streamed ``/generate`` call: time to the first chunk, total time, last chunk."""
+
+    ttft_s: float
+    latency_s: float
+    final: dict
 
 
 @dataclass
@@ -118,6 +142,10 @@ class ServerProcess:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            children = []
         # The server spawns scheduler and detokenizer processes: signal the whole group.
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -128,7 +156,9 @@ class ServerProcess:
             except ProcessLookupError:
                 pass
             proc.wait(timeout=10)
-        # A scheduler stopped by a signal cannot unlink its PCR host pool itself.
+        # The server's scheduler and detokenizer may outlive the launcher process by a
+        # moment: wait for them, then unlink any PCR host pool a killed scheduler left.
+        _wait_gone(children, timeout_s=15)
         from pcr_sglang.tiers.host_pool import remove_stale_segments
 
         remove_stale_segments()
@@ -144,6 +174,28 @@ class ServerProcess:
         r = requests.post(f"{self.base_url}/generate", json=payload, timeout=timeout_s)
         r.raise_for_status()
         return r.json()
+
+    def generate_stream(self, payload: dict, timeout_s: float = 600.0) -> StreamedResponse:
+        """POST ``payload`` with ``stream: true``; measures TTFT at the first data chunk."""
+        start = time.perf_counter()
+        ttft, final = None, {}
+        with requests.post(f"{self.base_url}/generate", json={**payload, "stream": True},
+                           stream=True, timeout=timeout_s) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                final = json.loads(data)
+        return StreamedResponse(
+            ttft_s=ttft if ttft is not None else float("nan"),
+            latency_s=time.perf_counter() - start,
+            final=final,
+        )
 
     def server_info(self) -> dict:
         r = requests.get(f"{self.base_url}/server_info", timeout=30)
