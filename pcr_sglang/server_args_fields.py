@@ -44,7 +44,8 @@ class Pcr(msgspec.Struct):
             help=(
                 "Tokens per PCR chunk. Must be a positive multiple of --page-size. "
                 "Only whole chunks are cached; smaller chunks reuse more of a prompt, "
-                "larger ones cost less bookkeeping per token."
+                "larger ones cost less bookkeeping per token. "
+                f"Default: {DEFAULT_CHUNK_SIZE}."
             )
         ),
     ] = DEFAULT_CHUNK_SIZE
