@@ -21,7 +21,7 @@ import statistics
 from dataclasses import dataclass
 
 from pcr_sglang.launcher import ServerProcess
-from pcr_sglang.workload import RagWorkloadParams, make_rag_workload
+from pcr_sglang.workload import RagWorkloadParams, chat_prompt, make_rag_workload
 
 
 @dataclass
@@ -68,11 +68,7 @@ def main() -> None:
     workload = make_rag_workload(RagWorkloadParams(
         num_requests=args.requests, doc_pool_size=args.docs, zipf_exponent=1.0,
         max_doc_chars=600, seed=args.seed))
-    prompts = []
-    for req in workload:
-        messages = [{"role": "system", "content": req.system}, {"role": "user", "content": req.user_message()}]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompts.append(tok.encode(text, add_special_tokens=False))
+    prompts = [tok.encode(chat_prompt(tok, req), add_special_tokens=False) for req in workload]
     # Working set: the distinct chunk-aligned prefixes of the trace, in tokens.
     seen, working_set = set(), 0
     for ids in prompts:

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 
 from pcr_sglang.launcher import ServerProcess
-from pcr_sglang.workload import RagRequest, RagWorkloadParams, make_rag_workload
+from pcr_sglang.workload import RagWorkloadParams, chat_prompt, make_rag_workload
 
 
 @dataclass
@@ -42,14 +42,6 @@ def stream_generate(server: ServerProcess, text: str, max_new_tokens: int) -> De
         latency_s=response.latency_s,
         answer=response.final.get("text", "").strip(),
     )
-
-
-def chat_prompt(tokenizer, request: RagRequest) -> str:
-    messages = [
-        {"role": "system", "content": request.system},
-        {"role": "user", "content": request.user_message()},
-    ]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from pcr_sglang.data import Article, load_wiki_articles
 
@@ -43,9 +43,23 @@ class RagRequest:
         )
         return f"{docs}\n\nQuestion: {self.question}"
 
+    def chat_messages(self) -> list[dict[str, str]]:
+        """The request as chat messages, for models with a chat template."""
+        return [
+            {"role": "system", "content": self.system},
+            {"role": "user", "content": self.user_message()},
+        ]
+
     def plain_prompt(self) -> str:
         """The prompt as raw text, for models without a chat template."""
         return f"{self.system}\n\n{self.user_message()}\nAnswer:"
+
+
+def chat_prompt(tokenizer: Any, request: RagRequest) -> str:
+    """The request as text, through a Hugging Face tokenizer's chat template."""
+    return tokenizer.apply_chat_template(
+        request.chat_messages(), tokenize=False, add_generation_prompt=True
+    )
 
 
 def _truncate(article: Article, max_chars: Optional[int]) -> Article:

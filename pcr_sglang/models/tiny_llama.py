@@ -12,19 +12,15 @@ Usage: ``python -m pcr_sglang.models.tiny_llama [--out DIR]`` prints the folder 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pcr_sglang.models import cache_root
+from pcr_sglang.models import build_cached, cache_root
 
 logger = logging.getLogger(__name__)
 
 RECIPE_VERSION = 1
-STAMP_FILE = "pcr_recipe.json"
 
 
 @dataclass(frozen=True)
@@ -105,28 +101,16 @@ def build_tiny_llama(out_dir: Path | None = None, recipe: TinyLlamaRecipe | None
     """Return the folder of the tiny model, building it first if missing or stale."""
     recipe = recipe or TinyLlamaRecipe()
     out_dir = Path(out_dir) if out_dir else default_tiny_llama_dir()
-    stamp = out_dir / STAMP_FILE
-    if stamp.is_file() and json.loads(stamp.read_text()) == asdict(recipe):
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a sibling temp folder and rename, so a concurrent or interrupted build
-    # never leaves a half-written model where tests look for it.
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=out_dir.parent))
-    try:
-        _train_tokenizer(recipe, tmp)
+
+    def build(folder: Path) -> None:
+        logger.info("Building the tiny Llama for %s", out_dir)
+        _train_tokenizer(recipe, folder)
         from transformers import AutoTokenizer
 
-        vocab_size = len(AutoTokenizer.from_pretrained(tmp))
-        _build_model(recipe, tmp, vocab_size)
-        (tmp / STAMP_FILE).write_text(json.dumps(asdict(recipe), indent=1))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("Built tiny Llama at %s", out_dir)
-    return out_dir
+        vocab_size = len(AutoTokenizer.from_pretrained(folder))
+        _build_model(recipe, folder, vocab_size)
+
+    return build_cached(out_dir, asdict(recipe), build)
 
 
 def main() -> None:
