@@ -10,7 +10,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from pcr_sglang.server_args_fields import DEFAULT_CHUNK_SIZE, DEFAULT_LOOKAHEAD_WINDOW
+from pcr_sglang.server_args_fields import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_LAYERWISE,
+    DEFAULT_LOOKAHEAD_WINDOW,
+    LAYERWISE_CHOICES,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +30,7 @@ class PCRConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     lookahead_window: int = DEFAULT_LOOKAHEAD_WINDOW
     dram_gb: float = 0.0
+    layerwise: str = DEFAULT_LAYERWISE
 
     @classmethod
     def from_server_args(cls, args: Any) -> PCRConfig:
@@ -33,6 +39,7 @@ class PCRConfig:
             chunk_size=getattr(args, "pcr_chunk_size", DEFAULT_CHUNK_SIZE),
             lookahead_window=getattr(args, "pcr_lookahead_window", DEFAULT_LOOKAHEAD_WINDOW),
             dram_gb=getattr(args, "pcr_dram_gb", 0.0),
+            layerwise=getattr(args, "pcr_layerwise", DEFAULT_LAYERWISE),
         )
 
     @property
@@ -57,6 +64,10 @@ class PCRConfig:
         dram = self.dram_gb
         if isinstance(dram, bool) or not isinstance(dram, (int, float)) or not dram >= 0:
             raise PCRConfigError(f"--pcr-dram-gb must be a number of GB >= 0, got {dram!r}")
+        if self.layerwise not in LAYERWISE_CHOICES:
+            raise PCRConfigError(
+                f"--pcr-layerwise must be one of {', '.join(LAYERWISE_CHOICES)}, got {self.layerwise!r}"
+            )
         if page_size > 0 and self.chunk_size % page_size != 0:
             raise PCRConfigError(
                 f"--pcr-chunk-size ({self.chunk_size}) must be a multiple of "

@@ -19,6 +19,7 @@ _COUNTER_FIELDS = {
     "evicted_chunks": ("evicted_chunks", {"tier": "device"}),
     "host_evicted_chunks": ("evicted_chunks", {"tier": "host"}),
     "demoted_chunks": ("demoted_chunks", {}),
+    "offloaded_chunks": ("offloaded_chunks", {}),
     "dropped_chunks": ("dropped_chunks", {}),
     "bytes_host_to_device": ("transfer_bytes", {"direction": "host_to_device"}),
     "bytes_device_to_host": ("transfer_bytes", {"direction": "device_to_host"}),
@@ -46,6 +47,12 @@ class PCRMetrics:
         self.demoted_chunks = Counter(
             "sglang:pcr_demoted_chunks_total",
             "PCR chunks evicted from the device and kept in the host tier.",
+            labelnames=names,
+        )
+        self.offloaded_chunks = Counter(
+            "sglang:pcr_offloaded_chunks_total",
+            "New PCR chunks copied to the host tier layer by layer during their prefill "
+            "(--pcr-layerwise offload), so evicting them later needs no copy.",
             labelnames=names,
         )
         self.dropped_chunks = Counter(

@@ -13,7 +13,12 @@ It registers the ``pcr`` radix-cache backend and these hooks:
 * the scheduler's ``_get_new_batch_prefill_raw`` (BEFORE): each scheduling pass, the
   waiting queue's head feeds the look-ahead LRU and PCR's metrics are published;
 * ``ScheduleBatch.prepare_for_extend`` (AROUND): responses count chunks copied back
-  from the host tier under ``cached_tokens_details["host"]``;
+  from the host tier under ``cached_tokens_details["host"]``, and the batch's new
+  chunks get host slots to be offloaded into during its forward;
+* ``ScheduleBatch.prepare_for_decode`` (AFTER): a chunk a decode step completes gets
+  offloaded during that step;
+* ``ModelRunner.forward`` (BEFORE): a forward starts, and with it the offloads planned
+  for it (``--pcr-layerwise``);
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state.
 
 SGLang's plugin loader logs and swallows exceptions raised here, so nothing in
@@ -76,8 +81,18 @@ def register() -> None:
     )
     HookRegistry.register(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
-        _report_host_hits,
+        _prepare_for_extend,
         HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode",
+        _plan_decode_offloads,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+        _on_forward,
+        HookType.BEFORE,
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler_components.internal_state."
@@ -117,16 +132,21 @@ def _on_scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _report_host_hits(original: Callable[..., Any], batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """Move the tokens PCR copied back from host memory from the ``device`` to the
-    ``host`` column of a response's ``cached_tokens_details``.
+def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """After SGLang prepares an extend batch: plan the offload of its new chunks, and
+    move the tokens PCR copied back from host memory from the ``device`` to the ``host``
+    column of a response's ``cached_tokens_details``.
 
     SGLang splits a request's cached prefix by tier once, in ``prepare_for_extend``, from
     HiCache's load-back bookkeeping; PCR loads during its match instead and records the
     loaded tokens on the request, so the split is corrected right after SGLang makes it.
     """
+    from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
+
     fresh = [r for r in batch.reqs if not getattr(r, "_cache_breakdown_computed", True)]
     result = original(batch, *args, **kwargs)
+    if isinstance(batch.tree_cache, PCRPrefixCache):
+        batch.tree_cache.plan_offloads(batch.reqs, batch.seq_lens_cpu.tolist())
     for req in fresh:
         host = req.__dict__.pop("pcr_host_loaded_tokens", 0)
         if host and req._cache_breakdown_computed:
@@ -134,6 +154,22 @@ def _report_host_hits(original: Callable[..., Any], batch: Any, *args: Any, **kw
             req.cached_tokens_device -= moved
             req.cached_tokens_host += moved
     return result
+
+
+def _plan_decode_offloads(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """After SGLang prepares a decode step: chunks it completes get offloaded during it."""
+    from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
+
+    if isinstance(batch.tree_cache, PCRPrefixCache) and batch.reqs:
+        batch.tree_cache.plan_offloads(batch.reqs, batch.seq_lens_cpu.tolist(), decode=True)
+    return result
+
+
+def _on_forward(model_runner: Any, *args: Any, **kwargs: Any) -> None:
+    transfers = getattr(model_runner.token_to_kv_pool, "pcr_layerwise", None)
+    if transfers is not None:
+        transfers.begin_forward()
+    return None
 
 
 def _add_pcr_internal_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:

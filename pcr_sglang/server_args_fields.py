@@ -21,6 +21,8 @@ DEFAULT_CHUNK_SIZE = 64
 # From bench/lookahead_sim.py: hit ratio grows with the window up to 16, gaining most at
 # small capacities; 8 keeps the per-step cost (chunks matched by 8 queued requests) small.
 DEFAULT_LOOKAHEAD_WINDOW = 8
+LAYERWISE_CHOICES = ["off", "load", "offload", "both"]
+DEFAULT_LAYERWISE = "both"
 
 
 class Pcr(msgspec.Struct):
@@ -69,3 +71,18 @@ class Pcr(msgspec.Struct):
             )
         ),
     ] = 0.0
+    pcr_layerwise: A[
+        str,
+        Arg(
+            help=(
+                "Which host-tier copies overlap with the forward pass, one layer at a "
+                "time: 'load' (chunks coming back from host memory: layer i's attention "
+                "waits only for layer i), 'offload' (a prefill's new chunks are copied to "
+                "host memory right after each layer writes them, so evicting them later "
+                "needs no copy), 'both', or 'off' (whole-chunk copies when a chunk is "
+                "matched or evicted). Needs --pcr-dram-gb. "
+                f"Default: {DEFAULT_LAYERWISE}."
+            ),
+            choices=LAYERWISE_CHOICES,
+        ),
+    ] = DEFAULT_LAYERWISE

@@ -101,3 +101,13 @@ def make_rag_workload(
                        documents=tuple(chosen), question=question)
         )
     return requests
+
+
+def working_set_tokens(prompts: Sequence[Sequence[int]], chunk_size: int) -> int:
+    """Tokens in the distinct chunk-aligned prefixes of ``prompts``: what a prefix cache
+    must hold to never recompute a whole chunk it has seen."""
+    seen: set[tuple[int, ...]] = set()
+    for ids in prompts:
+        for end in range(chunk_size, len(ids) + 1, chunk_size):
+            seen.add(tuple(ids[:end]))
+    return len(seen) * chunk_size

@@ -36,7 +36,8 @@ from pcr_sglang.core.keys import ChunkKey, chunk_keys, iter_chunk_keys, root_key
 from pcr_sglang.core.lookahead import LookaheadProtection
 from pcr_sglang.metrics import PCRMetrics
 from pcr_sglang.tiers.host_pool import HostChunkPool
-from pcr_sglang.transfer.copy_kv import Direction, copy_layer
+from pcr_sglang.transfer.copy_kv import Direction
+from pcr_sglang.transfer.layerwise import LayerwiseMode, LayerwiseTransfer
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -59,7 +60,8 @@ class PCRCacheStats:
     lookahead_refreshes: int = 0
     device_hit_chunks: int = 0  # chunks found on the device by requests' matches
     host_hit_chunks: int = 0  # chunks loaded back from the host tier for requests
-    demoted_chunks: int = 0  # device evictions kept on the host
+    demoted_chunks: int = 0  # device evictions copied to the host when evicted
+    offloaded_chunks: int = 0  # new chunks copied to the host during their prefill
     host_evicted_chunks: int = 0
     dropped_chunks: int = 0  # device evictions the host tier could not keep
     bytes_host_to_device: int = 0
@@ -90,10 +92,16 @@ class PCRPrefixCache(BasePrefixCache):
             self.init_metrics_collector()
             self.metrics = PCRMetrics(self.metrics_collector.labels, config.chunk_size)
         self.host_pool = host_pool
-        self._kv_layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.layerwise = LayerwiseMode(config.layerwise)
+        self._transfers: Optional[LayerwiseTransfer] = None
+        # Host slots of new chunks being offloaded during their prefill, by rid and chunk
+        # index: owned by the request until its checkpoint hands them to the tree.
+        self._pending_offloads: dict[str, dict[int, int]] = {}
+        self._offloads_in_flight: set[int] = set()  # host slots an offload may still write
+        self._orphaned_host_slots: set[int] = set()  # of those, slots no request owns any more
+        self._loading: set[ChunkNode] = set()  # nodes whose load to the device has not settled
         if host_pool is not None:
-            kvcache = self.token_to_kv_pool_allocator.get_kvcache()
-            self._kv_layers = list(zip(kvcache.k_buffer, kvcache.v_buffer))
+            self._attach_transfers(host_pool)
         self.tree = ChunkTree()
         self.lookahead = LookaheadProtection(self.tree, config.lookahead_window)
         # Chunk keys of the requests in the look-ahead window, by rid: hashed once per
@@ -108,6 +116,12 @@ class PCRPrefixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
+        if self._transfers is not None:
+            self._transfers.settle()
+        self._pending_offloads = {}
+        self._offloads_in_flight = set()
+        self._orphaned_host_slots = set()
+        self._loading = set()
         self.tree.reset()
         if self.host_pool is not None:
             self.host_pool.reset_slots()
@@ -210,6 +224,10 @@ class PCRPrefixCache(BasePrefixCache):
         aligned_len = len(token_ids) // self.chunk_size * self.chunk_size
         if aligned_len <= kv.cache_protected_len:
             return
+        if self._transfers is not None:
+            # Offloads of these chunks complete (or are ordered) before the tree takes
+            # them and before any duplicate's device slots are freed below.
+            self._transfers.settle()
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned_len]
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -234,10 +252,33 @@ class PCRPrefixCache(BasePrefixCache):
             (kv.req_pool_idx, slice(kv.cache_protected_len, aligned_len)),
             tree_indices[kv.cache_protected_len :].to(row.dtype),
         )
+        offloaded = self._pending_offloads.get(req.rid)
+        if offloaded:
+            self._adopt_offloaded(offloaded, new_last_node, kv.cache_protected_len // self.chunk_size,
+                                  result.prefix_len // self.chunk_size, aligned_len // self.chunk_size)
         kv.cache_protected_len = aligned_len
         self.unlock(req.lock)
         req.lock = self.lock(new_last_node)
         req.last_node = new_last_node
+
+    def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        if self._transfers is not None:
+            self._transfers.settle()  # no device slot is freed under a running offload
+        super().free_kv_row(kv, ranges)
+
+    def on_release(self, req: Req, *, checkpointed: bool) -> None:
+        """Give back host slots of chunks offloaded for ``req`` that the tree did not take
+        (a request released without a checkpoint, or chunks past its last one)."""
+        leftover = self._pending_offloads.pop(req.rid, None)
+        if not leftover:
+            return
+        assert self._transfers is not None and self.host_pool is not None
+        self._transfers.settle()
+        for slot in leftover.values():
+            if slot in self._offloads_in_flight:
+                self._orphaned_host_slots.add(slot)  # freed when its copy has settled
+            else:
+                self.host_pool.free([slot])
 
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: ChunkNode) -> IncLockRefResult:
@@ -253,6 +294,8 @@ class PCRPrefixCache(BasePrefixCache):
     # ------------------------------------------------------------------ per step
     def on_scheduler_step(self, waiting_reqs: Sequence[Req]) -> None:
         """Called by the scheduler hook before each prefill scheduling pass."""
+        if self._transfers is not None:
+            self._transfers.settle()  # loads no forward has consumed yet
         self.update_lookahead(waiting_reqs)
         if self.metrics is not None:
             self.metrics.sync(self.stats, self.tree.device_chunks, self.tree.host_chunks)
@@ -294,23 +337,132 @@ class PCRPrefixCache(BasePrefixCache):
         self.update_eviction_metrics(num_tokens, start)
         return EvictResult(num_tokens_evicted=num_tokens)
 
+    def _settle_if_loading(self, node: ChunkNode) -> None:
+        """Before a slot of ``node`` is freed: if a load into or from it has not settled,
+        settle now, so no later write to the reused slot races with the copy."""
+        if node in self._loading:
+            assert self._transfers is not None
+            self._transfers.settle()
+
     def _free_device_slots(self, node: ChunkNode) -> None:
+        self._settle_if_loading(node)
         self.token_to_kv_pool_allocator.free_segment(node.device_value, start_pos=0)
 
     # ------------------------------------------------------------------ host tier
-    def _copy_chunks(self, direction: Direction, nodes: Sequence[ChunkNode],
-                     device_slots: torch.Tensor, host_slots: list[int]) -> None:
-        """Copy every layer of ``nodes`` between their device slots and host slots."""
-        pool = self.host_pool
-        assert pool is not None
-        host_index = torch.tensor(host_slots, dtype=torch.int64)
-        for layer, (k, v) in enumerate(self._kv_layers):
-            copy_layer(direction, k, v, pool.buffer, device_slots, host_index, layer, pool.layout)
-        moved = len(nodes) * pool.layout.slot_bytes
+    def _attach_transfers(self, host_pool: HostChunkPool) -> None:
+        """Connect the layer-wise pipeline to SGLang's KV pool: its per-layer read hook
+        (loads) and its per-layer write (offloads)."""
+        kvcache = self.token_to_kv_pool_allocator.get_kvcache()
+        transfers = LayerwiseTransfer(list(zip(kvcache.k_buffer, kvcache.v_buffer)),
+                                      host_pool.buffer, host_pool.layout)
+        self._transfers = transfers
+        # The plugin's forward hook finds the pipeline here to start a forward's offloads.
+        kvcache.pcr_layerwise = transfers
+        if self.layerwise.loads:
+            if getattr(kvcache, "layer_transfer_counter", None) is not None:
+                raise ValueError("--pcr-layerwise load: the KV pool already has a layer-transfer counter")
+            kvcache.register_layer_transfer_counter(transfers)
+        if self.layerwise.offloads:
+            write = kvcache.set_kv_buffer
+            start_layer = getattr(kvcache, "start_layer", 0)
+
+            def set_kv_buffer(layer: Any, loc: Any, cache_k: Any, cache_v: Any, *args: Any,
+                              **kwargs: Any) -> None:
+                write(layer, loc, cache_k, cache_v, *args, **kwargs)
+                layer_id = kwargs.get("layer_id_override")
+                transfers.on_layer_written((layer.layer_id if layer_id is None else layer_id) - start_layer)
+
+            kvcache.set_kv_buffer = set_kv_buffer
+
+    def _count_bytes(self, direction: Direction, num_chunks: int) -> None:
+        assert self.host_pool is not None
+        moved = num_chunks * self.host_pool.layout.slot_bytes
         if direction == Direction.HOST_TO_DEVICE:
             self.stats.bytes_host_to_device += moved
         else:
             self.stats.bytes_device_to_host += moved
+
+    def _copy_chunks(self, direction: Direction, device_slots: torch.Tensor,
+                     host_slots: list[int]) -> None:
+        """Copy every layer of the chunks now, between their device and host slots."""
+        assert self._transfers is not None
+        self._transfers.copy_now(direction, device_slots, host_slots)
+        self._count_bytes(direction, len(host_slots))
+
+    # ------------------------------------------------------------------ offloads
+    def plan_offloads(self, reqs: Sequence[Req], seq_lens: Sequence[int], decode: bool = False) -> None:
+        """Give each whole chunk that the next forward completes a host slot, to be
+        filled layer by layer during that forward (``--pcr-layerwise`` offload).
+
+        Called after ``prepare_for_extend`` / ``prepare_for_decode``, when each request's
+        row holds the slots its new tokens will be written to and ``seq_lens[i]`` is how
+        many tokens of ``reqs[i]`` have KV once the forward is done. A prefill completes
+        every chunk past the tree's part; a decode step completes at most the chunk its
+        token ends. A chunk that finds no host slot is left out; if it is evicted later,
+        eviction copies it then.
+        """
+        if self._transfers is None or not self.layerwise.offloads:
+            return
+        chunk = self.chunk_size
+        device_slots: list[torch.Tensor] = []
+        host_slots: list[int] = []
+        for req, seq_len in zip(reqs, seq_lens):
+            first, end = req.kv.cache_protected_len // chunk, int(seq_len) // chunk
+            if decode:
+                if seq_len % chunk:
+                    continue
+                first = max(first, end - 1)
+            if end <= first:
+                continue
+            pending = self._pending_offloads.setdefault(req.rid, {})
+            row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+            for index in range(first, end):
+                if index in pending:
+                    continue
+                slot = self._alloc_host_slot()
+                if slot is None:
+                    break
+                pending[index] = slot
+                device_slots.append(row[index * chunk:(index + 1) * chunk])
+                host_slots.append(slot)
+        if host_slots:
+            self._offloads_in_flight.update(host_slots)
+            self._transfers.plan_offload(
+                torch.cat(device_slots), host_slots,
+                on_settled=lambda slots=tuple(host_slots): self._offload_settled(slots),
+            )
+            self._count_bytes(Direction.DEVICE_TO_HOST, len(host_slots))
+
+    def _offload_settled(self, slots: Sequence[int]) -> None:
+        assert self.host_pool is not None
+        for slot in slots:
+            self._offloads_in_flight.discard(slot)
+            if slot in self._orphaned_host_slots:
+                self._orphaned_host_slots.discard(slot)
+                self.host_pool.free([slot])
+
+    def _adopt_offloaded(self, offloaded: dict[int, int], last_node: ChunkNode, first: int,
+                         num_existing: int, end: int) -> None:
+        """Hand chunks ``[first, end)`` of a request's offloads to the tree: a node that
+        took this request's KV and has no host copy takes the slot; otherwise (the tree
+        had the chunk already) the slot is freed."""
+        assert self.host_pool is not None
+        path = last_node.path_from_root()
+        for index in range(first, end):
+            slot = offloaded.pop(index, None)
+            if slot is None:
+                continue
+            if slot in self._offloads_in_flight:
+                # Its forward never wrote through set_kv_buffer; cannot happen once the
+                # checkpoint's settle() ran, but never attach a copy that is not there.
+                self._orphaned_host_slots.add(slot)
+                continue
+            node = path[index]
+            if index >= num_existing and not node.on_host:
+                self.tree.set_host(node, slot)
+                self.stats.offloaded_chunks += 1
+            else:
+                self.host_pool.free([slot])
 
     def _alloc_host_slot(self) -> Optional[int]:
         pool = self.host_pool
@@ -328,6 +480,7 @@ class PCRPrefixCache(BasePrefixCache):
 
     def _free_host_slot(self, node: ChunkNode) -> None:
         assert self.host_pool is not None and node.host_slot is not None
+        self._settle_if_loading(node)
         self.host_pool.free([node.host_slot])
 
     def _demote_and_free(self, node: ChunkNode) -> None:
@@ -338,7 +491,7 @@ class PCRPrefixCache(BasePrefixCache):
             if slot is None:
                 self.stats.dropped_chunks += 1
             else:
-                self._copy_chunks(Direction.DEVICE_TO_HOST, [node], node.device_value, [slot])
+                self._copy_chunks(Direction.DEVICE_TO_HOST, node.device_value, [slot])
                 self.tree.set_host(node, slot)
                 self.stats.demoted_chunks += 1
         self._free_device_slots(node)
@@ -365,8 +518,20 @@ class PCRPrefixCache(BasePrefixCache):
             if slots is None:
                 return None
             loading = suffix[:fits]
-            self._copy_chunks(Direction.HOST_TO_DEVICE, loading, slots,
-                              [n.host_slot for n in loading])
+            host_slots = [n.host_slot for n in loading]
+            if self.layerwise.loads:
+                # The forward's layer i waits for layer i of this copy. Until it settles,
+                # freeing these chunks' device or host slots settles it first (see
+                # _settle_if_loading); locking them instead would hide them from the
+                # scheduler's evictable budget, which it computed before this match.
+                assert self._transfers is not None
+                self._loading.update(loading)
+                self._transfers.submit_load(
+                    slots, host_slots,
+                    on_settled=lambda nodes=tuple(loading): self._loading.difference_update(nodes))
+                self._count_bytes(Direction.HOST_TO_DEVICE, fits)
+            else:
+                self._copy_chunks(Direction.HOST_TO_DEVICE, slots, host_slots)
             for node, chunk_slots in zip(loading, slots.to(torch.int64).split(self.chunk_size)):
                 self.tree.set_device(node, chunk_slots.clone())
             self.stats.host_hit_chunks += fits
@@ -422,6 +587,10 @@ class PCRPrefixCache(BasePrefixCache):
             "device_pool_free_tokens": int(allocator.available_size()),
             "host_pool_slots": self.host_pool.layout.num_slots if self.host_pool else 0,
             "host_pool_free_slots": self.host_pool.num_free if self.host_pool else 0,
+            # Slots of new chunks being offloaded that no tree node owns yet.
+            "host_pool_offload_slots": sum(map(len, self._pending_offloads.values()))
+            + len(self._orphaned_host_slots),
+            "layerwise": self.layerwise.value,
             "host_pool_bytes": self.host_pool.layout.total_bytes if self.host_pool else 0,
             "counters": asdict(self.stats),
             "invariants": {"checked": check_invariants, "ok": invariant_error is None,

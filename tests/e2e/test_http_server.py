@@ -40,6 +40,13 @@ def servers(tiny_model):
     )
     everything = {"baseline": baseline, "pcr": pcr, "pcr_small": pcr_small, "hicache": hicache,
                   "pcr_dram": pcr_dram}
+    # The other --pcr-layerwise settings (pcr_dram runs the default, both).
+    for mode in ("off", "load", "offload"):
+        everything[f"pcr_dram_{mode}"] = ServerProcess(
+            tiny_model,
+            (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
+             "--pcr-layerwise", mode),
+        )
     start_servers(list(everything.values()))
     yield everything
     for s in everything.values():
@@ -157,7 +164,7 @@ def test_host_tier_serves_evicted_chunks_back_without_recomputing(servers, rag_p
         assert d.get("device", 0) + d.get("host", 0) == cached
     state = server.pcr_state()
     assert state["counters"]["host_hit_chunks"] > before["host_hit_chunks"], state["counters"]
-    assert state["counters"]["demoted_chunks"] > 0
+    assert state["counters"]["offloaded_chunks"] > 0  # written through during prefill (default both)
     assert all(c % CHUNK_SIZE == 0 for _, c in replay)
     assert sum(c for _, c in replay) > sum(c for _, c in results[:10])
     # Slot accounting in both tiers, and no lock left behind.
@@ -172,3 +179,35 @@ def test_host_tier_serves_evicted_chunks_back_without_recomputing(servers, rag_p
     host_hits = [line for line in metrics.splitlines()
                  if line.startswith("sglang:pcr_hit_chunks_total") and 'tier="host"' in line]
     assert host_hits and float(host_hits[0].rsplit(" ", 1)[1]) > 0, host_hits
+
+
+def test_workload_is_five_to_ten_times_the_small_pool(rag_prompt_ids):
+    """The host-tier tests below run on a working set 5-10x the device pool."""
+    from pcr_sglang.workload import working_set_tokens
+
+    pool = int(SMALL_POOL_ARGS[SMALL_POOL_ARGS.index("--max-total-tokens") + 1])
+    assert 5 * pool <= working_set_tokens(rag_prompt_ids, CHUNK_SIZE) <= 10 * pool
+
+
+@pytest.mark.parametrize("mode", ["off", "load", "offload", "both"])
+def test_every_layerwise_setting_serves_host_hits_token_for_token(servers, rag_prompt_ids, baseline_outputs,
+                                                                  mode):
+    server = servers["pcr_dram" if mode == "both" else f"pcr_dram_{mode}"]
+    results = generate_greedy(server, rag_prompt_ids, concurrency=4)
+    replay = generate_greedy(server, rag_prompt_ids[:10])
+    assert [ids for ids, _ in results] == baseline_outputs
+    assert [ids for ids, _ in replay] == baseline_outputs[:10]
+    state = server.pcr_state()
+    counters = state["counters"]
+    assert state["layerwise"] == mode
+    assert counters["host_hit_chunks"] > 0, counters
+    if mode in ("offload", "both"):
+        # New chunks reach the host during their prefill: eviction has nothing to copy.
+        assert counters["offloaded_chunks"] > 0 and counters["demoted_chunks"] == 0, counters
+    else:
+        assert counters["offloaded_chunks"] == 0 and counters["demoted_chunks"] > 0, counters
+    assert state["invariants"]["ok"], state
+    assert state["tree"]["locked_chunks"] == 0
+    assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"]
+    assert state["host_pool_offload_slots"] == 0
+    assert state["host_pool_slots"] - state["host_pool_free_slots"] == state["tree"]["host_chunks"]

@@ -88,3 +88,83 @@ def test_lookahead_window_zero_is_plain_lru():
     cache.update_lookahead([SimpleNamespace(rid="r1", origin_input_ids=old, extra_key=None, cache_salt=None)])
     cache.evict(EvictParams(num_tokens=8))
     assert cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", old)))).device_prefix_len == 0
+
+
+# ---------------------------------------------------------------- host tier, layer-wise
+LAYERS, HEADS, DIM = 2, 2, 8
+
+
+def make_tiered_cache(layerwise="both"):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from pcr_sglang.sglang_adapter.factory import build_host_pool
+
+    kvcache = MHATokenToKVPool(POOL, 1, torch.float32, HEADS, DIM, LAYERS, "cpu", False)
+    allocator = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", kvcache, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=None,
+                             token_to_kv_pool_allocator=allocator, page_size=1)
+    config = PCRConfig(enabled=True, chunk_size=CHUNK, lookahead_window=0, dram_gb=0.001,
+                       layerwise=layerwise)
+    host_pool = build_host_pool(config, allocator)
+    cache = PCRPrefixCache(params, config, CacheNamespace("m", "float32", CHUNK), host_pool=host_pool)
+    return cache, allocator, kvcache, host_pool
+
+
+def cache_prompt_with_kv(cache, allocator, kvcache, tokens):
+    """Cache ``tokens`` with distinct KV values; returns those values per layer."""
+    slots = allocator.alloc(len(tokens))
+    values = []
+    for layer in range(LAYERS):
+        k = torch.randn(len(tokens), HEADS, DIM)
+        v = torch.randn(len(tokens), HEADS, DIM)
+        kvcache.k_buffer[layer][slots] = k
+        kvcache.v_buffer[layer][slots] = v
+        values.append((k, v))
+    result = cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots))
+    allocator.free(slots[result.total_len:])
+    return values
+
+
+def match_for_request(cache, tokens):
+    req = SimpleNamespace()
+    match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req))
+    return match, req
+
+
+@pytest.mark.parametrize("layerwise", ["off", "load", "offload", "both"])
+def test_host_hits_come_back_with_their_kv_in_every_layerwise_mode(layerwise):
+    cache, allocator, kvcache, host_pool = make_tiered_cache(layerwise)
+    tokens = list(range(12))
+    values = cache_prompt_with_kv(cache, allocator, kvcache, tokens)
+    cache.evict(EvictParams(num_tokens=10**6))  # demoted to the host
+    assert cache.total_size() == 0 and cache.tree.host_chunks == 3
+    match, req = match_for_request(cache, tokens)
+    assert match.device_prefix_len == 12 and req.pcr_host_loaded_tokens == 12
+    # Loaded chunks count as evictable at once, as with synchronous copies: the scheduler
+    # budgets prefills from evictable_size() and would overcommit the pool otherwise.
+    assert cache.evictable_size() == 12 and cache.protected_size() == 0
+    slots = cache.path_device_indices(match.last_device_node)
+    for layer in range(LAYERS):  # what attention reads, through the pool's per-layer hook
+        k, v = values[layer]
+        assert torch.equal(kvcache.get_key_buffer(layer)[slots], k)
+        assert torch.equal(kvcache.get_value_buffer(layer)[slots], v)
+    cache.on_scheduler_step([])
+    assert cache.tree.check_invariants().locked_chunks == 0
+
+
+def test_freeing_a_chunk_whose_load_has_not_landed_finishes_the_load_first():
+    cache, allocator, kvcache, host_pool = make_tiered_cache("load")
+    tokens = list(range(8))
+    values = cache_prompt_with_kv(cache, allocator, kvcache, tokens)
+    cache.evict(EvictParams(num_tokens=10**6))
+    match, _ = match_for_request(cache, tokens)
+    slots = cache.path_device_indices(match.last_device_node).clone()
+    assert cache._transfers.busy  # no forward has read the layers yet
+    cache.evict(EvictParams(num_tokens=10**6))  # frees those device slots
+    assert not cache._transfers.busy
+    # The copy landed before the slots were freed, so a new owner's writes cannot be
+    # overwritten by it later.
+    assert torch.equal(kvcache.k_buffer[LAYERS - 1][slots], values[LAYERS - 1][0])
+    assert allocator.available_size() == POOL
+    assert host_pool.num_free + cache.tree.host_chunks == host_pool.layout.num_slots
+    assert cache.tree.check_invariants().locked_chunks == 0
