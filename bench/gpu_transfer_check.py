@@ -7,9 +7,10 @@
 2. Exposed transfer time: a stack of attention layers with Llama-3-8B shapes and random
    weights prefills new tokens behind a cached prefix whose KV comes from host memory,
    and offloads the new tokens' KV back. Synchronous copies (load everything, compute,
-   offload everything) against a layer-wise pipeline (layer i's load on a side stream,
-   its attention waiting only for that load; its offload on another side stream right
-   after it is written). Exposed time = run time minus compute-only time.
+   offload everything: ``--pcr-layerwise off``) against the layer-wise pipeline the
+   server runs (:class:`~pcr_sglang.transfer.layerwise.LayerwiseTransfer`: loads on a
+   side stream, layer i's attention waiting only for layer i; layer i's offload issued
+   right after it is written). Exposed time = run time minus compute-only time.
 
 Without a GPU it runs a reduced version on the CPU (torch copy path, no streams) so the
 script does not rot, and says so: those figures are not GPU figures.
@@ -20,7 +21,6 @@ Usage: python bench/gpu_transfer_check.py [--layers 32] [--prefix 4096] [--new 1
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pcr_sglang.transfer.copy_kv import Direction, copy_layer
+from pcr_sglang.transfer.layerwise import LayerwiseTransfer
 from pcr_sglang.transfer.layout import HostChunkLayout
 
 # Llama-3-8B attention shapes.
@@ -122,14 +123,16 @@ def pipeline(args, device: str, timer: Timer) -> None:
     layout = HostChunkLayout(num_slots=prefix_chunks + new_chunks, num_layers=args.layers,
                              chunk_size=args.chunk, row_bytes=row_bytes)
     host = host_buffer(layout.total_bytes, cuda)
+    host.view(dtype).copy_(torch.randn(layout.total_bytes // dtype.itemsize, dtype=dtype))
     pool_tokens = args.prefix + args.new
     k_pool = [torch.zeros(pool_tokens, KV_HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(args.layers)]
     v_pool = [torch.zeros_like(k) for k in k_pool]
     prefix_slots = torch.arange(args.prefix, device=device)
     new_slots = torch.arange(args.prefix, pool_tokens, device=device)
-    prefix_host = torch.arange(prefix_chunks, device=device)
-    new_host = torch.arange(prefix_chunks, prefix_chunks + new_chunks, device=device)
+    prefix_host = list(range(prefix_chunks))
+    new_host = list(range(prefix_chunks, prefix_chunks + new_chunks))
     x0 = torch.randn(args.new, HIDDEN, device=device, dtype=dtype)
+    transfers = LayerwiseTransfer(list(zip(k_pool, v_pool)), host, layout)
 
     def layer_compute(i, x):
         x, k_new, v_new = layers[i](x, k_pool[i][: args.prefix], v_pool[i][: args.prefix])
@@ -137,53 +140,48 @@ def pipeline(args, device: str, timer: Timer) -> None:
         v_pool[i][args.prefix:] = v_new
         return x
 
-    def load(i):
-        copy_layer(Direction.HOST_TO_DEVICE, k_pool[i], v_pool[i], host, prefix_slots, prefix_host, i, layout)
-
-    def offload(i):
-        copy_layer(Direction.DEVICE_TO_HOST, k_pool[i], v_pool[i], host, new_slots, new_host, i, layout)
-
     def compute_only():
         x = x0
         for i in range(args.layers):
             x = layer_compute(i, x)
 
     def synchronous():
-        for i in range(args.layers):
-            load(i)
+        transfers.copy_now(Direction.HOST_TO_DEVICE, prefix_slots, prefix_host)
         compute_only()
-        for i in range(args.layers):
-            offload(i)
-
-    load_stream = torch.cuda.Stream() if cuda else None
-    offload_stream = torch.cuda.Stream() if cuda else None
-
-    def on(stream):
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        transfers.copy_now(Direction.DEVICE_TO_HOST, new_slots, new_host)
 
     def layerwise():
-        loaded, written = [], []
-        with on(load_stream):
-            for i in range(args.layers):
-                load(i)
-                loaded.append(torch.cuda.Event() if cuda else None)
-                if cuda:
-                    loaded[-1].record()
+        # What the server does: the match submits the load, prepare_for_extend plans the
+        # offload, the forward hook starts it, and the KV pool's hooks drive each layer.
+        transfers.submit_load(prefix_slots, prefix_host)
+        transfers.plan_offload(new_slots, new_host)
+        transfers.begin_forward()
         x = x0
         for i in range(args.layers):
-            if cuda:
-                torch.cuda.current_stream().wait_event(loaded[i])
+            transfers.wait_until(i)
             x = layer_compute(i, x)
-            if cuda:
-                written.append(torch.cuda.Event())
-                written[-1].record()
-            with on(offload_stream):
-                if cuda:
-                    offload_stream.wait_event(written[i])
-                offload(i)
-        if cuda:
-            torch.cuda.current_stream().wait_stream(offload_stream)
+            transfers.on_layer_written(i)
+        transfers.settle()
 
+    def layerwise_is_correct() -> bool:
+        """After a layer-wise run: the prefix rows equal their host chunks and the new
+        rows were offloaded to theirs, byte for byte, in every layer."""
+        for pool in k_pool + v_pool:
+            pool.zero_()
+        layerwise()
+        if cuda:
+            torch.cuda.synchronize()
+        host_view = host.view(layout.shape)
+        for i in range(args.layers):
+            for kv, pool in ((0, k_pool), (1, v_pool)):
+                rows = pool[i].view(torch.uint8).reshape(pool_tokens, row_bytes).cpu()
+                if not torch.equal(rows[: args.prefix], host_view[:prefix_chunks, i, kv].reshape(args.prefix, -1)):
+                    return False
+                if not torch.equal(rows[args.prefix:], host_view[prefix_chunks:, i, kv].reshape(args.new, -1)):
+                    return False
+        return True
+
+    correct = layerwise_is_correct()
     t_compute = timer.run(compute_only, args.repeats)
     t_sync = timer.run(synchronous, args.repeats)
     t_layer = timer.run(layerwise, args.repeats)
@@ -193,6 +191,7 @@ def pipeline(args, device: str, timer: Timer) -> None:
     print(f"  compute only      {t_compute * 1000:8.2f} ms")
     print(f"  synchronous       {t_sync * 1000:8.2f} ms  (exposed transfer {1000 * (t_sync - t_compute):7.2f} ms)")
     print(f"  layer-wise        {t_layer * 1000:8.2f} ms  (exposed transfer {1000 * (t_layer - t_compute):7.2f} ms)")
+    print(f"  layer-wise copies byte-exact in every layer: {correct}")
 
 
 def main() -> None:

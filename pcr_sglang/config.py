@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from pcr_sglang.server_args_fields import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_LAYERWISE,
     DEFAULT_LOOKAHEAD_WINDOW,
+    DEFAULT_SSD_WRITE,
     LAYERWISE_CHOICES,
+    SSD_WRITE_CHOICES,
 )
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,10 @@ class PCRConfig:
     lookahead_window: int = DEFAULT_LOOKAHEAD_WINDOW
     dram_gb: float = 0.0
     layerwise: str = DEFAULT_LAYERWISE
+    ssd_path: Optional[str] = None
+    ssd_gb: float = 0.0
+    ssd_reserve_gb: float = 1.0
+    ssd_write: str = DEFAULT_SSD_WRITE
 
     @classmethod
     def from_server_args(cls, args: Any) -> PCRConfig:
@@ -40,11 +46,19 @@ class PCRConfig:
             lookahead_window=getattr(args, "pcr_lookahead_window", DEFAULT_LOOKAHEAD_WINDOW),
             dram_gb=getattr(args, "pcr_dram_gb", 0.0),
             layerwise=getattr(args, "pcr_layerwise", DEFAULT_LAYERWISE),
+            ssd_path=getattr(args, "pcr_ssd_path", None) or None,
+            ssd_gb=getattr(args, "pcr_ssd_gb", 0.0),
+            ssd_reserve_gb=getattr(args, "pcr_ssd_reserve_gb", 1.0),
+            ssd_write=getattr(args, "pcr_ssd_write", DEFAULT_SSD_WRITE),
         )
 
     @property
     def dram_bytes(self) -> int:
         return int(self.dram_gb * (1 << 30))
+
+    @property
+    def ssd_bytes(self) -> int:
+        return int(self.ssd_gb * (1 << 30)) if self.ssd_path else 0
 
     def validate(self, page_size: int) -> None:
         """Raise :class:`PCRConfigError` naming the offending flag."""
@@ -67,6 +81,22 @@ class PCRConfig:
         if self.layerwise not in LAYERWISE_CHOICES:
             raise PCRConfigError(
                 f"--pcr-layerwise must be one of {', '.join(LAYERWISE_CHOICES)}, got {self.layerwise!r}"
+            )
+        ssd = self.ssd_gb
+        if isinstance(ssd, bool) or not isinstance(ssd, (int, float)) or not ssd >= 0:
+            raise PCRConfigError(f"--pcr-ssd-gb must be a number of GB >= 0, got {ssd!r}")
+        reserve = self.ssd_reserve_gb
+        if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not reserve >= 0:
+            raise PCRConfigError(f"--pcr-ssd-reserve-gb must be a number of GB >= 0, got {reserve!r}")
+        if ssd > 0 and not self.ssd_path:
+            raise PCRConfigError("--pcr-ssd-gb needs --pcr-ssd-path (the directory of the SSD tier)")
+        if self.ssd_path and ssd == 0:
+            raise PCRConfigError("--pcr-ssd-path needs --pcr-ssd-gb > 0 (the size of the SSD tier)")
+        if self.ssd_path and not dram > 0:
+            raise PCRConfigError("--pcr-ssd-path needs --pcr-dram-gb > 0: SSD chunks are read through host memory")
+        if self.ssd_write not in SSD_WRITE_CHOICES:
+            raise PCRConfigError(
+                f"--pcr-ssd-write must be one of {', '.join(SSD_WRITE_CHOICES)}, got {self.ssd_write!r}"
             )
         if page_size > 0 and self.chunk_size % page_size != 0:
             raise PCRConfigError(

@@ -139,6 +139,13 @@ class ServerProcess:
         return "\n".join(line[:400] for line in text[-lines:])
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        self._signal(signal.SIGTERM, timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL the whole server at once, as a crash would: no exit handler runs."""
+        self._signal(signal.SIGKILL, 10.0)
+
+    def _signal(self, sig: int, timeout_s: float) -> None:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
@@ -148,7 +155,7 @@ class ServerProcess:
             children = []
         # The server spawns scheduler and detokenizer processes: signal the whole group.
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, sig)
             proc.wait(timeout=timeout_s)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             try:

@@ -24,6 +24,14 @@ _COUNTER_FIELDS = {
     "bytes_host_to_device": ("transfer_bytes", {"direction": "host_to_device"}),
     "bytes_device_to_host": ("transfer_bytes", {"direction": "device_to_host"}),
 }
+# SSD tier counter field -> (metric attribute, label values)
+_SSD_FIELDS = {
+    "hit_chunks": ("hit_chunks", {"tier": "ssd"}),
+    "evicted_chunks": ("evicted_chunks", {"tier": "ssd"}),
+    "written_chunks": ("ssd_written_chunks", {}),
+    "write_errors": ("ssd_errors", {"kind": "write"}),
+    "read_failures": ("ssd_errors", {"kind": "read"}),
+}
 
 
 class PCRMetrics:
@@ -65,6 +73,17 @@ class PCRMetrics:
             "KV bytes PCR copied between the device and the host tier.",
             labelnames=names + ["direction"],
         )
+        self.ssd_written_chunks = Counter(
+            "sglang:pcr_ssd_written_chunks_total",
+            "PCR chunks persisted to the SSD tier.",
+            labelnames=names,
+        )
+        self.ssd_errors = Counter(
+            "sglang:pcr_ssd_errors_total",
+            "SSD tier faults: failed writes (write-back then stops) and reads that failed or did "
+            "not verify (the chunk is recomputed).",
+            labelnames=names + ["kind"],
+        )
         self.cached_chunks = Gauge(
             "sglang:pcr_cached_chunks",
             "PCR chunks resident in each tier.",
@@ -73,12 +92,17 @@ class PCRMetrics:
         )
         self._last: dict[str, int] = {}
 
-    def sync(self, stats: Any, device_chunks: int, host_chunks: int) -> None:
-        values = asdict(stats)
-        for field, (attr, extra) in _COUNTER_FIELDS.items():
-            delta = values[field] - self._last.get(field, 0)
+    def _add(self, prefix: str, values: dict[str, Any], fields: dict) -> None:
+        for field, (attr, extra) in fields.items():
+            delta = values[field] - self._last.get(prefix + field, 0)
             if delta > 0:
                 getattr(self, attr).labels(**self.labels, **extra).inc(delta)
-            self._last[field] = values[field]
+            self._last[prefix + field] = values[field]
+
+    def sync(self, stats: Any, ssd_stats: Any, device_chunks: int, host_chunks: int, ssd_chunks: int) -> None:
+        self._add("", asdict(stats), _COUNTER_FIELDS)
+        if ssd_stats is not None:
+            self._add("ssd.", asdict(ssd_stats), _SSD_FIELDS)
+            self.cached_chunks.labels(**self.labels, tier="ssd").set(ssd_chunks)
         self.cached_chunks.labels(**self.labels, tier="device").set(device_chunks)
         self.cached_chunks.labels(**self.labels, tier="host").set(host_chunks)

@@ -13,12 +13,13 @@ It registers the ``pcr`` radix-cache backend and these hooks:
 * the scheduler's ``_get_new_batch_prefill_raw`` (BEFORE): each scheduling pass, the
   waiting queue's head feeds the look-ahead LRU and PCR's metrics are published;
 * ``ScheduleBatch.prepare_for_extend`` (AROUND): responses count chunks copied back
-  from the host tier under ``cached_tokens_details["host"]``, and the batch's new
+  from the host tier under ``cached_tokens_details["host"]`` (from the SSD tier: under
+  SGLang's storage column), and the batch's new
   chunks get host slots to be offloaded into during its forward;
 * ``ScheduleBatch.prepare_for_decode`` (AFTER): a chunk a decode step completes gets
   offloaded during that step;
-* ``ModelRunner.forward`` (BEFORE): a forward starts, and with it the offloads planned
-  for it (``--pcr-layerwise``);
+* ``ModelRunner.forward`` (AROUND): a forward starts, and with it the offloads planned
+  for it (``--pcr-layerwise``); prefills are timed for the SSD tier's cost model;
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state.
 
 SGLang's plugin loader logs and swallows exceptions raised here, so nothing in
@@ -91,8 +92,8 @@ def register() -> None:
     )
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.forward",
-        _on_forward,
-        HookType.BEFORE,
+        _around_forward,
+        HookType.AROUND,
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler_components.internal_state."
@@ -149,10 +150,14 @@ def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **
         batch.tree_cache.plan_offloads(batch.reqs, batch.seq_lens_cpu.tolist())
     for req in fresh:
         host = req.__dict__.pop("pcr_host_loaded_tokens", 0)
-        if host and req._cache_breakdown_computed:
+        ssd = req.__dict__.pop("pcr_ssd_loaded_tokens", 0)
+        if (host or ssd) and req._cache_breakdown_computed:
             moved = min(host, req.cached_tokens_device)
             req.cached_tokens_device -= moved
             req.cached_tokens_host += moved
+            moved = min(ssd, req.cached_tokens_device)
+            req.cached_tokens_device -= moved
+            req.cached_tokens_storage += moved
     return result
 
 
@@ -165,11 +170,12 @@ def _plan_decode_offloads(result: Any, batch: Any, *args: Any, **kwargs: Any) ->
     return result
 
 
-def _on_forward(model_runner: Any, *args: Any, **kwargs: Any) -> None:
-    transfers = getattr(model_runner.token_to_kv_pool, "pcr_layerwise", None)
-    if transfers is not None:
-        transfers.begin_forward()
-    return None
+def _around_forward(original: Callable[..., Any], model_runner: Any, forward_batch: Any,
+                    *args: Any, **kwargs: Any) -> Any:
+    cache = getattr(model_runner.token_to_kv_pool, "pcr_cache", None)
+    if cache is None:
+        return original(model_runner, forward_batch, *args, **kwargs)
+    return cache.run_forward(lambda: original(model_runner, forward_batch, *args, **kwargs), forward_batch)
 
 
 def _add_pcr_internal_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:

@@ -13,6 +13,8 @@ may import only msgspec and SGLang's argument helpers.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import msgspec
 
 from sglang.srt.arg_groups.arg_utils import A, Arg
@@ -23,6 +25,8 @@ DEFAULT_CHUNK_SIZE = 64
 DEFAULT_LOOKAHEAD_WINDOW = 8
 LAYERWISE_CHOICES = ["off", "load", "offload", "both"]
 DEFAULT_LAYERWISE = "both"
+SSD_WRITE_CHOICES = ["through", "on-evict"]
+DEFAULT_SSD_WRITE = "through"
 
 
 class Pcr(msgspec.Struct):
@@ -86,3 +90,45 @@ class Pcr(msgspec.Struct):
             choices=LAYERWISE_CHOICES,
         ),
     ] = DEFAULT_LAYERWISE
+    pcr_ssd_path: A[
+        Optional[str],
+        Arg(
+            help=(
+                "Directory of PCR's SSD tier (created 0700 if missing; several servers may "
+                "share it: chunks are namespaced by model, KV dtype, layout, chunk size, TP "
+                "rank and cache salt). Chunks leaving host memory persist there, come back "
+                "on a hit and survive restarts. Needs --pcr-ssd-gb and --pcr-dram-gb. "
+                "Inspect it with: python -m pcr_sglang.store usage DIR."
+            )
+        ),
+    ] = None
+    pcr_ssd_gb: A[
+        float,
+        Arg(
+            help=(
+                "Size in GB of PCR's SSD tier under --pcr-ssd-path; reduced (with a warning) "
+                "to what the disk has free above --pcr-ssd-reserve-gb. 0: no SSD tier. Default: 0."
+            )
+        ),
+    ] = 0.0
+    pcr_ssd_reserve_gb: A[
+        float,
+        Arg(
+            help=(
+                "Free space in GB the SSD tier leaves on its disk: a write that would go below "
+                "it fails like a full disk (write-back stops, serving goes on). Default: 1."
+            )
+        ),
+    ] = 1.0
+    pcr_ssd_write: A[
+        str,
+        Arg(
+            help=(
+                "When chunks are written to the SSD tier: 'through' (in the background as "
+                "soon as they reach host memory, so evicting them from host memory is free) "
+                "or 'on-evict' (only when evicted from host memory: less disk traffic, but "
+                f"the eviction waits for the write). Default: {DEFAULT_SSD_WRITE}."
+            ),
+            choices=SSD_WRITE_CHOICES,
+        ),
+    ] = DEFAULT_SSD_WRITE

@@ -5,8 +5,9 @@ node is reachable only through its own prefix: equal tokens under different pref
 different nodes (the paper's Figure 7).
 
 Each node records where its KV lives: ``device_value`` (opaque to the tree; the adapter
-puts the chunk's device KV slot indices there) and ``host_slot`` (a host-pool slot). A
-node exists while it lives in at least one tier. Device residency is prefix-closed (a
+puts the chunk's device KV slot indices there), ``host_slot`` (a host-pool slot) and
+``on_ssd`` (a record in the SSD store, named by the node's key). A node exists while it
+lives in at least one tier. Device residency is prefix-closed (a
 chunk is on the device only if its parent is), because only device *leaves* leave the
 device and chunks come back parent first; so a matched chain is a device-resident
 prefix followed by host-only chunks.
@@ -45,8 +46,10 @@ class ChunkNode:
         "depth",
         "device_value",
         "host_slot",
+        "on_ssd",
         "device_children",
         "host_children",
+        "ssd_children",
         "lock_ref",
         "last_access",
         "hit_count",
@@ -59,8 +62,10 @@ class ChunkNode:
         self.depth = 0 if parent is None else parent.depth + 1
         self.device_value = device_value
         self.host_slot: Optional[int] = None
+        self.on_ssd = False
         self.device_children = 0
         self.host_children = 0
+        self.ssd_children = 0
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
@@ -88,7 +93,7 @@ class ChunkNode:
         return path
 
     def __repr__(self) -> str:
-        tiers = ("D" if self.on_device else "") + ("H" if self.on_host else "")
+        tiers = ("D" if self.on_device else "") + ("H" if self.on_host else "") + ("S" if self.on_ssd else "")
         return (
             f"ChunkNode(key={self.key.hex()[:8]}, depth={self.depth}, tiers={tiers or '-'}, "
             f"lock_ref={self.lock_ref}, children={len(self.children)})"
@@ -132,6 +137,8 @@ class TreeStats:
     locked_chunks: int
     evictable_leaves: int
     host_evictable_leaves: int
+    ssd_chunks: int = 0
+    ssd_evictable_leaves: int = 0
 
 
 class _TierLeaves:
@@ -188,7 +195,7 @@ class _TierLeaves:
 
 
 class ChunkTree:
-    """A prefix tree of chunks over two tiers with lock counts and per-tier LRU eviction."""
+    """A prefix tree of chunks over three tiers with lock counts and per-tier LRU eviction."""
 
     def __init__(self) -> None:
         self._tick = itertools.count(1)
@@ -202,10 +209,12 @@ class ChunkTree:
         self._num_chunks = 0
         self._device_chunks = 0
         self._host_chunks = 0
+        self._ssd_chunks = 0
         self._locked_chunks = 0
         self._locked_device_chunks = 0
         self._device = _TierLeaves(self._is_device_leaf, self._seq)
         self._host = _TierLeaves(self._is_host_leaf, self._seq)
+        self._ssd = _TierLeaves(self._is_ssd_leaf, self._seq)
 
     @property
     def num_chunks(self) -> int:
@@ -218,6 +227,10 @@ class ChunkTree:
     @property
     def host_chunks(self) -> int:
         return self._host_chunks
+
+    @property
+    def ssd_chunks(self) -> int:
+        return self._ssd_chunks
 
     @property
     def evictable_chunks(self) -> int:
@@ -237,6 +250,8 @@ class ChunkTree:
             locked_chunks=self._locked_chunks,
             evictable_leaves=len(self._device.leaves),
             host_evictable_leaves=len(self._host.leaves),
+            ssd_chunks=self._ssd_chunks,
+            ssd_evictable_leaves=len(self._ssd.leaves),
         )
 
     # ------------------------------------------------------------------ lookup
@@ -325,6 +340,39 @@ class ChunkTree:
         self._host.refresh(node.parent)
         self._host.refresh(node)
 
+    def set_ssd(self, node: ChunkNode) -> None:
+        """Record that ``node``'s KV is also persisted in the SSD store."""
+        if node.parent is None:
+            raise ValueError("the root holds no KV")
+        if node.on_ssd:
+            raise RuntimeError(f"{node!r} is already on the SSD")
+        node.on_ssd = True
+        self._ssd_chunks += 1
+        node.parent.ssd_children += 1
+        self._ssd.refresh(node.parent)
+        self._ssd.refresh(node)
+
+    def add_persisted(self, parent: Optional[ChunkNode], key: ChunkKey) -> ChunkNode:
+        """A chunk found in the SSD store at startup, under ``parent`` (None: the root)."""
+        parent = parent or self.root
+        if key in parent.children:
+            raise RuntimeError(f"chunk {key.hex()} is already in the tree")
+        node = ChunkNode(key=key, parent=parent)
+        parent.children[key] = node
+        self._num_chunks += 1
+        self.set_ssd(node)
+        return node
+
+    def drop_ssd(self, node: ChunkNode, on_drop_host: Optional[NodeCallback] = None,
+                 on_drop_ssd: Optional[NodeCallback] = None) -> None:
+        """``node``'s SSD record is gone (unreadable, corrupt): forget it. A chunk left in
+        no tier is removed with the descendants only it made reachable."""
+        if not node.on_ssd:
+            return
+        self._drop_ssd(node)
+        if self._in_no_tier(node):
+            self._remove_with_descendants(node, on_drop_host, on_drop_ssd)
+
     # ------------------------------------------------------------------ locks
     def lock(self, node: ChunkNode) -> int:
         """Protect ``node`` and its ancestors from eviction in every tier (a running
@@ -338,6 +386,7 @@ class ChunkTree:
             node.lock_ref += 1
             self._device.leaves.discard(node)
             self._host.leaves.discard(node)
+            self._ssd.leaves.discard(node)
             node = node.parent
         self._locked_chunks += newly
         self._locked_device_chunks += newly_on_device
@@ -355,6 +404,7 @@ class ChunkTree:
                 freed_on_device += node.on_device
                 self._device.refresh(node)
                 self._host.refresh(node)
+                self._ssd.refresh(node)
             node = node.parent
         self._locked_chunks -= freed
         self._locked_device_chunks -= freed_on_device
@@ -367,21 +417,22 @@ class ChunkTree:
         on_evict: Optional[NodeCallback] = None,
         is_protected: Optional[NodePredicate] = None,
         on_drop_host: Optional[NodeCallback] = None,
+        on_drop_ssd: Optional[NodeCallback] = None,
     ) -> list[ChunkNode]:
         """Take up to ``num_chunks`` unlocked device leaves off the device, LRU first.
 
         ``on_evict(node)`` runs first, while the device value is still set: the adapter
         frees the device slots there, after demoting the chunk to the host (``set_host``)
         if it wants to keep it. A chunk left in no tier is removed, and with it any
-        host-only descendants it carried, for which ``on_drop_host`` frees the host slot.
-        Leaves for which ``is_protected`` answers true go only after every other
-        (look-ahead protection).
+        descendants that only it made reachable, for which ``on_drop_host`` and
+        ``on_drop_ssd`` free the host slot and the SSD record. Leaves for which
+        ``is_protected`` answers true go only after every other (look-ahead protection).
         """
         evicted: list[ChunkNode] = []
         for node in self._device.pop_lru(num_chunks, is_protected):
             if on_evict is not None:
                 on_evict(node)
-            self._drop_device(node, on_drop_host)
+            self._drop_device(node, on_drop_host, on_drop_ssd)
             evicted.append(node)
         return evicted
 
@@ -390,23 +441,58 @@ class ChunkTree:
         num_chunks: int,
         on_evict: Optional[NodeCallback] = None,
         is_protected: Optional[NodePredicate] = None,
+        on_drop_ssd: Optional[NodeCallback] = None,
     ) -> list[ChunkNode]:
         """Free up to ``num_chunks`` host slots of unlocked host leaves, LRU first.
 
-        ``on_evict(node)`` runs while ``node.host_slot`` is still set. A chunk left in no
-        tier is removed (it has no children: none on the host, so none on the device).
+        ``on_evict(node)`` runs while ``node.host_slot`` is still set (the adapter
+        persists the chunk to SSD there if it wants to keep it). A chunk left in no tier
+        is removed, with the SSD-only descendants it made reachable (``on_drop_ssd``).
         """
         evicted: list[ChunkNode] = []
         for node in self._host.pop_lru(num_chunks, is_protected):
             if on_evict is not None:
                 on_evict(node)
             self._drop_host(node)
-            if not node.on_device:
-                self._remove_leaf(node)
+            if self._in_no_tier(node):
+                self._remove_with_descendants(node, None, on_drop_ssd)
             evicted.append(node)
         return evicted
 
-    def _drop_device(self, node: ChunkNode, on_drop_host: Optional[NodeCallback]) -> None:
+    def evict_ssd(
+        self,
+        num_chunks: int,
+        on_evict: Optional[NodeCallback] = None,
+        is_protected: Optional[NodePredicate] = None,
+        on_drop_host: Optional[NodeCallback] = None,
+    ) -> list[ChunkNode]:
+        """Drop up to ``num_chunks`` SSD records of unlocked SSD leaves, LRU first.
+
+        ``on_evict(node)`` runs first (the adapter deletes the record there). A chunk left
+        in no tier is removed, with the host-only descendants it made reachable.
+        """
+        evicted: list[ChunkNode] = []
+        for node in self._ssd.pop_lru(num_chunks, is_protected):
+            if on_evict is not None:
+                on_evict(node)
+            self._drop_ssd(node)
+            if self._in_no_tier(node):
+                self._remove_with_descendants(node, on_drop_host, None)
+            evicted.append(node)
+        return evicted
+
+    @staticmethod
+    def _in_no_tier(node: ChunkNode) -> bool:
+        return not node.on_device and not node.on_host and not node.on_ssd
+
+    def _remove_with_descendants(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
+                                 on_drop_ssd: Optional[NodeCallback]) -> None:
+        for child in list(node.children.values()):
+            self._drop_subtree(child, on_drop_host, on_drop_ssd)
+        self._remove_leaf(node)
+
+    def _drop_device(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
+                     on_drop_ssd: Optional[NodeCallback] = None) -> None:
         parent = node.parent
         assert parent is not None and node.on_device and node.device_children == 0
         node.device_value = None
@@ -414,15 +500,15 @@ class ChunkTree:
         parent.device_children -= 1
         self._device.leaves.discard(node)
         self._device.refresh(parent)
-        if node.on_host:
+        if not self._in_no_tier(node):
             self._host.refresh(node)
+            self._ssd.refresh(node)
             return
-        # No tier holds this chunk any more: its host-only descendants are unreachable.
-        for child in list(node.children.values()):
-            self._drop_subtree(child, on_drop_host)
-        self._remove_leaf(node)
+        # No tier holds this chunk any more: its descendants are unreachable.
+        self._remove_with_descendants(node, on_drop_host, on_drop_ssd)
 
-    def _drop_subtree(self, node: ChunkNode, on_drop_host: Optional[NodeCallback]) -> None:
+    def _drop_subtree(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
+                      on_drop_ssd: Optional[NodeCallback] = None) -> None:
         stack = [node]
         order = []
         while stack:
@@ -435,6 +521,10 @@ class ChunkTree:
                 if on_drop_host is not None:
                     on_drop_host(n)
                 self._drop_host(n)
+            if n.on_ssd:
+                if on_drop_ssd is not None:
+                    on_drop_ssd(n)
+                self._drop_ssd(n)
             self._remove_leaf(n)
 
     def _drop_host(self, node: ChunkNode) -> None:
@@ -446,13 +536,23 @@ class ChunkTree:
         self._host.leaves.discard(node)
         self._host.refresh(parent)
 
+    def _drop_ssd(self, node: ChunkNode) -> None:
+        parent = node.parent
+        assert parent is not None and node.on_ssd
+        node.on_ssd = False
+        self._ssd_chunks -= 1
+        parent.ssd_children -= 1
+        self._ssd.leaves.discard(node)
+        self._ssd.refresh(parent)
+
     def _remove_leaf(self, node: ChunkNode) -> None:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
-        assert not node.on_device and not node.on_host
+        assert self._in_no_tier(node)
         del parent.children[node.key]
         self._device.leaves.discard(node)
         self._host.leaves.discard(node)
+        self._ssd.leaves.discard(node)
         self._num_chunks -= 1
         node.parent = None
 
@@ -472,6 +572,10 @@ class ChunkTree:
             node.parent is not None and node.on_host and node.lock_ref == 0 and node.host_children == 0
         )
 
+    @staticmethod
+    def _is_ssd_leaf(node: ChunkNode) -> bool:
+        return node.parent is not None and node.on_ssd and node.lock_ref == 0 and node.ssd_children == 0
+
     def _touch_chain(self, nodes: Sequence[ChunkNode]) -> None:
         tick = next(self._tick)
         for node in nodes:
@@ -485,6 +589,8 @@ class ChunkTree:
                 self._device.refresh(node)
             if node in self._host.leaves or self._is_host_leaf(node):
                 self._host.refresh(node)
+            if node in self._ssd.leaves or self._is_ssd_leaf(node):
+                self._ssd.refresh(node)
 
     # ------------------------------------------------------------------ checks
     def iter_nodes(self) -> Iterable[ChunkNode]:
@@ -496,18 +602,20 @@ class ChunkTree:
 
     def check_invariants(self) -> TreeStats:
         """Walk the whole tree and verify its bookkeeping (tests and debugging only)."""
-        count = locked = device = host = 0
-        device_leaves, host_leaves = set(), set()
+        count = locked = device = host = ssd = 0
+        device_leaves, host_leaves, ssd_leaves = set(), set(), set()
         for node in self.iter_nodes():
             count += 1
             parent = node.parent
             assert parent is not None and parent.children.get(node.key) is node
             assert node.depth == parent.depth + 1
-            assert node.on_device or node.on_host, f"{node!r} lives in no tier"
+            assert not self._in_no_tier(node), f"{node!r} lives in no tier"
             if node.on_device:
                 device += 1
                 assert parent.is_root or parent.on_device, f"{node!r} on device without its parent"
             host += node.on_host
+            ssd += node.on_ssd
+            assert node.ssd_children == sum(c.on_ssd for c in node.children.values()), node
             assert node.device_children == sum(c.on_device for c in node.children.values()), node
             assert node.host_children == sum(c.on_host for c in node.children.values()), node
             assert node.lock_ref >= 0, node
@@ -519,12 +627,16 @@ class ChunkTree:
                 device_leaves.add(node)
             if self._is_host_leaf(node):
                 host_leaves.add(node)
+            if self._is_ssd_leaf(node):
+                ssd_leaves.add(node)
         assert count == self._num_chunks, (count, self._num_chunks)
         assert device == self._device_chunks, (device, self._device_chunks)
         assert host == self._host_chunks, (host, self._host_chunks)
+        assert ssd == self._ssd_chunks, (ssd, self._ssd_chunks)
         assert locked == self._locked_chunks, (locked, self._locked_chunks)
         locked_device = sum(1 for n in self.iter_nodes() if n.lock_ref > 0 and n.on_device)
         assert locked_device == self._locked_device_chunks, (locked_device, self._locked_device_chunks)
         assert device_leaves == self._device.leaves
         assert host_leaves == self._host.leaves
+        assert ssd_leaves == self._ssd.leaves
         return self.stats()

@@ -13,6 +13,7 @@ from pcr_sglang.core import CacheNamespace
 from pcr_sglang.sglang_adapter.fingerprint import model_fingerprint
 from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
 from pcr_sglang.tiers.host_pool import HostChunkPool, HostPoolError
+from pcr_sglang.tiers.ssd_store import ChunkFileStore, SSDStoreError, describe_namespace
 from pcr_sglang.transfer.layout import HostChunkLayout
 
 if TYPE_CHECKING:
@@ -69,6 +70,27 @@ def build_host_pool(config: PCRConfig, allocator: Any) -> HostChunkPool:
     return pool
 
 
+def build_ssd_store(config: PCRConfig, namespace: CacheNamespace, host_pool: HostChunkPool) -> ChunkFileStore:
+    assert config.ssd_path is not None
+    layout = host_pool.layout
+    try:
+        store = ChunkFileStore(
+            config.ssd_path, namespace.digest(), layout, namespace.kv_dtype, config.ssd_bytes,
+            namespace_description=describe_namespace(namespace, layout),
+            low_watermark_bytes=int(config.ssd_reserve_gb * (1 << 30)),
+        )
+    except SSDStoreError as e:
+        raise PCRConfigError(str(e)) from e
+    if store.capacity_chunks == 0:
+        raise PCRConfigError(
+            f"--pcr-ssd-gb {config.ssd_gb} under {config.ssd_path} holds no chunk (one needs "
+            f"{store.record_bytes / 2**20:.1f} MiB, and the disk must keep its free-space reserve)"
+        )
+    logger.info("PCR SSD tier: up to %d chunks (%.2f GiB) in %s", store.capacity_chunks,
+                store.capacity_bytes / 2**30, store.dir)
+    return store
+
+
 def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:
         raise ValueError(
@@ -87,9 +109,16 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
         tp_size=ctx.tp_size,
     )
     config.validate(ctx.params.page_size)
-    host_pool = None
+    host_pool = ssd_store = None
     if config.dram_bytes > 0:
         host_pool = build_host_pool(config, ctx.params.token_to_kv_pool_allocator)
-    cache = PCRPrefixCache(ctx.params, config, namespace, host_pool=host_pool)
+    if config.ssd_bytes > 0:
+        assert host_pool is not None  # validate() requires the host tier
+        ssd_store = build_ssd_store(config, namespace, host_pool)
+    cache = PCRPrefixCache(ctx.params, config, namespace, host_pool=host_pool, ssd_store=ssd_store)
+    if cache.ssd is not None:
+        # Registered after the host pool's close, so it runs first: writes finish while
+        # the slots they read still exist.
+        atexit.register(cache.ssd.close)
     logger.info("Tree cache initialized: source=pcr impl=%s", type(cache).__name__)
     return cache

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -36,6 +36,8 @@ from pcr_sglang.core.keys import ChunkKey, chunk_keys, iter_chunk_keys, root_key
 from pcr_sglang.core.lookahead import LookaheadProtection
 from pcr_sglang.metrics import PCRMetrics
 from pcr_sglang.tiers.host_pool import HostChunkPool
+from pcr_sglang.tiers.ssd_store import ChunkFileStore
+from pcr_sglang.tiers.ssd_tier import SSDTier
 from pcr_sglang.transfer.copy_kv import Direction
 from pcr_sglang.transfer.layerwise import LayerwiseMode, LayerwiseTransfer
 
@@ -68,11 +70,17 @@ class PCRCacheStats:
     bytes_device_to_host: int = 0
 
 
+@dataclass(frozen=True)
+class _LoadBack:
+    last_node: ChunkNode  # the deepest chunk of the chain now on the device
+    ssd_chunks: int  # of the chunks loaded, those read from the SSD tier
+
+
 class PCRPrefixCache(BasePrefixCache):
     """A chunk-granular prefix cache on SGLang's device KV pool."""
 
     def __init__(self, params: CacheInitParams, config: PCRConfig, namespace: CacheNamespace,
-                 host_pool: Optional[HostChunkPool] = None):
+                 host_pool: Optional[HostChunkPool] = None, ssd_store: Optional[ChunkFileStore] = None):
         config.validate(params.page_size)
         if params.is_eagle:
             raise ValueError("--enable-pcr does not support speculative decoding yet")
@@ -100,9 +108,16 @@ class PCRPrefixCache(BasePrefixCache):
         self._offloads_in_flight: set[int] = set()  # host slots an offload may still write
         self._orphaned_host_slots: set[int] = set()  # of those, slots no request owns any more
         self._loading: set[ChunkNode] = set()  # nodes whose load to the device has not settled
+        self._prefill_timings: list[tuple[int, Any, Any]] = []  # CUDA: (tokens, begin, end) events
         if host_pool is not None:
             self._attach_transfers(host_pool)
         self.tree = ChunkTree()
+        self.ssd: Optional[SSDTier] = None
+        if ssd_store is not None:
+            if host_pool is None:
+                raise ValueError("the SSD tier needs the host tier")
+            self.ssd = SSDTier(self.tree, ssd_store, host_pool, config.chunk_size,
+                               write_through=config.ssd_write == "through")
         self.lookahead = LookaheadProtection(self.tree, config.lookahead_window)
         # Chunk keys of the requests in the look-ahead window, by rid: hashed once per
         # request, not once per scheduler step.
@@ -118,6 +133,8 @@ class PCRPrefixCache(BasePrefixCache):
     def reset(self) -> None:
         if self._transfers is not None:
             self._transfers.settle()
+        if self.ssd is not None:
+            self.ssd.forget_pending()
         self._pending_offloads = {}
         self._offloads_in_flight = set()
         self._orphaned_host_slots = set()
@@ -130,6 +147,8 @@ class PCRPrefixCache(BasePrefixCache):
         self.root_node = self.tree.root
         self.stats = PCRCacheStats()
         self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
+        if self.ssd is not None:
+            self.ssd.restore()  # what the SSD store holds stays reusable
 
     def supports_prefix_sharing(self) -> bool:
         return True
@@ -156,11 +175,13 @@ class PCRPrefixCache(BasePrefixCache):
                 loaded = self._load_back(outcome.nodes, outcome.num_on_device)
                 if loaded is not None:
                     # Remembered on the request, so that its response reports these
-                    # tokens as host hits (see the plugin's prepare_for_extend hook).
+                    # tokens by tier (see the plugin's prepare_for_extend hook).
                     req = params.req
+                    from_ssd = loaded.ssd_chunks * self.chunk_size
                     req.pcr_host_loaded_tokens = getattr(req, "pcr_host_loaded_tokens", 0) + (
-                        loaded.depth - outcome.num_on_device) * self.chunk_size
-                    last = loaded
+                        loaded.last_node.depth - outcome.num_on_device) * self.chunk_size - from_ssd
+                    req.pcr_ssd_loaded_tokens = getattr(req, "pcr_ssd_loaded_tokens", 0) + from_ssd
+                    last = loaded.last_node
         self.stats.matched_tokens += last.depth * self.chunk_size
         return self._match_result(last)
 
@@ -296,9 +317,13 @@ class PCRPrefixCache(BasePrefixCache):
         """Called by the scheduler hook before each prefill scheduling pass."""
         if self._transfers is not None:
             self._transfers.settle()  # loads no forward has consumed yet
+        if self.ssd is not None:
+            self.ssd.drain()
+            self._collect_prefill_timings()
         self.update_lookahead(waiting_reqs)
         if self.metrics is not None:
-            self.metrics.sync(self.stats, self.tree.device_chunks, self.tree.host_chunks)
+            self.metrics.sync(self.stats, self.ssd.stats if self.ssd is not None else None,
+                              self.tree.device_chunks, self.tree.host_chunks, self.tree.ssd_chunks)
 
     def update_lookahead(self, waiting_reqs: Sequence[Req]) -> None:
         """Protect what the first ``--pcr-lookahead-window`` waiting requests will reuse."""
@@ -329,6 +354,7 @@ class PCRPrefixCache(BasePrefixCache):
             on_evict=self._demote_and_free if self.host_pool is not None else self._free_device_slots,
             is_protected=protected.__contains__ if protected is not None else None,
             on_drop_host=self._free_host_slot,
+            on_drop_ssd=self.ssd.delete_record if self.ssd is not None else None,
         )
         if protected is not None:
             self.stats.evicted_protected_chunks += sum(1 for n in evicted if n in protected)
@@ -356,8 +382,8 @@ class PCRPrefixCache(BasePrefixCache):
         transfers = LayerwiseTransfer(list(zip(kvcache.k_buffer, kvcache.v_buffer)),
                                       host_pool.buffer, host_pool.layout)
         self._transfers = transfers
-        # The plugin's forward hook finds the pipeline here to start a forward's offloads.
-        kvcache.pcr_layerwise = transfers
+        # The plugin's forward hook finds the cache here (offloads, prefill speed).
+        kvcache.pcr_cache = self
         if self.layerwise.loads:
             if getattr(kvcache, "layer_transfer_counter", None) is not None:
                 raise ValueError("--pcr-layerwise load: the KV pool already has a layer-transfer counter")
@@ -388,6 +414,33 @@ class PCRPrefixCache(BasePrefixCache):
         assert self._transfers is not None
         self._transfers.copy_now(direction, device_slots, host_slots)
         self._count_bytes(direction, len(host_slots))
+
+    # ------------------------------------------------------------------ forward
+    def run_forward(self, forward: Callable[[], Any], forward_batch: Any) -> Any:
+        """Around each model forward (the plugin's hook): start the offloads planned for
+        it, and time prefills for the SSD tier's load-or-recompute model."""
+        if self._transfers is not None:
+            self._transfers.begin_forward()
+        tokens = getattr(forward_batch, "extend_num_tokens", None)
+        if self.ssd is None or not tokens:
+            return forward()
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            result = forward()
+            self.ssd.cost_model.observe_prefill(tokens, time.perf_counter() - start)
+            return result
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        result = forward()
+        end.record()
+        self._prefill_timings.append((tokens, begin, end))  # read once the GPU is done
+        return result
+
+    def _collect_prefill_timings(self) -> None:
+        while self._prefill_timings and self._prefill_timings[0][2].query():
+            tokens, begin, end = self._prefill_timings.pop(0)
+            assert self.ssd is not None
+            self.ssd.cost_model.observe_prefill(tokens, begin.elapsed_time(end) / 1000)
 
     # ------------------------------------------------------------------ offloads
     def plan_offloads(self, reqs: Sequence[Req], seq_lens: Sequence[int], decode: bool = False) -> None:
@@ -459,7 +512,7 @@ class PCRPrefixCache(BasePrefixCache):
                 continue
             node = path[index]
             if index >= num_existing and not node.on_host:
-                self.tree.set_host(node, slot)
+                self._on_host(node, slot)
                 self.stats.offloaded_chunks += 1
             else:
                 self.host_pool.free([slot])
@@ -469,19 +522,40 @@ class PCRPrefixCache(BasePrefixCache):
         assert pool is not None
         slots = pool.alloc(1)
         if slots is None:
-            protected = self.lookahead if len(self.lookahead) else None
             evicted = self.tree.evict_host(
-                1, on_evict=self._free_host_slot,
-                is_protected=protected.__contains__ if protected is not None else None,
+                1, on_evict=self._free_host_slot, is_protected=self._host_eviction_order(),
+                on_drop_ssd=self.ssd.delete_record if self.ssd is not None else None,
             )
             self.stats.host_evicted_chunks += len(evicted)
             slots = pool.alloc(1)
         return slots[0] if slots else None
 
+    def _host_eviction_order(self) -> Optional[Callable[[ChunkNode], bool]]:
+        """Host leaves evicted last: the look-ahead window's, and chunks whose SSD write
+        is still reading their slot (evicting those would wait for the disk)."""
+        protected = self.lookahead if len(self.lookahead) else None
+        ssd = self.ssd
+        if ssd is None:
+            return protected.__contains__ if protected is not None else None
+        if protected is None:
+            return ssd.writing
+        return lambda node: node in protected or ssd.writing(node)
+
+    def _lookahead_predicate(self) -> Optional[Callable[[ChunkNode], bool]]:
+        return self.lookahead.__contains__ if len(self.lookahead) else None
+
     def _free_host_slot(self, node: ChunkNode) -> None:
         assert self.host_pool is not None and node.host_slot is not None
         self._settle_if_loading(node)
+        if self.ssd is not None:
+            self.ssd.before_host_free(node)
         self.host_pool.free([node.host_slot])
+
+    def _on_host(self, node: ChunkNode, slot: int) -> None:
+        """``node``'s KV now sits in host slot ``slot``; with write-through it heads on to SSD."""
+        self.tree.set_host(node, slot)
+        if self.ssd is not None and self.ssd.write_through:
+            self.ssd.persist(node, self._lookahead_predicate(), self._free_host_slot)
 
     def _demote_and_free(self, node: ChunkNode) -> None:
         """Device eviction with a host tier: copy the chunk to host memory first (unless
@@ -492,21 +566,49 @@ class PCRPrefixCache(BasePrefixCache):
                 self.stats.dropped_chunks += 1
             else:
                 self._copy_chunks(Direction.DEVICE_TO_HOST, node.device_value, [slot])
-                self.tree.set_host(node, slot)
+                self._on_host(node, slot)
                 self.stats.demoted_chunks += 1
         self._free_device_slots(node)
 
-    def _load_back(self, nodes: list[ChunkNode], num_on_device: int) -> Optional[ChunkNode]:
-        """Copy the host-only tail ``nodes[num_on_device:]`` back to the device, as far as
-        device slots can be had; returns the deepest device-resident node of the chain.
+    def _read_from_ssd(self, suffix: list[ChunkNode]) -> tuple[int, set[ChunkNode], Optional[ChunkNode]]:
+        """Bring the SSD-only chunks of ``suffix`` (in chain order) into host memory.
 
-        The whole chain is locked meanwhile, so making room on the device can evict
-        neither its device part nor the host copies being read.
+        Returns how many leading chunks of ``suffix`` are now host-resident, which of
+        them came from SSD, and the chunk whose record failed to read (to be dropped once
+        the chain is unlocked), if any.
+        """
+        from_ssd: set[ChunkNode] = set()
+        for index, node in enumerate(suffix):
+            if node.on_host:
+                continue
+            if self.ssd is None or not node.on_ssd or not self.ssd.worth_loading():
+                return index, from_ssd, None
+            slot = self._alloc_host_slot()
+            if slot is None:
+                return index, from_ssd, None
+            if not self.ssd.read_into_host(node, slot):
+                self.host_pool.free([slot])
+                return index, from_ssd, node
+            self.tree.set_host(node, slot)
+            from_ssd.add(node)
+        return len(suffix), from_ssd, None
+
+    def _load_back(self, nodes: list[ChunkNode], num_on_device: int) -> Optional[_LoadBack]:
+        """Copy the tail ``nodes[num_on_device:]`` back to the device, as far as device
+        slots can be had, reading SSD-only chunks into host memory first.
+
+        The whole chain is locked meanwhile, so making room on the device or in host
+        memory can evict neither its device part nor the host copies being read.
         """
         suffix = nodes[num_on_device:]
         allocator = self.token_to_kv_pool_allocator
         self.tree.lock(nodes[-1])
+        failed: Optional[ChunkNode] = None
         try:
+            readable, from_ssd, failed = self._read_from_ssd(suffix)
+            suffix = suffix[:readable]
+            if not suffix:
+                return None
             want = len(suffix) * self.chunk_size
             shortfall = want - allocator.available_size()
             if shortfall > 0:
@@ -534,10 +636,15 @@ class PCRPrefixCache(BasePrefixCache):
                 self._copy_chunks(Direction.HOST_TO_DEVICE, slots, host_slots)
             for node, chunk_slots in zip(loading, slots.to(torch.int64).split(self.chunk_size)):
                 self.tree.set_device(node, chunk_slots.clone())
-            self.stats.host_hit_chunks += fits
-            return loading[-1]
+            ssd_chunks = sum(1 for n in loading if n in from_ssd)
+            self.stats.host_hit_chunks += fits - ssd_chunks
+            return _LoadBack(loading[-1], ssd_chunks)
         finally:
             self.tree.unlock(nodes[-1])
+            if failed is not None:
+                # Its record is gone or bad: forget it (and what only it made reachable).
+                assert self.ssd is not None
+                self.tree.drop_ssd(failed, on_drop_host=self._free_host_slot, on_drop_ssd=self.ssd.delete_record)
 
     # ------------------------------------------------------------------ sizes
     def evictable_size(self) -> int:
@@ -591,6 +698,7 @@ class PCRPrefixCache(BasePrefixCache):
             "host_pool_offload_slots": sum(map(len, self._pending_offloads.values()))
             + len(self._orphaned_host_slots),
             "layerwise": self.layerwise.value,
+            "ssd": self.ssd.report() if self.ssd is not None else None,
             "host_pool_bytes": self.host_pool.layout.total_bytes if self.host_pool else 0,
             "counters": asdict(self.stats),
             "invariants": {"checked": check_invariants, "ok": invariant_error is None,

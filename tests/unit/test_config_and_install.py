@@ -48,6 +48,24 @@ def test_invalid_lookahead_window_names_the_flag(window):
         PCRConfig(enabled=True, lookahead_window=window).validate(page_size=1)
 
 
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"layerwise": "sometimes"}, "--pcr-layerwise must be one of off, load, offload, both"),
+        ({"ssd_gb": 1.0}, "--pcr-ssd-gb needs --pcr-ssd-path"),
+        ({"ssd_path": "/x"}, "--pcr-ssd-path needs --pcr-ssd-gb > 0"),
+        ({"ssd_path": "/x", "ssd_gb": 1.0}, "--pcr-ssd-path needs --pcr-dram-gb > 0"),
+        ({"ssd_path": "/x", "ssd_gb": -1.0}, "--pcr-ssd-gb must be a number of GB >= 0"),
+        ({"ssd_reserve_gb": -1}, "--pcr-ssd-reserve-gb must be a number of GB >= 0"),
+        ({"ssd_path": "/x", "ssd_gb": 1.0, "dram_gb": 1.0, "ssd_write": "later"},
+         "--pcr-ssd-write must be one of through, on-evict"),
+    ],
+)
+def test_invalid_tier_flags_name_the_flag(fields, message):
+    with pytest.raises(PCRConfigError, match=message):
+        PCRConfig(enabled=True, **fields).validate(page_size=1)
+
+
 def test_installed_sglang_is_patched():
     assert check_sglang_install() is None
 

@@ -94,19 +94,25 @@ def test_lookahead_window_zero_is_plain_lru():
 LAYERS, HEADS, DIM = 2, 2, 8
 
 
-def make_tiered_cache(layerwise="both"):
+def make_tiered_cache(layerwise="both", dram_gb=0.001, ssd_path=None, ssd_write="through"):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from pcr_sglang.sglang_adapter.factory import build_host_pool
+    from pcr_sglang.sglang_adapter.factory import build_host_pool, build_ssd_store
 
     kvcache = MHATokenToKVPool(POOL, 1, torch.float32, HEADS, DIM, LAYERS, "cpu", False)
     allocator = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", kvcache, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=None,
                              token_to_kv_pool_allocator=allocator, page_size=1)
-    config = PCRConfig(enabled=True, chunk_size=CHUNK, lookahead_window=0, dram_gb=0.001,
-                       layerwise=layerwise)
+    config = PCRConfig(enabled=True, chunk_size=CHUNK, lookahead_window=0, dram_gb=dram_gb,
+                       layerwise=layerwise, ssd_path=str(ssd_path) if ssd_path else None,
+                       ssd_gb=0.01 if ssd_path else 0.0, ssd_write=ssd_write)
     host_pool = build_host_pool(config, allocator)
-    cache = PCRPrefixCache(params, config, CacheNamespace("m", "float32", CHUNK), host_pool=host_pool)
+    namespace = CacheNamespace("m", "float32", CHUNK)
+    store = None
+    if ssd_path is not None:
+        store = build_ssd_store(config, namespace, host_pool)
+        store.low_watermark_bytes = 0
+    cache = PCRPrefixCache(params, config, namespace, host_pool=host_pool, ssd_store=store)
     return cache, allocator, kvcache, host_pool
 
 
@@ -168,3 +174,136 @@ def test_freeing_a_chunk_whose_load_has_not_landed_finishes_the_load_first():
     assert allocator.available_size() == POOL
     assert host_pool.num_free + cache.tree.host_chunks == host_pool.layout.num_slots
     assert cache.tree.check_invariants().locked_chunks == 0
+
+
+def test_500_requests_with_eviction_in_both_tiers_leave_every_slot_owned_once():
+    """The adapter's books over a long run: device slots (SGLang's allocator) and host
+    slots are each free or owned by exactly one node, and no lock is left."""
+    import random
+
+    slot_bytes = LAYERS * 2 * CHUNK * HEADS * DIM * 4
+    cache, allocator, kvcache, host_pool = make_tiered_cache("both", dram_gb=24 * slot_bytes / 2**30)
+    assert host_pool.layout.num_slots == 24  # far below the working set: host evictions too
+    rng = random.Random(0)
+    docs = [[rng.randrange(1000) for _ in range(rng.randrange(3, 14))] for _ in range(30)]
+    waiting = []
+    for i in range(500):
+        tokens = [t for d in rng.sample(docs, rng.randrange(1, 4)) for t in d][: POOL // 2]
+        match, _ = match_for_request(cache, tokens)
+        cache.inc_lock_ref(match.last_device_node)
+        cached = match.device_prefix_len
+        need = len(tokens) - cached
+        if allocator.available_size() < need:
+            cache.evict(EvictParams(num_tokens=need - allocator.available_size()))
+        new = allocator.alloc(need)
+        assert new is not None
+        prefix = cache.path_device_indices(match.last_device_node)
+        result = cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=torch.cat([prefix, new])))
+        allocator.free(new[result.total_len - cached:])  # the partial last chunk
+        cache.dec_lock_ref(match.last_device_node)
+        waiting = [SimpleNamespace(rid=f"w{i}", origin_input_ids=tokens, extra_key=None, cache_salt=None)]
+        if i % 7 == 0:
+            cache.on_scheduler_step(waiting)
+    cache.on_scheduler_step([])
+    stats = cache.tree.check_invariants()
+    counters = cache.stats
+    assert counters.demoted_chunks > 0 and counters.host_evicted_chunks > 0 and counters.host_hit_chunks > 0
+    assert stats.locked_chunks == 0 and cache.protected_size() == 0
+    device = cache.all_values_flatten().tolist()
+    assert len(device) == len(set(device)) == cache.total_size()
+    assert allocator.available_size() + cache.total_size() == POOL
+    host = [n.host_slot for n in cache.tree.iter_nodes() if n.on_host]
+    assert len(host) == len(set(host)) == stats.host_chunks
+    assert host_pool.num_free + len(host) == host_pool.layout.num_slots
+
+
+# ---------------------------------------------------------------- SSD tier
+def persisted_prompts(cache, allocator, kvcache, prompts):
+    """Cache each prompt, push everything out of device and host memory, let the
+    write-back finish; returns each prompt's KV values."""
+    values = [cache_prompt_with_kv(cache, allocator, kvcache, p) for p in prompts]
+    cache.evict(EvictParams(num_tokens=10**6))
+    cache.ssd.writer.wait_idle(timeout_s=30)
+    cache.on_scheduler_step([])  # claims completed writes
+    return values
+
+
+def assert_kv(kvcache, slots, values):
+    for layer in range(LAYERS):
+        k, v = values[layer]
+        assert torch.equal(kvcache.get_key_buffer(layer)[slots], k[: len(slots)])
+        assert torch.equal(kvcache.get_value_buffer(layer)[slots], v[: len(slots)])
+
+
+@pytest.mark.parametrize("ssd_write", ["through", "on-evict"])
+def test_chunks_come_back_from_ssd_and_survive_a_restart(tmp_path, ssd_write):
+    slot_bytes = LAYERS * 2 * CHUNK * HEADS * DIM * 4
+    dram = 3 * slot_bytes / 2**30  # three host slots for six chunks: the rest only on SSD
+    prompts = [list(range(100, 112)), list(range(200, 212))]
+    cache, allocator, kvcache, host_pool = make_tiered_cache(dram_gb=dram, ssd_path=tmp_path / "ssd",
+                                                             ssd_write=ssd_write)
+    values = persisted_prompts(cache, allocator, kvcache, prompts)
+    if ssd_write == "on-evict":  # the three still on the host are not written yet
+        cache.evict(EvictParams(num_tokens=10**6))
+        for node in [n for n in cache.tree.iter_nodes() if n.on_host and not n.on_ssd]:
+            cache.tree.evict_host(1, on_evict=cache._free_host_slot)
+    assert cache.tree.ssd_chunks >= 3 and cache.tree.host_chunks <= 3
+    match, req = match_for_request(cache, prompts[0])
+    assert match.device_prefix_len == 12
+    assert req.pcr_ssd_loaded_tokens + req.pcr_host_loaded_tokens == 12 and req.pcr_ssd_loaded_tokens > 0
+    assert_kv(kvcache, cache.path_device_indices(match.last_device_node), values[0])
+    cache.on_scheduler_step([])
+    cache.tree.check_invariants()
+    cache.ssd.close()
+    if ssd_write == "through":
+        # A new server on the same directory: every persisted chain is found again.
+        cache2, allocator2, kvcache2, _ = make_tiered_cache(dram_gb=dram, ssd_path=tmp_path / "ssd")
+        assert cache2.ssd.stats.restored_chunks == 6
+        for prompt, value in zip(prompts, values):
+            match, req = match_for_request(cache2, prompt)
+            assert match.device_prefix_len == 12 and req.pcr_ssd_loaded_tokens == 12
+            assert_kv(kvcache2, cache2.path_device_indices(match.last_device_node), value)
+        cache2.ssd.close()
+
+
+def test_a_corrupt_record_is_recomputed_not_used(tmp_path):
+    prompts = [list(range(100, 112))]
+    cache, allocator, kvcache, _ = make_tiered_cache(ssd_path=tmp_path / "ssd")
+    persisted_prompts(cache, allocator, kvcache, prompts)
+    cache.ssd.close()
+    store_files = sorted((tmp_path / "ssd").rglob("*.chunk"))
+    assert len(store_files) == 3
+    # Corrupt the second chunk's payload: the restart still lists it (header intact).
+    node_keys = [n.key for n in cache.tree.match(iter(cache_keys(cache, prompts[0]))).nodes]
+    second = next(p for p in store_files if p.name.startswith(node_keys[1].hex()))
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 0x55
+    second.write_bytes(bytes(data))
+    cache2, _, _, _ = make_tiered_cache(ssd_path=tmp_path / "ssd")
+    match, req = match_for_request(cache2, prompts[0])
+    assert match.device_prefix_len == CHUNK  # the first chunk only; the rest is recomputed
+    assert cache2.ssd.store.stats.corrupt_chunks == 1 and cache2.ssd.stats.read_failures == 1
+    assert cache2.tree.ssd_chunks == 1 and not second.exists()
+    cache2.tree.check_invariants()
+    cache2.ssd.close()
+
+
+def test_a_full_disk_stops_write_back_and_serving_goes_on(tmp_path, caplog):
+    prompts = [list(range(100, 112)), list(range(300, 312))]
+    cache, allocator, kvcache, host_pool = make_tiered_cache(ssd_path=tmp_path / "ssd")
+    cache.ssd.store.low_watermark_bytes = 1 << 60  # every write now fails with ENOSPC
+    with caplog.at_level("WARNING"):
+        values = persisted_prompts(cache, allocator, kvcache, prompts)
+    assert not cache.ssd.writes_enabled and cache.ssd.stats.write_errors >= 1
+    assert "write-back is stopped" in caplog.text and cache.tree.ssd_chunks == 0
+    match, req = match_for_request(cache, prompts[1])  # still served from host memory
+    assert match.device_prefix_len == 12
+    assert_kv(kvcache, cache.path_device_indices(match.last_device_node), values[1])
+    cache.tree.check_invariants()
+    cache.ssd.close()
+
+
+def cache_keys(cache, tokens):
+    from pcr_sglang.core.keys import chunk_keys
+
+    return chunk_keys(cache._root_key(None, None), tokens, CHUNK)

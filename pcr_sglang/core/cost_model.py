@@ -1,0 +1,44 @@
+"""Load or recompute: whether reading a chunk from SSD beats prefilling its tokens again.
+
+Loading is not always faster. Reading a chunk costs its bytes over the disk's bandwidth;
+recomputing it costs its tokens over the prefill speed. KV bytes per token grow with
+layers x KV heads x head size while prefill speed is set by the accelerator, so a slow
+disk (network storage, a busy SSD) behind a fast GPU can make recomputation the faster
+path; on this project's CPU test machine the disk wins by two orders of magnitude.
+
+Both rates are measured while serving (exponential moving averages). Until both are
+known the model says load; while it says recompute, one in ``probe_every`` decisions
+loads anyway, so a disk that got faster is noticed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class LoadOrRecompute:
+    alpha: float = 0.2  # weight of a new sample in the moving averages
+    probe_every: int = 16
+    read_seconds_per_chunk: Optional[float] = None
+    prefill_tokens_per_second: Optional[float] = None
+    decisions_to_recompute: int = 0
+
+    def observe_read(self, seconds: float) -> None:
+        self.read_seconds_per_chunk = self._ewma(self.read_seconds_per_chunk, seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_second = self._ewma(self.prefill_tokens_per_second, tokens / seconds)
+
+    def should_load(self, chunk_tokens: int) -> bool:
+        if self.read_seconds_per_chunk is None or self.prefill_tokens_per_second is None:
+            return True
+        if self.read_seconds_per_chunk <= chunk_tokens / self.prefill_tokens_per_second:
+            return True
+        self.decisions_to_recompute += 1
+        return self.decisions_to_recompute % self.probe_every == 0
+
+    def _ewma(self, old: Optional[float], sample: float) -> float:
+        return sample if old is None else (1 - self.alpha) * old + self.alpha * sample
