@@ -19,9 +19,12 @@ file, which the next open deletes.
 
 Nothing read is trusted: the header carries a magic, the format version, the chunk's key
 and parent key, its depth, token count, namespace digest, layout and dtype, the payload
-length and a BLAKE2b digest of the payload, and its own digest. A record whose header
-does not verify is deleted when the store opens; a payload whose digest does not match
-is deleted when read, and the read reports a miss (the chunk is recomputed). Keys already
+length and an XXH3-128 digest of the payload, and its own digest. (XXH3 rather than
+BLAKE2b: these digests catch corruption, not forgery, and XXH3 hashes ~14 GB/s on one
+core against BLAKE2b's ~0.7, which would cap reads far below an NVMe drive's speed.) A
+record whose header does not verify is deleted when the store opens; a payload whose
+digest does not match is deleted when read, and the read reports a miss (the chunk is
+recomputed). Keys already
 fold in the namespace and the request's cache salt, and the header's namespace is checked
 too, so two servers or tenants sharing a directory never read each other's chunks.
 
@@ -32,7 +35,6 @@ and delete; the store moves bytes and keeps them honest.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -41,6 +43,8 @@ import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
+
+import xxhash
 
 from pcr_sglang.transfer.layout import HostChunkLayout
 
@@ -63,7 +67,7 @@ class SSDStoreError(RuntimeError):
 
 
 def _digest(data) -> bytes:
-    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()
+    return xxhash.xxh3_128(data).digest()
 
 
 @dataclass(frozen=True)
