@@ -14,6 +14,8 @@ from pcr_sglang.server_args_fields import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_LAYERWISE,
     DEFAULT_LOOKAHEAD_WINDOW,
+    DEFAULT_PREFETCH_BUDGET_MB,
+    DEFAULT_PREFETCH_WINDOW,
     DEFAULT_SSD_WRITE,
     LAYERWISE_CHOICES,
     SSD_WRITE_CHOICES,
@@ -37,6 +39,8 @@ class PCRConfig:
     ssd_gb: float = 0.0
     ssd_reserve_gb: float = 1.0
     ssd_write: str = DEFAULT_SSD_WRITE
+    prefetch_window: int = DEFAULT_PREFETCH_WINDOW
+    prefetch_budget_mb: int = DEFAULT_PREFETCH_BUDGET_MB
 
     @classmethod
     def from_server_args(cls, args: Any) -> PCRConfig:
@@ -50,6 +54,8 @@ class PCRConfig:
             ssd_gb=getattr(args, "pcr_ssd_gb", 0.0),
             ssd_reserve_gb=getattr(args, "pcr_ssd_reserve_gb", 1.0),
             ssd_write=getattr(args, "pcr_ssd_write", DEFAULT_SSD_WRITE),
+            prefetch_window=getattr(args, "pcr_prefetch_window", DEFAULT_PREFETCH_WINDOW),
+            prefetch_budget_mb=getattr(args, "pcr_prefetch_budget_mb", DEFAULT_PREFETCH_BUDGET_MB),
         )
 
     @property
@@ -94,6 +100,10 @@ class PCRConfig:
             raise PCRConfigError("--pcr-ssd-path needs --pcr-ssd-gb > 0 (the size of the SSD tier)")
         if self.ssd_path and not dram > 0:
             raise PCRConfigError("--pcr-ssd-path needs --pcr-dram-gb > 0: SSD chunks are read through host memory")
+        for flag, value in (("--pcr-prefetch-window", self.prefetch_window),
+                            ("--pcr-prefetch-budget-mb", self.prefetch_budget_mb)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PCRConfigError(f"{flag} must be a non-negative integer, got {value!r}")
         if self.ssd_write not in SSD_WRITE_CHOICES:
             raise PCRConfigError(
                 f"--pcr-ssd-write must be one of {', '.join(SSD_WRITE_CHOICES)}, got {self.ssd_write!r}"

@@ -27,6 +27,9 @@ LAYERWISE_CHOICES = ["off", "load", "offload", "both"]
 DEFAULT_LAYERWISE = "both"
 SSD_WRITE_CHOICES = ["through", "on-evict"]
 DEFAULT_SSD_WRITE = "through"
+# From bench/prefetch_sweep.py (see bench/README.md).
+DEFAULT_PREFETCH_WINDOW = 8
+DEFAULT_PREFETCH_BUDGET_MB = 256
 
 
 class Pcr(msgspec.Struct):
@@ -120,6 +123,26 @@ class Pcr(msgspec.Struct):
             )
         ),
     ] = 1.0
+    pcr_prefetch_window: A[
+        int,
+        Arg(
+            help=(
+                "Queue-based prefetch: each scheduler step, SSD-resident chunks that the first N "
+                "waiting requests will reuse are read into host memory by PCR's I/O process "
+                "before those requests run. 0 disables prefetch (SSD chunks are then read when "
+                f"their request is scheduled). Default: {DEFAULT_PREFETCH_WINDOW}."
+            )
+        ),
+    ] = DEFAULT_PREFETCH_WINDOW
+    pcr_prefetch_budget_mb: A[
+        int,
+        Arg(
+            help=(
+                "Most chunk bytes (MB) the prefetcher keeps in flight from SSD to host memory. "
+                f"Default: {DEFAULT_PREFETCH_BUDGET_MB}."
+            )
+        ),
+    ] = DEFAULT_PREFETCH_BUDGET_MB
     pcr_ssd_write: A[
         str,
         Arg(

@@ -117,7 +117,10 @@ class PCRPrefixCache(BasePrefixCache):
             if host_pool is None:
                 raise ValueError("the SSD tier needs the host tier")
             self.ssd = SSDTier(self.tree, ssd_store, host_pool, config.chunk_size,
-                               write_through=config.ssd_write == "through")
+                               write_through=config.ssd_write == "through",
+                               prefetch_window=config.prefetch_window,
+                               prefetch_budget_bytes=config.prefetch_budget_mb << 20)
+            self.ssd.free_host_slot = self._free_host_slot
         self.lookahead = LookaheadProtection(self.tree, config.lookahead_window)
         # Chunk keys of the requests in the look-ahead window, by rid: hashed once per
         # request, not once per scheduler step.
@@ -318,20 +321,27 @@ class PCRPrefixCache(BasePrefixCache):
         if self._transfers is not None:
             self._transfers.settle()  # loads no forward has consumed yet
         if self.ssd is not None:
-            self.ssd.drain()
+            self.ssd.poll()
+            self._drop_bad_records()
             self._collect_prefill_timings()
         self.update_lookahead(waiting_reqs)
+        if self.ssd is not None and self.ssd.prefetch_window:
+            chains = [self.tree.match(iter(keys), touch=False).nodes
+                      for keys in list(self._lookahead_keys.values())[: self.ssd.prefetch_window]]
+            self.ssd.prefetch(chains, len(waiting_reqs), self._alloc_host_slot)
         if self.metrics is not None:
             self.metrics.sync(self.stats, self.ssd.stats if self.ssd is not None else None,
                               self.tree.device_chunks, self.tree.host_chunks, self.tree.ssd_chunks)
 
     def update_lookahead(self, waiting_reqs: Sequence[Req]) -> None:
-        """Protect what the first ``--pcr-lookahead-window`` waiting requests will reuse."""
+        """Protect what the first ``--pcr-lookahead-window`` waiting requests will reuse
+        (and hash the chunk keys of as many as the prefetcher looks at)."""
         window = self.lookahead.window
-        if window == 0:
+        depth = max(window, self.ssd.prefetch_window if self.ssd is not None else 0)
+        if depth == 0:
             return
         keys_by_rid: dict[str, list[ChunkKey]] = {}
-        for req in waiting_reqs[:window]:
+        for req in waiting_reqs[:depth]:
             keys = self._lookahead_keys.get(req.rid)
             if keys is None:
                 keys = chunk_keys(
@@ -339,7 +349,7 @@ class PCRPrefixCache(BasePrefixCache):
                 )
             keys_by_rid[req.rid] = keys
         self._lookahead_keys = keys_by_rid
-        self.lookahead.refresh(keys_by_rid.values())
+        self.lookahead.refresh(list(keys_by_rid.values())[:window] if window else [])
         self.stats.lookahead_refreshes += 1
 
     # ------------------------------------------------------------------ eviction
@@ -531,15 +541,16 @@ class PCRPrefixCache(BasePrefixCache):
         return slots[0] if slots else None
 
     def _host_eviction_order(self) -> Optional[Callable[[ChunkNode], bool]]:
-        """Host leaves evicted last: the look-ahead window's, and chunks whose SSD write
-        is still reading their slot (evicting those would wait for the disk)."""
+        """Host leaves evicted last: the look-ahead window's, chunks whose SSD write is
+        still reading their slot (evicting those would wait for the disk), and chunks
+        prefetched for waiting requests."""
         protected = self.lookahead if len(self.lookahead) else None
         ssd = self.ssd
         if ssd is None:
             return protected.__contains__ if protected is not None else None
         if protected is None:
-            return ssd.writing
-        return lambda node: node in protected or ssd.writing(node)
+            return ssd.protected
+        return lambda node: node in protected or ssd.protected(node)
 
     def _lookahead_predicate(self) -> Optional[Callable[[ChunkNode], bool]]:
         return self.lookahead.__contains__ if len(self.lookahead) else None
@@ -555,7 +566,7 @@ class PCRPrefixCache(BasePrefixCache):
         """``node``'s KV now sits in host slot ``slot``; with write-through it heads on to SSD."""
         self.tree.set_host(node, slot)
         if self.ssd is not None and self.ssd.write_through:
-            self.ssd.persist(node, self._lookahead_predicate(), self._free_host_slot)
+            self.ssd.persist(node, self._lookahead_predicate())
 
     def _demote_and_free(self, node: ChunkNode) -> None:
         """Device eviction with a host tier: copy the chunk to host memory first (unless
@@ -578,20 +589,30 @@ class PCRPrefixCache(BasePrefixCache):
         the chain is unlocked), if any.
         """
         from_ssd: set[ChunkNode] = set()
+        ssd = self.ssd
         for index, node in enumerate(suffix):
             if node.on_host:
+                if ssd is not None and ssd.note_used(node):
+                    from_ssd.add(node)  # prefetched from SSD before this request ran
                 continue
-            if self.ssd is None or not node.on_ssd or not self.ssd.worth_loading():
+            if ssd is None or not node.on_ssd:
                 return index, from_ssd, None
-            slot = self._alloc_host_slot()
-            if slot is None:
-                return index, from_ssd, None
-            if not self.ssd.read_into_host(node, slot):
-                self.host_pool.free([slot])
-                return index, from_ssd, node
-            self.tree.set_host(node, slot)
+            outcome = ssd.load_into_host(node, self._alloc_host_slot)
+            if outcome != "ok":
+                return index, from_ssd, node if outcome == "bad" else None
             from_ssd.add(node)
         return len(suffix), from_ssd, None
+
+    def _drop_bad_records(self) -> None:
+        """Forget chunks whose SSD record failed to read (the store deleted the file)."""
+        assert self.ssd is not None
+        for node in self.ssd.take_bad_records():
+            if node.parent is None or not node.on_ssd:
+                continue
+            if node.lock_ref:  # in a chain being loaded: retried at the next step
+                self.ssd.retry_bad_later(node)
+                continue
+            self.tree.drop_ssd(node, on_drop_host=self._free_host_slot, on_drop_ssd=self.ssd.delete_record)
 
     def _load_back(self, nodes: list[ChunkNode], num_on_device: int) -> Optional[_LoadBack]:
         """Copy the tail ``nodes[num_on_device:]`` back to the device, as far as device
@@ -643,8 +664,7 @@ class PCRPrefixCache(BasePrefixCache):
             self.tree.unlock(nodes[-1])
             if failed is not None:
                 # Its record is gone or bad: forget it (and what only it made reachable).
-                assert self.ssd is not None
-                self.tree.drop_ssd(failed, on_drop_host=self._free_host_slot, on_drop_ssd=self.ssd.delete_record)
+                self._drop_bad_records()
 
     # ------------------------------------------------------------------ sizes
     def evictable_size(self) -> int:
@@ -697,6 +717,8 @@ class PCRPrefixCache(BasePrefixCache):
             # Slots of new chunks being offloaded that no tree node owns yet.
             "host_pool_offload_slots": sum(map(len, self._pending_offloads.values()))
             + len(self._orphaned_host_slots),
+            # Slots the I/O process is filling from SSD (owned by no node until it is done).
+            "host_pool_io_slots": self.ssd.io_slots if self.ssd is not None else 0,
             "layerwise": self.layerwise.value,
             "ssd": self.ssd.report() if self.ssd is not None else None,
             "host_pool_bytes": self.host_pool.layout.total_bytes if self.host_pool else 0,

@@ -114,7 +114,7 @@ class ChunkFileStore:
     """The chunk files of one namespace under ``root``, within ``capacity_bytes``."""
 
     def __init__(self, root: str | os.PathLike, namespace_digest: bytes, layout: HostChunkLayout,
-                 dtype: str, capacity_bytes: int, *, namespace_description: Optional[dict] = None,
+                 dtype: str, capacity_bytes: Optional[int], *, namespace_description: Optional[dict] = None,
                  low_watermark_bytes: int = 1 << 30):
         if len(namespace_digest) != _DIGEST_BYTES:
             raise ValueError("namespace digest must be 16 bytes")
@@ -128,7 +128,8 @@ class ChunkFileStore:
         self.record_bytes = HEADER_BYTES + layout.slot_bytes
         self.stats = StoreStats()
         self._prepare_dirs(namespace_description or {})
-        self.capacity_bytes = self._fit_capacity(capacity_bytes)
+        # None: this process only executes orders (the I/O process); the owner sizes the store.
+        self.capacity_bytes = 0 if capacity_bytes is None else self._fit_capacity(capacity_bytes)
 
     # ------------------------------------------------------------------ setup
     def _prepare_dirs(self, description: dict) -> None:

@@ -94,7 +94,8 @@ def test_lookahead_window_zero_is_plain_lru():
 LAYERS, HEADS, DIM = 2, 2, 8
 
 
-def make_tiered_cache(layerwise="both", dram_gb=0.001, ssd_path=None, ssd_write="through"):
+def make_tiered_cache(layerwise="both", dram_gb=0.001, ssd_path=None, ssd_write="through", ssd_reserve_bytes=0,
+                      prefetch_window=0):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     from pcr_sglang.sglang_adapter.factory import build_host_pool, build_ssd_store
@@ -105,13 +106,13 @@ def make_tiered_cache(layerwise="both", dram_gb=0.001, ssd_path=None, ssd_write=
                              token_to_kv_pool_allocator=allocator, page_size=1)
     config = PCRConfig(enabled=True, chunk_size=CHUNK, lookahead_window=0, dram_gb=dram_gb,
                        layerwise=layerwise, ssd_path=str(ssd_path) if ssd_path else None,
-                       ssd_gb=0.01 if ssd_path else 0.0, ssd_write=ssd_write)
+                       ssd_gb=0.01 if ssd_path else 0.0, ssd_write=ssd_write, prefetch_window=prefetch_window)
     host_pool = build_host_pool(config, allocator)
     namespace = CacheNamespace("m", "float32", CHUNK)
     store = None
     if ssd_path is not None:
         store = build_ssd_store(config, namespace, host_pool)
-        store.low_watermark_bytes = 0
+        store.low_watermark_bytes = ssd_reserve_bytes  # the I/O process takes it at spawn
     cache = PCRPrefixCache(params, config, namespace, host_pool=host_pool, ssd_store=store)
     return cache, allocator, kvcache, host_pool
 
@@ -223,7 +224,7 @@ def persisted_prompts(cache, allocator, kvcache, prompts):
     write-back finish; returns each prompt's KV values."""
     values = [cache_prompt_with_kv(cache, allocator, kvcache, p) for p in prompts]
     cache.evict(EvictParams(num_tokens=10**6))
-    cache.ssd.writer.wait_idle(timeout_s=30)
+    assert cache.ssd.io.wait_idle(timeout_s=30)
     cache.on_scheduler_step([])  # claims completed writes
     return values
 
@@ -282,7 +283,7 @@ def test_a_corrupt_record_is_recomputed_not_used(tmp_path):
     cache2, _, _, _ = make_tiered_cache(ssd_path=tmp_path / "ssd")
     match, req = match_for_request(cache2, prompts[0])
     assert match.device_prefix_len == CHUNK  # the first chunk only; the rest is recomputed
-    assert cache2.ssd.store.stats.corrupt_chunks == 1 and cache2.ssd.stats.read_failures == 1
+    assert cache2.ssd.stats.read_failures == 1  # found by the I/O process's checksum
     assert cache2.tree.ssd_chunks == 1 and not second.exists()
     cache2.tree.check_invariants()
     cache2.ssd.close()
@@ -290,8 +291,8 @@ def test_a_corrupt_record_is_recomputed_not_used(tmp_path):
 
 def test_a_full_disk_stops_write_back_and_serving_goes_on(tmp_path, caplog):
     prompts = [list(range(100, 112)), list(range(300, 312))]
-    cache, allocator, kvcache, host_pool = make_tiered_cache(ssd_path=tmp_path / "ssd")
-    cache.ssd.store.low_watermark_bytes = 1 << 60  # every write now fails with ENOSPC
+    # A free-space reserve larger than any disk: every write fails like a full disk.
+    cache, allocator, kvcache, host_pool = make_tiered_cache(ssd_path=tmp_path / "ssd", ssd_reserve_bytes=1 << 60)
     with caplog.at_level("WARNING"):
         values = persisted_prompts(cache, allocator, kvcache, prompts)
     assert not cache.ssd.writes_enabled and cache.ssd.stats.write_errors >= 1
@@ -307,3 +308,62 @@ def cache_keys(cache, tokens):
     from pcr_sglang.core.keys import chunk_keys
 
     return chunk_keys(cache._root_key(None, None), tokens, CHUNK)
+
+
+def test_prefetch_brings_waiting_requests_ssd_chunks_to_host_memory_in_time(tmp_path):
+    slot_bytes = LAYERS * 2 * CHUNK * HEADS * DIM * 4
+    prompts = [list(range(100, 112)), list(range(200, 212)), list(range(300, 312))]
+    cache, allocator, kvcache, host_pool = make_tiered_cache(
+        dram_gb=4 * slot_bytes / 2**30, ssd_path=tmp_path / "ssd", prefetch_window=1)
+    values = persisted_prompts(cache, allocator, kvcache, prompts)
+    # The first prompt's chunks left host memory long ago: SSD only.
+    first = cache.tree.match(iter(cache_keys(cache, prompts[0])), touch=False).nodes
+    assert all(n.on_ssd and not n.on_host for n in first)
+    waiting = [SimpleNamespace(rid=f"r{i}", origin_input_ids=p, extra_key=None, cache_salt=None)
+               for i, p in enumerate(prompts)]
+    cache.on_scheduler_step(waiting)  # window 1: orders reads for the first request only
+    assert cache.ssd.stats.prefetch_issued == 3
+    assert cache.ssd.io.wait_idle(timeout_s=30)
+    cache.on_scheduler_step(waiting)  # completions land the chunks in host memory
+    assert all(n.on_host for n in first) and cache.ssd.io_slots == 0
+    match, req = match_for_request(cache, prompts[0])  # the request is scheduled
+    assert match.device_prefix_len == 12 and req.pcr_ssd_loaded_tokens == 12
+    assert cache.ssd.stats.prefetch_in_time == 3 and cache.ssd.timeliness() == 1.0
+    assert cache.ssd.stats.on_demand_reads == 0
+    assert_kv(kvcache, cache.path_device_indices(match.last_device_node), values[0])
+    # Scheduled without prefetch: read on demand, counted against timeliness.
+    match, req = match_for_request(cache, prompts[1])
+    assert match.device_prefix_len == 12 and cache.ssd.stats.on_demand_reads > 0
+    assert cache.ssd.timeliness() < 1.0
+    cache.on_scheduler_step([])
+    cache.tree.check_invariants()
+    assert host_pool.num_free + cache.tree.host_chunks == host_pool.layout.num_slots
+    cache.ssd.close()
+
+
+def test_a_dead_io_process_costs_ssd_hits_until_it_is_restarted(tmp_path):
+    import os
+    import signal
+    import time
+
+    prompts = [list(range(100, 112)), list(range(200, 212))]  # six chunks, three host slots
+    cache, allocator, kvcache, host_pool = make_tiered_cache(
+        dram_gb=3 * LAYERS * 2 * CHUNK * HEADS * DIM * 4 / 2**30, ssd_path=tmp_path / "ssd")
+    values = persisted_prompts(cache, allocator, kvcache, prompts)
+    os.kill(cache.ssd.io.pid, signal.SIGKILL)
+    cache.ssd.io._proc.wait()
+    match, _ = match_for_request(cache, prompts[0])  # SSD unavailable: recompute past host memory
+    assert match.device_prefix_len < 12
+    cache.on_scheduler_step([])
+    assert cache.ssd.stats.io_failures == 1 and not cache.ssd.io.healthy
+    deadline = time.monotonic() + 30
+    while not cache.ssd.io.healthy and time.monotonic() < deadline:
+        time.sleep(0.2)
+        cache.on_scheduler_step([])
+        cache.ssd.io.wait_ready(timeout_s=1)
+    assert cache.ssd.io.healthy and cache.ssd.stats.io_restarts == 1
+    cache.evict(EvictParams(num_tokens=10**6))
+    match, req = match_for_request(cache, prompts[0])
+    assert match.device_prefix_len == 12  # SSD hits are back
+    assert_kv(kvcache, cache.path_device_indices(match.last_device_node), values[0])
+    cache.ssd.close()
