@@ -2,9 +2,10 @@
 
 A warm-up server with the SSD tier serves the trace once, so its chunks are persisted.
 Then, for each configuration, a fresh server starts on a copy of that store: its device
-and host tiers are empty, so every hit is SSD-resident, and the same trace is sent with
-all requests arriving at once (arrival rate far above service rate: the waiting queue
-is as deep as the trace). ``off`` is ``--pcr-prefetch-window 0`` (SSD chunks are read
+and host tiers are empty, so every hit is SSD-resident, and the same trace is replayed
+with seeded Poisson arrivals at ``--rate`` requests/s, above what the server completes
+per second, so the waiting queue builds up (``--rate 0``: all at once, the worst case
+for prefetch, since the first batch is scheduled before anything could be read). ``off`` is ``--pcr-prefetch-window 0`` (SSD chunks are read
 when their request is scheduled); the others prefetch for the first W waiting requests.
 
 Prints, per configuration: mean and P99 TTFT, prefetch timeliness (share of SSD chunks
@@ -17,9 +18,11 @@ Usage: python bench/prefetch_sweep.py [--requests 48] [--windows 1,2,4,6,8,16] [
 from __future__ import annotations
 
 import argparse
+import random
 import shutil
 import statistics
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,15 +35,24 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def burst(server: ServerProcess, prompts: list[list[int]], max_new_tokens: int):
-    """Send every prompt at once; (TTFT s, output ids) per prompt, in prompt order."""
-    def one(ids):
-        r = server.generate_stream({"input_ids": ids,
+def replay(server: ServerProcess, prompts: list[list[int]], max_new_tokens: int, rate: float, seed: int):
+    """Send the prompts with Poisson arrivals at ``rate``/s (0: all at once); (TTFT s,
+    output ids) per prompt, in prompt order. TTFT counts from each request's arrival."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in prompts:
+        arrivals.append(t)
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+    start = time.monotonic()
+
+    def one(index):
+        time.sleep(max(0.0, start + arrivals[index] - time.monotonic()))
+        r = server.generate_stream({"input_ids": prompts[index],
                                     "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}})
         return r.ttft_s, r.final.get("output_ids", [])
 
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
+        return list(pool.map(one, range(len(prompts))))
 
 
 def main() -> None:
@@ -50,8 +62,12 @@ def main() -> None:
     parser.add_argument("--windows", default="1,2,4,6,8,16")
     parser.add_argument("--chunk-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=4)
+    parser.add_argument("--rate", type=float, default=2.0,
+                        help="Poisson arrivals per second (0: all at once); the bench model serves ~1/s here")
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--dram-gb", type=float, default=0.25,
+                        help="host tier: about a third of the trace's working set, so the window's chunks fit")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -71,12 +87,12 @@ def main() -> None:
     # Device pool of a few prompts and a small host tier: the trace lives on SSD.
     common = ("--max-total-tokens", str(4 * longest + 256), "--context-length", str(longest + 256),
               "--log-level", "warning", "--sleep-on-idle", "--enable-pcr", "--pcr-chunk-size",
-              str(args.chunk_size), "--pcr-dram-gb", "0.05", "--pcr-ssd-gb", "2", "--pcr-ssd-reserve-gb", "0")
+              str(args.chunk_size), "--pcr-dram-gb", str(args.dram_gb), "--pcr-ssd-gb", "2", "--pcr-ssd-reserve-gb", "0")
     print(f"trace: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, working set "
-          f"{working_set} tokens; all requests arrive at once")
+          f"{working_set} tokens; arrivals: " + (f"Poisson, {args.rate}/s" if args.rate > 0 else "all at once"))
     try:
         with ServerProcess(model, (*common, "--pcr-ssd-path", str(warm_store))) as warm:
-            reference = [ids for _, ids in burst(warm, prompts, args.max_new_tokens)]
+            reference = [ids for _, ids in replay(warm, prompts, args.max_new_tokens, 0, args.seed)]
             deadline_state = warm.pcr_state()
             while deadline_state["ssd"]["writes_in_flight"]:
                 deadline_state = warm.pcr_state()
@@ -87,7 +103,7 @@ def main() -> None:
             shutil.copytree(warm_store, store)
             with ServerProcess(model, (*common, "--pcr-ssd-path", str(store),
                                        "--pcr-prefetch-window", str(window))) as server:
-                results = burst(server, prompts, args.max_new_tokens)
+                results = replay(server, prompts, args.max_new_tokens, args.rate, args.seed)
                 ssd = server.pcr_state()["ssd"]
             shutil.rmtree(store)
             ttfts = [t for t, _ in results]

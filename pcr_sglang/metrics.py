@@ -31,6 +31,14 @@ _SSD_FIELDS = {
     "written_chunks": ("ssd_written_chunks", {}),
     "write_errors": ("ssd_errors", {"kind": "write"}),
     "read_failures": ("ssd_errors", {"kind": "read"}),
+    "prefetch_issued": ("prefetch_chunks", {"outcome": "issued"}),
+    "prefetch_in_time": ("prefetch_chunks", {"outcome": "in_time"}),
+    "prefetch_late": ("prefetch_chunks", {"outcome": "late"}),
+    "prefetch_wasted": ("prefetch_chunks", {"outcome": "wasted"}),
+    "prefetch_cancelled": ("prefetch_chunks", {"outcome": "cancelled"}),
+    "on_demand_reads": ("prefetch_chunks", {"outcome": "on_demand"}),
+    "bytes_read_prefetch": ("ssd_read_bytes", {"reason": "prefetch"}),
+    "bytes_read_on_demand": ("ssd_read_bytes", {"reason": "on_demand"}),
 }
 
 
@@ -83,6 +91,19 @@ class PCRMetrics:
             "SSD tier faults: failed writes (write-back then stops) and reads that failed or did "
             "not verify (the chunk is recomputed).",
             labelnames=names + ["kind"],
+        )
+        self.prefetch_chunks = Counter(
+            "sglang:pcr_prefetch_chunks_total",
+            "PCR queue-based prefetch: chunks ordered from SSD for waiting requests (issued), "
+            "found in host memory when their request ran (in_time), still in flight then "
+            "(late), unused (wasted), dropped before reading (cancelled), and SSD chunks read "
+            "only when their request ran (on_demand).",
+            labelnames=names + ["outcome"],
+        )
+        self.ssd_read_bytes = Counter(
+            "sglang:pcr_ssd_read_bytes_total",
+            "Bytes PCR read from the SSD tier, by prefetch or on demand.",
+            labelnames=names + ["reason"],
         )
         self.cached_chunks = Gauge(
             "sglang:pcr_cached_chunks",

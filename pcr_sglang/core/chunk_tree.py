@@ -441,21 +441,25 @@ class ChunkTree:
         num_chunks: int,
         on_evict: Optional[NodeCallback] = None,
         is_protected: Optional[NodePredicate] = None,
+        on_drop_host: Optional[NodeCallback] = None,
         on_drop_ssd: Optional[NodeCallback] = None,
     ) -> list[ChunkNode]:
         """Free up to ``num_chunks`` host slots of unlocked host leaves, LRU first.
 
         ``on_evict(node)`` runs while ``node.host_slot`` is still set (the adapter
         persists the chunk to SSD there if it wants to keep it). A chunk left in no tier
-        is removed, with the SSD-only descendants it made reachable (``on_drop_ssd``).
+        is removed, with the descendants it made reachable (``on_drop_host`` and
+        ``on_drop_ssd`` release their host slots and SSD records).
         """
         evicted: list[ChunkNode] = []
         for node in self._host.pop_lru(num_chunks, is_protected):
             if on_evict is not None:
                 on_evict(node)
+            if not node.on_host:  # on_evict's own eviction work already removed it
+                continue
             self._drop_host(node)
             if self._in_no_tier(node):
-                self._remove_with_descendants(node, None, on_drop_ssd)
+                self._remove_with_descendants(node, on_drop_host, on_drop_ssd)
             evicted.append(node)
         return evicted
 
@@ -465,11 +469,12 @@ class ChunkTree:
         on_evict: Optional[NodeCallback] = None,
         is_protected: Optional[NodePredicate] = None,
         on_drop_host: Optional[NodeCallback] = None,
+        on_drop_ssd: Optional[NodeCallback] = None,
     ) -> list[ChunkNode]:
         """Drop up to ``num_chunks`` SSD records of unlocked SSD leaves, LRU first.
 
         ``on_evict(node)`` runs first (the adapter deletes the record there). A chunk left
-        in no tier is removed, with the host-only descendants it made reachable.
+        in no tier is removed, with the descendants it made reachable.
         """
         evicted: list[ChunkNode] = []
         for node in self._ssd.pop_lru(num_chunks, is_protected):
@@ -477,7 +482,7 @@ class ChunkTree:
                 on_evict(node)
             self._drop_ssd(node)
             if self._in_no_tier(node):
-                self._remove_with_descendants(node, on_drop_host, None)
+                self._remove_with_descendants(node, on_drop_host, on_drop_ssd)
             evicted.append(node)
         return evicted
 

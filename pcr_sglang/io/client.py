@@ -28,6 +28,7 @@ import msgspec
 import zmq
 
 from pcr_sglang.io.protocol import (
+    Cancel,
     Done,
     Hello,
     Order,
@@ -132,8 +133,17 @@ class IOProcess:
         shutil.rmtree(self._runtime_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ orders
-    def submit_read(self, key: bytes, host_slot: int, handle: Any = None) -> Optional[int]:
-        return self._submit(ReadChunk(next(self._seq), key, host_slot), handle)
+    def submit_read(self, key: bytes, host_slot: int, handle: Any = None, urgent: bool = False) -> Optional[int]:
+        return self._submit(ReadChunk(next(self._seq), key, host_slot, urgent), handle)
+
+    def cancel(self, seq: int) -> None:
+        """Ask the process to drop order ``seq`` if it has not started (best effort: the
+        order's completion, cancelled or not, still arrives)."""
+        if self.healthy and seq in self._pending:
+            try:
+                self._orders.send(order_encoder.encode(Cancel(next(self._seq), seq)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
 
     def submit_write(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, host_slot: int,
                      handle: Any = None) -> Optional[int]:
@@ -230,11 +240,18 @@ class IOProcess:
 
     def fail(self, why: str) -> None:
         """Kill the process now; its outstanding orders come back cancelled."""
-        self.failures += 1
-        proc, self._proc = self._proc, None
+        proc = self._proc
         if proc is not None and proc.poll() is None:
             proc.kill()  # before any slot it may still write is reused
-            proc.wait(timeout=10)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                # Stuck in the kernel (e.g. uninterruptible disk I/O): its orders and the
+                # slots they name stay reserved until it is really gone (next check).
+                logger.error("PCR I/O process %d does not die after SIGKILL; retrying", proc.pid)
+                return
+        self.failures += 1
+        self._proc = None
         cancelled = [Completion(p.order, p.handle, None) for p in self._pending.values()]
         self._pending = {}
         self._completed.extend(cancelled)

@@ -20,6 +20,7 @@ class ReadChunk(msgspec.Struct, tag="read"):
     seq: int
     key: bytes
     host_slot: int
+    urgent: bool = False  # a scheduled request waits for it: ahead of every prefetch
 
 
 class WriteChunk(msgspec.Struct, tag="write"):
@@ -35,7 +36,15 @@ class Ping(msgspec.Struct, tag="ping"):
     seq: int
 
 
-Order = Union[ReadChunk, WriteChunk, Ping]
+class Cancel(msgspec.Struct, tag="cancel"):
+    """Drop order ``target`` if it has not started; its completion says ``cancelled``.
+    (A started or finished order completes normally.)"""
+
+    seq: int
+    target: int
+
+
+Order = Union[ReadChunk, WriteChunk, Ping, Cancel]
 
 
 class Done(msgspec.Struct, tag="done"):
@@ -44,6 +53,7 @@ class Done(msgspec.Struct, tag="done"):
     error: str = ""
     errno: int = 0
     seconds: float = 0.0
+    cancelled: bool = False
 
 
 class Hello(msgspec.Struct, tag="hello"):

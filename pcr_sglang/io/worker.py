@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from pcr_sglang.io.protocol import (
+    Cancel,
     Done,
     Hello,
     Ping,
@@ -91,6 +92,13 @@ class Worker:
         except OSError as e:
             return Done(order.seq, False, str(e), e.errno or 0, time.perf_counter() - start)
 
+    def cancel(self, target: int, reads: collections.deque) -> None:
+        for order in reads:
+            if order.seq == target:
+                reads.remove(order)
+                self.replies.send(reply_encoder.encode(Done(target, False, "cancelled", cancelled=True)))
+                return
+
     def run(self) -> None:
         self.replies.send(reply_encoder.encode(Hello(os.getpid())))
         reads: collections.deque = collections.deque()
@@ -107,7 +115,12 @@ class Worker:
                     except zmq.Again:
                         break
                     order = order_decoder.decode(raw)
-                    (reads if isinstance(order, (ReadChunk, Ping)) else others).append(order)
+                    if isinstance(order, Cancel):
+                        self.cancel(order.target, reads)
+                    elif isinstance(order, ReadChunk) and order.urgent:
+                        reads.appendleft(order)
+                    else:
+                        (reads if isinstance(order, (ReadChunk, Ping)) else others).append(order)
             if reads or others:
                 order = reads.popleft() if reads else others.popleft()
                 self.replies.send(reply_encoder.encode(self.execute(order)))

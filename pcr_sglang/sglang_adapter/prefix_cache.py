@@ -121,6 +121,8 @@ class PCRPrefixCache(BasePrefixCache):
                                prefetch_window=config.prefetch_window,
                                prefetch_budget_bytes=config.prefetch_budget_mb << 20)
             self.ssd.free_host_slot = self._free_host_slot
+            if self._transfers is not None:
+                self.ssd.host_fence = self._transfers.fence_host
         self.lookahead = LookaheadProtection(self.tree, config.lookahead_window)
         # Chunk keys of the requests in the look-ahead window, by rid: hashed once per
         # request, not once per scheduler step.
@@ -533,7 +535,8 @@ class PCRPrefixCache(BasePrefixCache):
         slots = pool.alloc(1)
         if slots is None:
             evicted = self.tree.evict_host(
-                1, on_evict=self._free_host_slot, is_protected=self._host_eviction_order(),
+                1, on_evict=self._evict_host_slot, is_protected=self._host_eviction_order(),
+                on_drop_host=self._free_host_slot,
                 on_drop_ssd=self.ssd.delete_record if self.ssd is not None else None,
             )
             self.stats.host_evicted_chunks += len(evicted)
@@ -556,11 +559,20 @@ class PCRPrefixCache(BasePrefixCache):
         return self.lookahead.__contains__ if len(self.lookahead) else None
 
     def _free_host_slot(self, node: ChunkNode) -> None:
+        """Release ``node``'s host slot (the node is leaving the host tier or the tree)."""
         assert self.host_pool is not None and node.host_slot is not None
         self._settle_if_loading(node)
         if self.ssd is not None:
             self.ssd.before_host_free(node)
         self.host_pool.free([node.host_slot])
+
+    def _evict_host_slot(self, node: ChunkNode) -> None:
+        """Host eviction of ``node``: with ``--pcr-ssd-write on-evict`` it is persisted
+        first; then its slot is released."""
+        if self.ssd is not None:
+            self.ssd.before_host_evict(node)
+        if node.on_host:  # not dropped by an SSD eviction that persisting needed
+            self._free_host_slot(node)
 
     def _on_host(self, node: ChunkNode, slot: int) -> None:
         """``node``'s KV now sits in host slot ``slot``; with write-through it heads on to SSD."""

@@ -90,6 +90,7 @@ class SSDTier:
         self._reading: dict[ChunkNode, tuple[int, int, bool]] = {}
         self._prefetched: set[ChunkNode] = set()  # landed by prefetch, not yet used by a request
         self._bad: list[ChunkNode] = []  # SSD-resident nodes whose record failed to read
+        self._cancelling: set[ChunkNode] = set()  # prefetch reads asked to be dropped
         layout = host_pool.layout
         self.io = IOProcess(WorkerConfig(
             store_root=str(store.root), namespace_hex=store.namespace.hex(), dtype=store.dtype,
@@ -99,8 +100,11 @@ class SSDTier:
         ))
         if not self.io.wait_ready():
             logger.warning("PCR I/O process did not start; the SSD tier waits for its restart")
-        # Set by the owner: how to free a host slot (SSD eviction can drop host copies).
+        # Set by the owner: how to free a host slot (SSD eviction can drop host copies),
+        # and how to make sure no device copy still touches host memory (on CUDA the
+        # copies are asynchronous; the I/O process reads and writes the same bytes).
         self.free_host_slot: NodeCallback = lambda node: None
+        self.host_fence: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ startup
     def restore(self) -> int:
@@ -155,16 +159,21 @@ class SSDTier:
         if node.parent is not None and not node.on_ssd:
             self.tree.set_ssd(node)
             self.stats.written_chunks += 1
-        elif node.parent is None:  # the chunk left the tree while it was being written
+        elif node.parent is None and not any(n.key == node.key for n in self._writing):
+            # The chunk left the tree while it was being written (and no chunk with the
+            # same key, re-created since, has a write of its own in flight).
             self.store.delete(completion.order.key)
 
     def _read_done(self, completion: Completion) -> None:
         node: ChunkNode = completion.handle
         _, slot, on_demand = self._reading.pop(node)
+        self._cancelling.discard(node)
         landed = completion.ok and node.parent is not None and node.on_ssd and not node.on_host
-        if completion.done is None:
+        if completion.done is None or completion.done.cancelled:
             if not on_demand:
                 self.stats.prefetch_cancelled += 1
+            self.host_pool.free([slot])
+            return
         elif completion.ok:
             self.cost_model.observe_read(completion.done.seconds)
             if on_demand:
@@ -190,8 +199,15 @@ class SSDTier:
                 or not node.on_host or node.parent is None):
             return False
         if self.tree.ssd_chunks + len(self._writing) >= self.store.capacity_chunks:
-            if not self.evict(1, is_protected):
+            # Locked meanwhile: the SSD eviction may drop chunks, but never this chain.
+            self.tree.lock(node)
+            try:
+                evicted = self.evict(1, is_protected)
+            finally:
+                self.tree.unlock(node)
+            if not evicted:
                 return False
+        self.host_fence()
         parent = node.parent
         parent_key = parent.key if parent.depth > 0 else _NO_PARENT
         seq = self.io.submit_write(node.key, parent_key, node.depth, self.chunk_size, node.host_slot, handle=node)
@@ -203,11 +219,15 @@ class SSDTier:
     def writing(self, node: ChunkNode) -> bool:
         return node in self._writing
 
-    def before_host_free(self, node: ChunkNode) -> None:
-        """``node``'s host slot is about to be freed: no write may still read it, and with
-        ``on-evict`` the chunk is written first (so it stays in the tree, on SSD)."""
+    def before_host_evict(self, node: ChunkNode) -> None:
+        """``node`` is being evicted from host memory: with ``on-evict`` it is written
+        first (so it stays in the tree, on SSD), then its slot is released as below."""
         if node not in self._writing and not self.write_through:
             self.persist(node, None)
+        self.before_host_free(node)
+
+    def before_host_free(self, node: ChunkNode) -> None:
+        """``node``'s host slot is about to be freed: no write may still read it."""
         seq = self._writing.get(node)
         if seq is not None:
             # Bounded: a hung process is killed by the health check inside wait(), which
@@ -236,6 +256,7 @@ class SSDTier:
                 if slot is None:
                     budget = 0
                     continue
+                self.host_fence()
                 seq = self.io.submit_read(node.key, slot, handle=node)
                 if seq is None:
                     self.host_pool.free([slot])
@@ -244,11 +265,16 @@ class SSDTier:
                 self._reading[node] = (seq, slot, False)
                 self.stats.prefetch_issued += 1
                 budget -= 1
-        # Prefetched chunks no waiting request in the window needs any more: unprotected.
+        # Prefetched chunks no waiting request in the window needs any more: unprotected;
+        # reads for them that have not started are cancelled (their slots come back).
         stale = [n for n in self._prefetched if n not in needed]
         for node in stale:
             self._prefetched.discard(node)
             self.stats.prefetch_wasted += 1
+        for node, (seq, _, on_demand) in self._reading.items():
+            if not on_demand and node not in needed and node not in self._cancelling:
+                self._cancelling.add(node)
+                self.io.cancel(seq)
 
     def protected(self, node: ChunkNode) -> bool:
         """Evicted from host memory last: being written, or prefetched and not yet used."""
@@ -282,6 +308,16 @@ class SSDTier:
         """
         if not self.io.healthy:
             return "skip"
+        if node in self._cancelling:
+            # Its prefetch is being cancelled: let that settle, then read it on demand.
+            self.io.wait(self._reading[node][0], self.wait_budget_s)
+            self.poll()
+            if node in self._reading:
+                return "skip"
+        if node.on_host:  # the cancelled read had finished after all
+            self._prefetched.discard(node)
+            self.stats.hit_chunks += 1
+            return "ok"
         if node in self._reading:
             self.stats.prefetch_late += 1
             seq = self._reading[node][0]
@@ -291,7 +327,8 @@ class SSDTier:
             slot = alloc_host_slot()
             if slot is None:
                 return "skip"
-            seq = self.io.submit_read(node.key, slot, handle=node)
+            self.host_fence()
+            seq = self.io.submit_read(node.key, slot, handle=node, urgent=True)
             if seq is None:
                 self.host_pool.free([slot])
                 return "skip"
@@ -328,7 +365,7 @@ class SSDTier:
 
     def evict(self, num_chunks: int, is_protected: Optional[NodePredicate]) -> int:
         evicted = self.tree.evict_ssd(num_chunks, on_evict=self.delete_record, is_protected=is_protected,
-                                      on_drop_host=self.free_host_slot)
+                                      on_drop_host=self.free_host_slot, on_drop_ssd=self.delete_record)
         self.stats.evicted_chunks += len(evicted)
         return len(evicted)
 
@@ -341,6 +378,7 @@ class SSDTier:
             if isinstance(completion.order, ReadChunk):
                 self.host_pool.free([completion.order.host_slot])
         self._writing, self._reading, self._prefetched, self._bad = {}, {}, set(), []
+        self._cancelling = set()
 
     @property
     def io_slots(self) -> int:

@@ -96,11 +96,39 @@ class LayerwiseTransfer:
         device = kv_layers[0][0].device if kv_layers else torch.device("cpu")
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # CUDA: the stream the last forward ran on (SGLang's overlap scheduler runs
+        # forwards on a stream of their own, not the scheduler's current stream).
+        self._forward_stream: Optional[torch.cuda.Stream] = None
+        self._host_dirty = False  # copies issued that the host may not see yet
         self._loads: list[_Transfer] = []  # submitted, not yet settled
         self._planned: list[_Transfer] = []  # offloads waiting for the next forward to start
         self._offloads: list[_Transfer] = []  # offloads of a forward that started, not settled
         # CUDA: the newest load event per layer that no forward has waited on yet.
         self._layer_events: list[Optional[torch.cuda.Event]] = [None] * self.num_layers
+
+    # ------------------------------------------------------------------ streams
+    def _compute_streams(self) -> list:
+        streams = [torch.cuda.current_stream(self.device)]
+        if self._forward_stream is not None and self._forward_stream != streams[0]:
+            streams.append(self._forward_stream)
+        return streams
+
+    def _side_waits_for_compute(self) -> None:
+        assert self._stream is not None
+        for stream in self._compute_streams():
+            self._stream.wait_stream(stream)
+
+    def _compute_waits_for_side(self) -> None:
+        assert self._stream is not None
+        for stream in self._compute_streams():
+            stream.wait_stream(self._stream)
+
+    def fence_host(self) -> None:
+        """Block until every copy issued so far is done, so another process may read or
+        write the host pool's bytes (CUDA only; on CPU copies are already done)."""
+        if self._stream is not None and self._host_dirty:
+            self._stream.synchronize()
+            self._host_dirty = False
 
     # ------------------------------------------------------------------ copies
     def _copy(self, transfer: _Transfer, layer: int) -> None:
@@ -115,7 +143,12 @@ class LayerwiseTransfer:
             if self._stream is None:
                 self._copy(transfer, layer)
             else:
+                self._host_dirty = True
                 with torch.cuda.stream(self._stream):
+                    if transfer.next_layer == 0:
+                        # Index tensors made on a compute stream, used on this one.
+                        transfer.device_slots.record_stream(self._stream)
+                        transfer.host_slots.record_stream(self._stream)
                     self._copy(transfer, layer)
                     if transfer.direction == Direction.HOST_TO_DEVICE:
                         event = torch.cuda.Event()
@@ -140,12 +173,12 @@ class LayerwiseTransfer:
         loads when ``--pcr-layerwise`` leaves loads out."""
         transfer = self._make(direction, device_slots, host_slots, None)
         if self._stream is not None:
-            # Ordered after everything already queued on the compute stream, and the
-            # compute stream after the copy: equivalent to a copy on the compute stream.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            # Ordered after everything already queued on the compute streams, and they
+            # after the copy: equivalent to a copy on the compute stream.
+            self._side_waits_for_compute()
         self._issue_layers(transfer, self.num_layers - 1)
         if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            self._compute_waits_for_side()
             self._layer_events = [None] * self.num_layers
 
     # ------------------------------------------------------------------ loads
@@ -155,8 +188,8 @@ class LayerwiseTransfer:
         :meth:`settle` after the copy is complete or ordered before later compute."""
         transfer = self._make(Direction.HOST_TO_DEVICE, device_slots, host_slots, on_settled)
         if self._stream is not None:
-            # The slots may have been freed by work still queued on the compute stream.
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            # The slots may have been freed by work still queued on a compute stream.
+            self._side_waits_for_compute()
             self._issue_layers(transfer, self.num_layers - 1)
         self._loads.append(transfer)
 
@@ -188,6 +221,8 @@ class LayerwiseTransfer:
 
     def begin_forward(self) -> None:
         """A forward pass starts: the offloads planned so far are its new chunks."""
+        if self._stream is not None:
+            self._forward_stream = torch.cuda.current_stream(self.device)
         if self._planned:
             self._offloads.extend(self._planned)
             self._planned = []
@@ -226,12 +261,12 @@ class LayerwiseTransfer:
         if not self.busy:
             return
         if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._side_waits_for_compute()  # layers a graph replay wrote are in place first
         transfers, self._loads, self._offloads = self._loads + self._offloads, [], []
         for transfer in transfers:
             self._issue_layers(transfer, self.num_layers - 1)
         if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            self._compute_waits_for_side()
             self._layer_events = [None] * self.num_layers
         for transfer in transfers:
             if transfer.on_settled is not None:

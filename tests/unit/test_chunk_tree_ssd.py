@@ -62,3 +62,26 @@ def test_restore_builds_chains_of_persisted_chunks():
     tree.set_device(second, "d1")
     assert tree.match(iter(ks)).num_on_device == 2
     tree.check_invariants()
+
+
+def test_host_eviction_that_strands_descendants_releases_their_slots_and_records():
+    """N (host only, never persisted) -> C (SSD only) -> G (host and SSD): evicting N from
+    host memory leaves it in no tier, so C and G become unreachable and must give back
+    their host slot and records."""
+    tree = ChunkTree()
+    n, c, g = insert(tree, [3] * (3 * CHUNK)).nodes
+    for slot, node in enumerate((n, c, g)):
+        tree.set_host(node, slot)
+    tree.set_ssd(c)
+    tree.set_ssd(g)
+    tree.evict(3)
+    tree.evict_host(1, is_protected=lambda node: node is not g)
+    tree.evict_host(1, is_protected=lambda node: node is not c)
+    tree.set_host(g, 7)  # G read back from SSD (a prefetch), C still SSD only
+    freed_hosts, dropped_records = [], []
+    assert tree.evict_host(1, is_protected=lambda node: node is not n,
+                           on_drop_host=lambda node: freed_hosts.append(node.host_slot),
+                           on_drop_ssd=dropped_records.append) == [n]
+    assert freed_hosts == [7] and dropped_records == [g, c]
+    assert tree.num_chunks == 0 and tree.host_chunks == 0 and tree.ssd_chunks == 0
+    tree.check_invariants()
