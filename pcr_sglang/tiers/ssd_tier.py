@@ -174,7 +174,7 @@ class SSDTier:
                 self.stats.prefetch_cancelled += 1
             self.host_pool.free([slot])
             return
-        elif completion.ok:
+        if completion.ok:
             self.cost_model.observe_read(completion.done.seconds)
             if on_demand:
                 self.stats.bytes_read_on_demand += self.store.record_bytes
