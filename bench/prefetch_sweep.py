@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--windows", default="1,2,4,6,8,16")
     parser.add_argument("--chunk-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=4)
-    parser.add_argument("--rate", type=float, default=2.0,
+    parser.add_argument("--rate", type=float, default=4.0,
                         help="Poisson arrivals per second (0: all at once); the bench model serves ~1/s here")
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--seed", type=int, default=1)

@@ -28,12 +28,12 @@ import msgspec
 import zmq
 
 from pcr_sglang.io.protocol import (
-    Cancel,
     Done,
     Hello,
     Order,
     Ping,
     ReadChunk,
+    Reorder,
     WorkerConfig,
     WriteChunk,
     order_encoder,
@@ -137,11 +137,18 @@ class IOProcess:
         return self._submit(ReadChunk(next(self._seq), key, host_slot, urgent), handle)
 
     def cancel(self, seq: int) -> None:
-        """Ask the process to drop order ``seq`` if it has not started (best effort: the
+        """Ask the process to drop read ``seq`` if it has not started (best effort: the
         order's completion, cancelled or not, still arrives)."""
+        self._reorder(seq, cancel=True)
+
+    def expedite(self, seq: int) -> None:
+        """Ask the process to run read ``seq`` next if it has not started."""
+        self._reorder(seq, cancel=False)
+
+    def _reorder(self, seq: int, cancel: bool) -> None:
         if self.healthy and seq in self._pending:
             try:
-                self._orders.send(order_encoder.encode(Cancel(next(self._seq), seq)), zmq.NOBLOCK)
+                self._orders.send(order_encoder.encode(Reorder(next(self._seq), seq, cancel)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 

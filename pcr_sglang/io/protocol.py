@@ -36,15 +36,17 @@ class Ping(msgspec.Struct, tag="ping"):
     seq: int
 
 
-class Cancel(msgspec.Struct, tag="cancel"):
-    """Drop order ``target`` if it has not started; its completion says ``cancelled``.
-    (A started or finished order completes normally.)"""
+class Reorder(msgspec.Struct, tag="reorder"):
+    """For a read ``target`` that has not started: ``cancel`` drops it (its completion
+    says ``cancelled``), otherwise it moves to the front (a request now waits for it).
+    A started or finished order completes normally."""
 
     seq: int
     target: int
+    cancel: bool
 
 
-Order = Union[ReadChunk, WriteChunk, Ping, Cancel]
+Order = Union[ReadChunk, WriteChunk, Ping, Reorder]
 
 
 class Done(msgspec.Struct, tag="done"):

@@ -26,11 +26,11 @@ import msgspec
 import zmq
 
 from pcr_sglang.io.protocol import (
-    Cancel,
     Done,
     Hello,
     Ping,
     ReadChunk,
+    Reorder,
     WorkerConfig,
     WriteChunk,
     order_decoder,
@@ -92,11 +92,14 @@ class Worker:
         except OSError as e:
             return Done(order.seq, False, str(e), e.errno or 0, time.perf_counter() - start)
 
-    def cancel(self, target: int, reads: collections.deque) -> None:
+    def reorder(self, request: Reorder, reads: collections.deque) -> None:
         for order in reads:
-            if order.seq == target:
+            if order.seq == request.target:
                 reads.remove(order)
-                self.replies.send(reply_encoder.encode(Done(target, False, "cancelled", cancelled=True)))
+                if request.cancel:
+                    self.replies.send(reply_encoder.encode(Done(order.seq, False, "cancelled", cancelled=True)))
+                else:
+                    reads.appendleft(order)
                 return
 
     def run(self) -> None:
@@ -115,8 +118,8 @@ class Worker:
                     except zmq.Again:
                         break
                     order = order_decoder.decode(raw)
-                    if isinstance(order, Cancel):
-                        self.cancel(order.target, reads)
+                    if isinstance(order, Reorder):
+                        self.reorder(order, reads)
                     elif isinstance(order, ReadChunk) and order.urgent:
                         reads.appendleft(order)
                     else:

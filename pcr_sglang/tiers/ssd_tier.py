@@ -321,6 +321,7 @@ class SSDTier:
         if node in self._reading:
             self.stats.prefetch_late += 1
             seq = self._reading[node][0]
+            self.io.expedite(seq)  # ahead of the other prefetches: a request waits for it
         else:
             if not self.worth_loading():
                 return "skip"
