@@ -451,17 +451,8 @@ class ChunkTree:
         is removed, with the descendants it made reachable (``on_drop_host`` and
         ``on_drop_ssd`` release their host slots and SSD records).
         """
-        evicted: list[ChunkNode] = []
-        for node in self._host.pop_lru(num_chunks, is_protected):
-            if on_evict is not None:
-                on_evict(node)
-            if not node.on_host:  # on_evict's own eviction work already removed it
-                continue
-            self._drop_host(node)
-            if self._in_no_tier(node):
-                self._remove_with_descendants(node, on_drop_host, on_drop_ssd)
-            evicted.append(node)
-        return evicted
+        return self._evict_leaves(self._host, lambda n: n.on_host, self._drop_host, num_chunks, on_evict,
+                                  is_protected, on_drop_host, on_drop_ssd)
 
     def evict_ssd(
         self,
@@ -476,11 +467,21 @@ class ChunkTree:
         ``on_evict(node)`` runs first (the adapter deletes the record there). A chunk left
         in no tier is removed, with the descendants it made reachable.
         """
+        return self._evict_leaves(self._ssd, lambda n: n.on_ssd, self._drop_ssd, num_chunks, on_evict,
+                                  is_protected, on_drop_host, on_drop_ssd)
+
+    def _evict_leaves(self, tier: _TierLeaves, resident: NodePredicate, drop: NodeCallback, num_chunks: int,
+                      on_evict: Optional[NodeCallback], is_protected: Optional[NodePredicate],
+                      on_drop_host: Optional[NodeCallback], on_drop_ssd: Optional[NodeCallback]) -> list[ChunkNode]:
+        """The host and SSD tiers' eviction: take ``tier``'s LRU leaves out of it; a chunk
+        left in no tier goes, with the descendants only it made reachable."""
         evicted: list[ChunkNode] = []
-        for node in self._ssd.pop_lru(num_chunks, is_protected):
+        for node in tier.pop_lru(num_chunks, is_protected):
             if on_evict is not None:
                 on_evict(node)
-            self._drop_ssd(node)
+            if not resident(node):  # on_evict's own eviction work already removed it
+                continue
+            drop(node)
             if self._in_no_tier(node):
                 self._remove_with_descendants(node, on_drop_host, on_drop_ssd)
             evicted.append(node)
