@@ -360,16 +360,16 @@ class PCRPrefixCache(BasePrefixCache):
             return EvictResult()
         start = time.perf_counter()
         num_chunks = -(-params.num_tokens // self.chunk_size)
-        protected = self.lookahead if len(self.lookahead) else None
+        protected = self._lookahead_predicate()
         evicted = self.tree.evict(
             num_chunks,
             on_evict=self._demote_and_free if self.host_pool is not None else self._free_device_slots,
-            is_protected=protected.__contains__ if protected is not None else None,
+            is_protected=protected,
             on_drop_host=self._free_host_slot,
             on_drop_ssd=self.ssd.delete_record if self.ssd is not None else None,
         )
         if protected is not None:
-            self.stats.evicted_protected_chunks += sum(1 for n in evicted if n in protected)
+            self.stats.evicted_protected_chunks += sum(1 for n in evicted if protected(n))
         self.stats.evicted_chunks += len(evicted)
         num_tokens = len(evicted) * self.chunk_size
         self.update_eviction_metrics(num_tokens, start)
@@ -547,15 +547,14 @@ class PCRPrefixCache(BasePrefixCache):
         """Host leaves evicted last: the look-ahead window's, chunks whose SSD write is
         still reading their slot (evicting those would wait for the disk), and chunks
         prefetched for waiting requests."""
-        protected = self.lookahead if len(self.lookahead) else None
+        protected = self._lookahead_predicate()
         ssd = self.ssd
-        if ssd is None:
-            return protected.__contains__ if protected is not None else None
-        if protected is None:
-            return ssd.protected
-        return lambda node: node in protected or ssd.protected(node)
+        if ssd is None or protected is None:
+            return ssd.protected if ssd is not None else protected
+        return lambda node: protected(node) or ssd.protected(node)
 
     def _lookahead_predicate(self) -> Optional[Callable[[ChunkNode], bool]]:
+        """Chunks the look-ahead window protects (None when it protects nothing)."""
         return self.lookahead.__contains__ if len(self.lookahead) else None
 
     def _free_host_slot(self, node: ChunkNode) -> None:
