@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 from pcr_sglang.launcher import ServerProcess
+from tests.conftest import CHUNK_SIZE
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
 COMMON_ARGS = (
@@ -12,15 +15,20 @@ COMMON_ARGS = (
 )
 
 
-def start_servers(servers: Sequence[ServerProcess]) -> None:
-    """Start several servers at once (their startup is mostly import time)."""
-    with ThreadPoolExecutor(len(servers)) as pool:
-        futures = [pool.submit(s.start) for s in servers]
-        errors = [f.exception() for f in futures]
-    if any(errors):
-        for s in servers:
+@contextmanager
+def serving(servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+    """Start several servers at once (their startup is mostly import time); on exit stop
+    every server the dict then holds (a test may replace one with a restarted server)."""
+    try:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            futures = [pool.submit(s.start) for s in servers.values()]
+            errors = [f.exception() for f in futures]
+        if any(errors):
+            raise next(e for e in errors if e)
+        yield servers
+    finally:
+        for s in servers.values():
             s.stop()
-        raise next(e for e in errors if e)
 
 
 def generate_greedy(server: ServerProcess, prompts: Sequence[list[int]], concurrency: int = 1):
@@ -34,3 +42,26 @@ def generate_greedy(server: ServerProcess, prompts: Sequence[list[int]], concurr
         return [one(p) for p in prompts]
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, prompts))
+
+
+# Device pool ~2.6k tokens and host memory ~5k tokens, for a ~26k-token working set.
+TIERED_ARGS = (
+    "--max-total-tokens", "2600", "--context-length", "2048", "--log-level", "warning", "--sleep-on-idle",
+    "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.01",
+)
+
+
+def ssd_server(model: str, path, *extra: str) -> ServerProcess:
+    """A PCR server with device, host and SSD tiers (store under ``path``)."""
+    return ServerProcess(model, (*TIERED_ARGS, "--pcr-ssd-path", str(path), "--pcr-ssd-gb", "0.5",
+                                 "--pcr-ssd-reserve-gb", "0", *extra))
+
+
+def wait_for_write_back(server, timeout_s: float = 60) -> dict:
+    """Poll until the server has no SSD write in flight (or the timeout); its state."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = server.pcr_state()
+        if state["ssd"]["writes_in_flight"] == 0 or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)

@@ -8,7 +8,7 @@ import pytest
 
 from pcr_sglang.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
-from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, start_servers
+from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -47,15 +47,8 @@ def servers(tiny_model):
             (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
              "--pcr-layerwise", mode),
         )
-    start_servers(list(everything.values()))
-    yield everything
-    for s in everything.values():
-        s.stop()
-
-
-@pytest.fixture(scope="module")
-def baseline_outputs(servers, rag_prompt_ids):
-    return [ids for ids, _ in generate_greedy(servers["baseline"], rag_prompt_ids)]
+    with serving(everything):
+        yield everything
 
 
 def test_outputs_equal_baseline_and_cached_tokens_are_whole_chunks(servers, rag_prompt_ids, baseline_outputs):

@@ -10,8 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, start_servers
-from tests.e2e.test_ssd_tier import ssd_server, wait_for_write_back
+from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, serving, ssd_server, wait_for_write_back
 
 pytestmark = pytest.mark.e2e
 
@@ -24,15 +23,8 @@ def servers(tiny_model, tmp_path_factory):
     prefetch = ssd_server(tiny_model, tmp_path_factory.mktemp("pcr-prefetch") / "store",
                           "--pcr-prefetch-window", "16")
     everything = {"baseline": baseline, "prefetch": prefetch}
-    start_servers(list(everything.values()))
-    yield everything
-    for s in everything.values():
-        s.stop()
-
-
-@pytest.fixture(scope="module")
-def baseline_outputs(servers, rag_prompt_ids):
-    return [ids for ids, _ in generate_greedy(servers["baseline"], rag_prompt_ids)]
+    with serving(everything):
+        yield everything
 
 
 def io_pid(server) -> int:

@@ -11,22 +11,17 @@ import time
 import pytest
 
 from pcr_sglang.launcher import ServerProcess
-from tests.conftest import CHUNK_SIZE
-from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, start_servers
-
-pytestmark = pytest.mark.e2e
-
-# Device pool ~2.6k tokens and host memory ~5k tokens, for a ~26k-token working set.
-TIERED_ARGS = (
-    "--max-total-tokens", "2600", "--context-length", "2048", "--log-level", "warning", "--sleep-on-idle",
-    "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.01",
+from tests.e2e.helpers import (
+    COMMON_ARGS,
+    GREEDY,
+    TIERED_ARGS,
+    generate_greedy,
+    serving,
+    ssd_server,
+    wait_for_write_back,
 )
 
-
-def ssd_server(model: str, path, *extra: str) -> ServerProcess:
-    return ServerProcess(model, (*TIERED_ARGS, "--pcr-ssd-path", str(path), "--pcr-ssd-gb", "0.5",
-                                 "--pcr-ssd-reserve-gb", "0", *extra))
-
+pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory):
@@ -45,29 +40,13 @@ def servers(tiny_model, store_dir, tmp_path_factory):
                                       "--pcr-ssd-reserve-gb", f"{free_gb - 0.2:.6f}"))
     full.filler_dir = full_dir.parent
     everything = {"baseline": baseline, "ssd": ssd, "full": full}
-    start_servers(list(everything.values()))
-    yield everything
-    for s in everything.values():
-        s.stop()
-
-
-@pytest.fixture(scope="module")
-def baseline_outputs(servers, rag_prompt_ids):
-    return [ids for ids, _ in generate_greedy(servers["baseline"], rag_prompt_ids)]
+    with serving(everything):
+        yield everything
 
 
 def replay_with_details(server, prompts):
     outs = [server.generate({"input_ids": p, "sampling_params": GREEDY}) for p in prompts]
     return [o["output_ids"] for o in outs], [o["meta_info"].get("cached_tokens_details") or {} for o in outs]
-
-
-def wait_for_write_back(server, timeout_s: float = 60) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = server.pcr_state()
-        if state["ssd"]["writes_in_flight"] == 0 or time.monotonic() > deadline:
-            return state
-        time.sleep(0.5)
 
 
 def test_working_set_beyond_device_and_dram_is_served_from_ssd(servers, rag_prompt_ids, baseline_outputs):
