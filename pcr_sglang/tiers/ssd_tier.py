@@ -244,7 +244,10 @@ class SSDTier:
         (earliest request first, each chain in order) within the in-flight budget."""
         self.stats.max_queue_depth = max(self.stats.max_queue_depth, queue_depth)
         needed: set[ChunkNode] = set()
-        budget = self.prefetch_budget_chunks - len(self._reading)
+        # In flight and landed-but-unused prefetches may fill at most half the host tier:
+        # past that, each new read would evict an earlier prefetch before its request ran.
+        room = self.host_pool.layout.num_slots // 2 - len(self._reading) - len(self._prefetched)
+        budget = min(self.prefetch_budget_chunks - len(self._reading), room)
         for chain in window_chains:
             for node in chain:
                 needed.add(node)

@@ -341,6 +341,31 @@ def test_prefetch_brings_waiting_requests_ssd_chunks_to_host_memory_in_time(tmp_
     cache.ssd.close()
 
 
+def test_prefetch_fills_at_most_half_the_host_tier(tmp_path):
+    """A window needing more host slots than the tier holds must not evict its own earlier
+    prefetches to make room for later ones (each read would be wasted)."""
+    slot_bytes = LAYERS * 2 * CHUNK * HEADS * DIM * 4
+    prompts = [list(range(100 * i, 100 * i + 12)) for i in range(1, 5)]  # 12 chunks, 6 host slots
+    cache, allocator, kvcache, host_pool = make_tiered_cache(
+        dram_gb=6 * slot_bytes / 2**30, ssd_path=tmp_path / "ssd", prefetch_window=4)
+    persisted_prompts(cache, allocator, kvcache, prompts)
+    waiting = [SimpleNamespace(rid=f"r{i}", origin_input_ids=p, extra_key=None, cache_salt=None)
+               for i, p in enumerate(prompts)]
+    for _ in range(4):  # the requests wait several steps
+        cache.on_scheduler_step(waiting)
+        assert cache.ssd.io.wait_idle(timeout_s=30)
+    cache.on_scheduler_step(waiting)
+    assert cache.ssd.stats.prefetch_issued == 3  # half the host tier, earliest request first
+    first = cache.tree.match(iter(cache_keys(cache, prompts[0])), touch=False).nodes
+    assert all(n.on_host for n in first) and cache.ssd.stats.prefetch_wasted == 0
+    match, _ = match_for_request(cache, prompts[0])  # used: room for the next request's reads
+    assert cache.ssd.stats.prefetch_in_time == 3
+    cache.on_scheduler_step(waiting[1:])
+    assert cache.ssd.stats.prefetch_issued == 6
+    cache.tree.check_invariants()
+    cache.ssd.close()
+
+
 def test_a_dead_io_process_costs_ssd_hits_until_it_is_restarted(tmp_path):
     import os
     import signal
