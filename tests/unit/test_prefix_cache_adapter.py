@@ -366,6 +366,46 @@ def test_prefetch_fills_at_most_half_the_host_tier(tmp_path):
     cache.ssd.close()
 
 
+def test_io_process_cancels_and_expedites_queued_reads(tmp_path):
+    """Reorder orders act on reads still queued in the I/O process: a cancelled read comes
+    back cancelled and leaves its slot untouched; an expedited one runs next."""
+    import os
+    import signal
+
+    slot_bytes = LAYERS * 2 * CHUNK * HEADS * DIM * 4
+    prompts = [list(range(100 * i, 100 * i + 12)) for i in range(1, 5)]  # 12 chunks, 6 host slots
+    cache, allocator, kvcache, host_pool = make_tiered_cache(
+        dram_gb=6 * slot_bytes / 2**30, ssd_path=tmp_path / "ssd")
+    persisted_prompts(cache, allocator, kvcache, prompts)
+    nodes = [n for p in prompts for n in cache.tree.match(iter(cache_keys(cache, p)), touch=False).nodes
+             if not n.on_host][:6]
+    assert len(nodes) == 6 and all(n.on_ssd for n in nodes)
+    io = cache.ssd.io
+    slots = [cache._alloc_host_slot() for _ in nodes]  # evicts other chunks' host copies
+    for slot in slots:
+        host_pool.slot_view(slot).fill_(0x5A)
+    os.kill(io.pid, signal.SIGSTOP)  # every order below waits in the process's queue
+    try:
+        seqs = [io.submit_read(n.key, s) for n, s in zip(nodes, slots)]
+        io.cancel(seqs[4])
+        io.expedite(seqs[5])
+    finally:
+        os.kill(io.pid, signal.SIGCONT)
+    assert io.wait_idle(timeout_s=30)
+    done = io.poll()
+    order = [c.order.seq for c in done]
+    assert sorted(order) == sorted(seqs)
+    by_seq = {c.order.seq: c for c in done}
+    assert by_seq[seqs[4]].done.cancelled and not by_seq[seqs[4]].ok
+    assert bool((host_pool.slot_view(slots[4]) == 0x5A).all())  # never written
+    assert all(by_seq[q].ok for i, q in enumerate(seqs) if i != 4)
+    # The expedited read overtook the reads queued before it (the first may have started).
+    assert order.index(seqs[5]) <= 1
+    host_pool.free(slots)
+    cache.tree.check_invariants()
+    cache.ssd.close()
+
+
 def test_a_dead_io_process_costs_ssd_hits_until_it_is_restarted(tmp_path):
     import os
     import signal
