@@ -1,0 +1,309 @@
+"""The RAG serving benchmark: PCR against SGLang's radix cache, HiCache and the oracle.
+
+    python -m bench.ragbench                 # the full comparison (about 25 min on 2 CPU cores)
+    python -m bench.ragbench --quick         # a smoke run: two configurations, a few requests
+    python -m bench.ragbench generate --out trace.jsonl [--followups 2] [--source synthetic]
+
+The full comparison, on one seeded retrieval trace with the device pool at 5% of its
+working set: every configuration at each ``--rates`` entry (ablations at the highest rate),
+then, at the highest rate, the Zipf-exponent sweep, the pool-fraction sweep and the
+multi-turn workload for radix / hicache / pcr / oracle, then SGLang's own
+``sglang.benchmark.serving`` client against radix / hicache / pcr. Writes ``report.json``,
+``report.md`` and PNG plots under ``--out`` (and the traces as JSONL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+from bench.ragbench.report import build_report, write_report
+from bench.ragbench.runner import CONFIG_NAMES, Budgets, RunResult, run_config
+from bench.ragbench.workload import Trace, WorkloadParams, calibrated_exponent, load_trace, make_trace, save_trace
+from pcr_sglang.launcher import cpu_only
+
+logger = logging.getLogger(__name__)
+
+MAIN_CONFIGS = ("radix", "hicache", "pcr", "oracle")
+SLACK_TOKENS = 256  # room above the longest prompt in every device pool
+
+
+@dataclass(frozen=True)
+class Point:
+    """One trace at one device-pool fraction: the unit runs are grouped by."""
+
+    label: str
+    trace: Trace
+    pool_fraction: float
+    configs: tuple[str, ...]
+    rates: tuple[float, ...]
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
+def _config_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in CONFIG_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown configurations {unknown}; known: {', '.join(CONFIG_NAMES)}")
+    return names
+
+
+def _workload_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument("--source", choices=["retrieval", "synthetic"], default="retrieval")
+    g.add_argument("--requests", type=int, default=64, help="first turns in the trace")
+    g.add_argument("--corpus-docs", type=int, default=1000,
+                   help="articles retrieval searches (or synthetic documents made)")
+    g.add_argument("--min-docs", type=int, default=3)
+    g.add_argument("--max-docs", type=int, default=5)
+    g.add_argument("--zipf", type=float, default=None,
+                   help="topic popularity exponent (default: calibrated so 3%% of topics draw 60%%)")
+    g.add_argument("--max-doc-chars", type=int, default=600,
+                   help="cut Wikipedia extracts to this many characters (whole sentences); 0: no cut")
+    g.add_argument("--followups", type=int, default=0, help="follow-up turns per session")
+    g.add_argument("--max-new-tokens", type=int, default=8)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _params(args: argparse.Namespace, **overrides) -> WorkloadParams:
+    params = WorkloadParams(
+        source=args.source, num_requests=args.requests, corpus_docs=args.corpus_docs,
+        min_docs=args.min_docs, max_docs=args.max_docs, zipf_exponent=args.zipf,
+        max_doc_chars=args.max_doc_chars or None, followups=args.followups,
+        max_new_tokens=args.max_new_tokens, seed=args.seed)
+    return replace(params, **overrides)
+
+
+class Model:
+    """The served model's tokenizer: chat template in, token ids out."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self.path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:  # a model without a chat template (the tests' tiny Llama): plain turns
+            text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token as served: layers x (K, V) x KV heads x head dim x the
+        element size (float32 on CPU, the model's 16-bit dtype on GPU)."""
+        config = json.loads((Path(self.path) / "config.json").read_text())
+        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        return config["num_hidden_layers"] * 2 * heads * head_dim * (4 if cpu_only() else 2)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def trace_shape(trace: Trace, model: Model, chunk_size: int) -> dict[str, int]:
+    """Token counts of the trace's first turns: the longest prompt, the total, and the
+    working set (distinct chunk-aligned prefixes; follow-ups add to it at run time)."""
+    from pcr_sglang.workload import working_set_tokens
+
+    prompts = [model.encode(trace.messages(r, {})) for r in trace.first_turns()]
+    turns = 1 + trace.params.followups
+    # A follow-up's prompt: its first turn's, plus each earlier answer and question.
+    per_turn = trace.params.max_new_tokens + 64
+    return {"longest": max(map(len, prompts)) + (turns - 1) * per_turn,
+            "total": sum(map(len, prompts)) * turns + sum(range(turns)) * per_turn * len(prompts),
+            "working_set": working_set_tokens(prompts, chunk_size)}
+
+
+def budgets_for(shape: dict[str, int], pool_fraction: float, host_fraction: float, chunk_size: int,
+                bytes_per_token: int) -> Budgets:
+    """Device pool at ``pool_fraction`` of the working set (never below one longest prompt
+    plus slack), host memory at ``host_fraction`` of it, disk enough for all of it."""
+    pool = max(int(shape["working_set"] * pool_fraction), shape["longest"] + SLACK_TOKENS)
+    host_gb = max(shape["working_set"] * host_fraction * bytes_per_token / 2**30, 0.05)
+    ssd_gb = max(4 * shape["working_set"] * bytes_per_token / 2**30, 1.0)
+    return Budgets(device_pool_tokens=pool, oracle_pool_tokens=2 * shape["total"] + 4 * shape["longest"],
+                   host_gb=round(host_gb, 3), ssd_gb=round(ssd_gb, 2),
+                   context_length=shape["longest"] + SLACK_TOKENS, kv_bytes_per_token=bytes_per_token,
+                   chunk_size=chunk_size, page_size=chunk_size)
+
+
+def plan(args: argparse.Namespace, model: Model, out_dir: Path) -> list[Point]:
+    def trace_for(label: str, **overrides) -> Trace:
+        path = out_dir / f"trace-{label}.jsonl"
+        if args.trace and label == "headline":
+            return load_trace(Path(args.trace))
+        trace = make_trace(_params(args, **overrides), count_tokens=model.count_tokens)
+        save_trace(trace, path)
+        return trace
+
+    top = (max(args.rates),)
+    headline = trace_for("headline")
+    points = [Point("headline", headline, args.pool_fraction,
+                    tuple(c for c in args.configs if not c.startswith("pcr-")), args.rates)]
+    ablations = tuple(c for c in args.configs if c.startswith("pcr-"))
+    if ablations:
+        points.append(Point("headline", headline, args.pool_fraction, ablations, top))
+    if args.quick:
+        return points
+    sweep_configs = tuple(c for c in MAIN_CONFIGS if c in args.configs)
+    for z in args.zipf_sweep:
+        points.append(Point(f"zipf-{z:g}", trace_for(f"zipf-{z:g}", zipf_exponent=z), args.pool_fraction,
+                            sweep_configs, top))
+    for fraction in args.pool_sweep:
+        if fraction != args.pool_fraction:
+            points.append(Point("headline", headline, fraction,
+                                tuple(c for c in sweep_configs if c != "oracle"), top))
+    if args.multiturn_followups:
+        points.append(Point("multiturn", trace_for("multiturn", followups=args.multiturn_followups,
+                                                   num_requests=max(args.requests // 2, 1)),
+                            args.pool_fraction, sweep_configs, top))
+    return points
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["generate"]:
+        return generate(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m bench.ragbench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/ragbench"))
+    parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (built offline)")
+    parser.add_argument("--configs", type=_config_list, default=CONFIG_NAMES)
+    parser.add_argument("--rates", type=_float_list, default=(0.5, 2.0), help="first turns per second")
+    parser.add_argument("--pool-fraction", type=float, default=0.05,
+                        help="device KV pool as a fraction of the trace's working set")
+    parser.add_argument("--host-fraction", type=float, default=0.25,
+                        help="host-memory budget (PCR and HiCache) as a fraction of the working set")
+    parser.add_argument("--chunk-size", type=int, default=16, help="PCR chunk = HiCache page, in tokens")
+    parser.add_argument("--zipf-sweep", type=_float_list, default=(0.6, 0.9, 1.2))
+    parser.add_argument("--pool-sweep", type=_float_list, default=(0.05, 0.20))
+    parser.add_argument("--multiturn-followups", type=int, default=2,
+                        help="follow-ups per session in the multi-turn workload (0: skip it)")
+    parser.add_argument("--trace", default=None, help="replay this JSONL trace as the headline trace")
+    parser.add_argument("--no-cross-check", action="store_true",
+                        help="skip the sglang.benchmark.serving cross-check")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: the headline trace only, no sweeps, no cross-check")
+    _workload_args(parser)
+    args = parser.parse_args(argv)
+    if not 0 < args.pool_fraction <= 1 or not 0 < args.host_fraction:
+        parser.error("--pool-fraction must be in (0, 1] and --host-fraction > 0")
+    if any(r <= 0 for r in args.rates):
+        parser.error("--rates must be > 0")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from tqdm import tqdm
+
+    from pcr_sglang.models.smollm2 import build_smollm2
+
+    started = time.monotonic()
+    out_dir = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = Model(args.model_path or str(build_smollm2()))
+    points = plan(args, model, out_dir)
+    shapes = {id(p.trace): trace_shape(p.trace, model, args.chunk_size) for p in points}
+    total = sum(len(p.trace.requests) * len(p.configs) * len(p.rates) for p in points)
+    runs: list[RunResult] = []
+    work = out_dir / "runs"  # server logs; each run's storage directory is removed after it
+    work.mkdir(exist_ok=True)
+    meta_traces = {}
+    failed: list[str] = []
+    with tqdm(total=total, unit="req", dynamic_ncols=True) as bar:
+        for point in points:
+            shape = shapes[id(point.trace)]
+            budgets = budgets_for(shape, point.pool_fraction, args.host_fraction, args.chunk_size,
+                                  model.kv_bytes_per_token())
+            meta_traces[point.label] = (
+                f"{len(point.trace.requests)} requests, {shape['working_set']} working-set tokens, "
+                f"Zipf {point.trace.stats['zipf_exponent']:.2f} (top 3% of documents: "
+                f"{point.trace.stats['hot_doc_share']:.0%} of uses), follow-ups {point.trace.params.followups}")
+            for rate in point.rates:
+                for config in point.configs:
+                    bar.set_description(f"{point.label} {config} @{rate:g}/s pool {point.pool_fraction:.0%}")
+                    try:
+                        run = run_config(model.path, config, budgets, point.trace, rate, model.encode,
+                                         model.decode, point.label, point.pool_fraction, work,
+                                         on_done=lambda: bar.update(1))
+                    except RuntimeError as e:  # a server that would not start: say so, go on
+                        logger.error("%s %s @%g/s failed: %s", point.label, config, rate, e)
+                        failed.append(f"{point.label}/{config}@{rate:g} (pool {point.pool_fraction:.0%}): "
+                                      f"{str(e).splitlines()[-1][:200]}")
+                        continue
+                    run.server_state["budgets"] = budgets.__dict__
+                    runs.append(run)
+    cross = None
+    if not args.quick and not args.no_cross_check:
+        from bench.ragbench.cross_check import run_cross_check
+
+        headline = points[0]
+        like = budgets_for(shapes[id(headline.trace)], headline.pool_fraction, args.host_fraction,
+                           args.chunk_size, model.kv_bytes_per_token())
+        cross = run_cross_check(model.path, like, tuple(c for c in ("radix", "hicache", "pcr") if c in args.configs),
+                                rate=max(args.rates), work_dir=work, pool_fraction=args.pool_fraction,
+                                host_fraction=args.host_fraction, bytes_per_token=model.kv_bytes_per_token())
+    meta = {"date": datetime.date.today().isoformat(),
+            "machine": f"{platform.machine()}, {_cpu_count()} CPU cores, no GPU" if cpu_only() else platform.machine(),
+            "model": Path(model.path).name, "command": "python -m bench.ragbench " + shlex.join(argv),
+            "traces": meta_traces, "headline_label": "headline", "headline_pool_fraction": args.pool_fraction,
+            "elapsed_s": time.monotonic() - started,
+            "cross_check": cross, "failed_runs": failed}
+    report = build_report(runs, meta)
+    paths = write_report(report, out_dir)
+    print((out_dir / "report.md").read_text())
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if report["outputs_identical"] and not failed else 1
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ragbench generate",
+                                     description="Write a seeded RAG trace as JSONL.")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model-path", default=None,
+                        help="tokenizer for synthetic document lengths (default: SmolLM2-135M-Instruct)")
+    _workload_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    count_tokens = None
+    if args.source == "synthetic":
+        from pcr_sglang.models.smollm2 import build_smollm2
+
+        count_tokens = Model(args.model_path or str(build_smollm2())).count_tokens
+    trace = make_trace(_params(args), count_tokens=count_tokens)
+    save_trace(trace, args.out)
+    s = trace.stats
+    print(f"wrote {args.out}: {len(trace.requests)} requests over {len(trace.documents)} documents; "
+          f"Zipf {s['zipf_exponent']:.3f} (calibrated would be {calibrated_exponent(args.corpus_docs):.3f}); "
+          f"top 3% of documents carry {s['hot_doc_share']:.0%} of {s['doc_uses']} uses; "
+          f"{s['distinct_docs_used']} distinct documents used")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

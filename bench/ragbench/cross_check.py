@@ -1,0 +1,103 @@
+"""The same server configurations measured by SGLang's own client, not ours.
+
+``python -m sglang.benchmark.serving --dataset-name generated-shared-prefix
+--gsp-group-distribution zipf`` sends groups of prompts that share a long system prompt,
+with Zipf group popularity, at a Poisson request rate. Each configuration gets a fresh
+server with the device pool at the same fraction of *this* workload's working set and the
+same host / disk budgets, as in the main runs; the figures come from the client's JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from bench.ragbench.runner import Budgets, server_config
+from pcr_sglang.launcher import ServerProcess
+
+logger = logging.getLogger(__name__)
+
+REPORTED = ("completed", "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+            "mean_e2e_latency_ms", "median_e2e_latency_ms", "p99_e2e_latency_ms", "mean_itl_ms")
+
+
+@dataclass(frozen=True)
+class SharedPrefixWorkload:
+    num_groups: int = 32
+    prompts: int = 64
+    system_prompt_len: int = 512
+    question_len: int = 64
+    output_len: int = 8
+    zipf_alpha: float = 1.1
+    seed: int = 1
+
+    @property
+    def working_set_tokens(self) -> int:
+        return self.num_groups * self.system_prompt_len + self.prompts * self.question_len
+
+    def client_args(self) -> list[str]:
+        return ["--dataset-name", "generated-shared-prefix",
+                "--gsp-num-groups", str(self.num_groups),
+                "--gsp-prompts-per-group", str(-(-self.prompts // self.num_groups)),
+                "--gsp-system-prompt-len", str(self.system_prompt_len),
+                "--gsp-question-len", str(self.question_len), "--gsp-output-len", str(self.output_len),
+                "--gsp-group-distribution", "zipf", "--gsp-zipf-alpha", str(self.zipf_alpha),
+                "--num-prompts", str(self.prompts), "--seed", str(self.seed)]
+
+
+def budgets_for_workload(workload: SharedPrefixWorkload, like: Budgets, pool_fraction: float,
+                         host_fraction: float, bytes_per_token: int) -> Budgets:
+    working_set = workload.working_set_tokens
+    longest = workload.system_prompt_len + workload.question_len + workload.output_len
+    return replace(like,
+                   device_pool_tokens=max(int(working_set * pool_fraction), longest + 256),
+                   oracle_pool_tokens=4 * working_set,
+                   host_gb=round(max(working_set * host_fraction * bytes_per_token / 2**30, 0.05), 3),
+                   ssd_gb=round(max(4 * working_set * bytes_per_token / 2**30, 1.0), 2),
+                   context_length=longest + 256)
+
+
+def run_client(model_path: str, base_url: str, workload: SharedPrefixWorkload, rate: float,
+               out_file: Path, timeout_s: float = 1200) -> dict[str, Any]:
+    """Run SGLang's serving benchmark against ``base_url``; its summary as a dict."""
+    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang",
+           "--base-url", base_url, "--model", model_path, "--tokenizer", model_path,
+           *workload.client_args(), "--request-rate", f"{rate:g}", "--output-file", str(out_file),
+           "--disable-tqdm"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0 or not out_file.is_file():
+        raise RuntimeError(f"sglang.benchmark.serving failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    summary = json.loads(out_file.read_text().splitlines()[-1])
+    return {k: summary.get(k) for k in REPORTED}
+
+
+def run_cross_check(model_path: str, like: Budgets, configs: Sequence[str], rate: float, work_dir: Path,
+                    pool_fraction: float, host_fraction: float, bytes_per_token: int,
+                    workload: Optional[SharedPrefixWorkload] = None) -> dict[str, Any]:
+    workload = workload or SharedPrefixWorkload()
+    budgets = budgets_for_workload(workload, like, pool_fraction, host_fraction, bytes_per_token)
+    results: dict[str, Any] = {"workload": workload.__dict__, "rate": rate, "budgets": budgets.__dict__,
+                               "configs": {}}
+    for name in configs:
+        storage = Path(tempfile.mkdtemp(prefix=f"xcheck-{name}-", dir=work_dir))
+        config = server_config(name, budgets, storage)
+        try:
+            with ServerProcess(model_path, config.args, env=config.env,
+                               log_path=work_dir / f"xcheck-{name}.log") as server:
+                results["configs"][name] = run_client(model_path, server.base_url, workload, rate,
+                                                      work_dir / f"xcheck-{name}.jsonl")
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            logger.error("cross-check of %s failed: %s", name, e)
+            results["configs"][name] = {"error": str(e)[-500:]}
+        finally:
+            shutil.rmtree(storage, ignore_errors=True)
+    return results

@@ -1,0 +1,285 @@
+"""Replay a trace against real SGLang servers, one fresh server per configuration and rate.
+
+Every configuration serves the same model with the same device KV pool (a fraction of the
+trace's working set); the tiered ones get the same host-memory and disk budgets:
+
+* ``radix``          SGLang's default radix cache.
+* ``hicache``        SGLang's hierarchical cache: host tier plus the ``file`` storage backend.
+* ``oracle``         the radix cache with a pool that never evicts: what any prefix cache
+                     could reuse on this trace.
+* ``pcr``            PCR with host memory, the SSD tier, prefetch, layer-wise copies and
+                     look-ahead eviction.
+* ``pcr-layerwise``, ``pcr-prefetch``, ``pcr-lookahead``: PCR without that one feature.
+
+The client sends each first turn at its Poisson arrival time (scaled to the rate) and each
+follow-up after its session's previous answer plus the think time, streams the reply, and
+records TTFT, inter-token latency, end-to-end latency, cached tokens by tier and the output
+tokens. A sampler reads SGLang's ``sglang:num_queue_reqs`` gauge to report the queue depth.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import requests
+
+from bench.ragbench.workload import Trace, TraceRequest
+from pcr_sglang.launcher import ServerProcess
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAMES = ("radix", "hicache", "oracle", "pcr", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead")
+# PCR without one feature: the flag that turns it off.
+ABLATIONS = {
+    "pcr-layerwise": ("--pcr-layerwise", "off"),
+    "pcr-prefetch": ("--pcr-prefetch-window", "0"),
+    "pcr-lookahead": ("--pcr-lookahead-window", "0"),
+}
+HICACHE_STORAGE_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What every configuration of one run gets (the oracle's pool aside)."""
+
+    device_pool_tokens: int
+    oracle_pool_tokens: int
+    host_gb: float
+    ssd_gb: float
+    context_length: int
+    kv_bytes_per_token: int
+    chunk_size: int = 16
+    page_size: int = 16  # HiCache's page; PCR's chunk size matches it
+
+    @property
+    def hicache_ratio(self) -> float:
+        """HiCache sizes its host pool as a multiple of the device pool (``--hicache-size``
+        takes whole GB only): the multiple that gives it ``host_gb``."""
+        host_tokens = self.host_gb * 2**30 / self.kv_bytes_per_token
+        return host_tokens / self.device_pool_tokens
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    name: str
+    args: tuple[str, ...]
+    storage_dir: Optional[Path] = None  # a fresh, empty directory per run
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def server_config(name: str, budgets: Budgets, storage_dir: Path) -> ServerConfig:
+    common = ("--context-length", str(budgets.context_length), "--log-level", "warning",
+              "--sleep-on-idle", "--enable-metrics")
+    pool = ("--max-total-tokens", str(budgets.device_pool_tokens))
+    if name == "radix":
+        return ServerConfig(name, (*pool, *common))
+    if name == "oracle":
+        return ServerConfig(name, ("--max-total-tokens", str(budgets.oracle_pool_tokens), *common))
+    if name == "hicache":
+        return ServerConfig(
+            name,
+            (*pool, *common, "--page-size", str(budgets.page_size), "--enable-hierarchical-cache",
+             "--hicache-ratio", f"{budgets.hicache_ratio:.4f}", "--hicache-storage-backend", "file"),
+            storage_dir=storage_dir, env={HICACHE_STORAGE_ENV: str(storage_dir)})
+    if name == "pcr" or name in ABLATIONS:
+        args = (*pool, *common, "--enable-pcr", "--pcr-chunk-size", str(budgets.chunk_size),
+                "--pcr-dram-gb", _gb_arg(budgets.host_gb), "--pcr-ssd-path", str(storage_dir),
+                "--pcr-ssd-gb", _gb_arg(budgets.ssd_gb), "--pcr-ssd-reserve-gb", "0")
+        return ServerConfig(name, (*args, *ABLATIONS.get(name, ())), storage_dir=storage_dir)
+    raise ValueError(f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}")
+
+
+def _gb_arg(value: float) -> str:
+    return f"{value:g}"
+
+
+@dataclass
+class RequestRecord:
+    rid: str
+    session: str
+    turn: int
+    scheduled_s: float  # when the client meant to send it, from the run's start
+    sent_s: float
+    ttft_s: float
+    e2e_s: float
+    itl_s: Optional[float]  # mean gap between output tokens after the first
+    prompt_tokens: int
+    cached_tokens: int
+    cached_by_tier: dict[str, int]
+    output_ids: list[int]
+    error: Optional[str] = None
+
+
+@dataclass
+class RunResult:
+    config: str
+    rate: float
+    label: str  # which trace / sweep point
+    pool_fraction: float
+    records: list[RequestRecord]
+    makespan_s: float
+    startup_s: float
+    queue_depth_mean: float
+    queue_depth_max: float
+    server_state: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- client
+def _stream(base_url: str, ids: Sequence[int], max_new_tokens: int, timeout_s: float) -> dict[str, Any]:
+    start = time.perf_counter()
+    first = None
+    final: dict[str, Any] = {}
+    payload = {"input_ids": list(ids), "stream": True,
+               "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
+    with requests.post(f"{base_url}/generate", json=payload, stream=True, timeout=timeout_s) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            if first is None:
+                first = time.perf_counter() - start
+            final = json.loads(data)
+    end = time.perf_counter() - start
+    return {"ttft": first if first is not None else end, "e2e": end, "final": final}
+
+
+def _cached_by_tier(meta: dict[str, Any]) -> dict[str, int]:
+    """Cached prompt tokens by where they came from. SGLang reports ``cached_tokens`` and,
+    for tiered caches, ``cached_tokens_details`` (``device``, ``host``, ``storage``...)."""
+    cached = int(meta.get("cached_tokens", 0))
+    details = meta.get("cached_tokens_details") or {}
+    tiers = {k: int(v) for k, v in details.items() if isinstance(v, (int, float)) and k != "total"}
+    if not tiers:
+        return {"device": cached} if cached else {}
+    if "device" not in tiers:
+        tiers["device"] = max(cached - sum(tiers.values()), 0)
+    return {k: v for k, v in tiers.items() if v}
+
+
+class QueueSampler:
+    """Samples the server's waiting-queue gauge while a run is in progress."""
+
+    _GAUGE = re.compile(r"^sglang:num_queue_reqs\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
+
+    def __init__(self, base_url: str, interval_s: float = 0.25):
+        self.base_url, self.interval_s = base_url, interval_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> QueueSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                text = requests.get(f"{self.base_url}/metrics", timeout=5).text
+            except requests.RequestException:
+                continue
+            values = [float(v) for v in self._GAUGE.findall(text)]
+            if values:
+                self.samples.append(sum(values))
+
+
+def replay(base_url: str, trace: Trace, encode: Callable[[list[dict[str, str]]], list[int]],
+           decode: Callable[[list[int]], str], rate: float, on_done: Callable[[], None] = lambda: None,
+           timeout_s: float = 900.0) -> tuple[list[RequestRecord], float, list[float]]:
+    """Send ``trace`` at ``rate`` first turns per second; a session's follow-ups go after its
+    previous answer and think time. Returns records (trace order), makespan, queue samples."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0 requests/s")
+    sessions: dict[str, list[TraceRequest]] = {}
+    for request in trace.requests:
+        sessions.setdefault(request.session, []).append(request)
+    answers: dict[str, str] = {}
+    first_ids = {r.rid: encode(trace.messages(r, answers)) for r in trace.first_turns()}
+    records: dict[str, RequestRecord] = {}
+    start = time.perf_counter()
+
+    def run_session(turns: list[TraceRequest]) -> None:
+        for request in turns:
+            if request.parent is None:
+                scheduled = request.arrival / rate
+                time.sleep(max(0.0, start + scheduled - time.perf_counter()))
+                ids = first_ids[request.rid]
+            else:
+                time.sleep(request.think_s)
+                scheduled = time.perf_counter() - start
+                ids = encode(trace.messages(request, answers))
+            sent = time.perf_counter() - start
+            try:
+                reply = _stream(base_url, ids, request.max_new_tokens, timeout_s)
+                meta = reply["final"].get("meta_info", {})
+                output_ids = list(reply["final"].get("output_ids") or [])
+                answers[request.rid] = decode(output_ids)
+                completion = max(len(output_ids), 1)
+                records[request.rid] = RequestRecord(
+                    rid=request.rid, session=request.session, turn=request.turn, scheduled_s=scheduled,
+                    sent_s=sent, ttft_s=reply["ttft"], e2e_s=reply["e2e"],
+                    itl_s=(reply["e2e"] - reply["ttft"]) / (completion - 1) if completion > 1 else None,
+                    prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
+                    cached_tokens=int(meta.get("cached_tokens", 0)),
+                    cached_by_tier=_cached_by_tier(meta), output_ids=output_ids)
+            except (requests.RequestException, ValueError) as e:
+                records[request.rid] = RequestRecord(
+                    rid=request.rid, session=request.session, turn=request.turn, scheduled_s=scheduled,
+                    sent_s=sent, ttft_s=float("nan"), e2e_s=float("nan"), itl_s=None,
+                    prompt_tokens=len(ids), cached_tokens=0, cached_by_tier={}, output_ids=[], error=str(e))
+                on_done()
+                for skipped in turns[turns.index(request) + 1:]:  # the session cannot go on
+                    records[skipped.rid] = RequestRecord(
+                        rid=skipped.rid, session=skipped.session, turn=skipped.turn, scheduled_s=scheduled,
+                        sent_s=sent, ttft_s=float("nan"), e2e_s=float("nan"), itl_s=None, prompt_tokens=0,
+                        cached_tokens=0, cached_by_tier={}, output_ids=[], error="previous turn failed")
+                    on_done()
+                return
+            on_done()
+
+    with QueueSampler(base_url) as sampler, ThreadPoolExecutor(max(len(sessions), 1)) as pool:
+        for future in [pool.submit(run_session, turns) for turns in sessions.values()]:
+            future.result()
+    makespan = time.perf_counter() - start
+    return [records[r.rid] for r in trace.requests], makespan, sampler.samples
+
+
+# ---------------------------------------------------------------------------- one run
+def run_config(model_path: str, config_name: str, budgets: Budgets, trace: Trace, rate: float,
+               encode: Callable[[list[dict[str, str]]], list[int]], decode: Callable[[list[int]], str],
+               label: str, pool_fraction: float, work_dir: Path,
+               on_done: Callable[[], None] = lambda: None) -> RunResult:
+    """Start a fresh server for ``config_name``, replay ``trace`` at ``rate``, stop it."""
+    storage = Path(tempfile.mkdtemp(prefix=f"{config_name}-", dir=work_dir))
+    config = server_config(config_name, budgets, storage)
+    log_path = work_dir / f"{label}-{config_name}-{rate:g}.log"
+    try:
+        with ServerProcess(model_path, config.args, env=config.env, log_path=log_path) as server:
+            records, makespan, samples = replay(server.base_url, trace, encode, decode, rate, on_done)
+            state: dict[str, Any] = {}
+            if config_name.startswith("pcr"):
+                state = server.pcr_state()
+            startup = server.startup_seconds
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    return RunResult(config=config_name, rate=rate, label=label, pool_fraction=pool_fraction,
+                     records=records, makespan_s=makespan, startup_s=startup,
+                     queue_depth_mean=statistics.mean(samples) if samples else 0.0,
+                     queue_depth_max=max(samples) if samples else 0.0, server_state=state)
