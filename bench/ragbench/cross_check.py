@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 REPORTED = ("completed", "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
             "mean_e2e_latency_ms", "median_e2e_latency_ms", "p99_e2e_latency_ms", "mean_itl_ms")
+CACHE_REPORTED = ("cache_hit_rate_pct", "device_cached_tokens", "host_cached_tokens", "storage_cached_tokens")
 
 
 @dataclass(frozen=True)
@@ -40,17 +41,21 @@ class SharedPrefixWorkload:
     seed: int = 1
 
     @property
+    def prompts_per_group(self) -> int:
+        return -(-self.prompts // self.num_groups)
+
+    @property
     def working_set_tokens(self) -> int:
-        return self.num_groups * self.system_prompt_len + self.prompts * self.question_len
+        return self.num_groups * (self.system_prompt_len + self.prompts_per_group * self.question_len)
 
     def client_args(self) -> list[str]:
         return ["--dataset-name", "generated-shared-prefix",
                 "--gsp-num-groups", str(self.num_groups),
-                "--gsp-prompts-per-group", str(-(-self.prompts // self.num_groups)),
+                "--gsp-prompts-per-group", str(self.prompts_per_group),
                 "--gsp-system-prompt-len", str(self.system_prompt_len),
                 "--gsp-question-len", str(self.question_len), "--gsp-output-len", str(self.output_len),
                 "--gsp-group-distribution", "zipf", "--gsp-zipf-alpha", str(self.zipf_alpha),
-                "--num-prompts", str(self.prompts), "--seed", str(self.seed)]
+                "--seed", str(self.seed)]  # the dataset sends groups x prompts per group
 
 
 def budgets_for_workload(workload: SharedPrefixWorkload, like: Budgets, pool_fraction: float,
@@ -67,17 +72,20 @@ def budgets_for_workload(workload: SharedPrefixWorkload, like: Budgets, pool_fra
 
 def run_client(model_path: str, base_url: str, workload: SharedPrefixWorkload, rate: float,
                out_file: Path, timeout_s: float = 1200) -> dict[str, Any]:
-    """Run SGLang's serving benchmark against ``base_url``; its summary as a dict."""
+    """Run SGLang's serving benchmark against ``base_url``; its summary as a dict. No warm-up
+    request: it would prime the cache with the first prompt before the clock starts."""
+    out_file.unlink(missing_ok=True)  # the client appends
     cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang",
            "--base-url", base_url, "--model", model_path, "--tokenizer", model_path,
-           *workload.client_args(), "--request-rate", f"{rate:g}", "--output-file", str(out_file),
-           "--disable-tqdm"]
+           *workload.client_args(), "--request-rate", f"{rate:g}", "--warmup-requests", "0",
+           "--cache-report", "--output-file", str(out_file), "--disable-tqdm"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0 or not out_file.is_file():
         raise RuntimeError(f"sglang.benchmark.serving failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     summary = json.loads(out_file.read_text().splitlines()[-1])
-    return {k: summary.get(k) for k in REPORTED}
+    cache = summary.get("cache_report") or {}
+    return {**{k: summary.get(k) for k in REPORTED}, **{k: cache.get(k) for k in CACHE_REPORTED}}
 
 
 def run_cross_check(model_path: str, like: Budgets, configs: Sequence[str], rate: float, work_dir: Path,

@@ -46,6 +46,8 @@ def summarize(run: RunResult, oracle: Optional[RunResult]) -> dict[str, Any]:
             tiers[tier] = tiers.get(tier, 0) + tokens
     summary: dict[str, Any] = {
         "config": run.config, "rate": run.rate, "label": run.label, "pool_fraction": run.pool_fraction,
+        "device_pool_tokens": (run.server_state.get("budgets") or {}).get(
+            "oracle_pool_tokens" if run.config == "oracle" else "device_pool_tokens"),
         "requests": len(run.records), "errors": len(run.records) - len(ok),
         "ttft_ms": {k: 1000 * v for k, v in _stats(ttft).items()},
         "e2e_ms": {k: 1000 * v for k, v in _stats(e2e).items()},
@@ -138,7 +140,7 @@ def markdown(report: dict[str, Any]) -> str:
             + " |")
     lines += ["", "Ratios are PCR's figure divided by the baseline's (below 1: PCR is faster).", "",
               "## All runs", "",
-              "| trace | pool | config | rate | TTFT mean | P50 | P95 | P99 | E2E mean | P50 | P95 | P99 | ITL | "
+              "| trace | pool (tokens) | config | rate | TTFT mean | P50 | P95 | P99 | E2E mean | P50 | P95 | P99 | ITL | "
               "hit ratio (by tier) | reuse vs oracle | req/s | queue | timeliness | errors |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
               "| --- |"]
@@ -146,7 +148,7 @@ def markdown(report: dict[str, Any]) -> str:
         t, e = s["ttft_ms"], s["e2e_ms"]
         tiers = ", ".join(f"{k} {v:.0%}" for k, v in s["hit_ratio_by_tier"].items())
         lines.append(
-            f"| {s['label']} | {s['pool_fraction']:.0%} | {s['config']} | {s['rate']:g} | {_fmt(t['mean'])} | {_fmt(t['p50'])} | "
+            f"| {s['label']} | {s['pool_fraction']:.0%} ({_fmt(s['device_pool_tokens'])}) | {s['config']} | {s['rate']:g} | {_fmt(t['mean'])} | {_fmt(t['p50'])} | "
             f"{_fmt(t['p95'])} | {_fmt(t['p99'])} | {_fmt(e['mean'])} | {_fmt(e['p50'])} | {_fmt(e['p95'])} | "
             f"{_fmt(e['p99'])} | {_fmt(s['itl_ms_mean'])} | {s['hit_ratio']:.0%} ({tiers or '-'}) | "
             f"{_fmt(s.get('reuse_vs_oracle'), '{:.1%}')} | {s['throughput_rps']:.2f} | "
@@ -164,16 +166,18 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{w['prompts']} prompts ({w['system_prompt_len']}-token shared prefix + {w['question_len']}-token "
                   f"question, {w['output_len']} output tokens) at {cross['rate']:g} req/s; device pool "
                   f"{cross['budgets']['device_pool_tokens']} tokens. Figures from SGLang's client.", "",
-                  "| config | TTFT mean | P50 | P99 | E2E mean | P99 | req/s | completed |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| config | TTFT mean | P50 | P99 | E2E mean | P99 | req/s | completed | hit rate (device / host / storage tokens) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, r in cross["configs"].items():
             if "error" in r:
-                lines.append(f"| {name} | failed: {r['error'][:80]} |  |  |  |  |  |  |")
+                lines.append(f"| {name} | failed: {r['error'][:80]} |  |  |  |  |  |  |  |")
                 continue
             lines.append(f"| {name} | {_fmt(r['mean_ttft_ms'])} | {_fmt(r['median_ttft_ms'])} | "
                          f"{_fmt(r['p99_ttft_ms'])} | {_fmt(r['mean_e2e_latency_ms'])} | "
                          f"{_fmt(r['p99_e2e_latency_ms'])} | {_fmt(r['request_throughput'], '{:.2f}')} | "
-                         f"{_fmt(r['completed'])} |")
+                         f"{_fmt(r['completed'])} | {_fmt(r.get('cache_hit_rate_pct'), '{:.1f}%')} "
+                         f"({_fmt(r.get('device_cached_tokens'))} / {_fmt(r.get('host_cached_tokens'))} / "
+                         f"{_fmt(r.get('storage_cached_tokens'))}) |")
         lines.append("")
     if report["outputs_identical"]:
         lines.append("Outputs check: every configuration's greedy outputs match the oracle's, token for token.")

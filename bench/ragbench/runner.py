@@ -4,7 +4,8 @@ Every configuration serves the same model with the same device KV pool (a fracti
 trace's working set); the tiered ones get the same host-memory and disk budgets:
 
 * ``radix``          SGLang's default radix cache.
-* ``hicache``        SGLang's hierarchical cache: host tier plus the ``file`` storage backend.
+* ``hicache``        SGLang's hierarchical cache: host tier plus the ``file`` storage backend,
+                     capped at the disk budget.
 * ``oracle``         the radix cache with a pool that never evicts: what any prefix cache
                      could reuse on this trace.
 * ``pcr``            PCR with host memory, the SSD tier, prefetch, layer-wise copies and
@@ -47,6 +48,7 @@ ABLATIONS = {
     "pcr-lookahead": ("--pcr-lookahead-window", "0"),
 }
 HICACHE_STORAGE_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+HICACHE_MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"  # bytes; LRU-evicted above it
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ def server_config(name: str, budgets: Budgets, storage_dir: Path) -> ServerConfi
             name,
             (*pool, *common, "--page-size", str(budgets.page_size), "--enable-hierarchical-cache",
              "--hicache-ratio", f"{budgets.hicache_ratio:.4f}", "--hicache-storage-backend", "file"),
-            storage_dir=storage_dir, env={HICACHE_STORAGE_ENV: str(storage_dir)})
+            storage_dir=storage_dir,
+            env={HICACHE_STORAGE_ENV: str(storage_dir), HICACHE_MAX_SIZE_ENV: str(int(budgets.ssd_gb * 2**30))})
     if name == "pcr" or name in ABLATIONS:
         args = (*pool, *common, "--enable-pcr", "--pcr-chunk-size", str(budgets.chunk_size),
                 "--pcr-dram-gb", _gb_arg(budgets.host_gb), "--pcr-ssd-path", str(storage_dir),
