@@ -182,7 +182,7 @@ def plan(args: argparse.Namespace, model: Model, out_dir: Path) -> list[Point]:
                                 tuple(c for c in sweep_configs if c != "oracle"), top))
     if args.multiturn_followups:
         points.append(Point("multiturn", trace_for("multiturn", followups=args.multiturn_followups,
-                                                   num_requests=max(args.requests // 2, 1)),
+                                                   num_requests=max(args.requests // (1 + args.multiturn_followups), 1)),
                             args.pool_fraction, sweep_configs, top))
     return points
 
