@@ -1,15 +1,16 @@
 """The RAG serving benchmark: PCR against SGLang's radix cache, HiCache and the oracle.
 
-    python -m bench.ragbench                 # the full comparison (about 25 min on 2 CPU cores)
-    python -m bench.ragbench --quick         # a smoke run: two configurations, a few requests
+    python -m bench.ragbench                 # the full comparison (under 30 min on 2 CPU cores)
+    python -m bench.ragbench --quick         # the headline trace only: no sweeps, no cross-check
     python -m bench.ragbench generate --out trace.jsonl [--followups 2] [--source synthetic]
 
-The full comparison, on one seeded retrieval trace with the device pool at 5% of its
-working set: every configuration at each ``--rates`` entry (ablations at the highest rate),
-then, at the highest rate, the Zipf-exponent sweep, the pool-fraction sweep and the
-multi-turn workload for radix / hicache / pcr / oracle, then SGLang's own
-``sglang.benchmark.serving`` client against radix / hicache / pcr. Writes ``report.json``,
-``report.md`` and PNG plots under ``--out`` (and the traces as JSONL).
+The full comparison: one seeded retrieval trace with the device pool at 5% of its working
+set, every configuration at each ``--rates`` entry (ablations at the highest rate); then,
+at the highest rate, the Zipf-exponent sweep (pcr, oracle), the pool-fraction sweep
+(radix, hicache, pcr) and the multi-turn workload (radix, hicache, pcr, oracle); then
+SGLang's own ``sglang.benchmark.serving`` client against radix, hicache and pcr. Writes
+``report.json``, ``report.md`` and PNG plots under ``--out``, with the traces as JSONL.
+Every server is started fresh for its run (about 35 s each on two cores).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from pcr_sglang.launcher import cpu_only
 logger = logging.getLogger(__name__)
 
 MAIN_CONFIGS = ("radix", "hicache", "pcr", "oracle")
-# The Zipf sweep leaves HiCache out to keep the whole comparison within 30 minutes on two
-# cores; it shows how reuse potential (oracle) and PCR's share of it move with the skew.
-ZIPF_SWEEP_CONFIGS = ("radix", "pcr", "oracle")
+# The Zipf sweep runs PCR and the oracle only, to keep the whole comparison within 30 minutes
+# on two cores (each server start costs about 35 s there): it shows how the reuse potential
+# (oracle) and PCR's share of it move with the skew. The baselines are in the headline.
+ZIPF_SWEEP_CONFIGS = ("pcr", "oracle")
 SLACK_TOKENS = 256  # room above the longest prompt in every device pool
 
 
@@ -72,19 +74,20 @@ def _config_list(text: str) -> tuple[str, ...]:
 
 def _workload_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--source", choices=["retrieval", "synthetic"], default="retrieval")
-    g.add_argument("--requests", type=int, default=40, help="first turns in each trace")
+    g.add_argument("--source", choices=["retrieval", "synthetic"], default="retrieval",
+                   help="retrieval: Wikipedia extracts chosen by the embedder; synthetic: lognormal-length documents")
+    g.add_argument("--requests", type=int, default=32, help="first turns in the headline trace")
     g.add_argument("--corpus-docs", type=int, default=1000,
                    help="articles retrieval searches (or synthetic documents made)")
-    g.add_argument("--min-docs", type=int, default=3)
-    g.add_argument("--max-docs", type=int, default=5)
+    g.add_argument("--min-docs", type=int, default=3, help="documents per request, at least")
+    g.add_argument("--max-docs", type=int, default=5, help="documents per request, at most")
     g.add_argument("--zipf", type=float, default=None,
                    help="topic popularity exponent (default: calibrated so 3%% of topics draw 60%%)")
     g.add_argument("--max-doc-chars", type=int, default=600,
                    help="cut Wikipedia extracts to this many characters (whole sentences); 0: no cut")
     g.add_argument("--followups", type=int, default=0, help="follow-up turns per session")
-    g.add_argument("--max-new-tokens", type=int, default=8)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=8, help="output tokens per request (greedy)")
+    g.add_argument("--seed", type=int, default=0, help="seeds documents, questions and arrivals")
 
 
 def _params(args: argparse.Namespace, **overrides) -> WorkloadParams:
@@ -174,7 +177,8 @@ def plan(args: argparse.Namespace, model: Model, out_dir: Path) -> list[Point]:
         return points
     sweep_configs = tuple(c for c in MAIN_CONFIGS if c in args.configs)
     for z in args.zipf_sweep:
-        points.append(Point(f"zipf-{z:g}", trace_for(f"zipf-{z:g}", zipf_exponent=z), args.pool_fraction,
+        points.append(Point(f"zipf-{z:g}", trace_for(f"zipf-{z:g}", zipf_exponent=z,
+                                                     num_requests=args.sweep_requests), args.pool_fraction,
                             tuple(c for c in ZIPF_SWEEP_CONFIGS if c in args.configs), top))
     for fraction in args.pool_sweep:
         if fraction != args.pool_fraction:
@@ -182,7 +186,7 @@ def plan(args: argparse.Namespace, model: Model, out_dir: Path) -> list[Point]:
                                 tuple(c for c in sweep_configs if c != "oracle"), top))
     if args.multiturn_followups:
         points.append(Point("multiturn", trace_for("multiturn", followups=args.multiturn_followups,
-                                                   num_requests=max(args.requests // (1 + args.multiturn_followups), 1)),
+                                                   num_requests=max(args.sweep_requests // (1 + args.multiturn_followups), 1)),
                             args.pool_fraction, sweep_configs, top))
     return points
 
@@ -193,9 +197,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return generate(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m bench.ragbench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/ragbench"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/ragbench"),
+                        help="where the report, plots, traces and server logs go")
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (built offline)")
-    parser.add_argument("--configs", type=_config_list, default=CONFIG_NAMES)
+    parser.add_argument("--configs", type=_config_list, default=CONFIG_NAMES,
+                        help=f"comma-separated subset of {','.join(CONFIG_NAMES)}")
     parser.add_argument("--rates", type=_float_list, default=(1.0, 4.0),
                         help="first turns per second; SmolLM2 on two cores serves about 1/s")
     parser.add_argument("--pool-fraction", type=float, default=0.05,
@@ -203,8 +209,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--host-fraction", type=float, default=0.25,
                         help="host-memory budget (PCR and HiCache) as a fraction of the working set")
     parser.add_argument("--chunk-size", type=int, default=16, help="PCR chunk = HiCache page, in tokens")
-    parser.add_argument("--zipf-sweep", type=_float_list, default=(0.6, 0.9, 1.2))
-    parser.add_argument("--pool-sweep", type=_float_list, default=(0.05, 0.20))
+    parser.add_argument("--zipf-sweep", type=_float_list, default=(0.6, 0.9, 1.2),
+                        help="topic-popularity exponents, one trace each (pcr and oracle at the top rate)")
+    parser.add_argument("--sweep-requests", type=int, default=24,
+                        help="first turns in each Zipf-sweep and multi-turn trace")
+    parser.add_argument("--pool-sweep", type=_float_list, default=(0.05, 0.20),
+                        help="device pool fractions of the headline trace (at the top rate)")
     parser.add_argument("--multiturn-followups", type=int, default=2,
                         help="follow-ups per session in the multi-turn workload (0: skip it)")
     parser.add_argument("--trace", default=None, help="replay this JSONL trace as the headline trace")
