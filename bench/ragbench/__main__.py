@@ -7,7 +7,7 @@
 The full comparison: one seeded retrieval trace with the device pool at 5% of its working
 set, every configuration at each ``--rates`` entry (ablations at the highest rate); then,
 at the highest rate, the Zipf-exponent sweep (pcr, oracle), the pool-fraction sweep
-(radix, hicache, pcr) and the multi-turn workload (radix, hicache, pcr, oracle); then
+(radix, pcr) and the multi-turn workload (radix, hicache, pcr, oracle); then
 SGLang's own ``sglang.benchmark.serving`` client against radix, hicache and pcr. Writes
 ``report.json``, ``report.md`` and PNG plots under ``--out``, with the traces as JSONL.
 Every server is started fresh for its run (about 35 s each on two cores).
@@ -40,6 +40,7 @@ MAIN_CONFIGS = ("radix", "hicache", "pcr", "oracle")
 # on two cores (each server start costs about 35 s there): it shows how the reuse potential
 # (oracle) and PCR's share of it move with the skew. The baselines are in the headline.
 ZIPF_SWEEP_CONFIGS = ("pcr", "oracle")
+POOL_SWEEP_CONFIGS = ("radix", "pcr")  # the oracle's pool does not depend on the fraction
 SLACK_TOKENS = 256  # room above the longest prompt in every device pool
 
 
@@ -76,7 +77,7 @@ def _workload_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--source", choices=["retrieval", "synthetic"], default="retrieval",
                    help="retrieval: Wikipedia extracts chosen by the embedder; synthetic: lognormal-length documents")
-    g.add_argument("--requests", type=int, default=32, help="first turns in the headline trace")
+    g.add_argument("--requests", type=int, default=24, help="first turns in the headline trace")
     g.add_argument("--corpus-docs", type=int, default=1000,
                    help="articles retrieval searches (or synthetic documents made)")
     g.add_argument("--min-docs", type=int, default=3, help="documents per request, at least")
@@ -183,7 +184,7 @@ def plan(args: argparse.Namespace, model: Model, out_dir: Path) -> list[Point]:
     for fraction in args.pool_sweep:
         if fraction != args.pool_fraction:
             points.append(Point("headline", headline, fraction,
-                                tuple(c for c in sweep_configs if c != "oracle"), top))
+                                tuple(c for c in POOL_SWEEP_CONFIGS if c in args.configs), top))
     if args.multiturn_followups:
         points.append(Point("multiturn", trace_for("multiturn", followups=args.multiturn_followups,
                                                    num_requests=max(args.sweep_requests // (1 + args.multiturn_followups), 1)),
@@ -202,8 +203,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (built offline)")
     parser.add_argument("--configs", type=_config_list, default=CONFIG_NAMES,
                         help=f"comma-separated subset of {','.join(CONFIG_NAMES)}")
-    parser.add_argument("--rates", type=_float_list, default=(1.0, 4.0),
-                        help="first turns per second; SmolLM2 on two cores serves about 1/s")
+    parser.add_argument("--rates", type=_float_list, default=(0.5, 1.0),
+                        help="first turns per second; SmolLM2 on two cores serves 0.5-0.9/s with a 5%% pool")
     parser.add_argument("--pool-fraction", type=float, default=0.05,
                         help="device KV pool as a fraction of the trace's working set")
     parser.add_argument("--host-fraction", type=float, default=0.25,
@@ -211,7 +212,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--chunk-size", type=int, default=16, help="PCR chunk = HiCache page, in tokens")
     parser.add_argument("--zipf-sweep", type=_float_list, default=(0.6, 0.9, 1.2),
                         help="topic-popularity exponents, one trace each (pcr and oracle at the top rate)")
-    parser.add_argument("--sweep-requests", type=int, default=24,
+    parser.add_argument("--sweep-requests", type=int, default=16,
                         help="first turns in each Zipf-sweep and multi-turn trace")
     parser.add_argument("--pool-sweep", type=_float_list, default=(0.05, 0.20),
                         help="device pool fractions of the headline trace (at the top rate)")

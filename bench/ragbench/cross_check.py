@@ -32,8 +32,8 @@ CACHE_REPORTED = ("cache_hit_rate_pct", "device_cached_tokens", "host_cached_tok
 
 @dataclass(frozen=True)
 class SharedPrefixWorkload:
-    num_groups: int = 16
-    prompts: int = 32
+    num_groups: int = 12
+    prompts: int = 24
     system_prompt_len: int = 512
     question_len: int = 64
     output_len: int = 8

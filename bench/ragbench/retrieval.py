@@ -8,6 +8,7 @@ Search is exact cosine similarity (normalised vectors, one matrix product).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -37,8 +38,9 @@ def embedder_path() -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=1)
 def load_embedder():
-    """The packaged all-MiniLM-L6-v2, loaded without touching the network."""
+    """The packaged all-MiniLM-L6-v2, loaded once, without touching the network."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from sentence_transformers import SentenceTransformer
 

@@ -122,6 +122,7 @@ class RequestRecord:
     cached_by_tier: dict[str, int]
     output_ids: list[int]
     error: Optional[str] = None
+    input_ids: list[int] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -241,7 +242,7 @@ def replay(base_url: str, trace: Trace, encode: Callable[[list[dict[str, str]]],
                     itl_s=(reply["e2e"] - reply["ttft"]) / (completion - 1) if completion > 1 else None,
                     prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
                     cached_tokens=int(meta.get("cached_tokens", 0)),
-                    cached_by_tier=_cached_by_tier(meta), output_ids=output_ids)
+                    cached_by_tier=_cached_by_tier(meta), output_ids=output_ids, input_ids=list(ids))
             except (requests.RequestException, ValueError) as e:
                 records[request.rid] = RequestRecord(
                     rid=request.rid, session=request.session, turn=request.turn, scheduled_s=scheduled,

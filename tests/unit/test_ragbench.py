@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.ragbench.report import build_report, markdown, percentile, write_report
+from bench.ragbench.report import build_report, markdown, percentile, reuse_potential, write_report
 from bench.ragbench.runner import RequestRecord, RunResult, _cached_by_tier, server_config, Budgets
 from bench.ragbench.workload import (
     HOT_FRACTION,
@@ -152,10 +152,20 @@ def test_cached_tokens_are_split_by_tier():
 
 
 # ---------------------------------------------------------------------------- report
-def _record(rid: str, ttft: float, cached: int, output: list[int], tiers=None) -> RequestRecord:
-    return RequestRecord(rid=rid, session=rid, turn=0, scheduled_s=0.0, sent_s=0.0, ttft_s=ttft, e2e_s=ttft + 0.5,
+def _record(rid: str, ttft: float, cached: int, output: list[int], tiers=None, input_ids=(), sent=0.0) -> RequestRecord:
+    return RequestRecord(rid=rid, session=rid, turn=0, scheduled_s=0.0, sent_s=sent, ttft_s=ttft, e2e_s=ttft + 0.5,
                          itl_s=0.1, prompt_tokens=100, cached_tokens=cached,
-                         cached_by_tier=tiers or ({"device": cached} if cached else {}), output_ids=output)
+                         cached_by_tier=tiers or ({"device": cached} if cached else {}), output_ids=output,
+                         input_ids=list(input_ids))
+
+
+def test_reuse_potential_counts_longest_earlier_prefix_in_send_order():
+    first = _record("a", 0.1, 0, [7, 8], input_ids=[1, 2, 3, 4], sent=0.0)
+    shares_three = _record("b", 0.1, 0, [9], input_ids=[1, 2, 3, 5, 6], sent=1.0)
+    follow_up = _record("c", 0.1, 0, [1], input_ids=[1, 2, 3, 4, 7, 8, 5], sent=2.0)  # a's prompt + answer
+    repeat = _record("d", 0.1, 0, [1], input_ids=[1, 2, 3, 4], sent=3.0)  # all but its last token
+    assert reuse_potential([first]) == 0
+    assert reuse_potential([repeat, shares_three, first, follow_up]) == 3 + 6 + 3
 
 
 def _run(config: str, ttfts: list[float], cached: int, outputs: list[list[int]], rate: float = 2.0) -> RunResult:
