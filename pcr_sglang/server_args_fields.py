@@ -138,8 +138,9 @@ class Pcr(msgspec.Struct):
         int,
         Arg(
             help=(
-                "Most chunk bytes (MB) the prefetcher keeps in flight from SSD to host memory. "
-                f"Default: {DEFAULT_PREFETCH_BUDGET_MB}."
+                "Most chunk bytes (MB) the prefetcher keeps in flight from SSD to host memory; "
+                "reads in flight plus prefetched chunks not used yet never exceed half the "
+                f"host tier. Default: {DEFAULT_PREFETCH_BUDGET_MB}."
             )
         ),
     ] = DEFAULT_PREFETCH_BUDGET_MB
