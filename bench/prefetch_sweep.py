@@ -12,7 +12,7 @@ Prints, per configuration: mean and P99 TTFT, prefetch timeliness (share of SSD 
 needed by scheduled requests already in host memory when their request was scheduled),
 prefetch orders issued / late / wasted, and whether greedy outputs match the warm-up's.
 
-Usage: python bench/prefetch_sweep.py [--requests 48] [--windows 1,2,4,6,8,16] [--model-path DIR]
+Usage: python bench/prefetch_sweep.py [--requests 96] [--windows 1,2,4,6,8,16] [--model-path DIR]
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def replay(server: ServerProcess, prompts: list[list[int]], max_new_tokens: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--requests", type=int, default=96,
+                        help="enough that the first seconds, before a queue forms, weigh little")
     parser.add_argument("--docs", type=int, default=24)
     parser.add_argument("--windows", default="1,2,4,6,8,16")
     parser.add_argument("--chunk-size", type=int, default=16)
