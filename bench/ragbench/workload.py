@@ -115,6 +115,7 @@ class Trace:
     documents: dict[str, Document]
     requests: list[TraceRequest]
     stats: dict[str, float] = field(default_factory=dict)
+    _index: dict[str, TraceRequest] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def first_turns(self) -> list[TraceRequest]:
         return [r for r in self.requests if r.parent is None]
@@ -138,11 +139,9 @@ class Trace:
         return messages
 
     def _by_rid(self) -> dict[str, TraceRequest]:
-        cached = getattr(self, "_index", None)
-        if cached is None:
-            cached = {r.rid: r for r in self.requests}
-            self._index = cached
-        return cached
+        if len(self._index) != len(self.requests):
+            self._index = {r.rid: r for r in self.requests}
+        return self._index
 
 
 # ---------------------------------------------------------------------------- popularity
