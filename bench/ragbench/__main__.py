@@ -263,7 +263,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         run = run_config(model.path, config, budgets, point.trace, rate, model.encode,
                                          model.decode, point.label, point.pool_fraction, work,
                                          on_done=lambda: bar.update(1))
-                    except RuntimeError as e:  # a server that would not start: say so, go on
+                    except (RuntimeError, TimeoutError) as e:  # a server that would not start: say so, go on
                         logger.error("%s %s @%g/s failed: %s", point.label, config, rate, e)
                         failed.append(f"{point.label}/{config}@{rate:g} (pool {point.pool_fraction:.0%}): "
                                       f"{str(e).splitlines()[-1][:200]}")

@@ -103,7 +103,7 @@ def run_cross_check(model_path: str, like: Budgets, configs: Sequence[str], rate
                                log_path=work_dir / f"xcheck-{name}.log") as server:
                 results["configs"][name] = run_client(model_path, server.base_url, workload, rate,
                                                       work_dir / f"xcheck-{name}.jsonl")
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
+        except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
             logger.error("cross-check of %s failed: %s", name, e)
             results["configs"][name] = {"error": str(e)[-500:]}
         finally:
