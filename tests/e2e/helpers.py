@@ -16,12 +16,17 @@ COMMON_ARGS = (
 
 
 @contextmanager
-def serving(servers: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+def serving(servers: dict[str, ServerProcess], start_first: Sequence[str] = ()) -> Iterator[dict[str, ServerProcess]]:
     """Start several servers at once (their startup is mostly import time); on exit stop
-    every server the dict then holds (a test may replace one with a restarted server)."""
+    every server the dict then holds (a test may replace one with a restarted server).
+    ``start_first`` are started alone beforehand: HiCache checks at startup that host
+    memory beyond a 10 GB reserve is free, which servers starting beside it can use up."""
     try:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            futures = [pool.submit(s.start) for s in servers.values()]
+        for name in start_first:
+            servers[name].start()
+        rest = [s for name, s in servers.items() if name not in start_first]
+        with ThreadPoolExecutor(max(len(rest), 1)) as pool:
+            futures = [pool.submit(s.start) for s in rest]
             errors = [f.exception() for f in futures]
         if any(errors):
             raise next(e for e in errors if e)

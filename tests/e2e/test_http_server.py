@@ -47,7 +47,7 @@ def servers(tiny_model):
             (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
              "--pcr-layerwise", mode),
         )
-    with serving(everything):
+    with serving(everything, start_first=("hicache",)):
         yield everything
 
 
