@@ -12,4 +12,4 @@ cd "$REPO"
 if [[ $# -eq 0 ]]; then
   TRITON_INTERPRET=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/kernels
 fi
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests --ignore=tests/kernels "$@"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 tests --ignore=tests/kernels "$@"

@@ -313,8 +313,9 @@ def cache_keys(cache, tokens):
 def test_prefetch_brings_waiting_requests_ssd_chunks_to_host_memory_in_time(tmp_path):
     slot_bytes = LAYERS * 2 * CHUNK * HEADS * DIM * 4
     prompts = [list(range(100, 112)), list(range(200, 212)), list(range(300, 312))]
+    # Six host slots for nine chunks: prefetch may fill half of them, one request's worth.
     cache, allocator, kvcache, host_pool = make_tiered_cache(
-        dram_gb=4 * slot_bytes / 2**30, ssd_path=tmp_path / "ssd", prefetch_window=1)
+        dram_gb=6 * slot_bytes / 2**30, ssd_path=tmp_path / "ssd", prefetch_window=1)
     values = persisted_prompts(cache, allocator, kvcache, prompts)
     # The first prompt's chunks left host memory long ago: SSD only.
     first = cache.tree.match(iter(cache_keys(cache, prompts[0])), touch=False).nodes
