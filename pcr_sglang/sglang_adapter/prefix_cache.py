@@ -177,7 +177,13 @@ class PCRPrefixCache(BasePrefixCache):
             self.stats.device_hit_chunks += outcome.num_on_device
             if outcome.num_chunks > outcome.num_on_device:
                 # Only a request's own match loads: probes must not move KV.
-                loaded = self._load_back(outcome.nodes, outcome.num_on_device)
+                # A request can be matched in several passes before one admits it (SGLang
+                # matches the head of the queue in every pass): its chunks found in flight
+                # are counted late once, and in time if they landed before it ran.
+                late = getattr(params.req, "pcr_late_chunks", None)
+                if late is None:
+                    late = params.req.pcr_late_chunks = set()
+                loaded = self._load_back(outcome.nodes, outcome.num_on_device, late)
                 if loaded is not None:
                     # Remembered on the request, so that its response reports these
                     # tokens by tier (see the plugin's prepare_for_extend hook).
@@ -592,8 +598,12 @@ class PCRPrefixCache(BasePrefixCache):
                 self.stats.demoted_chunks += 1
         self._free_device_slots(node)
 
-    def _read_from_ssd(self, suffix: list[ChunkNode]) -> tuple[int, set[ChunkNode], Optional[ChunkNode]]:
+    def _read_from_ssd(self, suffix: list[ChunkNode],
+                       late: set[ChunkNode]) -> tuple[int, set[ChunkNode], Optional[ChunkNode]]:
         """Bring the SSD-only chunks of ``suffix`` (in chain order) into host memory.
+
+        ``late`` holds the request's chunks already counted late (found in flight by an
+        earlier match of the same request); it gains the ones found in flight now.
 
         Returns how many leading chunks of ``suffix`` are now host-resident, which of
         them came from SSD, and the chunk whose record failed to read (to be dropped once
@@ -603,12 +613,17 @@ class PCRPrefixCache(BasePrefixCache):
         ssd = self.ssd
         for index, node in enumerate(suffix):
             if node.on_host:
-                if ssd is not None and ssd.note_used(node):
+                if ssd is not None and ssd.note_used(node, counted_late=node in late):
                     from_ssd.add(node)  # prefetched from SSD before this request ran
+                late.discard(node)
                 continue
             if ssd is None or not node.on_ssd:
                 return index, from_ssd, None
-            outcome = ssd.load_into_host(node, self._alloc_host_slot)
+            if ssd.prefetching(node):
+                outcome = ssd.load_into_host(node, self._alloc_host_slot, counted_late=node in late)
+                late.add(node)
+            else:
+                outcome = ssd.load_into_host(node, self._alloc_host_slot)
             if outcome != "ok":
                 return index, from_ssd, node if outcome == "bad" else None
             from_ssd.add(node)
@@ -625,7 +640,8 @@ class PCRPrefixCache(BasePrefixCache):
                 continue
             self.tree.drop_ssd(node, on_drop_host=self._free_host_slot, on_drop_ssd=self.ssd.delete_record)
 
-    def _load_back(self, nodes: list[ChunkNode], num_on_device: int) -> Optional[_LoadBack]:
+    def _load_back(self, nodes: list[ChunkNode], num_on_device: int,
+                   late: set[ChunkNode]) -> Optional[_LoadBack]:
         """Copy the tail ``nodes[num_on_device:]`` back to the device, as far as device
         slots can be had, reading SSD-only chunks into host memory first.
 
@@ -637,7 +653,7 @@ class PCRPrefixCache(BasePrefixCache):
         self.tree.lock(nodes[-1])
         failed: Optional[ChunkNode] = None
         try:
-            readable, from_ssd, failed = self._read_from_ssd(suffix)
+            readable, from_ssd, failed = self._read_from_ssd(suffix, late)
             suffix = suffix[:readable]
             if not suffix:
                 return None

@@ -290,12 +290,16 @@ class SSDTier:
         self.stats.recompute_chosen_chunks += 1
         return False
 
-    def note_used(self, node: ChunkNode) -> bool:
+    def note_used(self, node: ChunkNode, counted_late: bool = False) -> bool:
         """A request's match is about to use host-resident ``node``: True if a prefetch
-        brought it from SSD (in time)."""
+        brought it from SSD (in time). ``counted_late``: an earlier match of the same
+        request, in a pass that did not admit it, found the read in flight and counted it
+        late; it landed before the request ran, so it counts in time instead."""
         if node not in self._prefetched:
             return False
         self._prefetched.discard(node)
+        if counted_late:
+            self.stats.prefetch_late -= 1
         self.stats.prefetch_in_time += 1
         self.stats.hit_chunks += 1
         return True
@@ -303,11 +307,18 @@ class SSDTier:
     def retry_bad_later(self, node: ChunkNode) -> None:
         self._bad.append(node)
 
-    def load_into_host(self, node: ChunkNode, alloc_host_slot: Callable[[], Optional[int]]) -> str:
+    def prefetching(self, node: ChunkNode) -> bool:
+        """A prefetch read of ``node`` is in flight."""
+        return node in self._reading and not self._reading[node][2]
+
+    def load_into_host(self, node: ChunkNode, alloc_host_slot: Callable[[], Optional[int]],
+                       counted_late: bool = False) -> str:
         """Bring SSD-only ``node`` into host memory for a request being scheduled.
 
-        Returns "ok" (host-resident now), "skip" (not worth or not possible now: the
-        caller recomputes from here) or "bad" (the record failed: the caller drops it).
+        A prefetch still in flight is counted late, unless ``counted_late`` says an
+        earlier match of the same request counted it already. Returns "ok"
+        (host-resident now), "skip" (not worth or not possible now: the caller recomputes
+        from here) or "bad" (the record failed: the caller drops it).
         """
         if not self.io.healthy:
             return "skip"
@@ -322,8 +333,9 @@ class SSDTier:
             self.stats.hit_chunks += 1
             return "ok"
         if node in self._reading:
-            self.stats.prefetch_late += 1
-            seq = self._reading[node][0]
+            seq, _, on_demand = self._reading[node]
+            if not on_demand and not counted_late:  # an on-demand read was counted as one
+                self.stats.prefetch_late += 1
             self.io.expedite(seq)  # ahead of the other prefetches: a request waits for it
         else:
             if not self.worth_loading():

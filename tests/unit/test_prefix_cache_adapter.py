@@ -367,6 +367,43 @@ def test_prefetch_fills_at_most_half_the_host_tier(tmp_path):
     cache.ssd.close()
 
 
+def test_a_request_matched_in_several_passes_counts_a_late_chunk_once(tmp_path):
+    """SGLang matches the head of the waiting queue in every pass, also in passes that do
+    not admit it. A prefetch found in flight counts late once per request, and in time
+    if it landed before the pass that runs the request."""
+    import os
+    import signal
+
+    slot_bytes = LAYERS * 2 * CHUNK * HEADS * DIM * 4
+    prompts = [list(range(100, 112)), list(range(200, 212)), list(range(300, 312))]
+    cache, allocator, kvcache, host_pool = make_tiered_cache(
+        dram_gb=6 * slot_bytes / 2**30, ssd_path=tmp_path / "ssd", prefetch_window=1)
+    values = persisted_prompts(cache, allocator, kvcache, prompts)
+    cache.ssd.wait_budget_s = 0.05  # how long a match waits for a chunk in flight
+    waiting = [SimpleNamespace(rid="r0", origin_input_ids=prompts[0], extra_key=None, cache_salt=None)]
+    req = SimpleNamespace()
+    key = RadixKey(array("q", prompts[0]))
+    os.kill(cache.ssd.io.pid, signal.SIGSTOP)  # the prefetch reads stay queued
+    try:
+        cache.on_scheduler_step(waiting)
+        assert cache.ssd.stats.prefetch_issued == 3
+        for _ in range(2):  # two passes match the request with its first chunk in flight
+            match = cache.match_prefix(MatchPrefixParams(key=key, req=req))
+            assert match.device_prefix_len == 0
+        assert cache.ssd.stats.prefetch_late == 1
+    finally:
+        os.kill(cache.ssd.io.pid, signal.SIGCONT)
+    assert cache.ssd.io.wait_idle(timeout_s=30)
+    cache.on_scheduler_step(waiting)  # the reads land before the pass that admits it
+    match = cache.match_prefix(MatchPrefixParams(key=key, req=req))
+    assert match.device_prefix_len == 12 and req.pcr_ssd_loaded_tokens == 12
+    assert cache.ssd.stats.prefetch_late == 0 and cache.ssd.stats.prefetch_in_time == 3
+    assert cache.ssd.timeliness() == 1.0 and cache.ssd.stats.on_demand_reads == 0
+    assert_kv(kvcache, cache.path_device_indices(match.last_device_node), values[0])
+    cache.tree.check_invariants()
+    cache.ssd.close()
+
+
 def test_io_process_cancels_and_expedites_queued_reads(tmp_path):
     """Reorder orders act on reads still queued in the I/O process: a cancelled read comes
     back cancelled and leaves its slot untouched; an expedited one runs next."""
