@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, serving, ssd_server, wait_for_write_back
+from tests.e2e.helpers import COMMON_ARGS, generate_greedy, serving, ssd_server, wait_for_write_back
 
 pytestmark = pytest.mark.e2e
 

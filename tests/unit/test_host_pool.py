@@ -3,7 +3,6 @@ from __future__ import annotations
 import multiprocessing as mp
 
 import pytest
-import torch
 
 from pcr_sglang.tiers.host_pool import HostChunkPool, HostPoolError, available_host_memory_bytes
 from pcr_sglang.transfer.layout import HostChunkLayout
