@@ -204,6 +204,14 @@ class ServerProcess:
             final=final,
         )
 
+    def flush_cache(self, timeout_s: float = 30.0) -> None:
+        """Empty the server's prefix cache (SGLang's ``/flush_cache``). SGLang flushes only
+        an idle server: it waits up to ``timeout_s`` for running requests to finish."""
+        r = requests.post(f"{self.base_url}/flush_cache", params={"timeout": timeout_s},
+                          timeout=timeout_s + 30)
+        if r.status_code != 200:
+            raise RuntimeError(f"flush_cache failed ({r.status_code}): {r.text.strip()}")
+
     def server_info(self) -> dict:
         r = requests.get(f"{self.base_url}/server_info", timeout=30)
         r.raise_for_status()

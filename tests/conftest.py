@@ -11,6 +11,17 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 logging.raiseExceptions = False
 
 CHUNK_SIZE = 16
+SLOW_PHASE_S = 30.0
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Print each slow test phase as it ends, with the wall clock: if CI stops the suite at
+    its time limit, the tail of its output still says where the time went."""
+    if report.duration >= SLOW_PHASE_S:
+        import time
+
+        print(f"\n[{time.strftime('%H:%M:%S')}] {report.duration:.0f} s {report.when} {report.nodeid}",
+              flush=True)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,8 @@ at the highest rate, the Zipf-exponent sweep (pcr, oracle), the pool-fraction sw
 (radix, pcr) and the multi-turn workload (radix, hicache, pcr, oracle); then
 SGLang's own ``sglang.benchmark.serving`` client against radix, hicache and pcr. Writes
 ``report.json``, ``report.md`` and PNG plots under ``--out``, with the traces as JSONL.
-Every server is started fresh for its run (about 35 s each on two cores).
+HiCache and PCR servers are started fresh for each run (about 35 s each on two cores);
+radix and oracle servers, whose cache a flush empties, are kept and flushed between runs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from bench.ragbench.report import build_report, write_report
-from bench.ragbench.runner import CONFIG_NAMES, Budgets, RunResult, run_config
+from bench.ragbench.runner import CONFIG_NAMES, Budgets, RunResult, ServerPool, run_config
 from bench.ragbench.workload import Trace, WorkloadParams, calibrated_exponent, load_trace, make_trace, save_trace
 from pcr_sglang.launcher import cpu_only
 
@@ -246,11 +247,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     work.mkdir(exist_ok=True)
     meta_traces = {}
     failed: list[str] = []
-    with tqdm(total=total, unit="req", dynamic_ncols=True) as bar:
+    budgets = {id(p): budgets_for(shapes[id(p.trace)], p.pool_fraction, args.host_fraction, args.chunk_size,
+                                  model.kv_bytes_per_token()) for p in points}
+    # One oracle server serves every trace (the pool of the largest), flushed between runs.
+    oracle_budgets = {"oracle_pool_tokens": max(b.oracle_pool_tokens for b in budgets.values()),
+                      "context_length": max(b.context_length for b in budgets.values())}
+    with tqdm(total=total, unit="req", dynamic_ncols=True) as bar, ServerPool() as servers:
         for point in points:
             shape = shapes[id(point.trace)]
-            budgets = budgets_for(shape, point.pool_fraction, args.host_fraction, args.chunk_size,
-                                  model.kv_bytes_per_token())
             meta_traces[point.label] = (
                 f"{len(point.trace.requests)} requests, {shape['working_set']} working-set tokens "
                 f"(first turns), longest prompt {shape['longest']} tokens, "
@@ -259,16 +263,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             for rate in point.rates:
                 for config in point.configs:
                     bar.set_description(f"{point.label} {config} @{rate:g}/s pool {point.pool_fraction:.0%}")
+                    run_budgets = budgets[id(point)]
+                    if config == "oracle":
+                        run_budgets = replace(run_budgets, **oracle_budgets)
                     try:
-                        run = run_config(model.path, config, budgets, point.trace, rate, model.encode,
+                        run = run_config(model.path, config, run_budgets, point.trace, rate, model.encode,
                                          model.decode, point.label, point.pool_fraction, work,
-                                         on_done=lambda: bar.update(1))
+                                         on_done=lambda: bar.update(1), servers=servers)
                     except (RuntimeError, TimeoutError) as e:  # a server that would not start: say so, go on
                         logger.error("%s %s @%g/s failed: %s", point.label, config, rate, e)
                         failed.append(f"{point.label}/{config}@{rate:g} (pool {point.pool_fraction:.0%}): "
                                       f"{str(e).splitlines()[-1][:200]}")
                         continue
-                    run.server_state["budgets"] = budgets.__dict__
+                    run.server_state["budgets"] = run_budgets.__dict__
                     runs.append(run)
     cross = None
     if not args.quick and not args.no_cross_check:

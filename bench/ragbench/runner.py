@@ -20,8 +20,8 @@ tokens. A sampler reads SGLang's ``sglang:num_queue_reqs`` gauge to report the q
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import re
 import shutil
 import statistics
@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import requests
 
@@ -47,6 +47,10 @@ ABLATIONS = {
     "pcr-prefetch": ("--pcr-prefetch-window", "0"),
     "pcr-lookahead": ("--pcr-lookahead-window", "0"),
 }
+# Configurations whose whole cache lives in the device pool: SGLang's /flush_cache empties
+# it, so a flushed server starts the next run as a fresh one would, and saves a server start
+# (about 35 s on two cores). HiCache and PCR keep host and disk tiers a flush does not reset.
+REUSABLE_CONFIGS = ("radix", "oracle")
 HICACHE_STORAGE_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 HICACHE_MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"  # bytes; LRU-evicted above it
 
@@ -140,27 +144,6 @@ class RunResult:
 
 
 # ---------------------------------------------------------------------------- client
-def _stream(base_url: str, ids: Sequence[int], max_new_tokens: int, timeout_s: float) -> dict[str, Any]:
-    start = time.perf_counter()
-    first = None
-    final: dict[str, Any] = {}
-    payload = {"input_ids": list(ids), "stream": True,
-               "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
-    with requests.post(f"{base_url}/generate", json=payload, stream=True, timeout=timeout_s) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            if first is None:
-                first = time.perf_counter() - start
-            final = json.loads(data)
-    end = time.perf_counter() - start
-    return {"ttft": first if first is not None else end, "e2e": end, "final": final}
-
-
 def _cached_by_tier(meta: dict[str, Any]) -> dict[str, int]:
     """Cached prompt tokens by where they came from. SGLang reports ``cached_tokens`` and,
     for tiered caches, ``cached_tokens_details`` (``device``, ``host``, ``storage``...)."""
@@ -204,7 +187,7 @@ class QueueSampler:
                 self.samples.append(sum(values))
 
 
-def replay(base_url: str, trace: Trace, encode: Callable[[list[dict[str, str]]], list[int]],
+def replay(server: ServerProcess, trace: Trace, encode: Callable[[list[dict[str, str]]], list[int]],
            decode: Callable[[list[int]], str], rate: float, on_done: Callable[[], None] = lambda: None,
            timeout_s: float = 900.0) -> tuple[list[RequestRecord], float, list[float]]:
     """Send ``trace`` at ``rate`` first turns per second; a session's follow-ups go after its
@@ -231,15 +214,20 @@ def replay(base_url: str, trace: Trace, encode: Callable[[list[dict[str, str]]],
                 ids = encode(trace.messages(request, answers))
             sent = time.perf_counter() - start
             try:
-                reply = _stream(base_url, ids, request.max_new_tokens, timeout_s)
-                meta = reply["final"].get("meta_info", {})
-                output_ids = list(reply["final"].get("output_ids") or [])
+                reply = server.generate_stream(
+                    {"input_ids": list(ids),
+                     "sampling_params": {"temperature": 0.0, "max_new_tokens": request.max_new_tokens}},
+                    timeout_s=timeout_s)
+                # A reply with no data chunk before the end has its first token at the end.
+                ttft = reply.latency_s if math.isnan(reply.ttft_s) else reply.ttft_s
+                meta = reply.final.get("meta_info", {})
+                output_ids = list(reply.final.get("output_ids") or [])
                 answers[request.rid] = decode(output_ids)
                 completion = max(len(output_ids), 1)
                 records[request.rid] = RequestRecord(
                     rid=request.rid, session=request.session, turn=request.turn, scheduled_s=scheduled,
-                    sent_s=sent, ttft_s=reply["ttft"], e2e_s=reply["e2e"],
-                    itl_s=(reply["e2e"] - reply["ttft"]) / (completion - 1) if completion > 1 else None,
+                    sent_s=sent, ttft_s=ttft, e2e_s=reply.latency_s,
+                    itl_s=(reply.latency_s - ttft) / (completion - 1) if completion > 1 else None,
                     prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
                     cached_tokens=int(meta.get("cached_tokens", 0)),
                     cached_by_tier=_cached_by_tier(meta), output_ids=output_ids, input_ids=list(ids))
@@ -258,7 +246,7 @@ def replay(base_url: str, trace: Trace, encode: Callable[[list[dict[str, str]]],
                 return
             on_done()
 
-    with QueueSampler(base_url) as sampler, ThreadPoolExecutor(max(len(sessions), 1)) as pool:
+    with QueueSampler(server.base_url) as sampler, ThreadPoolExecutor(max(len(sessions), 1)) as pool:
         for future in [pool.submit(run_session, turns) for turns in sessions.values()]:
             future.result()
     makespan = time.perf_counter() - start
@@ -266,29 +254,83 @@ def replay(base_url: str, trace: Trace, encode: Callable[[list[dict[str, str]]],
 
 
 # ---------------------------------------------------------------------------- one run
+class ServerPool:
+    """Servers of ``REUSABLE_CONFIGS`` kept between runs, one per command line: the next
+    run with the same command line gets the server back with its cache flushed."""
+
+    def __init__(self) -> None:
+        self._servers: dict[tuple, ServerProcess] = {}
+
+    @staticmethod
+    def _key(model_path: str, config: ServerConfig) -> tuple:
+        return model_path, config.args, tuple(sorted(config.env.items()))
+
+    def acquire(self, model_path: str, config: ServerConfig, log_path: Path) -> tuple[ServerProcess, bool]:
+        """The server for ``config``, started (logging to ``log_path``) unless one is kept;
+        and whether it was kept (then its cache was just flushed)."""
+        key = self._key(model_path, config)
+        server = self._servers.get(key)
+        if server is not None:
+            server.flush_cache()
+            return server, True
+        server = ServerProcess(model_path, config.args, env=config.env, log_path=log_path).start()
+        self._servers[key] = server
+        return server, False
+
+    def discard(self, server: ServerProcess) -> None:
+        """Kill a kept server that failed mid-run, so no later run gets it back."""
+        self._servers = {k: s for k, s in self._servers.items() if s is not server}
+        server.kill()
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.kill()
+        self._servers.clear()
+
+    def __enter__(self) -> ServerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def run_config(model_path: str, config_name: str, budgets: Budgets, trace: Trace, rate: float,
                encode: Callable[[list[dict[str, str]]], list[int]], decode: Callable[[list[int]], str],
                label: str, pool_fraction: float, work_dir: Path,
-               on_done: Callable[[], None] = lambda: None) -> RunResult:
-    """Start a fresh server for ``config_name``, replay ``trace`` at ``rate``, stop it."""
+               on_done: Callable[[], None] = lambda: None, servers: Optional[ServerPool] = None) -> RunResult:
+    """Replay ``trace`` at ``rate`` on a fresh server for ``config_name``, stopped afterwards;
+    or, for ``REUSABLE_CONFIGS`` when ``servers`` is given, on its kept server, flushed."""
     storage = Path(tempfile.mkdtemp(prefix=f"{config_name}-", dir=work_dir))
     config = server_config(config_name, budgets, storage)
     log_path = work_dir / f"{label}-{config_name}-{rate:g}.log"
-    server = ServerProcess(model_path, config.args, env=config.env, log_path=log_path)
+    kept = servers is not None and config_name in REUSABLE_CONFIGS
+    startup = 0.0
     try:
-        server.start()
-        records, makespan, samples = replay(server.base_url, trace, encode, decode, rate, on_done)
-        state: dict[str, Any] = {}
-        if config_name.startswith("pcr"):
-            state = server.pcr_state()
-        startup = server.startup_seconds
-    finally:
-        # PCR shuts down cleanly (its shared-memory host pool is removed on exit); the
-        # others hold nothing outside their processes and are killed, which saves seconds.
-        if config_name.startswith("pcr"):
-            server.stop()
+        if kept:
+            server, reused = servers.acquire(model_path, config, log_path)
+            if not reused:
+                startup = server.startup_seconds
         else:
-            server.kill()
+            server = ServerProcess(model_path, config.args, env=config.env, log_path=log_path).start()
+            startup = server.startup_seconds
+        try:
+            records, makespan, samples = replay(server, trace, encode, decode, rate, on_done)
+            state: dict[str, Any] = {}
+            if config_name.startswith("pcr"):
+                state = server.pcr_state()
+        except BaseException:
+            if kept:
+                servers.discard(server)
+            raise
+        finally:
+            # PCR shuts down cleanly (its shared-memory host pool is removed on exit); the
+            # others hold nothing outside their processes and are killed, which saves seconds.
+            if not kept:
+                if config_name.startswith("pcr"):
+                    server.stop()
+                else:
+                    server.kill()
+    finally:
         shutil.rmtree(storage, ignore_errors=True)
     return RunResult(config=config_name, rate=rate, label=label, pool_fraction=pool_fraction,
                      records=records, makespan_s=makespan, startup_s=startup,
