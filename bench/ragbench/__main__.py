@@ -10,8 +10,9 @@ at the highest rate, the Zipf-exponent sweep (pcr, oracle), the pool-fraction sw
 (radix, pcr) and the multi-turn workload (radix, hicache, pcr, oracle); then
 SGLang's own ``sglang.benchmark.serving`` client against radix, hicache and pcr. Writes
 ``report.json``, ``report.md`` and PNG plots under ``--out``, with the traces as JSONL.
-HiCache and PCR servers are started fresh for each run (about 35 s each on two cores);
-radix and oracle servers, whose cache a flush empties, are kept and flushed between runs.
+HiCache and PCR get a server of their own for each run; radix and oracle servers, whose
+cache a flush empties, are kept and flushed between runs. Server starts (about 35 s each
+on two cores, mostly imports) are made four at a time, ahead of their runs.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+import requests
+
 from bench.ragbench.report import build_report, write_report
-from bench.ragbench.runner import CONFIG_NAMES, Budgets, RunResult, ServerPool, run_config
+from bench.ragbench.runner import CONFIG_NAMES, Budgets, RunResult, ServerPool, plan_run, run_planned
 from bench.ragbench.workload import Trace, WorkloadParams, calibrated_exponent, load_trace, make_trace, save_trace
 from pcr_sglang.launcher import cpu_only
 
@@ -252,31 +255,35 @@ def main(argv: Optional[list[str]] = None) -> int:
     # One oracle server serves every trace (the pool of the largest), flushed between runs.
     oracle_budgets = {"oracle_pool_tokens": max(b.oracle_pool_tokens for b in budgets.values()),
                       "context_length": max(b.context_length for b in budgets.values())}
-    with tqdm(total=total, unit="req", dynamic_ncols=True) as bar, ServerPool() as servers:
-        for point in points:
-            shape = shapes[id(point.trace)]
-            meta_traces[point.label] = (
-                f"{len(point.trace.requests)} requests, {shape['working_set']} working-set tokens "
-                f"(first turns), longest prompt {shape['longest']} tokens, "
-                f"Zipf {point.trace.stats['zipf_exponent']:.2f} (top 3% of documents: "
-                f"{point.trace.stats['hot_doc_share']:.0%} of uses), follow-ups {point.trace.params.followups}")
-            for rate in point.rates:
-                for config in point.configs:
-                    bar.set_description(f"{point.label} {config} @{rate:g}/s pool {point.pool_fraction:.0%}")
-                    run_budgets = budgets[id(point)]
-                    if config == "oracle":
-                        run_budgets = replace(run_budgets, **oracle_budgets)
-                    try:
-                        run = run_config(model.path, config, run_budgets, point.trace, rate, model.encode,
-                                         model.decode, point.label, point.pool_fraction, work,
-                                         on_done=lambda: bar.update(1), servers=servers)
-                    except (RuntimeError, TimeoutError) as e:  # a server that would not start: say so, go on
-                        logger.error("%s %s @%g/s failed: %s", point.label, config, rate, e)
-                        failed.append(f"{point.label}/{config}@{rate:g} (pool {point.pool_fraction:.0%}): "
-                                      f"{str(e).splitlines()[-1][:200]}")
-                        continue
-                    run.server_state["budgets"] = run_budgets.__dict__
-                    runs.append(run)
+    planned = []
+    for point in points:
+        shape = shapes[id(point.trace)]
+        meta_traces[point.label] = (
+            f"{len(point.trace.requests)} requests, {shape['working_set']} working-set tokens "
+            f"(first turns), longest prompt {shape['longest']} tokens, "
+            f"Zipf {point.trace.stats['zipf_exponent']:.2f} (top 3% of documents: "
+            f"{point.trace.stats['hot_doc_share']:.0%} of uses), follow-ups {point.trace.params.followups}")
+        for rate in point.rates:
+            for config in point.configs:
+                run_budgets = budgets[id(point)]
+                if config == "oracle":
+                    run_budgets = replace(run_budgets, **oracle_budgets)
+                planned.append(plan_run(config, run_budgets, point.trace, rate, point.label,
+                                        point.pool_fraction, work))
+    with tqdm(total=total, unit="req", dynamic_ncols=True) as bar, ServerPool(model.path, [r.plan for r in planned]) as servers:
+        for index, run in enumerate(planned):
+            bar.set_description(f"{run.label} {run.config} @{run.rate:g}/s pool {run.pool_fraction:.0%}")
+            try:
+                result = run_planned(run, servers, index, model.encode, model.decode,
+                                     on_done=lambda: bar.update(1))
+            except (RuntimeError, TimeoutError, OSError, requests.RequestException) as e:
+                # A server that would not start or failed mid-run: say so, go on.
+                logger.error("%s %s @%g/s failed: %s", run.label, run.config, run.rate, e)
+                failed.append(f"{run.label}/{run.config}@{run.rate:g} (pool {run.pool_fraction:.0%}): "
+                              f"{str(e).splitlines()[-1][:200] if str(e) else type(e).__name__}")
+                continue
+            result.server_state["budgets"] = run.budgets.__dict__
+            runs.append(result)
     cross = None
     if not args.quick and not args.no_cross_check:
         from bench.ragbench.cross_check import run_cross_check

@@ -12,16 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench.ragbench.runner import Budgets, server_config
-from pcr_sglang.launcher import ServerProcess
+from bench.ragbench.runner import Budgets, ServerPool, plan_server
 
 logger = logging.getLogger(__name__)
 
@@ -95,17 +92,21 @@ def run_cross_check(model_path: str, like: Budgets, configs: Sequence[str], rate
     budgets = budgets_for_workload(workload, like, pool_fraction, host_fraction, bytes_per_token)
     results: dict[str, Any] = {"workload": workload.__dict__, "rate": rate, "budgets": budgets.__dict__,
                                "configs": {}}
-    for name in configs:
-        storage = Path(tempfile.mkdtemp(prefix=f"xcheck-{name}-", dir=work_dir))
-        config = server_config(name, budgets, storage)
-        try:
-            with ServerProcess(model_path, config.args, env=config.env,
-                               log_path=work_dir / f"xcheck-{name}.log") as server:
+    plans = [plan_server(name, budgets, work_dir, f"xcheck-{name}.log") for name in configs]
+    with ServerPool(model_path, plans) as servers:
+        for index, name in enumerate(configs):
+            try:
+                server, _ = servers.acquire(index)
+            except (RuntimeError, TimeoutError, OSError) as e:
+                logger.error("cross-check of %s failed: %s", name, e)
+                results["configs"][name] = {"error": str(e)[-500:]}
+                continue
+            try:
                 results["configs"][name] = run_client(model_path, server.base_url, workload, rate,
                                                       work_dir / f"xcheck-{name}.jsonl")
-        except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
-            logger.error("cross-check of %s failed: %s", name, e)
-            results["configs"][name] = {"error": str(e)[-500:]}
-        finally:
-            shutil.rmtree(storage, ignore_errors=True)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                logger.error("cross-check of %s failed: %s", name, e)
+                results["configs"][name] = {"error": str(e)[-500:]}
+            finally:
+                servers.release(index, server)
     return results

@@ -1,4 +1,4 @@
-"""Replay a trace against real SGLang servers, one fresh server per configuration and rate.
+"""Replay a trace against real SGLang servers, one configuration and rate at a time.
 
 Every configuration serves the same model with the same device KV pool (a fraction of the
 trace's working set); the tiered ones get the same host-memory and disk budgets:
@@ -253,39 +253,146 @@ def replay(server: ServerProcess, trace: Trace, encode: Callable[[list[dict[str,
     return [records[r.rid] for r in trace.requests], makespan, sampler.samples
 
 
-# ---------------------------------------------------------------------------- one run
+# ---------------------------------------------------------------------------- runs
+@dataclass(frozen=True)
+class ServerPlan:
+    """A server some run will need: its configuration and where it logs."""
+
+    server: ServerConfig
+    log_path: Path
+
+    @property
+    def config(self) -> str:
+        return self.server.name
+
+    @property
+    def kept(self) -> bool:
+        return self.server.name in REUSABLE_CONFIGS
+
+    @property
+    def key(self) -> tuple:
+        """Kept servers are shared by runs with the same command line."""
+        return self.server.args, tuple(sorted(self.server.env.items()))
+
+
+def plan_server(config_name: str, budgets: Budgets, work_dir: Path, log_name: str) -> ServerPlan:
+    """A server with its own empty storage directory under ``work_dir`` (for the disk tiers)."""
+    storage = Path(tempfile.mkdtemp(prefix=f"{config_name}-", dir=work_dir))
+    return ServerPlan(server_config(config_name, budgets, storage), work_dir / log_name)
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One configuration replaying one trace at one rate."""
+
+    plan: ServerPlan
+    budgets: Budgets
+    trace: Trace
+    rate: float
+    label: str  # which trace / sweep point
+    pool_fraction: float
+
+    @property
+    def config(self) -> str:
+        return self.plan.config
+
+
+def plan_run(config_name: str, budgets: Budgets, trace: Trace, rate: float, label: str,
+             pool_fraction: float, work_dir: Path) -> PlannedRun:
+    plan = plan_server(config_name, budgets, work_dir, f"{label}-{config_name}-{rate:g}.log")
+    return PlannedRun(plan, budgets, trace, rate, label, pool_fraction)
+
+
 class ServerPool:
-    """Servers of ``REUSABLE_CONFIGS`` kept between runs, one per command line: the next
-    run with the same command line gets the server back with its cache flushed."""
+    """The servers of a list of runs (``plans``, in the order the runs go).
 
-    def __init__(self) -> None:
-        self._servers: dict[tuple, ServerProcess] = {}
+    Every HiCache and PCR run gets a server of its own that served nothing before. Runs of
+    ``REUSABLE_CONFIGS`` with the same command line share one server, flushed before each
+    run, and killed after the last run that needs it. Server starts are mostly imports
+    (about 35 s each on two cores): the servers of the next runs are started ``batch`` at a
+    time, side by side, and wait idle (``--sleep-on-idle``) for their run. HiCache's start
+    alone, first: it checks that 10 GB of host memory beyond its pool are free, which
+    servers starting beside it can use up.
+    """
 
-    @staticmethod
-    def _key(model_path: str, config: ServerConfig) -> tuple:
-        return model_path, config.args, tuple(sorted(config.env.items()))
+    def __init__(self, model_path: str, plans: list[ServerPlan], batch: int = 4):
+        if batch < 1:
+            raise ValueError("batch must be >= 1")
+        self.model_path, self.plans, self.batch = model_path, plans, batch
+        self._last_use = {plan.key: i for i, plan in enumerate(plans) if plan.kept}
+        self._kept: dict[tuple, ServerProcess] = {}
+        self._started: dict[int, ServerProcess | BaseException] = {}  # run index: server, or why not
 
-    def acquire(self, model_path: str, config: ServerConfig, log_path: Path) -> tuple[ServerProcess, bool]:
-        """The server for ``config``, started (logging to ``log_path``) unless one is kept;
-        and whether it was kept (then its cache was just flushed)."""
-        key = self._key(model_path, config)
-        server = self._servers.get(key)
-        if server is not None:
-            server.flush_cache()
-            return server, True
-        server = ServerProcess(model_path, config.args, env=config.env, log_path=log_path).start()
-        self._servers[key] = server
-        return server, False
+    def acquire(self, index: int) -> tuple[ServerProcess, bool]:
+        """Run ``index``'s server, and whether it is a kept one (then just flushed).
+        Raises what its start raised."""
+        plan = self.plans[index]
+        kept = self._kept.get(plan.key) if plan.kept else None
+        if kept is not None:
+            try:
+                kept.flush_cache()
+                return kept, True
+            except (requests.RequestException, RuntimeError) as e:  # it died: start another
+                logger.warning("the kept %s server failed (%s); starting a new one", plan.config, e)
+                del self._kept[plan.key]
+                kept.kill()
+        if index not in self._started:
+            self._start_ahead(index)
+        started = self._started.pop(index)
+        if isinstance(started, BaseException):
+            raise started
+        if plan.kept:
+            self._kept[plan.key] = started
+        return started, False
 
-    def discard(self, server: ServerProcess) -> None:
-        """Kill a kept server that failed mid-run, so no later run gets it back."""
-        self._servers = {k: s for k, s in self._servers.items() if s is not server}
-        server.kill()
+    def release(self, index: int, server: ServerProcess, failed: bool = False) -> None:
+        """After run ``index``: stop its server unless a later run keeps using it."""
+        plan = self.plans[index]
+        shutil.rmtree(plan.server.storage_dir, ignore_errors=True)
+        if plan.kept:
+            key = plan.key
+            if not failed and self._last_use[key] > index:
+                return
+            self._kept.pop(key, None)
+        _shut_down(plan.config, server)
+
+    def _start_ahead(self, index: int) -> None:
+        wanted: list[int] = []
+        keys = set(self._kept)
+        for j in range(index, len(self.plans)):
+            plan = self.plans[j]
+            if j in self._started or (plan.kept and plan.key in keys):
+                continue
+            wanted.append(j)
+            if plan.kept:
+                keys.add(plan.key)
+            if len(wanted) == self.batch:
+                break
+        first = [j for j in wanted if self.plans[j].config == "hicache"]
+        for group in [[j] for j in first] + [[j for j in wanted if j not in first]]:
+            with ThreadPoolExecutor(max(len(group), 1)) as pool:
+                for j, result in zip(group, pool.map(self._start, group)):
+                    self._started[j] = result
+
+    def _start(self, index: int) -> ServerProcess | BaseException:
+        plan = self.plans[index]
+        server = ServerProcess(self.model_path, plan.server.args, env=plan.server.env, log_path=plan.log_path)
+        try:
+            return server.start()
+        except (RuntimeError, TimeoutError, OSError) as e:
+            return e
 
     def close(self) -> None:
-        for server in self._servers.values():
+        """Stop every server still running and remove the runs' storage directories."""
+        for index, started in self._started.items():
+            if isinstance(started, ServerProcess):
+                _shut_down(self.plans[index].config, started)
+        for server in self._kept.values():
             server.kill()
-        self._servers.clear()
+        self._started, self._kept = {}, {}
+        for plan in self.plans:
+            if plan.server.storage_dir is not None:
+                shutil.rmtree(plan.server.storage_dir, ignore_errors=True)
 
     def __enter__(self) -> ServerPool:
         return self
@@ -294,45 +401,28 @@ class ServerPool:
         self.close()
 
 
-def run_config(model_path: str, config_name: str, budgets: Budgets, trace: Trace, rate: float,
-               encode: Callable[[list[dict[str, str]]], list[int]], decode: Callable[[list[int]], str],
-               label: str, pool_fraction: float, work_dir: Path,
-               on_done: Callable[[], None] = lambda: None, servers: Optional[ServerPool] = None) -> RunResult:
-    """Replay ``trace`` at ``rate`` on a fresh server for ``config_name``, stopped afterwards;
-    or, for ``REUSABLE_CONFIGS`` when ``servers`` is given, on its kept server, flushed."""
-    storage = Path(tempfile.mkdtemp(prefix=f"{config_name}-", dir=work_dir))
-    config = server_config(config_name, budgets, storage)
-    log_path = work_dir / f"{label}-{config_name}-{rate:g}.log"
-    kept = servers is not None and config_name in REUSABLE_CONFIGS
-    startup = 0.0
+def _shut_down(config_name: str, server: ServerProcess) -> None:
+    # PCR shuts down cleanly (its shared-memory host pool is removed on exit); the others
+    # hold nothing outside their processes and are killed, which saves seconds.
+    if config_name.startswith("pcr"):
+        server.stop()
+    else:
+        server.kill()
+
+
+def run_planned(run: PlannedRun, servers: ServerPool, index: int,
+                encode: Callable[[list[dict[str, str]]], list[int]], decode: Callable[[list[int]], str],
+                on_done: Callable[[], None] = lambda: None) -> RunResult:
+    """Replay ``run`` on server ``index`` of ``servers`` (see ``ServerPool``)."""
+    server, reused = servers.acquire(index)
+    failed = True
     try:
-        if kept:
-            server, reused = servers.acquire(model_path, config, log_path)
-            if not reused:
-                startup = server.startup_seconds
-        else:
-            server = ServerProcess(model_path, config.args, env=config.env, log_path=log_path).start()
-            startup = server.startup_seconds
-        try:
-            records, makespan, samples = replay(server, trace, encode, decode, rate, on_done)
-            state: dict[str, Any] = {}
-            if config_name.startswith("pcr"):
-                state = server.pcr_state()
-        except BaseException:
-            if kept:
-                servers.discard(server)
-            raise
-        finally:
-            # PCR shuts down cleanly (its shared-memory host pool is removed on exit); the
-            # others hold nothing outside their processes and are killed, which saves seconds.
-            if not kept:
-                if config_name.startswith("pcr"):
-                    server.stop()
-                else:
-                    server.kill()
+        records, makespan, samples = replay(server, run.trace, encode, decode, run.rate, on_done)
+        state: dict[str, Any] = server.pcr_state() if run.config.startswith("pcr") else {}
+        failed = False
     finally:
-        shutil.rmtree(storage, ignore_errors=True)
-    return RunResult(config=config_name, rate=rate, label=label, pool_fraction=pool_fraction,
-                     records=records, makespan_s=makespan, startup_s=startup,
+        servers.release(index, server, failed=failed)
+    return RunResult(config=run.config, rate=run.rate, label=run.label, pool_fraction=run.pool_fraction,
+                     records=records, makespan_s=makespan, startup_s=0.0 if reused else server.startup_seconds,
                      queue_depth_mean=statistics.mean(samples) if samples else 0.0,
                      queue_depth_max=max(samples) if samples else 0.0, server_state=state)
