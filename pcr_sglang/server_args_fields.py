@@ -28,7 +28,7 @@ DEFAULT_LAYERWISE = "both"
 SSD_WRITE_CHOICES = ["through", "on-evict"]
 DEFAULT_SSD_WRITE = "through"
 # From bench/prefetch_sweep.py (see bench/README.md).
-DEFAULT_PREFETCH_WINDOW = 8
+DEFAULT_PREFETCH_WINDOW = 16
 DEFAULT_PREFETCH_BUDGET_MB = 256
 
 

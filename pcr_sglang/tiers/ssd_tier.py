@@ -72,7 +72,7 @@ class SSDTierStats:
 
 class SSDTier:
     def __init__(self, tree: ChunkTree, store: ChunkFileStore, host_pool: HostChunkPool,
-                 chunk_size: int, write_through: bool = True, prefetch_window: int = 8,
+                 chunk_size: int, write_through: bool = True, prefetch_window: int = 16,
                  prefetch_budget_bytes: int = 256 << 20, wait_budget_s: float = 2.0):
         self.tree = tree
         self.store = store
