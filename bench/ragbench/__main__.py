@@ -33,7 +33,8 @@ from typing import Optional
 import requests
 
 from bench.ragbench.report import build_report, write_report
-from bench.ragbench.runner import CONFIG_NAMES, Budgets, RunResult, ServerPool, plan_run, run_planned
+from bench.ragbench.runner import (CONFIG_NAMES, Budgets, RunResult, ServerPool, build_hicache_extension,
+                                   plan_run, run_planned)
 from bench.ragbench.workload import Trace, WorkloadParams, calibrated_exponent, load_trace, make_trace, save_trace
 from pcr_sglang.launcher import cpu_only
 
@@ -270,6 +271,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     run_budgets = replace(run_budgets, **oracle_budgets)
                 planned.append(plan_run(config, run_budgets, point.trace, rate, point.label,
                                         point.pool_fraction, work))
+    if "hicache" in args.configs:
+        build_hicache_extension()
     with tqdm(total=total, unit="req", dynamic_ncols=True) as bar, ServerPool(model.path, [r.plan for r in planned]) as servers:
         for index, run in enumerate(planned):
             bar.set_description(f"{run.label} {run.config} @{run.rate:g}/s pool {run.pool_fraction:.0%}")

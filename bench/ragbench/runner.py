@@ -25,6 +25,8 @@ import math
 import re
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -105,6 +107,23 @@ def server_config(name: str, budgets: Budgets, storage_dir: Path) -> ServerConfi
                 "--pcr-ssd-gb", _gb_arg(budgets.ssd_gb), "--pcr-ssd-reserve-gb", "0")
         return ServerConfig(name, (*args, *ABLATIONS.get(name, ())), storage_dir=storage_dir)
     raise ValueError(f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}")
+
+
+def build_hicache_extension(timeout_s: float = 600.0) -> None:
+    """Build HiCache's C++ hash extension now, if its cache needs it. HiCache compiles it
+    with torch's JIT loader in the scheduler process, after the server says it is ready
+    (about 20-35 s of compiler on one core here), and torch's cache sometimes wants a
+    rebuild. Done during a run, that would slow whichever run is in progress."""
+    code = ("from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module; "
+            "_load_native_hash_module()")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("building HiCache's hash extension took over %.0f s; HiCache servers build it", timeout_s)
+        return
+    if done.returncode != 0:
+        logger.warning("could not build HiCache's hash extension ahead (HiCache servers will try): %s",
+                       done.stderr.strip().splitlines()[-1:] or done.returncode)
 
 
 def _gb_arg(value: float) -> str:
