@@ -10,9 +10,9 @@ at the highest rate, the Zipf-exponent sweep (pcr, oracle), the pool-fraction sw
 (radix, pcr) and the multi-turn workload (radix, hicache, pcr, oracle); then
 SGLang's own ``sglang.benchmark.serving`` client against radix, hicache and pcr. Writes
 ``report.json``, ``report.md`` and PNG plots under ``--out``, with the traces as JSONL.
-HiCache and PCR get a server of their own for each run; radix and oracle servers, whose
-cache a flush empties, are kept and flushed between runs. Server starts (about 35 s each
-on two cores, mostly imports) are made four at a time, ahead of their runs.
+HiCache and PCR get a fresh server for each run (about 35 s to start on two cores, mostly
+imports); radix and oracle servers, whose cache a flush empties, are kept and flushed
+between runs.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _workload_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--source", choices=["retrieval", "synthetic"], default="retrieval",
                    help="retrieval: Wikipedia extracts chosen by the embedder; synthetic: lognormal-length documents")
-    g.add_argument("--requests", type=int, default=24, help="first turns in the headline trace")
+    g.add_argument("--requests", type=int, default=20, help="first turns in the headline trace")
     g.add_argument("--corpus-docs", type=int, default=1000,
                    help="articles retrieval searches (or synthetic documents made)")
     g.add_argument("--min-docs", type=int, default=3, help="documents per request, at least")
@@ -192,7 +192,7 @@ def plan(args: argparse.Namespace, model: Model, out_dir: Path) -> list[Point]:
                                 tuple(c for c in POOL_SWEEP_CONFIGS if c in args.configs), top))
     if args.multiturn_followups:
         points.append(Point("multiturn", trace_for("multiturn", followups=args.multiturn_followups,
-                                                   num_requests=max(args.sweep_requests // (1 + args.multiturn_followups), 1)),
+                                                   num_requests=args.multiturn_sessions),
                             args.pool_fraction, sweep_configs, top))
     return points
 
@@ -217,10 +217,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--chunk-size", type=int, default=16, help="PCR chunk = HiCache page, in tokens")
     parser.add_argument("--zipf-sweep", type=_float_list, default=(0.6, 0.9, 1.2),
                         help="topic-popularity exponents, one trace each (pcr and oracle at the top rate)")
-    parser.add_argument("--sweep-requests", type=int, default=16,
-                        help="first turns in each Zipf-sweep and multi-turn trace")
+    parser.add_argument("--sweep-requests", type=int, default=12, help="requests in each Zipf-sweep trace")
     parser.add_argument("--pool-sweep", type=_float_list, default=(0.05, 0.20),
                         help="device pool fractions of the headline trace (at the top rate)")
+    parser.add_argument("--multiturn-sessions", type=int, default=5, help="sessions in the multi-turn workload")
     parser.add_argument("--multiturn-followups", type=int, default=2,
                         help="follow-ups per session in the multi-turn workload (0: skip it)")
     parser.add_argument("--trace", default=None, help="replay this JSONL trace as the headline trace")
@@ -234,6 +234,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--pool-fraction must be in (0, 1] and --host-fraction > 0")
     if any(r <= 0 for r in args.rates):
         parser.error("--rates must be > 0")
+    if args.sweep_requests < 1 or args.multiturn_sessions < 1:
+        parser.error("--sweep-requests and --multiturn-sessions must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from tqdm import tqdm
 
@@ -273,7 +275,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                         point.pool_fraction, work))
     if "hicache" in args.configs:
         build_hicache_extension()
-    with tqdm(total=total, unit="req", dynamic_ncols=True) as bar, ServerPool(model.path, [r.plan for r in planned]) as servers:
+    servers = ServerPool(model.path, [r.plan for r in planned])
+    with tqdm(total=total, unit="req", dynamic_ncols=True) as bar, servers:
         for index, run in enumerate(planned):
             bar.set_description(f"{run.label} {run.config} @{run.rate:g}/s pool {run.pool_fraction:.0%}")
             try:

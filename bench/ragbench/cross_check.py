@@ -3,8 +3,9 @@
 ``python -m sglang.benchmark.serving --dataset-name generated-shared-prefix
 --gsp-group-distribution zipf`` sends groups of prompts that share a long system prompt,
 with Zipf group popularity, at a Poisson request rate. Each configuration gets a fresh
-server with the device pool at the same fraction of *this* workload's working set and the
-same host / disk budgets, as in the main runs; the figures come from the client's JSON.
+server with the device pool at the same fraction of *this* workload's working set (never
+below one prompt plus 256 tokens) and the same host / disk budgets, as in the main runs;
+the figures come from the client's JSON.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ CACHE_REPORTED = ("cache_hit_rate_pct", "device_cached_tokens", "host_cached_tok
 
 @dataclass(frozen=True)
 class SharedPrefixWorkload:
-    num_groups: int = 12
-    prompts: int = 24
+    num_groups: int = 8
+    prompts: int = 16
     system_prompt_len: int = 512
     question_len: int = 64
     output_len: int = 8

@@ -275,10 +275,12 @@ def replay(server: ServerProcess, trace: Trace, encode: Callable[[list[dict[str,
 # ---------------------------------------------------------------------------- runs
 @dataclass(frozen=True)
 class ServerPlan:
-    """A server some run will need: its configuration and where it logs."""
+    """A server some run will need: its configuration, where it logs, and its storage
+    directory (empty, made for it; the disk tiers' configurations use it)."""
 
     server: ServerConfig
     log_path: Path
+    storage_dir: Path
 
     @property
     def config(self) -> str:
@@ -295,9 +297,8 @@ class ServerPlan:
 
 
 def plan_server(config_name: str, budgets: Budgets, work_dir: Path, log_name: str) -> ServerPlan:
-    """A server with its own empty storage directory under ``work_dir`` (for the disk tiers)."""
     storage = Path(tempfile.mkdtemp(prefix=f"{config_name}-", dir=work_dir))
-    return ServerPlan(server_config(config_name, budgets, storage), work_dir / log_name)
+    return ServerPlan(server_config(config_name, budgets, storage), work_dir / log_name, storage)
 
 
 @dataclass(frozen=True)
@@ -323,24 +324,17 @@ def plan_run(config_name: str, budgets: Budgets, trace: Trace, rate: float, labe
 
 
 class ServerPool:
-    """The servers of a list of runs (``plans``, in the order the runs go).
+    """The servers of a list of runs (``plans``, in the order the runs go), one at a time.
 
-    Every HiCache and PCR run gets a server of its own that served nothing before. Runs of
+    Every HiCache and PCR run gets a fresh server, started just before it. Runs of
     ``REUSABLE_CONFIGS`` with the same command line share one server, flushed before each
-    run, and killed after the last run that needs it. Server starts are mostly imports
-    (about 35 s each on two cores): the servers of the next runs are started ``batch`` at a
-    time, side by side, and wait idle (``--sleep-on-idle``) for their run. HiCache's start
-    alone, first: it checks that 10 GB of host memory beyond its pool are free, which
-    servers starting beside it can use up.
+    run, and killed after the last run that needs it.
     """
 
-    def __init__(self, model_path: str, plans: list[ServerPlan], batch: int = 4):
-        if batch < 1:
-            raise ValueError("batch must be >= 1")
-        self.model_path, self.plans, self.batch = model_path, plans, batch
+    def __init__(self, model_path: str, plans: list[ServerPlan]):
+        self.model_path, self.plans = model_path, plans
         self._last_use = {plan.key: i for i, plan in enumerate(plans) if plan.kept}
         self._kept: dict[tuple, ServerProcess] = {}
-        self._started: dict[int, ServerProcess | BaseException] = {}  # run index: server, or why not
 
     def acquire(self, index: int) -> tuple[ServerProcess, bool]:
         """Run ``index``'s server, and whether it is a kept one (then just flushed).
@@ -355,78 +349,38 @@ class ServerPool:
                 logger.warning("the kept %s server failed (%s); starting a new one", plan.config, e)
                 del self._kept[plan.key]
                 kept.kill()
-        if index not in self._started:
-            self._start_ahead(index)
-        started = self._started.pop(index)
-        if isinstance(started, BaseException):
-            raise started
+        server = ServerProcess(self.model_path, plan.server.args, env=plan.server.env, log_path=plan.log_path)
+        server.start()
         if plan.kept:
-            self._kept[plan.key] = started
-        return started, False
+            self._kept[plan.key] = server
+        return server, False
 
     def release(self, index: int, server: ServerProcess, failed: bool = False) -> None:
-        """After run ``index``: stop its server unless a later run keeps using it."""
+        """After run ``index``: kill its server unless a later run keeps using it. Killing
+        is safe for every configuration here and saves seconds a graceful stop takes: the
+        launcher removes a PCR host pool its killed scheduler left, PCR's I/O process dies
+        with its scheduler, and the run's storage directory is removed."""
         plan = self.plans[index]
-        shutil.rmtree(plan.server.storage_dir, ignore_errors=True)
+        shutil.rmtree(plan.storage_dir, ignore_errors=True)
         if plan.kept:
-            key = plan.key
-            if not failed and self._last_use[key] > index:
+            if not failed and self._last_use[plan.key] > index:
                 return
-            self._kept.pop(key, None)
-        _shut_down(plan.config, server)
-
-    def _start_ahead(self, index: int) -> None:
-        wanted: list[int] = []
-        keys = set(self._kept)
-        for j in range(index, len(self.plans)):
-            plan = self.plans[j]
-            if j in self._started or (plan.kept and plan.key in keys):
-                continue
-            wanted.append(j)
-            if plan.kept:
-                keys.add(plan.key)
-            if len(wanted) == self.batch:
-                break
-        first = [j for j in wanted if self.plans[j].config == "hicache"]
-        for group in [[j] for j in first] + [[j for j in wanted if j not in first]]:
-            with ThreadPoolExecutor(max(len(group), 1)) as pool:
-                for j, result in zip(group, pool.map(self._start, group)):
-                    self._started[j] = result
-
-    def _start(self, index: int) -> ServerProcess | BaseException:
-        plan = self.plans[index]
-        server = ServerProcess(self.model_path, plan.server.args, env=plan.server.env, log_path=plan.log_path)
-        try:
-            return server.start()
-        except (RuntimeError, TimeoutError, OSError) as e:
-            return e
+            self._kept.pop(plan.key, None)
+        server.kill()
 
     def close(self) -> None:
-        """Stop every server still running and remove the runs' storage directories."""
-        for index, started in self._started.items():
-            if isinstance(started, ServerProcess):
-                _shut_down(self.plans[index].config, started)
+        """Kill the servers still kept and remove the runs' storage directories."""
         for server in self._kept.values():
             server.kill()
-        self._started, self._kept = {}, {}
+        self._kept = {}
         for plan in self.plans:
-            if plan.server.storage_dir is not None:
-                shutil.rmtree(plan.server.storage_dir, ignore_errors=True)
+            shutil.rmtree(plan.storage_dir, ignore_errors=True)
 
     def __enter__(self) -> ServerPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _shut_down(config_name: str, server: ServerProcess) -> None:
-    # PCR shuts down cleanly (its shared-memory host pool is removed on exit); the others
-    # hold nothing outside their processes and are killed, which saves seconds.
-    if config_name.startswith("pcr"):
-        server.stop()
-    else:
-        server.kill()
 
 
 def run_planned(run: PlannedRun, servers: ServerPool, index: int,
