@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,7 +27,35 @@ logger = logging.getLogger(__name__)
 CPU_SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32")
 
 
-def free_port() -> int:
+# What uvicorn logs when the server's HTTP port is taken; the server then hangs instead of exiting.
+PORT_IN_USE_MESSAGE = "error while attempting to bind on address"
+PORT_ATTEMPTS = 3
+
+
+def _ephemeral_port_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(low: int = 20000, high: int = 32767, attempts: int = 64) -> int:
+    """A port that is free now, below the kernel's ephemeral range where possible.
+
+    The server binds its port only after loading the model, minutes later on CPU. A port
+    from bind(0) lies in the range that outgoing connections take their local ports from,
+    and one of them can hold it by then (this happened with several servers starting at
+    once). SGLang picks its own NCCL port the same way.
+    """
+    high = min(high, _ephemeral_port_floor() - 1)
+    candidates = random.sample(range(low, high + 1), attempts) if high - low >= attempts else []
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -54,6 +83,10 @@ def cpu_only() -> bool:
         return True
 
 
+class PortInUseError(RuntimeError):
+    """The server could not bind its HTTP port."""
+
+
 @dataclass(frozen=True)
 class StreamedResponse:
     """A streamed ``/generate`` call: time to the first chunk, total time, last chunk."""
@@ -75,6 +108,7 @@ class ServerProcess:
     env: dict[str, str] = field(default_factory=dict)
     startup_seconds: float = 0.0
     _proc: Optional[subprocess.Popen] = None
+    _port_chosen_here: bool = False
 
     @property
     def base_url(self) -> str:
@@ -88,8 +122,13 @@ class ServerProcess:
         return args + list(self.extra_args)
 
     def start(self) -> ServerProcess:
-        if not self.port:
-            self.port = free_port()
+        """Start the server and wait until it serves.
+
+        A port chosen here can still be taken before the server binds it; the server is
+        then restarted on another port, up to ``PORT_ATTEMPTS`` times. A port the caller
+        chose is not replaced: that failure is raised.
+        """
+        choose_port = self._port_chosen_here = self._port_chosen_here or not self.port
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
             os.close(fd)
@@ -98,23 +137,41 @@ class ServerProcess:
         if cpu_only():
             env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         env.update(self.env)
-        log = open(self.log_path, "w")
         started = time.monotonic()
-        self._proc = subprocess.Popen(
-            self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        log.close()
-        try:
-            self._wait_ready(started)
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            if choose_port:
+                self.port = free_port()
+            log = open(self.log_path, "w")
+            self._proc = subprocess.Popen(
+                self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+            log.close()
+            try:
+                self._wait_ready(time.monotonic())
+            except PortInUseError:
+                self.kill()
+                if not choose_port or attempt == PORT_ATTEMPTS:
+                    raise
+                logger.warning("Port %d was taken before the server bound it; restarting on another.",
+                               self.port)
+                continue
+            except BaseException:
+                self.stop()
+                raise
+            break
         self.startup_seconds = time.monotonic() - started
         return self
+
+    def _port_taken(self) -> bool:
+        if self.log_path is None or not self.log_path.exists():
+            return False
+        return PORT_IN_USE_MESSAGE in self.log_path.read_text(errors="replace")
 
     def _wait_ready(self, started: float) -> None:
         assert self._proc is not None
         while time.monotonic() - started < self.startup_timeout_s:
+            if self._port_taken():
+                raise PortInUseError(f"port {self.port} is in use; last log lines:\n{self.log_tail()}")
             if self._proc.poll() is not None:
                 raise RuntimeError(
                     f"SGLang server exited with code {self._proc.returncode} during startup; "

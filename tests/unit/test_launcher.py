@@ -1,0 +1,70 @@
+"""The launcher's port handling, with uvicorn (the server's HTTP front end) in place of a full server.
+
+A full SGLang start costs about a minute here; what is under test is how the launcher reacts
+to uvicorn failing to bind, so uvicorn itself runs, with an app answering the two readiness
+endpoints the launcher polls.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+
+from pcr_sglang import launcher
+from pcr_sglang.launcher import PortInUseError, ServerProcess
+
+READY_APP = textwrap.dedent(
+    """
+    import sys
+    import uvicorn
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="info")
+    """
+)
+
+
+@dataclass
+class UvicornProcess(ServerProcess):
+    def argv(self) -> list[str]:
+        return [sys.executable, "-c", READY_APP, str(self.port)]
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", launcher.free_port()))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_free_port_is_below_the_ephemeral_range():
+    # Outgoing connections take local ports from the ephemeral range; a port from there can
+    # be taken in the minutes before the server binds it.
+    assert launcher.free_port() < launcher._ephemeral_port_floor()
+
+
+def test_a_port_taken_before_the_server_binds_it_is_replaced(taken_port, monkeypatch):
+    real_free_port = launcher.free_port
+    offered = iter([taken_port])
+    monkeypatch.setattr(launcher, "free_port", lambda: next(offered, None) or real_free_port())
+    server = UvicornProcess("unused", startup_timeout_s=60)
+    with server:
+        assert server.port != taken_port
+        assert launcher.requests.get(f"{server.base_url}/health", timeout=5).status_code == 200
+
+
+def test_a_port_the_caller_chose_is_not_replaced(taken_port):
+    server = UvicornProcess("unused", port=taken_port, startup_timeout_s=60)
+    with pytest.raises(PortInUseError, match=str(taken_port)):
+        server.start()
+    assert server.port == taken_port
