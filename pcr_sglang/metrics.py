@@ -95,9 +95,9 @@ class PCRMetrics:
         self.prefetch_chunks = Counter(
             "sglang:pcr_prefetch_chunks_total",
             "PCR queue-based prefetch: chunks ordered from SSD for waiting requests (issued), "
-            "found in host memory when their request ran (in_time), still in flight then "
-            "(late), unused (wasted), dropped before reading (cancelled), and SSD chunks read "
-            "only when their request ran (on_demand).",
+            "found in host memory when their request ran (in_time), still in flight when it "
+            "was admitted (late), unused (wasted), dropped before reading (cancelled), and SSD "
+            "chunks read only when their request ran (on_demand).",
             labelnames=names + ["outcome"],
         )
         self.ssd_read_bytes = Counter(

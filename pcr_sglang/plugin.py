@@ -15,7 +15,8 @@ It registers the ``pcr`` radix-cache backend and these hooks:
 * ``ScheduleBatch.prepare_for_extend`` (AROUND): responses count chunks copied back
   from the host tier under ``cached_tokens_details["host"]`` (from the SSD tier: under
   SGLang's storage column), and the batch's new
-  chunks get host slots to be offloaded into during its forward;
+  chunks get host slots to be offloaded into during its forward, and prefetches its
+  requests waited for are counted late;
 * ``ScheduleBatch.prepare_for_decode`` (AFTER): a chunk a decode step completes gets
   offloaded during that step;
 * ``ModelRunner.forward`` (AROUND): a forward starts, and with it the offloads planned
@@ -134,8 +135,8 @@ def _on_scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """After SGLang prepares an extend batch: plan the offload of its new chunks, and
-    move the tokens PCR copied back from host memory from the ``device`` to the ``host``
+    """After SGLang prepares an extend batch: count its requests' late prefetches, plan
+    the offload of its new chunks, and move the tokens PCR copied back from host memory from the ``device`` to the ``host``
     column of a response's ``cached_tokens_details``.
 
     SGLang splits a request's cached prefix by tier once, in ``prepare_for_extend``, from
@@ -147,6 +148,7 @@ def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **
     fresh = [r for r in batch.reqs if not getattr(r, "_cache_breakdown_computed", True)]
     result = original(batch, *args, **kwargs)
     if isinstance(batch.tree_cache, PCRPrefixCache):
+        batch.tree_cache.count_admitted(batch.reqs)
         batch.tree_cache.plan_offloads(batch.reqs, batch.seq_lens_cpu.tolist())
     for req in fresh:
         host = req.__dict__.pop("pcr_host_loaded_tokens", 0)

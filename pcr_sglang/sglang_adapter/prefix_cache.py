@@ -178,8 +178,9 @@ class PCRPrefixCache(BasePrefixCache):
             if outcome.num_chunks > outcome.num_on_device:
                 # Only a request's own match loads: probes must not move KV.
                 # A request can be matched in several passes before one admits it (SGLang
-                # matches the head of the queue in every pass): its chunks found in flight
-                # are counted late once, and in time if they landed before it ran.
+                # matches the head of the queue in every pass). Its chunks found in flight
+                # are remembered on it and counted late when it is admitted (see
+                # count_admitted), unless they land before then: those count in time.
                 late = getattr(params.req, "pcr_late_chunks", None)
                 if late is None:
                     late = params.req.pcr_late_chunks = set()
@@ -460,6 +461,15 @@ class PCRPrefixCache(BasePrefixCache):
             assert self.ssd is not None
             self.ssd.cost_model.observe_prefill(tokens, begin.elapsed_time(end) / 1000)
 
+    def count_admitted(self, reqs: Sequence[Req]) -> None:
+        """``reqs`` were admitted to a batch: their prefetches that were still in flight
+        when a match needed them are counted late now, once per request (and never taken
+        back, so Prometheus counters only grow)."""
+        for req in reqs:
+            late = req.__dict__.pop("pcr_late_chunks", None)
+            if late and self.ssd is not None:
+                self.ssd.count_late(len(late))
+
     # ------------------------------------------------------------------ offloads
     def plan_offloads(self, reqs: Sequence[Req], seq_lens: Sequence[int], decode: bool = False) -> None:
         """Give each whole chunk that the next forward completes a host slot, to be
@@ -602,8 +612,8 @@ class PCRPrefixCache(BasePrefixCache):
                        late: set[ChunkNode]) -> tuple[int, set[ChunkNode], Optional[ChunkNode]]:
         """Bring the SSD-only chunks of ``suffix`` (in chain order) into host memory.
 
-        ``late`` holds the request's chunks already counted late (found in flight by an
-        earlier match of the same request); it gains the ones found in flight now.
+        ``late`` holds the request's chunks found in flight by this or an earlier match;
+        it gains the ones found in flight now and loses the ones that have landed since.
 
         Returns how many leading chunks of ``suffix`` are now host-resident, which of
         them came from SSD, and the chunk whose record failed to read (to be dropped once
@@ -613,17 +623,15 @@ class PCRPrefixCache(BasePrefixCache):
         ssd = self.ssd
         for index, node in enumerate(suffix):
             if node.on_host:
-                if ssd is not None and ssd.note_used(node, counted_late=node in late):
+                if ssd is not None and ssd.note_used(node):
                     from_ssd.add(node)  # prefetched from SSD before this request ran
-                late.discard(node)
+                    late.discard(node)  # an earlier match found it in flight: in time after all
                 continue
             if ssd is None or not node.on_ssd:
                 return index, from_ssd, None
             if ssd.prefetching(node):
-                outcome = ssd.load_into_host(node, self._alloc_host_slot, counted_late=node in late)
                 late.add(node)
-            else:
-                outcome = ssd.load_into_host(node, self._alloc_host_slot)
+            outcome = ssd.load_into_host(node, self._alloc_host_slot)
             if outcome != "ok":
                 return index, from_ssd, node if outcome == "bad" else None
             from_ssd.add(node)

@@ -58,7 +58,7 @@ class SSDTierStats:
     prefetch_issued: int = 0
     prefetch_completed: int = 0
     prefetch_in_time: int = 0  # in host memory before its request was scheduled
-    prefetch_late: int = 0  # still in flight when its request was scheduled
+    prefetch_late: int = 0  # still in flight when its request was admitted
     prefetch_wasted: int = 0  # loaded, then left host memory or the window unused
     prefetch_cancelled: int = 0  # in flight when the I/O process failed
     on_demand_reads: int = 0  # read when its request was scheduled, no prefetch
@@ -290,16 +290,12 @@ class SSDTier:
         self.stats.recompute_chosen_chunks += 1
         return False
 
-    def note_used(self, node: ChunkNode, counted_late: bool = False) -> bool:
+    def note_used(self, node: ChunkNode) -> bool:
         """A request's match is about to use host-resident ``node``: True if a prefetch
-        brought it from SSD (in time). ``counted_late``: an earlier match of the same
-        request, in a pass that did not admit it, found the read in flight and counted it
-        late; it landed before the request ran, so it counts in time instead."""
+        brought it from SSD (in time)."""
         if node not in self._prefetched:
             return False
         self._prefetched.discard(node)
-        if counted_late:
-            self.stats.prefetch_late -= 1
         self.stats.prefetch_in_time += 1
         self.stats.hit_chunks += 1
         return True
@@ -311,12 +307,18 @@ class SSDTier:
         """A prefetch read of ``node`` is in flight."""
         return node in self._reading and not self._reading[node][2]
 
-    def load_into_host(self, node: ChunkNode, alloc_host_slot: Callable[[], Optional[int]],
-                       counted_late: bool = False) -> str:
+    def count_late(self, chunks: int) -> None:
+        """``chunks`` prefetches were still in flight when the request that needed them was
+        admitted. Counted by the owner at admission, not when a match finds them in flight:
+        SGLang matches a waiting request in passes that do not admit it, and a read in
+        flight then may land before the pass that does."""
+        self.stats.prefetch_late += chunks
+
+    def load_into_host(self, node: ChunkNode, alloc_host_slot: Callable[[], Optional[int]]) -> str:
         """Bring SSD-only ``node`` into host memory for a request being scheduled.
 
-        A prefetch still in flight is counted late, unless ``counted_late`` says an
-        earlier match of the same request counted it already. Returns "ok"
+        A prefetch still in flight is moved to the front of the I/O queue and waited for
+        (the caller counts it late if its request is admitted). Returns "ok"
         (host-resident now), "skip" (not worth or not possible now: the caller recomputes
         from here) or "bad" (the record failed: the caller drops it).
         """
@@ -333,9 +335,7 @@ class SSDTier:
             self.stats.hit_chunks += 1
             return "ok"
         if node in self._reading:
-            seq, _, on_demand = self._reading[node]
-            if not on_demand and not counted_late:  # an on-demand read was counted as one
-                self.stats.prefetch_late += 1
+            seq = self._reading[node][0]
             self.io.expedite(seq)  # ahead of the other prefetches: a request waits for it
         else:
             if not self.worth_loading():

@@ -21,7 +21,7 @@ def servers(tiny_model, tmp_path_factory):
 
     baseline = ServerProcess(tiny_model, (*COMMON_ARGS, "--disable-radix-cache"))
     prefetch = ssd_server(tiny_model, tmp_path_factory.mktemp("pcr-prefetch") / "store",
-                          "--pcr-prefetch-window", "16")
+                          "--pcr-prefetch-window", "16", "--enable-metrics")
     everything = {"baseline": baseline, "prefetch": prefetch}
     with serving(everything):
         yield everything
@@ -29,6 +29,22 @@ def servers(tiny_model, tmp_path_factory):
 
 def io_pid(server) -> int:
     return server.pcr_state()["ssd"]["io_process"]["pid"]
+
+
+PROMETHEUS_OUTCOMES = {"issued": "prefetch_issued", "in_time": "prefetch_in_time",
+                       "late": "prefetch_late", "on_demand": "on_demand_reads"}
+
+
+def prometheus_prefetch_counts(server) -> dict[str, float]:
+    import requests
+
+    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("sglang:pcr_prefetch_chunks_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            counts[outcome] = float(line.rsplit(" ", 1)[1])
+    return counts
 
 
 def test_deep_queue_with_prefetch_matches_baseline_and_scheduler_does_no_disk_io(
@@ -52,6 +68,18 @@ def test_deep_queue_with_prefetch_matches_baseline_and_scheduler_does_no_disk_io
     assert ssd["io_process"]["healthy"]
     assert state["invariants"]["ok"] and state["tree"]["locked_chunks"] == 0
     assert state["host_pool_io_slots"] == 0
+    # Prometheus (published once per scheduler pass; a /server_info call makes one) counts
+    # the same outcomes: a chunk is counted late only when its request is admitted, so no
+    # count is ever taken back, which a Prometheus counter could not follow.
+    deadline = time.monotonic() + 30
+    while True:
+        counters = server.pcr_state()["ssd"]["counters"]
+        wanted = {outcome: float(counters[field]) for outcome, field in PROMETHEUS_OUTCOMES.items()}
+        exported = prometheus_prefetch_counts(server)
+        if all(exported.get(o, 0.0) == v for o, v in wanted.items()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all(exported.get(o, 0.0) == v for o, v in wanted.items()), (exported, wanted)
 
 
 def test_kill_9_of_the_io_process_costs_hits_not_requests(servers, rag_prompt_ids, baseline_outputs):

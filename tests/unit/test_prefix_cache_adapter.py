@@ -367,10 +367,9 @@ def test_prefetch_fills_at_most_half_the_host_tier(tmp_path):
     cache.ssd.close()
 
 
-def test_a_request_matched_in_several_passes_counts_a_late_chunk_once(tmp_path):
-    """SGLang matches the head of the waiting queue in every pass, also in passes that do
-    not admit it. A prefetch found in flight counts late once per request, and in time
-    if it landed before the pass that runs the request."""
+def _stalled_prefetch(tmp_path):
+    """A cache whose three SSD chunks of one prompt are ordered by prefetch, with the I/O
+    process stopped (SIGSTOP) so that the reads stay queued."""
     import os
     import signal
 
@@ -381,25 +380,51 @@ def test_a_request_matched_in_several_passes_counts_a_late_chunk_once(tmp_path):
     values = persisted_prompts(cache, allocator, kvcache, prompts)
     cache.ssd.wait_budget_s = 0.05  # how long a match waits for a chunk in flight
     waiting = [SimpleNamespace(rid="r0", origin_input_ids=prompts[0], extra_key=None, cache_salt=None)]
+    os.kill(cache.ssd.io.pid, signal.SIGSTOP)
+    cache.on_scheduler_step(waiting)
+    assert cache.ssd.stats.prefetch_issued == 3
+    resume = lambda: os.kill(cache.ssd.io.pid, signal.SIGCONT)  # noqa: E731
+    return cache, kvcache, waiting, RadixKey(array("q", prompts[0])), values[0], resume
+
+
+def test_a_request_matched_in_several_passes_counts_a_late_chunk_once(tmp_path):
+    """SGLang matches the head of the waiting queue in every pass, also in passes that do
+    not admit it. A prefetch found in flight counts late once, when its request is admitted."""
+    cache, _, _, key, _, resume = _stalled_prefetch(tmp_path)
     req = SimpleNamespace()
-    key = RadixKey(array("q", prompts[0]))
-    os.kill(cache.ssd.io.pid, signal.SIGSTOP)  # the prefetch reads stay queued
     try:
-        cache.on_scheduler_step(waiting)
-        assert cache.ssd.stats.prefetch_issued == 3
         for _ in range(2):  # two passes match the request with its first chunk in flight
             match = cache.match_prefix(MatchPrefixParams(key=key, req=req))
             assert match.device_prefix_len == 0
-        assert cache.ssd.stats.prefetch_late == 1
+        assert cache.ssd.stats.prefetch_late == 0  # not admitted yet
+        cache.count_admitted([req])  # admitted after the second pass: it recomputes
+        cache.count_admitted([req])  # a later extend of the same request counts nothing
     finally:
-        os.kill(cache.ssd.io.pid, signal.SIGCONT)
+        resume()
+    assert cache.ssd.stats.prefetch_late == 1
+    assert cache.ssd.io.wait_idle(timeout_s=30)
+    cache.ssd.close()
+
+
+def test_a_prefetch_that_lands_before_its_request_is_admitted_counts_in_time(tmp_path):
+    """A read found in flight by a pass that does not admit the request, and landed before
+    the pass that does, counts in time, and was never counted late (the Prometheus counter
+    of late chunks only grows)."""
+    cache, kvcache, waiting, key, values, resume = _stalled_prefetch(tmp_path)
+    req = SimpleNamespace()
+    try:
+        match = cache.match_prefix(MatchPrefixParams(key=key, req=req))
+        assert match.device_prefix_len == 0
+    finally:
+        resume()
     assert cache.ssd.io.wait_idle(timeout_s=30)
     cache.on_scheduler_step(waiting)  # the reads land before the pass that admits it
     match = cache.match_prefix(MatchPrefixParams(key=key, req=req))
     assert match.device_prefix_len == 12 and req.pcr_ssd_loaded_tokens == 12
+    cache.count_admitted([req])
     assert cache.ssd.stats.prefetch_late == 0 and cache.ssd.stats.prefetch_in_time == 3
     assert cache.ssd.timeliness() == 1.0 and cache.ssd.stats.on_demand_reads == 0
-    assert_kv(kvcache, cache.path_device_indices(match.last_device_node), values[0])
+    assert_kv(kvcache, cache.path_device_indices(match.last_device_node), values)
     cache.tree.check_invariants()
     cache.ssd.close()
 
