@@ -136,8 +136,8 @@ def _on_scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
 
 def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **kwargs: Any) -> Any:
     """After SGLang prepares an extend batch: count its requests' late prefetches, plan
-    the offload of its new chunks, and move the tokens PCR copied back from host memory from the ``device`` to the ``host``
-    column of a response's ``cached_tokens_details``.
+    the offload of its new chunks, and move the tokens PCR copied back from host memory
+    from the ``device`` to the ``host`` column of a response's ``cached_tokens_details``.
 
     SGLang splits a request's cached prefix by tier once, in ``prepare_for_extend``, from
     HiCache's load-back bookkeeping; PCR loads during its match instead and records the
