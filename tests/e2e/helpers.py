@@ -70,3 +70,17 @@ def wait_for_write_back(server, timeout_s: float = 60) -> dict:
         if state["ssd"]["writes_in_flight"] == 0 or time.monotonic() > deadline:
             return state
         time.sleep(0.5)
+
+
+def prometheus_counts(server: ServerProcess, metric: str, label: str) -> dict[str, float]:
+    """``metric``'s samples on the server's ``/metrics`` (``--enable-metrics``), by the
+    value of ``label`` (one series per value: the other labels are the server's own)."""
+    import requests
+
+    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith(metric + "{") and f'{label}="' in line:
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            counts[value] = float(line.rsplit(" ", 1)[1])
+    return counts

@@ -8,7 +8,7 @@ import pytest
 
 from pcr_sglang.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
-from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, serving
+from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, prometheus_counts, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -166,12 +166,8 @@ def test_host_tier_serves_evicted_chunks_back_without_recomputing(servers, rag_p
     assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"]
     assert state["host_pool_slots"] - state["host_pool_free_slots"] == state["tree"]["host_chunks"]
     # And Prometheus has them, per tier (--enable-metrics).
-    import requests
-
-    metrics = requests.get(f"{server.base_url}/metrics", timeout=30).text
-    host_hits = [line for line in metrics.splitlines()
-                 if line.startswith("sglang:pcr_hit_chunks_total") and 'tier="host"' in line]
-    assert host_hits and float(host_hits[0].rsplit(" ", 1)[1]) > 0, host_hits
+    hits = prometheus_counts(server, "sglang:pcr_hit_chunks_total", "tier")
+    assert hits.get("host", 0.0) > 0, hits
 
 
 def test_workload_is_five_to_ten_times_the_small_pool(rag_prompt_ids):

@@ -10,7 +10,8 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.helpers import COMMON_ARGS, generate_greedy, serving, ssd_server, wait_for_write_back
+from tests.e2e.helpers import (COMMON_ARGS, generate_greedy, prometheus_counts, serving, ssd_server,
+                               wait_for_write_back)
 
 pytestmark = pytest.mark.e2e
 
@@ -33,18 +34,6 @@ def io_pid(server) -> int:
 
 PROMETHEUS_OUTCOMES = {"issued": "prefetch_issued", "in_time": "prefetch_in_time",
                        "late": "prefetch_late", "on_demand": "on_demand_reads"}
-
-
-def prometheus_prefetch_counts(server) -> dict[str, float]:
-    import requests
-
-    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
-    counts = {}
-    for line in text.splitlines():
-        if line.startswith("sglang:pcr_prefetch_chunks_total{"):
-            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
-            counts[outcome] = float(line.rsplit(" ", 1)[1])
-    return counts
 
 
 def test_deep_queue_with_prefetch_matches_baseline_and_scheduler_does_no_disk_io(
@@ -75,11 +64,12 @@ def test_deep_queue_with_prefetch_matches_baseline_and_scheduler_does_no_disk_io
     while True:
         counters = server.pcr_state()["ssd"]["counters"]
         wanted = {outcome: float(counters[field]) for outcome, field in PROMETHEUS_OUTCOMES.items()}
-        exported = prometheus_prefetch_counts(server)
-        if all(exported.get(o, 0.0) == v for o, v in wanted.items()) or time.monotonic() > deadline:
+        exported = prometheus_counts(server, "sglang:pcr_prefetch_chunks_total", "outcome")
+        agree = all(exported.get(o, 0.0) == v for o, v in wanted.items())
+        if agree or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert all(exported.get(o, 0.0) == v for o, v in wanted.items()), (exported, wanted)
+    assert agree, (exported, wanted)
 
 
 def test_kill_9_of_the_io_process_costs_hits_not_requests(servers, rag_prompt_ids, baseline_outputs):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import socket
 import sys
 import textwrap
-from dataclasses import dataclass
 
 import pytest
 
@@ -33,7 +32,6 @@ READY_APP = textwrap.dedent(
 )
 
 
-@dataclass
 class UvicornProcess(ServerProcess):
     def argv(self) -> list[str]:
         return [sys.executable, "-c", READY_APP, str(self.port)]
