@@ -8,9 +8,14 @@
    weights prefills new tokens behind a cached prefix whose KV comes from host memory,
    and offloads the new tokens' KV back. Synchronous copies (load everything, compute,
    offload everything: ``--pcr-layerwise off``) against the layer-wise pipeline the
-   server runs (:class:`~pcr_sglang.transfer.layerwise.LayerwiseTransfer`: loads on a
-   side stream, layer i's attention waiting only for layer i; layer i's offload issued
-   right after it is written). Exposed time = run time minus compute-only time.
+   server runs (:class:`~pcr_sglang.transfer.engine.TransferEngine`: loads on a side
+   stream, layer i's attention waiting only for layer i; layer i's offload issued right
+   after it is written, in the batch of its own request). Exposed time = run time minus
+   compute-only time. The host chunks live where the server keeps them: a POSIX
+   shared-memory pool registered with ``cudaHostRegister``
+   (:class:`~pcr_sglang.tiers.host_pool.HostChunkPool`), not a ``pin_memory()`` buffer.
+3. Tickets: after a layer-wise run, how long until every host slot it touched reports
+   ready (``host_slot_ready``, an event query: the scheduler never waits on it).
 
 Without a GPU it runs a reduced version on the CPU (torch copy path, no streams) so the
 script does not rot, and says so: those figures are not GPU figures.
@@ -27,8 +32,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pcr_sglang.tiers.host_pool import HostChunkPool
 from pcr_sglang.transfer.copy_kv import Direction, copy_layer
-from pcr_sglang.transfer.layerwise import LayerwiseTransfer
+from pcr_sglang.transfer.engine import LayerwiseMode, TransferEngine
 from pcr_sglang.transfer.layout import HostChunkLayout
 
 # Llama-3-8B attention shapes.
@@ -122,7 +128,8 @@ def pipeline(args, device: str, timer: Timer) -> None:
     new_chunks = args.new // args.chunk
     layout = HostChunkLayout(num_slots=prefix_chunks + new_chunks, num_layers=args.layers,
                              chunk_size=args.chunk, row_bytes=row_bytes)
-    host = host_buffer(layout.total_bytes, cuda)
+    pool = HostChunkPool(layout)  # the server's host tier: shared memory, registered on CUDA
+    host = pool.buffer
     host.view(dtype).copy_(torch.randn(layout.total_bytes // dtype.itemsize, dtype=dtype))
     pool_tokens = args.prefix + args.new
     k_pool = [torch.zeros(pool_tokens, KV_HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(args.layers)]
@@ -132,7 +139,9 @@ def pipeline(args, device: str, timer: Timer) -> None:
     prefix_host = list(range(prefix_chunks))
     new_host = list(range(prefix_chunks, prefix_chunks + new_chunks))
     x0 = torch.randn(args.new, HIDDEN, device=device, dtype=dtype)
-    transfers = LayerwiseTransfer(list(zip(k_pool, v_pool)), host, layout)
+    kv_layers = list(zip(k_pool, v_pool))
+    whole = TransferEngine(kv_layers, host, layout, LayerwiseMode.OFF)
+    layered = TransferEngine(kv_layers, host, layout, LayerwiseMode.BOTH)
 
     def layer_compute(i, x):
         x, k_new, v_new = layers[i](x, k_pool[i][: args.prefix], v_pool[i][: args.prefix])
@@ -146,22 +155,24 @@ def pipeline(args, device: str, timer: Timer) -> None:
             x = layer_compute(i, x)
 
     def synchronous():
-        transfers.copy_now(Direction.HOST_TO_DEVICE, prefix_slots, prefix_host)
+        whole.load(prefix_slots, prefix_host)
         compute_only()
-        transfers.copy_now(Direction.DEVICE_TO_HOST, new_slots, new_host)
+        whole.copy_to_host(new_slots, new_host)
 
     def layerwise():
-        # What the server does: the match submits the load, prepare_for_extend plans the
-        # offload, the forward hook starts it, and the KV pool's hooks drive each layer.
-        transfers.submit_load(prefix_slots, prefix_host)
-        transfers.plan_offload(new_slots, new_host)
-        transfers.begin_forward()
+        # What the server does: admission submits the load, prepare_for_extend plans the
+        # request's offloads, run_batch starts them, and the KV pool's hooks drive each layer.
+        layered.load(prefix_slots, prefix_host)
+        for c, slot in enumerate(new_host):
+            layered.plan_offload("bench", new_slots[c * args.chunk:(c + 1) * args.chunk], slot)
+        layered.begin_batch(["bench"])
+        layered.note_forward_stream()
         x = x0
         for i in range(args.layers):
-            transfers.wait_until(i)
+            layered.wait_until(i)
             x = layer_compute(i, x)
-            transfers.on_layer_written(i)
-        transfers.settle()
+            layered.on_layer_written(i)
+        layered.end_batch()
 
     def layerwise_is_correct() -> bool:
         """After a layer-wise run: the prefix rows equal their host chunks and the new
@@ -185,6 +196,12 @@ def pipeline(args, device: str, timer: Timer) -> None:
     t_compute = timer.run(compute_only, args.repeats)
     t_sync = timer.run(synchronous, args.repeats)
     t_layer = timer.run(layerwise, args.repeats)
+    # Tickets: launch one more layer-wise run and poll its host slots without blocking.
+    layerwise()
+    start, polls = time.perf_counter(), 0
+    while not all(layered.host_slot_ready(s) for s in prefix_host + new_host):
+        polls += 1
+    t_ready = time.perf_counter() - start
     moved = layout.layer_bytes * (prefix_chunks + new_chunks) * args.layers / 2
     print(f"\n[pipeline] {args.layers} layers, {args.prefix} cached + {args.new} new tokens, "
           f"{moved / 2**20:.0f} MiB moved per forward")
@@ -192,6 +209,8 @@ def pipeline(args, device: str, timer: Timer) -> None:
     print(f"  synchronous       {t_sync * 1000:8.2f} ms  (exposed transfer {1000 * (t_sync - t_compute):7.2f} ms)")
     print(f"  layer-wise        {t_layer * 1000:8.2f} ms  (exposed transfer {1000 * (t_layer - t_compute):7.2f} ms)")
     print(f"  layer-wise copies byte-exact in every layer: {correct}")
+    print(f"  host slots ready {t_ready * 1000:.2f} ms after the run was launched ({polls} event polls)")
+    pool.close()
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ when their request is scheduled); the others prefetch for the first W waiting re
 
 Prints, per configuration: mean and P99 TTFT, prefetch timeliness (share of SSD chunks
 needed by scheduled requests already in host memory when their request was scheduled),
-prefetch orders issued / late / wasted, and whether greedy outputs match the warm-up's.
+prefetch orders issued / late / unused, and whether greedy outputs match the warm-up's.
 
 Usage: python bench/prefetch_sweep.py [--requests 96] [--windows 1,2,4,6,8,16] [--model-path DIR]
 """
@@ -115,12 +115,12 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\n{'config':7} {'TTFT mean':>10} {'P99':>9} {'timeliness':>11} {'issued':>7} {'in time':>8} "
-          f"{'late':>5} {'on demand':>10} {'wasted':>7}  outputs")
+          f"{'late':>5} {'on demand':>10} {'unused':>7}  outputs")
     for name, mean, p99, timely, c, same in rows:
         timely_text = "-" if timely is None else f"{timely:.1%}"
         print(f"{name:7} {mean * 1000:>8.0f}ms {p99 * 1000:>7.0f}ms {timely_text:>11} {c['prefetch_issued']:>7} "
               f"{c['prefetch_in_time']:>8} {c['prefetch_late']:>5} {c['on_demand_reads']:>10} "
-              f"{c['prefetch_wasted']:>7}  {'same' if same else 'DIFFERENT'}")
+              f"{c['prefetch_unused']:>7}  {'same' if same else 'DIFFERENT'}")
 
 
 if __name__ == "__main__":

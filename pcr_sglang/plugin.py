@@ -1,6 +1,7 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``), run in every SGLang process.
 
-It registers the ``pcr`` radix-cache backend and these hooks:
+It registers the ``pcr`` radix-cache backend and these hooks, each a thin call into
+``pcr_sglang.sglang_adapter``:
 
 * ``create_tree_cache`` (AROUND): ``--enable-pcr`` selects PCR's tree cache, otherwise
   SGLang's own selection runs untouched;
@@ -8,19 +9,18 @@ It registers the ``pcr`` radix-cache backend and these hooks:
   resolved, so a bad value fails at startup with a message naming the flag;
 * ``prepare_server_args`` (BEFORE, only when the installed SGLang is not the patched
   0.5.23): PCR flags on the command line fail with an explanation instead of argparse's
-  "unrecognized arguments" (``Engine(enable_pcr=True)`` there fails in ServerArgs with
-  "unexpected keyword", and the plugin's log line says why);
-* the scheduler's ``_get_new_batch_prefill_raw`` (BEFORE): each scheduling pass, the
-  waiting queue's head feeds the look-ahead LRU and PCR's metrics are published;
-* ``ScheduleBatch.prepare_for_extend`` (AROUND): responses count chunks copied back
-  from the host tier under ``cached_tokens_details["host"]`` (from the SSD tier: under
-  SGLang's storage column), and the batch's new
-  chunks get host slots to be offloaded into during its forward, and prefetches its
-  requests waited for are counted late;
-* ``ScheduleBatch.prepare_for_decode`` (AFTER): a chunk a decode step completes gets
-  offloaded during that step;
-* ``ModelRunner.forward`` (AROUND): a forward starts, and with it the offloads planned
-  for it (``--pcr-layerwise``); prefills are timed for the SSD tier's cost model;
+  "unrecognized arguments";
+* the scheduler's ``get_next_batch_to_run`` (BEFORE): once per loop iteration on every
+  rank, the scheduler side's step (I/O completions, TP agreement, look-ahead, prefetch,
+  metrics);
+* ``PrefillAdder.add_one_req`` (AROUND): a request whose SSD chunks are being read waits
+  in the queue (the adder moves on to the next request) instead of being admitted;
+* ``ScheduleBatch.prepare_for_extend`` (AROUND) and ``prepare_for_decode`` (AFTER): a
+  request's hits are counted once, by tier, as SGLang reports them, and the chunks the
+  coming forward completes get host slots to be offloaded into during it;
+* the scheduler's ``run_batch`` (AROUND): the offloads planned for a batch's requests run
+  in that batch and no other;
+* ``ModelRunner.forward`` (AROUND): the forward's stream and extend timings;
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state.
 
 SGLang's plugin loader logs and swallows exceptions raised here, so nothing in
@@ -77,24 +77,20 @@ def register() -> None:
         "sglang.srt.server_args.ServerArgs.resolve_once", _validate_after_resolution, HookType.AFTER
     )
     HookRegistry.register(
-        "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw",
-        _on_scheduler_step,
-        HookType.BEFORE,
+        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", _on_scheduler_step, HookType.BEFORE
     )
     HookRegistry.register(
-        "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
-        _prepare_for_extend,
-        HookType.AROUND,
+        "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", _add_one_req, HookType.AROUND
     )
     HookRegistry.register(
-        "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode",
-        _plan_decode_offloads,
-        HookType.AFTER,
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend", _prepare_for_extend, HookType.AROUND
     )
     HookRegistry.register(
-        "sglang.srt.model_executor.model_runner.ModelRunner.forward",
-        _around_forward,
-        HookType.AROUND,
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode", _plan_decode_offloads, HookType.AFTER
+    )
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.run_batch", _around_run_batch, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.forward", _around_forward, HookType.AROUND
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler_components.internal_state."
@@ -123,70 +119,79 @@ def _create_tree_cache(original: Callable[..., Any], ctx: Any, *args: Any, **kwa
     return original(ctx, *args, **kwargs)
 
 
-def _on_scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """Before each prefill scheduling pass: the waiting queue feeds the look-ahead LRU,
-    and PCR's counters are published to Prometheus."""
+def _pcr_cache(owner: Any) -> Any:
+    """``owner``'s tree cache if it is PCR's (a scheduler, batch or adder), else None."""
     from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
 
-    tree_cache = getattr(scheduler, "tree_cache", None)
-    if isinstance(tree_cache, PCRPrefixCache):
-        tree_cache.on_scheduler_step(scheduler.waiting_queue)
+    cache = getattr(owner, "tree_cache", None)
+    return cache if isinstance(cache, PCRPrefixCache) else None
+
+
+def _on_scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    cache = _pcr_cache(scheduler)
+    if cache is not None:
+        running = getattr(scheduler, "running_batch", None)
+        busy = bool(scheduler.waiting_queue) or (running is not None and not running.is_empty())
+        cache.on_scheduler_step(scheduler.waiting_queue, busy)
     return None
 
 
+def _add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    cache = _pcr_cache(adder)
+    if cache is not None and not cache.scheduler.consider(req):
+        return adder.budget_state()  # not admitted this pass; the adder goes on to the next request
+    return original(adder, req, *args, **kwargs)
+
+
 def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """After SGLang prepares an extend batch: count its requests' late prefetches, plan
-    the offload of its new chunks, and move the tokens PCR copied back from host memory
-    from the ``device`` to the ``host`` column of a response's ``cached_tokens_details``.
-
-    SGLang splits a request's cached prefix by tier once, in ``prepare_for_extend``, from
-    HiCache's load-back bookkeeping; PCR loads during its match instead and records the
-    loaded tokens on the request, so the split is corrected right after SGLang makes it.
-    """
-    from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
-
-    fresh = [r for r in batch.reqs if not getattr(r, "_cache_breakdown_computed", True)]
+    """After SGLang prepares an extend batch: count each request's hits the first time
+    SGLang splits its cached prefix by tier (its response reports that split), and plan
+    the offload of the batch's new chunks."""
+    cache = _pcr_cache(batch)
+    if cache is None:
+        return original(batch, *args, **kwargs)
+    fresh = [r for r in batch.reqs if not r._cache_breakdown_computed and not r.retracted_stain]
     result = original(batch, *args, **kwargs)
-    if isinstance(batch.tree_cache, PCRPrefixCache):
-        batch.tree_cache.count_admitted(batch.reqs)
-        batch.tree_cache.plan_offloads(batch.reqs, batch.seq_lens_cpu.tolist())
     for req in fresh:
-        host = req.__dict__.pop("pcr_host_loaded_tokens", 0)
-        ssd = req.__dict__.pop("pcr_ssd_loaded_tokens", 0)
-        if (host or ssd) and req._cache_breakdown_computed:
-            moved = min(host, req.cached_tokens_device)
-            req.cached_tokens_device -= moved
-            req.cached_tokens_host += moved
-            moved = min(ssd, req.cached_tokens_device)
-            req.cached_tokens_device -= moved
-            req.cached_tokens_storage += moved
+        if req._cache_breakdown_computed:
+            cache.scheduler.admitted(req)
+    cache.scheduler.plan_offloads(batch.reqs, batch.seq_lens_cpu.tolist(), cache.req_to_token_pool.req_to_token,
+                                  decode=False)
     return result
 
 
 def _plan_decode_offloads(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     """After SGLang prepares a decode step: chunks it completes get offloaded during it."""
-    from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
-
-    if isinstance(batch.tree_cache, PCRPrefixCache) and batch.reqs:
-        batch.tree_cache.plan_offloads(batch.reqs, batch.seq_lens_cpu.tolist(), decode=True)
+    cache = _pcr_cache(batch)
+    if cache is not None and batch.reqs:
+        cache.scheduler.plan_offloads(batch.reqs, batch.seq_lens_cpu.tolist(), cache.req_to_token_pool.req_to_token,
+                                      decode=True)
     return result
+
+
+def _around_run_batch(original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    cache = _pcr_cache(scheduler)
+    worker = cache.scheduler.worker if cache is not None else None
+    if worker is None:
+        return original(scheduler, batch, *args, **kwargs)
+    return worker.run_batch(lambda: original(scheduler, batch, *args, **kwargs), [r.rid for r in batch.reqs])
 
 
 def _around_forward(original: Callable[..., Any], model_runner: Any, forward_batch: Any,
                     *args: Any, **kwargs: Any) -> Any:
-    cache = getattr(model_runner.token_to_kv_pool, "pcr_cache", None)
-    if cache is None:
+    from pcr_sglang.sglang_adapter.worker_side import WorkerSide
+
+    worker = WorkerSide.for_pool(getattr(model_runner, "token_to_kv_pool", None))
+    if worker is None:
         return original(model_runner, forward_batch, *args, **kwargs)
-    return cache.run_forward(lambda: original(model_runner, forward_batch, *args, **kwargs), forward_batch)
+    return worker.forward(lambda: original(model_runner, forward_batch, *args, **kwargs), forward_batch)
 
 
 def _add_pcr_internal_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
     """Publish PCR's state under ``"pcr"`` in ``/server_info``'s ``internal_states``."""
-    from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
-
-    tree_cache = getattr(controller.scheduler, "tree_cache", None)
-    if isinstance(tree_cache, PCRPrefixCache):
-        result.internal_state["pcr"] = tree_cache.report(check_invariants=True)
+    cache = _pcr_cache(controller.scheduler)
+    if cache is not None:
+        result.internal_state["pcr"] = cache.report(check_invariants=True)
     return result
 
 

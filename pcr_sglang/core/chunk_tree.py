@@ -13,22 +13,24 @@ device and chunks come back parent first; so a matched chain is a device-residen
 prefix followed by host-only chunks.
 
 Eviction in each tier takes only that tier's leaves (a node with a child resident in the
-tier is not a leaf of it), unlocked, least recently used first. The order is kept in one
-heap per tier with lazy invalidation: whenever a node becomes a leaf of a tier or is
-touched while one, a fresh ``(access_tick, seq, node)`` entry is pushed, and stale
-entries are skipped when popped. A match, an insert, a lock or an unlock therefore costs
-O(chunks on the path) plus O(log leaves) per heap push, never O(tree).
+tier is not a leaf of it), unlocked, least recently used first (:mod:`pcr_sglang.core.lru`).
+A match, an insert, a lock or an unlock costs O(chunks on the path) plus O(log leaves)
+per heap push, never O(tree).
+
+The tree is a data structure, not a policy: which tier a chunk should move to, and which
+slots it uses there, is decided by :class:`pcr_sglang.core.residency.CacheState`, its
+only user in the server.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from pcr_sglang.core.keys import ChunkKey
+from pcr_sglang.core.lru import TierLeaves
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,6 @@ class ChunkNode:
         "ssd_children",
         "lock_ref",
         "last_access",
-        "hit_count",
     )
 
     def __init__(self, key: ChunkKey, parent: Optional[ChunkNode], device_value: Any = None):
@@ -68,7 +69,6 @@ class ChunkNode:
         self.ssd_children = 0
         self.lock_ref = 0
         self.last_access = 0
-        self.hit_count = 0
 
     @property
     def is_root(self) -> bool:
@@ -104,7 +104,8 @@ class ChunkNode:
 class MatchOutcome:
     """The matched chain, first chunk first; empty when the first chunk misses.
 
-    The first ``num_on_device`` nodes are on the device; the rest are host-only.
+    The first ``num_on_device`` nodes are on the device; the rest live only in the host
+    or SSD tier (or both).
     """
 
     nodes: list[ChunkNode]
@@ -141,59 +142,6 @@ class TreeStats:
     ssd_evictable_leaves: int = 0
 
 
-class _TierLeaves:
-    """The evictable leaves of one tier and their LRU heap (lazy invalidation)."""
-
-    def __init__(self, is_leaf: NodePredicate, seq: Iterable[int]):
-        self.is_leaf = is_leaf
-        self.leaves: set[ChunkNode] = set()
-        self.heap: list[tuple[int, int, ChunkNode]] = []
-        self._seq = seq
-
-    def refresh(self, node: ChunkNode) -> None:
-        if self.is_leaf(node):
-            self.leaves.add(node)
-            heapq.heappush(self.heap, (node.last_access, next(self._seq), node))
-            if len(self.heap) > 4 * len(self.leaves) + 1024:
-                self.heap = [(n.last_access, next(self._seq), n) for n in self.leaves]
-                heapq.heapify(self.heap)
-        else:
-            self.leaves.discard(node)
-
-    def pop(self) -> Optional[tuple[int, int, ChunkNode]]:
-        while self.heap:
-            entry = heapq.heappop(self.heap)
-            tick, _, node = entry
-            if node in self.leaves and node.last_access == tick:
-                return entry
-        return None
-
-    def pop_lru(self, count: int, is_protected: Optional[NodePredicate]) -> Iterable[ChunkNode]:
-        """Yield up to ``count`` leaves, LRU first, protected ones after all others.
-
-        The caller removes each yielded leaf from the tier before asking for the next, so
-        that a parent that becomes a leaf competes by its own recency.
-        """
-        deferred: list[tuple[int, int, ChunkNode]] = []
-        taken = 0
-        while taken < count:
-            entry = self.pop()
-            if entry is None:
-                if not deferred:
-                    break
-                entry = heapq.heappop(deferred)
-                if not self.is_leaf(entry[2]):
-                    continue
-            elif is_protected is not None and is_protected(entry[2]):
-                heapq.heappush(deferred, entry)
-                continue
-            taken += 1
-            yield entry[2]
-        for entry in deferred:
-            if self.is_leaf(entry[2]):
-                heapq.heappush(self.heap, entry)
-
-
 class ChunkTree:
     """A prefix tree of chunks over three tiers with lock counts and per-tier LRU eviction."""
 
@@ -212,9 +160,9 @@ class ChunkTree:
         self._ssd_chunks = 0
         self._locked_chunks = 0
         self._locked_device_chunks = 0
-        self._device = _TierLeaves(self._is_device_leaf, self._seq)
-        self._host = _TierLeaves(self._is_host_leaf, self._seq)
-        self._ssd = _TierLeaves(self._is_ssd_leaf, self._seq)
+        self._device = TierLeaves(self._is_device_leaf, self._seq)
+        self._host = TierLeaves(self._is_host_leaf, self._seq)
+        self._ssd = TierLeaves(self._is_ssd_leaf, self._seq)
 
     @property
     def num_chunks(self) -> int:
@@ -303,8 +251,6 @@ class ChunkTree:
             node = child
         if nodes:
             self._touch_chain(nodes)
-            for child in new_nodes:
-                child.hit_count = 0
         return InsertOutcome(
             nodes=nodes, last_node=node, num_existing=num_existing, new_nodes=new_nodes
         )
@@ -443,16 +389,18 @@ class ChunkTree:
         is_protected: Optional[NodePredicate] = None,
         on_drop_host: Optional[NodeCallback] = None,
         on_drop_ssd: Optional[NodeCallback] = None,
+        take: Optional[NodePredicate] = None,
     ) -> list[ChunkNode]:
         """Free up to ``num_chunks`` host slots of unlocked host leaves, LRU first.
 
-        ``on_evict(node)`` runs while ``node.host_slot`` is still set (the adapter
-        persists the chunk to SSD there if it wants to keep it). A chunk left in no tier
-        is removed, with the descendants it made reachable (``on_drop_host`` and
-        ``on_drop_ssd`` release their host slots and SSD records).
+        ``take(node)`` may refuse a leaf for now (the caller orders its write to SSD
+        first, say); ``on_evict(node)`` then runs while ``node.host_slot`` is still set
+        (the caller releases the slot there). A chunk left in no tier is removed, with
+        the descendants it made reachable (``on_drop_host`` and ``on_drop_ssd`` release
+        their host slots and SSD records).
         """
-        return self._evict_leaves(self._host, lambda n: n.on_host, self._drop_host, num_chunks, on_evict,
-                                  is_protected, on_drop_host, on_drop_ssd)
+        return self._evict_leaves(self._host, self._drop_host, num_chunks, on_evict, is_protected,
+                                  on_drop_host, on_drop_ssd, take)
 
     def evict_ssd(
         self,
@@ -464,23 +412,22 @@ class ChunkTree:
     ) -> list[ChunkNode]:
         """Drop up to ``num_chunks`` SSD records of unlocked SSD leaves, LRU first.
 
-        ``on_evict(node)`` runs first (the adapter deletes the record there). A chunk left
+        ``on_evict(node)`` runs first (the caller deletes the record there). A chunk left
         in no tier is removed, with the descendants it made reachable.
         """
-        return self._evict_leaves(self._ssd, lambda n: n.on_ssd, self._drop_ssd, num_chunks, on_evict,
-                                  is_protected, on_drop_host, on_drop_ssd)
+        return self._evict_leaves(self._ssd, self._drop_ssd, num_chunks, on_evict, is_protected,
+                                  on_drop_host, on_drop_ssd, None)
 
-    def _evict_leaves(self, tier: _TierLeaves, resident: NodePredicate, drop: NodeCallback, num_chunks: int,
+    def _evict_leaves(self, tier: TierLeaves, drop: NodeCallback, num_chunks: int,
                       on_evict: Optional[NodeCallback], is_protected: Optional[NodePredicate],
-                      on_drop_host: Optional[NodeCallback], on_drop_ssd: Optional[NodeCallback]) -> list[ChunkNode]:
+                      on_drop_host: Optional[NodeCallback], on_drop_ssd: Optional[NodeCallback],
+                      take: Optional[NodePredicate]) -> list[ChunkNode]:
         """The host and SSD tiers' eviction: take ``tier``'s LRU leaves out of it; a chunk
         left in no tier goes, with the descendants only it made reachable."""
         evicted: list[ChunkNode] = []
-        for node in tier.pop_lru(num_chunks, is_protected):
+        for node in tier.pop_lru(num_chunks, is_protected, take):
             if on_evict is not None:
                 on_evict(node)
-            if not resident(node):  # on_evict's own eviction work already removed it
-                continue
             drop(node)
             if self._in_no_tier(node):
                 self._remove_with_descendants(node, on_drop_host, on_drop_ssd)
@@ -586,7 +533,6 @@ class ChunkTree:
         tick = next(self._tick)
         for node in nodes:
             node.last_access = tick
-            node.hit_count += 1
         # Only a chain's last chunk in each tier can be a leaf of that tier, but which
         # one that is differs per tier; refreshing the whole chain keeps it simple and
         # stays O(chain).

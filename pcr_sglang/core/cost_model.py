@@ -1,4 +1,4 @@
-"""Load or recompute: whether reading a chunk from SSD beats prefilling its tokens again.
+"""Load or recompute: whether reading chunks from SSD beats prefilling their tokens again.
 
 Loading is not always faster. Reading a chunk costs its bytes over the disk's bandwidth;
 recomputing it costs its tokens over the prefill speed. KV bytes per token grow with
@@ -8,13 +8,20 @@ path; on this project's CPU test machine the disk wins by two orders of magnitud
 
 Both rates are measured while serving (exponential moving averages). Until both are
 known the model says load; while it says recompute, one in ``probe_every`` decisions
-loads anyway, so a disk that got faster is noticed.
+loads anyway, so a disk that got faster is noticed. With tensor parallelism each rank
+measures its own rates; the scheduler agrees the verdict across ranks (the minimum)
+before it changes any request's prefix length.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+# How long a request may wait for SSD reads when no prefill has been timed yet (just
+# after a start or a restart): about what a small GPU prefill of a few chunks costs.
+DEFAULT_WAIT_S = 0.25
+MIN_WAIT_S = 0.005
 
 
 @dataclass
@@ -32,13 +39,28 @@ class LoadOrRecompute:
         if tokens > 0 and seconds > 0:
             self.prefill_tokens_per_second = self._ewma(self.prefill_tokens_per_second, tokens / seconds)
 
-    def should_load(self, chunk_tokens: int) -> bool:
+    def prefers_load(self, chunk_tokens: int) -> bool:
+        """This rank's measured verdict (no probing): is reading a chunk faster?"""
         if self.read_seconds_per_chunk is None or self.prefill_tokens_per_second is None:
             return True
-        if self.read_seconds_per_chunk <= chunk_tokens / self.prefill_tokens_per_second:
+        return self.read_seconds_per_chunk <= chunk_tokens / self.prefill_tokens_per_second
+
+    def should_load(self, chunk_tokens: int) -> bool:
+        """One decision, probing the disk once in ``probe_every`` while it loses."""
+        return self.decide(self.prefers_load(chunk_tokens))
+
+    def decide(self, prefers_load: bool) -> bool:
+        """A decision from a verdict (possibly agreed across ranks), with probing."""
+        if prefers_load:
             return True
         self.decisions_to_recompute += 1
         return self.decisions_to_recompute % self.probe_every == 0
+
+    def recompute_seconds(self, tokens: int) -> float:
+        """About what prefilling ``tokens`` costs: how long waiting for their KV is worth."""
+        if self.prefill_tokens_per_second is None:
+            return DEFAULT_WAIT_S
+        return max(tokens / self.prefill_tokens_per_second, MIN_WAIT_S)
 
     def _ewma(self, old: Optional[float], sample: float) -> float:
         return sample if old is None else (1 - self.alpha) * old + self.alpha * sample

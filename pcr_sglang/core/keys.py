@@ -2,9 +2,12 @@
 
 KV is position- and prefix-dependent, so a chunk's identity is its own tokens *and*
 everything before it: ``key_i = H(key_{i-1}, tokens_i)``. The chain starts at a root key
-that folds in the cache namespace (model fingerprint, KV dtype, layout, chunk size, TP
-rank) and the request's own namespace (SGLang's ``extra_key``, e.g. a LoRA id, and its
-``cache_salt``), so two servers or two tenants never share a chain by accident.
+that folds in the cache namespace's chain digest (model fingerprint, KV dtype, layout,
+chunk size) and the request's own namespace (SGLang's ``extra_key``, e.g. a LoRA id, and
+its ``cache_salt``), so two models or two tenants never share a chain by accident. The
+TP rank is not in the chain: every rank of a tensor-parallel server names a chunk by
+the same key (which is how the ranks agree on what their SSD stores hold); each rank's
+share of the KV bytes lives under its own store namespace (:meth:`CacheNamespace.digest`).
 
 Keys are 128-bit BLAKE2b digests: at a billion chunks the collision probability is below
 1e-20, which is why the tree does not also store and compare every chunk's tokens.
@@ -34,16 +37,13 @@ class CacheNamespace:
     tp_size: int = 1
 
     def digest(self) -> bytes:
-        text = "|".join(
-            [
-                "pcr-ns-v1",
-                self.model_fingerprint,
-                self.kv_dtype,
-                str(self.chunk_size),
-                self.layout,
-                f"{self.tp_rank}/{self.tp_size}",
-            ]
-        )
+        """The namespace of this rank's KV bytes (the SSD store's directory)."""
+        text = "|".join(["pcr-ns-v2", self.chain_digest().hex(), f"{self.tp_rank}/{self.tp_size}"])
+        return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
+
+    def chain_digest(self) -> bytes:
+        """What chunk keys fold in: the same on every TP rank of a server."""
+        text = "|".join(["pcr-chain-v2", self.model_fingerprint, self.kv_dtype, str(self.chunk_size), self.layout])
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 

@@ -1,26 +1,38 @@
 """Messages between the scheduler and its I/O process (msgpack over ZMQ IPC sockets).
 
 The scheduler owns the tree and every slot; the I/O process only executes orders on
-bytes: read chunk ``key`` from the store into host slot ``host_slot``, or persist host
-slot ``host_slot`` as chunk ``key``. Each order carries a sequence number and each
-completion echoes it, so a completion from an order the scheduler has since cancelled
-(the process was restarted) is recognised and ignored. Executing an order twice has
-the same effect as once (a read rewrites the same bytes, a write replaces the record
-atomically), so orders are safe to retry.
+bytes: read chunk ``key`` from the store into host slot ``host_slot``, persist host slot
+``host_slot`` as chunk ``key``, or delete chunk ``key``. Reads and writes carry a
+sequence number, assigned by the scheduler's cache state (the same on every TP rank),
+and each completion echoes it with an :class:`IoOutcome`. Deletes and reorders are not
+acknowledged. Executing an order twice has the same effect as once (a read rewrites the
+same bytes, a write replaces the record atomically), so orders are safe to retry.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Union
 
 import msgspec
+
+
+class IoOutcome(enum.IntEnum):
+    """How an order ended, ordered so that the minimum over TP ranks is what every rank
+    may assume: one rank's bad record makes the chunk bad everywhere, one rank's
+    cancellation makes the order cancelled everywhere."""
+
+    PENDING = 0  # not finished (never sent in a reply; used by the TP agreement)
+    BAD = 1  # read: the record is missing or fails verification; write: the disk refused it
+    CANCELLED = 2  # dropped before it ran, or its I/O process died first
+    OK = 3
 
 
 class ReadChunk(msgspec.Struct, tag="read"):
     seq: int
     key: bytes
     host_slot: int
-    urgent: bool = False  # a scheduled request waits for it: ahead of every prefetch
+    urgent: bool = False  # a request waits for it: ahead of every prefetch
 
 
 class WriteChunk(msgspec.Struct, tag="write"):
@@ -32,30 +44,30 @@ class WriteChunk(msgspec.Struct, tag="write"):
     host_slot: int
 
 
-class Ping(msgspec.Struct, tag="ping"):
-    seq: int
+class DeleteChunk(msgspec.Struct, tag="delete"):
+    """Remove chunk ``key``'s record (the tree dropped it)."""
+
+    key: bytes
 
 
 class Reorder(msgspec.Struct, tag="reorder"):
     """For a read ``target`` that has not started: ``cancel`` drops it (its completion
-    says ``cancelled``), otherwise it moves to the front (a request now waits for it).
-    A started or finished order completes normally."""
+    says cancelled), otherwise it moves to the front (a request now waits for it). A
+    started or finished order completes normally."""
 
-    seq: int
     target: int
     cancel: bool
 
 
-Order = Union[ReadChunk, WriteChunk, Ping, Reorder]
+Order = Union[ReadChunk, WriteChunk, DeleteChunk, Reorder]
 
 
 class Done(msgspec.Struct, tag="done"):
     seq: int
-    ok: bool
+    outcome: int  # an IoOutcome
     error: str = ""
     errno: int = 0
     seconds: float = 0.0
-    cancelled: bool = False
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -85,3 +97,4 @@ class WorkerConfig(msgspec.Struct):
     orders_endpoint: str
     replies_endpoint: str
     parent_pid: int
+    tp_rank: int = 0  # which rank's process this is (logs, and the test fault knob)

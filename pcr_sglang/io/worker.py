@@ -1,34 +1,46 @@
 """The I/O process: executes the scheduler's SSD orders against the store and host pool.
 
-Started by :class:`pcr_sglang.io.client.IOProcess` as ``python -m pcr_sglang.io.worker
-CONFIG`` (a msgpack-encoded :class:`~pcr_sglang.io.protocol.WorkerConfig`, hex). It
-attaches the host pool's shared memory by name (plain bytes: no torch here, so it starts
-in a fraction of a second), opens the store, connects to the scheduler's two IPC
-sockets, says hello, and then runs orders one at a time, reads before writes: a read is
-for a request that is waiting, a write only makes a chunk durable.
+Started by :class:`pcr_sglang.io.supervisor.IOSupervisor` as ``python -m
+pcr_sglang.io.worker CONFIG`` (a msgpack-encoded
+:class:`~pcr_sglang.io.protocol.WorkerConfig`, hex). It attaches the host pool's shared
+memory by name (plain bytes: no torch here, so it starts in a fraction of a second),
+opens the store, connects to the scheduler's two IPC sockets, says hello, and then runs
+orders one at a time: urgent reads first (a request waits for them), then prefetch reads
+and deletes, then writes (a write only makes a chunk durable).
 
-It dies with its scheduler: ``PR_SET_PDEATHSIG`` (SIGKILL when the parent dies, even by
-kill -9), plus a check of the parent pid every second for platforms without it.
+It dies with its scheduler: it checks its parent pid at least once a second and exits
+when the parent is gone (even after kill -9). ``PR_SET_PDEATHSIG`` is not used: Linux
+sends that signal when the parent *thread* that spawned the process exits, which would
+kill the I/O process whenever a helper thread built the cache.
+
+Test knob: ``PCR_IO_TEST_FAULTS`` (JSON, e.g. ``{"tp_ranks": [1], "read_delay_s": 2}``,
+``{"fail_reads": true}`` or ``{"fail_writes": true}``) makes the processes of the listed
+TP ranks (all ranks when absent) delay or fail their reads, or fail their writes as a
+full disk would, so tests can make one rank's reads arrive late or fail. It is read once
+at start and logged; never set it in production.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
+import errno
+import json
 import logging
 import os
-import signal
 import sys
 import time
+from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
+from typing import Optional
 
 import msgspec
 import zmq
 
 from pcr_sglang.io.protocol import (
+    DeleteChunk,
     Done,
     Hello,
-    Ping,
+    IoOutcome,
     ReadChunk,
     Reorder,
     WorkerConfig,
@@ -41,13 +53,28 @@ from pcr_sglang.transfer.layout import HostChunkLayout
 
 logger = logging.getLogger(__name__)
 
+FAULTS_ENV = "PCR_IO_TEST_FAULTS"
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+
+@dataclass(frozen=True)
+class TestFaults:
+    read_delay_s: float = 0.0
+    fail_reads: bool = False
+    fail_writes: bool = False
+
+    @classmethod
+    def from_env(cls, tp_rank: int) -> Optional[TestFaults]:
+        text = os.environ.get(FAULTS_ENV)
+        if not text:
+            return None
+        spec = json.loads(text)
+        ranks = spec.get("tp_ranks")
+        if ranks is not None and tp_rank not in ranks:
+            return None
+        faults = cls(float(spec.get("read_delay_s", 0.0)), bool(spec.get("fail_reads", False)),
+                     bool(spec.get("fail_writes", False)))
+        logger.warning("PCR I/O process of TP rank %d: test faults %s (%s)", tp_rank, faults, FAULTS_ENV)
+        return faults
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -65,6 +92,7 @@ class Worker:
         self.store = ChunkFileStore(config.store_root, bytes.fromhex(config.namespace_hex), layout,
                                     config.dtype, capacity_bytes=None,
                                     low_watermark_bytes=config.reserve_bytes)
+        self.faults = TestFaults.from_env(config.tp_rank)
         self.shm = _attach(config.shm_name)
         self.ctx = zmq.Context()
         self.orders = self.ctx.socket(zmq.PULL)
@@ -77,40 +105,51 @@ class Worker:
         start = index * self.slot_bytes
         return self.shm.buf[start:start + self.slot_bytes]
 
-    def execute(self, order) -> Done:
+    def execute(self, order) -> Optional[Done]:
         start = time.perf_counter()
         try:
             if isinstance(order, ReadChunk):
+                if self.faults is not None:
+                    time.sleep(self.faults.read_delay_s)
+                    if self.faults.fail_reads:
+                        return Done(order.seq, IoOutcome.BAD, "test fault", seconds=time.perf_counter() - start)
                 ok = self.store.read_into(order.key, self.slot(order.host_slot))
-                return Done(order.seq, ok, "" if ok else "missing or failed verification",
-                            seconds=time.perf_counter() - start)
+                return Done(order.seq, IoOutcome.OK if ok else IoOutcome.BAD,
+                            "" if ok else "missing or failed verification", seconds=time.perf_counter() - start)
             if isinstance(order, WriteChunk):
+                if self.faults is not None and self.faults.fail_writes:
+                    raise OSError(errno.ENOSPC, "test fault: no space left on device")
                 self.store.write(order.key, order.parent_key, order.depth, order.num_tokens,
                                  self.slot(order.host_slot))
-                return Done(order.seq, True, seconds=time.perf_counter() - start)
-            return Done(order.seq, True)  # Ping
+                return Done(order.seq, IoOutcome.OK, seconds=time.perf_counter() - start)
+            self.store.delete(order.key)  # DeleteChunk: not acknowledged
+            return None
         except OSError as e:
-            return Done(order.seq, False, str(e), e.errno or 0, time.perf_counter() - start)
+            if isinstance(order, DeleteChunk):
+                return None
+            return Done(order.seq, IoOutcome.BAD, str(e), e.errno or 0, time.perf_counter() - start)
 
-    def reorder(self, request: Reorder, reads: collections.deque) -> None:
+    def reorder(self, request: Reorder, urgent: collections.deque, reads: collections.deque) -> None:
         for order in reads:
-            if order.seq == request.target:
+            if isinstance(order, ReadChunk) and order.seq == request.target:
                 reads.remove(order)
                 if request.cancel:
-                    self.replies.send(reply_encoder.encode(Done(order.seq, False, "cancelled", cancelled=True)))
+                    self.replies.send(reply_encoder.encode(Done(order.seq, IoOutcome.CANCELLED, "cancelled")))
                 else:
-                    reads.appendleft(order)
+                    urgent.append(order)
                 return
 
     def run(self) -> None:
         self.replies.send(reply_encoder.encode(Hello(os.getpid())))
-        reads: collections.deque = collections.deque()
-        others: collections.deque = collections.deque()
+        urgent: collections.deque = collections.deque()  # reads a request waits for, in order
+        reads: collections.deque = collections.deque()  # prefetch reads and deletes
+        writes: collections.deque = collections.deque()
+        queues = (urgent, reads, writes)
         poller = zmq.Poller()
         poller.register(self.orders, zmq.POLLIN)
         last_parent_check = time.monotonic()
         while True:
-            timeout_ms = 0 if (reads or others) else 1000
+            timeout_ms = 0 if any(queues) else 1000
             if poller.poll(timeout_ms):
                 while True:
                     try:
@@ -119,14 +158,16 @@ class Worker:
                         break
                     order = order_decoder.decode(raw)
                     if isinstance(order, Reorder):
-                        self.reorder(order, reads)
-                    elif isinstance(order, ReadChunk) and order.urgent:
-                        reads.appendleft(order)
+                        self.reorder(order, urgent, reads)
+                    elif isinstance(order, ReadChunk):
+                        (urgent if order.urgent else reads).append(order)
                     else:
-                        (reads if isinstance(order, (ReadChunk, Ping)) else others).append(order)
-            if reads or others:
-                order = reads.popleft() if reads else others.popleft()
-                self.replies.send(reply_encoder.encode(self.execute(order)))
+                        (writes if isinstance(order, WriteChunk) else reads).append(order)
+            queue = next((q for q in queues if q), None)
+            if queue is not None:
+                done = self.execute(queue.popleft())
+                if done is not None:
+                    self.replies.send(reply_encoder.encode(done))
             now = time.monotonic()
             if now - last_parent_check > 1.0:
                 last_parent_check = now
@@ -135,7 +176,6 @@ class Worker:
 
 
 def main(argv: list[str]) -> int:
-    _die_with_parent()
     logging.basicConfig(level=logging.WARNING, format="[pcr-io %(process)d] %(message)s")
     config = msgspec.msgpack.decode(bytes.fromhex(argv[1]), type=WorkerConfig)
     if os.getppid() != config.parent_pid:

@@ -1,17 +1,24 @@
-"""Build the PCR tree cache from SGLang's tree-cache build context."""
+"""Build the PCR tree cache from SGLang's tree-cache build context: the tiers, the cache
+state, the I/O process, the scheduler and worker sides, and (with tensor parallelism)
+the startup agreement between ranks on host-tier size, SSD capacity and restored chunks."""
 
 from __future__ import annotations
 
 import atexit
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
-from pcr_sglang.core import CacheNamespace
+from pcr_sglang.core import CacheNamespace, CacheState, CacheStateConfig, PersistedChunk
+from pcr_sglang.io.protocol import WorkerConfig
+from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.sglang_adapter.fingerprint import model_fingerprint
 from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
+from pcr_sglang.sglang_adapter.scheduler_side import SchedulerSide
+from pcr_sglang.sglang_adapter.tp_group import TpGroup
+from pcr_sglang.sglang_adapter.worker_side import attach_worker_side
 from pcr_sglang.tiers.host_pool import HostChunkPool, HostPoolError
 from pcr_sglang.tiers.ssd_store import ChunkFileStore, SSDStoreError, describe_namespace
 from pcr_sglang.transfer.layout import HostChunkLayout
@@ -98,27 +105,89 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
             "has sliding-window, state-space or sparse layers. Run it without --enable-pcr."
         )
     config = PCRConfig.from_server_args(ctx.server_args)
+    config.validate(ctx.params.page_size)
     namespace = CacheNamespace(
-        model_fingerprint=model_fingerprint(
-            ctx.model_config, ctx.server_args.model_path, ctx.server_args.revision
-        ),
+        model_fingerprint=model_fingerprint(ctx.model_config, ctx.server_args.model_path, ctx.server_args.revision),
         kv_dtype=_kv_dtype_name(ctx),
         chunk_size=config.chunk_size,
         layout="token-major",
         tp_rank=ctx.tp_rank,
         tp_size=ctx.tp_size,
     )
-    config.validate(ctx.params.page_size)
-    host_pool = ssd_store = None
+    return assemble_pcr_cache(ctx.params, config, namespace, TpGroup.from_cache_params(ctx.params), ctx.tp_rank)
+
+
+def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace, tp: Optional[TpGroup] = None,
+                       tp_rank: int = 0) -> PCRPrefixCache:
+    """The tiers, the cache state, the I/O process and both sides, over SGLang's pools."""
+    allocator = params.token_to_kv_pool_allocator
+    host_pool = store = worker = io = None
     if config.dram_bytes > 0:
-        host_pool = build_host_pool(config, ctx.params.token_to_kv_pool_allocator)
+        host_pool = build_host_pool(config, allocator)
+        _check_same_on_every_rank(tp, "host-tier slots (--pcr-dram-gb)", host_pool.layout.num_slots)
+        worker = attach_worker_side(allocator, host_pool.buffer, host_pool.layout, config.layerwise)
+    capacity = 0
     if config.ssd_bytes > 0:
         assert host_pool is not None  # validate() requires the host tier
-        ssd_store = build_ssd_store(config, namespace, host_pool)
-    cache = PCRPrefixCache(ctx.params, config, namespace, host_pool=host_pool, ssd_store=ssd_store)
-    if cache.ssd is not None:
-        # Registered after the host pool's close, so it runs first: writes finish while
-        # the slots they read still exist.
-        atexit.register(cache.ssd.close)
-    logger.info("Tree cache initialized: source=pcr impl=%s", type(cache).__name__)
+        store = build_ssd_store(config, namespace, host_pool)
+        capacity = store.capacity_chunks
+        if tp is not None:  # free disk space may differ between the ranks' disks
+            capacity = tp.reduce_min([capacity])[0]
+    state = CacheState(CacheStateConfig(
+        chunk_size=config.chunk_size,
+        lookahead_window=config.lookahead_window,
+        host_slots=host_pool.layout.num_slots if host_pool is not None else 0,
+        chunk_bytes=host_pool.layout.slot_bytes if host_pool is not None else 0,
+        ssd_capacity_chunks=capacity,
+        write_through=config.ssd_write == "through",
+        prefetch_budget_chunks=max((config.prefetch_budget_mb << 20) // store.record_bytes, 1) if store else 0,
+    ))
+    if store is not None:
+        _restore(state, store, tp)
+        io = start_io_process(store, host_pool, tp_rank)
+    scheduler = SchedulerSide(state, config, namespace.chain_digest(), allocator, worker=worker, io=io, tp=tp)
+    cache = PCRPrefixCache(params, state, scheduler, namespace=namespace, host_pool=host_pool, store=store)
+    if io is not None:
+        # Registered after the host pool's close, so it runs first: the I/O process is
+        # gone before the slots it reads and writes are unmapped.
+        atexit.register(scheduler.close)
+    logger.info("Tree cache initialized: source=pcr impl=%s, chunk_size=%d, lookahead_window=%d, namespace=%s%s",
+                type(cache).__name__, config.chunk_size, config.lookahead_window, namespace,
+                f", TP group of {tp.size}" if tp is not None else "")
     return cache
+
+
+def _check_same_on_every_rank(tp: Optional[TpGroup], what: str, value: int) -> None:
+    if tp is None:
+        return
+    low, high = tp.reduce_min([value, -value])
+    if low != -high:
+        raise PCRConfigError(f"PCR: the TP ranks disagree on {what}: {low} to {-high}; they must be equal")
+
+
+def _restore(state: CacheState, store: ChunkFileStore, tp: Optional[TpGroup]) -> None:
+    """Rebuild the tree's SSD level from the store: with TP, only chunks every rank has."""
+    records = store.scan()
+    keys = {r.key for r in records}
+    common = tp.intersect(keys) if tp is not None else keys
+    unreachable = state.restore(PersistedChunk(r.key, r.parent_key, r.depth) for r in records if r.key in common)
+    for key in unreachable + [k for k in keys if k not in common]:
+        store.delete(key)  # startup: the scheduler's only own disk work besides the scan
+    restored = state.ssd_stats.restored_chunks
+    if restored or unreachable or len(common) < len(keys):
+        logger.info("PCR SSD tier: restored %d chunks from %s (%d unreachable records and %d not on every "
+                    "TP rank deleted)", restored, store.dir, len(unreachable), len(keys) - len(common))
+
+
+def start_io_process(store: ChunkFileStore, host_pool: HostChunkPool, tp_rank: int) -> IOSupervisor:
+    layout = host_pool.layout
+    io = IOSupervisor(WorkerConfig(
+        store_root=str(store.root), namespace_hex=store.namespace.hex(), dtype=store.dtype,
+        num_slots=layout.num_slots, num_layers=layout.num_layers, chunk_size=layout.chunk_size,
+        row_bytes=layout.row_bytes, reserve_bytes=store.low_watermark_bytes,
+        shm_name=host_pool.info().shm_name, orders_endpoint="", replies_endpoint="", parent_pid=0,
+        tp_rank=tp_rank,
+    ))
+    if not io.wait_ready():
+        logger.warning("PCR I/O process did not start; the SSD tier waits for its restart")
+    return io

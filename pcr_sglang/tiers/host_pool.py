@@ -6,8 +6,8 @@ The pool is one POSIX shared-memory segment laid out as
 bytes without copies through the scheduler. On a CUDA machine the segment is registered
 with ``cudaHostRegister`` so copy kernels read it directly; on CPU it stays plain memory.
 
-Slot ownership is bookkeeping only: the chunk tree decides which node owns which slot;
-this class hands out free slots and takes them back, and refuses double frees.
+This class is bytes only: which chunk a slot holds, and whether it is free, is the cache
+state's (:mod:`pcr_sglang.core.host_slots`).
 """
 
 from __future__ import annotations
@@ -132,10 +132,6 @@ class HostChunkPool:
             pin = torch.cuda.is_available()
         if pin and create:
             self._pin()
-        self._free: list[int] = []
-        self._used: set[int] = set()
-        if create:
-            self.reset_slots()
 
     # ------------------------------------------------------------------ lifecycle
     @staticmethod
@@ -190,35 +186,7 @@ class HostChunkPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ slots
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._used)
-
-    def reset_slots(self) -> None:
-        """Every slot free again (the tree that owned them was reset)."""
-        self._free = list(range(self.layout.num_slots - 1, -1, -1))
-        self._used = set()
-
-    def alloc(self, n: int) -> Optional[list[int]]:
-        """``n`` free slots, or None (nothing taken) when fewer are free."""
-        if n > len(self._free):
-            return None
-        slots = [self._free.pop() for _ in range(n)]
-        self._used.update(slots)
-        return slots
-
-    def free(self, slots: list[int]) -> None:
-        for slot in slots:
-            if slot not in self._used:
-                raise ValueError(f"host slot {slot} is not allocated (double free?)")
-            self._used.remove(slot)
-            self._free.append(slot)
-
+    # ------------------------------------------------------------------ bytes
     def slot_view(self, slot: int) -> torch.Tensor:
         """All layers of one chunk: ``[layer][kv][token][row]`` bytes."""
         return self.buffer.view(self.layout.shape)[slot]

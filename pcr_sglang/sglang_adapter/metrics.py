@@ -1,8 +1,11 @@
 """PCR's Prometheus metrics, exported through SGLang's ``/metrics`` (``--enable-metrics``).
 
-The cache keeps plain counters (:class:`PCRCacheStats`, also shown in ``/server_info``);
-once per scheduler step the adapter calls :meth:`PCRMetrics.sync`, which adds what
-changed since the last sync to the Prometheus series. SGLang runs the client in
+The cache state keeps plain counters (:class:`~pcr_sglang.core.effects.CacheStats` and
+:class:`~pcr_sglang.core.effects.SSDStats`, also shown in ``/server_info``); once per
+scheduler step :meth:`PCRMetrics.sync` adds what changed since the last sync to the
+Prometheus series. Hits are counted once per admitted request, by the tier SGLang
+reports in the response, so ``sglang:pcr_hit_chunks_total`` times the chunk size is the
+sum of the responses' ``cached_tokens_details``. SGLang runs the client in
 multiprocess mode, so series written in the scheduler process show up on the HTTP
 server's ``/metrics``.
 """
@@ -34,7 +37,7 @@ _SSD_FIELDS = {
     "prefetch_issued": ("prefetch_chunks", {"outcome": "issued"}),
     "prefetch_in_time": ("prefetch_chunks", {"outcome": "in_time"}),
     "prefetch_late": ("prefetch_chunks", {"outcome": "late"}),
-    "prefetch_wasted": ("prefetch_chunks", {"outcome": "wasted"}),
+    "prefetch_unused": ("prefetch_chunks", {"outcome": "unused"}),
     "prefetch_cancelled": ("prefetch_chunks", {"outcome": "cancelled"}),
     "on_demand_reads": ("prefetch_chunks", {"outcome": "on_demand"}),
     "bytes_read_prefetch": ("ssd_read_bytes", {"reason": "prefetch"}),
@@ -43,16 +46,16 @@ _SSD_FIELDS = {
 
 
 class PCRMetrics:
-    def __init__(self, labels: dict[str, str], chunk_size: int):
+    def __init__(self, labels: dict[str, str]):
         from prometheus_client import Counter, Gauge
 
         names = list(labels)
         self.labels = dict(labels)
-        self.chunk_size = chunk_size
         self.hit_chunks = Counter(
             "sglang:pcr_hit_chunks_total",
-            "PCR chunks reused by requests, by the tier they were found in "
-            "(host: copied back to the device instead of recomputed).",
+            "PCR chunks reused by admitted requests (once per request), by the tier they came "
+            "from (host: copied back to the device instead of recomputed; ssd: read from the "
+            "SSD tier into host memory first).",
             labelnames=names + ["tier"],
         )
         self.evicted_chunks = Counter(
@@ -96,8 +99,9 @@ class PCRMetrics:
             "sglang:pcr_prefetch_chunks_total",
             "PCR queue-based prefetch: chunks ordered from SSD for waiting requests (issued), "
             "found in host memory when their request ran (in_time), still in flight when it "
-            "was admitted (late), unused (wasted), dropped before reading (cancelled), and SSD "
-            "chunks read only when their request ran (on_demand).",
+            "was first considered for admission (late), landed but left unused when its request "
+            "left the prefetch window (unused), dropped before reading (cancelled), and SSD "
+            "chunks read only when their request was considered (on_demand).",
             labelnames=names + ["outcome"],
         )
         self.ssd_read_bytes = Counter(
@@ -120,10 +124,12 @@ class PCRMetrics:
                 getattr(self, attr).labels(**self.labels, **extra).inc(delta)
             self._last[prefix + field] = values[field]
 
-    def sync(self, stats: Any, ssd_stats: Any, device_chunks: int, host_chunks: int, ssd_chunks: int) -> None:
-        self._add("", asdict(stats), _COUNTER_FIELDS)
-        if ssd_stats is not None:
-            self._add("ssd.", asdict(ssd_stats), _SSD_FIELDS)
-            self.cached_chunks.labels(**self.labels, tier="ssd").set(ssd_chunks)
-        self.cached_chunks.labels(**self.labels, tier="device").set(device_chunks)
-        self.cached_chunks.labels(**self.labels, tier="host").set(host_chunks)
+    def sync(self, state: Any) -> None:
+        """Publish ``state``'s (a :class:`~pcr_sglang.core.CacheState`) counters and sizes."""
+        tree = state.tree
+        self._add("", asdict(state.stats), _COUNTER_FIELDS)
+        if state.ssd_enabled:
+            self._add("ssd.", asdict(state.ssd_stats), _SSD_FIELDS)
+            self.cached_chunks.labels(**self.labels, tier="ssd").set(tree.ssd_chunks)
+        self.cached_chunks.labels(**self.labels, tier="device").set(tree.device_chunks)
+        self.cached_chunks.labels(**self.labels, tier="host").set(tree.host_chunks)

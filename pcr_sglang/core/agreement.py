@@ -1,0 +1,81 @@
+"""TP agreement: every input that can differ between tensor-parallel ranks, agreed as the
+minimum over the ranks before it changes any request's prefix length.
+
+Each rank has its own I/O process, disk, clock and cost model, so which reads have
+landed, whether writes still work, whether the I/O process is alive and whether reading
+beats recomputing are rank-local facts. Everything else the cache decides is computed
+from the same inputs on every rank (the waiting queue, the batch, and the agreed facts),
+so it is the same everywhere. SGLang's HiCache does the same with a MIN all-reduce of
+finished operations; here the agreed facts are, once per scheduler step:
+
+* a header: how many orders are outstanding and how many requests are waiting for
+  reads (both must be equal on every rank: a difference is a bug, reported, after which
+  the SSD tier stops), whether the I/O process is healthy, whether writes succeed,
+  whether this rank's cost model prefers loading to recomputing;
+* the outcome of every outstanding order, in sequence order (an order the cache state
+  numbered the same way on every rank): ``PENDING`` < ``BAD`` < ``CANCELLED`` < ``OK``,
+  so an order is applied once it finished everywhere, as the worst of its outcomes;
+* for each request waiting for reads, whether every rank is still willing to wait
+  (its deadline not passed).
+
+Pure logic: the collective itself (``reduce_min``) is passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from pcr_sglang.io.protocol import IoOutcome
+
+ReduceMin = Callable[[list[int]], list[int]]
+
+
+@dataclass(frozen=True)
+class LocalView:
+    """What this rank knows at the start of a scheduler step."""
+
+    healthy: bool
+    writes_ok: bool
+    prefers_load: bool
+    outstanding: Sequence[int]  # ascending sequence numbers of orders not yet applied
+    finished: dict[int, tuple[IoOutcome, float]]  # of those, what this rank's process returned
+    still_waiting: Sequence[bool] = ()  # per request waiting for reads, in a rank-independent order
+
+
+@dataclass
+class Agreed:
+    healthy: bool
+    writes_ok: bool
+    prefers_load: bool
+    outcomes: list[tuple[int, IoOutcome, float]] = field(default_factory=list)
+    still_waiting: list[bool] = field(default_factory=list)
+    consistent: bool = True
+    error: Optional[str] = None
+
+
+def agree(view: LocalView, reduce_min: Optional[ReduceMin]) -> Agreed:
+    """The step's agreed facts; with ``reduce_min`` None (one rank) this rank's own."""
+    if reduce_min is None:
+        outcomes = [(seq, *view.finished[seq]) for seq in view.outstanding if seq in view.finished]
+        return Agreed(view.healthy, view.writes_ok, view.prefers_load, outcomes, list(view.still_waiting))
+    orders, waiting = len(view.outstanding), len(view.still_waiting)
+    header = reduce_min([orders, -orders, waiting, -waiting, int(view.healthy), int(view.writes_ok),
+                         int(view.prefers_load)])
+    if header[0] != -header[1] or header[2] != -header[3] or header[0] != orders or header[2] != waiting:
+        return Agreed(False, False, False, consistent=False, error=(
+            f"TP ranks disagree on the SSD tier's outstanding orders ({header[0]}..{-header[1]}, "
+            f"this rank {orders}) or waiting requests ({header[2]}..{-header[3]}, this rank {waiting})"))
+    agreed = Agreed(bool(header[4]), bool(header[5]), bool(header[6]))
+    if not orders and not waiting:
+        return agreed
+    body = [int(view.finished[seq][0]) if seq in view.finished else int(IoOutcome.PENDING)
+            for seq in view.outstanding]
+    body += [int(w) for w in view.still_waiting]
+    body = reduce_min(body)
+    for seq, code in zip(view.outstanding, body[:orders]):
+        if code != IoOutcome.PENDING:
+            seconds = view.finished[seq][1] if seq in view.finished else 0.0
+            agreed.outcomes.append((seq, IoOutcome(code), seconds))
+    agreed.still_waiting = [bool(w) for w in body[orders:]]
+    return agreed

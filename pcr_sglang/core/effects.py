@@ -1,0 +1,103 @@
+"""Values the cache state hands out: what a match found, and the work a decision implies.
+
+:class:`~pcr_sglang.core.residency.CacheState` decides and records; it never copies a
+byte, frees a device slot or talks to the I/O process itself. Each decision that needs
+such work returns it as :class:`Effects`, which the scheduler side executes in order
+(demotion copies, then device frees, then I/O orders), and the outcome of I/O comes
+back to the state as data (:class:`IoOutcome`). So data only flows down, and the state
+can be driven, and tested, without SGLang, torch or a disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pcr_sglang.core.chunk_tree import ChunkNode
+from pcr_sglang.io.protocol import IoOutcome, Order
+
+__all__ = ["CacheStats", "ChainMatch", "Effects", "IoOutcome", "Order", "SSDStats"]
+
+
+@dataclass
+class Effects:
+    """Work implied by one or more decisions, to run in this order."""
+
+    demotions: list[tuple[Any, int]] = field(default_factory=list)  # (device slots, host slot): copy first
+    device_frees: list[Any] = field(default_factory=list)  # device slots to give back to the allocator
+    orders: list[Order] = field(default_factory=list)  # for the I/O process
+
+    def __bool__(self) -> bool:
+        return bool(self.demotions or self.device_frees or self.orders)
+
+
+@dataclass(frozen=True)
+class ChainMatch:
+    """A request's cached chain split by where it can be served from.
+
+    ``nodes[:device]`` are on the device; the next ``host`` are in host memory (loadable
+    at admission); the next ``ssd`` are only on SSD (readable into host memory first).
+    Anything after those is not reusable now (a chunk in no reachable tier).
+    """
+
+    nodes: list[ChunkNode]
+    device: int
+    host: int
+    ssd: int
+
+    @property
+    def device_nodes(self) -> list[ChunkNode]:
+        return self.nodes[: self.device]
+
+    @property
+    def host_nodes(self) -> list[ChunkNode]:
+        return self.nodes[self.device : self.device + self.host]
+
+    @property
+    def ssd_nodes(self) -> list[ChunkNode]:
+        start = self.device + self.host
+        return self.nodes[start : start + self.ssd]
+
+
+@dataclass
+class CacheStats:
+    """Counters since start; hits are counted once per admitted request."""
+
+    inserted_chunks: int = 0
+    duplicate_chunks: int = 0  # chunks a request computed that another had cached meanwhile
+    evicted_chunks: int = 0
+    evicted_protected_chunks: int = 0  # look-ahead chunks evicted because nothing else was left
+    lookahead_refreshes: int = 0
+    device_hit_chunks: int = 0
+    host_hit_chunks: int = 0
+    demoted_chunks: int = 0  # device evictions copied to the host when evicted
+    offloaded_chunks: int = 0  # new chunks copied to the host during their forward
+    host_evicted_chunks: int = 0
+    dropped_chunks: int = 0  # device evictions the host tier could not keep
+    bytes_host_to_device: int = 0
+    bytes_device_to_host: int = 0
+
+
+@dataclass
+class SSDStats:
+    hit_chunks: int = 0  # chunks admitted requests reused that were read from SSD
+    read_failures: int = 0  # reads that failed or did not verify (chunk recomputed)
+    written_chunks: int = 0
+    write_errors: int = 0
+    evicted_chunks: int = 0
+    restored_chunks: int = 0
+    orphaned_records: int = 0  # records whose parent chain was not persisted (deleted)
+    recompute_chosen_chunks: int = 0  # SSD hits the cost model left to recomputation
+    prefetch_issued: int = 0
+    prefetch_completed: int = 0
+    prefetch_in_time: int = 0  # in host memory when its request was first considered for admission
+    prefetch_late: int = 0  # still in flight then (the request waited for it, or recomputed it)
+    prefetch_unused: int = 0  # landed, then its request left the prefetch window before using it
+    prefetch_cancelled: int = 0
+    on_demand_reads: int = 0  # ordered only when its request was considered for admission
+    bytes_read_prefetch: int = 0
+    bytes_read_on_demand: int = 0
+    max_queue_depth: int = 0
+    cancelled_writes: int = 0
+    io_failures: int = 0
+    io_restarts: int = 0

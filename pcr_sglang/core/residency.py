@@ -1,0 +1,508 @@
+"""CacheState: the one owner of where every chunk's KV lives and what every host slot holds.
+
+Every change of residency (device, host, SSD) and of host-slot state happens here, and
+nowhere else. Decisions that need work done (copy a chunk to host memory, free device
+slots, read or write a record) return it as :class:`~pcr_sglang.core.effects.Effects`;
+the I/O process's results come back through :meth:`CacheState.apply_outcomes`. The
+state knows nothing of SGLang, torch or files, and is deterministic given its inputs:
+with tensor parallelism every rank drives its own copy with the same agreed inputs
+(:mod:`pcr_sglang.core.agreement`), so all ranks decide the same prefix lengths.
+
+Eviction order per tier: unlocked leaves, least recently used first; chunks the
+look-ahead window protects go last, and in host memory so do chunks read from SSD that
+their request has not used yet. A chunk leaving the device is copied to host memory (if
+there is a host tier; if host memory has no slot to give, the chunk is dropped); with
+``write_through`` a chunk reaching host memory is written to SSD in the background,
+otherwise it is written when host eviction first picks it (with the host-resident chain
+above it, which eviction takes next). A chunk being written stays in host memory until
+the write is done: eviction never waits for the disk.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+from pcr_sglang.core.chunk_tree import ChunkNode, ChunkTree, InsertOutcome
+from pcr_sglang.core.cost_model import LoadOrRecompute
+from pcr_sglang.core.effects import CacheStats, ChainMatch, Effects, IoOutcome, SSDStats
+from pcr_sglang.core.host_slots import HostSlots, SlotState
+from pcr_sglang.core.keys import ChunkKey
+from pcr_sglang.core.lookahead import LookaheadProtection
+from pcr_sglang.io.protocol import DeleteChunk, ReadChunk, Reorder, WriteChunk
+
+logger = logging.getLogger(__name__)
+
+NO_PARENT = bytes(16)  # parent key recorded for a first chunk (its parent is the root)
+
+
+@dataclass(frozen=True)
+class CacheStateConfig:
+    chunk_size: int
+    lookahead_window: int = 8
+    host_slots: int = 0  # 0: no host tier
+    chunk_bytes: int = 0  # bytes of one chunk in host memory (for the transfer counters)
+    ssd_capacity_chunks: int = 0  # 0: no SSD tier
+    write_through: bool = True
+    prefetch_budget_chunks: int = 0
+
+
+@dataclass(frozen=True)
+class PersistedChunk:
+    """A record found in the SSD store (or kept across a cache reset)."""
+
+    key: ChunkKey
+    parent_key: ChunkKey
+    depth: int
+
+
+@dataclass
+class _PendingIo:
+    is_read: bool
+    node: ChunkNode
+    slot: int
+    urgent: bool = False  # a request waits for it (ordered on demand, or a prefetch expedited)
+    prefetch: bool = False  # ordered by the prefetcher
+    orphaned: bool = False  # ordered for a tree that has been reset since
+
+
+class CacheState:
+    def __init__(self, config: CacheStateConfig):
+        if config.ssd_capacity_chunks and not config.host_slots:
+            raise ValueError("the SSD tier needs the host tier")
+        self.config = config
+        self.chunk_size = config.chunk_size
+        self.tree = ChunkTree()
+        self.slots = HostSlots(config.host_slots) if config.host_slots else None
+        self.lookahead = LookaheadProtection(self.tree, config.lookahead_window)
+        self.cost_model = LoadOrRecompute()
+        self.stats = CacheStats()
+        self.ssd_stats = SSDStats()
+        self._seq = itertools.count(1)
+        self._pending: dict[int, _PendingIo] = {}
+        self._reading: dict[ChunkNode, int] = {}
+        self._writing: dict[ChunkNode, int] = {}
+        self._cancelling: set[int] = set()
+        self._landed: set[ChunkNode] = set()  # read from SSD, not yet used by a request
+        self._bad: list[ChunkNode] = []  # SSD records found bad while their chain was locked
+        # Agreed across TP ranks each scheduler step (on one rank: this rank's own view).
+        self.io_healthy = True
+        self.writes_enabled = True
+        self.prefer_load = True
+        self.local_write_error = False  # a write failed on this rank (write-back then stops)
+
+    @property
+    def ssd_enabled(self) -> bool:
+        return self.config.ssd_capacity_chunks > 0
+
+    # ------------------------------------------------------------------ matching
+    def match(self, keys: Iterable[ChunkKey], touch: bool = True) -> ChainMatch:
+        """The cached chain of ``keys``, split by tier. Changes nothing but recency."""
+        nodes = self.tree.match(keys, touch=touch).nodes
+        device = 0
+        while device < len(nodes) and nodes[device].on_device:
+            device += 1
+        host = device
+        while host < len(nodes) and self._loadable(nodes[host]):
+            host += 1
+        ssd = host
+        while ssd < len(nodes) and nodes[ssd].on_ssd and not nodes[ssd].on_host:
+            ssd += 1
+        return ChainMatch(nodes, device, host - device, ssd - host)
+
+    def _loadable(self, node: ChunkNode) -> bool:
+        return node.on_host and self.slots is not None and self.slots.state(node.host_slot) is SlotState.RESIDENT
+
+    def lock(self, node: ChunkNode) -> int:
+        return self.tree.lock(node)
+
+    def unlock(self, node: ChunkNode) -> int:
+        return self.tree.unlock(node)
+
+    # ------------------------------------------------------------------ device tier
+    def insert(self, keys: Sequence[ChunkKey], device_values: Sequence[Any]) -> InsertOutcome:
+        outcome = self.tree.insert(keys, device_values)
+        self.stats.inserted_chunks += len(outcome.new_nodes)
+        return outcome
+
+    def evict_device(self, num_chunks: int, effects: Effects) -> int:
+        """Take up to ``num_chunks`` chunks off the device (demoting them to host memory)."""
+        protected = self._lookahead_predicate()
+        evicted = self.tree.evict(num_chunks, on_evict=lambda n: self._leave_device(n, effects),
+                                  is_protected=protected, on_drop_host=self._release_host,
+                                  on_drop_ssd=lambda n: self._forget_record(n, effects))
+        if protected is not None:
+            self.stats.evicted_protected_chunks += sum(1 for n in evicted if protected(n))
+        self.stats.evicted_chunks += len(evicted)
+        return len(evicted)
+
+    def _leave_device(self, node: ChunkNode, effects: Effects) -> None:
+        if self.slots is not None and not node.on_host:
+            slot = self._take_slot(SlotState.RESIDENT, node, effects)
+            if slot is None:
+                self.stats.dropped_chunks += 1
+            else:
+                effects.demotions.append((node.device_value, slot))
+                self.tree.set_host(node, slot)
+                self.stats.demoted_chunks += 1
+                self.stats.bytes_device_to_host += self.config.chunk_bytes
+                self._became_host_resident(node, effects)
+        effects.device_frees.append(node.device_value)
+
+    # ------------------------------------------------------------------ host tier
+    def _take_slot(self, state: SlotState, owner: Any, effects: Effects, may_evict: bool = True) -> Optional[int]:
+        assert self.slots is not None
+        slot = self.slots.alloc(state, owner)
+        if slot is None and may_evict and self._evict_host(1, effects):
+            slot = self.slots.alloc(state, owner)
+        return slot
+
+    def _evict_host(self, num_chunks: int, effects: Effects) -> int:
+        evicted = self.tree.evict_host(num_chunks, on_evict=self._release_host, is_protected=self._host_protected,
+                                       on_drop_host=self._release_host,
+                                       on_drop_ssd=lambda n: self._forget_record(n, effects),
+                                       take=lambda n: self._may_leave_host(n, effects))
+        self.stats.host_evicted_chunks += len(evicted)
+        return len(evicted)
+
+    def _may_leave_host(self, node: ChunkNode, effects: Effects) -> bool:
+        """A chunk being written to SSD stays in host memory until the write is done (its
+        bytes are being read, and it is on no other tier yet). With the ``on-evict`` write
+        policy a chunk not on SSD is written first, and leaves at a later eviction."""
+        if node in self._writing:
+            return False
+        if self.config.write_through or node.on_ssd or not self._may_write():
+            return True
+        # Write it, and the host-resident chain above it, which eviction takes next.
+        above: Optional[ChunkNode] = node
+        while above is not None and above.parent is not None and above.on_host and not above.on_ssd:
+            self._persist(above, effects)
+            above = above.parent
+        return node not in self._writing  # not written (no room on SSD): it may go
+
+    def _host_protected(self, node: ChunkNode) -> bool:
+        return node in self.lookahead or node in self._landed
+
+    def _release_host(self, node: ChunkNode) -> None:
+        """``node`` is leaving host memory (the tree clears ``host_slot`` right after)."""
+        assert self.slots is not None and node.host_slot is not None
+        self.slots.release(node.host_slot)
+        self._landed.discard(node)
+
+    def _became_host_resident(self, node: ChunkNode, effects: Effects) -> None:
+        if self.config.write_through and self._may_write():
+            self._persist(node, effects)
+
+    def reserve_offload_slot(self, owner: Any, effects: Effects, may_evict: bool) -> Optional[int]:
+        """A host slot for a chunk a forward will compute (copied there as it is written)."""
+        if self.slots is None:
+            return None
+        return self._take_slot(SlotState.RESERVED, owner, effects, may_evict=may_evict)
+
+    def adopt_offload(self, node: ChunkNode, slot: int, effects: Effects) -> None:
+        """The chunk computed into reserved ``slot`` is ``node``: it is host-resident now,
+        unless the tree already had a host copy (the reserved slot is released)."""
+        assert self.slots is not None
+        if node.on_host or node.parent is None:
+            self.slots.release(slot)
+            return
+        self.slots.bind(slot, node)
+        self.tree.set_host(node, slot)
+        self.stats.offloaded_chunks += 1
+        self.stats.bytes_device_to_host += self.config.chunk_bytes
+        self._became_host_resident(node, effects)
+
+    def release_reserved(self, slot: int) -> None:
+        assert self.slots is not None
+        self.slots.release(slot)
+
+    def commit_load(self, nodes: Sequence[ChunkNode], device_values: Sequence[Any]) -> int:
+        """Host-resident ``nodes`` (a chain continuing the device prefix) were copied into
+        ``device_values``; returns how many of them had been read from SSD for it."""
+        from_ssd = 0
+        for node, value in zip(nodes, device_values):
+            if node.on_device or not self._loadable(node):
+                raise RuntimeError(f"{node!r} is not a host-only chunk: it cannot be loaded")
+            self.tree.set_device(node, value)
+            if node in self._landed:
+                self._landed.discard(node)
+                from_ssd += 1
+        self.stats.bytes_host_to_device += len(nodes) * self.config.chunk_bytes
+        return from_ssd
+
+    # ------------------------------------------------------------------ SSD writes
+    def _may_write(self) -> bool:
+        return self.ssd_enabled and self.writes_enabled and self.io_healthy and not self.local_write_error
+
+    def _persist(self, node: ChunkNode, effects: Effects) -> None:
+        if node.on_ssd or node in self._writing or not node.on_host or node.parent is None:
+            return
+        if self.tree.ssd_chunks + len(self._writing) >= self.config.ssd_capacity_chunks:
+            self.tree.lock(node)  # the SSD eviction may drop chunks, never this chain
+            try:
+                room = self._evict_ssd(1, effects)
+            finally:
+                self.tree.unlock(node)
+            if not room:
+                return
+        assert self.slots is not None
+        parent = node.parent
+        seq = next(self._seq)
+        self.slots.io_begin(node.host_slot)
+        self._pending[seq] = _PendingIo(False, node, node.host_slot)
+        self._writing[node] = seq
+        effects.orders.append(WriteChunk(seq, node.key, parent.key if parent.depth else NO_PARENT, node.depth,
+                                         self.chunk_size, node.host_slot))
+
+    def _evict_ssd(self, num_chunks: int, effects: Effects) -> int:
+        evicted = self.tree.evict_ssd(num_chunks, on_evict=lambda n: self._forget_record(n, effects),
+                                      is_protected=lambda n: n in self.lookahead or n in self._reading,
+                                      on_drop_host=self._release_host,
+                                      on_drop_ssd=lambda n: self._forget_record(n, effects))
+        self.ssd_stats.evicted_chunks += len(evicted)
+        return len(evicted)
+
+    def _forget_record(self, node: ChunkNode, effects: Effects) -> None:
+        effects.orders.append(DeleteChunk(node.key))
+
+    # ------------------------------------------------------------------ SSD reads
+    def order_reads(self, nodes: Sequence[ChunkNode], effects: Effects, *, urgent: bool, limit: int) -> int:
+        """Order reads of the SSD-only chunks among ``nodes`` (a chain, in order), at most
+        ``limit`` new ones; reads already in flight are moved ahead when ``urgent``.
+        Returns how many were ordered. The chain is locked meanwhile, so making room in
+        host memory never evicts the chain itself."""
+        if not nodes or not self.ssd_enabled or not self.io_healthy:
+            return 0
+        ordered = 0
+        self.tree.lock(nodes[-1])
+        try:
+            for node in nodes:
+                seq = self._reading.get(node)
+                if seq is not None:
+                    op = self._pending[seq]
+                    if urgent and not op.urgent and seq not in self._cancelling:
+                        op.urgent = True
+                        effects.orders.append(Reorder(seq, cancel=False))
+                    continue
+                if node.on_host or node.on_device or not node.on_ssd or ordered >= limit:
+                    continue
+                slot = self._take_slot(SlotState.FILLING, node, effects)
+                if slot is None:
+                    break
+                seq = next(self._seq)
+                self.slots.io_begin(slot)
+                self._pending[seq] = _PendingIo(True, node, slot, urgent=urgent, prefetch=not urgent)
+                self._reading[node] = seq
+                effects.orders.append(ReadChunk(seq, node.key, slot, urgent))
+                ordered += 1
+        finally:
+            self.tree.unlock(nodes[-1])
+        if not urgent:
+            self.ssd_stats.prefetch_issued += ordered
+        return ordered
+
+    def reading(self, node: ChunkNode) -> bool:
+        return node in self._reading
+
+    @property
+    def reads_in_flight(self) -> int:
+        return len(self._reading)
+
+    @property
+    def writes_in_flight(self) -> int:
+        return len(self._writing)
+
+    def landed(self, node: ChunkNode) -> bool:
+        """``node`` was read from SSD and no admitted request has used it yet."""
+        return node in self._landed
+
+    def plan_prefetch(self, chains: Sequence[Sequence[ChunkNode]], keep: Iterable[ChunkNode],
+                      effects: Effects, queue_depth: int) -> None:
+        """Each scheduler step: order the SSD-only chunks of the waiting requests' chains
+        (earliest request first) within the prefetch budget and half the host tier, and
+        stop protecting (and cancel the reads of) chunks no waiting request needs now.
+        ``keep`` are other chunks still wanted (those of requests waiting for reads)."""
+        if not self.ssd_enabled:
+            return
+        self.ssd_stats.max_queue_depth = max(self.ssd_stats.max_queue_depth, queue_depth)
+        needed = set(keep)
+        prefetching = sum(1 for op in self._pending.values() if op.is_read and not op.urgent)
+        room = self.config.host_slots // 2 - len(self._reading) - len(self._landed)
+        budget = min(self.config.prefetch_budget_chunks - prefetching, room)
+        for chain in chains:
+            needed.update(chain)
+            if budget > 0:
+                budget -= self.order_reads(chain, effects, urgent=False, limit=budget)
+        for node in [n for n in self._landed if n not in needed]:
+            self._landed.discard(node)
+            self.ssd_stats.prefetch_unused += 1
+        for node, seq in self._reading.items():
+            op = self._pending[seq]
+            if not op.urgent and node not in needed and seq not in self._cancelling:
+                self._cancelling.add(seq)
+                effects.orders.append(Reorder(seq, cancel=True))
+
+    # ------------------------------------------------------------------ I/O outcomes
+    def outstanding(self) -> list[int]:
+        """Sequence numbers of reads and writes ordered and not yet applied, ascending."""
+        return sorted(self._pending)
+
+    def apply_outcomes(self, outcomes: Iterable[tuple[int, IoOutcome, float]], effects: Effects) -> None:
+        """Apply finished orders: ``(seq, outcome, seconds)``, the same on every rank."""
+        for seq, outcome, seconds in outcomes:
+            op = self._pending.pop(seq, None)
+            if op is None or outcome is IoOutcome.PENDING:
+                if op is not None:
+                    self._pending[seq] = op
+                continue
+            self._cancelling.discard(seq)
+            if op.is_read:
+                self._read_done(seq, op, outcome, seconds)
+            else:
+                self._write_done(seq, op, outcome, effects)
+            assert self.slots is not None
+            self.slots.io_end(op.slot)
+        self._drop_bad_records(effects)
+
+    def _read_done(self, seq: int, op: _PendingIo, outcome: IoOutcome, seconds: float) -> None:
+        node, slot = op.node, op.slot
+        if not op.orphaned and self._reading.get(node) == seq:
+            del self._reading[node]
+        if outcome is IoOutcome.OK:
+            self.cost_model.observe_read(seconds)
+            if op.prefetch:
+                self.ssd_stats.prefetch_completed += 1
+                self.ssd_stats.bytes_read_prefetch += self.config.chunk_bytes
+            else:
+                self.ssd_stats.bytes_read_on_demand += self.config.chunk_bytes
+        elif outcome is IoOutcome.CANCELLED and op.prefetch:
+            self.ssd_stats.prefetch_cancelled += 1
+        assert self.slots is not None
+        if op.orphaned:
+            return  # the reset already gave up the slot; io_end frees it
+        landed = (outcome is IoOutcome.OK and node.parent is not None and node.on_ssd and not node.on_host)
+        if landed:
+            self.slots.bind(slot, node)
+            self.tree.set_host(node, slot)
+            self._landed.add(node)
+            return
+        self.slots.release(slot)
+        if outcome is IoOutcome.BAD:
+            self.ssd_stats.read_failures += 1
+            if node.parent is not None and node.on_ssd:
+                self._bad.append(node)
+
+    def _write_done(self, seq: int, op: _PendingIo, outcome: IoOutcome, effects: Effects) -> None:
+        node = op.node
+        if not op.orphaned and self._writing.get(node) == seq:
+            del self._writing[node]
+        if outcome is IoOutcome.CANCELLED:
+            self.ssd_stats.cancelled_writes += 1  # the chunk stays in host memory
+        elif outcome is IoOutcome.BAD:
+            self.ssd_stats.write_errors += 1
+            self.local_write_error = True  # write-back stops (on every rank, once agreed)
+        elif not op.orphaned and node.parent is not None and not node.on_ssd:
+            self.tree.set_ssd(node)
+            self.ssd_stats.written_chunks += 1
+        elif node.parent is None or op.orphaned:
+            # The chunk left the tree while its record was being written.
+            if not any(n.key == node.key for n in self._writing):
+                effects.orders.append(DeleteChunk(node.key))
+
+    def _drop_bad_records(self, effects: Effects) -> None:
+        bad, self._bad = self._bad, []
+        for node in bad:
+            if node.parent is None or not node.on_ssd:
+                continue
+            if node.lock_ref:  # in a chain being served: retried at the next outcome
+                self._bad.append(node)
+                continue
+            self.tree.drop_ssd(node, on_drop_host=self._release_host,
+                               on_drop_ssd=lambda n: self._forget_record(n, effects))
+
+    # ------------------------------------------------------------------ restore and reset
+    def restore(self, records: Iterable[PersistedChunk]) -> list[ChunkKey]:
+        """Put persisted chunks back in the (empty) tree, parents first; returns the keys
+        of records that cannot be reached (their parent chain is not persisted) or do not
+        fit the capacity, for the caller to delete."""
+        unreachable: list[ChunkKey] = []
+        by_key: dict[ChunkKey, ChunkNode] = {}
+        for record in sorted(records, key=lambda r: r.depth):
+            parent = None if record.depth == 1 else by_key.get(record.parent_key)
+            if record.depth > 1 and (parent is None or parent.depth != record.depth - 1):
+                unreachable.append(record.key)
+                continue
+            if record.key in (parent or self.tree.root).children:
+                continue
+            by_key[record.key] = self.tree.add_persisted(parent, record.key)
+        self.ssd_stats.restored_chunks += len(by_key)
+        self.ssd_stats.orphaned_records += len(unreachable)
+        excess = self.tree.ssd_chunks - self.config.ssd_capacity_chunks
+        if excess > 0:
+            effects = Effects()
+            self._evict_ssd(excess, effects)
+            unreachable.extend(o.key for o in effects.orders if isinstance(o, DeleteChunk))
+        return unreachable
+
+    def persisted_chunks(self) -> list[PersistedChunk]:
+        return [PersistedChunk(n.key, n.parent.key if n.parent.depth else NO_PARENT, n.depth)
+                for n in self.tree.iter_nodes() if n.on_ssd]
+
+    def reset(self) -> Effects:
+        """Forget every chunk but the persisted ones (``/flush_cache``). Orders in flight
+        are orphaned: their slots are released when they complete. Returns the deletes of
+        persisted chunks whose parent chain is not persisted (no longer reachable)."""
+        effects = Effects()
+        persisted = self.persisted_chunks() if self.ssd_enabled else []
+        for op in self._pending.values():
+            op.orphaned = True
+        self._reading, self._writing, self._landed, self._bad = {}, {}, set(), []
+        self._cancelling = set()
+        self.tree.reset()
+        if self.slots is not None:
+            self.slots.reset()
+        self.lookahead.clear()
+        if persisted:
+            restored = self.ssd_stats.restored_chunks
+            effects.orders.extend(DeleteChunk(key) for key in self.restore(persisted))
+            self.ssd_stats.restored_chunks = restored
+        return effects
+
+    # ------------------------------------------------------------------ accounting
+    def count_admission(self, device: int, host: int, ssd: int, in_time: int, late: int, on_demand: int) -> None:
+        """A request was admitted with these chunks reused (once per request)."""
+        self.stats.device_hit_chunks += device
+        self.stats.host_hit_chunks += host
+        self.ssd_stats.hit_chunks += ssd
+        self.ssd_stats.prefetch_in_time += in_time
+        self.ssd_stats.prefetch_late += late
+        self.ssd_stats.on_demand_reads += on_demand
+
+    def timeliness(self) -> Optional[float]:
+        """Share of the SSD chunks admitted requests needed that were already in host
+        memory when their request was first considered for admission."""
+        s = self.ssd_stats
+        needed = s.prefetch_in_time + s.prefetch_late + s.on_demand_reads
+        return s.prefetch_in_time / needed if needed else None
+
+    # ------------------------------------------------------------------ protection, checks
+    def protect(self, chains: Sequence[Sequence[ChunkNode]]) -> None:
+        """Look-ahead LRU: the chains of the first waiting requests are evicted last."""
+        self.lookahead.protect(chains)
+        self.stats.lookahead_refreshes += 1
+
+    def _lookahead_predicate(self):
+        return self.lookahead.__contains__ if len(self.lookahead) else None
+
+    def check(self) -> None:
+        """Verify the tree and the slot table against each other (tests and debugging)."""
+        self.tree.check_invariants()
+        if self.slots is None:
+            return
+        resident = {n.host_slot: n for n in self.tree.iter_nodes() if n.on_host}
+        self.slots.check(resident)
+        for seq, op in self._pending.items():
+            if not self.slots.io_pending(op.slot):
+                raise AssertionError(f"order {seq} on host slot {op.slot}, which counts no I/O")

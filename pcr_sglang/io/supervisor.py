@@ -1,0 +1,188 @@
+"""IOSupervisor: start the I/O process, track its orders, and replace it when it fails,
+without ever making the scheduler wait.
+
+One I/O process per scheduler (TP rank). Reads and writes are tracked by sequence
+number until their completion arrives. When the process exits, stops answering (an
+order older than ``stall_timeout_s`` with nothing heard meanwhile) or never says hello,
+it is sent SIGKILL, and its outstanding orders stay outstanding until the kernel
+confirms it is gone (a process stuck in uninterruptible disk I/O keeps their host slots
+reserved, so it can never write into a slot that was reused); then they come back
+cancelled, and a new process starts after a back-off (1 s, doubling to 30 s). Orders
+submitted while there is no healthy process come back cancelled at the next
+:meth:`poll`. Every call returns at once: nothing here waits on the process, except
+:meth:`wait_ready` at startup and :meth:`close` at shutdown.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import msgspec
+
+from pcr_sglang.io.client import IOChannel
+from pcr_sglang.io.protocol import Done, Hello, IoOutcome, Order, ReadChunk, WorkerConfig, WriteChunk
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 30.0
+
+
+class _Phase(enum.Enum):
+    STARTING = "starting"  # spawned, no hello yet
+    READY = "ready"
+    DYING = "dying"  # killed, exit not confirmed yet
+    DOWN = "down"  # gone; restarts at _restart_at
+
+
+Outcome = tuple[int, IoOutcome, float]
+
+
+class IOSupervisor:
+    def __init__(self, config: WorkerConfig, *, stall_timeout_s: float = 30.0,
+                 startup_timeout_s: float = 60.0):
+        self._channel = IOChannel()
+        self.config = msgspec.structs.replace(
+            config, orders_endpoint=self._channel.orders_endpoint,
+            replies_endpoint=self._channel.replies_endpoint, parent_pid=os.getpid(),
+        )
+        self.stall_timeout_s = stall_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._outstanding: dict[int, float] = {}  # seq -> when it was sent
+        self._finished: list[Outcome] = []
+        self._proc: Optional[subprocess.Popen] = None
+        self._phase = _Phase.DOWN
+        self._since = 0.0  # when the current phase began
+        self._last_heard = 0.0
+        self._backoff_s = 1.0
+        self._restart_at = 0.0
+        self._said_stuck = False
+        self.restarts = 0
+        self.failures = 0
+        self._spawn()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _spawn(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "pcr_sglang.io.worker", msgspec.msgpack.encode(self.config).hex()],
+            stdin=subprocess.DEVNULL,
+        )
+        self._enter(_Phase.STARTING)
+        self._last_heard = self._since
+
+    def _enter(self, phase: _Phase) -> None:
+        self._phase = phase
+        self._since = time.monotonic()
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None and self._phase is not _Phase.DOWN else None
+
+    @property
+    def healthy(self) -> bool:
+        return self._phase is _Phase.READY
+
+    @property
+    def phase(self) -> str:
+        return self._phase.value
+
+    def wait_ready(self, timeout_s: Optional[float] = None) -> bool:
+        """At startup only: wait for the first hello."""
+        deadline = time.monotonic() + (self.startup_timeout_s if timeout_s is None else timeout_s)
+        while self._phase is _Phase.STARTING and time.monotonic() < deadline:
+            self._take_replies(timeout_ms=50)
+            self._check_health()
+        return self.healthy
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                logger.error("PCR I/O process %d does not exit after SIGKILL", self._proc.pid)
+        self._proc = None
+        self._channel.close()
+
+    # ------------------------------------------------------------------ orders
+    def submit(self, order: Order) -> None:
+        """Send ``order``; a read or write that cannot be sent comes back cancelled."""
+        tracked = isinstance(order, (ReadChunk, WriteChunk))
+        if self.healthy and self._channel.send(order):
+            if tracked:
+                self._outstanding[order.seq] = time.monotonic()
+        elif tracked:
+            self._finished.append((order.seq, IoOutcome.CANCELLED, 0.0))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._outstanding)
+
+    def poll(self) -> list[Outcome]:
+        """Completions since the last call, after a health check (never waits)."""
+        self._take_replies(timeout_ms=0)
+        self._check_health()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _take_replies(self, timeout_ms: int) -> None:
+        for reply in self._channel.receive(timeout_ms):
+            self._last_heard = time.monotonic()
+            if isinstance(reply, Hello):
+                if self._proc is not None and reply.pid == self._proc.pid and self._phase is _Phase.STARTING:
+                    self._enter(_Phase.READY)
+                    self._backoff_s = 1.0
+                continue
+            assert isinstance(reply, Done)
+            if self._outstanding.pop(reply.seq, None) is not None:
+                self._finished.append((reply.seq, IoOutcome(reply.outcome), reply.seconds))
+
+    # ------------------------------------------------------------------ supervision
+    def _check_health(self) -> None:
+        now = time.monotonic()
+        if self._phase is _Phase.DOWN:
+            if now >= self._restart_at:
+                self.restarts += 1
+                logger.warning("PCR I/O process: restarting (attempt %d)", self.restarts)
+                self._spawn()
+            return
+        assert self._proc is not None
+        if self._proc.poll() is not None:
+            if self._phase is not _Phase.DYING:
+                self.failures += 1
+                logger.warning("PCR I/O process %d exited with code %s", self._proc.pid, self._proc.returncode)
+            self._gone(now)
+            return
+        if self._phase is _Phase.READY and self._outstanding:
+            oldest = min(self._outstanding.values())
+            if now - max(oldest, self._last_heard) > self.stall_timeout_s:
+                self._kill(f"stopped answering ({len(self._outstanding)} orders outstanding)")
+        elif self._phase is _Phase.STARTING and now - self._since > self.startup_timeout_s:
+            self._kill("did not start")
+        elif self._phase is _Phase.DYING and now - self._since > 10.0 and not self._said_stuck:
+            logger.error("PCR I/O process %d does not exit after SIGKILL; its %d orders keep their "
+                         "host slots reserved until it does", self._proc.pid, len(self._outstanding))
+            self._said_stuck = True
+
+    def _kill(self, why: str) -> None:
+        assert self._proc is not None
+        self.failures += 1
+        logger.warning("PCR I/O process %d %s: killing it; serving without the SSD tier meanwhile",
+                       self._proc.pid, why)
+        self._proc.kill()
+        self._said_stuck = False
+        self._enter(_Phase.DYING)
+
+    def _gone(self, now: float) -> None:
+        cancelled = len(self._outstanding)
+        self._finished.extend((seq, IoOutcome.CANCELLED, 0.0) for seq in self._outstanding)
+        self._outstanding = {}
+        self._phase = _Phase.DOWN
+        self._restart_at = now + self._backoff_s
+        logger.warning("PCR I/O process gone: %d orders cancelled; restart in %.0f s", cancelled, self._backoff_s)
+        self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)

@@ -1,0 +1,89 @@
+"""PCR's state for ``/server_info`` (``internal_states[i]["pcr"]``)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def _percentiles_ms(samples: Sequence[float]) -> dict[str, Optional[float]]:
+    if not samples:
+        return {"p50": None, "p99": None, "max": None, "samples": 0}
+    ordered = sorted(samples)
+    pick = lambda q: round(ordered[min(int(q * len(ordered)), len(ordered) - 1)] * 1000, 3)  # noqa: E731
+    return {"p50": pick(0.50), "p99": pick(0.99), "max": round(ordered[-1] * 1000, 3), "samples": len(ordered)}
+
+
+def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
+    """Tree size, locks, slot states, counters, I/O health and scheduler-step timings.
+
+    ``check_invariants`` walks the whole tree and slot table to verify their bookkeeping
+    (O(tree)): for tests and debugging, not for scraping at a high rate.
+    """
+    state, scheduler = cache.state, cache.scheduler
+    invariant_error: Optional[str] = None
+    if check_invariants:
+        try:
+            state.check()
+        except (AssertionError, RuntimeError) as e:  # reported, never raised into the scheduler
+            invariant_error = f"{type(e).__name__}: {e}"
+            logger.error("PCR invariant violated: %s", invariant_error)
+    tree = state.tree
+    allocator = cache.token_to_kv_pool_allocator
+    slot_counts = state.slots.counts() if state.slots is not None else {}
+    engine = scheduler.engine
+    report: dict[str, Any] = {
+        "chunk_size": state.chunk_size,
+        "lookahead_window": state.lookahead.window,
+        "lookahead_protected_chunks": len(state.lookahead),
+        "namespace": asdict(cache.namespace) if cache.namespace is not None else None,
+        "tree": asdict(tree.stats()),
+        "cached_tokens": cache.total_size(),
+        "host_cached_tokens": tree.host_chunks * state.chunk_size,
+        "device_pool_tokens": int(getattr(allocator, "size", 0)),
+        "device_pool_free_tokens": int(allocator.available_size()),
+        "host_pool_slots": state.slots.num_slots if state.slots is not None else 0,
+        "host_pool_free_slots": state.slots.num_free if state.slots is not None else 0,
+        "host_pool_bytes": cache.host_pool.layout.total_bytes if cache.host_pool is not None else 0,
+        # Slots by state: reserved for offloads no tree node owns yet, filling from SSD, ...
+        "host_slots": slot_counts,
+        "host_pool_offload_slots": slot_counts.get("reserved", 0),
+        "host_pool_io_slots": slot_counts.get("filling", 0),
+        "layerwise": engine.mode.value if engine is not None else None,
+        "transfers": {"pending_loads": engine.pending_loads, "planned_offloads": engine.planned_offloads}
+        if engine is not None else None,
+        "counters": asdict(state.stats),
+        "requests": {"tracked": len(scheduler.requests), "waiting_for_reads": len(scheduler.requests.holds())},
+        "scheduler_step": {"pcr_ms": _percentiles_ms(scheduler.step_seconds),
+                           "iteration_ms": _percentiles_ms(scheduler.iteration_seconds)},
+        "tp": {"size": scheduler.tp.size if scheduler.tp is not None else 1,
+               "agreement_rounds": scheduler.agreement_rounds, "inconsistent": scheduler.broken},
+        "ssd": _ssd_report(cache) if state.ssd_enabled else None,
+        "invariants": {"checked": check_invariants, "ok": invariant_error is None, "error": invariant_error},
+    }
+    return report
+
+
+def _ssd_report(cache: Any) -> dict[str, Any]:
+    state, scheduler, store = cache.state, cache.scheduler, cache.store
+    io = scheduler.io
+    return {
+        "dir": str(store.dir) if store is not None else None,
+        "capacity_chunks": state.config.ssd_capacity_chunks,
+        "chunks": state.tree.ssd_chunks,
+        "writes_in_flight": state.writes_in_flight,
+        "reads_in_flight": state.reads_in_flight,
+        "deferred_orders": scheduler.deferred_orders,
+        "writes_enabled": state.writes_enabled and not state.local_write_error,
+        "write_policy": "through" if state.config.write_through else "on-evict",
+        "prefetch_window": scheduler.config.prefetch_window,
+        "prefetch_timeliness": state.timeliness(),
+        "io_process": {"pid": io.pid, "healthy": io.healthy, "phase": io.phase, "in_flight": io.in_flight}
+        if io is not None else None,
+        "counters": asdict(state.ssd_stats),
+        "cost_model": asdict(state.cost_model),
+        "store": asdict(store.stats) if store is not None else None,  # this process's own store I/O
+    }

@@ -1,0 +1,64 @@
+"""Per-request state PCR keeps across scheduler passes, by request id (never on SGLang's ``Req``).
+
+A request gets an entry only when PCR has something to remember for it: host slots its
+planned offloads will fill, the SSD reads it is waiting for, how timely the reads it
+needed were when it was first considered for admission. The entry goes when SGLang
+releases the request (``on_release``) or drops it unadmitted (``release_aborted_request``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from pcr_sglang.core.chunk_tree import ChunkNode
+
+
+@dataclass
+class Hold:
+    """A waiting request held back while its SSD chunks are read into host memory."""
+
+    chain: list[ChunkNode]  # its matched chain when the hold began
+    deadline: float  # local clock: past it, this rank no longer wants to wait
+    expired: bool = False  # agreed across ranks: admit it now, recomputing what has not landed
+
+
+@dataclass
+class RequestState:
+    rid: str
+    offload_slots: dict[int, int] = field(default_factory=dict)  # chunk index -> reserved host slot
+    hold: Optional[Hold] = None
+    considered: bool = False  # first consideration for admission seen (timeliness below)
+    in_time_chunks: int = 0  # read from SSD before it was first considered
+    late_chunks: int = 0  # being read then
+    on_demand_chunks: int = 0  # only on SSD then, not being read
+
+
+class RequestRegistry:
+    def __init__(self) -> None:
+        self._states: dict[str, RequestState] = {}
+
+    def get(self, rid: str) -> RequestState:
+        state = self._states.get(rid)
+        if state is None:
+            state = self._states[rid] = RequestState(rid)
+        return state
+
+    def peek(self, rid: str) -> Optional[RequestState]:
+        return self._states.get(rid)
+
+    def pop(self, rid: str) -> Optional[RequestState]:
+        return self._states.pop(rid, None)
+
+    def holds(self) -> list[RequestState]:
+        """Requests waiting for reads, in the order their holds began (the same on every rank)."""
+        return [s for s in self._states.values() if s.hold is not None]
+
+    def clear(self) -> None:
+        self._states.clear()
+
+    def __iter__(self) -> Iterator[RequestState]:
+        return iter(self._states.values())
+
+    def __len__(self) -> int:
+        return len(self._states)

@@ -1,0 +1,285 @@
+"""TransferEngine: KV copies between the device KV pool and host chunk slots, layer by layer,
+each with its own ticket.
+
+A forward pass runs layer after layer, so a copy need not finish before the forward
+starts, only before the layer that reads it (a load) or after the layer that wrote it
+(an offload):
+
+* **Loads** (host -> device) are submitted when a request is admitted. The attention of
+  layer ``i`` waits only for layer ``i``: SGLang's KV pool calls ``wait_until(i)`` on a
+  registered layer-transfer counter in ``get_key_buffer``/``get_value_buffer``, and this
+  class is that counter.
+* **Offloads** (device -> host) of a request's new chunks are planned for that request
+  and run only in a batch that contains it (``begin_batch`` / ``end_batch`` around
+  SGLang's ``run_batch``): right after layer ``i``'s KV is written (``set_kv_buffer``),
+  layer ``i`` of those chunks is copied to their host slots. A forward of another batch
+  never runs them.
+* **Demotions** (device -> host at eviction) copy every layer at once.
+
+On CUDA the copies run on a side stream: a copy first waits for the work queued on the
+compute streams (slots it overwrites may just have been freed there), loads record one
+event per layer that the compute stream waits on at that layer, and each transfer
+records an event when it is complete: its ticket. Nothing here blocks the CPU on the GPU:
+:meth:`host_slot_ready` asks whether every copy touching a host slot has completed
+(``Event.query``), which the scheduler checks before it hands the slot to the I/O
+process, and :meth:`order_before_reuse` makes the compute stream wait (on the GPU) for
+the copies before device slots are reused. On CPU there is no copy engine to overlap
+with, so the same protocol runs each copy inline where CUDA would wait for it: a load's
+layer ``i`` when layer ``i`` is first read, an offload's layer ``i`` right after it is
+written, and whatever is left at the end of the batch.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from pcr_sglang.transfer.copy_kv import Direction, copy_layer
+from pcr_sglang.transfer.layout import HostChunkLayout
+
+logger = logging.getLogger(__name__)
+
+
+class LayerwiseMode(str, enum.Enum):
+    """Which transfers overlap with the forward (``--pcr-layerwise``)."""
+
+    OFF = "off"
+    LOAD = "load"
+    OFFLOAD = "offload"
+    BOTH = "both"
+
+    @property
+    def loads(self) -> bool:
+        return self in (LayerwiseMode.LOAD, LayerwiseMode.BOTH)
+
+    @property
+    def offloads(self) -> bool:
+        return self in (LayerwiseMode.OFFLOAD, LayerwiseMode.BOTH)
+
+
+@dataclass
+class _Transfer:
+    """Chunks moving one way: ``device_slots`` holds ``chunk_size`` token slots per entry
+    of ``host_slots``. ``next_layer`` counts the layers already issued."""
+
+    ticket: int
+    direction: Direction
+    device_slots: torch.Tensor
+    host_index: torch.Tensor
+    host_slots: tuple[int, ...]
+    next_layer: int = 0
+    event: Any = None  # CUDA: recorded on the side stream after the last layer
+
+    def complete(self, num_layers: int) -> bool:
+        if self.next_layer < num_layers:
+            return False
+        return self.event is None or bool(self.event.query())
+
+
+class TransferEngine:
+    """Issues per-layer copies and tells SGLang's forward when a layer is ready. Every
+    method runs on the scheduler's thread (which also launches the forward)."""
+
+    # SGLang's pool consults ``consumer_index >= 0`` before some per-layer waits.
+    consumer_index = 0
+
+    def __init__(self, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], host_buffer: torch.Tensor,
+                 layout: HostChunkLayout, mode: LayerwiseMode = LayerwiseMode.BOTH):
+        if len(kv_layers) != layout.num_layers:
+            raise ValueError(f"{len(kv_layers)} KV layers but the host layout has {layout.num_layers}")
+        self._kv_layers = list(kv_layers)
+        self._host = host_buffer
+        self.layout = layout
+        self.num_layers = layout.num_layers
+        self.mode = LayerwiseMode(mode)
+        self.device = kv_layers[0][0].device if kv_layers else torch.device("cpu")
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._forward_stream: Any = None  # CUDA: the stream the last forward ran on
+        self._tickets = itertools.count(1)
+        self._loads: list[_Transfer] = []  # CPU: submitted, layers not all issued yet
+        self._planned: dict[str, list[_Transfer]] = defaultdict(list)  # offloads by request id
+        self._active: list[_Transfer] = []  # offloads of the batch now running
+        self._in_flight: list[_Transfer] = []  # issued, not known complete (CUDA)
+        self._by_host_slot: dict[int, _Transfer] = {}  # the last transfer touching each host slot
+        self._layer_events: list[Any] = [None] * self.num_layers  # CUDA: newest load event per layer
+
+    # ------------------------------------------------------------------ streams
+    def note_forward_stream(self) -> None:
+        """Called as a forward starts: the overlap scheduler runs forwards on a stream of
+        its own, which copies must be ordered against."""
+        if self._stream is not None:
+            self._forward_stream = torch.cuda.current_stream(self.device)
+
+    def _compute_streams(self) -> list:
+        streams = [torch.cuda.current_stream(self.device)]
+        if self._forward_stream is not None and self._forward_stream != streams[0]:
+            streams.append(self._forward_stream)
+        return streams
+
+    def _side_waits_for_compute(self) -> None:
+        for stream in self._compute_streams():
+            self._stream.wait_stream(stream)
+
+    # ------------------------------------------------------------------ issuing
+    def _make(self, direction: Direction, device_slots: torch.Tensor, host_slots: Sequence[int]) -> _Transfer:
+        index = torch.tensor(list(host_slots), dtype=torch.int64)
+        if self._stream is not None:
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        # A copy: the caller's slot tensor may be a row of SGLang's req_to_token, rewritten later.
+        transfer = _Transfer(next(self._tickets), direction, device_slots.to(torch.int64, copy=True), index,
+                             tuple(host_slots))
+        for slot in transfer.host_slots:
+            self._by_host_slot[slot] = transfer
+        return transfer
+
+    def _issue(self, transfer: _Transfer, up_to: int) -> None:
+        """Issue layers ``[transfer.next_layer, up_to]``."""
+        last = min(up_to, self.num_layers - 1)
+        while transfer.next_layer <= last:
+            layer = transfer.next_layer
+            k, v = self._kv_layers[layer]
+            if self._stream is None:
+                copy_layer(transfer.direction, k, v, self._host, transfer.device_slots, transfer.host_index,
+                           layer, self.layout)
+            else:
+                with torch.cuda.stream(self._stream):
+                    if layer == 0:
+                        transfer.device_slots.record_stream(self._stream)
+                        transfer.host_index.record_stream(self._stream)
+                    copy_layer(transfer.direction, k, v, self._host, transfer.device_slots, transfer.host_index,
+                               layer, self.layout)
+                    if transfer.direction == Direction.HOST_TO_DEVICE:
+                        event = torch.cuda.Event()
+                        event.record(self._stream)
+                        self._layer_events[layer] = event
+            transfer.next_layer += 1
+        if transfer.next_layer == self.num_layers and self._stream is not None and transfer.event is None:
+            transfer.event = torch.cuda.Event()
+            transfer.event.record(self._stream)
+            self._in_flight.append(transfer)
+
+    # ------------------------------------------------------------------ loads
+    def load(self, device_slots: torch.Tensor, host_slots: Sequence[int]) -> int:
+        """Copy chunks ``host_slots`` into ``device_slots`` before the next forward reads
+        them (layer by layer with ``--pcr-layerwise load``); returns the ticket."""
+        transfer = self._make(Direction.HOST_TO_DEVICE, device_slots, host_slots)
+        if self._stream is not None:
+            self._side_waits_for_compute()
+            self._issue(transfer, self.num_layers - 1)
+            if not self.mode.loads:  # the next kernel waits for the whole copy
+                for stream in self._compute_streams():
+                    stream.wait_event(transfer.event)
+        elif self.mode.loads:
+            self._loads.append(transfer)
+        else:
+            self._issue(transfer, self.num_layers - 1)
+        return transfer.ticket
+
+    def wait_until(self, layer: int) -> None:
+        """SGLang's per-layer read hook: layer ``layer`` of every submitted load is in place."""
+        if not 0 <= layer < self.num_layers:
+            return
+        if self._stream is None:
+            for transfer in self._loads:
+                self._issue(transfer, layer)
+            self._loads = [t for t in self._loads if t.next_layer < self.num_layers]
+            return
+        event = self._layer_events[layer]
+        if event is not None and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).wait_event(event)
+            self._layer_events[layer] = None
+
+    # ------------------------------------------------------------------ offloads
+    def plan_offload(self, owner: str, device_slots: torch.Tensor, host_slot: int) -> None:
+        """Copy one chunk of request ``owner`` to ``host_slot`` as a batch containing the
+        request writes it (the chunk's last tokens are written by that batch's forward)."""
+        self._planned[owner].append(self._make(Direction.DEVICE_TO_HOST, device_slots, (host_slot,)))
+
+    def drop_plans(self, owner: str) -> None:
+        """Request ``owner`` left before a batch of its ran the planned offloads."""
+        for transfer in self._planned.pop(owner, ()):
+            for slot in transfer.host_slots:
+                if self._by_host_slot.get(slot) is transfer:
+                    del self._by_host_slot[slot]
+
+    def begin_batch(self, owners: Iterable[str]) -> None:
+        """SGLang's ``run_batch`` starts for these requests: their planned offloads run in it."""
+        for owner in owners:
+            self._active.extend(self._planned.pop(owner, ()))
+
+    def on_layer_written(self, layer: int) -> None:
+        """Called right after the forward wrote layer ``layer``'s new KV."""
+        if not self._active:
+            return
+        if self._stream is not None:
+            if torch.cuda.is_current_stream_capturing():
+                return  # a graph replay would skip this: end_batch issues what is left
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for transfer in self._active:
+            if transfer.next_layer == layer:
+                self._issue(transfer, layer)
+
+    def end_batch(self) -> None:
+        """``run_batch`` returned: issue what its forward left (layers written outside
+        ``set_kv_buffer``, loads no layer read), so every ticket of the batch completes."""
+        if self._stream is not None and self._active:
+            self._side_waits_for_compute()
+        for transfer in self._active + self._loads:
+            self._issue(transfer, self.num_layers - 1)
+        self._active, self._loads = [], []
+        self._in_flight = [t for t in self._in_flight if not t.complete(self.num_layers)]
+
+    # ------------------------------------------------------------------ demotions
+    def copy_to_host(self, device_slots: torch.Tensor, host_slots: Sequence[int]) -> None:
+        """Copy whole chunks to host memory now (eviction): the device slots may be reused
+        right after this call (on CUDA, later kernels are ordered after the copy)."""
+        transfer = self._make(Direction.DEVICE_TO_HOST, device_slots, host_slots)
+        if self._stream is not None:
+            self._side_waits_for_compute()
+        self._issue(transfer, self.num_layers - 1)
+        if self._stream is not None:
+            for stream in self._compute_streams():
+                stream.wait_event(transfer.event)
+
+    # ------------------------------------------------------------------ readiness
+    def host_slot_ready(self, slot: int) -> bool:
+        """Every copy touching host slot ``slot`` has completed: another process may use it."""
+        transfer = self._by_host_slot.get(slot)
+        if transfer is None:
+            return True
+        if transfer.complete(self.num_layers):
+            del self._by_host_slot[slot]
+            return True
+        return False
+
+    def offload_ran(self, slot: int) -> bool:
+        """The offload planned into ``slot`` has run (all its layers are issued)."""
+        transfer = self._by_host_slot.get(slot)
+        return transfer is None or transfer.next_layer >= self.num_layers
+
+    def order_before_reuse(self) -> None:
+        """Device slots are about to be freed: no copy still in progress may touch them
+        after a later kernel does (CPU: finish pending loads; CUDA: a GPU-side wait)."""
+        if self._stream is None:
+            for transfer in self._loads:
+                self._issue(transfer, self.num_layers - 1)
+            self._loads = []
+            return
+        self._in_flight = [t for t in self._in_flight if not t.complete(self.num_layers)]
+        if self._in_flight:
+            for stream in self._compute_streams():
+                stream.wait_stream(self._stream)
+
+    @property
+    def pending_loads(self) -> int:
+        return len(self._loads)
+
+    @property
+    def planned_offloads(self) -> int:
+        return sum(len(t) for t in self._planned.values())

@@ -1,0 +1,147 @@
+"""TP agreement: ranks that see different I/O outcomes, health and clocks decide the same.
+
+Two ranks are two threads here, reducing through a barrier (the same MIN a gloo
+all-reduce computes); the adapter-level test gives each rank its own cache, I/O process
+and store, as a ``--tp 2`` server does, and delays one rank's reads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pcr_sglang.core.agreement import LocalView, agree
+from pcr_sglang.io.protocol import IoOutcome
+
+
+class TwoRanks:
+    """A two-rank MIN all-reduce (and set intersection) between threads."""
+
+    def __init__(self, size: int = 2):
+        self.size = size
+        self._barrier = threading.Barrier(size)
+        self._slots: list = [None] * size
+
+    def group(self, rank: int) -> "RankGroup":
+        return RankGroup(self, rank)
+
+    def _exchange(self, rank: int, value):
+        self._slots[rank] = value
+        self._barrier.wait(timeout=60)
+        values = list(self._slots)
+        self._barrier.wait(timeout=60)
+        return values
+
+
+class RankGroup:
+    def __init__(self, ranks: TwoRanks, rank: int):
+        self.ranks, self.rank, self.size = ranks, rank, ranks.size
+
+    def reduce_min(self, values: list[int]) -> list[int]:
+        everyone = self.ranks._exchange(self.rank, list(values))
+        assert all(len(v) == len(values) for v in everyone), "ranks reduced vectors of different lengths"
+        return [min(column) for column in zip(*everyone)]
+
+    def intersect(self, items: set) -> set:
+        everyone = self.ranks._exchange(self.rank, set(items))
+        return set.intersection(*everyone)
+
+
+def on_both(fn0, fn1):
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.submit(fn0), pool.submit(fn1)
+        return a.result(timeout=120), b.result(timeout=120)
+
+
+def view(finished, *, healthy=True, writes_ok=True, prefers_load=True, outstanding=(1, 2, 3), waiting=()):
+    return LocalView(healthy, writes_ok, prefers_load, list(outstanding), finished, list(waiting))
+
+
+def test_an_order_is_applied_once_every_rank_finished_it_as_the_worst_outcome():
+    ranks = TwoRanks()
+    r0 = view({1: (IoOutcome.OK, 0.1), 2: (IoOutcome.OK, 0.1), 3: (IoOutcome.BAD, 0.1)}, waiting=[True, False])
+    r1 = view({1: (IoOutcome.OK, 0.2), 3: (IoOutcome.CANCELLED, 0.2)}, healthy=False, waiting=[True, True])
+    a0, a1 = on_both(lambda: agree(r0, ranks.group(0).reduce_min), lambda: agree(r1, ranks.group(1).reduce_min))
+    for agreed in (a0, a1):
+        assert agreed.consistent and not agreed.healthy and agreed.writes_ok
+        assert [(seq, outcome) for seq, outcome, _ in agreed.outcomes] == [(1, IoOutcome.OK), (3, IoOutcome.BAD)]
+        assert agreed.still_waiting == [True, False]  # rank 0's deadline passed: nobody waits
+    assert a0.outcomes[0][2] == 0.1 and a1.outcomes[0][2] == 0.2  # each keeps its own timing
+
+
+def test_ranks_that_disagree_on_the_outstanding_orders_stop_the_tier_on_both():
+    ranks = TwoRanks()
+    r0, r1 = view({}, outstanding=(1, 2)), view({}, outstanding=(1, 2, 3))
+    a0, a1 = on_both(lambda: agree(r0, ranks.group(0).reduce_min), lambda: agree(r1, ranks.group(1).reduce_min))
+    assert not a0.consistent and not a1.consistent and "disagree" in a0.error
+
+
+def test_one_rank_agrees_with_itself():
+    agreed = agree(view({2: (IoOutcome.OK, 0.1)}, prefers_load=False, waiting=[False]), None)
+    assert agreed.outcomes == [(2, IoOutcome.OK, 0.1)] and not agreed.prefers_load
+    assert agreed.still_waiting == [False]
+
+
+# ---------------------------------------------------------------- two caches, two I/O processes
+def run_two_ranks(tmp_path, monkeypatch, faults: str, body):
+    """Two ranks of a TP group, each with its own cache, store and I/O process, running
+    ``body(harness)`` in lockstep (as SGLang's schedulers do); ``faults`` is the I/O
+    worker's test knob."""
+    pytest.importorskip("sglang")
+    from tests.unit.adapter_harness import Harness
+
+    monkeypatch.setenv("PCR_IO_TEST_FAULTS", faults)
+    ranks = TwoRanks()
+    h0, h1 = on_both(lambda: Harness(host_slots=6, ssd_path=tmp_path / "r0", tp=ranks.group(0), tp_rank=0),
+                     lambda: Harness(host_slots=6, ssd_path=tmp_path / "r1", tp=ranks.group(1), tp_rank=1))
+    try:
+        return on_both(lambda: body(h0), lambda: body(h1))
+    finally:
+        h0.close()
+        h1.close()
+
+
+def read_first_prompt(h):
+    """Persist three prompts (the first leaves host memory), then serve the first again:
+    held while its SSD chunks are read, then admitted."""
+    from tests.unit.test_prefix_cache_adapter import persisted, prompt
+
+    persisted(h, [prompt(100), prompt(200), prompt(300)])
+    req = h.request(prompt(100) + [0], "r")
+    held = []
+    while True:
+        h.step([req])
+        held.append(not h.scheduler.consider(req))
+        if not held[-1]:
+            break
+        time.sleep(0.01)
+        assert len(held) < 1000
+    finished_here = len(h.scheduler._finished)  # this rank's completions not yet agreed
+    admitted = h.admit(req)
+    h.check()
+    return held, admitted, finished_here, h.state.ssd_stats.read_failures, h.scheduler.agreement_rounds
+
+
+@pytest.mark.parametrize("delay_s,loaded", [(0.02, 12), (0.5, 0)])
+def test_ranks_whose_reads_land_at_different_times_decide_the_same_prefix(tmp_path, monkeypatch, delay_s, loaded):
+    """Rank 1's reads arrive late. Within the request's wait both ranks load all three
+    chunks; past it both recompute, although rank 0's own reads had long landed: a
+    completion counts on a rank only once every rank has it."""
+    r0, r1 = run_two_ranks(tmp_path, monkeypatch, f'{{"tp_ranks": [1], "read_delay_s": {delay_s}}}',
+                           read_first_prompt)
+    held0, admitted0, finished0, _, rounds0 = r0
+    held1, admitted1, finished1, _, rounds1 = r1
+    assert held0 == held1 and sum(held0) >= 1  # held back the same passes on both
+    assert admitted0 == admitted1 == (0, loaded)
+    assert rounds0 == rounds1
+    if not loaded:
+        assert finished0 == 3 and finished1 < 3  # rank 0 had all three; rank 1 did not
+
+
+def test_a_read_that_fails_on_one_rank_is_recomputed_on_both(tmp_path, monkeypatch):
+    r0, r1 = run_two_ranks(tmp_path, monkeypatch, '{"tp_ranks": [1], "fail_reads": true}', read_first_prompt)
+    # Rank 1's reads all failed (its records look bad): both ranks drop them and recompute.
+    assert r0[1] == r1[1] == (0, 0)
+    assert r0[3] == r1[3] == 3

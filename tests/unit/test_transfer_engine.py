@@ -1,0 +1,147 @@
+"""The transfer engine on CPU: when each layer of a load or offload lands, which batch runs
+an offload, and when a host slot may be handed to the I/O process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcr_sglang.transfer.engine import LayerwiseMode, TransferEngine
+from pcr_sglang.transfer.layout import HostChunkLayout
+
+LAYERS, CHUNK, HEADS, DIM, TOKENS, SLOTS = 3, 4, 2, 8, 64, 6
+
+
+def make_engine(mode: str = "both", seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    kv = [(torch.randn(TOKENS, HEADS, DIM, generator=gen), torch.randn(TOKENS, HEADS, DIM, generator=gen))
+          for _ in range(LAYERS)]
+    layout = HostChunkLayout(SLOTS, LAYERS, CHUNK, HEADS * DIM * 4)
+    host = torch.randn(layout.total_bytes // 4, generator=gen).view(torch.uint8)  # no NaN patterns
+    return TransferEngine(kv, host, layout, LayerwiseMode(mode)), kv, host.view(layout.shape)
+
+
+def host_rows(host, slot: int, layer: int, kv: int) -> torch.Tensor:
+    return host[slot, layer, kv].view(torch.float32).view(CHUNK, HEADS, DIM)
+
+
+def test_modes():
+    assert LayerwiseMode("both").loads and LayerwiseMode("both").offloads
+    assert LayerwiseMode("load").loads and not LayerwiseMode("load").offloads
+    assert not LayerwiseMode("offload").loads and LayerwiseMode("offload").offloads
+    assert not LayerwiseMode("off").loads and not LayerwiseMode("off").offloads
+    with pytest.raises(ValueError):
+        LayerwiseMode("sometimes")
+
+
+def test_load_lands_layer_by_layer_when_the_layer_is_read():
+    engine, kv, host = make_engine("load")
+    slots = torch.tensor([9, 3, 40, 41, 17, 5, 6, 63])  # two chunks, scattered
+    engine.load(slots, [4, 1])
+    expected = {(layer, i): torch.cat([host_rows(host, 4, layer, i), host_rows(host, 1, layer, i)])
+                for layer in range(LAYERS) for i in (0, 1)}
+    assert not torch.equal(kv[0][0][slots], expected[(0, 0)])  # nothing moved yet
+    assert not engine.host_slot_ready(4)  # the copy still reads the slot
+    engine.wait_until(0)  # the forward reads layer 0
+    assert torch.equal(kv[0][0][slots], expected[(0, 0)]) and torch.equal(kv[0][1][slots], expected[(0, 1)])
+    assert not torch.equal(kv[1][0][slots], expected[(1, 0)])  # layer 1 not yet
+    engine.end_batch()  # whatever the forward did not read is copied now
+    for layer in range(LAYERS):
+        assert torch.equal(kv[layer][0][slots], expected[(layer, 0)])
+        assert torch.equal(kv[layer][1][slots], expected[(layer, 1)])
+    assert engine.pending_loads == 0 and engine.host_slot_ready(4) and engine.host_slot_ready(1)
+
+
+def test_without_layerwise_loads_a_load_copies_everything_at_once():
+    engine, kv, host = make_engine("off")
+    slots = torch.tensor([9, 3, 40, 41])
+    engine.load(slots, [2])
+    assert engine.pending_loads == 0 and engine.host_slot_ready(2)
+    for layer in range(LAYERS):
+        assert torch.equal(kv[layer][0][slots], host_rows(host, 2, layer, 0))
+
+
+def test_order_before_reuse_finishes_pending_loads():
+    engine, kv, host = make_engine("load")
+    slots = torch.tensor([1, 2, 3, 4])
+    engine.load(slots, [0])
+    engine.order_before_reuse()  # the device slots are about to be freed
+    assert engine.pending_loads == 0
+    assert torch.equal(kv[LAYERS - 1][1][slots], host_rows(host, 0, LAYERS - 1, 1))
+
+
+def test_an_offload_runs_only_in_a_batch_of_its_own_request():
+    engine, kv, host = make_engine("offload")
+    slots = torch.tensor([7, 8, 9, 30])
+    engine.plan_offload("r1", slots, 2)
+    before = host_rows(host, 2, 0, 0).clone()
+    engine.begin_batch(["other"])  # another batch's forward: r1's KV is not written by it
+    for layer in range(LAYERS):
+        engine.on_layer_written(layer)
+    engine.end_batch()
+    assert torch.equal(host_rows(host, 2, 0, 0), before) and engine.planned_offloads == 1
+    assert not engine.offload_ran(2) and not engine.host_slot_ready(2)
+    engine.begin_batch(["other", "r1"])
+    for layer in range(LAYERS):
+        kv[layer][0][slots] = float(layer + 1)  # the forward writes layer `layer`
+        kv[layer][1][slots] = -float(layer + 1)
+        engine.on_layer_written(layer)
+        assert torch.all(host_rows(host, 2, layer, 0) == layer + 1)
+        assert torch.all(host_rows(host, 2, layer, 1) == -(layer + 1))
+        if layer < LAYERS - 1:
+            assert torch.all(host_rows(host, 2, layer + 1, 0) != layer + 2)  # not copied before written
+    engine.end_batch()
+    assert engine.planned_offloads == 0 and engine.offload_ran(2) and engine.host_slot_ready(2)
+
+
+def test_end_batch_finishes_an_offload_whose_layers_were_written_without_the_hook():
+    engine, kv, host = make_engine("offload")
+    slots = torch.tensor([1, 2, 3, 4])
+    engine.plan_offload("r", slots, 0)
+    engine.begin_batch(["r"])
+    engine.on_layer_written(0)
+    for layer in range(LAYERS):  # e.g. a graph replay wrote layers 1.. without Python calls
+        kv[layer][0][slots] = 5.0
+        kv[layer][1][slots] = 6.0
+    engine.end_batch()
+    for layer in range(1, LAYERS):
+        assert torch.all(host_rows(host, 0, layer, 0) == 5.0) and torch.all(host_rows(host, 0, layer, 1) == 6.0)
+
+
+def test_dropped_plans_never_run_and_free_their_slot():
+    engine, kv, host = make_engine("offload")
+    engine.plan_offload("gone", torch.tensor([1, 2, 3, 4]), 3)
+    before = host[3].clone()
+    engine.drop_plans("gone")
+    engine.begin_batch(["gone"])
+    for layer in range(LAYERS):
+        engine.on_layer_written(layer)
+    engine.end_batch()
+    assert torch.equal(host[3], before) and engine.host_slot_ready(3)
+
+
+def test_plans_copy_the_device_slots_they_were_given():
+    engine, kv, host = make_engine("offload")
+    row = torch.tensor([1, 2, 3, 4])
+    engine.plan_offload("r", row, 1)
+    kv[0][0][torch.tensor([1, 2, 3, 4])] = 9.0
+    row[:] = torch.tensor([10, 11, 12, 13])  # SGLang rewrites the row (a duplicate chunk)
+    engine.begin_batch(["r"])
+    engine.end_batch()
+    assert torch.all(host_rows(host, 1, 0, 0) == 9.0)
+
+
+def test_copy_to_host_then_load_round_trips():
+    engine, kv, host = make_engine("off")
+    src, dst = torch.tensor([0, 1, 2, 3]), torch.tensor([50, 52, 54, 56])
+    engine.copy_to_host(src, [5])
+    assert engine.host_slot_ready(5)
+    engine.load(dst, [5])
+    for k, v in kv:
+        assert torch.equal(k[dst], k[src]) and torch.equal(v[dst], v[src])
+
+
+def test_layer_count_must_match_the_host_layout():
+    _, kv, _ = make_engine()
+    with pytest.raises(ValueError, match="layers"):
+        TransferEngine(kv[:2], torch.empty(0, dtype=torch.uint8), HostChunkLayout(1, LAYERS, CHUNK, 64))
