@@ -106,6 +106,7 @@ class ServerProcess:
     startup_timeout_s: float = 300.0
     log_path: Optional[Path] = None
     env: dict[str, str] = field(default_factory=dict)
+    cwd: Optional[str] = None  # the server's working directory (default: this process's)
     startup_seconds: float = 0.0
     _proc: Optional[subprocess.Popen] = None
     _port_chosen_here: bool = False
@@ -143,7 +144,7 @@ class ServerProcess:
                 self.port = free_port()
             log = open(self.log_path, "w")
             self._proc = subprocess.Popen(
-                self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd, start_new_session=True
             )
             log.close()
             try:

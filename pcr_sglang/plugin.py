@@ -15,6 +15,7 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
   metrics);
 * ``PrefillAdder.add_one_req`` (AROUND): a request whose SSD chunks are being read waits
   in the queue (the adder moves on to the next request) instead of being admitted;
+  ``PrefillAdder.preempt_to_schedule`` (AROUND): such a request preempts nobody;
 * ``ScheduleBatch.prepare_for_extend`` (AROUND) and ``prepare_for_decode`` (AFTER): a
   request's hits are counted once, by tier, as SGLang reports them, and the chunks the
   coming forward completes get host slots to be offloaded into during it;
@@ -83,6 +84,10 @@ def register() -> None:
         "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", _add_one_req, HookType.AROUND
     )
     HookRegistry.register(
+        "sglang.srt.managers.schedule_policy.PrefillAdder.preempt_to_schedule", _preempt_to_schedule,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend", _prepare_for_extend, HookType.AROUND
     )
     HookRegistry.register(
@@ -140,6 +145,15 @@ def _add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any,
     cache = _pcr_cache(adder)
     if cache is not None and not cache.scheduler.consider(req):
         return adder.budget_state()  # not admitted this pass; the adder goes on to the next request
+    return original(adder, req, *args, **kwargs)
+
+
+def _preempt_to_schedule(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Priority preemption retracts running requests to make room for ``req``: not for a
+    request that would then wait for its SSD reads (its hold is asked first)."""
+    cache = _pcr_cache(adder)
+    if cache is not None and not cache.scheduler.consider(req):
+        return False
     return original(adder, req, *args, **kwargs)
 
 

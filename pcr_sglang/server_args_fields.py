@@ -72,9 +72,11 @@ class Pcr(msgspec.Struct):
         float,
         Arg(
             help=(
-                "Size in GB of PCR's host-memory tier (shared memory, pinned on CUDA). "
-                "Chunks evicted from the GPU KV pool are kept there and copied back on a "
-                "hit instead of being recomputed. 0 disables the tier. Default: 0."
+                "Size in GB of PCR's host-memory tier (shared memory, pinned on CUDA), per "
+                "TP rank: with --tp N the server takes N times this much. Chunks evicted "
+                "from the GPU KV pool are kept there and copied back when a request that "
+                "reuses them is admitted, instead of being recomputed. 0 disables the tier. "
+                "Default: 0."
             )
         ),
     ] = 0.0
@@ -87,7 +89,7 @@ class Pcr(msgspec.Struct):
                 "waits only for layer i), 'offload' (a prefill's new chunks are copied to "
                 "host memory right after each layer writes them, so evicting them later "
                 "needs no copy), 'both', or 'off' (whole-chunk copies when a chunk is "
-                "matched or evicted). Needs --pcr-dram-gb. "
+                "admitted or evicted). Needs --pcr-dram-gb. "
                 f"Default: {DEFAULT_LAYERWISE}."
             ),
             choices=LAYERWISE_CHOICES,
@@ -109,8 +111,10 @@ class Pcr(msgspec.Struct):
         float,
         Arg(
             help=(
-                "Size in GB of PCR's SSD tier under --pcr-ssd-path; reduced (with a warning) "
-                "to what the disk has free above --pcr-ssd-reserve-gb. 0: no SSD tier. Default: 0."
+                "Size in GB of PCR's SSD tier under --pcr-ssd-path, per TP rank (each rank "
+                "stores its share of the KV); reduced (with a warning) to what the disk has "
+                "free above --pcr-ssd-reserve-gb, and with --tp to the smallest rank's. 0: "
+                "no SSD tier. Default: 0."
             )
         ),
     ] = 0.0
@@ -129,8 +133,9 @@ class Pcr(msgspec.Struct):
             help=(
                 "Queue-based prefetch: each scheduler step, SSD-resident chunks that the first N "
                 "waiting requests will reuse are read into host memory by PCR's I/O process "
-                "before those requests run. 0 disables prefetch (SSD chunks are then read when "
-                f"their request is scheduled). Default: {DEFAULT_PREFETCH_WINDOW}."
+                "before those requests run. 0 disables prefetch: SSD chunks are then read when "
+                "their request comes up for admission, and it waits in the queue for them, at "
+                f"most about what recomputing them would take. Default: {DEFAULT_PREFETCH_WINDOW}."
             )
         ),
     ] = DEFAULT_PREFETCH_WINDOW
@@ -150,8 +155,10 @@ class Pcr(msgspec.Struct):
             help=(
                 "When chunks are written to the SSD tier: 'through' (in the background as "
                 "soon as they reach host memory, so evicting them from host memory is free) "
-                "or 'on-evict' (only when evicted from host memory: less disk traffic, but "
-                f"the eviction waits for the write). Default: {DEFAULT_SSD_WRITE}."
+                "or 'on-evict' (when host eviction first picks them: less disk traffic, but a "
+                "chunk leaves host memory only once its write is done, and eviction never "
+                "waits for it, so under bursts chunks leaving the GPU may find no host slot "
+                f"and be dropped). Default: {DEFAULT_SSD_WRITE}."
             ),
             choices=SSD_WRITE_CHOICES,
         ),

@@ -2,7 +2,7 @@
 minimum over the ranks before it changes any request's prefix length.
 
 Each rank has its own I/O process, disk, clock and cost model, so which reads have
-landed, whether writes still work, whether the I/O process is alive and whether reading
+landed, which writes succeeded, whether the I/O process is alive and whether reading
 beats recomputing are rank-local facts. Everything else the cache decides is computed
 from the same inputs on every rank (the waiting queue, the batch, and the agreed facts),
 so it is the same everywhere. SGLang's HiCache does the same with a MIN all-reduce of
@@ -10,13 +10,17 @@ finished operations; here the agreed facts are, once per scheduler step:
 
 * a header: how many orders are outstanding and how many requests are waiting for
   reads (both must be equal on every rank: a difference is a bug, reported, after which
-  the SSD tier stops), whether the I/O process is healthy, whether writes succeed,
-  whether this rank's cost model prefers loading to recomputing;
+  the SSD tier stops), whether the I/O process is healthy, whether this rank's cost
+  model prefers loading to recomputing;
 * the outcome of every outstanding order, in sequence order (an order the cache state
   numbered the same way on every rank): ``PENDING`` < ``BAD`` < ``CANCELLED`` < ``OK``,
-  so an order is applied once it finished everywhere, as the worst of its outcomes;
+  so an order is applied once it finished everywhere, as the worst of its outcomes (a
+  write that failed on one rank failed everywhere, and write-back stops on all);
 * for each request waiting for reads, whether every rank is still willing to wait
-  (its deadline not passed).
+  (its deadline not passed);
+* a digest of the prefix lengths this rank admitted requests with: a canary, not an
+  input. Equal everywhere unless a decision escaped agreement (a bug); a mismatch is
+  counted and logged.
 
 Pure logic: the collective itself (``reduce_min``) is passed in.
 """
@@ -36,37 +40,39 @@ class LocalView:
     """What this rank knows at the start of a scheduler step."""
 
     healthy: bool
-    writes_ok: bool
     prefers_load: bool
     outstanding: Sequence[int]  # ascending sequence numbers of orders not yet applied
     finished: dict[int, tuple[IoOutcome, float]]  # of those, what this rank's process returned
     still_waiting: Sequence[bool] = ()  # per request waiting for reads, in a rank-independent order
+    admission_digest: int = 0  # of (request, prefix length) admitted so far, < 2**52
 
 
 @dataclass
 class Agreed:
     healthy: bool
-    writes_ok: bool
     prefers_load: bool
     outcomes: list[tuple[int, IoOutcome, float]] = field(default_factory=list)
     still_waiting: list[bool] = field(default_factory=list)
     consistent: bool = True
     error: Optional[str] = None
+    digests_match: bool = True
 
 
 def agree(view: LocalView, reduce_min: Optional[ReduceMin]) -> Agreed:
     """The step's agreed facts; with ``reduce_min`` None (one rank) this rank's own."""
     if reduce_min is None:
         outcomes = [(seq, *view.finished[seq]) for seq in view.outstanding if seq in view.finished]
-        return Agreed(view.healthy, view.writes_ok, view.prefers_load, outcomes, list(view.still_waiting))
+        return Agreed(view.healthy, view.prefers_load, outcomes, list(view.still_waiting))
     orders, waiting = len(view.outstanding), len(view.still_waiting)
-    header = reduce_min([orders, -orders, waiting, -waiting, int(view.healthy), int(view.writes_ok),
-                         int(view.prefers_load)])
+    digest = view.admission_digest
+    header = reduce_min([orders, -orders, waiting, -waiting, int(view.healthy), int(view.prefers_load),
+                         digest, -digest])
+    digests_match = header[6] == -header[7]
     if header[0] != -header[1] or header[2] != -header[3] or header[0] != orders or header[2] != waiting:
-        return Agreed(False, False, False, consistent=False, error=(
+        return Agreed(False, False, consistent=False, digests_match=digests_match, error=(
             f"TP ranks disagree on the SSD tier's outstanding orders ({header[0]}..{-header[1]}, "
             f"this rank {orders}) or waiting requests ({header[2]}..{-header[3]}, this rank {waiting})"))
-    agreed = Agreed(bool(header[4]), bool(header[5]), bool(header[6]))
+    agreed = Agreed(bool(header[4]), bool(header[5]), digests_match=digests_match)
     if not orders and not waiting:
         return agreed
     body = [int(view.finished[seq][0]) if seq in view.finished else int(IoOutcome.PENDING)

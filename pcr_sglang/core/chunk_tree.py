@@ -53,6 +53,7 @@ class ChunkNode:
         "host_children",
         "ssd_children",
         "lock_ref",
+        "host_pins",
         "last_access",
     )
 
@@ -68,6 +69,7 @@ class ChunkNode:
         self.host_children = 0
         self.ssd_children = 0
         self.lock_ref = 0
+        self.host_pins = 0  # reasons the host copy must stay (a write to SSD reading it)
         self.last_access = 0
 
     @property
@@ -188,6 +190,10 @@ class ChunkTree:
     @property
     def locked_chunks(self) -> int:
         return self._locked_chunks
+
+    @property
+    def locked_device_chunks(self) -> int:
+        return self._locked_device_chunks
 
     def stats(self) -> TreeStats:
         return TreeStats(
@@ -319,6 +325,20 @@ class ChunkTree:
         if self._in_no_tier(node):
             self._remove_with_descendants(node, on_drop_host, on_drop_ssd)
 
+    # ------------------------------------------------------------------ host pins
+    def pin_host(self, node: ChunkNode) -> None:
+        """Keep ``node``'s host copy out of host eviction (it is not a host leaf while
+        pinned); its other tiers and its ancestors are unaffected."""
+        node.host_pins += 1
+        self._host.discard(node)
+
+    def unpin_host(self, node: ChunkNode) -> None:
+        if node.host_pins <= 0:
+            raise RuntimeError(f"unpin of an unpinned chunk {node!r}")
+        node.host_pins -= 1
+        if node.parent is not None:
+            self._host.refresh(node)
+
     # ------------------------------------------------------------------ locks
     def lock(self, node: ChunkNode) -> int:
         """Protect ``node`` and its ancestors from eviction in every tier (a running
@@ -330,9 +350,9 @@ class ChunkTree:
                 newly += 1
                 newly_on_device += node.on_device
             node.lock_ref += 1
-            self._device.leaves.discard(node)
-            self._host.leaves.discard(node)
-            self._ssd.leaves.discard(node)
+            self._device.discard(node)
+            self._host.discard(node)
+            self._ssd.discard(node)
             node = node.parent
         self._locked_chunks += newly
         self._locked_device_chunks += newly_on_device
@@ -389,13 +409,13 @@ class ChunkTree:
         is_protected: Optional[NodePredicate] = None,
         on_drop_host: Optional[NodeCallback] = None,
         on_drop_ssd: Optional[NodeCallback] = None,
-        take: Optional[NodePredicate] = None,
+        take: Optional[Callable[[ChunkNode], Optional[bool]]] = None,
     ) -> list[ChunkNode]:
-        """Free up to ``num_chunks`` host slots of unlocked host leaves, LRU first.
+        """Free up to ``num_chunks`` host slots of unlocked, unpinned host leaves, LRU first.
 
-        ``take(node)`` may refuse a leaf for now (the caller orders its write to SSD
-        first, say); ``on_evict(node)`` then runs while ``node.host_slot`` is still set
-        (the caller releases the slot there). A chunk left in no tier is removed, with
+        ``take(node)`` may refuse a leaf for now (False: the caller orders its write to
+        SSD first, say) or end the eviction (None); ``on_evict(node)`` then runs while
+        ``node.host_slot`` is still set (the caller releases the slot there). A chunk left in no tier is removed, with
         the descendants it made reachable (``on_drop_host`` and ``on_drop_ssd`` release
         their host slots and SSD records).
         """
@@ -421,7 +441,7 @@ class ChunkTree:
     def _evict_leaves(self, tier: TierLeaves, drop: NodeCallback, num_chunks: int,
                       on_evict: Optional[NodeCallback], is_protected: Optional[NodePredicate],
                       on_drop_host: Optional[NodeCallback], on_drop_ssd: Optional[NodeCallback],
-                      take: Optional[NodePredicate]) -> list[ChunkNode]:
+                      take: Optional[Callable[[ChunkNode], Optional[bool]]]) -> list[ChunkNode]:
         """The host and SSD tiers' eviction: take ``tier``'s LRU leaves out of it; a chunk
         left in no tier goes, with the descendants only it made reachable."""
         evicted: list[ChunkNode] = []
@@ -523,6 +543,7 @@ class ChunkTree:
     def _is_host_leaf(node: ChunkNode) -> bool:
         return (
             node.parent is not None and node.on_host and node.lock_ref == 0 and node.host_children == 0
+            and node.host_pins == 0
         )
 
     @staticmethod
@@ -570,7 +591,7 @@ class ChunkTree:
             assert node.ssd_children == sum(c.on_ssd for c in node.children.values()), node
             assert node.device_children == sum(c.on_device for c in node.children.values()), node
             assert node.host_children == sum(c.on_host for c in node.children.values()), node
-            assert node.lock_ref >= 0, node
+            assert node.lock_ref >= 0 and node.host_pins >= 0, node
             # lock() raises every ancestor's count: a parent holds at least its children's.
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), node
             if node.lock_ref > 0:

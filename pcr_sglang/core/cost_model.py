@@ -45,10 +45,6 @@ class LoadOrRecompute:
             return True
         return self.read_seconds_per_chunk <= chunk_tokens / self.prefill_tokens_per_second
 
-    def should_load(self, chunk_tokens: int) -> bool:
-        """One decision, probing the disk once in ``probe_every`` while it loses."""
-        return self.decide(self.prefers_load(chunk_tokens))
-
     def decide(self, prefers_load: bool) -> bool:
         """A decision from a verdict (possibly agreed across ranks), with probing."""
         if prefers_load:

@@ -23,7 +23,10 @@ __all__ = ["CacheStats", "ChainMatch", "Effects", "IoOutcome", "Order", "SSDStat
 class Effects:
     """Work implied by one or more decisions, to run in this order."""
 
-    demotions: list[tuple[Any, int]] = field(default_factory=list)  # (device slots, host slot): copy first
+    # chunk -> (its device slots, its host slot): copy before the device slots are freed.
+    # A chunk that leaves host memory again within the same decision is taken out (its
+    # slot may already hold the next chunk), so no host slot appears twice.
+    demotions: dict[ChunkNode, tuple[Any, int]] = field(default_factory=dict)
     device_frees: list[Any] = field(default_factory=list)  # device slots to give back to the allocator
     orders: list[Order] = field(default_factory=list)  # for the I/O process
 
@@ -44,10 +47,6 @@ class ChainMatch:
     device: int
     host: int
     ssd: int
-
-    @property
-    def device_nodes(self) -> list[ChunkNode]:
-        return self.nodes[: self.device]
 
     @property
     def host_nodes(self) -> list[ChunkNode]:

@@ -89,9 +89,9 @@ class CacheState:
         self._bad: list[ChunkNode] = []  # SSD records found bad while their chain was locked
         # Agreed across TP ranks each scheduler step (on one rank: this rank's own view).
         self.io_healthy = True
-        self.writes_enabled = True
         self.prefer_load = True
-        self.local_write_error = False  # a write failed on this rank (write-back then stops)
+        # Off after a write fails (an agreed outcome, so the same on every rank).
+        self.writes_enabled = True
 
     @property
     def ssd_enabled(self) -> bool:
@@ -131,7 +131,7 @@ class CacheState:
         """Take up to ``num_chunks`` chunks off the device (demoting them to host memory)."""
         protected = self._lookahead_predicate()
         evicted = self.tree.evict(num_chunks, on_evict=lambda n: self._leave_device(n, effects),
-                                  is_protected=protected, on_drop_host=self._release_host,
+                                  is_protected=protected, on_drop_host=lambda n: self._release_host(n, effects),
                                   on_drop_ssd=lambda n: self._forget_record(n, effects))
         if protected is not None:
             self.stats.evicted_protected_chunks += sum(1 for n in evicted if protected(n))
@@ -144,7 +144,7 @@ class CacheState:
             if slot is None:
                 self.stats.dropped_chunks += 1
             else:
-                effects.demotions.append((node.device_value, slot))
+                effects.demotions[node] = (node.device_value, slot)
                 self.tree.set_host(node, slot)
                 self.stats.demoted_chunks += 1
                 self.stats.bytes_device_to_host += self.config.chunk_bytes
@@ -160,34 +160,42 @@ class CacheState:
         return slot
 
     def _evict_host(self, num_chunks: int, effects: Effects) -> int:
-        evicted = self.tree.evict_host(num_chunks, on_evict=self._release_host, is_protected=self._host_protected,
-                                       on_drop_host=self._release_host,
-                                       on_drop_ssd=lambda n: self._forget_record(n, effects),
-                                       take=lambda n: self._may_leave_host(n, effects))
+        """Free host slots of LRU host leaves. A chunk being written to SSD is pinned (not a
+        leaf) until the write is done: eviction never waits for the disk. With the
+        ``on-evict`` write policy, the first unpersisted leaf eviction meets is written
+        (with the host-resident chain above it, which eviction takes next) and stays, and
+        the walk ends at the next one: no eviction orders writes for the whole tier."""
+        on_evict_writes = [1] if not self.config.write_through and self._may_write() else [0]
+
+        def take(node: ChunkNode) -> Optional[bool]:
+            if node.on_ssd or self.config.write_through or not self._may_write():
+                return True
+            if not on_evict_writes[0]:
+                return None
+            on_evict_writes[0] -= 1
+            above: Optional[ChunkNode] = node
+            while above is not None and above.parent is not None and above.on_host and not above.on_ssd:
+                self._persist(above, effects)
+                above = above.parent
+            return node not in self._writing  # not written (no room on SSD): it may go
+
+        release = lambda n: self._release_host(n, effects)  # noqa: E731
+        evicted = self.tree.evict_host(num_chunks, on_evict=release, is_protected=self._host_protected,
+                                       on_drop_host=release,
+                                       on_drop_ssd=lambda n: self._forget_record(n, effects), take=take)
         self.stats.host_evicted_chunks += len(evicted)
         return len(evicted)
-
-    def _may_leave_host(self, node: ChunkNode, effects: Effects) -> bool:
-        """A chunk being written to SSD stays in host memory until the write is done (its
-        bytes are being read, and it is on no other tier yet). With the ``on-evict`` write
-        policy a chunk not on SSD is written first, and leaves at a later eviction."""
-        if node in self._writing:
-            return False
-        if self.config.write_through or node.on_ssd or not self._may_write():
-            return True
-        # Write it, and the host-resident chain above it, which eviction takes next.
-        above: Optional[ChunkNode] = node
-        while above is not None and above.parent is not None and above.on_host and not above.on_ssd:
-            self._persist(above, effects)
-            above = above.parent
-        return node not in self._writing  # not written (no room on SSD): it may go
 
     def _host_protected(self, node: ChunkNode) -> bool:
         return node in self.lookahead or node in self._landed
 
-    def _release_host(self, node: ChunkNode) -> None:
-        """``node`` is leaving host memory (the tree clears ``host_slot`` right after)."""
+    def _release_host(self, node: ChunkNode, effects: Effects) -> None:
+        """``node`` is leaving host memory (the tree clears ``host_slot`` right after). If
+        this decision demoted it, that copy is not made: the slot may go to another chunk."""
         assert self.slots is not None and node.host_slot is not None
+        if effects.demotions.pop(node, None) is not None:
+            self.stats.demoted_chunks -= 1
+            self.stats.bytes_device_to_host -= self.config.chunk_bytes
         self.slots.release(node.host_slot)
         self._landed.discard(node)
 
@@ -234,7 +242,7 @@ class CacheState:
 
     # ------------------------------------------------------------------ SSD writes
     def _may_write(self) -> bool:
-        return self.ssd_enabled and self.writes_enabled and self.io_healthy and not self.local_write_error
+        return self.ssd_enabled and self.writes_enabled and self.io_healthy
 
     def _persist(self, node: ChunkNode, effects: Effects) -> None:
         if node.on_ssd or node in self._writing or not node.on_host or node.parent is None:
@@ -251,6 +259,7 @@ class CacheState:
         parent = node.parent
         seq = next(self._seq)
         self.slots.io_begin(node.host_slot)
+        self.tree.pin_host(node)  # its host copy stays until the write is done
         self._pending[seq] = _PendingIo(False, node, node.host_slot)
         self._writing[node] = seq
         effects.orders.append(WriteChunk(seq, node.key, parent.key if parent.depth else NO_PARENT, node.depth,
@@ -259,7 +268,7 @@ class CacheState:
     def _evict_ssd(self, num_chunks: int, effects: Effects) -> int:
         evicted = self.tree.evict_ssd(num_chunks, on_evict=lambda n: self._forget_record(n, effects),
                                       is_protected=lambda n: n in self.lookahead or n in self._reading,
-                                      on_drop_host=self._release_host,
+                                      on_drop_host=lambda n: self._release_host(n, effects),
                                       on_drop_ssd=lambda n: self._forget_record(n, effects))
         self.ssd_stats.evicted_chunks += len(evicted)
         return len(evicted)
@@ -396,13 +405,15 @@ class CacheState:
 
     def _write_done(self, seq: int, op: _PendingIo, outcome: IoOutcome, effects: Effects) -> None:
         node = op.node
-        if not op.orphaned and self._writing.get(node) == seq:
-            del self._writing[node]
+        if not op.orphaned:
+            self.tree.unpin_host(node)
+            if self._writing.get(node) == seq:
+                del self._writing[node]
         if outcome is IoOutcome.CANCELLED:
             self.ssd_stats.cancelled_writes += 1  # the chunk stays in host memory
         elif outcome is IoOutcome.BAD:
             self.ssd_stats.write_errors += 1
-            self.local_write_error = True  # write-back stops (on every rank, once agreed)
+            self.writes_enabled = False  # write-back stops (an agreed outcome: on every rank)
         elif not op.orphaned and node.parent is not None and not node.on_ssd:
             self.tree.set_ssd(node)
             self.ssd_stats.written_chunks += 1
@@ -419,7 +430,7 @@ class CacheState:
             if node.lock_ref:  # in a chain being served: retried at the next outcome
                 self._bad.append(node)
                 continue
-            self.tree.drop_ssd(node, on_drop_host=self._release_host,
+            self.tree.drop_ssd(node, on_drop_host=lambda n: self._release_host(n, effects),
                                on_drop_ssd=lambda n: self._forget_record(n, effects))
 
     # ------------------------------------------------------------------ restore and reset
@@ -429,7 +440,9 @@ class CacheState:
         fit the capacity, for the caller to delete."""
         unreachable: list[ChunkKey] = []
         by_key: dict[ChunkKey, ChunkNode] = {}
-        for record in sorted(records, key=lambda r: r.depth):
+        # Parents first, and in key order: every TP rank then builds the same tree, with the
+        # same eviction order among chunks of equal recency.
+        for record in sorted(records, key=lambda r: (r.depth, r.key)):
             parent = None if record.depth == 1 else by_key.get(record.parent_key)
             if record.depth > 1 and (parent is None or parent.depth != record.depth - 1):
                 unreachable.append(record.key)

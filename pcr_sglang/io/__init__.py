@@ -1,1 +1,2 @@
-"""The I/O process: SSD reads (prefetch, on-demand loads) and write-back, off the scheduler."""
+"""The I/O process: SSD reads, writes and deletes, off the scheduler; its protocol, its
+sockets and its supervisor."""

@@ -123,13 +123,13 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
     allocator = params.token_to_kv_pool_allocator
     host_pool = store = worker = io = None
     if config.dram_bytes > 0:
-        host_pool = build_host_pool(config, allocator)
+        host_pool = _on_every_rank(tp, lambda: build_host_pool(config, allocator))
         _check_same_on_every_rank(tp, "host-tier slots (--pcr-dram-gb)", host_pool.layout.num_slots)
         worker = attach_worker_side(allocator, host_pool.buffer, host_pool.layout, config.layerwise)
     capacity = 0
     if config.ssd_bytes > 0:
         assert host_pool is not None  # validate() requires the host tier
-        store = build_ssd_store(config, namespace, host_pool)
+        store = _on_every_rank(tp, lambda: build_ssd_store(config, namespace, host_pool))
         capacity = store.capacity_chunks
         if tp is not None:  # free disk space may differ between the ranks' disks
             capacity = tp.reduce_min([capacity])[0]
@@ -155,6 +155,20 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
                 type(cache).__name__, config.chunk_size, config.lookahead_window, namespace,
                 f", TP group of {tp.size}" if tp is not None else "")
     return cache
+
+
+def _on_every_rank(tp: Optional[TpGroup], build: Any) -> Any:
+    """``build()``, agreed: if it fails on any rank, every rank raises (none is left waiting
+    in the next startup collective)."""
+    try:
+        built, error = build(), None
+    except PCRConfigError as e:
+        built, error = None, e
+    if tp is not None and tp.reduce_min([0 if error else 1])[0] == 0 and error is None:
+        error = PCRConfigError("PCR: another TP rank failed to set up its tiers (see its log)")
+    if error is not None:
+        raise error
+    return built
 
 
 def _check_same_on_every_rank(tp: Optional[TpGroup], what: str, value: int) -> None:

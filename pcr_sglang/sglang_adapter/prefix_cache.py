@@ -236,7 +236,9 @@ class PCRPrefixCache(BasePrefixCache):
         return self.evictable_size()
 
     def protected_size(self) -> int:
-        return self.state.tree.locked_chunks * self.chunk_size
+        """Device tokens locked by running requests (host- and SSD-only locked chunks hold
+        no device slot)."""
+        return self.state.tree.locked_device_chunks * self.chunk_size
 
     def full_protected_size(self) -> int:
         return self.protected_size()

@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
-
-
-def _percentiles_ms(samples: Sequence[float]) -> dict[str, Optional[float]]:
-    if not samples:
-        return {"p50": None, "p99": None, "max": None, "samples": 0}
-    ordered = sorted(samples)
-    pick = lambda q: round(ordered[min(int(q * len(ordered)), len(ordered) - 1)] * 1000, 3)  # noqa: E731
-    return {"p50": pick(0.50), "p99": pick(0.99), "max": round(ordered[-1] * 1000, 3), "samples": len(ordered)}
 
 
 def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
@@ -57,10 +49,12 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
         if engine is not None else None,
         "counters": asdict(state.stats),
         "requests": {"tracked": len(scheduler.requests), "waiting_for_reads": len(scheduler.requests.holds())},
-        "scheduler_step": {"pcr_ms": _percentiles_ms(scheduler.step_seconds),
-                           "iteration_ms": _percentiles_ms(scheduler.iteration_seconds)},
+        # Cumulative histograms (bucket edges: pcr_sglang.sglang_adapter.step_timing).
+        "scheduler_step": {"pcr": scheduler.step_time.report(), "iteration": scheduler.iteration_time.report()},
         "tp": {"size": scheduler.tp.size if scheduler.tp is not None else 1,
-               "agreement_rounds": scheduler.agreement_rounds, "inconsistent": scheduler.broken},
+               "agreement_rounds": scheduler.agreement_rounds, "inconsistent": scheduler.broken,
+               # Rounds in which the ranks' digests of admitted prefix lengths differed.
+               "prefix_digest_mismatches": scheduler.digest_mismatches},
         "ssd": _ssd_report(cache) if state.ssd_enabled else None,
         "invariants": {"checked": check_invariants, "ok": invariant_error is None, "error": invariant_error},
     }
@@ -77,7 +71,7 @@ def _ssd_report(cache: Any) -> dict[str, Any]:
         "writes_in_flight": state.writes_in_flight,
         "reads_in_flight": state.reads_in_flight,
         "deferred_orders": scheduler.deferred_orders,
-        "writes_enabled": state.writes_enabled and not state.local_write_error,
+        "writes_enabled": state.writes_enabled,
         "write_policy": "through" if state.config.write_through else "on-evict",
         "prefetch_window": scheduler.config.prefetch_window,
         "prefetch_timeliness": state.timeliness(),

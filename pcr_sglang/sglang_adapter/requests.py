@@ -28,6 +28,7 @@ class RequestState:
     rid: str
     offload_slots: dict[int, int] = field(default_factory=dict)  # chunk index -> reserved host slot
     hold: Optional[Hold] = None
+    waited: bool = False  # it was held once (never twice: a request cannot starve on reads)
     considered: bool = False  # first consideration for admission seen (timeliness below)
     in_time_chunks: int = 0  # read from SSD before it was first considered
     late_chunks: int = 0  # being read then
@@ -51,7 +52,8 @@ class RequestRegistry:
         return self._states.pop(rid, None)
 
     def holds(self) -> list[RequestState]:
-        """Requests waiting for reads, in the order their holds began (the same on every rank)."""
+        """Requests waiting for reads, in the order PCR began tracking them (the same on
+        every rank: entries are made at the same points of the same schedule)."""
         return [s for s in self._states.values() if s.hold is not None]
 
     def clear(self) -> None:

@@ -20,7 +20,7 @@ its hits, once. The scheduler never waits on a disk, a peer or a whole CUDA stre
 
 from __future__ import annotations
 
-import collections
+import hashlib
 import logging
 import time
 from typing import Any, Optional, Sequence
@@ -33,15 +33,14 @@ from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.effects import Effects, IoOutcome
 from pcr_sglang.core.keys import ChunkKey, chunk_keys, root_key
 from pcr_sglang.core.residency import CacheState
-from pcr_sglang.io.protocol import ReadChunk, WriteChunk
+from pcr_sglang.io.protocol import ReadChunk, Reorder, WriteChunk
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.sglang_adapter.requests import Hold, RequestRegistry
+from pcr_sglang.sglang_adapter.step_timing import StepHistogram
 from pcr_sglang.sglang_adapter.tp_group import TpGroup
 from pcr_sglang.sglang_adapter.worker_side import WorkerSide
 
 logger = logging.getLogger(__name__)
-
-STEP_SAMPLES = 4096
 
 
 class SchedulerSide:
@@ -60,12 +59,14 @@ class SchedulerSide:
         self._chain_digest = chain_digest
         self._window_keys: dict[str, list[ChunkKey]] = {}
         self._finished: dict[int, tuple[IoOutcome, float]] = {}  # this rank's, not yet agreed
-        self._deferred: collections.deque = collections.deque()  # orders waiting for their slot's copies
+        self._deferred: list = []  # orders waiting for the copies touching their host slot (CUDA)
         self._broken: Optional[str] = None  # the agreement found the ranks inconsistent
         self._writes_were_enabled = True
         self.agreement_rounds = 0
-        self.step_seconds: collections.deque = collections.deque(maxlen=STEP_SAMPLES)
-        self.iteration_seconds: collections.deque = collections.deque(maxlen=STEP_SAMPLES)
+        self.digest_mismatches = 0
+        self._admission_digest = 0  # of (rid, prefix length) of every admitted request
+        self.step_time = StepHistogram()  # PCR's own work per scheduler step
+        self.iteration_time = StepHistogram()  # the scheduler loop's iterations while busy
         self._last_step_start: Optional[float] = None
 
     # ------------------------------------------------------------------ keys
@@ -74,16 +75,28 @@ class SchedulerSide:
 
     def _keys(self, req: Any) -> list[ChunkKey]:
         keys = self._window_keys.get(req.rid)
-        if keys is None:
-            keys = chunk_keys(self.root_key(req.extra_key, req.cache_salt), self._tokens(req), self.chunk)
-        return keys
+        if keys is not None:
+            return keys
+        root = self.root_key(req.extra_key, req.cache_salt)
+        tokens = self._tokens(req)
+        return chunk_keys(root, tokens, self.chunk)
+
+    def _keys_of(self, tokens: Any, extra_key: Optional[str] = None, cache_salt: Optional[str] = None) -> list[ChunkKey]:
+        """The chunk keys of ``tokens`` (whole chunks only)."""
+        return chunk_keys(self.root_key(extra_key, cache_salt), tokens, self.chunk)
 
     @staticmethod
     def _tokens(req: Any) -> Any:
-        # What SGLang matches: the prompt (and any output of a retracted request), minus
-        # the last token, which is always computed.
+        """What SGLang will match for ``req``: the prompt (and any output of a retracted
+        request) up to the request's own limit (at most all but the last token, which is
+        always computed; less with logprobs from an earlier position; nothing with
+        embedding overrides)."""
+        if getattr(req, "positional_embed_overrides", None) is not None:
+            return req.origin_input_ids[:0]
         tokens = req.origin_input_ids + req.output_ids if len(req.output_ids) else req.origin_input_ids
-        return tokens[: max(len(tokens) - 1, 0)]
+        limit = getattr(req, "_compute_max_prefix_len", None)
+        cap = limit(len(tokens)) if limit is not None else len(tokens) - 1
+        return tokens[: max(min(cap, len(tokens) - 1), 0)]
 
     # ------------------------------------------------------------------ per step
     def step(self, waiting_queue: Sequence[Any], busy: bool = True) -> None:
@@ -92,25 +105,25 @@ class SchedulerSide:
         not counted in the iteration times)."""
         start = time.perf_counter()
         if self._last_step_start is not None:
-            self.iteration_seconds.append(start - self._last_step_start)
+            self.iteration_time.observe(start - self._last_step_start)
         self._last_step_start = start if busy else None
         if self.worker is not None:
             for tokens, seconds in self.worker.take_prefill_timings():
                 self.state.cost_model.observe_prefill(tokens, seconds)
         effects = Effects()
-        if self.io is not None:
+        if self.io is not None or self.tp is not None:
             self._agree_and_apply(bool(waiting_queue), effects)
         self.execute(effects)
         self._send_deferred()
         self._update_window(waiting_queue)
-        self.step_seconds.append(time.perf_counter() - start)
+        self.step_time.observe(time.perf_counter() - start)
 
     def _agree_and_apply(self, queue_nonempty: bool, effects: Effects) -> None:
-        assert self.io is not None
-        for seq, outcome, seconds in self.io.poll():
-            self._finished[seq] = (outcome, seconds)
-        self.state.ssd_stats.io_failures = self.io.failures
-        self.state.ssd_stats.io_restarts = self.io.restarts
+        if self.io is not None:
+            for seq, outcome, seconds in self.io.poll():
+                self._finished[seq] = (outcome, seconds)
+            self.state.ssd_stats.io_failures = self.io.failures
+            self.state.ssd_stats.io_restarts = self.io.restarts
         holds = self.requests.holds()
         outstanding = self.state.outstanding()
         if self.tp is not None and not (outstanding or holds or queue_nonempty):
@@ -118,27 +131,33 @@ class SchedulerSide:
         if self._broken is not None:
             return
         now = time.monotonic()
-        view = LocalView(healthy=self.io.healthy, writes_ok=not self.state.local_write_error,
+        view = LocalView(healthy=self.io is not None and self.io.healthy,
                          prefers_load=self.state.cost_model.prefers_load(self.chunk), outstanding=outstanding,
-                         finished=self._finished, still_waiting=[now < s.hold.deadline for s in holds])
+                         finished=self._finished, still_waiting=[now < s.hold.deadline for s in holds],
+                         admission_digest=self._admission_digest)
         agreed = agree(view, self.tp.reduce_min if self.tp is not None else None)
         self.agreement_rounds += 1
+        if not agreed.digests_match:
+            self.digest_mismatches += 1
+            logger.error("PCR: the TP ranks admitted requests with different prefix lengths (a bug: please "
+                         "report it); outputs may be wrong")
         if not agreed.consistent:
             self._broken = agreed.error
             self.state.io_healthy = self.state.writes_enabled = False
+            for state in holds:  # nothing the SSD tier was reading will be applied any more
+                state.hold = None
             logger.error("PCR: %s; the SSD tier stops on every rank (a bug: please report it)", agreed.error)
             return
         self.state.io_healthy = agreed.healthy
-        self.state.writes_enabled = agreed.writes_ok
         self.state.prefer_load = agreed.prefers_load
-        if self._writes_were_enabled and not agreed.writes_ok:
-            logger.warning("PCR SSD tier: a write failed (on this or another TP rank); SSD write-back is "
-                           "stopped, serving continues from device and host memory (chunks already on SSD "
-                           "stay readable)")
-        self._writes_were_enabled = agreed.writes_ok
         for seq, _, _ in agreed.outcomes:
             del self._finished[seq]
         self.state.apply_outcomes(agreed.outcomes, effects)
+        if self._writes_were_enabled and not self.state.writes_enabled:
+            logger.warning("PCR SSD tier: a write failed (on this or another TP rank); SSD write-back is "
+                           "stopped, serving continues from device and host memory (chunks already on SSD "
+                           "stay readable)")
+        self._writes_were_enabled = self.state.writes_enabled
         for state, still in zip(holds, agreed.still_waiting):
             if not still:
                 state.hold.expired = True
@@ -166,12 +185,16 @@ class SchedulerSide:
         if not self.state.ssd_enabled:
             return True
         entry = self.requests.peek(req.rid)
+        if self._broken is not None:
+            return True  # nothing the SSD tier reads is applied any more
         if entry is not None and entry.hold is not None:
             hold = entry.hold
             if hold.expired or not any(self.state.reading(n) for n in hold.chain):
                 entry.hold = None
                 return True
             return False
+        if entry is not None and entry.waited:
+            return True  # one wait per request: what has not landed since is recomputed
         match = self.state.match(iter(self._keys(req)), touch=False)
         entry = self._first_consideration(req.rid, match)
         ssd_nodes = match.ssd_nodes
@@ -189,6 +212,7 @@ class SchedulerSide:
             entry = self.requests.get(req.rid)
         wait_s = self.state.cost_model.recompute_seconds(len(ssd_nodes) * self.chunk)
         entry.hold = Hold(chain=list(match.nodes), deadline=time.monotonic() + wait_s)
+        entry.waited = True
         return False
 
     def _first_consideration(self, rid: str, match: Any) -> Optional[Any]:
@@ -251,6 +275,9 @@ class SchedulerSide:
             entry.considered = False
         self.state.count_admission(req.cached_tokens_device // chunk, req.cached_tokens_host // chunk,
                                    req.cached_tokens_storage // chunk, in_time, late, on_demand)
+        if self.tp is not None:
+            data = f"{self._admission_digest}|{req.rid}|{req.prefix_len}".encode()
+            self._admission_digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 12
 
     # ------------------------------------------------------------------ offloads
     def plan_offloads(self, reqs: Sequence[Any], seq_lens: Sequence[int], req_to_token: torch.Tensor,
@@ -288,26 +315,31 @@ class SchedulerSide:
         if entry is None or not entry.offload_slots:
             return
         effects = Effects()
+        not_run = []
         for index in range(first, end):
             slot = entry.offload_slots.pop(index, None)
             if slot is None:
                 continue
-            if index >= num_existing and self.engine is not None and self.engine.offload_ran(slot):
+            ran = self.engine is not None and self.engine.offload_ran(slot)
+            if not ran:
+                not_run.append(slot)
+            if index >= num_existing and ran:
                 self.state.adopt_offload(path[index], slot, effects)
             else:
                 self.state.release_reserved(slot)
+        if not_run and self.engine is not None:
+            self.engine.drop_plans(rid, not_run)
         self.execute(effects)
 
     def release(self, rid: str) -> None:
         """The request left (finished, retracted or aborted): give back what it held."""
+        if self.engine is not None:
+            self.engine.drop_plans(rid)  # offloads no batch of its ran
         entry = self.requests.pop(rid)
         if entry is None:
             return
-        if entry.offload_slots:
-            if self.engine is not None:
-                self.engine.drop_plans(rid)
-            for slot in entry.offload_slots.values():
-                self.state.release_reserved(slot)
+        for slot in entry.offload_slots.values():
+            self.state.release_reserved(slot)
 
     # ------------------------------------------------------------------ effects
     def evict(self, num_tokens: int) -> int:
@@ -321,8 +353,12 @@ class SchedulerSide:
         """Run what the cache state decided: demotion copies, then device frees, then I/O."""
         if effects.demotions:
             assert self.engine is not None
-            self.engine.copy_to_host(torch.cat([d for d, _ in effects.demotions]),
-                                     [slot for _, slot in effects.demotions])
+            copies = list(effects.demotions.values())
+            host_slots = [slot for _, slot in copies]
+            # One batched copy: a slot named twice would race (index_put with duplicate
+            # indices has no defined winner). The cache state never gives one twice.
+            assert len(set(host_slots)) == len(host_slots), "a host slot demoted into twice"
+            self.engine.copy_to_host(torch.cat([d for d, _ in copies]), host_slots)
         if effects.device_frees:
             if self.engine is not None:
                 self.engine.order_before_reuse()
@@ -332,17 +368,34 @@ class SchedulerSide:
             self._send(order)
 
     def _send(self, order: Any) -> None:
+        """Send ``order`` to the I/O process, or keep it until the copies touching its host
+        slot have completed (CUDA; on CPU copies complete inline). A reorder for a kept
+        read is applied here: the I/O process has not seen that read yet."""
         if self.io is None:
             return
-        if (isinstance(order, (ReadChunk, WriteChunk)) and self.engine is not None
-                and (self._deferred or not self.engine.host_slot_ready(order.host_slot))):
-            self._deferred.append(order)  # a copy still touches its host slot (CUDA)
+        if isinstance(order, Reorder):
+            kept = next((o for o in self._deferred if o.seq == order.target), None)
+            if kept is not None:
+                if order.cancel:
+                    self._deferred.remove(kept)
+                    self._finished[kept.seq] = (IoOutcome.CANCELLED, 0.0)
+                else:
+                    kept.urgent = True
+                return
+        elif (isinstance(order, (ReadChunk, WriteChunk)) and self.engine is not None
+              and not self.engine.host_slot_ready(order.host_slot)):
+            self._deferred.append(order)
             return
         self.io.submit(order)
 
     def _send_deferred(self) -> None:
-        while self._deferred and self.engine is not None and self.engine.host_slot_ready(self._deferred[0].host_slot):
-            self.io.submit(self._deferred.popleft())
+        """Send the kept orders whose host slot is ready now, urgent reads first."""
+        if not self._deferred or self.io is None or self.engine is None:
+            return
+        ready = [o for o in self._deferred if self.engine.host_slot_ready(o.host_slot)]
+        for order in sorted(ready, key=lambda o: not getattr(o, "urgent", False)):
+            self._deferred.remove(order)
+            self.io.submit(order)
 
     @property
     def deferred_orders(self) -> int:

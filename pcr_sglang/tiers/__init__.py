@@ -1,1 +1,2 @@
-"""Storage tiers below the device KV pool: host DRAM chunk slots (and, later, SSD)."""
+"""Byte stores below the device KV pool, without tree knowledge: the host chunk pool
+(shared memory, pinned on CUDA) and the SSD chunk store."""

@@ -20,10 +20,11 @@ On CUDA the copies run on a side stream: a copy first waits for the work queued 
 compute streams (slots it overwrites may just have been freed there), loads record one
 event per layer that the compute stream waits on at that layer, and each transfer
 records an event when it is complete: its ticket. Nothing here blocks the CPU on the GPU:
-:meth:`host_slot_ready` asks whether every copy touching a host slot has completed
-(``Event.query``), which the scheduler checks before it hands the slot to the I/O
-process, and :meth:`order_before_reuse` makes the compute stream wait (on the GPU) for
-the copies before device slots are reused. On CPU there is no copy engine to overlap
+:meth:`host_slot_ready` asks whether the copies touching a host slot have completed (the
+ticket of the last one issued on that slot: all copies go on one side stream, in issue
+order, so the last one completes after every earlier one), which the scheduler checks
+before it hands the slot to the I/O process; :meth:`order_before_reuse` makes the
+compute stream wait (on the GPU) for the copies before device slots are reused. On CPU there is no copy engine to overlap
 with, so the same protocol runs each copy inline where CUDA would wait for it: a load's
 layer ``i`` when layer ``i`` is first read, an offload's layer ``i`` right after it is
 written, and whatever is left at the end of the batch.
@@ -32,7 +33,6 @@ written, and whatever is left at the end of the batch.
 from __future__ import annotations
 
 import enum
-import itertools
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
@@ -68,7 +68,6 @@ class _Transfer:
     """Chunks moving one way: ``device_slots`` holds ``chunk_size`` token slots per entry
     of ``host_slots``. ``next_layer`` counts the layers already issued."""
 
-    ticket: int
     direction: Direction
     device_slots: torch.Tensor
     host_index: torch.Tensor
@@ -101,7 +100,6 @@ class TransferEngine:
         self.device = kv_layers[0][0].device if kv_layers else torch.device("cpu")
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._forward_stream: Any = None  # CUDA: the stream the last forward ran on
-        self._tickets = itertools.count(1)
         self._loads: list[_Transfer] = []  # CPU: submitted, layers not all issued yet
         self._planned: dict[str, list[_Transfer]] = defaultdict(list)  # offloads by request id
         self._active: list[_Transfer] = []  # offloads of the batch now running
@@ -132,8 +130,7 @@ class TransferEngine:
         if self._stream is not None:
             index = index.pin_memory().to(self.device, non_blocking=True)
         # A copy: the caller's slot tensor may be a row of SGLang's req_to_token, rewritten later.
-        transfer = _Transfer(next(self._tickets), direction, device_slots.to(torch.int64, copy=True), index,
-                             tuple(host_slots))
+        transfer = _Transfer(direction, device_slots.to(torch.int64, copy=True), index, tuple(host_slots))
         for slot in transfer.host_slots:
             self._by_host_slot[slot] = transfer
         return transfer
@@ -165,9 +162,9 @@ class TransferEngine:
             self._in_flight.append(transfer)
 
     # ------------------------------------------------------------------ loads
-    def load(self, device_slots: torch.Tensor, host_slots: Sequence[int]) -> int:
+    def load(self, device_slots: torch.Tensor, host_slots: Sequence[int]) -> None:
         """Copy chunks ``host_slots`` into ``device_slots`` before the next forward reads
-        them (layer by layer with ``--pcr-layerwise load``); returns the ticket."""
+        them (layer by layer with ``--pcr-layerwise load``)."""
         transfer = self._make(Direction.HOST_TO_DEVICE, device_slots, host_slots)
         if self._stream is not None:
             self._side_waits_for_compute()
@@ -179,7 +176,6 @@ class TransferEngine:
             self._loads.append(transfer)
         else:
             self._issue(transfer, self.num_layers - 1)
-        return transfer.ticket
 
     def wait_until(self, layer: int) -> None:
         """SGLang's per-layer read hook: layer ``layer`` of every submitted load is in place."""
@@ -201,12 +197,20 @@ class TransferEngine:
         request writes it (the chunk's last tokens are written by that batch's forward)."""
         self._planned[owner].append(self._make(Direction.DEVICE_TO_HOST, device_slots, (host_slot,)))
 
-    def drop_plans(self, owner: str) -> None:
-        """Request ``owner`` left before a batch of its ran the planned offloads."""
+    def drop_plans(self, owner: str, host_slots: Optional[Iterable[int]] = None) -> None:
+        """Forget offloads planned for request ``owner`` that no batch ran (those into
+        ``host_slots`` only, or all): their slots are ready for other uses at once."""
+        only = None if host_slots is None else set(host_slots)
+        kept = []
         for transfer in self._planned.pop(owner, ()):
+            if only is not None and not only.intersection(transfer.host_slots):
+                kept.append(transfer)
+                continue
             for slot in transfer.host_slots:
                 if self._by_host_slot.get(slot) is transfer:
                     del self._by_host_slot[slot]
+        if kept:
+            self._planned[owner] = kept
 
     def begin_batch(self, owners: Iterable[str]) -> None:
         """SGLang's ``run_batch`` starts for these requests: their planned offloads run in it."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -38,8 +40,14 @@ def servers(tiny_model):
         (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
          "--enable-metrics"),
     )
+    # A cache-aware policy: every pass matches the whole waiting queue (up to 128 requests).
+    pcr_lpm = ServerProcess(
+        tiny_model,
+        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
+         "--schedule-policy", "lpm", "--enable-metrics"),
+    )
     everything = {"baseline": baseline, "pcr": pcr, "pcr_small": pcr_small, "hicache": hicache,
-                  "pcr_dram": pcr_dram}
+                  "pcr_dram": pcr_dram, "pcr_lpm": pcr_lpm}
     # The other --pcr-layerwise settings (pcr_dram runs the default, both).
     for mode in ("off", "load", "offload"):
         everything[f"pcr_dram_{mode}"] = ServerProcess(
@@ -168,6 +176,39 @@ def test_host_tier_serves_evicted_chunks_back_without_recomputing(servers, rag_p
     # And Prometheus has them, per tier (--enable-metrics).
     hits = prometheus_counts(server, "sglang:pcr_hit_chunks_total", "tier")
     assert hits.get("host", 0.0) > 0, hits
+
+
+def test_lpm_with_a_host_tier_under_24_concurrent_requests(servers, rag_prompt_ids, baseline_outputs):
+    """LPM matches every waiting request in every pass: matching must move no KV, hits
+    count once per admitted request, and the Prometheus counters add up to what the
+    responses report, tier by tier."""
+    server = servers["pcr_lpm"]
+    outs = []
+    for _ in range(2):  # the second round finds the first's chunks on the device and in host memory
+        with ThreadPoolExecutor(24) as pool:
+            outs += list(pool.map(lambda p: server.generate({"input_ids": p, "sampling_params": GREEDY}),
+                                  rag_prompt_ids))
+    assert [o["output_ids"] for o in outs] == baseline_outputs * 2
+    details = [o["meta_info"].get("cached_tokens_details") or {} for o in outs]
+    reported = {tier: sum(d.get(tier, 0) for d in details) for tier in ("device", "host")}
+    assert reported["host"] > 0 and reported["device"] > 0, reported
+    for d, o in zip(details, outs):
+        assert d.get("device", 0) + d.get("host", 0) == o["meta_info"]["cached_tokens"]
+    deadline = time.monotonic() + 30
+    while True:  # Prometheus is published once per scheduler step
+        state = server.pcr_state()
+        hits = prometheus_counts(server, "sglang:pcr_hit_chunks_total", "tier")
+        exported = {tier: hits.get(tier, 0.0) * CHUNK_SIZE for tier in ("device", "host")}
+        if exported == reported or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert exported == reported, (exported, reported)
+    counters = state["counters"]
+    assert (counters["device_hit_chunks"] * CHUNK_SIZE, counters["host_hit_chunks"] * CHUNK_SIZE) == (
+        reported["device"], reported["host"])
+    assert state["invariants"]["ok"] and state["tree"]["locked_chunks"] == 0
+    assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"]
+    assert state["host_pool_slots"] - state["host_pool_free_slots"] == state["tree"]["host_chunks"]
 
 
 def test_workload_is_five_to_ten_times_the_small_pool(rag_prompt_ids):

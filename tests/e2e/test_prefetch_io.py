@@ -10,8 +10,8 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.helpers import (COMMON_ARGS, generate_greedy, prometheus_counts, serving, ssd_server,
-                               wait_for_write_back)
+from tests.e2e.helpers import (COMMON_ARGS, TIERED_ARGS, generate_greedy, prometheus_counts, serving,
+                               ssd_server, wait_for_write_back)
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +23,12 @@ def servers(tiny_model, tmp_path_factory):
     baseline = ServerProcess(tiny_model, (*COMMON_ARGS, "--disable-radix-cache"))
     prefetch = ssd_server(tiny_model, tmp_path_factory.mktemp("pcr-prefetch") / "store",
                           "--pcr-prefetch-window", "16", "--enable-metrics")
-    everything = {"baseline": baseline, "prefetch": prefetch}
+    # Host memory of ~100 chunks for a working set of ~1,600: every burst of evictions
+    # cycles host slots many times over (the benchmark that found a batched-copy bug).
+    churn = ServerProcess(tiny_model, (*TIERED_ARGS[:-1], "0.003", "--pcr-ssd-path",
+                                       str(tmp_path_factory.mktemp("pcr-churn") / "store"), "--pcr-ssd-gb", "0.5",
+                                       "--pcr-ssd-reserve-gb", "0"))
+    everything = {"baseline": baseline, "prefetch": prefetch, "churn": churn}
     with serving(everything):
         yield everything
 
@@ -70,6 +75,64 @@ def test_deep_queue_with_prefetch_matches_baseline_and_scheduler_does_no_disk_io
             break
         time.sleep(0.5)
     assert agree, (exported, wanted)
+
+
+def test_host_slots_cycling_under_8_clients_keep_every_output_right(servers, rag_prompt_ids, baseline_outputs):
+    """400 requests from 8 clients through a host tier of ~100 chunks: each eviction burst
+    demotes, evicts and reuses host slots many times, reads land and leave, and every
+    output still equals the no-cache baseline."""
+    server = servers["churn"]
+    prompts = [rag_prompt_ids[i % 40] for i in range(400)]
+    results = generate_greedy(server, prompts, concurrency=8)
+    wrong = [i for i, (ids, _) in enumerate(results) if ids != baseline_outputs[i % 40]]
+    assert not wrong, f"{len(wrong)} of {len(prompts)} outputs differ from the baseline"
+    state = server.pcr_state()
+    assert state["counters"]["host_evicted_chunks"] > 10 * state["host_pool_slots"], state["counters"]
+    assert state["ssd"]["counters"]["hit_chunks"] > 0
+    assert state["invariants"]["ok"] and state["tree"]["locked_chunks"] == 0
+
+
+def wait_until_settled(server, timeout_s: float = 90) -> dict:
+    """Poll until the I/O process is healthy with nothing in flight; the state then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = server.pcr_state()
+        ssd = state["ssd"]
+        if (ssd["io_process"]["healthy"] and not ssd["reads_in_flight"] and not ssd["writes_in_flight"]
+                and not state["requests"]["tracked"]) or time.monotonic() > deadline:
+            return state
+        generate_greedy(server, [[7] * 40])  # scheduler steps drive the supervisor
+        time.sleep(0.5)
+
+
+def test_an_io_process_stopped_for_30_s_costs_no_request_and_no_slot(servers, rag_prompt_ids, baseline_outputs):
+    """SIGSTOP the I/O process for 30 s while requests keep arriving: every request
+    completes with the right tokens and no slot leaks. (How long the scheduler's steps
+    take meanwhile is a timing: ``bench/stopped_io_step_time.py`` measures it.)"""
+    server = servers["prefetch"]
+    wait_for_write_back(server)
+    pid = io_pid(server)
+    os.kill(pid, signal.SIGSTOP)
+    outputs, start = [], time.monotonic()
+    try:
+        while time.monotonic() - start < 30:
+            i = len(outputs) % len(rag_prompt_ids)
+            batch = rag_prompt_ids[i:i + 8]
+            outputs += [(i + k, ids) for k, (ids, _) in enumerate(generate_greedy(server, batch, concurrency=8))]
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # the supervisor killed it after 30 s of silence
+    assert len(outputs) >= 16
+    assert all(ids == baseline_outputs[i] for i, ids in outputs)
+    state = wait_until_settled(server)
+    assert state["ssd"]["io_process"]["healthy"], state["ssd"]
+    assert state["invariants"]["ok"] and state["tree"]["locked_chunks"] == 0
+    slots = state["host_slots"]
+    assert slots["reserved"] == slots["filling"] == slots["releasing"] == 0, slots
+    assert state["host_pool_slots"] - state["host_pool_free_slots"] == state["tree"]["host_chunks"]
+    assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"]
 
 
 def test_kill_9_of_the_io_process_costs_hits_not_requests(servers, rag_prompt_ids, baseline_outputs):

@@ -116,6 +116,40 @@ class Harness:
         self.cache.on_release(req, checkpointed=True)
         return req, slots[: result.total_len]
 
+    def serve_offloaded(self, tokens: list[int], rid: str = "r", run_in_batch_of=None) -> FakeReq:
+        """One request the way SGLang drives offloads: admit, allocate its row, plan the
+        offload of its new whole chunks, run its batch (the forward writes each layer
+        through the KV pool's ``set_kv_buffer``), then checkpoint (insert and adopt).
+        ``run_in_batch_of``: the request ids of the batch that actually runs (default: it)."""
+        from types import SimpleNamespace
+
+        req = self.request(tokens, rid)
+        self.admit(req)
+        self.cache.inc_lock_ref(req.last_node)
+        cached = req.prefix_len
+        new = self.allocator.alloc(len(tokens) - cached)
+        assert new is not None
+        row = torch.cat([self.cache.path_device_indices(req.last_node)[:cached], new.to(torch.int64)])
+        req_to_token = row.view(1, -1)
+        req.kv = SimpleNamespace(cache_protected_len=cached, req_pool_idx=0)
+        self.scheduler.plan_offloads([req], [len(tokens)], req_to_token, decode=False)
+
+        def forward():
+            for layer in range(LAYERS):
+                values = torch.tensor(tokens[cached:], dtype=torch.float32).view(-1, 1, 1) * (1 + layer)
+                k = values.expand(-1, HEADS, DIM) + torch.arange(DIM)
+                self.kvcache.set_kv_buffer(SimpleNamespace(layer_id=layer), new, k, k + 1)
+
+        self.scheduler.worker.run_batch(forward, run_in_batch_of or [rid])
+        result = self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=row))
+        node = self.cache.state.tree.match(iter(self.scheduler._keys_of(tokens)), touch=False).last_node
+        self.scheduler.adopt_offloads(rid, node.path_from_root(), cached // CHUNK, result.prefix_len // CHUNK,
+                                      result.total_len // CHUNK)
+        self.allocator.free(new[result.total_len - cached:])
+        self.cache.dec_lock_ref(req.last_node)
+        self.cache.on_release(req, checkpointed=True)
+        return req
+
     def write_kv(self, slots: torch.Tensor, tokens: list[int]) -> None:
         """KV that is a function of the token (so cached KV can be checked wherever it lives)."""
         for layer in range(LAYERS):

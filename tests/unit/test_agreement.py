@@ -55,8 +55,8 @@ def on_both(fn0, fn1):
         return a.result(timeout=120), b.result(timeout=120)
 
 
-def view(finished, *, healthy=True, writes_ok=True, prefers_load=True, outstanding=(1, 2, 3), waiting=()):
-    return LocalView(healthy, writes_ok, prefers_load, list(outstanding), finished, list(waiting))
+def view(finished, *, healthy=True, prefers_load=True, outstanding=(1, 2, 3), waiting=()):
+    return LocalView(healthy, prefers_load, list(outstanding), finished, list(waiting))
 
 
 def test_an_order_is_applied_once_every_rank_finished_it_as_the_worst_outcome():
@@ -65,7 +65,7 @@ def test_an_order_is_applied_once_every_rank_finished_it_as_the_worst_outcome():
     r1 = view({1: (IoOutcome.OK, 0.2), 3: (IoOutcome.CANCELLED, 0.2)}, healthy=False, waiting=[True, True])
     a0, a1 = on_both(lambda: agree(r0, ranks.group(0).reduce_min), lambda: agree(r1, ranks.group(1).reduce_min))
     for agreed in (a0, a1):
-        assert agreed.consistent and not agreed.healthy and agreed.writes_ok
+        assert agreed.consistent and not agreed.healthy and agreed.prefers_load
         assert [(seq, outcome) for seq, outcome, _ in agreed.outcomes] == [(1, IoOutcome.OK), (3, IoOutcome.BAD)]
         assert agreed.still_waiting == [True, False]  # rank 0's deadline passed: nobody waits
     assert a0.outcomes[0][2] == 0.1 and a1.outcomes[0][2] == 0.2  # each keeps its own timing
@@ -103,12 +103,14 @@ def run_two_ranks(tmp_path, monkeypatch, faults: str, body):
         h1.close()
 
 
-def read_first_prompt(h):
+def read_first_prompt(h, prefill_tokens_per_second=None):
     """Persist three prompts (the first leaves host memory), then serve the first again:
-    held while its SSD chunks are read, then admitted."""
+    held while its SSD chunks are read, then admitted. The prefill speed sets how long a
+    request waits for reads (about what recomputing them would take)."""
     from tests.unit.test_prefix_cache_adapter import persisted, prompt
 
     persisted(h, [prompt(100), prompt(200), prompt(300)])
+    h.state.cost_model.prefill_tokens_per_second = prefill_tokens_per_second
     req = h.request(prompt(100) + [0], "r")
     held = []
     while True:
@@ -124,20 +126,22 @@ def read_first_prompt(h):
     return held, admitted, finished_here, h.state.ssd_stats.read_failures, h.scheduler.agreement_rounds
 
 
-@pytest.mark.parametrize("delay_s,loaded", [(0.02, 12), (0.5, 0)])
-def test_ranks_whose_reads_land_at_different_times_decide_the_same_prefix(tmp_path, monkeypatch, delay_s, loaded):
+# (rank 1's delay per read, prefill tokens/s: 12 tokens to recompute take 12 s or 1 ms)
+@pytest.mark.parametrize("delay_s,speed,loaded", [(0.05, 1.0, 12), (0.5, 10_000.0, 0)])
+def test_ranks_whose_reads_land_at_different_times_decide_the_same_prefix(tmp_path, monkeypatch, delay_s, speed,
+                                                                          loaded):
     """Rank 1's reads arrive late. Within the request's wait both ranks load all three
-    chunks; past it both recompute, although rank 0's own reads had long landed: a
-    completion counts on a rank only once every rank has it."""
+    chunks; past it both recompute, although rank 0's own reads had landed: a completion
+    counts on a rank only once every rank has it."""
     r0, r1 = run_two_ranks(tmp_path, monkeypatch, f'{{"tp_ranks": [1], "read_delay_s": {delay_s}}}',
-                           read_first_prompt)
+                           lambda h: read_first_prompt(h, speed))
     held0, admitted0, finished0, _, rounds0 = r0
     held1, admitted1, finished1, _, rounds1 = r1
     assert held0 == held1 and sum(held0) >= 1  # held back the same passes on both
     assert admitted0 == admitted1 == (0, loaded)
     assert rounds0 == rounds1
     if not loaded:
-        assert finished0 == 3 and finished1 < 3  # rank 0 had all three; rank 1 did not
+        assert finished1 < 3  # rank 1's reads had not all landed when both gave up waiting
 
 
 def test_a_read_that_fails_on_one_rank_is_recomputed_on_both(tmp_path, monkeypatch):

@@ -7,21 +7,21 @@ from pcr_sglang.core.cost_model import LoadOrRecompute
 
 def test_loads_until_both_rates_are_measured():
     model = LoadOrRecompute()
-    assert model.should_load(64)
+    assert model.decide(model.prefers_load(64))
     model.observe_read(0.5)
-    assert model.should_load(64)
+    assert model.decide(model.prefers_load(64))
 
 
 def test_fast_disk_loads_slow_disk_recomputes_and_still_probes():
     model = LoadOrRecompute(probe_every=4)
     model.observe_prefill(tokens=1000, seconds=1.0)  # 1,000 tokens/s: a 64-token chunk is 64 ms
     model.observe_read(0.002)  # 2 ms per chunk
-    assert model.should_load(64)
+    assert model.decide(model.prefers_load(64))
     slow = LoadOrRecompute(probe_every=4)
     slow.observe_prefill(tokens=20000, seconds=1.0)  # 3.2 ms per 64-token chunk
     slow.observe_read(0.5)  # 500 ms per chunk from a slow disk
-    verdicts = [slow.should_load(64) for _ in range(8)]
+    verdicts = [slow.decide(slow.prefers_load(64)) for _ in range(8)]
     assert verdicts.count(True) == 2  # every 4th decision probes the disk again
     for _ in range(30):  # the disk recovers: the moving average follows
         slow.observe_read(0.001)
-    assert slow.should_load(64)
+    assert slow.decide(slow.prefers_load(64))

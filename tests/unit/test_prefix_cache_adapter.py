@@ -34,6 +34,12 @@ def prompt(start: int, chunks: int = 3, tail: int = 0) -> list[int]:
     return list(range(start, start + chunks * CHUNK + tail))
 
 
+def in_host_memory(h: Harness, tokens: list[int]) -> None:
+    """Serve ``tokens``, then push every chunk off the device into host memory."""
+    h.serve(tokens)
+    h.cache.evict(EvictParams(num_tokens=10**6))
+
+
 # ---------------------------------------------------------------- device tier
 def test_match_reports_whole_chunks_and_other_tenants_miss(make):
     h = make()
@@ -80,8 +86,7 @@ def test_matching_a_host_only_prefix_allocates_and_moves_nothing(make, layerwise
     match must not take device slots, copy KV or count a hit; only admission loads."""
     h = make(host_slots=16, layerwise=layerwise)
     tokens = prompt(0, 3)
-    h.serve(tokens)
-    h.cache.evict(EvictParams(num_tokens=10**6))  # demoted to host memory
+    in_host_memory(h, tokens)  # demoted to host memory
     assert h.cache.total_size() == 0 and h.state.tree.host_chunks == 3
     free, counters = h.allocator.available_size(), dict(vars(h.state.stats))
     for _ in range(3):
@@ -97,8 +102,7 @@ def test_matching_a_host_only_prefix_allocates_and_moves_nothing(make, layerwise
 def test_admission_loads_the_host_hit_and_counts_it_once(make):
     h = make(host_slots=16, layerwise="load")
     tokens = prompt(0, 3)
-    h.serve(tokens)
-    h.cache.evict(EvictParams(num_tokens=10**6))
+    in_host_memory(h, tokens)
     req = h.request(tokens + [7])
     for _ in range(3):  # matched in three passes before one admits it
         h.match(tokens + [7], req)
@@ -115,8 +119,7 @@ def test_admission_loads_the_host_hit_and_counts_it_once(make):
 def test_a_load_that_cannot_get_device_slots_loads_nothing(make):
     h = make(host_slots=16, pool=16)
     tokens = prompt(0, 3)
-    h.serve(tokens)
-    h.cache.evict(EvictParams(num_tokens=10**6))
+    in_host_memory(h, tokens)
     hog = h.allocator.alloc(12)  # another request's KV: only 4 slots left
     req = h.request(tokens + [7])
     assert h.admit(req) == (0, 0)  # all or nothing: the request recomputes
@@ -128,8 +131,7 @@ def test_a_load_that_cannot_get_device_slots_loads_nothing(make):
 def test_freeing_a_chunk_whose_load_has_not_landed_finishes_the_load_first(make):
     h = make(host_slots=16, layerwise="load")
     tokens = prompt(0, 2)
-    h.serve(tokens)
-    h.cache.evict(EvictParams(num_tokens=10**6))
+    in_host_memory(h, tokens)
     req = h.request(tokens + [1])
     h.admit(req)
     slots = h.cache.path_device_indices(req.last_node).clone()
@@ -144,13 +146,68 @@ def test_freeing_a_chunk_whose_load_has_not_landed_finishes_the_load_first(make)
 def test_host_hits_come_back_with_their_kv_in_every_layerwise_mode(make, layerwise):
     h = make(host_slots=16, layerwise=layerwise)
     tokens = prompt(0, 3, tail=1)
-    h.serve(tokens)
-    h.cache.evict(EvictParams(num_tokens=10**6))
+    in_host_memory(h, tokens)
     req, slots = h.serve(tokens, "again")
     assert req.cached_tokens_host == 12
     h.assert_kv(tokens, slots)
     h.step()
     assert h.state.tree.check_invariants().locked_chunks == 0
+    h.check()
+
+
+def test_a_slot_reused_within_one_eviction_holds_its_last_owners_kv(make):
+    """Evicting a 4-chunk chain into 2 host slots demotes chunk 4 into slot A and 3 into
+    B, then evicts 4 from host memory to give A to chunk 2, and 3 to give B to chunk 1.
+    The copy engine must see each slot once, with its last owner (a batched copy naming a
+    slot twice races: the server once kept chunk 4's bytes for chunk 2); the chunks that
+    left host memory within the same eviction are not copied at all."""
+    h = make(host_slots=2, layerwise="off")
+    tokens = prompt(0, 4)
+    h.serve(tokens)
+    seen = []
+    engine = h.scheduler.engine
+    copy = engine.copy_to_host
+
+    def spy(device_slots, host_slots):
+        seen.append(list(host_slots))
+        return copy(device_slots, host_slots)
+
+    engine.copy_to_host = spy
+    h.cache.evict(EvictParams(num_tokens=10**6))
+    assert seen and all(len(s) == len(set(s)) for s in seen), seen
+    assert seen == [[seen[0][0], seen[0][1]]] and h.state.tree.host_chunks == 2
+    assert h.state.stats.demoted_chunks == 2 and h.state.stats.host_evicted_chunks == 2
+    req, slots = h.serve(tokens[: 2 * CHUNK] + [7], "again")  # chunks 1 and 2 come back from host memory
+    assert req.cached_tokens_host == 2 * CHUNK
+    h.assert_kv(tokens, slots)
+    h.check()
+
+
+@pytest.mark.parametrize("layerwise", ["offload", "both"])
+def test_new_chunks_are_offloaded_during_their_own_batch_and_adopted_at_the_checkpoint(make, layerwise):
+    h = make(host_slots=16, layerwise=layerwise)
+    tokens = prompt(0, 3, tail=1)
+    h.serve_offloaded(tokens)
+    stats = h.state.stats
+    assert stats.offloaded_chunks == 3 and h.state.tree.host_chunks == 3
+    assert h.state.slots.counts()["reserved"] == 0
+    h.cache.evict(EvictParams(num_tokens=10**6))  # already in host memory: nothing to copy
+    assert stats.demoted_chunks == 0 and h.state.tree.host_chunks == 3
+    req, slots = h.serve(tokens, "again")
+    assert req.cached_tokens_host == 12
+    h.assert_kv(tokens, slots)  # the offloaded bytes are the forward's
+    h.check()
+
+
+def test_an_offload_whose_batch_did_not_run_is_not_adopted(make):
+    """A planned offload runs only in a batch containing its request: if another batch
+    ran, the chunk is not marked host-resident (its slot held nothing of it)."""
+    h = make(host_slots=16, layerwise="offload")
+    tokens = prompt(0, 2, tail=1)
+    h.serve_offloaded(tokens, run_in_batch_of=["someone-else"])
+    assert h.state.stats.offloaded_chunks == 0 and h.state.tree.host_chunks == 0
+    assert h.state.slots.num_free == h.state.slots.num_slots  # the reserved slots came back
+    assert h.scheduler.engine.planned_offloads == 0
     h.check()
 
 
@@ -408,3 +465,27 @@ def test_reads_and_writes_of_a_reset_tree_release_their_slots_when_they_complete
     h.drain_io()
     assert h.state.slots.num_free == h.state.slots.num_slots
     h.check()
+
+
+def test_when_the_ranks_disagree_waiting_requests_are_admitted_and_nothing_more_is_read(make, tmp_path,
+                                                                                       monkeypatch):
+    """An agreement that finds the ranks inconsistent stops the SSD tier on every rank:
+    requests waiting for reads must be admitted (to recompute), not held forever."""
+    from pcr_sglang.core.agreement import Agreed
+    from pcr_sglang.sglang_adapter import scheduler_side
+
+    tokens = prompt(100)
+    h = make(host_slots=6, ssd_path=tmp_path / "ssd")
+    persisted(h, [tokens, prompt(200), prompt(300)])
+    req = h.request(tokens + [0])
+    os.kill(h.scheduler.io.pid, signal.SIGSTOP)
+    try:
+        assert not h.scheduler.consider(req)  # held for its reads
+        monkeypatch.setattr(scheduler_side, "agree",
+                            lambda view, reduce_min: Agreed(False, False, consistent=False, error="test"))
+        h.step([req])
+        assert h.scheduler.broken == "test" and not h.state.io_healthy
+        assert h.scheduler.consider(req)  # admitted now, to recompute
+        assert h.scheduler.consider(h.request(prompt(200) + [0], "other"))  # and nobody else waits
+    finally:
+        os.kill(h.scheduler.io.pid, signal.SIGCONT)

@@ -55,15 +55,21 @@ def docs_in_host_memory(h: Harness) -> tuple[list[int], list[int]]:
     return a, b
 
 
+@pytest.mark.parametrize("priority", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_priority_passes_over_the_queue_move_no_kv(harness, policy):
+def test_every_policy_matches_without_moving_kv_and_admits_with_one_load_per_chain(harness, policy, priority):
+    """Three scheduling passes (the cache-aware policies match every waiting request in
+    each), then the adder's loop as SGLang runs it: each request matched again, then
+    admitted; a host-only chain is loaded once, by the first request that needs it."""
     h = harness
     a, b = docs_in_host_memory(h)
     waiting = [real_req(f"r{i}", (a if i % 2 else b) + [1000 + i]) for i in range(6)]
+    for i, req in enumerate(waiting):
+        req.priority = i % 3
     free, counters = h.allocator.available_size(), dict(vars(h.state.stats))
-    schedule = SchedulePolicy(policy, h.cache, enable_hierarchical_cache=False, enable_priority_scheduling=False,
+    schedule = SchedulePolicy(policy, h.cache, enable_hierarchical_cache=False, enable_priority_scheduling=priority,
                               schedule_low_priority_values_first=False)
-    for _ in range(3):  # three scheduling passes
+    for _ in range(3):
         schedule.calc_priority(waiting, None)
     assert sorted(r.rid for r in waiting) == [f"r{i}" for i in range(6)]
     assert h.allocator.available_size() == free and vars(h.state.stats) == counters
@@ -72,6 +78,17 @@ def test_priority_passes_over_the_queue_move_no_kv(harness, policy):
         assert {r.host_hit_length for r in waiting} == {len(a), len(b)}  # they see the host hits
     if policy == "lpm":
         assert [r.num_matched_prefix_tokens for r in waiting] == [12, 12, 12, 8, 8, 8]
+    adder = PrefillAdder(1, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 10_000, None)
+    for req in waiting:
+        req.init_next_round_input(h.cache)
+        assert adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None) == AddReqResult.CONTINUE
+    assert len(adder.can_run_list) == 6
+    assert free - h.allocator.available_size() == len(a) + len(b)  # each chain loaded once
+    for req in waiting:
+        doc = a if len(req.origin_input_ids) == len(a) + 1 else b
+        assert req.prefix_len == len(doc)
+        h.assert_kv(doc, h.cache.prefix_device_indices(req))
+        h.cache.unlock(req.lock)
     h.check()
 
 
@@ -126,3 +143,21 @@ def test_a_rejected_candidate_moves_no_kv_and_holds_no_slot(harness):
     assert h.state.stats.bytes_host_to_device == 0 and h.state.tree.locked_chunks == 0
     h.allocator.free(hog)
     h.check()
+
+
+def test_a_request_waiting_for_its_reads_preempts_nobody():
+    """With priority preemption SGLang retracts running requests before it tries to add
+    the candidate: not for a candidate PCR will hold back for its SSD reads."""
+    from types import SimpleNamespace
+
+    from pcr_sglang import plugin
+    from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
+
+    calls = []
+    cache = PCRPrefixCache.__new__(PCRPrefixCache)
+    cache.scheduler = SimpleNamespace(consider=lambda req: req.rid != "held")
+    adder = SimpleNamespace(tree_cache=cache)
+    original = lambda adder, req: calls.append(req.rid) or True  # noqa: E731
+    assert plugin._preempt_to_schedule(original, adder, SimpleNamespace(rid="held")) is False
+    assert plugin._preempt_to_schedule(original, adder, SimpleNamespace(rid="ready")) is True
+    assert calls == ["ready"]

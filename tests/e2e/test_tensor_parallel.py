@@ -1,0 +1,61 @@
+"""A real ``--tp 2`` server on CPU with PCR's host and SSD tiers, one rank's reads late.
+
+Each rank has its own I/O process, store and clock, and rank 1's reads arrive late (the
+I/O worker's test knob): every decision that sets a prefix length must still be the same
+on both ranks, or the ranks' collectives would mismatch. Checked three ways: outputs
+equal the TP 2 no-cache baseline token for token, the SSD tier was used, and the ranks'
+digests of admitted prefix lengths never differed (``/server_info``'s ``tp`` section)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pcr_sglang.launcher import ServerProcess
+from tests.conftest import CHUNK_SIZE
+from tests.e2e.helpers import GREEDY, generate_greedy, serving, wait_for_write_back
+
+pytestmark = pytest.mark.e2e
+
+# Two ranks on two cores: each rank's OpenMP threads on a core of its own, and an explicit
+# KV pool size (SGLang's CPU sizing would refuse a rank, or be OOM-killed, without one).
+TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+TP_ARGS = ("--tp", "2", "--max-total-tokens", "2600", "--context-length", "2048", "--log-level", "warning",
+           "--sleep-on-idle")
+PROMPTS = 16
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory):
+    baseline = ServerProcess(tiny_model, (*TP_ARGS, "--disable-radix-cache"), env=TP_ENV)
+    # Host memory of ~100 chunks per rank for a working set of ~500: most reuse is from SSD.
+    pcr = ServerProcess(
+        tiny_model,
+        (*TP_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.003",
+         "--pcr-ssd-path", str(tmp_path_factory.mktemp("pcr-tp") / "store"), "--pcr-ssd-gb", "0.5",
+         "--pcr-ssd-reserve-gb", "0", "--enable-metrics"),
+        env={**TP_ENV, "PCR_IO_TEST_FAULTS": '{"tp_ranks": [1], "read_delay_s": 0.002}'},
+    )
+    everything = {"baseline": baseline, "pcr": pcr}
+    with serving(everything, start_first=("pcr",)):
+        yield everything
+
+
+def test_tp2_with_host_and_ssd_tiers_matches_the_tp2_baseline_and_the_ranks_agree(servers, rag_prompt_ids):
+    prompts = rag_prompt_ids[:PROMPTS]
+    baseline = [ids for ids, _ in generate_greedy(servers["baseline"], prompts)]
+    server = servers["pcr"]
+    first = generate_greedy(server, prompts, concurrency=4)
+    assert [ids for ids, _ in first] == baseline
+    wait_for_write_back(server)
+    replays = [server.generate({"input_ids": p, "sampling_params": GREEDY}) for p in prompts[:8]]
+    assert [r["output_ids"] for r in replays] == baseline[:8]
+    storage = sum((r["meta_info"].get("cached_tokens_details") or {}).get("storage", 0) for r in replays)
+    assert storage > 0  # read back from SSD, with rank 1's reads late
+    state = server.pcr_state()
+    tp = state["tp"]
+    assert tp["size"] == 2 and tp["agreement_rounds"] > 0
+    assert tp["prefix_digest_mismatches"] == 0 and tp["inconsistent"] is None, tp
+    ssd = state["ssd"]["counters"]
+    assert ssd["written_chunks"] > 0 and ssd["hit_chunks"] > 0 and ssd["read_failures"] == 0
+    assert state["invariants"]["ok"] and state["tree"]["locked_chunks"] == 0
+    assert all(c % CHUNK_SIZE == 0 for _, c in first)
