@@ -226,7 +226,7 @@ class ServerProcess:
         _wait_gone(children, timeout_s=15)
         from pcr_sglang.tiers.host_pool import remove_stale_segments
 
-        remove_stale_segments()
+        remove_stale_segments(expected=True)
 
     def __enter__(self) -> ServerProcess:
         return self.start()

@@ -62,13 +62,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
+def remove_stale_segments(shm_dir: str = "/dev/shm", *, expected: bool = False) -> list[str]:
     """Unlink host pools left behind by processes that died without closing them.
 
     A server killed with SIGKILL never runs its exit handlers, and a POSIX shared-memory
     segment outlives its creator: without this sweep every crash would leak a pool's
     worth of memory. Pool names carry the creator's pid, so a segment whose creator is
-    gone is garbage.
+    gone is garbage. ``expected``: the caller has just stopped a server (SGLang kills its
+    scheduler with SIGKILL), so finding its pool is no news and is logged at INFO.
     """
     removed = []
     try:
@@ -87,7 +88,8 @@ def remove_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
         except OSError:
             continue
     if removed:
-        logger.warning("Removed %d host pool(s) left by dead processes: %s", len(removed), removed)
+        logger.log(logging.INFO if expected else logging.WARNING,
+                   "Removed %d host pool(s) left by dead processes: %s", len(removed), removed)
     return removed
 
 
