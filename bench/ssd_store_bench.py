@@ -1,16 +1,18 @@
-"""SSD store layouts side by side: one file per chunk (what PCR uses) against a slab.
+"""SSD store on one disk: durability modes, record MACs, and layouts, against ``dd``.
 
-Both are crash-consistent in the same sense (a chunk is readable only once complete and
-durable):
-
-* ``file-per-chunk`` is :class:`~pcr_sglang.tiers.ssd_store.ChunkFileStore` itself:
-  write a temporary file, fsync, rename, fsync the directory; read = open + one read
-  (checksum verified);
+* ``file-per-chunk`` is :class:`~pcr_sglang.tiers.ssd_store.ChunkFileStore` itself, in
+  each ``--pcr-ssd-durability`` mode: ``record`` (temp file, fsync, rename, directory
+  fsync per record), ``batch`` (16 records written, then their fsyncs, renames and one
+  fsync per directory) and ``none`` (no fsync); read = open + one read, MAC verified;
 * ``slab`` is the alternative design: fixed-size records in one preallocated file,
   ``pwrite`` at the record's offset + fsync, then an index entry appended + fsync
-  (the publish step); read = one ``pread`` at the offset (same checksum work).
+  (the publish step); read = one ``pread`` at the offset (same checksum work);
+* ``dd oflag=direct`` writes the same bytes in chunk-sized blocks with direct I/O and a
+  final fsync: what the disk itself sustains, the yardstick for the store's writes;
+* the hashes a record could be authenticated with: XXH3-128 (not a MAC), keyed BLAKE2b,
+  HMAC-SHA256 and keyed BLAKE3 over the payload, and a keyed BLAKE2b of the header only.
 
-Prints MiB/s and microseconds per chunk for writes and reads, for chunk sizes around
+Prints MiB/s for writes and reads (total bytes over total time), for chunk sizes around
 those PCR produces (the bench model's chunks and a Llama-3-8B chunk), on the disk that
 holds ``--dir``. Reads after writing hit the page cache unless ``--drop-caches``
 (root only) empties it first.
@@ -21,13 +23,16 @@ Usage: python bench/ssd_store_bench.py [--dir /path/on/ssd] [--chunks 64]
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import os
 import shutil
-import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+import blake3
 import xxhash
 
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
@@ -67,29 +72,63 @@ class Slab:
         xxhash.xxh3_128(out).digest()
 
 
-def timed(fn, count: int) -> list[float]:
-    samples = []
+def timed(fn, count: int) -> float:
+    """Seconds for ``fn(0) .. fn(count - 1)``."""
+    start = time.perf_counter()
     for i in range(count):
-        start = time.perf_counter()
         fn(i)
-        samples.append(time.perf_counter() - start)
-    return samples
+    return time.perf_counter() - start
+
+
+def dd_direct(path: Path, block_bytes: int, count: int) -> float | None:
+    """Seconds for ``dd`` to write ``count`` blocks with O_DIRECT and fsync; None where
+    the file system refuses direct I/O (tmpfs, some overlays)."""
+    start = time.perf_counter()
+    done = subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={block_bytes}", f"count={count}",
+                           "oflag=direct", "conv=fsync"], capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    path.unlink(missing_ok=True)
+    return elapsed if done.returncode == 0 else None
+
+
+def hash_rates(payload: bytes, repeat: int = 20) -> dict[str, float]:
+    """MiB/s of each way a record could be checked or authenticated."""
+    key = os.urandom(32)
+    header = os.urandom(136)
+    ways = {
+        "XXH3-128 (payload; not a MAC)": lambda: xxhash.xxh3_128(payload).digest(),
+        "keyed BLAKE2b (payload)": lambda: hashlib.blake2b(payload, key=key, digest_size=16).digest(),
+        "HMAC-SHA256 (payload)": lambda: hmac.digest(key, payload, "sha256"),
+        "keyed BLAKE3 (payload)": lambda: blake3.blake3(payload, key=key).digest(16),
+        "keyed BLAKE2b (header only)": lambda: hashlib.blake2b(header, key=key, digest_size=16).digest(),
+    }
+    mib = len(payload) / 2**20
+    return {name: mib * repeat / timed(lambda _: fn(), repeat) for name, fn in ways.items()}
 
 
 def run_shape(label: str, layout: HostChunkLayout, root: Path, chunks: int, cold: bool) -> None:
     payload = os.urandom(layout.slot_bytes)
     out = bytearray(layout.slot_bytes)
     mib = layout.slot_bytes / 2**20
+    total = mib * chunks
     print(f"\n{label}: {mib:.2f} MiB per chunk, {chunks} chunks")
-    results = {}
-    store = ChunkFileStore(root / "files", bytes(16), layout, "bench", capacity_bytes=1 << 40,
-                           low_watermark_bytes=0)
     keys = [i.to_bytes(16, "little") for i in range(chunks)]
-    w = timed(lambda i: store.write(keys[i], bytes(16), 1, layout.chunk_size, payload), chunks)
-    if cold:
-        drop_caches()
-    r = timed(lambda i: store.read_into(keys[i], out), chunks)
-    results["file-per-chunk"] = (w, r)
+    for durability in ("record", "batch", "none"):
+        store = ChunkFileStore(root / f"files-{durability}", bytes(16), layout, "bench", capacity_bytes=None,
+                               low_watermark_bytes=0, durability=durability)
+
+        def write(i: int) -> None:
+            store.write(keys[i], bytes(16), 1, layout.chunk_size, payload)
+            if durability == "batch" and (store.pending_writes >= 16 or i == chunks - 1):
+                store.flush()
+
+        w = timed(write, chunks)
+        if cold:
+            drop_caches()
+        r = timed(lambda i: store.read_into(keys[i], out), chunks)
+        assert store.stats.read_chunks == chunks
+        store.close()
+        print(f"  file-per-chunk, durability {durability:6}  write {total / w:8.1f} MiB/s   read {total / r:8.1f} MiB/s")
     slab_dir = root / "slab"
     slab_dir.mkdir()
     slab = Slab(slab_dir, layout.slot_bytes, chunks)
@@ -97,10 +136,11 @@ def run_shape(label: str, layout: HostChunkLayout, root: Path, chunks: int, cold
     if cold:
         drop_caches()
     r = timed(lambda i: slab.read(i, out), chunks)
-    results["slab"] = (w, r)
-    for name, (w, r) in results.items():
-        print(f"  {name:15} write {mib / statistics.median(w):8.1f} MiB/s ({statistics.median(w) * 1e6:8.0f} us/chunk)"
-              f"   read {mib / statistics.median(r):8.1f} MiB/s ({statistics.median(r) * 1e6:8.0f} us/chunk)")
+    print(f"  slab (pwrite+fsync, index+fsync)  write {total / w:8.1f} MiB/s   read {total / r:8.1f} MiB/s")
+    d = dd_direct(root / "dd.bin", layout.slot_bytes, chunks)
+    print(f"  dd oflag=direct conv=fsync        write " + (f"{total / d:8.1f} MiB/s" if d else "  (no direct I/O here)"))
+    for name, rate in hash_rates(payload).items():
+        print(f"  hash {name:32} {rate:9.1f} MiB/s on one core")
 
 
 def main() -> None:

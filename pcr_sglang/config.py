@@ -16,8 +16,10 @@ from pcr_sglang.server_args_fields import (
     DEFAULT_LOOKAHEAD_WINDOW,
     DEFAULT_PREFETCH_BUDGET_MB,
     DEFAULT_PREFETCH_WINDOW,
+    DEFAULT_SSD_DURABILITY,
     DEFAULT_SSD_WRITE,
     LAYERWISE_CHOICES,
+    SSD_DURABILITY_CHOICES,
     SSD_WRITE_CHOICES,
 )
 
@@ -39,6 +41,7 @@ class PCRConfig:
     ssd_gb: float = 0.0
     ssd_reserve_gb: float = 1.0
     ssd_write: str = DEFAULT_SSD_WRITE
+    ssd_durability: str = DEFAULT_SSD_DURABILITY
     prefetch_window: int = DEFAULT_PREFETCH_WINDOW
     prefetch_budget_mb: int = DEFAULT_PREFETCH_BUDGET_MB
 
@@ -54,6 +57,7 @@ class PCRConfig:
             ssd_gb=getattr(args, "pcr_ssd_gb", 0.0),
             ssd_reserve_gb=getattr(args, "pcr_ssd_reserve_gb", 1.0),
             ssd_write=getattr(args, "pcr_ssd_write", DEFAULT_SSD_WRITE),
+            ssd_durability=getattr(args, "pcr_ssd_durability", DEFAULT_SSD_DURABILITY),
             prefetch_window=getattr(args, "pcr_prefetch_window", DEFAULT_PREFETCH_WINDOW),
             prefetch_budget_mb=getattr(args, "pcr_prefetch_budget_mb", DEFAULT_PREFETCH_BUDGET_MB),
         )
@@ -107,6 +111,11 @@ class PCRConfig:
         if self.ssd_write not in SSD_WRITE_CHOICES:
             raise PCRConfigError(
                 f"--pcr-ssd-write must be one of {', '.join(SSD_WRITE_CHOICES)}, got {self.ssd_write!r}"
+            )
+        if self.ssd_durability not in SSD_DURABILITY_CHOICES:
+            raise PCRConfigError(
+                f"--pcr-ssd-durability must be one of {', '.join(SSD_DURABILITY_CHOICES)}, "
+                f"got {self.ssd_durability!r}"
             )
         if page_size > 0 and self.chunk_size % page_size != 0:
             raise PCRConfigError(

@@ -27,6 +27,9 @@ LAYERWISE_CHOICES = ["off", "load", "offload", "both"]
 DEFAULT_LAYERWISE = "both"
 SSD_WRITE_CHOICES = ["through", "on-evict"]
 DEFAULT_SSD_WRITE = "through"
+SSD_DURABILITY_CHOICES = ["record", "batch", "none"]
+# From bench/ssd_store_bench.py (see bench/README.md).
+DEFAULT_SSD_DURABILITY = "record"
 # From bench/prefetch_sweep.py (see bench/README.md).
 DEFAULT_PREFETCH_WINDOW = 16
 DEFAULT_PREFETCH_BUDGET_MB = 256
@@ -99,11 +102,14 @@ class Pcr(msgspec.Struct):
         Optional[str],
         Arg(
             help=(
-                "Directory of PCR's SSD tier (created 0700 if missing; several servers may "
-                "share it: chunks are namespaced by model, KV dtype, layout, chunk size, TP "
-                "rank and cache salt). Chunks leaving host memory persist there, come back "
-                "on a hit and survive restarts. Needs --pcr-ssd-gb and --pcr-dram-gb. "
-                "Inspect it with: python -m pcr_sglang.store usage DIR."
+                "Directory of PCR's SSD tier (created 0700 if missing; an existing one is never "
+                "chmod-ed and is refused if other users may write it, unless it is sticky like "
+                "/tmp). Several servers may share it: each writes only its own writer slot, "
+                "reads the others', and serves only records authenticated with the store's "
+                "key; chunks are namespaced by model, KV dtype, layout, chunk size, TP rank and "
+                "cache salt. Chunks leaving host memory persist there, come back on a hit and "
+                "survive restarts. Needs --pcr-ssd-gb and --pcr-dram-gb. Inspect it with: "
+                "python -m pcr_sglang.store usage DIR."
             )
         ),
     ] = None
@@ -163,3 +169,19 @@ class Pcr(msgspec.Struct):
             choices=SSD_WRITE_CHOICES,
         ),
     ] = DEFAULT_SSD_WRITE
+    pcr_ssd_durability: A[
+        str,
+        Arg(
+            help=(
+                "When a chunk written to the SSD tier counts as stored: 'record' (its file and "
+                "directory are fsynced before the write completes: a power cut loses no chunk "
+                "the cache counts on), 'batch' (up to 16 queued writes share their directory "
+                "fsyncs, then complete together) or 'none' (no fsync: a power cut may lose recent "
+                "chunks; whatever it tore fails verification and is recomputed, never served). "
+                "'record' is the default because in bench/ssd_store_bench.py 'batch' wrote no "
+                "faster and 'none' gains only page-cache speed at the cost of that promise. "
+                f"Default: {DEFAULT_SSD_DURABILITY}."
+            ),
+            choices=SSD_DURABILITY_CHOICES,
+        ),
+    ] = DEFAULT_SSD_DURABILITY

@@ -98,3 +98,8 @@ class WorkerConfig(msgspec.Struct):
     replies_endpoint: str
     parent_pid: int
     tp_rank: int = 0  # which rank's process this is (logs, and the test fault knob)
+    # The scheduler's writer slot in the store, whose lease descriptor ``lease_fd`` the I/O
+    # process inherits (so the lease lives while either process lives); "": take one.
+    writer_slot: str = ""
+    lease_fd: int = -1
+    durability: str = "record"  # --pcr-ssd-durability

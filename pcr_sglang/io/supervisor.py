@@ -71,6 +71,9 @@ class IOSupervisor:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "pcr_sglang.io.worker", msgspec.msgpack.encode(self.config).hex()],
             stdin=subprocess.DEVNULL,
+            # The store's writer lease: held by the I/O process too, so a peer starting on
+            # the directory never takes over the slot while this process still writes.
+            pass_fds=(self.config.lease_fd,) if self.config.lease_fd >= 0 else (),
         )
         self._enter(_Phase.STARTING)
         self._last_heard = self._since

@@ -14,9 +14,10 @@ sends that signal when the parent *thread* that spawned the process exits, which
 kill the I/O process whenever a helper thread built the cache.
 
 Test knob: ``PCR_IO_TEST_FAULTS`` (JSON, e.g. ``{"tp_ranks": [1], "read_delay_s": 2}``,
-``{"fail_reads": true}`` or ``{"fail_writes": true}``) makes the processes of the listed
-TP ranks (all ranks when absent) delay or fail their reads, or fail their writes as a
-full disk would, so tests can make one rank's reads arrive late or fail. It is read once
+``{"fail_reads": true}``, ``{"fail_writes": true}`` or ``{"write_delay_s": 0.2}``) makes
+the processes of the listed TP ranks (all ranks when absent) delay or fail their reads,
+fail their writes as a full disk would, or hold each record in its temp file before the
+rename, so tests can make one rank's reads arrive late or fail, or kill mid-write. It is read once
 at start and logged; never set it in production.
 """
 
@@ -48,12 +49,16 @@ from pcr_sglang.io.protocol import (
     order_decoder,
     reply_encoder,
 )
+from pcr_sglang.tiers.fileops import FileOps
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
 from pcr_sglang.transfer.layout import HostChunkLayout
 
 logger = logging.getLogger(__name__)
 
 FAULTS_ENV = "PCR_IO_TEST_FAULTS"
+# Batch durability: at most this many written records wait for their group fsync (a
+# group also ends whenever the write queue is empty, so a lone write is never held).
+BATCH_RECORDS = 16
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,9 @@ class TestFaults:
     read_delay_s: float = 0.0
     fail_reads: bool = False
     fail_writes: bool = False
+    # Each record waits this long, complete in its temp file, before its rename: a kill
+    # then lands mid-write (the crash tests check a write really was cut off).
+    write_delay_s: float = 0.0
 
     @classmethod
     def from_env(cls, tp_rank: int) -> Optional[TestFaults]:
@@ -72,9 +80,20 @@ class TestFaults:
         if ranks is not None and tp_rank not in ranks:
             return None
         faults = cls(float(spec.get("read_delay_s", 0.0)), bool(spec.get("fail_reads", False)),
-                     bool(spec.get("fail_writes", False)))
+                     bool(spec.get("fail_writes", False)), float(spec.get("write_delay_s", 0.0)))
         logger.warning("PCR I/O process of TP rank %d: test faults %s (%s)", tp_rank, faults, FAULTS_ENV)
         return faults
+
+
+class _DelayedRenames(FileOps):
+    """The store's file operations with a pause before each rename (``write_delay_s``)."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+    def rename(self, src: str, dst: str) -> None:
+        time.sleep(self.delay_s)
+        super().rename(src, dst)
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -89,10 +108,15 @@ class Worker:
         self.config = config
         layout = HostChunkLayout(config.num_slots, config.num_layers, config.chunk_size, config.row_bytes)
         self.slot_bytes = layout.slot_bytes
+        self.faults = TestFaults.from_env(config.tp_rank)
+        delayed = self.faults is not None and self.faults.write_delay_s > 0
         self.store = ChunkFileStore(config.store_root, bytes.fromhex(config.namespace_hex), layout,
                                     config.dtype, capacity_bytes=None,
-                                    low_watermark_bytes=config.reserve_bytes)
-        self.faults = TestFaults.from_env(config.tp_rank)
+                                    low_watermark_bytes=config.reserve_bytes,
+                                    durability=config.durability, slot=config.writer_slot or None,
+                                    fileops=_DelayedRenames(self.faults.write_delay_s) if delayed else None)
+        # Batch durability: (key, completion) of writes acknowledged after the group fsync.
+        self._unsynced: list[tuple[bytes, Done]] = []
         self.shm = _attach(config.shm_name)
         self.ctx = zmq.Context()
         self.orders = self.ctx.socket(zmq.PULL)
@@ -119,25 +143,61 @@ class Worker:
             if isinstance(order, WriteChunk):
                 if self.faults is not None and self.faults.fail_writes:
                     raise OSError(errno.ENOSPC, "test fault: no space left on device")
+                self._supersede(order.key, "rewritten before its fsync")  # the store drops the older one
                 self.store.write(order.key, order.parent_key, order.depth, order.num_tokens,
                                  self.slot(order.host_slot))
-                return Done(order.seq, IoOutcome.OK, seconds=time.perf_counter() - start)
+                done = Done(order.seq, IoOutcome.OK, seconds=time.perf_counter() - start)
+                if self.store.pending_writes:  # batch durability: not durable yet
+                    self._unsynced.append((order.key, done))
+                    return None
+                return done
             self.store.delete(order.key)  # DeleteChunk: not acknowledged
+            self._supersede(order.key, "deleted before its fsync")
             return None
         except OSError as e:
             if isinstance(order, DeleteChunk):
                 return None
             return Done(order.seq, IoOutcome.BAD, str(e), e.errno or 0, time.perf_counter() - start)
 
+    def _supersede(self, key: bytes, why: str) -> None:
+        """A held (batch) write of ``key`` whose record the store drops before it became
+        durable is answered cancelled, never OK."""
+        for i, (held_key, held) in enumerate(self._unsynced):
+            if held_key == key and held.outcome == IoOutcome.OK:
+                self._unsynced[i] = (key, Done(held.seq, IoOutcome.CANCELLED, why))
+
+    def flush(self) -> None:
+        """Batch durability: make the held writes durable, then acknowledge them (all of
+        them failed if the group fsync failed; OK only for a record the flush made durable)."""
+        held, self._unsynced = self._unsynced, []
+        if not held:
+            return
+        start = time.perf_counter()
+        try:
+            durable = set(self.store.flush())
+            replies = [d if d.outcome != IoOutcome.OK or key in durable
+                       else Done(d.seq, IoOutcome.CANCELLED, "not made durable by the flush")
+                       for key, d in held]
+        except OSError as e:
+            replies = [Done(d.seq, IoOutcome.BAD, str(e), e.errno or 0) if d.outcome == IoOutcome.OK else d
+                       for _, d in held]
+        share = (time.perf_counter() - start) / len(held)
+        for done in replies:
+            done.seconds += share
+            self.replies.send(reply_encoder.encode(done))
+
     def reorder(self, request: Reorder, urgent: collections.deque, reads: collections.deque) -> None:
-        for order in reads:
-            if isinstance(order, ReadChunk) and order.seq == request.target:
-                reads.remove(order)
-                if request.cancel:
-                    self.replies.send(reply_encoder.encode(Done(order.seq, IoOutcome.CANCELLED, "cancelled")))
-                else:
-                    urgent.append(order)
-                return
+        """Expedite a queued prefetch read, or cancel a queued read (a read that a request
+        waited for is cancelled too once that request has gone)."""
+        for queue in ((reads, urgent) if request.cancel else (reads,)):
+            for order in queue:
+                if isinstance(order, ReadChunk) and order.seq == request.target:
+                    queue.remove(order)
+                    if request.cancel:
+                        self.replies.send(reply_encoder.encode(Done(order.seq, IoOutcome.CANCELLED, "cancelled")))
+                    else:
+                        urgent.append(order)
+                    return
 
     def run(self) -> None:
         self.replies.send(reply_encoder.encode(Hello(os.getpid())))
@@ -168,6 +228,8 @@ class Worker:
                 done = self.execute(queue.popleft())
                 if done is not None:
                     self.replies.send(reply_encoder.encode(done))
+                if self._unsynced and (not writes or len(self._unsynced) >= BATCH_RECORDS):
+                    self.flush()
             now = time.monotonic()
             if now - last_parent_check > 1.0:
                 last_parent_check = now

@@ -1,32 +1,51 @@
-"""ChunkFileStore: PCR's SSD tier, one file per chunk, crash-consistent and checksummed.
+"""ChunkFileStore: PCR's SSD tier, one file per chunk, authenticated, crash-safe, shareable.
 
-Layout of a store directory::
+Layout of a store directory (``--pcr-ssd-path``)::
 
-    DIR/                                  0700
-      <namespace digest hex>/             one per cache namespace (model, dtype, layout,
-        namespace.json                    chunk size, TP rank): what the digest stands for
-        <key hex[:2]>/<key hex>.chunk     0600: a header, then one host slot's bytes
+    DIR/                                    created 0700 if missing; never chmod-ed
+      <namespace digest hex>/               0700, ours: one per cache namespace (model,
+        namespace.json                      dtype, layout, chunk size, TP rank)
+        store.key                           0600: the namespace's 32-byte MAC key
+        w<N>/                               a writer slot: one live server at a time
+          lock                              its lease: flock()-ed by the server
+          <key hex[:2]>/<key hex>.chunk     0600: a header, then one host slot's bytes
 
-Why one file per chunk rather than slabs of fixed-size records: a chunk is a large record
-(every layer's K and V of ``chunk_size`` tokens: ~1.5 MiB for SmolLM2 with 32-token
-chunks, ~32 MiB for Llama-3-8B with 256), so each read or write is already one large
-sequential I/O and per-file costs (create, rename, unlink) are small beside it
-(``bench/ssd_store_bench.py`` measures both layouts). In exchange the file system does
-the allocation, a deleted chunk frees its space at once with no compaction, and crash
-consistency is the classic write-to-temp, fsync, rename: a record becomes visible under
-its final name only once it is complete and durable. A crash leaves at worst a ``.tmp``
-file, which the next open deletes.
+**Sharing.** Several servers (DP replicas, restarts, two models) may use one directory at
+once. A server writes only into its own writer slot, whose ``lock`` it holds with
+``flock(LOCK_EX)`` for its whole life; the I/O process inherits the descriptor, so the
+lease lives while either process does, and the kernel drops it when both are gone (even
+after kill -9, across pid namespaces and containers sharing the file system). Temp files
+carry the slot and a random token. At startup (:meth:`scan`) a server takes, one at a
+time, the leases of slots nobody holds (dead writers), deletes their temp files and
+adopts their records into its own slot; slots whose lease is held are never modified
+(except to drop a record that fails verification, which nobody can use). Reads look in
+the own slot first, then in the others': a live peer may delete its record at any time,
+which reads as a miss (the chunk is recomputed). :meth:`delete` (eviction) only ever
+unlinks in the own slot, so capacity decisions never delete a record another live
+server counts on. Records a peer writes after our start are found at our next start.
 
-Nothing read is trusted: the header carries a magic, the format version, the chunk's key
-and parent key, its depth, token count, namespace digest, layout and dtype, the payload
-length and an XXH3-128 digest of the payload, and its own digest. (XXH3 rather than
-BLAKE2b: these digests catch corruption, not forgery, and XXH3 hashes ~14 GB/s on one
-core against BLAKE2b's ~0.7, which would cap reads far below an NVMe drive's speed.) A
-record whose header does not verify is deleted when the store opens; a payload whose
-digest does not match is deleted when read, and the read reports a miss (the chunk is
-recomputed). Keys already
-fold in the namespace and the request's cache salt, and the header's namespace is checked
-too, so two servers or tenants sharing a directory never read each other's chunks.
+**Trust.** Every record carries a keyed BLAKE3 MAC of its header and one of its payload,
+under the namespace's ``store.key`` (created once: written, synced, then linked into place, 0600); a record is served
+only if both verify and the file is owned by this user, so only records written by
+servers holding this store's key are ever used: not ones planted by another user, copied
+from another deployment or edited. (BLAKE3 rather than XXH3 or BLAKE2b, from
+``bench/ssd_store_bench.py``: a keyed MAC must be a cryptographic hash, and BLAKE3 hashes
+2.3-5.5 GB/s on one core against keyed BLAKE2b's 0.45-0.77; a MAC of the header alone over an XXH3
+payload digest would be cheaper still, but XXH3 is not collision-resistant, so anyone who
+has read one genuine record could forge a payload behind its header.) The store root
+must be owned by us or root and, if group- or world-writable, sticky (as ``/tmp`` is);
+an existing namespace directory or key file must be ours and private; nothing existing
+is ever chmod-ed.
+
+**Durability** (``--pcr-ssd-durability``): ``record`` writes a temp file, fsyncs it,
+renames it to its final name and fsyncs the directory before acknowledging the write (a
+new ``<key[:2]>/`` directory is fsynced in its parent too); ``batch`` does the same for a
+group of records with one directory fsync per directory; ``none`` never fsyncs (a crash
+may lose or tear recent records, and verification on read refuses what it tore). In every
+mode a record becomes visible under its final name only once it is complete, and nothing
+that fails verification is served. The protocol is checked against the crash states POSIX
+allows after each of its operations (in the combinations that test enumerates) by
+``tests/unit/test_store_crash_states.py`` through :mod:`.fileops`.
 
 This module knows nothing of SGLang or the tree: the cache decides what to write, read
 and delete; the store moves bytes and keeps them honest.
@@ -38,36 +57,46 @@ import errno
 import json
 import logging
 import os
-import shutil
+import secrets
+import stat
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-import xxhash
+import blake3
 
+from pcr_sglang.tiers.fileops import FileOps
+from pcr_sglang.tiers.store_dir import (
+    NAMESPACE_FILE,
+    SLOT_RE,
+    SUFFIX,
+    TMP_SUFFIX,
+    SSDStoreError,
+    check_store_root,
+    load_key,
+    namespace_dir,
+    owned_private_dir,
+    slot_dirs,
+    subdirs,
+    take_slot,
+    try_lease,
+    unlink_quiet,
+)
+# The CLI's directory tools live beside the access rules; re-exported for pcr_sglang.store.
+from pcr_sglang.tiers.store_dir import KEY_FILE, NamespaceUsage, list_namespaces, purge_namespace  # noqa: F401
 from pcr_sglang.transfer.layout import HostChunkLayout
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PCRCHUNK"
-FORMAT_VERSION = 1
-SUFFIX = ".chunk"
-TMP_SUFFIX = ".tmp"
-NAMESPACE_FILE = "namespace.json"
-_DIGEST_BYTES = 16
+FORMAT_VERSION = 2
+DURABILITY_CHOICES = ("record", "batch", "none")
+_MAC_BYTES = 16
 # magic, version, header bytes, flags, key, parent key, namespace digest, depth,
-# num tokens, num layers, chunk size, row bytes, dtype, payload bytes, payload digest
+# num tokens, num layers, chunk size, row bytes, dtype, payload bytes, payload MAC
 _FIELDS = struct.Struct("<8sHHI16s16s16sIIIII16sQ16s")
-HEADER_BYTES = _FIELDS.size + _DIGEST_BYTES
-
-
-class SSDStoreError(RuntimeError):
-    """The store cannot be used as configured (bad path, permissions)."""
-
-
-def _digest(data) -> bytes:
-    return xxhash.xxh3_128(data).digest()
+HEADER_BYTES = _FIELDS.size + _MAC_BYTES
 
 
 @dataclass(frozen=True)
@@ -93,15 +122,8 @@ class StoreStats:
     read_errors: int = 0  # I/O errors on read (the chunk is dropped and recomputed)
     write_errors: int = 0  # ENOSPC/EIO and friends on write
     discarded_tmp_files: int = 0  # partial writes of a crashed process, deleted on open
-
-
-@dataclass(frozen=True)
-class NamespaceUsage:
-    digest_hex: str
-    description: dict
-    chunks: int
-    bytes: int
-    temp_files: int = 0
+    adopted_chunks: int = 0  # records of dead writers moved into our slot at startup
+    peer_chunks: int = 0  # records of live peers found at startup (readable, never deleted)
 
 
 @dataclass
@@ -110,49 +132,105 @@ class VerifyReport:
     bad: list[str] = field(default_factory=list)
 
 
+@dataclass
+class _Pending:
+    """A batch-mode record written to its temp file, not yet synced and renamed."""
+
+    key: bytes
+    fd: int
+    tmp: Path
+    final: Path
+
+
 class ChunkFileStore:
-    """The chunk files of one namespace under ``root``, within ``capacity_bytes``."""
+    """The chunk files of one namespace under ``root``, within ``capacity_bytes``.
+
+    ``slot`` None and ``read_only`` False: take a writer lease (a server's scheduler).
+    ``slot="w3"``: write into that slot, whose lease the caller's parent holds (the I/O
+    process). ``read_only``: no slot, no writes (the ``python -m pcr_sglang.store`` tools).
+    """
 
     def __init__(self, root: str | os.PathLike, namespace_digest: bytes, layout: HostChunkLayout,
                  dtype: str, capacity_bytes: Optional[int], *, namespace_description: Optional[dict] = None,
-                 low_watermark_bytes: int = 1 << 30):
-        if len(namespace_digest) != _DIGEST_BYTES:
+                 low_watermark_bytes: int = 1 << 30, durability: str = "record", slot: Optional[str] = None,
+                 read_only: bool = False, fileops: Optional[FileOps] = None):
+        if len(namespace_digest) != 16:
             raise ValueError("namespace digest must be 16 bytes")
+        if durability not in DURABILITY_CHOICES:
+            raise SSDStoreError(f"--pcr-ssd-durability must be one of {', '.join(DURABILITY_CHOICES)}, "
+                                f"got {durability!r}")
         self.root = Path(root)
         self.namespace = namespace_digest
         self.layout = layout
         self.dtype = dtype
+        self.durability = durability
+        self.read_only = read_only
+        self.ops = fileops or FileOps()
         self._dtype_field = dtype.encode()[:16].ljust(16, b"\0")
         self.low_watermark_bytes = low_watermark_bytes
         self.dir = self.root / namespace_digest.hex()
         self.record_bytes = HEADER_BYTES + layout.slot_bytes
         self.stats = StoreStats()
-        self._prepare_dirs(namespace_description or {})
+        self.slot: Optional[str] = None
+        self.lease_fd = -1
+        self._pending: list[_Pending] = []
+        self._token = secrets.token_hex(4)
+        self._counter = 0
+        self._peers: list[Path] = []
+        self._prepare(namespace_description or {}, slot)
         # None: this process only executes orders (the I/O process); the owner sizes the store.
         self.capacity_bytes = 0 if capacity_bytes is None else self._fit_capacity(capacity_bytes)
 
     # ------------------------------------------------------------------ setup
-    def _prepare_dirs(self, description: dict) -> None:
+    def _prepare(self, description: dict, slot: Optional[str]) -> None:
         parent = self.root.parent
         if not self.root.exists() and not parent.is_dir():
             raise SSDStoreError(f"--pcr-ssd-path {self.root}: parent directory {parent} does not exist")
         try:
-            self.root.mkdir(mode=0o700, exist_ok=True)
-            os.chmod(self.root, 0o700)
-            self.dir.mkdir(mode=0o700, exist_ok=True)
-            probe = self.dir / f".probe-{os.getpid()}{TMP_SUFFIX}"
-            with open(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-                f.write(b"ok")
-            probe.unlink()
+            if not self.read_only and self.ops.mkdir(str(self.root), 0o700):
+                self.ops.fsync_dir(str(parent))
+            check_store_root(self.root)
+            if not self.read_only and self.ops.mkdir(str(self.dir), 0o700):
+                self.ops.fsync_dir(str(self.root))
+            owned_private_dir(self.dir, "namespace directory")
+            self._key = load_key(self.dir, self.ops, create=not self.read_only)
+            meta = self.dir / NAMESPACE_FILE
+            if not self.read_only and not meta.exists():
+                self._write_durably(meta, json.dumps({"format_version": FORMAT_VERSION, "dtype": self.dtype,
+                                                      **description}, indent=1).encode())
+            if not self.read_only:
+                if slot is None:
+                    self.slot, self.lease_fd = take_slot(self.dir, self.ops)
+                else:
+                    if not SLOT_RE.fullmatch(slot):
+                        raise SSDStoreError(f"not a writer slot: {slot!r}")
+                    self.slot = slot
+                    owned_private_dir(self.own_dir, "writer slot")
+        except SSDStoreError:
+            raise
         except OSError as e:
             raise SSDStoreError(f"--pcr-ssd-path {self.root} is not a writable directory: {e}") from e
-        meta = self.dir / NAMESPACE_FILE
-        if not meta.exists():
-            self._atomic_write(meta, json.dumps({"format_version": FORMAT_VERSION, "dtype": self.dtype,
-                                                 **description}, indent=1).encode())
+        self._header_key = blake3.blake3(b"pcr-sglang record header", key=self._key).digest()
+        self._payload_key = blake3.blake3(b"pcr-sglang record payload", key=self._key).digest()
+
+    @property
+    def own_dir(self) -> Path:
+        assert self.slot is not None
+        return self.dir / self.slot
+
+    def close(self) -> None:
+        """Give up the lease (the I/O process keeps it while it lives)."""
+        for p in self._pending:
+            self.ops.close(p.fd)
+            unlink_quiet(p.tmp)
+        self._pending = []
+        if self.lease_fd >= 0:
+            os.close(self.lease_fd)
+            self.lease_fd = -1
 
     def _fit_capacity(self, requested: int) -> int:
-        free = self.free_disk_bytes() + self.used_bytes_on_disk()
+        # Only our own slot's files can be freed by our eviction: a live peer's never are.
+        free = self.free_disk_bytes() + self.used_bytes_on_disk(own_only=True)
         usable = max(free - self.low_watermark_bytes, 0)
         if requested > usable:
             logger.warning(
@@ -167,232 +245,394 @@ class ChunkFileStore:
         st = os.statvfs(self.dir)
         return st.f_bavail * st.f_frsize
 
-    def used_bytes_on_disk(self) -> int:
-        return sum(p.stat().st_size for p in self._chunk_files())
+    def used_bytes_on_disk(self, *, own_only: bool = False) -> int:
+        total = 0
+        for p in self._chunk_files(own_only=own_only):
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
 
     @property
     def capacity_chunks(self) -> int:
         return self.capacity_bytes // self.record_bytes
 
-    def _path(self, key: bytes) -> Path:
+    def _path(self, key: bytes, slot_dir: Optional[Path] = None) -> Path:
         text = key.hex()
-        return self.dir / text[:2] / f"{text}{SUFFIX}"
+        return (slot_dir or self.own_dir) / text[:2] / f"{text}{SUFFIX}"
 
-    def _chunk_files(self) -> Iterator[Path]:
-        for sub in self.dir.iterdir():
-            if sub.is_dir():
+    def _chunk_files(self, *, own_only: bool = False) -> Iterator[Path]:
+        dirs = ([self.own_dir] if self.slot is not None else []) if own_only else slot_dirs(self.dir)
+        for slot_dir in dirs:
+            for sub in subdirs(slot_dir):
                 yield from (p for p in sub.iterdir() if p.suffix == SUFFIX)
 
-    @staticmethod
-    def _fsync_dir(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
+    def _write_durably(self, path: Path, data) -> None:
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(8)}{TMP_SUFFIX}")
+        fd = self.ops.create(str(tmp))
         try:
-            os.fsync(fd)
+            self.ops.write_all(fd, data)
+            self.ops.fsync(fd)
         finally:
-            os.close(fd)
-
-    def _atomic_write(self, path: Path, data) -> None:
-        tmp = path.with_name(path.name + f".{os.getpid()}{TMP_SUFFIX}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with open(fd, "wb", closefd=True) as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, path)
-        except BaseException:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-            raise
-        self._fsync_dir(path.parent)
+            self.ops.close(fd)
+        self.ops.rename(str(tmp), str(path))
+        self.ops.fsync_dir(str(path.parent))
 
     # ------------------------------------------------------------------ records
+    def _mac(self, key: bytes, data) -> bytes:
+        return blake3.blake3(data, key=key).digest(_MAC_BYTES)
+
     def _header(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload) -> bytes:
         fields = _FIELDS.pack(
             MAGIC, FORMAT_VERSION, HEADER_BYTES, 0, key, parent_key, self.namespace, depth, num_tokens,
             self.layout.num_layers, self.layout.chunk_size, self.layout.row_bytes, self._dtype_field,
-            len(payload), _digest(payload),
+            len(payload), self._mac(self._payload_key, payload),
         )
-        return fields + _digest(fields)
+        return fields + self._mac(self._header_key, fields)
 
     def _parse_header(self, raw: bytes) -> Optional[ChunkRecord]:
-        """The record's header if it verifies and belongs to this namespace and layout."""
-        if len(raw) < HEADER_BYTES or _digest(raw[: _FIELDS.size]) != raw[_FIELDS.size:HEADER_BYTES]:
+        """The record's header if its MAC verifies and it belongs to this namespace and layout."""
+        if len(raw) < HEADER_BYTES or self._mac(self._header_key, raw[: _FIELDS.size]) != raw[_FIELDS.size:HEADER_BYTES]:
             return None
         (magic, version, header_bytes, _flags, key, parent_key, namespace, depth, num_tokens, num_layers,
-         chunk_size, row_bytes, dtype, payload_bytes, payload_digest) = _FIELDS.unpack_from(raw)
+         chunk_size, row_bytes, dtype, payload_bytes, payload_mac) = _FIELDS.unpack_from(raw)
         if (magic != MAGIC or version != FORMAT_VERSION or header_bytes != HEADER_BYTES
                 or namespace != self.namespace or dtype != self._dtype_field
                 or (num_layers, chunk_size, row_bytes) != (self.layout.num_layers, self.layout.chunk_size,
                                                            self.layout.row_bytes)
                 or payload_bytes != self.layout.slot_bytes or depth < 1):
             return None
-        return ChunkRecord(key, parent_key, depth, num_tokens, payload_bytes, payload_digest)
+        return ChunkRecord(key, parent_key, depth, num_tokens, payload_bytes, payload_mac)
+
+    def _check_writable(self) -> None:
+        if self.slot is None:
+            raise SSDStoreError(f"{self.dir} is open read-only")
 
     def write(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload) -> None:
-        """Persist one chunk: durable and complete before it is visible. Raises OSError
-        (ENOSPC when the store would cross the disk's low watermark)."""
+        """Persist one chunk into our slot, complete before it is visible; with ``record``
+        durability also durable when this returns (``batch``: after :meth:`flush`).
+        Raises OSError (ENOSPC when the store would cross the disk's low watermark)."""
+        self._check_writable()
         payload = memoryview(payload).cast("B")
         if len(payload) != self.layout.slot_bytes:
             raise ValueError(f"payload is {len(payload)} bytes, a chunk is {self.layout.slot_bytes}")
         if self.free_disk_bytes() - self.record_bytes < self.low_watermark_bytes:
             self.stats.write_errors += 1
             raise OSError(errno.ENOSPC, "free space below the store's low watermark", str(self.dir))
-        path = self._path(key)
+        final = self._path(key)
+        self._counter += 1
+        tmp = final.with_name(f"{key.hex()}.{self.slot}-{self._token}-{self._counter}{TMP_SUFFIX}")
+        fd = -1
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
-            self._atomic_write(path, self._header(key, parent_key, depth, num_tokens, payload) + payload)
+            if self.ops.mkdir(str(final.parent), 0o700) and self.durability != "none":
+                self.ops.fsync_dir(str(self.own_dir))  # the new <key[:2]>/ entry itself
+            self._drop_pending(key)
+            fd = self.ops.create(str(tmp))
+            self.ops.write_all(fd, self._header(key, parent_key, depth, num_tokens, payload))
+            self.ops.write_all(fd, payload)
+            if self.durability == "batch":
+                self._pending.append(_Pending(key, fd, tmp, final))
+                return
+            if self.durability == "record":
+                self.ops.fsync(fd)
+            self.ops.close(fd)
+            fd = -1
+            self.ops.rename(str(tmp), str(final))
+            if self.durability == "record":
+                self.ops.fsync_dir(str(final.parent))
         except OSError:
             self.stats.write_errors += 1
+            if fd >= 0:
+                self.ops.close(fd)
+            unlink_quiet(tmp)
             raise
         self.stats.written_chunks += 1
         self.stats.written_bytes += self.record_bytes
 
-    def read_into(self, key: bytes, out) -> bool:
-        """Read chunk ``key``'s payload into ``out`` (a writable buffer of one host slot).
+    @property
+    def pending_writes(self) -> int:
+        return len(self._pending)
 
-        Returns False, and deletes the record, when it is missing, unreadable, or fails
-        verification (wrong key, namespace, layout, length or payload digest): the
+    def flush(self) -> list[bytes]:
+        """``batch`` durability: fsync every pending record, rename them into place, fsync
+        each directory once; returns their keys, durable now. Raises OSError after
+        discarding the whole batch (the caller reports every write of it failed)."""
+        pending, self._pending = self._pending, []
+        dirs: set[str] = set()
+        try:
+            for i, p in enumerate(pending):
+                self.ops.fsync(p.fd)
+                self.ops.close(p.fd)
+                p.fd = -1
+                self.ops.rename(str(p.tmp), str(p.final))
+                dirs.add(str(p.final.parent))
+            for d in sorted(dirs):
+                self.ops.fsync_dir(d)
+        except OSError:
+            self.stats.write_errors += len(pending)
+            for p in pending:
+                if p.fd >= 0:
+                    self.ops.close(p.fd)
+                unlink_quiet(p.tmp)
+            raise
+        self.stats.written_chunks += len(pending)
+        self.stats.written_bytes += len(pending) * self.record_bytes
+        return [p.key for p in pending]
+
+    def _drop_pending(self, key: bytes) -> None:
+        for p in [p for p in self._pending if p.key == key]:
+            self._pending.remove(p)
+            self.ops.close(p.fd)
+            unlink_quiet(p.tmp)
+
+    def read_into(self, key: bytes, out) -> bool:
+        """Read chunk ``key``'s payload into ``out`` (a writable buffer of one host slot),
+        from our slot or a peer's.
+
+        Returns False when it is missing, unreadable, or fails verification (owner, MAC,
+        key, namespace, layout, length); a record that fails verification is deleted. The
         caller then recomputes the chunk. ``out`` may hold partial bytes after a failure.
         """
         out = memoryview(out).cast("B")
-        path = self._path(key)
+        tried: set[Path] = set()
+        for refresh in (False, True):
+            if refresh:
+                self._peers = [d for d in slot_dirs(self.dir) if d != self._own_or_none()]
+            dirs = ([self.own_dir] if self.slot is not None else []) + self._peers
+            for slot_dir in dirs:
+                if slot_dir in tried:
+                    continue
+                tried.add(slot_dir)
+                if self._read_from(self._path(key, slot_dir), key, out):
+                    self.stats.read_chunks += 1
+                    self.stats.read_bytes += self.record_bytes
+                    return True
+        return False
+
+    def _own_or_none(self) -> Optional[Path]:
+        return self.own_dir if self.slot is not None else None
+
+    def _read_from(self, path: Path, key: bytes, out: memoryview) -> bool:
         try:
-            with open(path, "rb", buffering=0) as f:
-                record = self._parse_header(f.read(HEADER_BYTES))
-                if record is None or record.key != key:
-                    return self._drop_corrupt(path, "bad header")
-                n = f.readinto(out)
-                if n != record.payload_bytes or f.read(1):
-                    return self._drop_corrupt(path, "wrong payload length")
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return False
         except OSError as e:
-            self.stats.read_errors += 1
-            logger.warning("PCR SSD store: reading %s failed (%s); the chunk will be recomputed", path, e)
-            self._unlink(path)
-            return False
-        if _digest(out) != record.payload_digest:
-            return self._drop_corrupt(path, "payload checksum mismatch")
-        self.stats.read_chunks += 1
-        self.stats.read_bytes += self.record_bytes
+            return self._read_error(path, e)
+        try:
+            with open(fd, "rb", buffering=0) as f:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    return self._drop_corrupt(path, f"owned by uid {st.st_uid}, not by this user")
+                if st.st_size != self.record_bytes:
+                    return self._drop_corrupt(path, "wrong length")
+                header = bytearray(HEADER_BYTES)
+                if _read_full(f, memoryview(header)) != HEADER_BYTES:
+                    return self._drop_corrupt(path, "wrong length")
+                record = self._parse_header(bytes(header))
+                if record is None or record.key != key:
+                    return self._drop_corrupt(path, "bad header")
+                if _read_full(f, out) != record.payload_bytes or f.read(1):
+                    return self._drop_corrupt(path, "wrong payload length")
+        except OSError as e:
+            return self._read_error(path, e)
+        if self._mac(self._payload_key, out) != record.payload_digest:
+            return self._drop_corrupt(path, "payload fails authentication")
         return True
 
+    def _read_error(self, path: Path, e: OSError) -> bool:
+        self.stats.read_errors += 1
+        logger.warning("PCR SSD store: reading %s failed (%s); the chunk will be recomputed", path, e)
+        return False
+
     def _drop_corrupt(self, path: Path, why: str) -> bool:
+        """A record that fails verification serves no one: deleted if it is in our slot.
+        In a live peer's slot it is left to the peer: the name checked may already hold
+        the peer's rewrite of it (we verified an inode, an unlink goes by name)."""
         self.stats.corrupt_chunks += 1
-        logger.warning("PCR SSD store: %s: %s; deleted, the chunk will be recomputed", path.name, why)
-        self._unlink(path)
+        ours = not self.read_only and self.slot is not None and path.parent.parent == self.own_dir
+        logger.warning("PCR SSD store: %s: %s; %s, the chunk will be recomputed", path.name, why,
+                       "deleted" if ours else "left to the writer that owns it")
+        if ours:
+            self._unlink(path)
         return False
 
     def _unlink(self, path: Path) -> None:
         try:
-            path.unlink()
+            self.ops.unlink(str(path))
         except FileNotFoundError:
             pass
         except OSError as e:
             logger.warning("PCR SSD store: cannot delete %s: %s", path, e)
 
     def delete(self, key: bytes) -> None:
+        """Drop chunk ``key`` from our slot (a peer's copy is the peer's to keep)."""
+        self._check_writable()
+        self._drop_pending(key)
         self._unlink(self._path(key))
         self.stats.deleted_chunks += 1
 
     # ------------------------------------------------------------------ open / scan
     def scan(self) -> list[ChunkRecord]:
-        """Every record whose header verifies, after deleting partial writes (``.tmp``)
-        and records that fail verification. Payload digests are checked on read."""
-        records: list[ChunkRecord] = []
-        for sub in sorted(p for p in self.dir.iterdir() if p.is_dir()):
+        """At startup: adopt the records of dead writers (slots whose lease nobody holds)
+        after deleting their partial writes, then return every record whose header
+        verifies, ours first, then live peers'. Payload MACs are checked on read."""
+        self._check_writable()
+        own = self.own_dir
+        try:
+            self._discard_tmp(own)
+        except OSError as e:  # a full or failing disk: serve what verifies, clean up next time
+            logger.warning("PCR SSD store: cannot clean %s (%s)", own, e)
+        for slot_dir in slot_dirs(self.dir):
+            if slot_dir != own:
+                try:
+                    fd = try_lease(slot_dir)
+                except OSError as e:
+                    logger.warning("PCR SSD store: cannot check the lease of %s (%s)", slot_dir, e)
+                    continue
+                if fd >= 0:
+                    try:
+                        self._discard_tmp(slot_dir)
+                        self._adopt(slot_dir)
+                    except OSError as e:
+                        # What was not adopted stays in the dead slot, readable as a peer's
+                        # records, for the next start to adopt.
+                        logger.warning("PCR SSD store: adopting the records of %s failed (%s); they stay "
+                                       "there, readable", slot_dir, e)
+                    finally:
+                        os.close(fd)
+        self._peers = [d for d in slot_dirs(self.dir) if d != own]
+        records: dict[bytes, ChunkRecord] = {}
+        for slot_dir in [own] + self._peers:
+            for record in self._scan_slot(slot_dir):
+                records.setdefault(record.key, record)
+                if slot_dir != own:
+                    self.stats.peer_chunks += 1
+        if self.stats.corrupt_chunks or self.stats.discarded_tmp_files or self.stats.adopted_chunks:
+            logger.warning(
+                "PCR SSD store %s: discarded %d records that failed verification and %d partial writes; "
+                "adopted %d records of servers that are gone", self.dir, self.stats.corrupt_chunks,
+                self.stats.discarded_tmp_files, self.stats.adopted_chunks,
+            )
+        return list(records.values())
+
+    def _discard_tmp(self, slot_dir: Path) -> None:
+        for sub in subdirs(slot_dir):
             for path in sub.iterdir():
                 if path.name.endswith(TMP_SUFFIX):
                     self._unlink(path)
                     self.stats.discarded_tmp_files += 1
+
+    def _adopt(self, dead: Path) -> None:
+        """Move a dead writer's records into our slot: its lease is ours for the duration,
+        and nothing else writes there. Each record is linked into our slot, our directories
+        are synced, and only then is it unlinked from the dead slot: a crash midway leaves a
+        record in both places at worst, never in neither (a cross-directory rename would
+        need both directories' entries to persist together, which POSIX does not promise)."""
+        own = self.own_dir
+        touched_own, moved = set(), []
+        for sub in subdirs(dead):
+            for path in sub.iterdir():
+                if path.suffix != SUFFIX:
                     continue
+                target_dir = own / sub.name
+                if self.ops.mkdir(str(target_dir), 0o700):
+                    self.ops.fsync_dir(str(own))
+                try:
+                    self.ops.link(str(path), str(target_dir / path.name))
+                    self.stats.adopted_chunks += 1
+                    touched_own.add(str(target_dir))
+                except FileExistsError:
+                    pass  # we hold it already
+                moved.append(path)
+        for d in sorted(touched_own):
+            self.ops.fsync_dir(d)
+        for path in moved:
+            self._unlink(path)
+        for d in sorted({str(p.parent) for p in moved}):
+            self.ops.fsync_dir(d)
+
+    def _scan_slot(self, slot_dir: Path) -> Iterator[ChunkRecord]:
+        for sub in subdirs(slot_dir):
+            try:
+                paths = list(sub.iterdir())
+            except OSError as e:
+                self._read_error(sub, e)
+                continue
+            for path in paths:
                 if path.suffix != SUFFIX:
                     continue
                 try:
-                    with open(path, "rb") as f:
-                        raw = f.read(HEADER_BYTES)
-                    size = path.stat().st_size
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+                except FileNotFoundError:
+                    continue  # a live peer deleted it meanwhile
                 except OSError as e:
-                    self.stats.read_errors += 1
-                    logger.warning("PCR SSD store: cannot read %s: %s", path, e)
+                    self._read_error(path, e)
                     continue
-                record = self._parse_header(raw)
-                if record is None or path.name != f"{record.key.hex()}{SUFFIX}" or size != self.record_bytes:
+                try:
+                    with open(fd, "rb", buffering=0) as f:
+                        st = os.fstat(fd)
+                        raw = bytearray(HEADER_BYTES)
+                        n = _read_full(f, memoryview(raw))
+                except OSError as e:
+                    self._read_error(path, e)
+                    continue
+                record = self._parse_header(bytes(raw[:n]))
+                if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+                    self._drop_corrupt(path, f"owned by uid {st.st_uid}, not by this user")
+                elif (record is None or path.name != f"{record.key.hex()}{SUFFIX}"
+                      or st.st_size != self.record_bytes):
                     self._drop_corrupt(path, "fails verification on open")
-                    continue
-                records.append(record)
-        if self.stats.corrupt_chunks or self.stats.discarded_tmp_files:
-            logger.warning(
-                "PCR SSD store %s: discarded %d records that failed verification and %d partial writes",
-                self.dir, self.stats.corrupt_chunks, self.stats.discarded_tmp_files,
-            )
-        return records
+                else:
+                    yield record
 
     def verify(self) -> VerifyReport:
         """Read every record in full and check it (the CLI's ``verify``); deletes none."""
         report = VerifyReport()
         for path in self._chunk_files():
             try:
+                st = path.lstat()
                 data = path.read_bytes()
             except OSError as e:
                 report.bad.append(f"{path.name}: {e}")
                 continue
             record = self._parse_header(data[:HEADER_BYTES])
             payload = data[HEADER_BYTES:]
-            if record is None or path.name != f"{record.key.hex()}{SUFFIX}":
+            if st.st_uid != os.geteuid():
+                report.bad.append(f"{path.name}: owned by uid {st.st_uid}")
+            elif record is None or path.name != f"{record.key.hex()}{SUFFIX}":
                 report.bad.append(f"{path.name}: bad header")
-            elif len(payload) != record.payload_bytes or _digest(payload) != record.payload_digest:
-                report.bad.append(f"{path.name}: payload does not match its checksum")
+            elif len(payload) != record.payload_bytes or self._mac(self._payload_key, payload) != record.payload_digest:
+                report.bad.append(f"{path.name}: payload fails authentication")
             else:
                 report.ok += 1
         return report
 
 
+def _read_full(f, view: memoryview) -> int:
+    """Fill ``view`` unless the file ends first: a short ``readinto`` is legal (NFS, FUSE,
+    signals) and is not the end of the file."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
 # ---------------------------------------------------------------------- directory tools
-def list_namespaces(root: str | os.PathLike) -> list[NamespaceUsage]:
-    """Chunks and bytes per namespace under a store directory (the CLI's ``usage``)."""
-    root = Path(root)
-    usages = []
-    for ns_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        try:
-            description = json.loads((ns_dir / NAMESPACE_FILE).read_text())
-        except (OSError, ValueError):
-            description = {}
-        chunks = size = temp = 0
-        for sub in (p for p in ns_dir.iterdir() if p.is_dir()):
-            for path in sub.iterdir():
-                if path.suffix == SUFFIX:
-                    chunks += 1
-                    size += path.stat().st_size
-                elif path.name.endswith(TMP_SUFFIX):
-                    temp += 1
-        usages.append(NamespaceUsage(ns_dir.name, description, chunks, size, temp))
-    return usages
-
-
 def namespace_store(root: str | os.PathLike, digest_hex: str) -> ChunkFileStore:
-    """Open an existing namespace of a store directory with the layout it was written with."""
-    ns_dir = Path(root) / digest_hex
+    """Open an existing namespace of a store directory, read-only, with its layout."""
+    ns_dir = namespace_dir(root, digest_hex)
     try:
         description = json.loads((ns_dir / NAMESPACE_FILE).read_text())
     except (OSError, ValueError) as e:
         raise SSDStoreError(f"{ns_dir} is not a PCR store namespace: {e}") from e
     layout = HostChunkLayout(1, *(int(description[k]) for k in ("num_layers", "chunk_size", "row_bytes")))
     return ChunkFileStore(root, bytes.fromhex(digest_hex), layout, description["dtype"], capacity_bytes=0,
-                          namespace_description=description, low_watermark_bytes=0)
-
-
-def purge_namespace(root: str | os.PathLike, digest_hex: str) -> int:
-    """Delete a namespace's directory; returns the chunk files removed."""
-    ns_dir = Path(root) / digest_hex
-    if not (ns_dir / NAMESPACE_FILE).exists():
-        raise SSDStoreError(f"{ns_dir} is not a PCR store namespace")
-    count = sum(1 for sub in ns_dir.iterdir() if sub.is_dir() for p in sub.iterdir() if p.suffix == SUFFIX)
-    shutil.rmtree(ns_dir)
-    return count
+                          namespace_description=description, low_watermark_bytes=0, read_only=True)
 
 
 def describe_namespace(namespace: object, layout: HostChunkLayout) -> dict:

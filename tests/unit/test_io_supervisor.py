@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pcr_sglang.io.protocol import IoOutcome, ReadChunk, WorkerConfig, WriteChunk
+from pcr_sglang.io.protocol import IoOutcome, ReadChunk, Reorder, WorkerConfig, WriteChunk
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.tiers.host_pool import HostChunkPool
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
@@ -19,7 +19,10 @@ LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=16)
 
 
 @pytest.fixture
-def supervisor(tmp_path):
+def supervisor(tmp_path, request):
+    faults = getattr(request, "param", None)
+    if faults:
+        os.environ["PCR_IO_TEST_FAULTS"] = faults  # read by the I/O process at its start
     pool = HostChunkPool(LAYOUT, pin=False)
     store = ChunkFileStore(tmp_path / "store", bytes(16), LAYOUT, "float32", 1 << 20, low_watermark_bytes=0)
     sup = IOSupervisor(WorkerConfig(
@@ -28,6 +31,7 @@ def supervisor(tmp_path):
         row_bytes=LAYOUT.row_bytes, reserve_bytes=0, shm_name=pool.info().shm_name, orders_endpoint="",
         replies_endpoint="", parent_pid=0), stall_timeout_s=0.5)
     assert sup.wait_ready(30)
+    os.environ.pop("PCR_IO_TEST_FAULTS", None)
     yield sup, pool
     sup.close()
     pool.close()
@@ -55,6 +59,19 @@ def test_orders_complete_with_their_outcome(supervisor):
     by_seq = {seq: outcome for seq, outcome, _ in outcomes}
     assert by_seq[1] is IoOutcome.OK and by_seq[3] is IoOutcome.BAD
     assert by_seq[2] in (IoOutcome.OK, IoOutcome.BAD)  # reads go before writes: it may not exist yet
+
+
+@pytest.mark.parametrize("supervisor", ['{"read_delay_s": 0.3}'], indirect=True)
+def test_a_queued_read_a_request_waited_for_can_be_cancelled(supervisor):
+    """Once the request that waited for them is gone, its queued urgent reads are cancelled
+    (the worker sees the cancel before it starts them: one socket, in order)."""
+    sup, _ = supervisor
+    for seq in (1, 2, 3):
+        sup.submit(ReadChunk(seq, b"missing-chunk!!!", seq, True))
+    sup.submit(Reorder(3, cancel=True))
+    outcomes, _ = poll_until(sup, lambda o: len(o) == 3)
+    by_seq = {seq: outcome for seq, outcome, _ in outcomes}
+    assert by_seq == {1: IoOutcome.BAD, 2: IoOutcome.BAD, 3: IoOutcome.CANCELLED}
 
 
 def test_a_stopped_process_is_killed_and_replaced_and_no_poll_waits(supervisor):

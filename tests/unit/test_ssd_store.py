@@ -57,6 +57,7 @@ def test_a_crashed_write_leaves_nothing_readable(tmp_path):
     partial = store._path(key(2)).with_name(store._path(key(2)).name + ".123.tmp")
     partial.parent.mkdir(exist_ok=True)
     partial.write_bytes(payload(2)[:100])
+    store.close()  # the writer is gone: its lease is free, its partial writes are junk
     reopened = make_store(tmp_path)
     assert [r.key for r in reopened.scan()] == [key(1)]
     assert reopened.stats.discarded_tmp_files == 1 and not partial.exists()
@@ -74,6 +75,7 @@ def test_flipped_truncated_and_garbage_records_are_detected_and_deleted(tmp_path
     garbage.write_bytes(os.urandom(HEADER_BYTES + LAYOUT.slot_bytes))
     report = store.verify()
     assert report.ok == 1 and len(report.bad) == 3
+    store.close()
     reopened = make_store(tmp_path)
     assert sorted(r.key for r in reopened.scan()) == [key(1), key(4)]  # headers of 1 and 4 verify
     assert reopened.stats.corrupt_chunks == 2 and not truncated.exists() and not garbage.exists()
@@ -136,6 +138,10 @@ def test_directory_tools_list_verify_and_purge(tmp_path):
     assert usage[NS_A.hex()].chunks == 3 and usage[NS_B.hex()].chunks == 1
     assert usage[NS_A.hex()].bytes == 3 * a.record_bytes
     assert namespace_store(tmp_path / "store", NS_A.hex()).verify().ok == 3
+    with pytest.raises(SSDStoreError, match="in use by a running server"):
+        purge_namespace(tmp_path / "store", NS_B.hex())  # b holds its writer lease
+    assert usage[NS_B.hex()].live_writers == 1
+    b.close()
     assert purge_namespace(tmp_path / "store", NS_B.hex()) == 1
     assert [u.digest_hex for u in list_namespaces(tmp_path / "store")] == [NS_A.hex()]
     with pytest.raises(SSDStoreError):
@@ -156,6 +162,7 @@ def test_cli_usage_verify_purge(tmp_path, capsys):
     path.write_bytes(path.read_bytes()[:-1] + b"\x00")
     assert main(["verify", root, "--namespace", NS_A.hex()]) == 1
     assert "1 records ok, 1 bad" in capsys.readouterr().out
+    a.close()
     assert main(["purge", root, "--namespace", NS_A.hex()]) == 0
     assert main(["verify", root, "--namespace", NS_A.hex()]) == 2
     assert main(["usage", str(tmp_path / "nope")]) == 2
