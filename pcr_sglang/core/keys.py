@@ -2,12 +2,13 @@
 
 KV is position- and prefix-dependent, so a chunk's identity is its own tokens *and*
 everything before it: ``key_i = H(key_{i-1}, tokens_i)``. The chain starts at a root key
-that folds in the cache namespace's chain digest (model fingerprint, KV dtype, layout,
-chunk size) and the request's own namespace (SGLang's ``extra_key``, e.g. a LoRA id, and
-its ``cache_salt``), so two models or two tenants never share a chain by accident. The
-TP rank is not in the chain: every rank of a tensor-parallel server names a chunk by
-the same key (which is how the ranks agree on what their SSD stores hold); each rank's
-share of the KV bytes lives under its own store namespace (:meth:`CacheNamespace.digest`).
+that folds in the cache namespace's chain digest (model fingerprint, KV dtype, the
+numerics flags, layout, chunk size) and the request's own namespace (SGLang's
+``extra_key``, e.g. a LoRA id, and its ``cache_salt``), so two models or two tenants
+never share a chain by accident. The TP rank is not in the chain: every rank of a
+tensor-parallel server names a chunk by the same key (which is how the ranks agree on
+what their SSD stores hold); each rank's share of the KV bytes lives under its own store
+namespace (:meth:`CacheNamespace.digest`).
 
 Keys are 128-bit BLAKE2b digests: at a billion chunks the collision probability is below
 1e-20, which is why the tree does not also store and compare every chunk's tokens.
@@ -27,7 +28,13 @@ _TOKEN_TYPECODE = "q"  # tokens hashed as little-endian int64, whatever the inpu
 
 @dataclass(frozen=True)
 class CacheNamespace:
-    """Everything that makes two KV caches of the same tokens different bytes."""
+    """Everything that makes two KV caches of the same tokens different bytes.
+
+    ``model_fingerprint`` is the weights' identity (config and weight files), ``kv_dtype``
+    the KV pool's storage dtype, and ``numerics`` every other setting that changes the KV
+    values computed from the same weights (activation dtype, quantization, the KV recipe,
+    ...), as canonical text; the adapter decides what goes into both strings.
+    """
 
     model_fingerprint: str
     kv_dtype: str
@@ -35,15 +42,19 @@ class CacheNamespace:
     layout: str = "token-major"
     tp_rank: int = 0
     tp_size: int = 1
+    numerics: str = ""
 
     def digest(self) -> bytes:
         """The namespace of this rank's KV bytes (the SSD store's directory)."""
-        text = "|".join(["pcr-ns-v2", self.chain_digest().hex(), f"{self.tp_rank}/{self.tp_size}"])
+        text = "|".join(["pcr-ns-v3", self.chain_digest().hex(), f"{self.tp_rank}/{self.tp_size}"])
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
     def chain_digest(self) -> bytes:
         """What chunk keys fold in: the same on every TP rank of a server."""
-        text = "|".join(["pcr-chain-v2", self.model_fingerprint, self.kv_dtype, str(self.chunk_size), self.layout])
+        # v3: ``numerics`` joined the chain and the fingerprint reads the weights' tensors,
+        # so no store or key of the v2 scheme is ever matched again.
+        text = "|".join(["pcr-chain-v3", self.model_fingerprint, self.kv_dtype, str(self.chunk_size), self.layout,
+                         self.numerics])
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 

@@ -42,6 +42,9 @@ def test_valid_flags_resolve(resolve, tiny_model):
         (("--disable-radix-cache",), "cannot be combined with --disable-radix-cache"),
         (("--enable-hierarchical-cache",), "cannot be combined with --enable-hierarchical-cache"),
         (("--radix-cache-backend", "flexkv"), "drop --radix-cache-backend=flexkv"),
+        (("--radix-eviction-policy", "slru"), "drop --radix-eviction-policy slru"),
+        (("--kv-events-config", '{"publisher": "zmq"}'), "drop --kv-events-config"),
+        (("--pcr-dram-gb", "0.01", "--enable-two-batch-overlap"), "--enable-two-batch-overlap"),
     ],
 )
 def test_invalid_flags_fail_naming_the_flag(resolve, tiny_model, flags, message):
@@ -79,3 +82,36 @@ def test_dram_tier_larger_than_memory_fails_at_startup(tiny_model):
     )
     assert proc.returncode != 0
     assert "--pcr-dram-gb 100000" in proc.stderr and "of memory is available" in proc.stderr
+
+
+def test_unsupported_model_is_refused_before_any_weight_loads(tiny_model, tmp_path):
+    """A sliding-window model folder with no weight files at all: with --enable-pcr the
+    launcher fails naming the model and the flag, and SGLang never begins loading weights
+    (a refusal where the tree cache is built, after the weights, would instead fail on the
+    missing weights, as the same folder without --enable-pcr does)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    for f in Path(tiny_model).iterdir():
+        if "token" in f.name:
+            shutil.copy(f, tmp_path)
+    config = json.loads((Path(tiny_model) / "config.json").read_text())
+    config.update(is_hybrid_swa=True, sliding_window=64)  # SGLang's opt-in for hybrid-SWA models
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    def launch(*flags):
+        proc = subprocess.run(
+            [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tmp_path), "--device", "cpu",
+             "--attention-backend", "torch_native", *flags],
+            capture_output=True, text=True, timeout=300,
+        )
+        return proc.returncode, proc.stdout + proc.stderr
+
+    rc, log = launch("--enable-pcr")
+    assert rc != 0
+    assert "--enable-pcr supports models whose layers all use full attention" in log
+    assert "has sliding-window layers" in log and "--model-path" in log
+    assert "Load weight begin" not in log
+    rc, log = launch()
+    assert rc != 0 and "Load weight begin" in log and "full attention" not in log

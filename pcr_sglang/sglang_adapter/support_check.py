@@ -1,0 +1,198 @@
+"""What ``--enable-pcr`` refuses, decided at flag resolution (before any weight loads).
+
+Each rule reads the resolved ``ServerArgs`` (and, for the model rules, SGLang's own
+``ModelConfig`` of the checkpoint, which resolution has already built from its
+``config.json``) and returns a message naming the flag and what to do instead, or None.
+:func:`check_supported` runs every rule and raises one error listing every reason, so a
+user fixes them all at once instead of one restart per refusal.
+
+Why these configurations, in short:
+
+* the model's attention is not "every layer keeps K and V for every token": sliding-window
+  (hybrid SWA), state-space / linear-attention (SSM, GDN, KDA) and DeepSeek sparse
+  attention (DSA) layers keep state PCR's chunk tree neither frees nor restores;
+* the host tier (``--pcr-dram-gb``) copies exactly one token-major row of ``k_buffer`` and
+  one of ``v_buffer`` per layer and token. That is wrong for MLA (one latent buffer), for
+  KV recipes whose per-token scales live in separate buffers (``nvfp4``,
+  ``fp4_mx_block16``, ``mxfp8``: the scales would be lost), and for pools that are not
+  token-major (HND, AITER's ``vectorized_5d``, page-major / unified pools): a row there is
+  a page, and the Triton copy kernel has no bounds check;
+* layer-wise offload issues layer ``i``'s copies on the first write of layer ``i``; with
+  two-batch overlap the second micro-batch has not written it yet;
+* PCR's tree evicts in LRU order and publishes no KV events, so ``--radix-eviction-policy``
+  other than ``lru`` and ``--kv-events-config`` would be silently ignored.
+
+The same conditions are checked again where the tree cache is built
+(``factory.build_pcr_prefix_cache`` / ``build_host_pool``), as a second line of defence.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from pcr_sglang.config import PCRConfig, PCRConfigError
+
+logger = logging.getLogger(__name__)
+
+# --kv-cache-dtype values whose SGLang pool keeps per-token scales beside k/v_buffer.
+SCALE_BUFFER_KV_DTYPES = ("nvfp4", "fp4_mx_block16", "mxfp8")
+OFFLOADING_LAYERWISE_MODES = ("offload", "both")
+
+
+class UnsupportedConfigError(PCRConfigError):
+    """``--enable-pcr`` cannot serve this configuration (the message says why and what to do)."""
+
+
+@dataclass(frozen=True)
+class SupportInputs:
+    """What the rules read: the resolved flags, the PCR flags, SGLang's model config
+    (None for a dummy or absent model) and the KV-layout environment."""
+
+    cfg: Any
+    pcr: PCRConfig
+    model_config: Any = None
+    use_hnd_kvcache: bool = False
+    aiter_kv_layout: Optional[str] = None  # only where SGLang's pool reads it (ROCm + AITER)
+
+    @property
+    def host_tier(self) -> bool:
+        return self.pcr.dram_bytes > 0
+
+
+Rule = Callable[[SupportInputs], Optional[str]]
+
+
+def check_kv_events(x: SupportInputs) -> Optional[str]:
+    if getattr(x.cfg, "kv_events_config", None):
+        return ("--enable-pcr publishes no KV cache events yet, so cache-aware routers would get "
+                "none: drop --kv-events-config, or run without --enable-pcr")
+    return None
+
+
+def check_eviction_policy(x: SupportInputs) -> Optional[str]:
+    policy = getattr(x.cfg, "radix_eviction_policy", "lru") or "lru"
+    if policy != "lru":
+        return (f"--enable-pcr evicts chunks in LRU order only: drop --radix-eviction-policy {policy} "
+                "(or pass lru)")
+    return None
+
+
+def check_full_attention(x: SupportInputs) -> Optional[str]:
+    """SGLang's own tests, as its tree-cache builder applies them (``kv_cache_builder``)."""
+    mc = x.model_config
+    if mc is None:
+        return None
+    from sglang.srt.configs.model_config import AttentionArch, is_deepseek_dsa
+    from sglang.srt.mem_cache.kv_cache_builder import uses_ssm_state
+
+    kinds = []
+    if getattr(mc, "is_hybrid_swa", False):
+        kinds.append("sliding-window")
+    if mc.attention_arch == AttentionArch.SSM or uses_ssm_state(mc):
+        kinds.append("state-space / linear-attention")
+    if is_deepseek_dsa(mc.hf_config):
+        kinds.append("DeepSeek sparse-attention (DSA)")
+    if not kinds:
+        return None
+    arch = ",".join(getattr(mc.hf_config, "architectures", None) or ["?"])
+    return (f"--enable-pcr supports models whose layers all use full attention; --model-path "
+            f"{x.cfg.model_path} ({arch}) has {' and '.join(kinds)} layers: run it without --enable-pcr")
+
+
+def check_mla_host_tier(x: SupportInputs) -> Optional[str]:
+    mc = x.model_config
+    if mc is None or not x.host_tier:
+        return None
+    from sglang.srt.configs.model_config import AttentionArch
+
+    if mc.attention_arch == AttentionArch.MLA:
+        return ("--pcr-dram-gb copies separate K and V rows (MHA/GQA); this model uses MLA (one "
+                "latent KV buffer): drop --pcr-dram-gb (PCR on the device pool alone works)")
+    return None
+
+
+def check_scale_buffers(x: SupportInputs) -> Optional[str]:
+    dtype = getattr(x.cfg, "kv_cache_dtype", "auto")
+    if x.host_tier and dtype in SCALE_BUFFER_KV_DTYPES:
+        return (f"--pcr-dram-gb copies only the K and V buffers, not the per-token scale buffers "
+                f"of --kv-cache-dtype {dtype}: use --kv-cache-dtype auto, bf16 or fp8_e4m3/fp8_e5m2 "
+                "with the host tier, or drop --pcr-dram-gb")
+    return None
+
+
+def check_token_major_layout(x: SupportInputs) -> Optional[str]:
+    if not x.host_tier:
+        return None
+    what = None
+    if getattr(x.cfg, "enable_unified_memory", False):
+        what = "--enable-unified-memory (a page-major unified pool)"
+    elif getattr(x.cfg, "enable_page_major_kv_layout", False):
+        what = "--enable-page-major-kv-layout"
+    elif x.use_hnd_kvcache:
+        what = "SGLANG_USE_HND_KVCACHE=1 (a head-major HND pool)"
+    elif x.aiter_kv_layout == "vectorized_5d":
+        what = "SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d"
+    if what is None:
+        return None
+    return (f"--pcr-dram-gb copies token-major (NHD) KV rows; {what} lays the pool out by pages "
+            "or heads: drop that setting, or drop --pcr-dram-gb")
+
+
+def check_two_batch_overlap(x: SupportInputs) -> Optional[str]:
+    if (x.host_tier and x.pcr.layerwise in OFFLOADING_LAYERWISE_MODES
+            and getattr(x.cfg, "enable_two_batch_overlap", False)):
+        return (f"--pcr-layerwise {x.pcr.layerwise} copies layer i to the host tier when the first "
+                "micro-batch writes it, before --enable-two-batch-overlap's second micro-batch has: "
+                "pass --pcr-layerwise load (or off), or drop --enable-two-batch-overlap")
+    return None
+
+
+RULES: tuple[Rule, ...] = (
+    check_full_attention,
+    check_mla_host_tier,
+    check_scale_buffers,
+    check_token_major_layout,
+    check_two_batch_overlap,
+    check_eviction_policy,
+    check_kv_events,
+)
+
+
+def collect_inputs(cfg: Any, pcr: PCRConfig, model_config: Any) -> SupportInputs:
+    """The rules' inputs: these flags and model config, and the KV-layout environment as
+    SGLang's KV pool will read it."""
+    from sglang.srt.environ import envs
+    from sglang.srt.utils import is_hip
+
+    aiter = bool(envs.SGLANG_USE_AITER.get()) and is_hip()
+    return SupportInputs(
+        cfg=cfg,
+        pcr=pcr,
+        model_config=model_config,
+        use_hnd_kvcache=bool(envs.SGLANG_USE_HND_KVCACHE.get()),
+        aiter_kv_layout=envs.SGLANG_AITER_KV_CACHE_LAYOUT.get().lower() if aiter else None,
+    )
+
+
+def inputs_from_server_args(server_args: Any) -> SupportInputs:
+    """The rules' inputs from a resolved ``ServerArgs`` (called in the resolution hook:
+    ``model_config_of`` returns the ModelConfig resolution already built from config.json)."""
+    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
+
+    cfg = resolving_view(server_args)
+    model_path = str(getattr(cfg, "model_path", "") or "")
+    model_config = None if model_path.lower() in ("", "none", "dummy") else model_config_of(server_args)
+    return collect_inputs(cfg, PCRConfig.from_server_args(server_args), model_config)
+
+
+def unsupported_reasons(inputs: SupportInputs, rules: tuple[Rule, ...] = RULES) -> list[str]:
+    return [m for m in (rule(inputs) for rule in rules) if m is not None]
+
+
+def check_supported(server_args: Any) -> None:
+    """Raise :class:`UnsupportedConfigError` listing every reason ``--enable-pcr`` refuses."""
+    reasons = unsupported_reasons(inputs_from_server_args(server_args))
+    if reasons:
+        raise UnsupportedConfigError("; ".join(reasons))
