@@ -93,6 +93,8 @@ class SSDStats:
     prefetch_late: int = 0  # still in flight then (the request waited for it, or recomputed it)
     prefetch_unused: int = 0  # landed, then its request left the prefetch window before using it
     prefetch_cancelled: int = 0
+    abandoned_reads: int = 0  # reads whose waiting request left before they landed (an abort)
+    cancelled_reads: int = 0  # reads cancelled before they started (prefetch or abandoned)
     on_demand_reads: int = 0  # ordered only when its request was considered for admission
     bytes_read_prefetch: int = 0
     bytes_read_on_demand: int = 0

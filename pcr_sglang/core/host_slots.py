@@ -8,7 +8,9 @@ here. Each slot is in exactly one state:
     in the free list; nothing reads or writes it.
 ``RESERVED``
     the target of a planned offload (a request's new chunk is copied into it during
-    the forward that computes it); the request owns it until its checkpoint.
+    the forward that computes it); the request owns it until its checkpoint. A decode
+    step's chunk is checkpointed only when its request finishes, so decode offloads
+    hold at most a share of the slots (the cache state's ``decode_offload_limit``).
 ``FILLING``
     an SSD read is writing the chunk into it; becomes ``RESIDENT`` when the read lands.
 ``RESIDENT``

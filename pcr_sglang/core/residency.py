@@ -15,7 +15,9 @@ there is a host tier; if host memory has no slot to give, the chunk is dropped);
 ``write_through`` a chunk reaching host memory is written to SSD in the background,
 otherwise it is written when host eviction first picks it (with the host-resident chain
 above it, which eviction takes next). A chunk being written stays in host memory until
-the write is done: eviction never waits for the disk.
+the write is done: eviction never waits for the disk. Offloads planned by decode steps
+take free host slots only, never a tree chunk's, and at most ``DECODE_OFFLOAD_SHARE`` of
+the tier (:meth:`CacheState.reserve_offload_slot`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ logger = logging.getLogger(__name__)
 
 NO_PARENT = bytes(16)  # parent key recorded for a first chunk (its parent is the root)
 
+# Share of the host tier that decode-time offloads may hold reserved at once. A chunk a
+# decode step completes enters the tree only when its request finishes, so its slot is
+# outside the tree (not evictable) for the rest of the generation: unbounded, long
+# generations would take every free slot. A quarter, next to prefetch reads' half
+# (:meth:`CacheState.plan_prefetch`), leaves at least a quarter to the tree's host chunks,
+# prefill offloads and demotions. A chunk over the share is simply not offloaded: it stays
+# device-resident in the tree when its request ends (as with the radix cache) and is
+# copied to host memory if eviction takes it off the device later.
+DECODE_OFFLOAD_SHARE = 0.25
+
 
 @dataclass(frozen=True)
 class CacheStateConfig:
@@ -47,6 +59,7 @@ class CacheStateConfig:
     ssd_capacity_chunks: int = 0  # 0: no SSD tier
     write_through: bool = True
     prefetch_budget_chunks: int = 0
+    decode_offload_share: float = DECODE_OFFLOAD_SHARE
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,8 @@ class CacheState:
         self._cancelling: set[int] = set()
         self._landed: set[ChunkNode] = set()  # read from SSD, not yet used by a request
         self._bad: list[ChunkNode] = []  # SSD records found bad while their chain was locked
+        self._decode_reserved: set[int] = set()  # host slots reserved by decode-time offloads
+        self.decode_offload_limit = int(config.host_slots * config.decode_offload_share)
         # Agreed across TP ranks each scheduler step (on one rank: this rank's own view).
         self.io_healthy = True
         self.prefer_load = True
@@ -203,16 +218,33 @@ class CacheState:
         if self.config.write_through and self._may_write():
             self._persist(node, effects)
 
-    def reserve_offload_slot(self, owner: Any, effects: Effects, may_evict: bool) -> Optional[int]:
-        """A host slot for a chunk a forward will compute (copied there as it is written)."""
+    def reserve_offload_slot(self, owner: Any, effects: Effects, *, decode: bool) -> Optional[int]:
+        """A host slot for a chunk a forward will compute (copied there as it is written).
+        A prefill's chunk enters the tree at the checkpoint right after its forward, and
+        may evict host chunks for its slot. A decode step's chunk waits for its request to
+        finish: it takes only a free slot, never a tree chunk's, and only while decode
+        offloads hold less than their share (``decode_offload_limit``); None otherwise."""
         if self.slots is None:
             return None
-        return self._take_slot(SlotState.RESERVED, owner, effects, may_evict=may_evict)
+        if not decode:
+            return self._take_slot(SlotState.RESERVED, owner, effects)
+        if len(self._decode_reserved) >= self.decode_offload_limit:
+            return None
+        slot = self._take_slot(SlotState.RESERVED, owner, effects, may_evict=False)
+        if slot is not None:
+            self._decode_reserved.add(slot)
+        return slot
+
+    @property
+    def decode_reserved_slots(self) -> int:
+        """Host slots decode-time offloads hold reserved now (at most ``decode_offload_limit``)."""
+        return len(self._decode_reserved)
 
     def adopt_offload(self, node: ChunkNode, slot: int, effects: Effects) -> None:
         """The chunk computed into reserved ``slot`` is ``node``: it is host-resident now,
         unless the tree already had a host copy (the reserved slot is released)."""
         assert self.slots is not None
+        self._decode_reserved.discard(slot)
         if node.on_host or node.parent is None:
             self.slots.release(slot)
             return
@@ -224,6 +256,7 @@ class CacheState:
 
     def release_reserved(self, slot: int) -> None:
         assert self.slots is not None
+        self._decode_reserved.discard(slot)
         self.slots.release(slot)
 
     def commit_load(self, nodes: Sequence[ChunkNode], device_values: Sequence[Any]) -> int:
@@ -315,6 +348,16 @@ class CacheState:
     def reading(self, node: ChunkNode) -> bool:
         return node in self._reading
 
+    def abandon_reads(self, nodes: Iterable[ChunkNode]) -> None:
+        """The request waiting for these reads left (aborted, or finished without them):
+        they are no longer urgent, so the next prefetch plan cancels those no waiting
+        request needs (reads already started still land and are cached)."""
+        for node in nodes:
+            seq = self._reading.get(node)
+            if seq is not None and self._pending[seq].urgent:
+                self._pending[seq].urgent = False
+                self.ssd_stats.abandoned_reads += 1
+
     @property
     def reads_in_flight(self) -> int:
         return len(self._reading)
@@ -386,8 +429,10 @@ class CacheState:
                 self.ssd_stats.bytes_read_prefetch += self.config.chunk_bytes
             else:
                 self.ssd_stats.bytes_read_on_demand += self.config.chunk_bytes
-        elif outcome is IoOutcome.CANCELLED and op.prefetch:
-            self.ssd_stats.prefetch_cancelled += 1
+        elif outcome is IoOutcome.CANCELLED:
+            self.ssd_stats.cancelled_reads += 1
+            if op.prefetch:
+                self.ssd_stats.prefetch_cancelled += 1
         assert self.slots is not None
         if op.orphaned:
             return  # the reset already gave up the slot; io_end frees it
@@ -473,6 +518,7 @@ class CacheState:
             op.orphaned = True
         self._reading, self._writing, self._landed, self._bad = {}, {}, set(), []
         self._cancelling = set()
+        self._decode_reserved = set()  # the slot table frees every reservation
         self.tree.reset()
         if self.slots is not None:
             self.slots.reset()
@@ -519,3 +565,10 @@ class CacheState:
         for seq, op in self._pending.items():
             if not self.slots.io_pending(op.slot):
                 raise AssertionError(f"order {seq} on host slot {op.slot}, which counts no I/O")
+        if len(self._decode_reserved) > self.decode_offload_limit:
+            raise AssertionError(f"decode offloads hold {len(self._decode_reserved)} host slots, over their "
+                                 f"share of {self.decode_offload_limit}")
+        for slot in self._decode_reserved:
+            state = self.slots.state(slot)
+            if state is not SlotState.RESERVED:
+                raise AssertionError(f"host slot {slot} counts as a decode offload but is {state.value}")

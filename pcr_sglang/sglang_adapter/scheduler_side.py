@@ -283,8 +283,10 @@ class SchedulerSide:
     def plan_offloads(self, reqs: Sequence[Any], seq_lens: Sequence[int], req_to_token: torch.Tensor,
                       decode: bool) -> None:
         """Give each whole chunk the coming forward completes a host slot, filled layer by
-        layer as that forward writes it (``--pcr-layerwise offload``). A decode step takes
-        only free slots; a prefill may evict host chunks for them."""
+        layer as that forward writes it (``--pcr-layerwise offload``). A prefill may evict
+        host chunks for them; a decode step takes only free slots, within the decode share
+        of the host tier (:meth:`CacheState.reserve_offload_slot`): a chunk that gets none
+        is not offloaded, and enters the tree device-resident when its request finishes."""
         if self.engine is None or not self.engine.mode.offloads:
             return
         effects = Effects()
@@ -301,7 +303,7 @@ class SchedulerSide:
             for index in range(first, end):
                 if index in entry.offload_slots:
                     continue
-                slot = self.state.reserve_offload_slot(req.rid, effects, may_evict=not decode)
+                slot = self.state.reserve_offload_slot(req.rid, effects, decode=decode)
                 if slot is None:
                     break
                 entry.offload_slots[index] = slot
@@ -338,6 +340,8 @@ class SchedulerSide:
         entry = self.requests.pop(rid)
         if entry is None:
             return
+        if entry.hold is not None:  # it left while waiting for its reads (an abort)
+            self.state.abandon_reads(entry.hold.chain)
         for slot in entry.offload_slots.values():
             self.state.release_reserved(slot)
 

@@ -5,6 +5,9 @@ The pool is one POSIX shared-memory segment laid out as
 (the I/O process that will read and write SSD chunks) can attach to it by name and move
 bytes without copies through the scheduler. On a CUDA machine the segment is registered
 with ``cudaHostRegister`` so copy kernels read it directly; on CPU it stays plain memory.
+Its creator holds an ``flock`` on a lock file next to it (``/dev/shm/<name>.lock``) for
+the pool's life: the lock, not a pid, tells a sweep whether the owner is alive, in any pid
+namespace that shares ``/dev/shm`` (:func:`remove_stale_segments`).
 
 This class is bytes only: which chunk a slot holds, and whether it is free, is the cache
 state's (:mod:`pcr_sglang.core.host_slots`).
@@ -12,6 +15,7 @@ state's (:mod:`pcr_sglang.core.host_slots`).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import secrets
@@ -26,6 +30,8 @@ from pcr_sglang.transfer.layout import HostChunkLayout
 logger = logging.getLogger(__name__)
 
 SHM_PREFIX = "pcr-host-"
+LOCK_SUFFIX = ".lock"
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory segments (and our owner locks)
 
 
 class HostPoolError(RuntimeError):
@@ -52,45 +58,143 @@ def shm_free_bytes() -> Optional[int]:
     return st.f_bavail * st.f_frsize
 
 
-def _pid_alive(pid: int) -> bool:
+def _new_token() -> str:
+    """A segment's owner token: random, and never all digits, so that the pid-based sweep
+    of older versions (which read the first field of the name as a pid) leaves it alone."""
+    while True:
+        token = secrets.token_hex(8)
+        if not token.isdigit():
+            return token
+
+
+def _lock_path(shm_dir: str, name: str) -> str:
+    return os.path.join(shm_dir, name + LOCK_SUFFIX)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """``fd`` is still the file at ``path`` (it was not unlinked or replaced meanwhile)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        st = os.stat(path)
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
-def remove_stale_segments(shm_dir: str = "/dev/shm", *, expected: bool = False) -> list[str]:
-    """Unlink host pools left behind by processes that died without closing them.
+def take_owner_lock(shm_dir: str, name: str) -> int:
+    """Create ``<name>.lock`` next to the segment-to-be and hold an exclusive ``flock``
+    on it; returns the descriptor, which the pool keeps open for its whole life.
+
+    The kernel releases the lock when the owner process dies, however it dies (kill -9
+    included), and a ``flock`` is the same lock seen from every pid namespace sharing the
+    file system: unlike a pid, it cannot be mistaken for someone else's or read as dead
+    by a container that cannot see the owner. The descriptor is close-on-exec, so the
+    I/O process (started with exec) does not hold it. Raises ``FileExistsError`` if the
+    name is taken and ``BlockingIOError`` if a sweep took the new file before us."""
+    path = _lock_path(shm_dir, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not _same_file(fd, path):  # a sweep removed it between open and flock
+            raise BlockingIOError(f"{path} was removed while it was being locked")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def release_owner_lock(shm_dir: str, name: str, fd: int) -> None:
+    """The owner removed its segment: remove the lock file, then let go of the lock."""
+    try:
+        if _same_file(fd, _lock_path(shm_dir, name)):
+            os.unlink(_lock_path(shm_dir, name))
+    except OSError:
+        pass
+    os.close(fd)
+
+
+_reported_unowned: set[str] = set()
+
+
+def remove_stale_segments(shm_dir: str = SHM_DIR, *, expected: bool = False) -> list[str]:
+    """Unlink host pools whose owner is gone; returns the names of the segments removed.
 
     A server killed with SIGKILL never runs its exit handlers, and a POSIX shared-memory
     segment outlives its creator: without this sweep every crash would leak a pool's
-    worth of memory. Pool names carry the creator's pid, so a segment whose creator is
-    gone is garbage. ``expected``: the caller has just stopped a server (SGLang kills its
-    scheduler with SIGKILL), so finding its pool is no news and is logged at INFO.
+    worth of memory. Each pool's owner holds an ``flock`` on ``<segment>.lock`` for the
+    pool's life (:func:`take_owner_lock`): a segment is removed only if this sweep can
+    take that lock, which no live owner in any pid namespace sharing ``/dev/shm`` allows
+    (containers with ``--ipc=host`` or a shared volume see each other's segments, not
+    each other's pids). A lock file left without its segment, and free, is removed too.
+
+    A segment with no lock file (named by its creator's pid, by versions before the
+    lock) is never removed: whether its pid is alive here says nothing about a creator in
+    another pid namespace. It is logged once, for its owner to remove by hand.
+
+    ``expected``: the caller has just stopped a server (SGLang kills its scheduler with
+    SIGKILL), so finding its pool is no news and is logged at INFO.
     """
-    removed = []
+    removed: list[str] = []
     try:
-        names = os.listdir(shm_dir)
+        names = set(os.listdir(shm_dir))
     except OSError:
         return removed
-    for name in names:
+    unowned = []
+    for name in sorted(names):
         if not name.startswith(SHM_PREFIX):
             continue
-        pid_text = name[len(SHM_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+        if name.endswith(LOCK_SUFFIX):
+            segment = name[: -len(LOCK_SUFFIX)]
+            if segment not in names and _remove_if_unlocked(shm_dir, segment, segment_too=False):
+                logger.debug("Removed %s, a host pool lock left without its segment", name)
             continue
-        try:
-            os.unlink(os.path.join(shm_dir, name))
+        if name + LOCK_SUFFIX not in names:
+            unowned.append(name)
+            continue
+        if _remove_if_unlocked(shm_dir, name, segment_too=True):
             removed.append(name)
-        except OSError:
-            continue
     if removed:
         logger.log(logging.INFO if expected else logging.WARNING,
                    "Removed %d host pool(s) left by dead processes: %s", len(removed), removed)
+    new_unowned = [n for n in unowned if n not in _reported_unowned]
+    if new_unowned:
+        _reported_unowned.update(new_unowned)
+        logger.warning("Host pool segment(s) in %s with no owner lock (left by an older version, or a live server "
+                       "of one): %s; not removed, since their owner cannot be told dead from another pid "
+                       "namespace. Remove them by hand once no server of an older version runs.",
+                       shm_dir, new_unowned)
     return removed
+
+
+def _remove_if_unlocked(shm_dir: str, name: str, *, segment_too: bool) -> bool:
+    """Take ``name``'s owner lock without waiting; if it is free (its owner is dead),
+    unlink the segment (when ``segment_too``) and then the lock file, holding the lock."""
+    path = _lock_path(shm_dir, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held: its owner is alive (in some pid namespace)
+        if not _same_file(fd, path):
+            return False  # removed and perhaps recreated meanwhile: not the file we locked
+        if segment_too:
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return False
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return True
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -106,13 +210,15 @@ class HostChunkPool:
                  shm_name: Optional[str] = None, create: bool = True):
         self.layout = layout
         size = layout.total_bytes
+        self._lock_fd: Optional[int] = None
         if create:
             remove_stale_segments()
             self._check_capacity(size)
-            name = shm_name or f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+            name, self._lock_fd = self._owner_lock(shm_name)
             try:
                 self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
             except OSError as e:
+                release_owner_lock(SHM_DIR, name, self._lock_fd)
                 raise HostPoolError(f"cannot allocate a {size / 2**30:.2f} GiB host pool in shared memory: {e}") from e
         else:
             if shm_name is None:
@@ -136,6 +242,21 @@ class HostChunkPool:
             self._pin()
 
     # ------------------------------------------------------------------ lifecycle
+    @staticmethod
+    def _owner_lock(shm_name: Optional[str]) -> tuple[str, int]:
+        """The segment's name and its owner lock, taken before the segment exists (so a
+        sweep never sees a segment of ours without a held lock)."""
+        for _ in range(100):
+            name = shm_name or f"{SHM_PREFIX}{_new_token()}"
+            try:
+                return name, take_owner_lock(SHM_DIR, name)
+            except (FileExistsError, BlockingIOError) as e:
+                if shm_name is not None:
+                    raise HostPoolError(f"host pool {shm_name!r} exists already (or is being removed): {e}") from e
+            except OSError as e:
+                raise HostPoolError(f"cannot create the host pool's owner lock in {SHM_DIR}: {e}") from e
+        raise HostPoolError(f"no free host pool name in {SHM_DIR} after 100 tries")
+
     @staticmethod
     def _check_capacity(size: int) -> None:
         available = available_host_memory_bytes()
@@ -180,6 +301,9 @@ class HostChunkPool:
                 self._shm.unlink()
             except FileNotFoundError:
                 pass
+        if self._lock_fd is not None:  # the segment is gone: now the lock may go
+            release_owner_lock(SHM_DIR, self._shm.name, self._lock_fd)
+            self._lock_fd = None
         self._shm = None
 
     def __enter__(self) -> HostChunkPool:

@@ -227,3 +227,77 @@ def test_ranks_restoring_the_same_records_in_any_order_evict_the_same_chunks():
         del junk
     assert survivors[0] == survivors[1] == survivors[2] and len(survivors[0]) == 12
     assert victims[0] == victims[1] == victims[2] and len(victims[0]) == 3
+
+
+def test_decode_offloads_hold_at_most_their_share_of_free_host_slots():
+    """A decode step's chunk enters the tree only when its request finishes: its slot is
+    reserved (not evictable) until then. Decode offloads take free slots only, never a
+    tree chunk's, and at most a quarter of the tier; prefill offloads may still evict."""
+    d = Driver(host_slots=8)
+    assert d.state.decode_offload_limit == 2
+    d.serve(list(range(4 * CHUNK)))
+    effects = Effects()
+    d.state.evict_device(10, effects)
+    d.run(effects)
+    assert d.state.tree.host_chunks == 4 and d.state.slots.num_free == 4
+    decode = [d.state.reserve_offload_slot(f"r{i}", Effects(), decode=True) for i in range(3)]
+    assert None not in decode[:2] and decode[2] is None  # the share (2) is reached, 2 slots still free
+    assert d.state.decode_reserved_slots == 2 and d.state.slots.num_free == 2
+    prefill = [d.state.reserve_offload_slot(f"p{i}", Effects(), decode=False) for i in range(2)]
+    assert None not in prefill and d.state.slots.num_free == 0
+    d.state.release_reserved(decode[0])  # its request left: the share has room again...
+    assert d.state.decode_reserved_slots == 1
+    again = d.state.reserve_offload_slot("r3", Effects(), decode=True)
+    assert again is not None and d.state.decode_reserved_slots == 2
+    d.state.release_reserved(again)
+    assert d.state.reserve_offload_slot("p2", Effects(), decode=False) is not None  # the last free slot
+    assert d.state.decode_reserved_slots == 1 and d.state.slots.num_free == 0
+    effects = Effects()
+    assert d.state.reserve_offload_slot("r4", effects, decode=True) is None  # within the share, but no eviction
+    assert d.state.stats.host_evicted_chunks == 0 and d.state.tree.host_chunks == 4
+    d.check()
+    effects = Effects()
+    assert d.state.reserve_offload_slot("p3", effects, decode=False) is not None  # a prefill may evict
+    assert d.state.stats.host_evicted_chunks == 1
+    d.check()
+    d.run(d.state.reset())
+    assert d.state.decode_reserved_slots == 0 and d.state.slots.num_free == 8
+    d.check()
+
+
+def test_a_host_tier_of_under_four_slots_takes_no_decode_offload():
+    d = Driver(host_slots=3)
+    assert d.state.decode_offload_limit == 0
+    assert d.state.reserve_offload_slot("r", Effects(), decode=True) is None
+    assert d.state.reserve_offload_slot("p", Effects(), decode=False) is not None
+
+
+def test_reads_a_departed_request_waited_for_are_cancelled_unless_still_needed():
+    """An aborted request's urgent reads must not keep the I/O process (and host slots)
+    busy: abandoned, the next prefetch plan cancels those no waiting request needs."""
+    d = Driver(host_slots=6, ssd_capacity_chunks=10)
+    tokens, shared_with_next = list(range(3 * CHUNK)), list(range(2 * CHUNK))
+    d.serve(tokens)
+    effects = Effects()
+    d.state.evict_device(10, effects)
+    d.run(effects)
+    d.answer()  # written
+    d.serve(list(range(500, 500 + 6 * CHUNK)))  # pushes them out of host memory
+    effects = Effects()
+    d.state.evict_device(20, effects)
+    d.run(effects)
+    d.answer()
+    chain = d.state.match(iter(keys(tokens)), touch=False).nodes
+    assert [n.on_host or n.on_device for n in chain] == [False] * 3
+    effects = Effects()
+    assert d.state.order_reads(chain, effects, urgent=True, limit=3) == 3
+    still_needed = d.state.match(iter(keys(shared_with_next)), touch=False).nodes
+    plan = Effects()
+    d.state.plan_prefetch([still_needed], [], plan, queue_depth=1)
+    assert not [o for o in plan.orders if isinstance(o, Reorder)]  # urgent: a request waits
+    d.state.abandon_reads(chain)
+    assert d.state.ssd_stats.abandoned_reads == 3
+    plan = Effects()
+    d.state.plan_prefetch([still_needed], [], plan, queue_depth=1)
+    cancels = [o for o in plan.orders if isinstance(o, Reorder) and o.cancel]
+    assert [o.target for o in cancels] == [d.state._reading[chain[2]]]  # the third: nobody needs it
