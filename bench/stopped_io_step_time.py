@@ -126,7 +126,7 @@ def main() -> None:
                 except ProcessLookupError:
                     pass  # the supervisor killed it (silent for 30 s) and started another
             after = histograms(server)
-            state = server.pcr_state()
+            state = server.pcr_state(check_invariants=True)
             for name, results, start, end in (("running", running, before, middle),
                                               ("stopped", stopped, middle, after)):
                 pcr = between(start["pcr"], end["pcr"])

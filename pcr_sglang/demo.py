@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"TTFT {result.ttft_s * 1000:.0f} ms")
         # The cleanest cold-vs-cached comparison: the first prompt again, now cached.
         replay = stream_generate(server, chat_prompt(tokenizer, workload[0]), args.max_new_tokens)
-        state = server.pcr_state()
+        state = server.pcr_state(check_invariants=True)
     prompt_total = sum(r.prompt_tokens for r in results)
     cached_total = sum(r.cached_tokens for r in results)
     cold = [r.ttft_s for r in results if r.cached_tokens == 0]

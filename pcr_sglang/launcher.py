@@ -270,13 +270,16 @@ class ServerProcess:
         if r.status_code != 200:
             raise RuntimeError(f"flush_cache failed ({r.status_code}): {r.text.strip()}")
 
-    def server_info(self) -> dict:
-        r = requests.get(f"{self.base_url}/server_info", timeout=30)
+    def server_info(self, *, check_invariants: bool = False) -> dict:
+        params = {"pcr_check_invariants": "1"} if check_invariants else None
+        r = requests.get(f"{self.base_url}/server_info", params=params, timeout=30)
         r.raise_for_status()
         return r.json()
 
-    def pcr_state(self) -> dict:
-        states = self.server_info().get("internal_states") or []
+    def pcr_state(self, *, check_invariants: bool = False) -> dict:
+        """PCR's ``/server_info`` state; ``check_invariants`` also runs the O(tree)
+        bookkeeping check (``state["invariants"]["ok"]`` is None without it)."""
+        states = self.server_info(check_invariants=check_invariants).get("internal_states") or []
         for state in states:
             if "pcr" in state:
                 return state["pcr"]

@@ -6,7 +6,9 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
 * ``create_tree_cache`` (AROUND): ``--enable-pcr`` selects PCR's tree cache, otherwise
   SGLang's own selection runs untouched;
 * ``ServerArgs.resolve_once`` (AFTER): PCR flags are validated once the page size is
-  resolved, so a bad value fails at startup with a message naming the flag;
+  resolved, so a bad value fails at startup with a message naming the flag, and models,
+  KV recipes, layouts and flags PCR cannot serve are refused before any weight loads
+  (``sglang_adapter/support_check``);
 * ``prepare_server_args`` (BEFORE, only when the installed SGLang is not the patched
   0.5.23): PCR flags on the command line fail with an explanation instead of argparse's
   "unrecognized arguments";
@@ -22,7 +24,10 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
 * the scheduler's ``run_batch`` (AROUND): the offloads planned for a batch's requests run
   in that batch and no other;
 * ``ModelRunner.forward`` (AROUND): the forward's stream and extend timings;
-* the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state.
+* the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state;
+  the tokenizer manager's ``init_communicators`` (AFTER) and ``get_internal_state``
+  (AROUND): ``/server_info?pcr_check_invariants=1`` asks for the O(tree) bookkeeping
+  check (``sglang_adapter/server_info_check``).
 
 SGLang's plugin loader logs and swallows exceptions raised here, so nothing in
 ``register`` may raise for a user error: errors surface through the hooks instead.
@@ -102,6 +107,18 @@ def register() -> None:
         "SchedulerInternalStateController.get_internal_state",
         _add_pcr_internal_state,
         HookType.AFTER,
+    )
+    from pcr_sglang.sglang_adapter import server_info_check
+
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.init_communicators",
+        server_info_check.add_server_info_route,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state",
+        server_info_check.get_internal_state,
+        HookType.AROUND,
     )
 
 
@@ -201,11 +218,14 @@ def _around_forward(original: Callable[..., Any], model_runner: Any, forward_bat
     return worker.forward(lambda: original(model_runner, forward_batch, *args, **kwargs), forward_batch)
 
 
-def _add_pcr_internal_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
-    """Publish PCR's state under ``"pcr"`` in ``/server_info``'s ``internal_states``."""
+def _add_pcr_internal_state(result: Any, controller: Any, recv_req: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """Publish PCR's state under ``"pcr"`` in ``/server_info``'s ``internal_states``; the
+    O(tree) invariant check only when asked (``/server_info?pcr_check_invariants=1``)."""
+    from pcr_sglang.sglang_adapter.server_info_check import check_requested
+
     cache = _pcr_cache(controller.scheduler)
     if cache is not None:
-        result.internal_state["pcr"] = cache.report(check_invariants=True)
+        result.internal_state["pcr"] = cache.report(check_invariants=check_requested(recv_req))
     return result
 
 
@@ -220,13 +240,15 @@ _CONFLICTS = (
 
 
 def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
-    if not getattr(server_args, "enable_pcr", False):
-        return None
+    """Every check below runs for both ways of selecting PCR's cache: ``--enable-pcr`` and
+    ``--radix-cache-backend pcr``."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
+    cfg = resolving_view(server_args)
+    if not (getattr(server_args, "enable_pcr", False) or getattr(cfg, "radix_cache_backend", None) == BACKEND_NAME):
+        return None
     from pcr_sglang.config import PCRConfig
 
-    cfg = resolving_view(server_args)
     PCRConfig.from_server_args(server_args).validate(int(cfg.page_size or 1))
     for field, flag in _CONFLICTS:
         if getattr(cfg, field, False):
@@ -238,4 +260,9 @@ def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwar
         )
     if getattr(cfg, "speculative_algorithm", None):
         raise PCRStartupError("--enable-pcr does not support speculative decoding yet")
+    # Model kinds, KV recipes, layouts and flags PCR cannot serve: refused here, before
+    # any weight loads, with every reason in one message.
+    from pcr_sglang.sglang_adapter.support_check import check_supported
+
+    check_supported(server_args)
     return None

@@ -14,9 +14,10 @@ from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core import CacheNamespace, CacheState, CacheStateConfig, PersistedChunk
 from pcr_sglang.io.protocol import WorkerConfig
 from pcr_sglang.io.supervisor import IOSupervisor
-from pcr_sglang.sglang_adapter.fingerprint import model_fingerprint
+from pcr_sglang.sglang_adapter.fingerprint import cache_namespace
 from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
 from pcr_sglang.sglang_adapter.scheduler_side import SchedulerSide
+from pcr_sglang.sglang_adapter.support_check import collect_inputs, unsupported_reasons
 from pcr_sglang.sglang_adapter.tp_group import TpGroup
 from pcr_sglang.sglang_adapter.worker_side import attach_worker_side
 from pcr_sglang.tiers.host_pool import HostChunkPool, HostPoolError
@@ -46,13 +47,29 @@ def _row_bytes(buffers: Any) -> int:
     return first[0].numel() * first.element_size()
 
 
+_SCALE_BUFFERS = ("k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "native_v_scale_buffer")
+
+
 def build_host_pool(config: PCRConfig, allocator: Any) -> HostChunkPool:
+    # The user-facing refusals happen at flag resolution (support_check); these are the
+    # second line, on the pool SGLang actually built.
     kvcache = allocator.get_kvcache()
     k_buffers = getattr(kvcache, "k_buffer", None)
     v_buffers = getattr(kvcache, "v_buffer", None)
     if k_buffers is None or v_buffers is None:
         raise PCRConfigError(
             f"--pcr-dram-gb supports separate K and V pools (MHA/GQA); {type(kvcache).__name__} has not"
+        )
+    scales = [name for name in _SCALE_BUFFERS if getattr(kvcache, name, None) is not None]
+    if scales:
+        raise PCRConfigError(
+            f"--pcr-dram-gb copies only k_buffer and v_buffer; this KV pool also keeps {', '.join(scales)} "
+            f"(--kv-cache-dtype {getattr(kvcache, 'dtype', '?')}): drop --pcr-dram-gb or use an unscaled KV dtype"
+        )
+    layout = getattr(kvcache, "kv_cache_layout", "nhd")
+    if layout != "nhd":
+        raise PCRConfigError(
+            f"--pcr-dram-gb copies token-major (NHD) KV rows; this KV pool's layout is {layout}"
         )
     row_bytes = _row_bytes(k_buffers)
     if _row_bytes(v_buffers) != row_bytes or len(v_buffers) != len(k_buffers):
@@ -84,42 +101,49 @@ def build_ssd_store(config: PCRConfig, namespace: CacheNamespace, host_pool: Hos
         store = ChunkFileStore(
             config.ssd_path, namespace.digest(), layout, namespace.kv_dtype, config.ssd_bytes,
             namespace_description=describe_namespace(namespace, layout),
-            low_watermark_bytes=int(config.ssd_reserve_gb * (1 << 30)),
+            low_watermark_bytes=int(config.ssd_reserve_gb * (1 << 30)), durability=config.ssd_durability,
         )
     except SSDStoreError as e:
         raise PCRConfigError(str(e)) from e
     if store.capacity_chunks == 0:
+        store.close()
         raise PCRConfigError(
             f"--pcr-ssd-gb {config.ssd_gb} under {config.ssd_path} holds no chunk (one needs "
             f"{store.record_bytes / 2**20:.1f} MiB, and the disk must keep its free-space reserve)"
         )
-    logger.info("PCR SSD tier: up to %d chunks (%.2f GiB) in %s", store.capacity_chunks,
-                store.capacity_bytes / 2**30, store.dir)
+    atexit.register(store.close)  # the writer lease (the I/O process holds it too)
+    logger.info("PCR SSD tier: up to %d chunks (%.2f GiB) in %s, writer slot %s, durability %s",
+                store.capacity_chunks, store.capacity_bytes / 2**30, store.dir, store.slot, store.durability)
     return store
 
 
 def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
-    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:  # refused at resolution already (support_check)
         raise ValueError(
             "--enable-pcr supports models whose layers all use full attention; this model "
             "has sliding-window, state-space or sparse layers. Run it without --enable-pcr."
         )
     config = PCRConfig.from_server_args(ctx.server_args)
     config.validate(ctx.params.page_size)
-    namespace = CacheNamespace(
-        model_fingerprint=model_fingerprint(ctx.model_config, ctx.server_args.model_path, ctx.server_args.revision),
-        kv_dtype=_kv_dtype_name(ctx),
-        chunk_size=config.chunk_size,
-        layout="token-major",
-        tp_rank=ctx.tp_rank,
-        tp_size=ctx.tp_size,
-    )
+    # Second line behind the refusals at flag resolution, on the model config and flags
+    # this process builds the cache for.
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    reasons = unsupported_reasons(collect_inputs(resolving_view(ctx.server_args), config, ctx.model_config))
+    if reasons:
+        raise PCRConfigError("; ".join(reasons))
+    namespace = cache_namespace(ctx.server_args, ctx.model_config, _kv_dtype_name(ctx), config.chunk_size,
+                                ctx.tp_rank, ctx.tp_size)
     return assemble_pcr_cache(ctx.params, config, namespace, TpGroup.from_cache_params(ctx.params), ctx.tp_rank)
 
 
 def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace, tp: Optional[TpGroup] = None,
                        tp_rank: int = 0) -> PCRPrefixCache:
     """The tiers, the cache state, the I/O process and both sides, over SGLang's pools."""
+    # Chunk keys (and so restore, eviction ties and every prefix length) derive from the
+    # namespace: each rank fingerprints the weights it reads, and they must agree.
+    _check_same_on_every_rank(tp, "the model fingerprint (the weights each rank reads)",
+                              int.from_bytes(namespace.chain_digest()[:7], "big"))
     allocator = params.token_to_kv_pool_allocator
     host_pool = store = worker = io = None
     if config.dram_bytes > 0:
@@ -180,7 +204,8 @@ def _check_same_on_every_rank(tp: Optional[TpGroup], what: str, value: int) -> N
 
 
 def _restore(state: CacheState, store: ChunkFileStore, tp: Optional[TpGroup]) -> None:
-    """Rebuild the tree's SSD level from the store: with TP, only chunks every rank has."""
+    """Rebuild the tree's SSD level from the store (ours, adopted and live peers'
+    records): with TP, only chunks every rank has. Deletes touch only our own slot."""
     records = store.scan()
     keys = {r.key for r in records}
     common = tp.intersect(keys) if tp is not None else keys
@@ -200,7 +225,7 @@ def start_io_process(store: ChunkFileStore, host_pool: HostChunkPool, tp_rank: i
         num_slots=layout.num_slots, num_layers=layout.num_layers, chunk_size=layout.chunk_size,
         row_bytes=layout.row_bytes, reserve_bytes=store.low_watermark_bytes,
         shm_name=host_pool.info().shm_name, orders_endpoint="", replies_endpoint="", parent_pid=0,
-        tp_rank=tp_rank,
+        tp_rank=tp_rank, writer_slot=store.slot or "", lease_fd=store.lease_fd, durability=store.durability,
     ))
     if not io.wait_ready():
         logger.warning("PCR I/O process did not start; the SSD tier waits for its restart")

@@ -13,10 +13,13 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
     """Tree size, locks, slot states, counters, I/O health and scheduler-step timings.
 
     ``check_invariants`` walks the whole tree and slot table to verify their bookkeeping
-    (O(tree)): for tests and debugging, not for scraping at a high rate.
+    (O(tree)): for tests and debugging, not for scraping at a high rate. Without it,
+    ``invariants.ok`` is None (not checked), never a claim. The checks are ``assert``s, which
+    ``python -O`` strips: there the check reports itself as not run.
     """
     state, scheduler = cache.state, cache.scheduler
     invariant_error: Optional[str] = None
+    check_invariants = check_invariants and __debug__
     if check_invariants:
         try:
             state.check()
@@ -40,9 +43,13 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
         "host_pool_slots": state.slots.num_slots if state.slots is not None else 0,
         "host_pool_free_slots": state.slots.num_free if state.slots is not None else 0,
         "host_pool_bytes": cache.host_pool.layout.total_bytes if cache.host_pool is not None else 0,
+        # The POSIX shared-memory segment of the host tier (what an operator inspects).
+        "host_pool_shm": cache.host_pool.info().shm_name if cache.host_pool is not None else None,
         # Slots by state: reserved for offloads no tree node owns yet, filling from SSD, ...
         "host_slots": slot_counts,
         "host_pool_offload_slots": slot_counts.get("reserved", 0),
+        # Of those, held by decode-time offloads (at most a quarter of the tier).
+        "host_pool_decode_offload_slots": state.decode_reserved_slots,
         "host_pool_io_slots": slot_counts.get("filling", 0),
         "layerwise": engine.mode.value if engine is not None else None,
         "transfers": {"pending_loads": engine.pending_loads, "planned_offloads": engine.planned_offloads}
@@ -56,7 +63,8 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
                # Rounds in which the ranks' digests of admitted prefix lengths differed.
                "prefix_digest_mismatches": scheduler.digest_mismatches},
         "ssd": _ssd_report(cache) if state.ssd_enabled else None,
-        "invariants": {"checked": check_invariants, "ok": invariant_error is None, "error": invariant_error},
+        "invariants": {"checked": check_invariants, "ok": (invariant_error is None) if check_invariants else None,
+                       "error": invariant_error},
     }
     return report
 

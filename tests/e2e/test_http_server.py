@@ -6,7 +6,9 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
+import torch
 
 from pcr_sglang.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
@@ -65,16 +67,26 @@ def test_outputs_equal_baseline_and_cached_tokens_are_whole_chunks(servers, rag_
     cached = [c for _, c in results]
     assert all(c % CHUNK_SIZE == 0 for c in cached), cached
     assert sum(1 for c in cached if c > 0) >= 10, cached  # the workload shares documents
-    state = servers["pcr"].pcr_state()
+    state = servers["pcr"].pcr_state(check_invariants=True)
     assert state["invariants"]["ok"], state
     assert state["tree"]["locked_chunks"] == 0
+
+
+def test_server_info_checks_the_tree_only_when_asked(servers):
+    server = servers["pcr"]
+    plain = server.pcr_state()["invariants"]
+    assert plain["checked"] is False and plain["ok"] is None  # counters only: O(1) per call
+    asked = server.pcr_state(check_invariants=True)["invariants"]
+    assert asked == {"checked": True, "ok": True, "error": None}
+    info = server.server_info(check_invariants=True)  # PCR's route still serves SGLang's fields
+    assert info["version"] and info["internal_states"] and "model_path" in info
 
 
 def test_concurrent_requests_keep_outputs_and_locks(servers, rag_prompt_ids, baseline_outputs):
     # Same prompts, 8 at a time: batching changes scheduling, never tokens or lock counts.
     results = generate_greedy(servers["pcr"], rag_prompt_ids, concurrency=8)
     assert [ids for ids, _ in results] == baseline_outputs
-    state = servers["pcr"].pcr_state()
+    state = servers["pcr"].pcr_state(check_invariants=True)
     assert state["invariants"]["ok"] and state["tree"]["locked_chunks"] == 0
 
 
@@ -103,7 +115,7 @@ def test_small_pool_evicts_serves_correctly_and_balances(servers, rag_prompt_ids
     server = servers["pcr_small"]
     results = generate_greedy(server, rag_prompt_ids, concurrency=4)
     assert [ids for ids, _ in results] == baseline_outputs
-    state = server.pcr_state()
+    state = server.pcr_state(check_invariants=True)
     assert state["counters"]["evicted_chunks"] > 0, state
     assert state["invariants"]["ok"], state
     assert state["tree"]["locked_chunks"] == 0
@@ -163,7 +175,7 @@ def test_host_tier_serves_evicted_chunks_back_without_recomputing(servers, rag_p
     assert any(d.get("host", 0) > 0 for d in details), details
     for (_, cached), d in zip(replay, details):
         assert d.get("device", 0) + d.get("host", 0) == cached
-    state = server.pcr_state()
+    state = server.pcr_state(check_invariants=True)
     assert state["counters"]["host_hit_chunks"] > before["host_hit_chunks"], state["counters"]
     assert state["counters"]["offloaded_chunks"] > 0  # written through during prefill (default both)
     assert all(c % CHUNK_SIZE == 0 for _, c in replay)
@@ -196,7 +208,7 @@ def test_lpm_with_a_host_tier_under_24_concurrent_requests(servers, rag_prompt_i
         assert d.get("device", 0) + d.get("host", 0) == o["meta_info"]["cached_tokens"]
     deadline = time.monotonic() + 30
     while True:  # Prometheus is published once per scheduler step
-        state = server.pcr_state()
+        state = server.pcr_state(check_invariants=True)
         hits = prometheus_counts(server, "sglang:pcr_hit_chunks_total", "tier")
         exported = {tier: hits.get(tier, 0.0) * CHUNK_SIZE for tier in ("device", "host")}
         if exported == reported or time.monotonic() > deadline:
@@ -227,7 +239,7 @@ def test_every_layerwise_setting_serves_host_hits_token_for_token(servers, rag_p
     replay = generate_greedy(server, rag_prompt_ids[:10])
     assert [ids for ids, _ in results] == baseline_outputs
     assert [ids for ids, _ in replay] == baseline_outputs[:10]
-    state = server.pcr_state()
+    state = server.pcr_state(check_invariants=True)
     counters = state["counters"]
     assert state["layerwise"] == mode
     assert counters["host_hit_chunks"] > 0, counters
@@ -241,3 +253,53 @@ def test_every_layerwise_setting_serves_host_hits_token_for_token(servers, rag_p
     assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"]
     assert state["host_pool_offload_slots"] == 0
     assert state["host_pool_slots"] - state["host_pool_free_slots"] == state["tree"]["host_chunks"]
+
+
+def _flip_signs(buf: memoryview, element_bytes: int) -> None:
+    """Negate every K and V value of a host slot (the sign bit is the top bit of each
+    little-endian element): finite, plausible KV, just the wrong one."""
+    raw = np.frombuffer(buf, dtype=np.uint8).reshape(-1, element_bytes)
+    raw[:, -1] ^= 0x80
+
+
+def _served_into_new_host_slots(server, shm, slot_bytes: int, ids: list[int]) -> tuple[list[int], list[int]]:
+    """Serve ``ids`` (nothing else runs meanwhile); its output and the host slots whose
+    bytes it changed (its chunks' offloads during the prefill)."""
+    before = np.frombuffer(shm.buf, dtype=np.uint8).reshape(-1, slot_bytes).copy()
+    output = server.generate({"input_ids": ids, "sampling_params": GREEDY})["output_ids"]
+    after = np.frombuffer(shm.buf, dtype=np.uint8).reshape(-1, slot_bytes)
+    return output, [int(s) for s in np.nonzero((before != after).any(axis=1))[0]]
+
+
+def test_token_for_token_check_detects_one_corrupted_host_chunk(servers, baseline_outputs):
+    """Negative control for every token-for-token test: the same procedure with one host
+    chunk's KV negated must change the output, and without it must not."""
+    from multiprocessing import resource_tracker, shared_memory
+
+    server, baseline = servers["pcr_dram"], servers["baseline"]
+    state = server.pcr_state()
+    slot_bytes = state["host_pool_bytes"] // state["host_pool_slots"]
+    element_bytes = torch.empty(0, dtype=getattr(torch, state["namespace"]["kv_dtype"].split(".")[-1])).element_size()
+    shm = shared_memory.SharedMemory(name=state["host_pool_shm"], create=False)
+    resource_tracker.unregister(shm._name, "shared_memory")  # the server owns the segment
+    rng = random.Random(5)
+    try:
+        results = {}
+        for name in ("control", "corrupted"):
+            ids = [rng.randrange(10, 4000) for _ in range(4 * CHUNK_SIZE + 1)]  # four whole chunks
+            expected = baseline.generate({"input_ids": ids, "sampling_params": GREEDY})["output_ids"]
+            first, slots = _served_into_new_host_slots(server, shm, slot_bytes, ids)
+            assert first == expected and len(slots) == 4, slots
+            if name == "corrupted":
+                _flip_signs(shm.buf[slots[1] * slot_bytes:(slots[1] + 1) * slot_bytes], element_bytes)
+            # Unrelated prompts push it out of the device pool; its chunks stay in host memory.
+            for k in range(4):
+                server.generate({"input_ids": [rng.randrange(10, 4000) for _ in range(1500)],
+                                 "sampling_params": {"max_new_tokens": 1}})
+            out = server.generate({"input_ids": ids, "sampling_params": GREEDY})
+            assert out["meta_info"]["cached_tokens_details"]["host"] == 4 * CHUNK_SIZE, out["meta_info"]
+            results[name] = (out["output_ids"], expected)
+    finally:
+        shm.close()
+    assert results["control"][0] == results["control"][1]
+    assert results["corrupted"][0] != results["corrupted"][1], "a corrupted chunk went unnoticed"

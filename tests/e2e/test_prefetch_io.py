@@ -50,7 +50,7 @@ def test_deep_queue_with_prefetch_matches_baseline_and_scheduler_does_no_disk_io
     # Replay with many clients at once: the waiting queue is deep, its SSD chunks prefetched.
     replay = generate_greedy(server, rag_prompt_ids, concurrency=16)
     assert [ids for ids, _ in replay] == baseline_outputs
-    state = server.pcr_state()
+    state = server.pcr_state(check_invariants=True)
     ssd = state["ssd"]
     counters = ssd["counters"]
     assert counters["prefetch_issued"] > 0 and counters["prefetch_in_time"] > 0, counters
@@ -86,7 +86,7 @@ def test_host_slots_cycling_under_8_clients_keep_every_output_right(servers, rag
     results = generate_greedy(server, prompts, concurrency=8)
     wrong = [i for i, (ids, _) in enumerate(results) if ids != baseline_outputs[i % 40]]
     assert not wrong, f"{len(wrong)} of {len(prompts)} outputs differ from the baseline"
-    state = server.pcr_state()
+    state = server.pcr_state(check_invariants=True)
     assert state["counters"]["host_evicted_chunks"] > 10 * state["host_pool_slots"], state["counters"]
     assert state["ssd"]["counters"]["hit_chunks"] > 0
     assert state["invariants"]["ok"] and state["tree"]["locked_chunks"] == 0
@@ -96,7 +96,7 @@ def wait_until_settled(server, timeout_s: float = 90) -> dict:
     """Poll until the I/O process is healthy with nothing in flight; the state then."""
     deadline = time.monotonic() + timeout_s
     while True:
-        state = server.pcr_state()
+        state = server.pcr_state(check_invariants=True)
         ssd = state["ssd"]
         if (ssd["io_process"]["healthy"] and not ssd["reads_in_flight"] and not ssd["writes_in_flight"]
                 and not state["requests"]["tracked"]) or time.monotonic() > deadline:

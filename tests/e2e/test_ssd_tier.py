@@ -57,7 +57,7 @@ def test_working_set_beyond_device_and_dram_is_served_from_ssd(servers, rag_prom
     outputs, details = replay_with_details(server, rag_prompt_ids[:10])
     assert outputs == baseline_outputs[:10]
     assert sum(d.get("storage", 0) for d in details) > 0, details  # hits read from SSD
-    state = server.pcr_state()
+    state = server.pcr_state(check_invariants=True)
     ssd = state["ssd"]
     assert ssd["counters"]["hit_chunks"] > 0 and ssd["counters"]["written_chunks"] > 0, ssd
     assert ssd["store"]["corrupt_chunks"] == 0 and ssd["writes_enabled"]
@@ -81,6 +81,9 @@ def test_restart_finds_the_persisted_chunks_and_skips_corrupt_ones(servers, tiny
     files[2].write_bytes(b"\0" * 4096)
     (files[3].parent / "partial.123.tmp").write_bytes(b"half a chunk")
     restarted = ssd_server(tiny_model, store_dir)
+    # Each record waits 0.1 s complete in its temp file before its rename, so that the next
+    # test's kill -9 lands in the middle of a write.
+    restarted.env = {**restarted.env, "PCR_IO_TEST_FAULTS": '{"write_delay_s": 0.1}'}
     servers["ssd"] = restarted
     restarted.start()
     state = restarted.pcr_state()
@@ -92,7 +95,7 @@ def test_restart_finds_the_persisted_chunks_and_skips_corrupt_ones(servers, tiny
     assert sum(d.get("storage", 0) for d in details) > 0, details
     results = generate_greedy(restarted, rag_prompt_ids, concurrency=4)
     assert [ids for ids, _ in results] == baseline_outputs
-    state = restarted.pcr_state()
+    state = restarted.pcr_state(check_invariants=True)
     assert state["invariants"]["ok"] and state["tree"]["locked_chunks"] == 0
 
 
@@ -101,8 +104,10 @@ def test_kill_9_during_write_back_then_restart(servers, tiny_model, store_dir, r
 
     server = servers["ssd"]
     server.generate({"input_ids": rag_prompt_ids[0], "sampling_params": GREEDY})
+    wait_for_write_back(server)
+    records_before = len(list(store_dir.rglob("*.chunk")))
     # Heavy write-back: new chunks (a new first token changes every chunk's key) from
-    # several clients; kill -9 once writes are in flight.
+    # several clients; kill -9 while the server reports writes in flight.
     errors: list[BaseException] = []
 
     def client(offset: int) -> None:
@@ -117,20 +122,38 @@ def test_kill_9_during_write_back_then_restart(servers, tiny_model, store_dir, r
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and server.pcr_state()["ssd"]["counters"]["written_chunks"] < 50:
-        time.sleep(0.2)
+    in_flight_at_kill = 0
+    while time.monotonic() < deadline:
+        ssd = server.pcr_state()["ssd"]
+        if ssd["counters"]["written_chunks"] >= 20 and ssd["writes_in_flight"] > 0:
+            in_flight_at_kill = ssd["writes_in_flight"]
+            break
+        time.sleep(0.05)
     server.kill()
     for t in threads:
         t.join(timeout=60)
+    assert in_flight_at_kill > 0, "the kill must land while writes are in flight"
+    cut_off = list(store_dir.rglob("*.tmp"))
+    assert cut_off, "no write was cut off by the kill"  # a record complete in its temp file, not renamed
+    # The crash state itself, before any server touches it: every record under its final
+    # name verifies in full (a write is visible only once complete), and new ones landed.
+    assert store_cli(["verify", str(store_dir)]) == 0
+    records_after_kill = len(list(store_dir.rglob("*.chunk")))
+    assert records_after_kill > records_before
     restarted = ssd_server(tiny_model, store_dir)
     servers["ssd"] = restarted
     restarted.start()
     state = restarted.pcr_state()
-    assert state["ssd"]["counters"]["restored_chunks"] > 0
+    # Every complete record is adopted (none is lost to the crash), none fails; only a
+    # record whose parent's write was cut off is unreachable.
+    counters = state["ssd"]["counters"]
+    assert counters["restored_chunks"] + counters["orphaned_records"] == records_after_kill, counters
+    assert state["ssd"]["store"]["corrupt_chunks"] == 0
+    assert state["ssd"]["store"]["discarded_tmp_files"] >= len(cut_off) and not list(store_dir.rglob("*.tmp"))
+    outputs, _ = replay_with_details(restarted, [[7, *ids] for ids in rag_prompt_ids[:8]])
+    assert outputs == [ids for ids, _ in generate_greedy(servers["baseline"], [[7, *ids] for ids in rag_prompt_ids[:8]])]
     outputs, _ = replay_with_details(restarted, rag_prompt_ids[:10])
     assert outputs == baseline_outputs[:10]
-    # Everything the restarted server kept verifies in full.
-    assert store_cli(["verify", str(store_dir)]) == 0
 
 
 def test_full_disk_keeps_serving_every_request(servers, rag_prompt_ids, baseline_outputs):
@@ -148,7 +171,7 @@ def test_full_disk_keeps_serving_every_request(servers, rag_prompt_ids, baseline
     assert ssd["counters"]["write_errors"] >= 1 and not ssd["writes_enabled"], ssd
     outputs, _ = replay_with_details(server, rag_prompt_ids[:10])
     assert outputs == baseline_outputs[:10]
-    assert server.pcr_state()["invariants"]["ok"]
+    assert server.pcr_state(check_invariants=True)["invariants"]["ok"]
 
 
 def test_bad_ssd_path_fails_at_startup(tiny_model, tmp_path):

@@ -51,7 +51,7 @@ def test_tp2_with_host_and_ssd_tiers_matches_the_tp2_baseline_and_the_ranks_agre
     assert [r["output_ids"] for r in replays] == baseline[:8]
     storage = sum((r["meta_info"].get("cached_tokens_details") or {}).get("storage", 0) for r in replays)
     assert storage > 0  # read back from SSD, with rank 1's reads late
-    state = server.pcr_state()
+    state = server.pcr_state(check_invariants=True)
     tp = state["tp"]
     assert tp["size"] == 2 and tp["agreement_rounds"] > 0
     assert tp["prefix_digest_mismatches"] == 0 and tp["inconsistent"] is None, tp

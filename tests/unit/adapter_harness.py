@@ -7,6 +7,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Optional
 
+import pytest
 import torch
 
 from sglang.srt.managers.schedule_batch import split_cached_prefix_by_tier
@@ -46,7 +47,8 @@ class FakeReq:
 
 class Harness:
     def __init__(self, *, host_slots: int = 0, ssd_path=None, layerwise: str = "both", ssd_write: str = "through",
-                 lookahead_window: int = 0, prefetch_window: int = 0, pool: int = POOL, tp=None, tp_rank: int = 0):
+                 lookahead_window: int = 0, prefetch_window: int = 0, pool: int = POOL, tp=None, tp_rank: int = 0,
+                 model_fingerprint: str = "m"):
         self.kvcache = MHATokenToKVPool(pool, 1, torch.float32, HEADS, DIM, LAYERS, "cpu", False)
         self.allocator = TokenToKVPoolAllocator(pool, torch.float32, "cpu", self.kvcache, need_sort=False)
         params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
@@ -57,7 +59,7 @@ class Harness:
                            ssd_gb=0.01 if ssd_path else 0.0, ssd_reserve_gb=0.0, ssd_write=ssd_write,
                            prefetch_window=prefetch_window)
         self.pool = pool
-        namespace = CacheNamespace("m", "float32", CHUNK, tp_rank=tp_rank, tp_size=tp.size if tp else 1)
+        namespace = CacheNamespace(model_fingerprint, "float32", CHUNK, tp_rank=tp_rank, tp_size=tp.size if tp else 1)
         self.cache = assemble_pcr_cache(params, config, namespace, tp, tp_rank)
         self.state = self.cache.state
         self.scheduler = self.cache.scheduler
@@ -185,6 +187,24 @@ class Harness:
         assert self.allocator.available_size() + self.cache.total_size() == self.pool
 
     def close(self) -> None:
+        """What a server's exit does: the I/O process goes, the writer lease is released."""
         self.scheduler.close()
+        if self.cache.store is not None:
+            self.cache.store.close()
         if self.cache.host_pool is not None:
             self.cache.host_pool.close()
+
+
+@pytest.fixture
+def make():
+    """Harnesses a test builds, closed after it (I/O processes, host pools, writer leases)."""
+    made = []
+
+    def _make(**kwargs):
+        harness = Harness(**kwargs)
+        made.append(harness)
+        return harness
+
+    yield _make
+    for harness in made:
+        harness.close()

@@ -149,3 +149,23 @@ def test_a_read_that_fails_on_one_rank_is_recomputed_on_both(tmp_path, monkeypat
     # Rank 1's reads all failed (its records look bad): both ranks drop them and recompute.
     assert r0[1] == r1[1] == (0, 0)
     assert r0[3] == r1[3] == 3
+
+
+def test_ranks_that_fingerprint_different_weights_refuse_to_start_on_both(tmp_path):
+    """Review finding: keys derive from the fingerprint each rank computes from the weights
+    it reads; ranks that disagree would restore nothing and evict differently."""
+    pytest.importorskip("sglang")
+    from pcr_sglang.config import PCRConfigError
+    from tests.unit.adapter_harness import Harness
+
+    ranks = TwoRanks()
+
+    def build(rank: int):
+        try:
+            Harness(host_slots=6, tp=ranks.group(rank), tp_rank=rank, model_fingerprint=f"weights-{rank}")
+        except PCRConfigError as e:
+            return str(e)
+        return None
+
+    errors = on_both(lambda: build(0), lambda: build(1))
+    assert all(e is not None and "model fingerprint" in e for e in errors), errors

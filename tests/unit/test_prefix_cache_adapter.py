@@ -13,21 +13,7 @@ pytest.importorskip("sglang")
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 
-from tests.unit.adapter_harness import CHUNK, POOL, SLOT_BYTES, Harness  # noqa: E402
-
-
-@pytest.fixture
-def make():
-    made = []
-
-    def _make(**kwargs):
-        harness = Harness(**kwargs)
-        made.append(harness)
-        return harness
-
-    yield _make
-    for harness in made:
-        harness.close()
+from tests.unit.adapter_harness import CHUNK, POOL, SLOT_BYTES, Harness, make  # noqa: E402,F401
 
 
 def prompt(start: int, chunks: int = 3, tail: int = 0) -> list[int]:
@@ -277,16 +263,17 @@ def test_chunks_come_back_from_ssd_and_survive_a_restart(make, tmp_path, ssd_wri
     h.assert_kv(prompts[0], h.cache.path_device_indices(req.last_node))
     h.step()
     h.check()
-    if ssd_write == "through":
-        h2 = make(host_slots=3, ssd_path=tmp_path / "ssd")  # a new server on the same directory
-        assert h2.state.ssd_stats.restored_chunks == 6
-        for i, tokens in enumerate(prompts):
-            req, _ = read_through_hold(h2, tokens + [0], f"again{i}")
-            h2.admit(req)
-            assert req.prefix_len == 12 and req.storage_hit_length == 12
-            h2.assert_kv(tokens, h2.cache.path_device_indices(req.last_node))
-            h2.cache.evict(EvictParams(num_tokens=10**6))
-            h2.drain_io()
+    h.drain_io()
+    assert h.state.tree.ssd_chunks == 6  # both prompts, written through or when evicted
+    h2 = make(host_slots=3, ssd_path=tmp_path / "ssd")  # a new server on the same directory
+    assert h2.state.ssd_stats.restored_chunks == 6
+    for i, tokens in enumerate(prompts):
+        req, _ = read_through_hold(h2, tokens + [0], f"again{i}")
+        h2.admit(req)
+        assert req.prefix_len == 12 and req.storage_hit_length == 12
+        h2.assert_kv(tokens, h2.cache.path_device_indices(req.last_node))
+        h2.cache.evict(EvictParams(num_tokens=10**6))
+        h2.drain_io()
 
 
 def test_on_evict_writes_a_chunk_when_host_eviction_picks_it(make, tmp_path):
@@ -489,3 +476,22 @@ def test_when_the_ranks_disagree_waiting_requests_are_admitted_and_nothing_more_
         assert h.scheduler.consider(h.request(prompt(200) + [0], "other"))  # and nobody else waits
     finally:
         os.kill(h.scheduler.io.pid, signal.SIGCONT)
+
+
+def test_report_walks_the_tree_only_when_asked(make, monkeypatch):
+    """/server_info's default report must not run the O(tree) check; asked, it reports
+    what the check found instead of raising into the scheduler."""
+    h = make()
+    h.serve(prompt(100, 2), "r")
+    walks = []
+
+    def broken_check():
+        walks.append(1)
+        raise AssertionError("bookkeeping broken")
+
+    monkeypatch.setattr(h.state, "check", broken_check)
+    plain = h.cache.report()["invariants"]
+    assert walks == [] and plain == {"checked": False, "ok": None, "error": None}
+    asked = h.cache.report(check_invariants=True)["invariants"]
+    assert walks == [1] and asked["checked"] is True and asked["ok"] is False
+    assert "bookkeeping broken" in asked["error"]
