@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import threading
 import time
 
@@ -122,19 +123,23 @@ def test_kill_9_during_write_back_then_restart(servers, tiny_model, store_dir, r
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
-    in_flight_at_kill = 0
+    in_flight_at_kill = io_pid = 0
     while time.monotonic() < deadline:
         ssd = server.pcr_state()["ssd"]
         if ssd["counters"]["written_chunks"] >= 20 and ssd["writes_in_flight"] > 0:
-            in_flight_at_kill = ssd["writes_in_flight"]
+            in_flight_at_kill, io_pid = ssd["writes_in_flight"], ssd["io_process"]["pid"]
             break
         time.sleep(0.05)
+    # A crash of the machine takes the I/O process at the same instant as the server.
+    if io_pid:
+        os.kill(io_pid, signal.SIGKILL)
     server.kill()
     for t in threads:
         t.join(timeout=60)
     assert in_flight_at_kill > 0, "the kill must land while writes are in flight"
+    # Records the kill caught in their temp files (each waits 0.1 s there before its rename;
+    # whether one is caught depends on the instant, so it is not required): discarded below.
     cut_off = list(store_dir.rglob("*.tmp"))
-    assert cut_off, "no write was cut off by the kill"  # a record complete in its temp file, not renamed
     # The crash state itself, before any server touches it: every record under its final
     # name verifies in full (a write is visible only once complete), and new ones landed.
     assert store_cli(["verify", str(store_dir)]) == 0
