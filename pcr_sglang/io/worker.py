@@ -66,8 +66,8 @@ class TestFaults:
     read_delay_s: float = 0.0
     fail_reads: bool = False
     fail_writes: bool = False
-    # Each record waits this long, complete in its temp file, before its rename: a kill
-    # then lands mid-write (the crash tests check a write really was cut off).
+    # Each record waits this long, complete in its temp file, before its rename, so that a
+    # kill is likely to land mid-write (the kill -9 test discards what it catches).
     write_delay_s: float = 0.0
 
     @classmethod
