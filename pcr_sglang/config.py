@@ -12,12 +12,14 @@ from typing import Any, Optional
 
 from pcr_sglang.server_args_fields import (
     DEFAULT_CHUNK_SIZE,
+    DEFAULT_DOC_REUSE,
     DEFAULT_LAYERWISE,
     DEFAULT_LOOKAHEAD_WINDOW,
     DEFAULT_PREFETCH_BUDGET_MB,
     DEFAULT_PREFETCH_WINDOW,
     DEFAULT_SSD_DURABILITY,
     DEFAULT_SSD_WRITE,
+    DOC_REUSE_CHOICES,
     LAYERWISE_CHOICES,
     SSD_DURABILITY_CHOICES,
     SSD_WRITE_CHOICES,
@@ -44,6 +46,7 @@ class PCRConfig:
     ssd_durability: str = DEFAULT_SSD_DURABILITY
     prefetch_window: int = DEFAULT_PREFETCH_WINDOW
     prefetch_budget_mb: int = DEFAULT_PREFETCH_BUDGET_MB
+    doc_reuse: str = DEFAULT_DOC_REUSE
 
     @classmethod
     def from_server_args(cls, args: Any) -> PCRConfig:
@@ -60,6 +63,7 @@ class PCRConfig:
             ssd_durability=getattr(args, "pcr_ssd_durability", DEFAULT_SSD_DURABILITY),
             prefetch_window=getattr(args, "pcr_prefetch_window", DEFAULT_PREFETCH_WINDOW),
             prefetch_budget_mb=getattr(args, "pcr_prefetch_budget_mb", DEFAULT_PREFETCH_BUDGET_MB),
+            doc_reuse=getattr(args, "pcr_doc_reuse", DEFAULT_DOC_REUSE),
         )
 
     @property
@@ -116,6 +120,15 @@ class PCRConfig:
             raise PCRConfigError(
                 f"--pcr-ssd-durability must be one of {', '.join(SSD_DURABILITY_CHOICES)}, "
                 f"got {self.ssd_durability!r}"
+            )
+        if self.doc_reuse not in DOC_REUSE_CHOICES:
+            raise PCRConfigError(
+                f"--pcr-doc-reuse must be one of {', '.join(DOC_REUSE_CHOICES)}, got {self.doc_reuse!r}"
+            )
+        if self.doc_reuse != "off" and page_size > 1:
+            raise PCRConfigError(
+                f"--pcr-doc-reuse {self.doc_reuse} needs --page-size 1: a re-placed document's "
+                "slots are appended to the row token by token"
             )
         if page_size > 0 and self.chunk_size % page_size != 0:
             raise PCRConfigError(

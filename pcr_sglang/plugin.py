@@ -24,6 +24,9 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
 * the scheduler's ``run_batch`` (AROUND): the offloads planned for a batch's requests run
   in that batch and no other;
 * ``ModelRunner.forward`` (AROUND): the forward's stream and extend timings;
+* the tokenizer manager's ``_validate_one_request`` (AFTER) and ``_send_one_request``
+  (AROUND): document bounds are checked (HTTP 400), and with ``--pcr-doc-reuse`` a request's
+  documents are warmed before it is sent (``sglang_adapter/doc_warmer``);
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state;
   the tokenizer manager's ``init_communicators`` (AFTER) and ``get_internal_state``
   (AROUND): ``/server_info?pcr_check_invariants=1`` asks for the O(tree) bookkeeping
@@ -108,7 +111,18 @@ def register() -> None:
         _add_pcr_internal_state,
         HookType.AFTER,
     )
-    from pcr_sglang.sglang_adapter import server_info_check
+    from pcr_sglang.sglang_adapter import doc_warmer, server_info_check
+
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        doc_warmer.validate_doc_bounds,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._send_one_request",
+        doc_warmer.send_after_warming,
+        HookType.AROUND,
+    )
 
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.init_communicators",
@@ -183,6 +197,7 @@ def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **
         return original(batch, *args, **kwargs)
     fresh = [r for r in batch.reqs if not r._cache_breakdown_computed and not r.retracted_stain]
     result = original(batch, *args, **kwargs)
+    cache.scheduler.rows_written(batch.reqs)
     for req in fresh:
         if req._cache_breakdown_computed:
             cache.scheduler.admitted(req)
@@ -246,6 +261,8 @@ def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwar
 
     cfg = resolving_view(server_args)
     if not (getattr(server_args, "enable_pcr", False) or getattr(cfg, "radix_cache_backend", None) == BACKEND_NAME):
+        if getattr(server_args, "pcr_doc_reuse", "off") != "off":
+            raise PCRStartupError("--pcr-doc-reuse needs --enable-pcr (documents are reused through PCR's cache)")
         return None
     from pcr_sglang.config import PCRConfig
 

@@ -33,6 +33,9 @@ DEFAULT_SSD_DURABILITY = "record"
 # From bench/prefetch_sweep.py (see bench/README.md).
 DEFAULT_PREFETCH_WINDOW = 16
 DEFAULT_PREFETCH_BUDGET_MB = 256
+# Document KV reuse in any order (README "Document reuse"): off, or the re-placement mode.
+DOC_REUSE_CHOICES = ["off", "concat"]
+DEFAULT_DOC_REUSE = "off"
 
 
 class Pcr(msgspec.Struct):
@@ -185,3 +188,19 @@ class Pcr(msgspec.Struct):
             choices=SSD_DURABILITY_CHOICES,
         ),
     ] = DEFAULT_SSD_DURABILITY
+    pcr_doc_reuse: A[
+        str,
+        Arg(
+            help=(
+                "Reuse a document's KV wherever it appears in a prompt, not only behind the same "
+                "preceding documents. Requests opt in by marking their documents "
+                "(sampling_params.custom_params['pcr_doc_bounds'], flat token offsets); others "
+                "are served exactly as without this flag. 'concat': each marked document's KV "
+                "as computed right after the request's leading tokens is copied and rotated to "
+                "its place (no recompute: faster, and answers differ from full prefill; see the "
+                "README's accuracy table before turning it on). Such KV never enters the prefix "
+                f"cache. Default: {DEFAULT_DOC_REUSE}."
+            ),
+            choices=DOC_REUSE_CHOICES,
+        ),
+    ] = DEFAULT_DOC_REUSE

@@ -14,6 +14,7 @@ from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core import CacheNamespace, CacheState, CacheStateConfig, PersistedChunk
 from pcr_sglang.io.protocol import WorkerConfig
 from pcr_sglang.io.supervisor import IOSupervisor
+from pcr_sglang.sglang_adapter.doc_reuse_setup import attach_doc_reuse
 from pcr_sglang.sglang_adapter.fingerprint import cache_namespace
 from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
 from pcr_sglang.sglang_adapter.scheduler_side import SchedulerSide
@@ -134,7 +135,15 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
         raise PCRConfigError("; ".join(reasons))
     namespace = cache_namespace(ctx.server_args, ctx.model_config, _kv_dtype_name(ctx), config.chunk_size,
                                 ctx.tp_rank, ctx.tp_size)
-    return assemble_pcr_cache(ctx.params, config, namespace, TpGroup.from_cache_params(ctx.params), ctx.tp_rank)
+    cache = assemble_pcr_cache(ctx.params, config, namespace, TpGroup.from_cache_params(ctx.params), ctx.tp_rank)
+    try:
+        cache.scheduler.docs = attach_doc_reuse(config, cache.state, cache.scheduler,
+                                                ctx.params.token_to_kv_pool_allocator, ctx.tp_worker,
+                                                ctx.model_config.hf_config)
+    except BaseException:
+        cache.scheduler.close()
+        raise
+    return cache
 
 
 def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace, tp: Optional[TpGroup] = None,

@@ -115,6 +115,16 @@ class PCRMetrics:
             labelnames=names + ["tier"],
             multiprocess_mode="mostrecent",
         )
+        self.doc_reuse = Counter(
+            "sglang:pcr_doc_reuse_total",
+            "PCR document reuse (--pcr-doc-reuse): admitted requests that marked documents "
+            "(requests), canonical document prefills the server ran for them (canonical_requests), "
+            "documents marked and reused (docs_marked, docs_reused), tokens whose KV was copied "
+            "from a document's canonical chain (tokens_reused) and, of those, moved to another "
+            "position (tokens_rotated), planned reuse not loadable at admission (load_failures), "
+            "bounds the scheduler could not use (malformed).",
+            labelnames=names + ["kind"],
+        )
         self._last: dict[str, int] = {}
 
     def _add(self, prefix: str, values: dict[str, Any], fields: dict) -> None:
@@ -124,9 +134,13 @@ class PCRMetrics:
                 getattr(self, attr).labels(**self.labels, **extra).inc(delta)
             self._last[prefix + field] = values[field]
 
-    def sync(self, state: Any) -> None:
-        """Publish ``state``'s (a :class:`~pcr_sglang.core.CacheState`) counters and sizes."""
+    def sync(self, state: Any, doc_stats: Any = None) -> None:
+        """Publish ``state``'s (a :class:`~pcr_sglang.core.CacheState`) counters and sizes,
+        and document reuse's (a :class:`~pcr_sglang.sglang_adapter.doc_reuse.DocReuseStats`)."""
         tree = state.tree
+        if doc_stats is not None:
+            values = asdict(doc_stats)
+            self._add("doc.", values, {name: ("doc_reuse", {"kind": name}) for name in values})
         self._add("", asdict(state.stats), _COUNTER_FIELDS)
         if state.ssd_enabled:
             self._add("ssd.", asdict(state.ssd_stats), _SSD_FIELDS)

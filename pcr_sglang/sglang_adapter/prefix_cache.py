@@ -94,7 +94,8 @@ class PCRPrefixCache(BasePrefixCache):
         """Before each scheduling pass (the plugin's hook on ``get_next_batch_to_run``)."""
         self.scheduler.step(waiting_queue, busy)
         if self.metrics is not None:
-            self.metrics.sync(self.state)
+            docs = self.scheduler.docs
+            self.metrics.sync(self.state, docs.stats if docs is not None else None)
 
     def supports_fast_match_prefix(self) -> bool:
         # A match hashes the prompt chunk by chunk (BLAKE2b) up to its first miss: cheap,
@@ -107,22 +108,30 @@ class PCRPrefixCache(BasePrefixCache):
         and the host-resident continuation (loaded only if the request is admitted)."""
         key: RadixKey = params.key
         tokens = key.raw_token_ids()
-        if len(tokens) < self.chunk_size:
-            return self._result(self.root_node, self.root_node, 0)
-        match = self.state.match(
-            iter_chunk_keys(self.scheduler.root_key(key.extra_key, key.cache_salt), tokens, self.chunk_size))
-        device_node = match.nodes[match.device - 1] if match.device else self.root_node
-        host_node = match.nodes[match.device + match.host - 1] if match.host else device_node
-        return self._result(device_node, host_node, match.host)
+        device_node = host_node = self.root_node
+        host_chunks = 0
+        if len(tokens) >= self.chunk_size:
+            match = self.state.match(
+                iter_chunk_keys(self.scheduler.root_key(key.extra_key, key.cache_salt), tokens, self.chunk_size))
+            device_node = match.nodes[match.device - 1] if match.device else self.root_node
+            host_node = match.nodes[match.device + match.host - 1] if match.host else device_node
+            host_chunks = match.host
+        doc_tokens = 0
+        if self.scheduler.docs is not None and params.req is not None:
+            # Documents reused past the exact prefix come in through init_load_back too.
+            plan = self.scheduler.docs.plan(params.req, tokens, host_node.depth * self.chunk_size)
+            doc_tokens = plan.tokens if plan is not None else 0
+        return self._result(device_node, host_node, host_chunks, doc_tokens)
 
-    def _result(self, device_node: ChunkNode, host_node: ChunkNode, host_chunks: int) -> MatchResult:
+    def _result(self, device_node: ChunkNode, host_node: ChunkNode, host_chunks: int,
+                doc_tokens: int = 0) -> MatchResult:
         return MatchResult(
             device_prefix_len=device_node.depth * self.chunk_size,
             last_device_node=device_node,
             last_host_node=host_node,
             best_match_node=host_node,
-            host_hit_length=host_chunks * self.chunk_size,
-            full_kv_hit_length=host_node.depth * self.chunk_size,
+            host_hit_length=host_chunks * self.chunk_size + doc_tokens,
+            full_kv_hit_length=host_node.depth * self.chunk_size + doc_tokens,
         )
 
     def touch_prefix(self, key: RadixKey) -> None:
@@ -135,11 +144,23 @@ class PCRPrefixCache(BasePrefixCache):
         return self.scheduler.load_back(params.req, params.best_match_node, params.host_hit_length)
 
     def load_back_is_cache_owned(self) -> bool:
-        return True
+        """Asked right after :meth:`init_load_back`: a host hit is the tree's, but reused
+        documents' slots are the request's (the load set ``cache_protected_len`` itself)."""
+        return not self.scheduler.last_load_private
 
     def path_device_indices(self, node: ChunkNode) -> torch.Tensor:
         values = [n.device_value for n in node.path_from_root()]
         return torch.cat(values) if values else self._empty_indices
+
+    def prefix_device_indices(self, req: Req) -> torch.Tensor:
+        """The tree path of the request's match, then the private slots its reused
+        documents were copied into (as SGLang's LMCache integration appends its loads)."""
+        path = self.path_device_indices(req.last_node)
+        private = self.scheduler.docs.private_slots(req.rid) if self.scheduler.docs is not None else None
+        if private is not None and len(path) < req.prefix_len:
+            path = torch.cat([path, private.to(path.device)])
+        assert len(path) >= req.prefix_len, (req.rid, len(path), req.prefix_len)
+        return path[: req.prefix_len]
 
     # ------------------------------------------------------------------ insert
     def insert(self, params: InsertParams) -> InsertResult:
@@ -172,6 +193,9 @@ class PCRPrefixCache(BasePrefixCache):
         memory during their forward become host-resident too.
         """
         kv = req.kv
+        exact_end = self.scheduler.docs.exact_end(req.rid) if self.scheduler.docs is not None else None
+        if exact_end is not None:  # blended KV (reused documents and all after them) stays out
+            up_to = min(up_to, exact_end)
         token_ids = req.full_untruncated_fill_ids[:up_to]
         aligned_len = len(token_ids) // self.chunk_size * self.chunk_size
         if aligned_len <= kv.cache_protected_len:

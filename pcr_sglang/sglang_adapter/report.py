@@ -63,6 +63,8 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
                # Rounds in which the ranks' digests of admitted prefix lengths differed.
                "prefix_digest_mismatches": scheduler.digest_mismatches},
         "ssd": _ssd_report(cache) if state.ssd_enabled else None,
+        "doc_reuse": {"mode": scheduler.docs.mode, "rope": scheduler.docs.rope.signature(),
+                      "counters": asdict(scheduler.docs.stats)} if scheduler.docs is not None else None,
         "invariants": {"checked": check_invariants, "ok": (invariant_error is None) if check_invariants else None,
                        "error": invariant_error},
     }

@@ -35,6 +35,7 @@ from pcr_sglang.core.keys import ChunkKey, chunk_keys, root_key
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.io.protocol import ReadChunk, Reorder, WriteChunk
 from pcr_sglang.io.supervisor import IOSupervisor
+from pcr_sglang.sglang_adapter.doc_reuse import DocReuse, is_canonical_request
 from pcr_sglang.sglang_adapter.requests import Hold, RequestRegistry
 from pcr_sglang.sglang_adapter.step_timing import StepHistogram
 from pcr_sglang.sglang_adapter.tp_group import TpGroup
@@ -68,6 +69,8 @@ class SchedulerSide:
         self.step_time = StepHistogram()  # PCR's own work per scheduler step
         self.iteration_time = StepHistogram()  # the scheduler loop's iterations while busy
         self._last_step_start: Optional[float] = None
+        self.docs: Optional[DocReuse] = None  # --pcr-doc-reuse (set by the factory)
+        self.last_load_private = False  # the last load_back gave the request private slots
 
     # ------------------------------------------------------------------ keys
     def root_key(self, extra_key: Optional[str], cache_salt: Optional[str]) -> bytes:
@@ -233,36 +236,69 @@ class SchedulerSide:
 
     def load_back(self, req: Any, host_node: ChunkNode, host_hit_length: int) -> tuple[int, Any]:
         """``init_load_back``: copy the host-resident chunks between the request's device
-        prefix and ``host_node`` to fresh device slots. All or nothing: returns the tokens
-        the request's prefix grew by (SGLang refuses a partial load), or 0."""
+        prefix and ``host_node`` to fresh device slots, then the documents it reuses (if
+        :meth:`DocReuse.plan` found any) to slots of its own. All or nothing: returns the
+        tokens the request's prefix grew by (SGLang refuses a partial load), or 0."""
+        self.last_load_private = False
         device_node = req.last_node
+        plan = self.docs.planned(req.rid) if self.docs is not None else None
+        exact_host = host_hit_length - (plan.tokens if plan is not None else 0)
         nodes = host_node.path_from_root()[device_node.depth:]
-        if (len(nodes) * self.chunk != host_hit_length or not nodes or nodes[0].parent is not device_node
-                or any(not (n.on_host or n.on_device) for n in nodes)):
+        if (len(nodes) * self.chunk != exact_host or (nodes and nodes[0].parent is not device_node)
+                or any(not (n.on_host or n.on_device) for n in nodes) or (not nodes and plan is None)):
             return 0, device_node  # the chain changed since the match: recompute
-        # A request admitted earlier in this pass may have loaded the head of the chain.
-        to_load = [n for n in nodes if not n.on_device]
+        if nodes and not self._load_chain(req, nodes):
+            return 0, device_node
+        if plan is not None:
+            self.state.lock(host_node)
+            try:
+                loaded = self.docs.load(req, lambda chain: self._load_chain(None, chain), self.evict,
+                                        self._order_before_reuse)
+            finally:
+                self.state.unlock(host_node)
+            if not loaded:
+                return 0, device_node  # the exact host part stays in the tree; all is recomputed
+            # The tree owns the exact prefix; the private slots past it are the request's.
+            req.kv.cache_protected_len = host_node.depth * self.chunk
+            self.last_load_private = True
+        return host_hit_length, host_node
+
+    def _load_chain(self, req: Any, nodes: list[ChunkNode]) -> bool:
+        """Bring host-resident ``nodes`` (a chain, first chunk first) to the device."""
+        to_load = [n for n in nodes if not n.on_device]  # a request admitted earlier may have loaded some
+        if not to_load:
+            return True
         tokens = len(to_load) * self.chunk
-        from_ssd = 0
-        self.state.lock(host_node)
+        last = nodes[-1]
+        self.state.lock(last)
         try:
-            if to_load:
-                if self.allocator.available_size() < tokens:
-                    self.evict(tokens - self.allocator.available_size())
-                slots = self.allocator.alloc(tokens) if self.allocator.available_size() >= tokens else None
-                if slots is None:
-                    return 0, device_node
-                slots = slots.to(torch.int64)
-                assert self.engine is not None
-                self.engine.load(slots, [n.host_slot for n in to_load])
-                from_ssd = self.state.commit_load(to_load, [s.clone() for s in slots.split(self.chunk)])
+            if self.allocator.available_size() < tokens:
+                self.evict(tokens - self.allocator.available_size())
+            slots = self.allocator.alloc(tokens) if self.allocator.available_size() >= tokens else None
+            if slots is None:
+                return False
+            slots = slots.to(torch.int64)
+            assert self.engine is not None
+            self.engine.load(slots, [n.host_slot for n in to_load])
+            from_ssd = self.state.commit_load(to_load, [s.clone() for s in slots.split(self.chunk)])
         finally:
-            self.state.unlock(host_node)
-        if from_ssd:
+            self.state.unlock(last)
+        if from_ssd and req is not None:
             # SGLang reports these tokens under cached_tokens_details["storage"].
             req.storage_hit_length = from_ssd * self.chunk
             req.storage_hit_start = req.prefix_len
-        return len(nodes) * self.chunk, host_node
+        return True
+
+    def _order_before_reuse(self) -> None:
+        if self.engine is not None:
+            self.engine.order_before_reuse()
+
+    def rows_written(self, reqs: Sequence[Any]) -> None:
+        """``prepare_for_extend`` wrote these requests' rows: private document slots in
+        them now belong to the row (and are freed with it)."""
+        if self.docs is not None:
+            for req in reqs:
+                self.docs.written_into_row(req)
 
     def admitted(self, req: Any) -> None:
         """``req``'s first extend was prepared: count its hits once, by tier, as SGLang
@@ -273,7 +309,14 @@ class SchedulerSide:
         if entry is not None and entry.considered:
             in_time, late, on_demand = entry.in_time_chunks, entry.late_chunks, entry.on_demand_chunks
             entry.considered = False
-        self.state.count_admission(req.cached_tokens_device // chunk, req.cached_tokens_host // chunk,
+        host = req.cached_tokens_host
+        if self.docs is not None:
+            if is_canonical_request(req):
+                self.docs.count_canonical()
+            plan = self.docs.reused(req.rid)
+            if plan is not None:  # SGLang counts them as host hits (they came through load_back)
+                host = max(host - plan.tokens, 0)
+        self.state.count_admission(req.cached_tokens_device // chunk, host // chunk,
                                    req.cached_tokens_storage // chunk, in_time, late, on_demand)
         if self.tp is not None:
             data = f"{self._admission_digest}|{req.rid}|{req.prefix_len}".encode()
@@ -292,6 +335,9 @@ class SchedulerSide:
         effects = Effects()
         for req, seq_len in zip(reqs, seq_lens):
             first, end = req.kv.cache_protected_len // self.chunk, int(seq_len) // self.chunk
+            exact_end = self.docs.exact_end(req.rid) if self.docs is not None else None
+            if exact_end is not None:  # blended KV past it is never cached
+                end = min(end, exact_end // self.chunk)
             if decode:
                 if seq_len % self.chunk:
                     continue
@@ -337,6 +383,8 @@ class SchedulerSide:
         """The request left (finished, retracted or aborted): give back what it held."""
         if self.engine is not None:
             self.engine.drop_plans(rid)  # offloads no batch of its ran
+        if self.docs is not None:
+            self.docs.release(rid)
         entry = self.requests.pop(rid)
         if entry is None:
             return
@@ -409,8 +457,15 @@ class SchedulerSide:
     def broken(self) -> Optional[str]:
         return self._broken
 
+    def free_private(self, slots: torch.Tensor) -> None:
+        """Free device slots no tree chunk and no row holds (unused document copies)."""
+        self._order_before_reuse()
+        self.allocator.free(slots)
+
     def reset(self) -> None:
         self.requests.clear()
+        if self.docs is not None:
+            self.docs.reset()
         self._window_keys = {}
         self.execute(self.state.reset())
 

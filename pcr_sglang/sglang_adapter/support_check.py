@@ -149,7 +149,41 @@ def check_two_batch_overlap(x: SupportInputs) -> Optional[str]:
     return None
 
 
+# RoPE variants whose angle is not position x a fixed frequency per pair (so a cached K
+# cannot be moved by rotating it), or that have several position components.
+DOC_REUSE_REFUSED_ROPE = {"dynamic": "dynamic NTK scaling (frequencies depend on the sequence length)",
+                          "mrope": "multi-axis mRoPE", "default_mrope": "multi-axis mRoPE"}
+
+
+def check_doc_reuse(x: SupportInputs) -> Optional[str]:
+    """Document reuse rotates cached K in place of recomputing it: quantized KV and RoPE
+    variants where a rotation is not a move are refused here; the loaded model's own RoPE
+    is checked again at startup (``doc_reuse_setup.layer0_self_test``)."""
+    if x.pcr.doc_reuse == "off":
+        return None
+    flag = f"--pcr-doc-reuse {x.pcr.doc_reuse}"
+    dtype = str(getattr(x.cfg, "kv_cache_dtype", "auto") or "auto")
+    if dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"):
+        return f"{flag} rotates K in the KV cache's dtype; --kv-cache-dtype {dtype} is quantized: use auto"
+    mc = x.model_config
+    if mc is None:
+        return None
+    from sglang.srt.configs.model_config import AttentionArch
+
+    if mc.attention_arch == AttentionArch.MLA:
+        return f"{flag} needs separate K and V per head (MHA/GQA); this model uses MLA"
+    hf = getattr(mc, "hf_text_config", None) or mc.hf_config
+    scaling = getattr(hf, "rope_scaling", None) or {}
+    kind = str(scaling.get("rope_type", scaling.get("type", "")) or "") if isinstance(scaling, dict) else ""
+    if "mrope_section" in (scaling if isinstance(scaling, dict) else {}):
+        kind = "mrope"
+    if kind in DOC_REUSE_REFUSED_ROPE:
+        return f"{flag} cannot move this model's cached keys: it uses {DOC_REUSE_REFUSED_ROPE[kind]}"
+    return None
+
+
 RULES: tuple[Rule, ...] = (
+    check_doc_reuse,
     check_full_attention,
     check_mla_host_tier,
     check_scale_buffers,

@@ -45,6 +45,8 @@ def test_valid_flags_resolve(resolve, tiny_model):
         (("--radix-eviction-policy", "slru"), "drop --radix-eviction-policy slru"),
         (("--kv-events-config", '{"publisher": "zmq"}'), "drop --kv-events-config"),
         (("--pcr-dram-gb", "0.01", "--enable-two-batch-overlap"), "--enable-two-batch-overlap"),
+        (("--pcr-doc-reuse", "concat", "--page-size", "16"), "--pcr-doc-reuse concat needs --page-size 1"),
+        (("--pcr-doc-reuse", "concat", "--kv-cache-dtype", "fp8_e4m3"), "--kv-cache-dtype fp8_e4m3 is quantized"),
     ],
 )
 def test_invalid_flags_fail_naming_the_flag(resolve, tiny_model, flags, message):
@@ -52,9 +54,15 @@ def test_invalid_flags_fail_naming_the_flag(resolve, tiny_model, flags, message)
         resolve(tiny_model, "--enable-pcr", *flags)
 
 
+def test_doc_reuse_needs_pcr(resolve, tiny_model):
+    with pytest.raises((ValueError, RuntimeError), match="--pcr-doc-reuse needs --enable-pcr"):
+        resolve(tiny_model, "--pcr-doc-reuse", "concat")
+
+
 @pytest.mark.parametrize(
     "flags,message",
-    [(("--pcr-chunk-size", "big"), "--pcr-chunk-size"), (("--pcr-bogus", "1"), "--pcr-bogus")],
+    [(("--pcr-chunk-size", "big"), "--pcr-chunk-size"), (("--pcr-bogus", "1"), "--pcr-bogus"),
+     (("--pcr-doc-reuse", "blend-everything"), "--pcr-doc-reuse")],
 )
 def test_malformed_and_unknown_options_are_argparse_errors(resolve, tiny_model, flags, message, capsys):
     with pytest.raises(SystemExit) as exc:

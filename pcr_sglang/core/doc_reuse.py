@@ -1,0 +1,180 @@
+"""Document KV reuse in any order: where a request's documents are, and what can be reused.
+
+A RAG prompt is ``S ‖ d_1 ‖ ... ‖ d_n ‖ question``, where ``S`` is everything before the
+first document (BOS, system prompt, template). A document's *canonical* KV is the KV of
+``S ‖ d``: the document computed right after the request's leading tokens. That is an
+ordinary prefix-tree chain, so it lives in the tiers PCR already has (device, host, SSD,
+warm restart); nothing here is a second store. To end on the chunk grid (only whole chunks
+are cached), the canonical sequence is ``S ‖ d ‖ pad``: the pad tokens' KV is cached
+but never copied, so a document is reused from its first token to its last, at any
+offset, and no reuse is lost at the chunk seams.
+
+A request that reuses ``d_i`` at offset ``s_i`` gets the canonical KV copied into its own
+slots with K rotated by ``s_i - |S|`` (RoPE composes: ``R(p + δ) = R(δ) R(p)``). For the
+first document (``s_1 == |S|``) the delta is 0 and the copy is exactly the KV prefix
+caching would have given: the request's KV stays exact up to the end of that document.
+Past it, KV is *blended* (later documents did not attend to earlier ones), so it is
+never entered into the prefix tree: a request that does not ask for document reuse must
+still get the no-cache output token for token.
+
+This module only parses and plans; the adapter copies (``sglang_adapter/doc_reuse``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+DOC_BOUNDS_PARAM = "pcr_doc_bounds"
+DOC_MODE_PARAM = "pcr_doc_reuse"
+CANONICAL_PARAM = "pcr_canonical_doc"
+
+
+class DocBoundsError(ValueError):
+    """A request's ``pcr_doc_bounds`` cannot describe its tokens."""
+
+
+@dataclass(frozen=True)
+class DocSpan:
+    """Document ``index`` covers request tokens ``[start, end)``."""
+
+    index: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def parse_doc_bounds(raw: object, num_tokens: int) -> tuple[DocSpan, ...]:
+    """Validate ``[s0, e0, s1, e1, ...]`` (flat token offsets into the prompt).
+
+    Documents must be non-empty, sorted, non-overlapping, inside the prompt, and the first
+    must not start at 0 (there is always a BOS or template before it; ``S`` may be empty
+    only if the model has no BOS, which we do not assume). Raises :class:`DocBoundsError`
+    naming the problem, which the server returns as HTTP 400.
+    """
+    if not isinstance(raw, (list, tuple)):
+        raise DocBoundsError(f"{DOC_BOUNDS_PARAM} must be a flat list of token offsets [s0, e0, s1, e1, ...], "
+                             f"got {type(raw).__name__}")
+    if len(raw) == 0 or len(raw) % 2:
+        raise DocBoundsError(f"{DOC_BOUNDS_PARAM} must hold pairs of offsets [start, end), got {len(raw)} values")
+    values: list[int] = []
+    for value in raw:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise DocBoundsError(f"{DOC_BOUNDS_PARAM} offsets must be integers, got {value!r}")
+        values.append(value)
+    spans: list[DocSpan] = []
+    previous_end = 0
+    for i in range(0, len(values), 2):
+        start, end = values[i], values[i + 1]
+        doc = i // 2
+        if start < 0 or end > num_tokens:
+            raise DocBoundsError(f"{DOC_BOUNDS_PARAM}: document {doc} [{start}, {end}) is outside the prompt's "
+                                 f"{num_tokens} tokens")
+        if end <= start:
+            raise DocBoundsError(f"{DOC_BOUNDS_PARAM}: document {doc} [{start}, {end}) is empty or reversed")
+        if start < previous_end:
+            raise DocBoundsError(f"{DOC_BOUNDS_PARAM}: document {doc} starts at {start}, before the previous "
+                                 f"document ends ({previous_end}): bounds must be sorted and not overlap")
+        if doc == 0 and start == 0:
+            raise DocBoundsError(f"{DOC_BOUNDS_PARAM}: the first document starts at token 0; the tokens before "
+                                 "it (BOS, system prompt) are what every document's KV is computed behind")
+        spans.append(DocSpan(doc, start, end))
+        previous_end = end
+    return tuple(spans)
+
+
+def canonical_tokens(tokens: Sequence[int], span: DocSpan, leading_len: int, chunk_size: int,
+                     pad_token_id: int) -> list[int]:
+    """``S ‖ d ‖ pad``: the sequence whose chain holds document ``span``'s canonical KV."""
+    body = list(tokens[:leading_len]) + list(tokens[span.start:span.end])
+    return body + [pad_token_id] * (-len(body) % chunk_size)
+
+
+@dataclass(frozen=True)
+class CopySegment:
+    """Request tokens ``[start, end)`` take the KV of canonical positions
+    ``[source_start, source_start + end - start)`` of document ``doc``'s chain."""
+
+    doc: int
+    start: int
+    end: int
+    source_start: int
+
+    @property
+    def delta(self) -> int:
+        return self.start - self.source_start
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ReusePlan:
+    """What a request reuses beyond its exact prefix: segments cover ``[start, end)``
+    without gaps; KV is exact (delta 0, right after ``S``) up to ``exact_end``."""
+
+    segments: tuple[CopySegment, ...]
+    start: int
+    end: int
+    exact_end: int
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def rotated_tokens(self) -> int:
+        return sum(s.length for s in self.segments if s.delta != 0)
+
+    @property
+    def docs(self) -> int:
+        return len({s.doc for s in self.segments})
+
+
+def plan_reuse(spans: Sequence[DocSpan], exact_len: int, limit: int,
+               canonical_cached: Callable[[DocSpan], bool]) -> Optional[ReusePlan]:
+    """Extend an exact prefix of ``exact_len`` tokens with canonical document KV.
+
+    Reuse starts where the exact prefix ends and goes document by document while each
+    document's canonical chain is cached and the next document follows without a gap
+    (tokens between documents are nobody's canonical KV), never past ``limit`` (SGLang
+    computes at least the last prompt token, and fewer with logprobs requested earlier).
+    The leading tokens still missing from the exact prefix, if any, come from the first
+    document's chain at delta 0. Returns None when nothing beyond the exact prefix can be
+    reused. ``canonical_cached`` only looks (it is called while matching).
+    """
+    if not spans:
+        return None
+    leading = spans[0].start
+    segments: list[CopySegment] = []
+    position = exact_len
+    for span in spans:
+        if span.end <= position:
+            continue  # already inside the exact prefix
+        if span.start > max(position, leading):
+            break  # a gap: its tokens must be computed, and everything after them
+        if position >= limit:
+            break
+        if not canonical_cached(span):
+            break
+        if position < leading:  # the tail of S, from this document's chain (exact)
+            tail_end = min(leading, limit)
+            segments.append(CopySegment(span.index, position, tail_end, position))
+            position = tail_end
+            if position >= limit:
+                break
+        end = min(span.end, limit)
+        segments.append(CopySegment(span.index, position, end, leading + position - span.start))
+        position = end
+    if position <= exact_len:
+        return None
+    exact_end = exact_len
+    for segment in segments:
+        if segment.delta != 0 or segment.start != exact_end:
+            break
+        exact_end = segment.end
+    return ReusePlan(tuple(segments), exact_len, position, exact_end)

@@ -1,0 +1,243 @@
+"""Document KV reuse on the scheduler's side: plan at match, copy and rotate at admission.
+
+A request opts in with ``sampling_params.custom_params["pcr_doc_bounds"]`` (see
+:mod:`pcr_sglang.core.doc_reuse`). SGLang's tree-cache protocol carries the reuse the way
+it carries a host hit, so its admission budget, locks and row writing apply unchanged:
+
+* :meth:`DocReuse.plan` (from ``match_prefix``, only looking): past the exact prefix, the
+  documents whose canonical chain ``S ‖ d ‖ pad`` is in device or host memory; their
+  tokens are reported as part of ``host_hit_length``;
+* :meth:`DocReuse.load` (from ``init_load_back``, under the adder's budget): the chains'
+  host chunks are loaded into the tree like any host hit, then each document's KV is
+  copied into slots of the request's own, K rotated by the position delta
+  (:func:`pcr_sglang.transfer.rope_shift.replace_layer`);
+* ``prefix_device_indices`` appends those private slots to the tree path, so
+  ``alloc_for_extend`` writes them into the request's row; from then on they are the
+  request's, freed with its row like any slot past ``cache_protected_len``;
+* checkpoints stop at the plan's ``exact_end``: blended KV never enters the tree.
+
+The cache state still owns every tree chunk: this module reads residency, locks chains
+while it copies from them, and allocates and frees only its private slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from pcr_sglang.core.chunk_tree import ChunkNode
+from pcr_sglang.core.doc_reuse import (
+    CANONICAL_PARAM,
+    DOC_BOUNDS_PARAM,
+    DOC_MODE_PARAM,
+    DocBoundsError,
+    DocSpan,
+    ReusePlan,
+    canonical_tokens,
+    parse_doc_bounds,
+    plan_reuse,
+)
+from pcr_sglang.core.keys import iter_chunk_keys
+from pcr_sglang.core.residency import CacheState
+from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots, replace_layer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DocReuseStats:
+    requests: int = 0  # admitted requests that marked documents
+    canonical_requests: int = 0  # admitted canonical prefills (S ‖ d ‖ pad)
+    docs_marked: int = 0
+    docs_reused: int = 0
+    tokens_reused: int = 0
+    tokens_rotated: int = 0  # of those, moved to another position (delta != 0)
+    load_failures: int = 0  # planned but not loadable at admission (recomputed)
+    malformed: int = 0  # bounds the scheduler could not use (the HTTP server checks them first)
+
+
+@dataclass
+class _Planned:
+    spans: tuple[DocSpan, ...]
+    plan: Optional[ReusePlan] = None
+    slots: Optional[torch.Tensor] = None  # private slots for [plan.start, plan.end)
+    in_row: bool = False  # written into the request's row: the row frees them
+    counted: bool = False
+    chains: dict[int, list[ChunkNode]] = field(default_factory=dict)
+
+
+def request_doc_spans(req: Any, num_tokens: int) -> Optional[tuple[DocSpan, ...]]:
+    """The documents ``req`` marked, or None (not asking, or asking for ``off``).
+    Raises :class:`DocBoundsError` for bounds that do not fit its tokens."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    if not params or DOC_BOUNDS_PARAM not in params:
+        return None
+    if params.get(DOC_MODE_PARAM, "concat") == "off":
+        return None
+    return parse_doc_bounds(params[DOC_BOUNDS_PARAM], num_tokens)
+
+
+def is_canonical_request(req: Any) -> bool:
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return bool(params) and bool(params.get(CANONICAL_PARAM))
+
+
+class DocReuse:
+    def __init__(self, state: CacheState, mode: str, chunk_size: int, pad_token_id: int, rope: RopeSpec,
+                 kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], allocator: Any,
+                 root_key: Callable[[Optional[str], Optional[str]], bytes],
+                 free_slots: Callable[[torch.Tensor], None]):
+        self.state = state
+        self.mode = mode
+        self.chunk = chunk_size
+        self.pad_token_id = pad_token_id
+        self.rope = rope
+        self.kv_layers = list(kv_layers)
+        self.allocator = allocator
+        self.root_key = root_key
+        self.free_slots = free_slots
+        self.stats = DocReuseStats()
+        self._requests: dict[str, _Planned] = {}
+        self._warned_malformed = False
+
+    # ------------------------------------------------------------------ match
+    def plan(self, req: Any, tokens: Sequence[int], exact_len: int) -> Optional[ReusePlan]:
+        """What ``req`` can reuse past its exact prefix of ``exact_len`` tokens (``tokens``:
+        what SGLang matches, at most all but the last prompt token). Only looks."""
+        if req is None or is_canonical_request(req):
+            return None
+        entry = self._requests.get(req.rid)
+        if entry is not None and entry.slots is not None and not entry.in_row:
+            # Loaded at an admission that did not go through (it is matched again): start over.
+            self.free_slots(entry.slots)
+            entry.slots = None
+        if entry is None:
+            try:
+                spans = request_doc_spans(req, len(req.origin_input_ids))
+            except DocBoundsError as e:
+                self.stats.malformed += 1
+                if not self._warned_malformed:
+                    self._warned_malformed = True
+                    logger.warning("PCR document reuse: request %s: %s; served without document reuse", req.rid, e)
+                return None
+            if spans is None:
+                return None
+            entry = self._requests.setdefault(req.rid, _Planned(spans))
+        if entry.slots is not None:  # loaded already (a later chunk of its prefill)
+            return None
+        origin = req.origin_input_ids
+        root = self.root_key(req.extra_key, req.cache_salt)
+        chains: dict[int, list[ChunkNode]] = {}
+
+        def cached(span: DocSpan) -> bool:
+            canonical = canonical_tokens(origin, span, entry.spans[0].start, self.chunk, self.pad_token_id)
+            match = self.state.match(iter_chunk_keys(root, canonical, self.chunk), touch=False)
+            if match.device + match.host < len(canonical) // self.chunk:
+                return False
+            chains[span.index] = match.nodes
+            return True
+
+        entry.plan = plan_reuse(entry.spans, exact_len, len(tokens), cached)
+        entry.chains = chains
+        return entry.plan
+
+    def planned(self, rid: str) -> Optional[ReusePlan]:
+        entry = self._requests.get(rid)
+        return entry.plan if entry is not None and entry.slots is None else None
+
+    # ------------------------------------------------------------------ admission
+    def load(self, req: Any, load_chain: Callable[[list[ChunkNode]], bool], evict: Callable[[int], int],
+             order_before_reuse: Callable[[], None]) -> bool:
+        """Copy the planned documents into fresh private slots. All or nothing."""
+        entry = self._requests.get(req.rid)
+        if entry is None or entry.plan is None:
+            return False
+        plan = entry.plan
+        chains = [entry.chains[doc] for doc in dict.fromkeys(s.doc for s in plan.segments)]
+        ends = [nodes[-1] for nodes in chains]
+        for node in ends:
+            self.state.lock(node)
+        try:
+            if any(not all(n.on_device or n.on_host for n in nodes) for nodes in chains):
+                return self._failed(entry)
+            for nodes in chains:  # host chunks of a chain come to the device like any host hit
+                if not all(n.on_device for n in nodes) and not load_chain(nodes):
+                    return self._failed(entry)
+            if self.allocator.available_size() < plan.tokens:
+                evict(plan.tokens - self.allocator.available_size())
+            if self.allocator.available_size() < plan.tokens:
+                return self._failed(entry)
+            slots = self.allocator.alloc(plan.tokens)
+            if slots is None:
+                return self._failed(entry)
+            slots = slots.to(torch.int64)
+            order_before_reuse()  # chain chunks loaded layer by layer are complete before the copy
+            self._copy(plan, entry.chains, slots)
+        finally:
+            for node in ends:
+                self.state.unlock(node)
+        entry.slots = slots
+        return True
+
+    def _failed(self, entry: _Planned) -> bool:
+        self.stats.load_failures += 1
+        entry.plan = None
+        return False
+
+    def _copy(self, plan: ReusePlan, chains: dict[int, list[ChunkNode]], slots: torch.Tensor) -> None:
+        sources, deltas = [], []
+        for segment in plan.segments:
+            chain_slots = torch.cat([n.device_value for n in chains[segment.doc]])
+            sources.append(chain_slots[segment.source_start: segment.source_start + segment.length])
+            deltas.append(torch.full((segment.length,), segment.delta, dtype=torch.int64))
+        src = torch.cat(sources).to(slots.device)
+        delta = torch.cat(deltas).to(slots.device)
+        check_slots(src, slots, self.kv_layers[0][0].shape[0])  # once, not per layer (a device sync)
+        for k_buffer, v_buffer in self.kv_layers:
+            replace_layer(k_buffer, v_buffer, src, slots, delta, self.rope, verify_slots=False)
+
+    # ------------------------------------------------------------------ the request's row
+    def private_slots(self, rid: str) -> Optional[torch.Tensor]:
+        entry = self._requests.get(rid)
+        return entry.slots if entry is not None and not entry.in_row else None
+
+    def written_into_row(self, req: Any) -> None:
+        """``alloc_for_extend`` wrote the private slots into ``req``'s row: the row owns them."""
+        entry = self._requests.get(req.rid)
+        if entry is None or entry.slots is None or entry.in_row:
+            return
+        entry.in_row = True
+        if not entry.counted and entry.plan is not None:
+            entry.counted = True
+            plan = entry.plan
+            self.stats.requests += 1
+            self.stats.docs_marked += len(entry.spans)
+            self.stats.docs_reused += plan.docs
+            self.stats.tokens_reused += plan.tokens
+            self.stats.tokens_rotated += plan.rotated_tokens
+
+    def reused(self, rid: str) -> Optional[ReusePlan]:
+        """The plan ``rid`` was loaded with, if any."""
+        entry = self._requests.get(rid)
+        return entry.plan if entry is not None and entry.slots is not None else None
+
+    def exact_end(self, rid: str) -> Optional[int]:
+        """Past this position the request's KV is blended: never checkpointed."""
+        entry = self._requests.get(rid)
+        if entry is None or entry.slots is None or entry.plan is None:
+            return None
+        return entry.plan.exact_end
+
+    def release(self, rid: str) -> None:
+        entry = self._requests.pop(rid, None)
+        if entry is not None and entry.slots is not None and not entry.in_row:
+            self.free_slots(entry.slots)  # loaded, but the request never got its row
+
+    def reset(self) -> None:
+        self._requests.clear()
+
+    def count_canonical(self) -> None:
+        self.stats.canonical_requests += 1

@@ -1,0 +1,134 @@
+"""``--pcr-doc-reuse``: the startup gate, and the document-reuse side wired to the model.
+
+Re-placing a document's KV is only right if the rotation PCR applies is the model's own
+RoPE. LMCache's blending shipped with no per-model gate and garbled some models (its issue
+4666), so before serving, this module checks on the loaded model itself: layer 0's K for a
+run of tokens at positions ``p``, rotated by ``δ``, must equal layer 0's K computed at
+``p + δ`` up to rounding. Layer-0 K is a per-token projection of the embeddings followed
+by RoPE, so any difference is the rotation's. A model that fails, or whose layer 0 this
+check cannot run, is refused with a message naming the flag.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from pcr_sglang.config import PCRConfig, PCRConfigError
+from pcr_sglang.core.residency import CacheState
+from pcr_sglang.sglang_adapter.doc_reuse import DocReuse
+from pcr_sglang.sglang_adapter.rope_spec import UnsupportedRope, model_rope_spec
+from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
+
+logger = logging.getLogger(__name__)
+
+_SELF_TEST_TOKENS = 48
+_SELF_TEST_DELTAS = (1, 977)  # and the largest the table allows, up to _SELF_TEST_MAX_POSITION
+# SGLang's fp32 cos/sin table itself drifts from exact angles at long positions (t x inv_freq
+# in fp32: ~2e-4 at 32k), and linear scaling grows its table past the context length without
+# the factor; a wrong rotation is off by O(1), so the test stays below where either matters.
+_SELF_TEST_MAX_POSITION = 8192
+# Relative error of the rotated K against the freshly computed one: two roundings to the
+# KV dtype at most (measured on SmolLM2-135M in bf16 and fp32: see README "Document reuse").
+_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-8}
+_HALF_TOLERANCE = 2e-2
+
+
+def doc_pad_token_id(hf_config: Any) -> int:
+    """The token that fills a canonical sequence up to the chunk grid (its KV is never
+    copied; any fixed token works, but the tokenizer and the scheduler must agree)."""
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if isinstance(value, int) and value >= 0:
+            return value
+    return 0
+
+
+def layer0_self_test(model: Any, spec: RopeSpec, kv_dtype: torch.dtype) -> Optional[str]:
+    """None when re-placed layer-0 K matches the model's own; else why not."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if layers is None or embed is None or len(layers) == 0:
+        return f"{type(model).__name__} has no model.layers / model.embed_tokens for the layer-0 self-test"
+    layer = layers[0]
+    attn = getattr(layer, "self_attn", None)
+    needed = ("qkv_proj", "rotary_emb", "q_size", "kv_size", "head_dim")
+    if attn is None or getattr(layer, "input_layernorm", None) is None or any(
+            not hasattr(attn, name) for name in needed):
+        return f"{type(model).__name__}'s layer 0 is not a q/k/v-projection attention the self-test can run"
+    weight = next(iter(embed.parameters()), None)
+    device = weight.device if weight is not None else torch.device("cpu")
+    vocab = int(getattr(embed, "num_embeddings", 0) or getattr(embed, "org_vocab_size", 0) or 1000)
+    n = _SELF_TEST_TOKENS
+    ids = (torch.arange(n, device=device) * 7919 + 11) % vocab
+    positions = torch.arange(n, device=device) + 5
+    with torch.no_grad():
+        hidden = embed(ids)
+        hidden = layer.input_layernorm(hidden)
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]
+        qkv = attn.qkv_proj(hidden)
+        qkv = qkv[0] if isinstance(qkv, tuple) else qkv
+        q, k, _ = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        head_dim = attn.head_dim
+        heads = attn.kv_size // head_dim
+
+        def rotated(pos: torch.Tensor) -> torch.Tensor:
+            _, key = attn.rotary_emb(pos, q.clone(), k.clone())
+            return key.reshape(n, heads, head_dim).to(kv_dtype)
+
+        at_p = rotated(positions)
+        tolerance = _TOLERANCE.get(kv_dtype, _HALF_TOLERANCE)
+        cache = getattr(attn.rotary_emb, "cos_sin_cache", None)
+        max_position = min(int(cache.shape[0]) if cache is not None else 4096, _SELF_TEST_MAX_POSITION)
+        deltas = [d for d in _SELF_TEST_DELTAS if d + n + 5 < max_position] + [max_position - n - 5 - 1]
+        for delta in deltas:
+            expected = rotated(positions + delta)
+            pool = torch.zeros((2 * n, heads, head_dim), dtype=kv_dtype, device=device)
+            values = torch.zeros((2 * n, heads, 1), dtype=kv_dtype, device=device)
+            pool[:n] = at_p
+            src = torch.arange(n, device=device)
+            replace_layer(pool, values, src, src + n, torch.full((n,), delta, dtype=torch.int64, device=device),
+                          spec)
+            error = ((pool[n:].float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30)).item()
+            if not error <= tolerance:
+                return (f"layer-0 K rotated by {delta} positions differs from the model's own RoPE at the new "
+                        f"positions by {error:.2e} (relative; tolerance {tolerance:.0e})")
+    return None
+
+
+def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, allocator: Any, tp_worker: Any,
+                     hf_config: Any) -> Optional[DocReuse]:
+    """The document-reuse side for ``--pcr-doc-reuse`` (None when off). Raises
+    :class:`PCRConfigError` naming the flag when the model cannot support it."""
+    if config.doc_reuse == "off":
+        return None
+    flag = f"--pcr-doc-reuse {config.doc_reuse}"
+    model = getattr(getattr(tp_worker, "model_runner", None), "model", None)
+    if model is None:
+        raise PCRConfigError(f"{flag}: the loaded model is not reachable from the tree cache")
+    kvcache = allocator.get_kvcache()
+    k_buffers, v_buffers = getattr(kvcache, "k_buffer", None), getattr(kvcache, "v_buffer", None)
+    if not k_buffers or not v_buffers:
+        raise PCRConfigError(f"{flag} needs a KV pool with per-layer K and V buffers (MHA/GQA), "
+                             f"not {type(kvcache).__name__}")
+    kv_dtype = k_buffers[0].dtype
+    if kv_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise PCRConfigError(f"{flag} rotates K in the KV dtype; {kv_dtype} KV (quantized) is not supported")
+    try:
+        spec = model_rope_spec(model)
+    except UnsupportedRope as e:
+        raise PCRConfigError(f"{flag}: {e}") from None
+    problem = layer0_self_test(model, spec, kv_dtype)
+    if problem is not None:
+        raise PCRConfigError(f"{flag} is refused for this model: {problem}")
+    pad = doc_pad_token_id(hf_config)
+    logger.info("PCR document reuse: mode %s, RoPE %s, layer-0 self-test passed, pad token %d",
+                config.doc_reuse, spec.signature(), pad)
+    return DocReuse(state, config.doc_reuse, config.chunk_size, pad, spec, list(zip(k_buffers, v_buffers)),
+                    allocator, scheduler.root_key, scheduler.free_private)
