@@ -28,14 +28,15 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import requests
 
 from bench.ragbench.report import build_report, write_report
-from bench.ragbench.runner import (CONFIG_NAMES, Budgets, RunResult, ServerPool, build_hicache_extension,
-                                   plan_run, run_planned)
-from bench.ragbench.workload import Trace, WorkloadParams, calibrated_exponent, load_trace, make_trace, save_trace
+from bench.ragbench.runner import (CONFIG_NAMES, DOC_REUSE_CONFIGS, Budgets, RunResult, ServerPool,
+                                   build_hicache_extension, plan_run, run_planned)
+from bench.ragbench.workload import (Trace, TraceRequest, WorkloadParams, calibrated_exponent, load_trace,
+                                     make_trace, save_trace)
 from pcr_sglang.launcher import cpu_only
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class Model:
 
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self._first_turns: dict[tuple[int, str], Any] = {}
 
     def encode(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer.chat_template:
@@ -120,6 +122,32 @@ class Model:
         else:  # a model without a chat template (the tests' tiny Llama): plain turns
             text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
+
+    def prompt(self, trace: Trace, request: TraceRequest, answers: dict[str, str]) -> tuple[list[int], list[int]]:
+        """Token ids and document bounds. A first turn is its documents tokenized one by one
+        (:meth:`Trace.doc_prompt`: what document reuse needs, and what every configuration is
+        sent); a follow-up is its first turn's ids followed by the rest of the conversation
+        as the chat template renders it (the same bounds)."""
+        root = request
+        while root.parent is not None:
+            root = trace._by_rid()[root.parent]
+        key = (id(trace), root.rid)
+        first = self._first_turns.get(key)
+        if first is None:
+            first = self._first_turns[key] = trace.doc_prompt(root, self.tokenizer)
+        if request is root:
+            return list(first.input_ids), list(first.doc_bounds)
+        head = self._render(trace.messages(root, {}))
+        whole = self._render(trace.messages(request, answers))
+        if not whole.startswith(head):  # a template that re-renders earlier turns: no shared prefix
+            return self.encode(trace.messages(request, answers)), []
+        return list(first.input_ids) + self.tokenizer.encode(whole[len(head):], add_special_tokens=False), \
+            list(first.doc_bounds)
 
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes per token as served: layers x (K, V) x KV heads x head dim x the
@@ -141,7 +169,7 @@ def trace_shape(trace: Trace, model: Model, chunk_size: int) -> dict[str, int]:
     working set (distinct chunk-aligned prefixes; follow-ups add to it at run time)."""
     from pcr_sglang.workload import working_set_tokens
 
-    prompts = [model.encode(trace.messages(r, {})) for r in trace.first_turns()]
+    prompts = [model.prompt(trace, r, {})[0] for r in trace.first_turns()]
     turns = 1 + trace.params.followups
     # A follow-up's prompt: its first turn's, plus each earlier answer and question.
     per_turn = trace.params.max_new_tokens + 64
@@ -174,9 +202,10 @@ def plan(args: argparse.Namespace, model: Model, out_dir: Path) -> list[Point]:
 
     top = (max(args.rates),)
     headline = trace_for("headline")
+    # Document reuse runs at every rate; PCR's ablations at the top one.
     points = [Point("headline", headline, args.pool_fraction,
-                    tuple(c for c in args.configs if not c.startswith("pcr-")), args.rates)]
-    ablations = tuple(c for c in args.configs if c.startswith("pcr-"))
+                    tuple(c for c in args.configs if not c.startswith("pcr-") or c in DOC_REUSE_CONFIGS), args.rates)]
+    ablations = tuple(c for c in args.configs if c.startswith("pcr-") and c not in DOC_REUSE_CONFIGS)
     if ablations:
         points.append(Point("headline", headline, args.pool_fraction, ablations, top))
     if args.quick:
@@ -281,7 +310,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for index, run in enumerate(planned):
             bar.set_description(f"{run.label} {run.config} @{run.rate:g}/s pool {run.pool_fraction:.0%}")
             try:
-                result = run_planned(run, servers, index, model.encode, model.decode,
+                result = run_planned(run, servers, index, lambda r, a, t=run.trace: model.prompt(t, r, a),
+                                     model.decode,
                                      on_done=lambda: bar.update(1))
             except (RuntimeError, TimeoutError, OSError, requests.RequestException) as e:
                 # A server that would not start or failed mid-run: say so, go on.

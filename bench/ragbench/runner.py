@@ -42,7 +42,12 @@ from pcr_sglang.launcher import ServerProcess
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAMES = ("radix", "hicache", "oracle", "pcr", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead")
+CONFIG_NAMES = ("radix", "hicache", "oracle", "pcr", "pcr-docs", "pcr-docs-pre", "pcr-layerwise", "pcr-prefetch",
+                "pcr-lookahead")
+# PCR with document reuse in any order (--pcr-doc-reuse concat): requests mark their
+# documents; "-pre" first fills the store with every trace document's canonical KV
+# (TurboRAG's offline phase, ``python -m pcr_sglang.precompute``) and restarts the server.
+DOC_REUSE_CONFIGS = {"pcr-docs": ("--pcr-doc-reuse", "concat"), "pcr-docs-pre": ("--pcr-doc-reuse", "concat")}
 # PCR without one feature: the flag that turns it off.
 ABLATIONS = {
     "pcr-layerwise": ("--pcr-layerwise", "off"),
@@ -101,11 +106,12 @@ def server_config(name: str, budgets: Budgets, storage_dir: Path) -> ServerConfi
              "--hicache-ratio", f"{budgets.hicache_ratio:.4f}", "--hicache-storage-backend", "file"),
             storage_dir=storage_dir,
             env={HICACHE_STORAGE_ENV: str(storage_dir), HICACHE_MAX_SIZE_ENV: str(int(budgets.ssd_gb * 2**30))})
-    if name == "pcr" or name in ABLATIONS:
+    if name == "pcr" or name in ABLATIONS or name in DOC_REUSE_CONFIGS:
         args = (*pool, *common, "--enable-pcr", "--pcr-chunk-size", str(budgets.chunk_size),
                 "--pcr-dram-gb", _gb_arg(budgets.host_gb), "--pcr-ssd-path", str(storage_dir),
                 "--pcr-ssd-gb", _gb_arg(budgets.ssd_gb), "--pcr-ssd-reserve-gb", "0")
-        return ServerConfig(name, (*args, *ABLATIONS.get(name, ())), storage_dir=storage_dir)
+        return ServerConfig(name, (*args, *ABLATIONS.get(name, ()), *DOC_REUSE_CONFIGS.get(name, ())),
+                            storage_dir=storage_dir)
     raise ValueError(f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}")
 
 
@@ -206,18 +212,23 @@ class QueueSampler:
                 self.samples.append(sum(values))
 
 
-def replay(server: ServerProcess, trace: Trace, encode: Callable[[list[dict[str, str]]], list[int]],
-           decode: Callable[[list[int]], str], rate: float, on_done: Callable[[], None] = lambda: None,
-           timeout_s: float = 900.0) -> tuple[list[RequestRecord], float, list[float]]:
+Prompter = Callable[[TraceRequest, dict[str, str]], tuple[list[int], list[int]]]
+
+
+def replay(server: ServerProcess, trace: Trace, prompt_of: Prompter, decode: Callable[[list[int]], str],
+           rate: float, on_done: Callable[[], None] = lambda: None, timeout_s: float = 900.0,
+           mark_docs: bool = False) -> tuple[list[RequestRecord], float, list[float]]:
     """Send ``trace`` at ``rate`` first turns per second; a session's follow-ups go after its
-    previous answer and think time. Returns records (trace order), makespan, queue samples."""
+    previous answer and think time. ``prompt_of`` gives a request's token ids and its
+    documents' bounds (given answers so far); with ``mark_docs`` the bounds are sent too.
+    Returns records (trace order), makespan, queue samples."""
     if rate <= 0:
         raise ValueError("rate must be > 0 requests/s")
     sessions: dict[str, list[TraceRequest]] = {}
     for request in trace.requests:
         sessions.setdefault(request.session, []).append(request)
     answers: dict[str, str] = {}
-    first_ids = {r.rid: encode(trace.messages(r, answers)) for r in trace.first_turns()}
+    first = {r.rid: prompt_of(r, answers) for r in trace.first_turns()}
     records: dict[str, RequestRecord] = {}
     start = time.perf_counter()
 
@@ -226,17 +237,18 @@ def replay(server: ServerProcess, trace: Trace, encode: Callable[[list[dict[str,
             if request.parent is None:
                 scheduled = request.arrival / rate
                 time.sleep(max(0.0, start + scheduled - time.perf_counter()))
-                ids = first_ids[request.rid]
+                ids, bounds = first[request.rid]
             else:
                 time.sleep(request.think_s)
                 scheduled = time.perf_counter() - start
-                ids = encode(trace.messages(request, answers))
+                ids, bounds = prompt_of(request, answers)
             sent = time.perf_counter() - start
+            sampling: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": request.max_new_tokens}
+            if mark_docs and bounds:
+                sampling["custom_params"] = {"pcr_doc_bounds": list(bounds)}
             try:
-                reply = server.generate_stream(
-                    {"input_ids": list(ids),
-                     "sampling_params": {"temperature": 0.0, "max_new_tokens": request.max_new_tokens}},
-                    timeout_s=timeout_s)
+                reply = server.generate_stream({"input_ids": list(ids), "sampling_params": sampling},
+                                               timeout_s=timeout_s)
                 # A reply with no data chunk before the end has its first token at the end.
                 ttft = reply.latency_s if math.isnan(reply.ttft_s) else reply.ttft_s
                 meta = reply.final.get("meta_info", {})
@@ -368,6 +380,32 @@ class ServerPool:
             self._kept.pop(plan.key, None)
         server.kill()
 
+    def precompute(self, index: int, server: ServerProcess, trace: Trace, prompt_of: Prompter) -> ServerProcess:
+        """``pcr-docs-pre``: fill run ``index``'s store with the canonical KV of every document
+        the trace uses (one ``S ‖ d`` warm-up each, as ``python -m pcr_sglang.precompute``
+        sends), wait for SSD write-back, and restart on the same store: the run then starts
+        on a server that has never seen these documents in traffic."""
+        from pcr_sglang.precompute import precompute, wait_for_ssd_writes
+
+        warmups: list[tuple[list[int], list[int]]] = []
+        seen: set[str] = set()
+        for request in trace.first_turns():
+            ids, bounds = prompt_of(request, {})
+            leading = ids[:bounds[0]]
+            for doc_id, start, end in zip(request.doc_ids, bounds[::2], bounds[1::2]):
+                if doc_id not in seen:
+                    seen.add(doc_id)
+                    warmups.append((leading + ids[start:end], [len(leading), len(leading) + end - start]))
+        result = precompute(server.base_url, warmups)
+        on_disk = wait_for_ssd_writes(server.base_url)
+        logger.info("precomputed %d documents (%d tokens) in %.1f s, %s; restarting", result.documents,
+                    result.tokens, result.seconds, "on SSD" if on_disk else "NOT all on SSD")
+        server.stop()
+        plan = self.plans[index]
+        restarted = ServerProcess(self.model_path, plan.server.args, env=plan.server.env, log_path=plan.log_path)
+        restarted.start()
+        return restarted
+
     def close(self) -> None:
         """Kill the servers still kept and remove the runs' storage directories."""
         for server in self._kept.values():
@@ -383,14 +421,16 @@ class ServerPool:
         self.close()
 
 
-def run_planned(run: PlannedRun, servers: ServerPool, index: int,
-                encode: Callable[[list[dict[str, str]]], list[int]], decode: Callable[[list[int]], str],
-                on_done: Callable[[], None] = lambda: None) -> RunResult:
+def run_planned(run: PlannedRun, servers: ServerPool, index: int, prompt_of: Prompter,
+                decode: Callable[[list[int]], str], on_done: Callable[[], None] = lambda: None) -> RunResult:
     """Replay ``run`` on server ``index`` of ``servers`` (see ``ServerPool``)."""
     server, reused = servers.acquire(index)
     failed = True
     try:
-        records, makespan, samples = replay(server, run.trace, encode, decode, run.rate, on_done)
+        if run.config == "pcr-docs-pre":
+            server = servers.precompute(index, server, run.trace, prompt_of)
+        records, makespan, samples = replay(server, run.trace, prompt_of, decode, run.rate, on_done,
+                                            mark_docs=run.config in DOC_REUSE_CONFIGS)
         state: dict[str, Any] = server.pcr_state() if run.config.startswith("pcr") else {}
         failed = False
     finally:

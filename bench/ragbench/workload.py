@@ -29,9 +29,10 @@ import random
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from pcr_sglang.data import Article, load_wiki_articles
+from pcr_sglang.doc_prompt import DocPrompt, build_doc_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using only the documents below. "
     "Be brief."
 )
+# One retrieved document in a prompt (document-reuse prompts: no position number).
+DOC_FORMAT = "Document ({title}):\n{text}\n\n"
 # The skew reported for RAG corpora: about 3% of documents draw about 60% of retrievals.
 HOT_FRACTION = 0.03
 HOT_SHARE = 0.60
@@ -127,16 +130,26 @@ class Trace:
         while chain[-1].parent is not None:
             chain.append(self._by_rid()[chain[-1].parent])
         chain.reverse()
-        docs = "\n\n".join(
-            f"Document {i + 1} ({self.documents[d].title}):\n{self.documents[d].text}"
-            for i, d in enumerate(chain[0].doc_ids)
-        )
+        docs = "".join(DOC_FORMAT.format(title=self.documents[d].title, text=self.documents[d].text)
+                       for d in chain[0].doc_ids)
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                    {"role": "user", "content": f"{docs}\n\nQuestion: {chain[0].question}"}]
+                    {"role": "user", "content": f"{docs}Question: {chain[0].question}"}]
         for earlier, later in zip(chain, chain[1:]):
             messages.append({"role": "assistant", "content": answers[earlier.rid]})
             messages.append({"role": "user", "content": f"Question: {later.question}"})
         return messages
+
+    def doc_prompt(self, request: TraceRequest, tokenizer: Any) -> DocPrompt:
+        """A first turn's prompt as token ids with its documents marked: each document is
+        tokenized alone and carries no position of its own (no "Document 3"), so the same
+        document is the same tokens wherever retrieval puts it (what document reuse needs;
+        every configuration is sent these same tokens)."""
+        if request.parent is not None:
+            raise ValueError("doc_prompt builds first turns; follow-ups extend them")
+        documents = [DOC_FORMAT.format(title=self.documents[d].title, text=self.documents[d].text)
+                     for d in request.doc_ids]  # the same text as messages(), tokenized piece by piece
+        return build_doc_prompt(tokenizer, SYSTEM_PROMPT, documents, request.question,
+                                doc_format="{doc}", question_format="Question: {question}")
 
     def _by_rid(self) -> dict[str, TraceRequest]:
         if len(self._index) != len(self.requests):

@@ -1,0 +1,484 @@
+"""Answer accuracy of document KV reuse, against full prefill, on the benchmark's RAG trace.
+
+    python -m bench.doc_reuse_accuracy                # 40 first turns of the retrieval trace
+    python -m bench.doc_reuse_accuracy --quick        # 12 first turns
+    python -m bench.doc_reuse_accuracy --requests 80 --max-new-tokens 48
+
+The first turns of ``bench.ragbench``'s retrieval trace (Wikipedia extracts chosen by the
+embedding retriever, Zipf-popular topics), as document-marked token prompts
+(``Trace.doc_prompt``), served by SmolLM2-135M-Instruct:
+
+1. **full prefill** (``--disable-radix-cache``): the reference. Each prompt's greedy answer
+   (temperature 0), and the teacher-forced NLL of that answer under full prefill.
+2. each ``--modes`` entry (``--enable-pcr --pcr-doc-reuse MODE``): every prompt is sent
+   with its documents marked, twice: the first send (one output token) makes sure every
+   document's canonical KV is cached, the second is measured (its greedy answer, and
+   ``cached_tokens``: all documents were reused when it equals the last document's end).
+   Then the reference answer is teacher-forced under the mode's KV (prompt + answer ids,
+   ``return_logprob``, ``logprob_start_len = len(prompt) - 1``; SGLang reuses at most
+   ``logprob_start_len`` tokens, which is past the documents, so they are still reused).
+3. **exact prefix cache** (the control), on the first mode's server after its marked
+   requests: the same prompts without marks, sent twice, then teacher-forced. Prefix
+   caching is exact: its answers must equal full prefill's (100%).
+
+Metrics per mode against full prefill: the share of greedy answers with identical token
+ids, the mean SQuAD-style token F1 of the decoded answers (:func:`token_f1`), the mean
+per-token NLL of full prefill's answer and its ratio to full prefill's own, and the
+first-token agreement. Prints a markdown table and writes everything, per-request rows
+included, to ``--out/<timestamp>.json``.
+
+Why ``len(prompt) - 1``: SGLang's ``input_token_logprobs`` has one entry per token from
+``logprob_start_len`` on, each the log-probability of that token given the ones before;
+the first entry is None (the position before it is not computed). Starting one token
+before the answer, the None falls on the last prompt token and every answer token gets
+its log-probability (starting at ``len(prompt)`` would lose the first answer token's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import platform
+import re
+import shlex
+import statistics
+import string
+import sys
+import threading
+import time
+import unicodedata
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+logger = logging.getLogger("bench.doc_reuse_accuracy")
+
+DEFAULT_REQUESTS = 40
+QUICK_REQUESTS = 12
+FULL = "full prefill"
+EXACT = "exact prefix cache"
+# Modes this benchmark knows how to run, with the server flags that select them.
+MODE_ARGS: dict[str, tuple[str, ...]] = {"concat": ("--pcr-doc-reuse", "concat")}
+# Modes planned but not implemented by the server yet (refused with that reason).
+PLANNED_MODES = ("blend", "lego")
+# What the modes are measured against (reported, never assumed met).
+TARGETS = {
+    "blend": {"recompute_ratio": 0.15, "mean_f1_min": 0.90, "nll_ratio_max": 1.05,
+              "text": "blend with R=15% recompute: mean F1 >= 0.90 and NLL within 5% of full prefill"},
+}
+COMMON_SERVER_ARGS = ("--context-length", "4096", "--log-level", "warning", "--sleep-on-idle")
+
+
+# ---------------------------------------------------------------------------- metrics
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_ASCII_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> list[str]:
+    """SQuAD's answer normalization, as tokens: lowercase, punctuation removed (ASCII, as
+    SQuAD, and any Unicode punctuation), the articles a/an/the removed, split on
+    whitespace."""
+    text = text.lower()
+    text = "".join(" " if ch in _ASCII_PUNCTUATION or unicodedata.category(ch).startswith("P") else ch
+                   for ch in text)
+    return _ARTICLES.sub(" ", text).split()
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """SQuAD-style bag-of-tokens F1 of ``prediction`` against ``reference``. Two answers
+    that normalize to nothing agree (1.0); one empty answer against a non-empty one
+    scores 0.0."""
+    pred, ref = normalize_answer(prediction), normalize_answer(reference)
+    if not pred and not ref:
+        return 1.0
+    if not pred or not ref:
+        return 0.0
+    same = sum((Counter(pred) & Counter(ref)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def answer_nll(input_token_logprobs: Sequence[Sequence[Any]], answer_ids: Sequence[int]) -> float:
+    """Mean negative log-likelihood per token of ``answer_ids``, from the
+    ``meta_info.input_token_logprobs`` of a request of ``prompt + answer_ids`` sent with
+    ``logprob_start_len = len(prompt) - 1``: one entry ``[logprob, token_id, text]`` for
+    the last prompt token (logprob None) and one per answer token."""
+    if not answer_ids:
+        raise ValueError("an empty answer has no NLL")
+    entries = list(input_token_logprobs)
+    if len(entries) != len(answer_ids) + 1:
+        raise ValueError(f"expected {len(answer_ids) + 1} input logprobs (the last prompt token and "
+                         f"{len(answer_ids)} answer tokens), got {len(entries)}")
+    tail = entries[1:]
+    ids = [int(e[1]) for e in tail]
+    if ids != list(answer_ids):
+        raise ValueError(f"input logprobs are for tokens {ids[:8]}..., not the answer {list(answer_ids)[:8]}...")
+    values = [e[0] for e in tail]
+    if any(v is None for v in values):
+        raise ValueError("an answer token has no logprob")
+    return -sum(float(v) for v in values) / len(values)
+
+
+# ---------------------------------------------------------------------------- modes
+def parse_modes(text: str) -> tuple[str, ...]:
+    """``--modes``: comma-separated document-reuse modes this benchmark and the server run."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected at least one mode; known: {', '.join(MODE_ARGS)}")
+    for name in names:
+        if name in MODE_ARGS:
+            continue
+        if name in PLANNED_MODES:
+            raise argparse.ArgumentTypeError(
+                f"mode {name!r} is not implemented by the server yet (--pcr-doc-reuse supports "
+                f"{', '.join(server_modes())}); runnable here: {', '.join(MODE_ARGS)}")
+        raise argparse.ArgumentTypeError(f"unknown mode {name!r}; runnable: {', '.join(MODE_ARGS)}")
+    return names
+
+
+def server_modes() -> list[str]:
+    """The server's ``--pcr-doc-reuse`` choices other than ``off``."""
+    try:
+        from pcr_sglang.server_args_fields import DOC_REUSE_CHOICES
+    except ImportError:  # pragma: no cover - the package is always installed here
+        return list(MODE_ARGS)
+    return [c for c in DOC_REUSE_CHOICES if c != "off"]
+
+
+# ---------------------------------------------------------------------------- rows
+@dataclass
+class Prompt:
+    index: int
+    rid: str
+    question: str
+    doc_ids: list[str]
+    input_ids: list[int]
+    doc_bounds: list[int]
+
+    @property
+    def last_doc_end(self) -> int:
+        return self.doc_bounds[-1]
+
+
+def greedy(max_new_tokens: int) -> dict[str, Any]:
+    return {"temperature": 0.0, "max_new_tokens": max_new_tokens}
+
+
+def _sampling(prompt: Prompt, marked: bool, **sampling: Any) -> dict[str, Any]:
+    from pcr_sglang.doc_prompt import DocPrompt
+
+    return DocPrompt(prompt.input_ids, prompt.doc_bounds).sampling_params(**sampling) if marked else sampling
+
+
+def teacher_forced(server: Any, prompt: Prompt, answer: list[int], marked: bool) -> tuple[float, int]:
+    """NLL per token of ``answer`` after ``prompt`` on ``server``, and the request's cached tokens."""
+    reply = server.generate({"input_ids": prompt.input_ids + answer,
+                             "sampling_params": _sampling(prompt, marked, **greedy(0)),
+                             "return_logprob": True, "logprob_start_len": len(prompt.input_ids) - 1})
+    meta = reply["meta_info"]
+    return answer_nll(meta["input_token_logprobs"], answer), int(meta.get("cached_tokens", 0))
+
+
+def measure_reference(server: Any, prompt: Prompt, max_new_tokens: int) -> dict[str, Any]:
+    reply = server.generate({"input_ids": prompt.input_ids, "sampling_params": greedy(max_new_tokens)})
+    answer = list(reply["output_ids"])
+    nll, _ = teacher_forced(server, prompt, answer, marked=False)
+    return {"answer_ids": answer, "answer": reply.get("text", ""),
+            "finish": (reply["meta_info"].get("finish_reason") or {}).get("type"), "nll": nll}
+
+
+def measure_mode(server: Any, prompt: Prompt, reference: dict[str, Any], max_new_tokens: int,
+                 marked: bool, decode: Callable[[list[int]], str]) -> dict[str, Any]:
+    """Warm, measured greedy answer, teacher-forced NLL of the reference answer."""
+    warm = server.generate({"input_ids": prompt.input_ids,
+                            "sampling_params": _sampling(prompt, marked, **greedy(1))})
+    reply = server.generate({"input_ids": prompt.input_ids,
+                             "sampling_params": _sampling(prompt, marked, **greedy(max_new_tokens))})
+    answer = list(reply["output_ids"])
+    cached = int(reply["meta_info"].get("cached_tokens", 0))
+    nll, tf_cached = teacher_forced(server, prompt, reference["answer_ids"], marked)
+    ref_ids = reference["answer_ids"]
+    return {
+        "warm_cached_tokens": int(warm["meta_info"].get("cached_tokens", 0)),
+        "cached_tokens": cached,
+        "all_docs_reused": cached == prompt.last_doc_end,
+        "tf_cached_tokens": tf_cached,
+        "tf_all_docs_reused": tf_cached == prompt.last_doc_end,
+        "answer_ids": answer,
+        "answer": reply.get("text", decode(answer)),
+        "identical": answer == ref_ids,
+        "first_token_agrees": bool(answer) and bool(ref_ids) and answer[0] == ref_ids[0],
+        "f1": token_f1(decode(answer), decode(ref_ids)),
+        "nll": nll,
+    }
+
+
+def run_all(prompts: list[Prompt], work: Callable[[Prompt], dict[str, Any]], concurrency: int,
+            label: str) -> list[dict[str, Any]]:
+    """``work`` on every prompt, ``concurrency`` at a time; a failure is recorded as the
+    row's ``error``. Progress goes to stderr."""
+    done, lock, started = [0], threading.Lock(), time.monotonic()
+
+    def one(prompt: Prompt) -> dict[str, Any]:
+        try:
+            row = work(prompt)
+        except Exception as e:  # noqa: BLE001 - one bad request must not lose the run
+            logger.error("[%s] request %s failed: %s", label, prompt.rid, e)
+            row = {"error": f"{type(e).__name__}: {e}"}
+        with lock:
+            done[0] += 1
+            print(f"[{label}] {done[0]}/{len(prompts)} done ({time.monotonic() - started:.0f} s)",
+                  file=sys.stderr, flush=True)
+        return row
+
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        return list(pool.map(one, prompts))
+
+
+# ---------------------------------------------------------------------------- summary
+def _mean(values: Sequence[float]) -> Optional[float]:
+    return statistics.fmean(values) if values else None
+
+
+def summarize(rows: Sequence[dict[str, Any]], reference_nll: Optional[float],
+              docs_reused: bool = True) -> dict[str, Any]:
+    """A mode's metrics over its rows without errors (``rows``: the measure_mode dicts)."""
+    ok = [r for r in rows if "error" not in r]
+    nll = _mean([r["nll"] for r in ok])
+    return {
+        "requests": len(ok),
+        "errors": len(rows) - len(ok),
+        "all_docs_reused": (sum(r["all_docs_reused"] for r in ok) / len(ok) if ok else None) if docs_reused else None,
+        "identical_answers": sum(r["identical"] for r in ok) / len(ok) if ok else None,
+        "mean_f1": _mean([r["f1"] for r in ok]),
+        "nll": nll,
+        "nll_ratio": nll / reference_nll if nll is not None and reference_nll else None,
+        "first_token_agreement": sum(r["first_token_agrees"] for r in ok) / len(ok) if ok else None,
+    }
+
+
+def _pct(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
+
+
+def _num(value: Optional[float], digits: int = 3) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def markdown_table(summaries: dict[str, dict[str, Any]]) -> str:
+    lines = ["| mode | requests | all docs reused | identical answers | mean F1 | NLL | NLL / full "
+             "| first-token agreement |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode, s in summaries.items():
+        lines.append(f"| {mode} | {s['requests']} | {_pct(s['all_docs_reused'])} | {_pct(s['identical_answers'])} "
+                     f"| {_num(s['mean_f1'])} | {_num(s['nll'])} | {_num(s['nll_ratio'], 2)} "
+                     f"| {_pct(s['first_token_agreement'])} |")
+    return "\n".join(lines)
+
+
+def target_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    """Each target, and where every measured reuse mode stands against it."""
+    lines = []
+    for name, target in TARGETS.items():
+        ran = name in summaries
+        lines.append(f"target ({target['text']}): " + ("measured below" if ran else
+                                                      f"{name} not run (not implemented by the server yet)"))
+        for mode, s in summaries.items():
+            if mode in (FULL, EXACT) or s["mean_f1"] is None or s["nll_ratio"] is None:
+                continue
+            f1_ok = s["mean_f1"] >= target["mean_f1_min"]
+            nll_ok = s["nll_ratio"] <= target["nll_ratio_max"]
+            lines.append(f"  {mode}: mean F1 {s['mean_f1']:.3f} ({'meets' if f1_ok else 'below'} "
+                         f">= {target['mean_f1_min']:.2f}), NLL / full {s['nll_ratio']:.2f} "
+                         f"({'within' if nll_ok else 'outside'} {target['nll_ratio_max'] - 1:.0%})")
+    return lines
+
+
+# ---------------------------------------------------------------------------- main
+def _counters(server: Any) -> dict[str, Any]:
+    try:
+        return dict(server.pcr_state()["doc_reuse"]["counters"])
+    except Exception as e:  # noqa: BLE001 - informative only
+        logger.warning("could not read the doc-reuse counters: %s", e)
+        return {}
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m bench.doc_reuse_accuracy", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--modes", type=parse_modes, default=("concat",),
+                        help=f"comma-separated document-reuse modes to measure (runnable: {', '.join(MODE_ARGS)})")
+    parser.add_argument("--requests", type=int, default=None,
+                        help=f"first turns of the trace (default {DEFAULT_REQUESTS}; --quick: {QUICK_REQUESTS})")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="greedy answer length, at most")
+    parser.add_argument("--max-doc-chars", type=int, default=600, help="cut Wikipedia extracts to this many characters")
+    parser.add_argument("--seed", type=int, default=0, help="the trace's seed")
+    parser.add_argument("--chunk-size", type=int, default=16, help="--pcr-chunk-size")
+    parser.add_argument("--max-total-tokens", type=int, default=60000,
+                        help="device KV pool of every server (large enough that nothing is evicted)")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="prompts in flight at once; 1 (default) keeps every request alone in its batch, "
+                             "so batch composition cannot move an answer")
+    parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (built offline)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/doc_reuse_accuracy"),
+                        help="where the JSON result and the server logs go")
+    args = parser.parse_args(argv)
+    requests_n = args.requests if args.requests is not None else (QUICK_REQUESTS if args.quick else DEFAULT_REQUESTS)
+    if requests_n < 1 or args.max_new_tokens < 1 or args.concurrency < 1:
+        parser.error("--requests, --max-new-tokens and --concurrency must be >= 1")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+
+    from transformers import AutoTokenizer
+
+    from bench.ragbench.workload import WorkloadParams, make_trace
+    from pcr_sglang.launcher import ServerProcess, cpu_only
+    from pcr_sglang.models.smollm2 import build_smollm2
+
+    started = time.monotonic()
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_path = args.model_path or str(build_smollm2())
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    print(f"building the retrieval trace ({requests_n} requests)...", file=sys.stderr, flush=True)
+    trace = make_trace(WorkloadParams(num_requests=requests_n, max_doc_chars=args.max_doc_chars or None,
+                                      seed=args.seed, max_new_tokens=args.max_new_tokens))
+    prompts = []
+    for i, request in enumerate(trace.first_turns()[:requests_n]):
+        doc_prompt = trace.doc_prompt(request, tokenizer)
+        prompts.append(Prompt(i, request.rid, request.question, list(request.doc_ids),
+                              list(doc_prompt.input_ids), list(doc_prompt.doc_bounds)))
+    longest = max(len(p.input_ids) for p in prompts)
+    print(f"{len(prompts)} prompts, {sum(len(p.input_ids) for p in prompts)} tokens, longest {longest}",
+          file=sys.stderr, flush=True)
+    pool = ("--max-total-tokens", str(args.max_total_tokens))
+    servers: dict[str, dict[str, Any]] = {}
+
+    def start(name: str, extra: tuple[str, ...]) -> Any:
+        log = args.out / f"{stamp}-{name.replace(' ', '-')}.log"
+        print(f"starting the {name} server (log: {log})...", file=sys.stderr, flush=True)
+        server = ServerProcess(model_path, (*extra, *pool, *COMMON_SERVER_ARGS), log_path=log)
+        server.start()
+        servers[name] = {"args": list(server.extra_args), "startup_s": round(server.startup_seconds, 1),
+                         "log": str(log)}
+        return server
+
+    # 1. The reference: full prefill.
+    phase_s: dict[str, float] = {}
+    with start(FULL, ("--disable-radix-cache",)) as server:
+        t = time.monotonic()
+        references = run_all(prompts, lambda p: measure_reference(server, p, args.max_new_tokens),
+                             args.concurrency, FULL)
+        phase_s[FULL] = time.monotonic() - t
+    usable = [i for i, r in enumerate(references) if "error" not in r]
+    measured = [prompts[i] for i in usable]
+    reference_nll = _mean([references[i]["nll"] for i in usable])
+
+    # 2./3. Each mode on its own server; the exactness control on the first one, after its marked requests.
+    results: dict[str, list[dict[str, Any]]] = {}
+    counters: dict[str, dict[str, Any]] = {}
+    for n, mode in enumerate(args.modes):
+        flags = ("--enable-pcr", "--pcr-chunk-size", str(args.chunk_size), *MODE_ARGS[mode])
+        with start(mode, flags) as server:
+            before = _counters(server)
+            t = time.monotonic()
+            results[mode] = run_all(measured, lambda p: measure_mode(
+                server, p, references[p.index], args.max_new_tokens, True, decode), args.concurrency, mode)
+            phase_s[mode] = time.monotonic() - t
+            after = _counters(server)
+            counters[mode] = {"total": after, "this_phase": _delta(after, before)}
+            if n == 0:
+                t = time.monotonic()
+                results[EXACT] = run_all(measured, lambda p: measure_mode(
+                    server, p, references[p.index], args.max_new_tokens, False, decode), args.concurrency, EXACT)
+                phase_s[EXACT] = time.monotonic() - t
+                final = _counters(server)
+                counters[EXACT] = {"server": mode, "this_phase": _delta(final, after)}
+
+    ref_ok = [references[i] for i in usable]
+    summaries = {FULL: {"requests": len(ref_ok), "errors": len(references) - len(ref_ok), "all_docs_reused": None,
+                        "identical_answers": 1.0, "mean_f1": 1.0, "nll": reference_nll, "nll_ratio": 1.0,
+                        "first_token_agreement": 1.0},
+                 EXACT: summarize(results[EXACT], reference_nll, docs_reused=False)}
+    for mode in args.modes:
+        summaries[mode] = summarize(results[mode], reference_nll)
+
+    rows = []
+    for k, i in enumerate(usable):
+        p, ref = prompts[i], references[i]
+        rows.append({"rid": p.rid, "question": p.question, "doc_ids": p.doc_ids, "prompt_tokens": len(p.input_ids),
+                     "doc_bounds": p.doc_bounds, "last_doc_end": p.last_doc_end,
+                     "reference": {**ref, "answer": decode(ref["answer_ids"])},
+                     "modes": {mode: results[mode][k] for mode in results}})
+    for i in range(len(prompts)):
+        if i not in usable:
+            rows.append({"rid": prompts[i].rid, "error": references[i]["error"]})
+    not_reused = [{"rid": r["rid"], "mode": m, "cached_tokens": r["modes"][m]["cached_tokens"],
+                   "last_doc_end": r["last_doc_end"]}
+                  for r in rows if "modes" in r for m in args.modes
+                  if "error" not in r["modes"][m] and not r["modes"][m]["all_docs_reused"]]
+    elapsed = time.monotonic() - started
+    result = {
+        "meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                 "command": "python -m bench.doc_reuse_accuracy " + shlex.join(argv),
+                 "model": Path(model_path).name,
+                 "machine": f"{platform.machine()}, {len(_affinity())} CPU cores" + (", no GPU" if cpu_only() else ""),
+                 "requests": len(prompts), "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+                 "max_doc_chars": args.max_doc_chars, "chunk_size": args.chunk_size,
+                 "concurrency": args.concurrency, "modes": list(args.modes),
+                 "trace_stats": trace.stats, "servers": servers, "phase_s": phase_s, "elapsed_s": elapsed,
+                 "nll_method": "teacher-forced: prompt + full prefill's answer ids, return_logprob, "
+                               "logprob_start_len = len(prompt) - 1; mean -logprob over the answer tokens",
+                 "f1_method": "SQuAD token F1 of the decoded answers (lowercase, punctuation and articles removed)"},
+        "summary": summaries,
+        "targets": TARGETS,
+        "doc_reuse_counters": counters,
+        "not_all_docs_reused": not_reused,
+        "rows": rows,
+    }
+    path = args.out / f"{stamp}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(markdown_table(summaries))
+    print()
+    for line in target_lines(summaries):
+        print(line)
+    if not_reused:
+        print(f"{len(not_reused)} measured requests did not reuse all their documents: "
+              + ", ".join(f"{r['rid']} ({r['mode']}: cached {r['cached_tokens']}, documents end at "
+                          f"{r['last_doc_end']})" for r in not_reused[:10]))
+    control = summaries[EXACT]
+    if control["identical_answers"] != 1.0:
+        print(f"EXACTNESS CONTROL FAILED: prefix-cached answers equal full prefill's for only "
+              f"{_pct(control['identical_answers'])} of requests")
+    print(f"wrote {path} ({elapsed:.0f} s)")
+    failed = any(s["errors"] for s in summaries.values()) or control["identical_answers"] != 1.0
+    return 1 if failed else 0
+
+
+def _affinity() -> set[int]:
+    import os
+
+    try:
+        return os.sched_getaffinity(0)
+    except AttributeError:  # pragma: no cover - not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
