@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from pcr_sglang.data import load_wiki_articles
-from pcr_sglang.doc_prompt import build_doc_prompt
+from pcr_sglang.doc_prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
 from pcr_sglang.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
 from tests.e2e.helpers import COMMON_ARGS, serving
@@ -221,3 +221,35 @@ def test_concat_outputs_equal_an_independent_reference(servers, tokenizer, passa
         unshifted = _hf_concat_reference(model, prompt, SAMPLING["max_new_tokens"], shift=False)
         unshifted_differs += unshifted != out["output_ids"]
     assert unshifted_differs >= 3
+
+
+def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, tokenizer, passages, tiny_model,
+                                                                   tmp_path):
+    """TurboRAG's offline phase: ``pcr_sglang.precompute`` fills the store through one
+    server; a server started later on the same store, which never saw these documents in
+    traffic, reuses every one of them (read from SSD), and answers as the first server
+    would have, token for token (canonical KV is deterministic)."""
+    from pcr_sglang.precompute import document_requests, precompute, wait_for_ssd_writes
+    from tests.e2e.helpers import ssd_server
+
+    corpus = passages[56:60]
+    system = "Precomputed corpus."
+    first = ssd_server(tiny_model, tmp_path, "--pcr-doc-reuse", "concat")
+    with first:
+        # Documents as build_doc_prompt formats them in prompts (its default format).
+        formatted = [DEFAULT_DOC_FORMAT.format(doc=text) for text in corpus]
+        result = precompute(first.base_url, document_requests(tokenizer, system, formatted), concurrency=2)
+        assert result.failed == 0 and result.documents == 4
+        assert wait_for_ssd_writes(first.base_url)
+    prompt = build_doc_prompt(tokenizer, system, [corpus[2], corpus[0], corpus[3]], "What links them?")
+    with ssd_server(tiny_model, tmp_path, "--pcr-doc-reuse", "concat") as restarted:
+        assert restarted.pcr_state()["ssd"]["counters"]["restored_chunks"] > 0
+        out = _generate(restarted, prompt, marked=True)
+        state = restarted.pcr_state(check_invariants=True)
+    assert out["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1]
+    ssd = state["ssd"]["counters"]
+    assert ssd["bytes_read_on_demand"] + ssd["bytes_read_prefetch"] > 0, ssd  # the canonical chains came from SSD
+    assert state["invariants"]["ok"] is True
+    # The module's doc-reuse server computes the same canonical KV in traffic.
+    _generate(servers["docs"], prompt, marked=True)
+    assert out["output_ids"] == _generate(servers["docs"], prompt, marked=True)["output_ids"]

@@ -1,0 +1,120 @@
+"""The document-reuse accuracy benchmark's metrics, mode parsing and summary (no server)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.doc_reuse_accuracy import (
+    EXACT,
+    FULL,
+    answer_nll,
+    markdown_table,
+    normalize_answer,
+    parse_modes,
+    summarize,
+    target_lines,
+    token_f1,
+)
+
+
+def test_normalize_answer_is_squad_style():
+    assert normalize_answer("The Eiffel Tower, in Paris!") == ["eiffel", "tower", "in", "paris"]
+    assert normalize_answer("  An  apple a day ") == ["apple", "day"]
+    # Unicode punctuation goes too; words joined by it are split, as by ASCII punctuation.
+    assert normalize_answer("“Hello”—world’s end…") == ["hello", "world", "s", "end"]
+    assert normalize_answer("theory, anthem, athena") == ["theory", "anthem", "athena"]  # articles are whole words
+
+
+def test_token_f1_identical_and_reordered_answers_score_one():
+    assert token_f1("Paris is the capital.", "paris is the capital") == 1.0
+    assert token_f1("capital is Paris", "Paris is capital") == 1.0  # a bag of tokens
+
+
+def test_token_f1_partial_overlap():
+    # prediction: [paris, capital, of, france] ; reference: [paris]
+    assert token_f1("Paris, the capital of France", "Paris") == pytest.approx(2 * 0.25 * 1 / 1.25)
+    # Counts matter: "b b" against "b" has precision 1/2, recall 1.
+    assert token_f1("b b", "b") == pytest.approx(2 / 3)
+    assert token_f1("x y", "z w") == 0.0
+
+
+def test_token_f1_empty_answers():
+    assert token_f1("", "") == 1.0
+    assert token_f1("...", "the") == 1.0  # both normalize to nothing
+    assert token_f1("", "Paris") == 0.0
+    assert token_f1("Paris", "") == 0.0
+    assert token_f1("!!", "Paris") == 0.0
+
+
+def test_answer_nll_skips_the_last_prompt_token():
+    entries = [[None, 198, "\n"], [-1.0, 5, "a"], [-0.5, 6, "b"], [-3.0, 7, "c"]]
+    assert answer_nll(entries, [5, 6, 7]) == pytest.approx(1.5)
+    assert answer_nll([[None, 1, ""], [-0.25, 2, ""]], [2]) == pytest.approx(0.25)
+
+
+def test_answer_nll_rejects_misaligned_logprobs():
+    with pytest.raises(ValueError, match="expected 3"):
+        answer_nll([[-1.0, 5, ""], [-0.5, 6, ""]], [5, 6])  # started at len(prompt): one short
+    with pytest.raises(ValueError, match="not the answer"):
+        answer_nll([[None, 1, ""], [-1.0, 9, ""]], [5])
+    with pytest.raises(ValueError, match="no logprob"):
+        answer_nll([[None, 1, ""], [None, 5, ""]], [5])
+    with pytest.raises(ValueError, match="empty"):
+        answer_nll([[None, 1, ""]], [])
+
+
+def test_parse_modes():
+    assert parse_modes("concat") == ("concat",)
+    assert parse_modes(" concat , concat ") == ("concat",)
+    with pytest.raises(argparse.ArgumentTypeError, match="not implemented"):
+        parse_modes("concat,blend")
+    with pytest.raises(argparse.ArgumentTypeError, match="not implemented"):
+        parse_modes("lego")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown mode 'bogus'"):
+        parse_modes("bogus")
+    with pytest.raises(argparse.ArgumentTypeError, match="at least one"):
+        parse_modes(" , ")
+
+
+def test_main_refuses_unknown_modes_before_starting_anything(capsys):
+    from bench.doc_reuse_accuracy import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--modes", "blend"])
+    assert exc.value.code == 2
+    assert "not implemented by the server yet" in capsys.readouterr().err
+
+
+def _row(identical: bool, f1: float, nll: float, first: bool, reused: bool = True) -> dict:
+    return {"identical": identical, "f1": f1, "nll": nll, "first_token_agrees": first, "all_docs_reused": reused}
+
+
+def test_summarize_and_table():
+    rows = [_row(True, 1.0, 1.0, True), _row(False, 0.5, 2.0, True, reused=False), _row(False, 0.0, 3.0, False),
+            {"error": "HTTPError: 500"}]
+    s = summarize(rows, reference_nll=1.0)
+    assert s["requests"] == 3 and s["errors"] == 1
+    assert s["identical_answers"] == pytest.approx(1 / 3)
+    assert s["all_docs_reused"] == pytest.approx(2 / 3)
+    assert s["mean_f1"] == pytest.approx(0.5)
+    assert s["nll"] == pytest.approx(2.0) and s["nll_ratio"] == pytest.approx(2.0)
+    assert s["first_token_agreement"] == pytest.approx(2 / 3)
+    control = summarize([_row(True, 1.0, 1.0, True)], reference_nll=1.0, docs_reused=False)
+    assert control["all_docs_reused"] is None and control["nll_ratio"] == 1.0
+    full = {"requests": 3, "errors": 0, "all_docs_reused": None, "identical_answers": 1.0, "mean_f1": 1.0,
+            "nll": 1.0, "nll_ratio": 1.0, "first_token_agreement": 1.0}
+    table = markdown_table({FULL: full, EXACT: control, "concat": s})
+    lines = table.splitlines()
+    assert lines[0].startswith("| mode | requests | all docs reused | identical answers | mean F1 | NLL | NLL / full")
+    assert lines[4] == "| concat | 3 | 67% | 33% | 0.500 | 2.000 | 2.00 | 67% |"
+    assert "| n/a |" in lines[3]  # the control reuses no documents
+    targets = "\n".join(target_lines({FULL: full, EXACT: control, "concat": s}))
+    assert "blend not run" in targets and "concat: mean F1 0.500 (below >= 0.90)" in targets
+    assert "outside 5%" in targets
+
+
+def test_summarize_without_rows():
+    s = summarize([{"error": "x"}], reference_nll=1.0)
+    assert s["requests"] == 0 and s["identical_answers"] is None and s["nll_ratio"] is None
