@@ -253,3 +253,52 @@ def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, toke
     # The module's doc-reuse server computes the same canonical KV in traffic.
     _generate(servers["docs"], prompt, marked=True)
     assert out["output_ids"] == _generate(servers["docs"], prompt, marked=True)["output_ids"]
+
+
+def test_frontend_dsl_programs_mark_documents(servers, tokenizer, passages):
+    """A DSL program wrapping documents in ``doc()`` reuses them (the endpoint sends token
+    ids and bounds), and answers as the same request sent to /generate does."""
+    import sglang as sgl
+
+    from pcr_sglang.frontend import DocReuseEndpoint, doc, marked_input
+
+    docs = servers["docs"]
+    chosen = passages[40:43]
+
+    @sgl.function
+    def rag(s, documents, question):
+        s += "Answer from the documents.\n\n" + "".join(doc(d + "\n\n") for d in documents)
+        s += "Question: " + question + "\nAnswer:" + sgl.gen("answer", max_tokens=8, temperature=0)
+
+    backend = DocReuseEndpoint(docs.base_url, tokenizer=tokenizer)
+    for order in ((0, 1, 2), (2, 0, 1)):
+        before = _doc_counters(docs)
+        state = rag.run(documents=[chosen[i] for i in order], question="Who?", backend=backend)
+        answer = state["answer"]  # waits for the program (it runs in a thread of its own)
+        assert state.error() is None
+        after = _doc_counters(docs)
+        text = ("Answer from the documents.\n\n" + "".join(doc(chosen[i] + "\n\n") for i in order)
+                + "Question: Who?\nAnswer:")
+        ids, bounds = marked_input(tokenizer, text)
+        assert after["requests"] == before["requests"] + 1
+        # Every document reused (the first one partly by the exact prefix it shares).
+        assert state.get_meta_info("answer")["cached_tokens"] == bounds[-1]
+        direct = docs.generate({"input_ids": ids, "sampling_params": {
+            **SAMPLING, "custom_params": {"pcr_doc_bounds": bounds}}})
+        assert answer == direct["text"]
+
+
+def test_openai_completions_with_a_token_prompt_mark_documents(servers, tokenizer, passages):
+    """OpenAI-compatible clients: /v1/completions takes a token prompt and custom_params."""
+    docs = servers["docs"]
+    prompt = build_doc_prompt(tokenizer, "OpenAI client.", passages[43:45], "Which?")
+    _generate(docs, prompt, marked=True)  # warm
+    before = _doc_counters(docs)
+    response = requests.post(docs.base_url + "/v1/completions", timeout=120, json={
+        "model": "default", "prompt": prompt.input_ids, "max_tokens": 8, "temperature": 0,
+        "custom_params": prompt.custom_params()})
+    assert response.status_code == 200, response.text
+    after = _doc_counters(docs)
+    assert after["docs_reused"] - before["docs_reused"] == 2
+    direct = _generate(docs, prompt, marked=True)
+    assert response.json()["choices"][0]["text"] == direct["text"]
