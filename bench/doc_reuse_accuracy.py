@@ -37,6 +37,7 @@ its log-probability (starting at ``len(prompt)`` would lose the first answer tok
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -54,7 +55,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 logger = logging.getLogger("bench.doc_reuse_accuracy")
 
@@ -208,9 +209,11 @@ def measure_mode(server: Any, prompt: Prompt, reference: dict[str, Any], max_new
     return {
         "warm_cached_tokens": int(warm["meta_info"].get("cached_tokens", 0)),
         "cached_tokens": cached,
-        "all_docs_reused": cached == prompt.last_doc_end,
+        # Marked: reuse ends at the last document (past it, blended KV is never cached).
+        # Unmarked (the control): prefix caching, documents are not reused as such.
+        "all_docs_reused": cached == prompt.last_doc_end if marked else None,
         "tf_cached_tokens": tf_cached,
-        "tf_all_docs_reused": tf_cached == prompt.last_doc_end,
+        "tf_all_docs_reused": tf_cached == prompt.last_doc_end if marked else None,
         "answer_ids": answer,
         "answer": reply.get("text", decode(answer)),
         "identical": answer == ref_ids,
@@ -256,6 +259,9 @@ def summarize(rows: Sequence[dict[str, Any]], reference_nll: Optional[float],
         "requests": len(ok),
         "errors": len(rows) - len(ok),
         "all_docs_reused": (sum(r["all_docs_reused"] for r in ok) / len(ok) if ok else None) if docs_reused else None,
+        # The teacher-forced requests too (their logprob_start_len caps reuse, past the documents).
+        "tf_all_docs_reused": (sum(bool(r.get("tf_all_docs_reused")) for r in ok) / len(ok) if ok else None)
+        if docs_reused else None,
         "identical_answers": sum(r["identical"] for r in ok) / len(ok) if ok else None,
         "mean_f1": _mean([r["f1"] for r in ok]),
         "nll": nll,
@@ -356,7 +362,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    print(f"building the retrieval trace ({requests_n} requests)...", file=sys.stderr, flush=True)
+    def progress(message: str) -> None:
+        print(f"[{time.monotonic() - started:5.0f} s] {message}", file=sys.stderr, flush=True)
+
+    progress(f"building the retrieval trace ({requests_n} requests)...")
     trace = make_trace(WorkloadParams(num_requests=requests_n, max_doc_chars=args.max_doc_chars or None,
                                       seed=args.seed, max_new_tokens=args.max_new_tokens))
     prompts = []
@@ -365,23 +374,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         prompts.append(Prompt(i, request.rid, request.question, list(request.doc_ids),
                               list(doc_prompt.input_ids), list(doc_prompt.doc_bounds)))
     longest = max(len(p.input_ids) for p in prompts)
-    print(f"{len(prompts)} prompts, {sum(len(p.input_ids) for p in prompts)} tokens, longest {longest}",
-          file=sys.stderr, flush=True)
+    progress(f"{len(prompts)} prompts, {sum(len(p.input_ids) for p in prompts)} tokens, longest {longest}")
     pool = ("--max-total-tokens", str(args.max_total_tokens))
     servers: dict[str, dict[str, Any]] = {}
 
-    def start(name: str, extra: tuple[str, ...]) -> Any:
+    @contextlib.contextmanager
+    def serving(name: str, extra: tuple[str, ...]) -> Iterator[Any]:
         log = args.out / f"{stamp}-{name.replace(' ', '-')}.log"
-        print(f"starting the {name} server (log: {log})...", file=sys.stderr, flush=True)
+        progress(f"starting the {name} server (log: {log})...")
         server = ServerProcess(model_path, (*extra, *pool, *COMMON_SERVER_ARGS), log_path=log)
         server.start()
         servers[name] = {"args": list(server.extra_args), "startup_s": round(server.startup_seconds, 1),
                          "log": str(log)}
-        return server
+        progress(f"the {name} server is up ({server.startup_seconds:.0f} s)")
+        try:
+            yield server
+        finally:
+            # Killed, not stopped: nothing of it is needed afterwards, and a graceful stop
+            # costs seconds; the launcher removes what a killed PCR scheduler leaves.
+            server.kill()
 
     # 1. The reference: full prefill.
     phase_s: dict[str, float] = {}
-    with start(FULL, ("--disable-radix-cache",)) as server:
+    with serving(FULL, ("--disable-radix-cache",)) as server:
         t = time.monotonic()
         references = run_all(prompts, lambda p: measure_reference(server, p, args.max_new_tokens),
                              args.concurrency, FULL)
@@ -395,7 +410,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     counters: dict[str, dict[str, Any]] = {}
     for n, mode in enumerate(args.modes):
         flags = ("--enable-pcr", "--pcr-chunk-size", str(args.chunk_size), *MODE_ARGS[mode])
-        with start(mode, flags) as server:
+        with serving(mode, flags) as server:
             before = _counters(server)
             t = time.monotonic()
             results[mode] = run_all(measured, lambda p: measure_mode(
@@ -413,6 +428,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     ref_ok = [references[i] for i in usable]
     summaries = {FULL: {"requests": len(ref_ok), "errors": len(references) - len(ref_ok), "all_docs_reused": None,
+                        "tf_all_docs_reused": None,
                         "identical_answers": 1.0, "mean_f1": 1.0, "nll": reference_nll, "nll_ratio": 1.0,
                         "first_token_agreement": 1.0},
                  EXACT: summarize(results[EXACT], reference_nll, docs_reused=False)}
