@@ -24,8 +24,8 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
 * the scheduler's ``run_batch`` (AROUND): the offloads planned for a batch's requests run
   in that batch and no other;
 * ``ModelRunner.forward`` (AROUND): the forward's stream and extend timings;
-* the tokenizer manager's ``_validate_one_request`` (AFTER) and ``_send_one_request``
-  (AROUND): document bounds are checked (HTTP 400), and with ``--pcr-doc-reuse`` a request's
+* the tokenizer manager's ``_validate_one_request`` (AFTER), ``_send_one_request`` and
+  ``_send_batch_request`` (AROUND): document bounds are checked (HTTP 400), and with ``--pcr-doc-reuse`` a request's
   documents are warmed before it is sent (``sglang_adapter/doc_warmer``);
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state;
   the tokenizer manager's ``init_communicators`` (AFTER) and ``get_internal_state``
@@ -121,6 +121,11 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._send_one_request",
         doc_warmer.send_after_warming,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._send_batch_request",
+        doc_warmer.send_batch_after_warming,
         HookType.AROUND,
     )
 

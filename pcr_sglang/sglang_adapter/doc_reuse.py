@@ -40,7 +40,7 @@ from pcr_sglang.core.doc_reuse import (
     parse_doc_bounds,
     plan_reuse,
 )
-from pcr_sglang.core.keys import iter_chunk_keys
+from pcr_sglang.core.keys import chunk_keys
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots, replace_layer
 
@@ -67,6 +67,7 @@ class _Planned:
     in_row: bool = False  # written into the request's row: the row frees them
     counted: bool = False
     chains: dict[int, list[ChunkNode]] = field(default_factory=dict)
+    chain_keys: dict[int, list[Any]] = field(default_factory=dict)
 
 
 def request_doc_spans(req: Any, num_tokens: int) -> Optional[tuple[DocSpan, ...]]:
@@ -118,30 +119,33 @@ class DocReuse:
             try:
                 spans = request_doc_spans(req, len(req.origin_input_ids))
             except DocBoundsError as e:
-                self.stats.malformed += 1
+                self.stats.malformed += 1  # once: the empty entry below answers later matches
                 if not self._warned_malformed:
                     self._warned_malformed = True
                     logger.warning("PCR document reuse: request %s: %s; served without document reuse", req.rid, e)
-                return None
+                spans = ()
             if spans is None:
                 return None
             entry = self._requests.setdefault(req.rid, _Planned(spans))
-        if entry.slots is not None:  # loaded already (a later chunk of its prefill)
+        if entry.slots is not None or not entry.spans:  # loaded already (a later chunk), or malformed
             return None
         origin = req.origin_input_ids
         root = self.root_key(req.extra_key, req.cache_salt)
         chains: dict[int, list[ChunkNode]] = {}
+        chain_keys: dict[int, list[Any]] = {}
 
         def cached(span: DocSpan) -> bool:
             canonical = canonical_tokens(origin, span, entry.spans[0].start, self.chunk, self.pad_token_id)
-            match = self.state.match(iter_chunk_keys(root, canonical, self.chunk), touch=False)
-            if match.device + match.host < len(canonical) // self.chunk:
+            keys = chunk_keys(root, canonical, self.chunk)
+            match = self.state.match(iter(keys), touch=False)
+            if match.device + match.host < len(keys):
                 return False
             chains[span.index] = match.nodes
+            chain_keys[span.index] = keys
             return True
 
         entry.plan = plan_reuse(entry.spans, exact_len, len(tokens), cached)
-        entry.chains = chains
+        entry.chains, entry.chain_keys = chains, chain_keys
         return entry.plan
 
     def planned(self, rid: str) -> Optional[ReusePlan]:
@@ -150,7 +154,7 @@ class DocReuse:
 
     # ------------------------------------------------------------------ admission
     def load(self, req: Any, load_chain: Callable[[list[ChunkNode]], bool], evict: Callable[[int], int],
-             order_before_reuse: Callable[[], None]) -> bool:
+             order_before_copy: Callable[[], None]) -> bool:
         """Copy the planned documents into fresh private slots. All or nothing."""
         entry = self._requests.get(req.rid)
         if entry is None or entry.plan is None:
@@ -174,11 +178,13 @@ class DocReuse:
             if slots is None:
                 return self._failed(entry)
             slots = slots.to(torch.int64)
-            order_before_reuse()  # chain chunks loaded layer by layer are complete before the copy
+            order_before_copy()  # chain chunks loaded layer by layer are complete before the copy
             self._copy(plan, entry.chains, slots)
         finally:
             for node in ends:
                 self.state.unlock(node)
+        for doc in dict.fromkeys(s.doc for s in plan.segments):  # reused: recently used, for the LRU
+            self.state.match(iter(entry.chain_keys[doc]))
         entry.slots = slots
         return True
 
@@ -231,9 +237,16 @@ class DocReuse:
             return None
         return entry.plan.exact_end
 
-    def release(self, rid: str) -> None:
-        entry = self._requests.pop(rid, None)
-        if entry is not None and entry.slots is not None and not entry.in_row:
+    def release(self, rid: str, keep_row_state: bool = False) -> None:
+        """``rid`` left. Unused private slots are freed; with ``keep_row_state`` a request
+        whose row holds them keeps its entry (``exact_end`` caps the row's checkpoint)."""
+        entry = self._requests.get(rid)
+        if entry is None:
+            return
+        if entry.in_row and keep_row_state:
+            return
+        del self._requests[rid]
+        if entry.slots is not None and not entry.in_row:
             self.free_slots(entry.slots)  # loaded, but the request never got its row
 
     def reset(self) -> None:

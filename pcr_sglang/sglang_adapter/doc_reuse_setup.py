@@ -117,6 +117,9 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
     if not k_buffers or not v_buffers:
         raise PCRConfigError(f"{flag} needs a KV pool with per-layer K and V buffers (MHA/GQA), "
                              f"not {type(kvcache).__name__}")
+    if k_buffers[0].dim() != 3 or v_buffers[0].dim() != 3:
+        raise PCRConfigError(f"{flag} rotates token-major K rows ([tokens, heads, head_dim]); this pool's "
+                             f"buffers are {tuple(k_buffers[0].shape)} (a head- or page-major layout)")
     kv_dtype = k_buffers[0].dtype
     if kv_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise PCRConfigError(f"{flag} rotates K in the KV dtype; {kv_dtype} KV (quantized) is not supported")

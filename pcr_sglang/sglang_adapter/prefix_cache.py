@@ -235,7 +235,7 @@ class PCRPrefixCache(BasePrefixCache):
         self.scheduler.release(req.rid)
 
     def release_aborted_request(self, handle: CacheRequestHandle) -> None:
-        self.scheduler.release(handle.rid)
+        self.scheduler.release(handle.rid, row_released=False)
 
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: ChunkNode) -> IncLockRefResult:

@@ -253,7 +253,7 @@ class SchedulerSide:
             self.state.lock(host_node)
             try:
                 loaded = self.docs.load(req, lambda chain: self._load_chain(None, chain), self.evict,
-                                        self._order_before_reuse)
+                                        self._order_before_copy)
             finally:
                 self.state.unlock(host_node)
             if not loaded:
@@ -292,6 +292,16 @@ class SchedulerSide:
     def _order_before_reuse(self) -> None:
         if self.engine is not None:
             self.engine.order_before_reuse()
+
+    def _order_before_copy(self) -> None:
+        """Before a document copy on the scheduler's stream: pending layer-wise loads are
+        complete, and (CUDA) no forward still running on another stream touches the slots
+        (a chunk stashed into the tree while its forward runs, slots freed by a dedupe)."""
+        if self.engine is not None:
+            self.engine.order_before_reuse()
+            self.engine.order_after_forward()
+        elif torch.cuda.is_available() and getattr(self.allocator, "device", "cpu") != "cpu":
+            torch.cuda.synchronize()  # no engine tracks the forward's stream: wait for the device
 
     def rows_written(self, reqs: Sequence[Any]) -> None:
         """``prepare_for_extend`` wrote these requests' rows: private document slots in
@@ -379,12 +389,14 @@ class SchedulerSide:
             self.engine.drop_plans(rid, not_run)
         self.execute(effects)
 
-    def release(self, rid: str) -> None:
-        """The request left (finished, retracted or aborted): give back what it held."""
+    def release(self, rid: str, row_released: bool = True) -> None:
+        """The request left (finished, retracted or aborted): give back what it held.
+        ``row_released`` False: SGLang dropped the request's state before releasing its row
+        (an abort in the waiting queue); what the row's checkpoint needs stays until then."""
         if self.engine is not None:
             self.engine.drop_plans(rid)  # offloads no batch of its ran
         if self.docs is not None:
-            self.docs.release(rid)
+            self.docs.release(rid, keep_row_state=not row_released)
         entry = self.requests.pop(rid)
         if entry is None:
             return

@@ -120,6 +120,15 @@ class TransferEngine:
             streams.append(self._forward_stream)
         return streams
 
+    def order_after_forward(self) -> None:
+        """A copy on the current stream is about to read or write device slots a forward
+        still running on the overlap scheduler's stream may touch: wait for it (CUDA)."""
+        if self._stream is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        if self._forward_stream is not None and self._forward_stream != current:
+            current.wait_stream(self._forward_stream)
+
     def _side_waits_for_compute(self) -> None:
         for stream in self._compute_streams():
             self._stream.wait_stream(stream)

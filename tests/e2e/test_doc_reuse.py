@@ -148,7 +148,7 @@ def test_concurrent_reuse_and_exact_requests_and_everything_balances(servers, to
     assert state["tree"]["locked_chunks"] == 0
     assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"]
     counters = state["doc_reuse"]["counters"]
-    assert counters["docs_reused"] > 0 and counters["load_failures"] >= 0
+    assert counters["docs_reused"] > 0
     assert state["doc_reuse"]["mode"] == "concat"
 
 
@@ -302,3 +302,19 @@ def test_openai_completions_with_a_token_prompt_mark_documents(servers, tokenize
     assert after["docs_reused"] - before["docs_reused"] == 2
     direct = _generate(docs, prompt, marked=True)
     assert response.json()["choices"][0]["text"] == direct["text"]
+
+
+def test_a_batch_of_marked_prompts_is_warmed_and_reused(servers, tokenizer, passages):
+    """A batch request (a list of token prompts) goes through SGLang's batch send: its
+    documents are warmed all together first, so each prompt reuses every document."""
+    docs = servers["docs"]
+    fresh = passages[24:28]
+    prompts = [build_doc_prompt(tokenizer, "Batch.", [fresh[i] for i in order], "Which one?")
+               for order in ((0, 1, 2), (3, 2, 1))]
+    before = _doc_counters(docs)
+    outs = docs.generate({"input_ids": [p.input_ids for p in prompts],
+                          "sampling_params": [p.sampling_params(**SAMPLING) for p in prompts]})
+    after = _doc_counters(docs)
+    assert after["canonical_requests"] - before["canonical_requests"] == 4  # each document once
+    for prompt, out in zip(prompts, outs):
+        assert out["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1]
