@@ -3,8 +3,8 @@
 The oracle is the no-cache server: what must be exact (a document right after the leading
 tokens, every request that does not mark documents, running beside ones that do) is
 compared token for token with it. The doc-reuse server's device pool (2600 tokens) is
-small beside its host tier, so canonical chains are demoted to host memory and loaded back
-as the tests go on: both tiers of a document's KV are exercised.
+small beside its host and SSD tiers, so canonical chains are demoted to host memory and
+loaded back as the tests go on: every tier of a document's KV is exercised.
 """
 
 from __future__ import annotations
@@ -19,19 +19,22 @@ from pcr_sglang.data import load_wiki_articles
 from pcr_sglang.doc_prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
 from pcr_sglang.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
-from tests.e2e.helpers import COMMON_ARGS, serving
+from tests.e2e.helpers import COMMON_ARGS, serving, ssd_server
 
 pytestmark = pytest.mark.e2e
 
 SAMPLING = {"temperature": 0.0, "max_new_tokens": 8}
-DOC_ARGS = ("--max-total-tokens", "2600", "--context-length", "2048", "--log-level", "warning", "--sleep-on-idle",
-            "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.01",
-            "--pcr-doc-reuse", "concat")
+DOC_REUSE = ("--pcr-doc-reuse", "concat")
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model):
-    everything = {"docs": ServerProcess(tiny_model, DOC_ARGS),
+def store_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("doc-reuse-store")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, store_dir):
+    everything = {"docs": ssd_server(tiny_model, store_dir, *DOC_REUSE),
                   "nocache": ServerProcess(tiny_model, (*COMMON_ARGS, "--disable-radix-cache"))}
     with serving(everything):
         yield everything
@@ -224,25 +227,24 @@ def test_concat_outputs_equal_an_independent_reference(servers, tokenizer, passa
 
 
 def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, tokenizer, passages, tiny_model,
-                                                                   tmp_path):
+                                                                   store_dir):
     """TurboRAG's offline phase: ``pcr_sglang.precompute`` fills the store through one
     server; a server started later on the same store, which never saw these documents in
     traffic, reuses every one of them (read from SSD), and answers as the first server
-    would have, token for token (canonical KV is deterministic)."""
+    does, token for token (canonical KV is deterministic)."""
     from pcr_sglang.precompute import document_requests, precompute, wait_for_ssd_writes
-    from tests.e2e.helpers import ssd_server
 
     corpus = passages[56:60]
     system = "Precomputed corpus."
-    first = ssd_server(tiny_model, tmp_path, "--pcr-doc-reuse", "concat")
-    with first:
-        # Documents as build_doc_prompt formats them in prompts (its default format).
-        formatted = [DEFAULT_DOC_FORMAT.format(doc=text) for text in corpus]
-        result = precompute(first.base_url, document_requests(tokenizer, system, formatted), concurrency=2)
-        assert result.failed == 0 and result.documents == 4
-        assert wait_for_ssd_writes(first.base_url)
+    first = servers["docs"]
+    # Documents as build_doc_prompt formats them in prompts (its default format).
+    formatted = [DEFAULT_DOC_FORMAT.format(doc=text) for text in corpus]
+    result = precompute(first.base_url, document_requests(tokenizer, system, formatted), concurrency=2)
+    assert result.failed == 0 and result.documents == 4
+    assert wait_for_ssd_writes(first.base_url)
     prompt = build_doc_prompt(tokenizer, system, [corpus[2], corpus[0], corpus[3]], "What links them?")
-    with ssd_server(tiny_model, tmp_path, "--pcr-doc-reuse", "concat") as restarted:
+    # A second server on the same store (stores are shareable): it restores, never serves traffic.
+    with ssd_server(tiny_model, store_dir, *DOC_REUSE) as restarted:
         assert restarted.pcr_state()["ssd"]["counters"]["restored_chunks"] > 0
         out = _generate(restarted, prompt, marked=True)
         state = restarted.pcr_state(check_invariants=True)
@@ -250,9 +252,8 @@ def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, toke
     ssd = state["ssd"]["counters"]
     assert ssd["bytes_read_on_demand"] + ssd["bytes_read_prefetch"] > 0, ssd  # the canonical chains came from SSD
     assert state["invariants"]["ok"] is True
-    # The module's doc-reuse server computes the same canonical KV in traffic.
-    _generate(servers["docs"], prompt, marked=True)
-    assert out["output_ids"] == _generate(servers["docs"], prompt, marked=True)["output_ids"]
+    # The server that precomputed them answers the same, token for token.
+    assert out["output_ids"] == _generate(first, prompt, marked=True)["output_ids"]
 
 
 def test_frontend_dsl_programs_mark_documents(servers, tokenizer, passages):
