@@ -394,13 +394,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             # costs seconds; the launcher removes what a killed PCR scheduler leaves.
             server.kill()
 
-    # 1. The reference: full prefill.
     phase_s: dict[str, float] = {}
+
+    def timed_phase(label: str, items: list[Prompt], work: Callable[[Prompt], dict[str, Any]]) -> list[dict[str, Any]]:
+        start = time.monotonic()
+        out = run_all(items, work, args.concurrency, label)
+        phase_s[label] = time.monotonic() - start
+        return out
+
+    # 1. The reference: full prefill.
     with serving(FULL, ("--disable-radix-cache",)) as server:
-        t = time.monotonic()
-        references = run_all(prompts, lambda p: measure_reference(server, p, args.max_new_tokens),
-                             args.concurrency, FULL)
-        phase_s[FULL] = time.monotonic() - t
+        references = timed_phase(FULL, prompts, lambda p: measure_reference(server, p, args.max_new_tokens))
     usable = [i for i, r in enumerate(references) if "error" not in r]
     measured = [prompts[i] for i in usable]
     reference_nll = _mean([references[i]["nll"] for i in usable])
@@ -412,17 +416,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         flags = ("--enable-pcr", "--pcr-chunk-size", str(args.chunk_size), *MODE_ARGS[mode])
         with serving(mode, flags) as server:
             before = _counters(server)
-            t = time.monotonic()
-            results[mode] = run_all(measured, lambda p: measure_mode(
-                server, p, references[p.index], args.max_new_tokens, True, decode), args.concurrency, mode)
-            phase_s[mode] = time.monotonic() - t
+            results[mode] = timed_phase(mode, measured, lambda p: measure_mode(
+                server, p, references[p.index], args.max_new_tokens, True, decode))
             after = _counters(server)
             counters[mode] = {"total": after, "this_phase": _delta(after, before)}
             if n == 0:
-                t = time.monotonic()
-                results[EXACT] = run_all(measured, lambda p: measure_mode(
-                    server, p, references[p.index], args.max_new_tokens, False, decode), args.concurrency, EXACT)
-                phase_s[EXACT] = time.monotonic() - t
+                results[EXACT] = timed_phase(EXACT, measured, lambda p: measure_mode(
+                    server, p, references[p.index], args.max_new_tokens, False, decode))
                 final = _counters(server)
                 counters[EXACT] = {"server": mode, "this_phase": _delta(final, after)}
 

@@ -46,13 +46,18 @@ class PrecomputeResult:
     seconds: float
 
 
+def document_warmup(leading: Sequence[int], document: Sequence[int]) -> tuple[list[int], list[int]]:
+    """``(input_ids, bounds)`` of one document's warm-up request: ``S ‖ d``, ``d`` marked."""
+    return list(leading) + list(document), [len(leading), len(leading) + len(document)]
+
+
 def document_requests(tokenizer: Any, system: str, documents: Iterable[str]) -> list[tuple[list[int], list[int]]]:
-    """``(input_ids, bounds)`` of the warm-up request of each document: ``S ‖ d``."""
+    """The warm-up request of each document, with ``S`` as ``build_doc_prompt`` makes it."""
     out = []
     for text in documents:
         prompt = build_doc_prompt(tokenizer, system, [text], "", doc_format="{doc}", question_format="")
         start, end = prompt.doc_bounds
-        out.append((prompt.input_ids[:end], [start, end]))
+        out.append(document_warmup(prompt.input_ids[:start], prompt.input_ids[start:end]))
     return out
 
 

@@ -117,15 +117,12 @@ class Model:
         self._first_turns: dict[tuple[int, str], Any] = {}
 
     def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        if self.tokenizer.chat_template:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:  # a model without a chat template (the tests' tiny Llama): plain turns
-            text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(self._render(messages), add_special_tokens=False)
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         if self.tokenizer.chat_template:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # A model without a chat template (the tests' tiny Llama): plain turns.
         return "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
 
     def prompt(self, trace: Trace, request: TraceRequest, answers: dict[str, str]) -> tuple[list[int], list[int]]:

@@ -385,7 +385,7 @@ class ServerPool:
         the trace uses (one ``S ‖ d`` warm-up each, as ``python -m pcr_sglang.precompute``
         sends), wait for SSD write-back, and restart on the same store: the run then starts
         on a server that has never seen these documents in traffic."""
-        from pcr_sglang.precompute import precompute, wait_for_ssd_writes
+        from pcr_sglang.precompute import document_warmup, precompute, wait_for_ssd_writes
 
         warmups: list[tuple[list[int], list[int]]] = []
         seen: set[str] = set()
@@ -395,7 +395,7 @@ class ServerPool:
             for doc_id, start, end in zip(request.doc_ids, bounds[::2], bounds[1::2]):
                 if doc_id not in seen:
                     seen.add(doc_id)
-                    warmups.append((leading + ids[start:end], [len(leading), len(leading) + end - start]))
+                    warmups.append(document_warmup(leading, ids[start:end]))
         result = precompute(server.base_url, warmups)
         on_disk = wait_for_ssd_writes(server.base_url)
         logger.info("precomputed %d documents (%d tokens) in %.1f s, %s; restarting", result.documents,

@@ -30,8 +30,20 @@ DOC_MODE_PARAM = "pcr_doc_reuse"
 CANONICAL_PARAM = "pcr_canonical_doc"
 
 
+# What a marked request may ask for in ``custom_params["pcr_doc_reuse"]`` (default: concat).
+REQUEST_MODES = ("off", "concat")
+
+
 class DocBoundsError(ValueError):
-    """A request's ``pcr_doc_bounds`` cannot describe its tokens."""
+    """A request's ``pcr_doc_bounds`` cannot describe its tokens (or it asks for an unknown mode)."""
+
+
+def request_mode(custom_params: dict) -> str:
+    """The document-reuse mode a request's ``custom_params`` ask for."""
+    mode = custom_params.get(DOC_MODE_PARAM, "concat")
+    if mode not in REQUEST_MODES:
+        raise DocBoundsError(f"{DOC_MODE_PARAM} must be one of {', '.join(map(repr, REQUEST_MODES))}, got {mode!r}")
+    return mode
 
 
 @dataclass(frozen=True)

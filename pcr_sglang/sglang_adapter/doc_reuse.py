@@ -32,13 +32,13 @@ from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.doc_reuse import (
     CANONICAL_PARAM,
     DOC_BOUNDS_PARAM,
-    DOC_MODE_PARAM,
     DocBoundsError,
     DocSpan,
     ReusePlan,
     canonical_tokens,
     parse_doc_bounds,
     plan_reuse,
+    request_mode,
 )
 from pcr_sglang.core.keys import chunk_keys
 from pcr_sglang.core.residency import CacheState
@@ -66,7 +66,8 @@ class _Planned:
     slots: Optional[torch.Tensor] = None  # private slots for [plan.start, plan.end)
     in_row: bool = False  # written into the request's row: the row frees them
     counted: bool = False
-    chains: dict[int, list[ChunkNode]] = field(default_factory=dict)
+    chains: dict[int, list[ChunkNode]] = field(default_factory=dict)  # of the documents in ``plan``
+    # Each document's canonical chain keys, hashed once per request (it is matched every pass).
     chain_keys: dict[int, list[Any]] = field(default_factory=dict)
 
 
@@ -76,7 +77,7 @@ def request_doc_spans(req: Any, num_tokens: int) -> Optional[tuple[DocSpan, ...]
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     if not params or DOC_BOUNDS_PARAM not in params:
         return None
-    if params.get(DOC_MODE_PARAM, "concat") == "off":
+    if request_mode(params) == "off":
         return None
     return parse_doc_bounds(params[DOC_BOUNDS_PARAM], num_tokens)
 
@@ -130,22 +131,22 @@ class DocReuse:
         if entry.slots is not None or not entry.spans:  # loaded already (a later chunk), or malformed
             return None
         origin = req.origin_input_ids
-        root = self.root_key(req.extra_key, req.cache_salt)
+        root = self.root_key(req.extra_key, req.cache_salt)  # fixed for a request, like its tokens
         chains: dict[int, list[ChunkNode]] = {}
-        chain_keys: dict[int, list[Any]] = {}
 
         def cached(span: DocSpan) -> bool:
-            canonical = canonical_tokens(origin, span, entry.spans[0].start, self.chunk, self.pad_token_id)
-            keys = chunk_keys(root, canonical, self.chunk)
+            keys = entry.chain_keys.get(span.index)
+            if keys is None:
+                canonical = canonical_tokens(origin, span, entry.spans[0].start, self.chunk, self.pad_token_id)
+                keys = entry.chain_keys[span.index] = chunk_keys(root, canonical, self.chunk)
             match = self.state.match(iter(keys), touch=False)
             if match.device + match.host < len(keys):
                 return False
             chains[span.index] = match.nodes
-            chain_keys[span.index] = keys
             return True
 
         entry.plan = plan_reuse(entry.spans, exact_len, len(tokens), cached)
-        entry.chains, entry.chain_keys = chains, chain_keys
+        entry.chains = chains
         return entry.plan
 
     def planned(self, rid: str) -> Optional[ReusePlan]:

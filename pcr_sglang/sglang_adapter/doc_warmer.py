@@ -36,10 +36,10 @@ from typing import Any, Callable, Optional
 from pcr_sglang.core.doc_reuse import (
     CANONICAL_PARAM,
     DOC_BOUNDS_PARAM,
-    DOC_MODE_PARAM,
     DocBoundsError,
     canonical_tokens,
     parse_doc_bounds,
+    request_mode,
 )
 
 logger = logging.getLogger(__name__)
@@ -60,12 +60,10 @@ def validate_doc_bounds(result: Any, manager: Any, obj: Any, input_ids: Any, *ar
     custom = _custom_params(obj)
     if not custom or DOC_BOUNDS_PARAM not in custom:
         return None
-    mode = custom.get(DOC_MODE_PARAM, "concat")
-    if mode not in ("off", "concat"):
-        raise ValueError(f"{DOC_MODE_PARAM} must be 'off' or 'concat', got {mode!r}")
     if input_ids is None:
         raise ValueError(f"{DOC_BOUNDS_PARAM} needs a token prompt (input_ids or text)")
     try:
+        request_mode(custom)
         parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(input_ids))
     except DocBoundsError as e:
         raise ValueError(str(e)) from None
@@ -94,10 +92,10 @@ class DocWarmer:
     async def warm(self, manager: Any, tokenized: Any, send: Callable[..., Any]) -> None:
         """Prefill the canonical sequences ``tokenized`` needs, and wait for them."""
         custom = _custom_params(tokenized) or {}
-        if custom.get(DOC_MODE_PARAM, "concat") == "off" or getattr(tokenized, "lora_id", None):
-            return
         tokens = list(tokenized.input_ids)
         try:
+            if request_mode(custom) == "off" or getattr(tokenized, "lora_id", None):
+                return
             spans = parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(tokens))
         except DocBoundsError:
             return  # checked at validation; the scheduler serves it without reuse
