@@ -10,14 +10,16 @@ embedding retriever, Zipf-popular topics), as document-marked token prompts
 
 1. **full prefill** (``--disable-radix-cache``): the reference. Each prompt's greedy answer
    (temperature 0), and the teacher-forced NLL of that answer under full prefill.
-2. each ``--modes`` entry (``--enable-pcr --pcr-doc-reuse MODE``): every prompt is sent
+2. each ``--modes`` entry (``concat``, ``lego[:K]``, ``blend[:R]``), all on one server
+   (``--enable-pcr --pcr-doc-reuse blend``, or ``concat`` when no entry recomputes; each
+   request asks for its mode, K or R in ``custom_params``): every prompt is sent
    with its documents marked, twice: the first send (one output token) makes sure every
    document's canonical KV is cached, the second is measured (its greedy answer, and
    ``cached_tokens``: all documents were reused when it equals the last document's end).
    Then the reference answer is teacher-forced under the mode's KV (prompt + answer ids,
    ``return_logprob``, ``logprob_start_len = len(prompt) - 1``; SGLang reuses at most
    ``logprob_start_len`` tokens, which is past the documents, so they are still reused).
-3. **exact prefix cache** (the control), on the first mode's server after its marked
+3. **exact prefix cache** (the control), on the same server after the marked
    requests: the same prompts without marks, sent twice, then teacher-forced. Prefix
    caching is exact: its answers must equal full prefill's (100%).
 
@@ -63,10 +65,7 @@ DEFAULT_REQUESTS = 40
 QUICK_REQUESTS = 12
 FULL = "full prefill"
 EXACT = "exact prefix cache"
-# Modes this benchmark knows how to run, with the server flags that select them.
-MODE_ARGS: dict[str, tuple[str, ...]] = {"concat": ("--pcr-doc-reuse", "concat")}
-# Modes planned but not implemented by the server yet (refused with that reason).
-PLANNED_MODES = ("blend", "lego")
+MODES = ("concat", "lego", "blend")
 # What the modes are measured against (reported, never assumed met).
 TARGETS = {
     "blend": {"recompute_ratio": 0.15, "mean_f1_min": 0.90, "nll_ratio_max": 1.05,
@@ -128,29 +127,77 @@ def answer_nll(input_token_logprobs: Sequence[Sequence[Any]], answer_ids: Sequen
 
 
 # ---------------------------------------------------------------------------- modes
-def parse_modes(text: str) -> tuple[str, ...]:
-    """``--modes``: comma-separated document-reuse modes this benchmark and the server run."""
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected at least one mode; known: {', '.join(MODE_ARGS)}")
-    for name in names:
-        if name in MODE_ARGS:
-            continue
-        if name in PLANNED_MODES:
-            raise argparse.ArgumentTypeError(
-                f"mode {name!r} is not implemented by the server yet (--pcr-doc-reuse supports "
-                f"{', '.join(server_modes())}); runnable here: {', '.join(MODE_ARGS)}")
-        raise argparse.ArgumentTypeError(f"unknown mode {name!r}; runnable: {', '.join(MODE_ARGS)}")
-    return names
+@dataclass(frozen=True)
+class ModeSpec:
+    """One measured configuration: a mode and, for the recompute modes, its K or R
+    (None: the server's default, ``--pcr-doc-recompute-tokens`` / ``-ratio``)."""
+
+    mode: str
+    value: Optional[float] = None
+
+    @property
+    def name(self) -> str:
+        if self.value is None:
+            return self.mode
+        return f"{self.mode}:{int(self.value) if self.mode == 'lego' else self.value:g}"
+
+    def recomputed_if_all_reused(self, doc_bounds: Sequence[int]) -> int:
+        """Tokens this spec recomputes in a prompt whose documents are all reused: every
+        document but the first is re-placed (the first sits where its canonical KV was
+        computed); the server's rule (``core.doc_reuse.with_recompute``)."""
+        from pcr_sglang.server_args_fields import DEFAULT_DOC_RECOMPUTE_RATIO, DEFAULT_DOC_RECOMPUTE_TOKENS
+
+        lengths = [end - start for start, end in zip(doc_bounds[2::2], doc_bounds[3::2])]
+        if self.mode == "lego":
+            k = int(self.value if self.value is not None else DEFAULT_DOC_RECOMPUTE_TOKENS)
+            return sum(min(k, n) for n in lengths)
+        if self.mode == "blend":
+            r = float(self.value if self.value is not None else DEFAULT_DOC_RECOMPUTE_RATIO)
+            return min(sum(lengths), int(round(r * sum(lengths))))
+        return 0
+
+    def custom_params(self) -> dict[str, Any]:
+        from pcr_sglang.core.doc_reuse import DOC_MODE_PARAM, RECOMPUTE_RATIO_PARAM, RECOMPUTE_TOKENS_PARAM
+
+        params: dict[str, Any] = {DOC_MODE_PARAM: self.mode}
+        if self.value is not None:
+            if self.mode == "lego":
+                params[RECOMPUTE_TOKENS_PARAM] = int(self.value)
+            else:
+                params[RECOMPUTE_RATIO_PARAM] = float(self.value)
+        return params
 
 
-def server_modes() -> list[str]:
-    """The server's ``--pcr-doc-reuse`` choices other than ``off``."""
+def parse_mode(text: str) -> ModeSpec:
+    name, _, value = text.strip().partition(":")
+    if name not in MODES:
+        raise argparse.ArgumentTypeError(f"unknown mode {name!r}; known: {', '.join(MODES)} "
+                                         "(lego:K and blend:R set the recompute)")
+    if not value:
+        return ModeSpec(name)
+    if name == "concat":
+        raise argparse.ArgumentTypeError("concat recomputes nothing: it takes no :value")
     try:
-        from pcr_sglang.server_args_fields import DOC_REUSE_CHOICES
-    except ImportError:  # pragma: no cover - the package is always installed here
-        return list(MODE_ARGS)
-    return [c for c in DOC_REUSE_CHOICES if c != "off"]
+        number = int(value) if name == "lego" else float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name}:{value}: expected {'an integer K' if name == 'lego' else 'a ratio R'}") \
+            from None
+    if (name == "lego" and number < 0) or (name == "blend" and not 0.0 <= number <= 1.0):
+        raise argparse.ArgumentTypeError(f"{name}:{value}: {'K must be >= 0' if name == 'lego' else 'R must be in [0, 1]'}")
+    return ModeSpec(name, number)
+
+
+def parse_modes(text: str) -> tuple[ModeSpec, ...]:
+    """``--modes``: comma-separated ``concat``, ``lego[:K]``, ``blend[:R]``."""
+    specs = tuple(dict.fromkeys(parse_mode(n) for n in text.split(",") if n.strip()))
+    if not specs:
+        raise argparse.ArgumentTypeError(f"expected at least one mode; known: {', '.join(MODES)}")
+    return specs
+
+
+def server_mode(specs: Sequence[ModeSpec]) -> str:
+    """The ``--pcr-doc-reuse`` that serves every spec (a recompute server serves concat too)."""
+    return "blend" if any(s.mode != "concat" for s in specs) else "concat"
 
 
 # ---------------------------------------------------------------------------- rows
@@ -172,16 +219,21 @@ def greedy(max_new_tokens: int) -> dict[str, Any]:
     return {"temperature": 0.0, "max_new_tokens": max_new_tokens}
 
 
-def _sampling(prompt: Prompt, marked: bool, **sampling: Any) -> dict[str, Any]:
+def _sampling(prompt: Prompt, spec: Optional[ModeSpec], **sampling: Any) -> dict[str, Any]:
+    """Sampling parameters; with ``spec``, the documents marked and the mode asked for."""
     from pcr_sglang.doc_prompt import DocPrompt
 
-    return DocPrompt(prompt.input_ids, prompt.doc_bounds).sampling_params(**sampling) if marked else sampling
+    if spec is None:
+        return sampling
+    params = DocPrompt(prompt.input_ids, prompt.doc_bounds).sampling_params(**sampling)
+    params["custom_params"].update(spec.custom_params())
+    return params
 
 
-def teacher_forced(server: Any, prompt: Prompt, answer: list[int], marked: bool) -> tuple[float, int]:
+def teacher_forced(server: Any, prompt: Prompt, answer: list[int], spec: Optional[ModeSpec]) -> tuple[float, int]:
     """NLL per token of ``answer`` after ``prompt`` on ``server``, and the request's cached tokens."""
     reply = server.generate({"input_ids": prompt.input_ids + answer,
-                             "sampling_params": _sampling(prompt, marked, **greedy(0)),
+                             "sampling_params": _sampling(prompt, spec, **greedy(0)),
                              "return_logprob": True, "logprob_start_len": len(prompt.input_ids) - 1})
     meta = reply["meta_info"]
     return answer_nll(meta["input_token_logprobs"], answer), int(meta.get("cached_tokens", 0))
@@ -190,30 +242,35 @@ def teacher_forced(server: Any, prompt: Prompt, answer: list[int], marked: bool)
 def measure_reference(server: Any, prompt: Prompt, max_new_tokens: int) -> dict[str, Any]:
     reply = server.generate({"input_ids": prompt.input_ids, "sampling_params": greedy(max_new_tokens)})
     answer = list(reply["output_ids"])
-    nll, _ = teacher_forced(server, prompt, answer, marked=False)
+    nll, _ = teacher_forced(server, prompt, answer, None)
     return {"answer_ids": answer, "answer": reply.get("text", ""),
             "finish": (reply["meta_info"].get("finish_reason") or {}).get("type"), "nll": nll}
 
 
 def measure_mode(server: Any, prompt: Prompt, reference: dict[str, Any], max_new_tokens: int,
-                 marked: bool, decode: Callable[[list[int]], str]) -> dict[str, Any]:
-    """Warm, measured greedy answer, teacher-forced NLL of the reference answer."""
+                 spec: Optional[ModeSpec], decode: Callable[[list[int]], str]) -> dict[str, Any]:
+    """Warm, measured greedy answer, teacher-forced NLL of the reference answer (``spec``
+    None: the documents unmarked, the exact prefix cache's control)."""
+    marked = spec is not None
     warm = server.generate({"input_ids": prompt.input_ids,
-                            "sampling_params": _sampling(prompt, marked, **greedy(1))})
+                            "sampling_params": _sampling(prompt, spec, **greedy(1))})
     reply = server.generate({"input_ids": prompt.input_ids,
-                             "sampling_params": _sampling(prompt, marked, **greedy(max_new_tokens))})
+                             "sampling_params": _sampling(prompt, spec, **greedy(max_new_tokens))})
     answer = list(reply["output_ids"])
     cached = int(reply["meta_info"].get("cached_tokens", 0))
-    nll, tf_cached = teacher_forced(server, prompt, reference["answer_ids"], marked)
+    nll, tf_cached = teacher_forced(server, prompt, reference["answer_ids"], spec)
+    recomputed = spec.recomputed_if_all_reused(prompt.doc_bounds) if spec is not None else 0
     ref_ids = reference["answer_ids"]
     return {
         "warm_cached_tokens": int(warm["meta_info"].get("cached_tokens", 0)),
         "cached_tokens": cached,
-        # Marked: reuse ends at the last document (past it, blended KV is never cached).
+        # Marked: reuse ends at the last document (past it, blended KV is never cached);
+        # recomputed tokens are not cached tokens, so they count as reused here.
         # Unmarked (the control): prefix caching, documents are not reused as such.
-        "all_docs_reused": cached == prompt.last_doc_end if marked else None,
+        "all_docs_reused": cached + recomputed == prompt.last_doc_end if marked else None,
+        "recomputed_tokens": recomputed,
         "tf_cached_tokens": tf_cached,
-        "tf_all_docs_reused": tf_cached == prompt.last_doc_end if marked else None,
+        "tf_all_docs_reused": tf_cached + recomputed == prompt.last_doc_end if marked else None,
         "answer_ids": answer,
         "answer": reply.get("text", decode(answer)),
         "identical": answer == ref_ids,
@@ -293,9 +350,9 @@ def target_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:
     """Each target, and where every measured reuse mode stands against it."""
     lines = []
     for name, target in TARGETS.items():
-        ran = name in summaries
+        ran = any(m.split(":")[0] == name for m in summaries)
         lines.append(f"target ({target['text']}): " + ("measured below" if ran else
-                                                      f"{name} not run (not implemented by the server yet)"))
+                                                      f"no {name} configuration was run (--modes)"))
         for mode, s in summaries.items():
             if mode in (FULL, EXACT) or s["mean_f1"] is None or s["nll_ratio"] is None:
                 continue
@@ -324,8 +381,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m bench.doc_reuse_accuracy", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--modes", type=parse_modes, default=("concat",),
-                        help=f"comma-separated document-reuse modes to measure (runnable: {', '.join(MODE_ARGS)})")
+    parser.add_argument("--modes", type=parse_modes, default=parse_modes("concat,lego,blend"),
+                        help="comma-separated configurations to measure: concat, lego[:K], blend[:R] "
+                             "(default: concat,lego,blend at the server's K and R)")
     parser.add_argument("--requests", type=int, default=None,
                         help=f"first turns of the trace (default {DEFAULT_REQUESTS}; --quick: {QUICK_REQUESTS})")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests")
@@ -409,22 +467,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     measured = [prompts[i] for i in usable]
     reference_nll = _mean([references[i]["nll"] for i in usable])
 
-    # 2./3. Each mode on its own server; the exactness control on the first one, after its marked requests.
+    # 2./3. Every spec on one server (each request asks for its own); then the exactness control.
     results: dict[str, list[dict[str, Any]]] = {}
     counters: dict[str, dict[str, Any]] = {}
-    for n, mode in enumerate(args.modes):
-        flags = ("--enable-pcr", "--pcr-chunk-size", str(args.chunk_size), *MODE_ARGS[mode])
-        with serving(mode, flags) as server:
+    reuse = server_mode(args.modes)
+    flags = ("--enable-pcr", "--pcr-chunk-size", str(args.chunk_size), "--pcr-doc-reuse", reuse)
+    with serving(f"doc-reuse {reuse}", flags) as server:
+        for spec in args.modes:
             before = _counters(server)
-            results[mode] = timed_phase(mode, measured, lambda p: measure_mode(
-                server, p, references[p.index], args.max_new_tokens, True, decode))
+            results[spec.name] = timed_phase(spec.name, measured, lambda p: measure_mode(
+                server, p, references[p.index], args.max_new_tokens, spec, decode))
             after = _counters(server)
-            counters[mode] = {"total": after, "this_phase": _delta(after, before)}
-            if n == 0:
-                results[EXACT] = timed_phase(EXACT, measured, lambda p: measure_mode(
-                    server, p, references[p.index], args.max_new_tokens, False, decode))
-                final = _counters(server)
-                counters[EXACT] = {"server": mode, "this_phase": _delta(final, after)}
+            counters[spec.name] = {"total": after, "this_phase": _delta(after, before)}
+        results[EXACT] = timed_phase(EXACT, measured, lambda p: measure_mode(
+            server, p, references[p.index], args.max_new_tokens, None, decode))
+        counters[EXACT] = {"this_phase": _delta(_counters(server), after)}
 
     ref_ok = [references[i] for i in usable]
     summaries = {FULL: {"requests": len(ref_ok), "errors": len(references) - len(ref_ok), "all_docs_reused": None,
@@ -432,8 +489,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "identical_answers": 1.0, "mean_f1": 1.0, "nll": reference_nll, "nll_ratio": 1.0,
                         "first_token_agreement": 1.0},
                  EXACT: summarize(results[EXACT], reference_nll, docs_reused=False)}
-    for mode in args.modes:
-        summaries[mode] = summarize(results[mode], reference_nll)
+    for spec in args.modes:
+        summaries[spec.name] = summarize(results[spec.name], reference_nll)
 
     rows = []
     for k, i in enumerate(usable):
@@ -447,7 +504,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             rows.append({"rid": prompts[i].rid, "error": references[i]["error"]})
     not_reused = [{"rid": r["rid"], "mode": m, "cached_tokens": r["modes"][m]["cached_tokens"],
                    "last_doc_end": r["last_doc_end"]}
-                  for r in rows if "modes" in r for m in args.modes
+                  for r in rows if "modes" in r for m in (spec.name for spec in args.modes)
                   if "error" not in r["modes"][m] and not r["modes"][m]["all_docs_reused"]]
     elapsed = time.monotonic() - started
     result = {
@@ -457,7 +514,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                  "machine": f"{platform.machine()}, {len(_affinity())} CPU cores" + (", no GPU" if cpu_only() else ""),
                  "requests": len(prompts), "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                  "max_doc_chars": args.max_doc_chars, "chunk_size": args.chunk_size,
-                 "concurrency": args.concurrency, "modes": list(args.modes),
+                 "concurrency": args.concurrency, "modes": [spec.name for spec in args.modes],
                  "trace_stats": trace.stats, "servers": servers, "phase_s": phase_s, "elapsed_s": elapsed,
                  "nll_method": "teacher-forced: prompt + full prefill's answer ids, return_logprob, "
                                "logprob_start_len = len(prompt) - 1; mean -logprob over the answer tokens",

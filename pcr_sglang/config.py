@@ -10,8 +10,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pcr_sglang.core.doc_reuse import Recompute
 from pcr_sglang.server_args_fields import (
     DEFAULT_CHUNK_SIZE,
+    DEFAULT_DOC_RECOMPUTE_RATIO,
+    DEFAULT_DOC_RECOMPUTE_TOKENS,
     DEFAULT_DOC_REUSE,
     DEFAULT_LAYERWISE,
     DEFAULT_LOOKAHEAD_WINDOW,
@@ -47,6 +50,8 @@ class PCRConfig:
     prefetch_window: int = DEFAULT_PREFETCH_WINDOW
     prefetch_budget_mb: int = DEFAULT_PREFETCH_BUDGET_MB
     doc_reuse: str = DEFAULT_DOC_REUSE
+    doc_recompute_tokens: int = DEFAULT_DOC_RECOMPUTE_TOKENS
+    doc_recompute_ratio: float = DEFAULT_DOC_RECOMPUTE_RATIO
 
     @classmethod
     def from_server_args(cls, args: Any) -> PCRConfig:
@@ -64,7 +69,13 @@ class PCRConfig:
             prefetch_window=getattr(args, "pcr_prefetch_window", DEFAULT_PREFETCH_WINDOW),
             prefetch_budget_mb=getattr(args, "pcr_prefetch_budget_mb", DEFAULT_PREFETCH_BUDGET_MB),
             doc_reuse=getattr(args, "pcr_doc_reuse", DEFAULT_DOC_REUSE),
+            doc_recompute_tokens=getattr(args, "pcr_doc_recompute_tokens", DEFAULT_DOC_RECOMPUTE_TOKENS),
+            doc_recompute_ratio=getattr(args, "pcr_doc_recompute_ratio", DEFAULT_DOC_RECOMPUTE_RATIO),
         )
+
+    def doc_recompute(self) -> Recompute:
+        """The server's document-reuse mode with its K and R (requests may override them)."""
+        return Recompute(self.doc_reuse, self.doc_recompute_tokens, float(self.doc_recompute_ratio))
 
     @property
     def dram_bytes(self) -> int:
@@ -125,6 +136,12 @@ class PCRConfig:
             raise PCRConfigError(
                 f"--pcr-doc-reuse must be one of {', '.join(DOC_REUSE_CHOICES)}, got {self.doc_reuse!r}"
             )
+        tokens = self.doc_recompute_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise PCRConfigError(f"--pcr-doc-recompute-tokens must be an integer >= 0, got {tokens!r}")
+        ratio = self.doc_recompute_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+            raise PCRConfigError(f"--pcr-doc-recompute-ratio must be a number in [0, 1], got {ratio!r}")
         if self.doc_reuse != "off" and page_size > 1:
             raise PCRConfigError(
                 f"--pcr-doc-reuse {self.doc_reuse} needs --page-size 1: a re-placed document's "

@@ -21,6 +21,11 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
 * ``ScheduleBatch.prepare_for_extend`` (AROUND) and ``prepare_for_decode`` (AFTER): a
   request's hits are counted once, by tier, as SGLang reports them, and the chunks the
   coming forward completes get host slots to be offloaded into during it;
+  with ``--pcr-doc-reuse lego/blend`` the extend input of a permuted row is its tokens in
+  row order (``sglang_adapter/permuted_rows``);
+* ``ForwardBatch.init_new`` (AFTER): those tokens get their true positions; the
+  ``torch_native`` and ``triton`` backends' extend metadata and kernels (AROUND) then
+  apply a position-causal mask to batches that carry such rows, and only to them;
 * the scheduler's ``run_batch`` (AROUND): the offloads planned for a batch's requests run
   in that batch and no other;
 * ``ModelRunner.forward`` (AROUND): the forward's stream and extend timings;
@@ -101,6 +106,14 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode", _plan_decode_offloads, HookType.AFTER
     )
+    HookRegistry.register(
+        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _row_positions, HookType.AFTER
+    )
+    native = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+    HookRegistry.register(f"{native}._run_sdpa_forward_extend", _native_extend, HookType.AROUND)
+    triton = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend"
+    HookRegistry.register(f"{triton}.init_forward_metadata", _triton_metadata, HookType.AROUND)
+    HookRegistry.register(f"{triton}._forward_extend_kernel", _triton_extend_kernel, HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.run_batch", _around_run_batch, HookType.AROUND)
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.forward", _around_forward, HookType.AROUND
@@ -203,12 +216,49 @@ def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **
     fresh = [r for r in batch.reqs if not r._cache_breakdown_computed and not r.retracted_stain]
     result = original(batch, *args, **kwargs)
     cache.scheduler.rows_written(batch.reqs)
+    setattr(batch, ROWS_ATTR, cache.scheduler.permute_extend_inputs(batch))
     for req in fresh:
         if req._cache_breakdown_computed:
             cache.scheduler.admitted(req)
     cache.scheduler.plan_offloads(batch.reqs, batch.seq_lens_cpu.tolist(), cache.req_to_token_pool.req_to_token,
                                   decode=False)
     return result
+
+
+ROWS_ATTR = "pcr_row_positions"  # permuted_rows.ROWS_ATTR, without importing torch here
+
+
+def _row_positions(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """After ``ForwardBatch.init_new``: permuted rows' true positions, published for the
+    attention of this forward (and nothing published for any other)."""
+    from pcr_sglang.sglang_adapter import permuted_rows
+
+    if getattr(batch, ROWS_ATTR, None) or permuted_rows.CURRENT.rows is not None:
+        permuted_rows.apply_row_positions(result, batch)
+    return result
+
+
+def _native_extend(original: Callable[..., Any], backend: Any, *args: Any, **kwargs: Any) -> Any:
+    from pcr_sglang.sglang_adapter import permuted_rows
+
+    if permuted_rows.CURRENT.rows is None:
+        return original(backend, *args, **kwargs)
+    return permuted_rows.native_extend_with_rows(original, backend, *args, **kwargs)
+
+
+def _triton_metadata(original: Callable[..., Any], backend: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    from pcr_sglang.sglang_adapter import permuted_rows
+
+    result = original(backend, forward_batch, *args, **kwargs)
+    rows = permuted_rows.CURRENT.for_attention(forward_batch.req_pool_indices)
+    backend._pcr_position_mask = bool(rows) and permuted_rows.set_triton_position_mask(backend, forward_batch, rows)
+    return result
+
+
+def _triton_extend_kernel(original: Callable[..., Any], backend: Any, *args: Any, **kwargs: Any) -> Any:
+    if getattr(backend, "_pcr_position_mask", False):
+        kwargs["skip_prefix_custom_mask"] = False  # the permuted prefix is masked by position too
+    return original(backend, *args, **kwargs)
 
 
 def _plan_decode_offloads(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -34,8 +34,12 @@ DEFAULT_SSD_DURABILITY = "record"
 DEFAULT_PREFETCH_WINDOW = 16
 DEFAULT_PREFETCH_BUDGET_MB = 256
 # Document KV reuse in any order (README "Document reuse"): off, or the re-placement mode.
-DOC_REUSE_CHOICES = ["off", "concat"]
+DOC_REUSE_CHOICES = ["off", "concat", "lego", "blend"]
 DEFAULT_DOC_REUSE = "off"
+# EPIC's LegoLink recomputes a few leading tokens per document; CacheBlend's default ratio.
+# bench/doc_reuse_accuracy.py measures both on SmolLM2 (README "Document reuse").
+DEFAULT_DOC_RECOMPUTE_TOKENS = 32
+DEFAULT_DOC_RECOMPUTE_RATIO = 0.15
 
 
 class Pcr(msgspec.Struct):
@@ -197,10 +201,37 @@ class Pcr(msgspec.Struct):
                 "(sampling_params.custom_params['pcr_doc_bounds'], flat token offsets); others "
                 "are served exactly as without this flag. 'concat': each marked document's KV "
                 "as computed right after the request's leading tokens is copied and rotated to "
-                "its place (no recompute: faster, and answers differ from full prefill; see the "
-                "README's accuracy table before turning it on). Such KV never enters the prefix "
-                f"cache. Default: {DEFAULT_DOC_REUSE}."
+                "its place (no recompute: fastest, and answers differ most from full prefill). "
+                "'lego': also recompute each re-placed document's first "
+                "--pcr-doc-recompute-tokens tokens in full context (EPIC). 'blend': recompute "
+                "the --pcr-doc-recompute-ratio share of re-placed tokens whose layer-1 KV "
+                "deviates most from full prefill's (CacheBlend). Recompute modes need the "
+                "torch_native or triton attention backend. See the README's accuracy table "
+                "before turning any on. Such KV never enters the prefix cache. Requests may ask "
+                f"for 'off', 'concat' or (on a lego/blend server) either. Default: {DEFAULT_DOC_REUSE}."
             ),
             choices=DOC_REUSE_CHOICES,
         ),
     ] = DEFAULT_DOC_REUSE
+    pcr_doc_recompute_tokens: A[
+        int,
+        Arg(
+            help=(
+                "--pcr-doc-reuse lego: leading tokens of each re-placed document recomputed in "
+                "full context (a request may override it with "
+                "custom_params['pcr_doc_recompute_tokens']). "
+                f"Default: {DEFAULT_DOC_RECOMPUTE_TOKENS}."
+            )
+        ),
+    ] = DEFAULT_DOC_RECOMPUTE_TOKENS
+    pcr_doc_recompute_ratio: A[
+        float,
+        Arg(
+            help=(
+                "--pcr-doc-reuse blend: share (0..1) of re-placed document tokens recomputed, "
+                "those whose layer-1 KV deviates most (a request may override it with "
+                "custom_params['pcr_doc_recompute_ratio']). "
+                f"Default: {DEFAULT_DOC_RECOMPUTE_RATIO}."
+            )
+        ),
+    ] = DEFAULT_DOC_RECOMPUTE_RATIO

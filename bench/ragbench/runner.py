@@ -42,12 +42,15 @@ from pcr_sglang.launcher import ServerProcess
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAMES = ("radix", "hicache", "oracle", "pcr", "pcr-docs", "pcr-docs-pre", "pcr-layerwise", "pcr-prefetch",
-                "pcr-lookahead")
-# PCR with document reuse in any order (--pcr-doc-reuse concat): requests mark their
-# documents; "-pre" first fills the store with every trace document's canonical KV
-# (TurboRAG's offline phase, ``python -m pcr_sglang.precompute``) and restarts the server.
-DOC_REUSE_CONFIGS = {"pcr-docs": ("--pcr-doc-reuse", "concat"), "pcr-docs-pre": ("--pcr-doc-reuse", "concat")}
+CONFIG_NAMES = ("radix", "hicache", "oracle", "pcr", "pcr-docs", "pcr-docs-pre", "pcr-blend", "pcr-blend-pre",
+                "pcr-layerwise", "pcr-prefetch", "pcr-lookahead")
+# PCR with document reuse in any order: requests mark their documents; "docs" is concat
+# (no recompute), "blend" recomputes the default 15% of re-placed tokens (CacheBlend);
+# "-pre" first fills the store with every trace document's canonical KV (TurboRAG's
+# offline phase, ``python -m pcr_sglang.precompute``) and restarts the server.
+DOC_REUSE_CONFIGS = {"pcr-docs": ("--pcr-doc-reuse", "concat"), "pcr-docs-pre": ("--pcr-doc-reuse", "concat"),
+                     "pcr-blend": ("--pcr-doc-reuse", "blend"), "pcr-blend-pre": ("--pcr-doc-reuse", "blend")}
+PRECOMPUTED_CONFIGS = ("pcr-docs-pre", "pcr-blend-pre")
 # PCR without one feature: the flag that turns it off.
 ABLATIONS = {
     "pcr-layerwise": ("--pcr-layerwise", "off"),
@@ -381,7 +384,7 @@ class ServerPool:
         server.kill()
 
     def precompute(self, index: int, server: ServerProcess, trace: Trace, prompt_of: Prompter) -> ServerProcess:
-        """``pcr-docs-pre``: fill run ``index``'s store with the canonical KV of every document
+        """``pcr-docs-pre``, ``pcr-blend-pre``: fill run ``index``'s store with the canonical KV of every document
         the trace uses (one ``S ‖ d`` warm-up each, as ``python -m pcr_sglang.precompute``
         sends), wait for SSD write-back, and restart on the same store: the run then starts
         on a server that has never seen these documents in traffic."""
@@ -427,7 +430,7 @@ def run_planned(run: PlannedRun, servers: ServerPool, index: int, prompt_of: Pro
     server, reused = servers.acquire(index)
     failed = True
     try:
-        if run.config == "pcr-docs-pre":
+        if run.config in PRECOMPUTED_CONFIGS:
             server = servers.precompute(index, server, run.trace, prompt_of)
         records, makespan, samples = replay(server, run.trace, prompt_of, decode, run.rate, on_done,
                                             mark_docs=run.config in DOC_REUSE_CONFIGS)

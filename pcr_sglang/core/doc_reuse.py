@@ -17,33 +17,77 @@ Past it, KV is *blended* (later documents did not attend to earlier ones), so it
 never entered into the prefix tree: a request that does not ask for document reuse must
 still get the no-cache output token for token.
 
+Recompute modes repair part of the blend. ``lego`` (EPIC's LegoLink) recomputes the first
+K tokens of each re-placed document, whose canonical KV made them attention sinks;
+``blend`` (CacheBlend) recomputes the R share of re-placed tokens whose layer-1 KV deviates
+most from full prefill's (the adapter measures that). SGLang extends a contiguous suffix of
+a request's row, so the recomputed tokens move behind the kept ones:
+``row = [exact prefix ‖ kept reused tokens ‖ recomputed tokens ‖ the rest]``, each
+computed at its true position under a position-causal mask (:class:`RowOrder`).
+
 This module only parses and plans; the adapter copies (``sglang_adapter/doc_reuse``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 DOC_BOUNDS_PARAM = "pcr_doc_bounds"
 DOC_MODE_PARAM = "pcr_doc_reuse"
+RECOMPUTE_TOKENS_PARAM = "pcr_doc_recompute_tokens"
+RECOMPUTE_RATIO_PARAM = "pcr_doc_recompute_ratio"
 CANONICAL_PARAM = "pcr_canonical_doc"
 
-
-# What a marked request may ask for in ``custom_params["pcr_doc_reuse"]`` (default: concat).
-REQUEST_MODES = ("off", "concat")
+SERVER_MODES = ("concat", "lego", "blend")
+RECOMPUTE_MODES = ("lego", "blend")
+# What a marked request may ask for in ``custom_params["pcr_doc_reuse"]`` (default: the server's).
+REQUEST_MODES = ("off", *SERVER_MODES)
 
 
 class DocBoundsError(ValueError):
     """A request's ``pcr_doc_bounds`` cannot describe its tokens (or it asks for an unknown mode)."""
 
 
-def request_mode(custom_params: dict) -> str:
-    """The document-reuse mode a request's ``custom_params`` ask for."""
-    mode = custom_params.get(DOC_MODE_PARAM, "concat")
+@dataclass(frozen=True)
+class Recompute:
+    """How a request's re-placed documents are repaired: ``concat`` not at all, ``lego`` the
+    first ``tokens`` of each document, ``blend`` a ``ratio`` share of their tokens."""
+
+    mode: str = "concat"
+    tokens: int = 0
+    ratio: float = 0.0
+
+    @property
+    def recomputes(self) -> bool:
+        return (self.mode == "lego" and self.tokens > 0) or (self.mode == "blend" and self.ratio > 0)
+
+
+def request_mode(custom_params: dict, server_mode: str = "concat") -> str:
+    """The document-reuse mode a request's ``custom_params`` ask for (default: the server's).
+    Recompute modes need a server started in one (its attention computes permuted rows)."""
+    mode = custom_params.get(DOC_MODE_PARAM, server_mode)
     if mode not in REQUEST_MODES:
         raise DocBoundsError(f"{DOC_MODE_PARAM} must be one of {', '.join(map(repr, REQUEST_MODES))}, got {mode!r}")
+    if mode in RECOMPUTE_MODES and server_mode not in RECOMPUTE_MODES:
+        raise DocBoundsError(f"{DOC_MODE_PARAM}={mode!r} recomputes tokens: this server runs --pcr-doc-reuse "
+                             f"{server_mode}; start it with --pcr-doc-reuse lego or blend")
     return mode
+
+
+def request_recompute(custom_params: dict, server: Recompute) -> Optional[Recompute]:
+    """The request's mode and its K or R (``pcr_doc_recompute_tokens`` / ``_ratio`` override
+    the server's), or None for ``off``. Raises :class:`DocBoundsError` for bad values."""
+    mode = request_mode(custom_params, server.mode)
+    if mode == "off":
+        return None
+    tokens = custom_params.get(RECOMPUTE_TOKENS_PARAM, server.tokens)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise DocBoundsError(f"{RECOMPUTE_TOKENS_PARAM} must be an integer >= 0, got {tokens!r}")
+    ratio = custom_params.get(RECOMPUTE_RATIO_PARAM, server.ratio)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise DocBoundsError(f"{RECOMPUTE_RATIO_PARAM} must be a number in [0, 1], got {ratio!r}")
+    return Recompute(mode, int(tokens), float(ratio))
 
 
 @dataclass(frozen=True)
@@ -133,10 +177,19 @@ class ReusePlan:
     start: int
     end: int
     exact_end: int
+    # Recompute modes: how many re-placed tokens are recomputed, and which (known at
+    # planning for ``lego``; chosen at admission for ``blend``, from measured deviation).
+    recompute_count: int = 0
+    recompute: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens that join the request's cached prefix (the recomputed ones are extended)."""
+        return self.tokens - self.recompute_count
 
     @property
     def rotated_tokens(self) -> int:
@@ -145,6 +198,10 @@ class ReusePlan:
     @property
     def docs(self) -> int:
         return len({s.doc for s in self.segments})
+
+    def rotated_positions(self) -> list[int]:
+        """Request positions whose KV is re-placed (delta != 0): what recompute may pick."""
+        return [p for s in self.segments if s.delta != 0 for p in range(s.start, s.end)]
 
 
 def plan_reuse(spans: Sequence[DocSpan], exact_len: int, limit: int,
@@ -190,3 +247,62 @@ def plan_reuse(spans: Sequence[DocSpan], exact_len: int, limit: int,
             break
         exact_end = segment.end
     return ReusePlan(tuple(segments), exact_len, position, exact_end)
+
+
+def with_recompute(plan: ReusePlan, spans: Sequence[DocSpan], recompute: Recompute) -> Optional[ReusePlan]:
+    """``plan`` with the request's recompute set: ``lego`` the first ``tokens`` of each
+    re-placed document, ``blend`` a count of ``ratio`` of the re-placed tokens (which ones
+    the adapter picks at admission). Tokens at delta 0 are exact and never recomputed.
+    None when nothing would be left to reuse (everything reused would be recomputed)."""
+    if not recompute.recomputes:
+        return plan
+    if recompute.mode == "lego":
+        firsts = {span.index: span.start for span in spans}
+        chosen = tuple(p for s in plan.segments if s.delta != 0
+                       for p in range(s.start, min(s.end, firsts[s.doc] + recompute.tokens)))
+        count = len(chosen)
+    else:
+        rotated = plan.rotated_tokens
+        chosen, count = (), min(rotated, int(round(recompute.ratio * rotated)))
+    if count == 0:
+        return plan
+    if count >= plan.tokens:
+        return None
+    return replace(plan, recompute_count=count, recompute=chosen)
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """Where a recompute request's tokens sit in its row. SGLang extends a contiguous
+    suffix of the row, so the recomputed tokens move behind the kept reused ones: row slots
+    ``[start, start + len(positions))`` hold request positions ``positions`` (the kept,
+    then the recomputed, each ascending); every other slot ``i`` holds position ``i``.
+    Attention keys carry their RoPE already, so the order is free once each query sees
+    exactly the keys at positions up to its own (the position-causal mask)."""
+
+    start: int
+    positions: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.positions)
+
+    def positions_of_slots(self, begin: int, end: int) -> list[int]:
+        """Request positions of row slots ``[begin, end)``."""
+        inside = list(self.positions[max(begin - self.start, 0): max(min(end, self.end) - self.start, 0)])
+        head = list(range(begin, min(end, self.start)))
+        tail = list(range(max(begin, self.end), end))
+        return head + inside + tail
+
+    def permutes(self, begin: int, end: int) -> bool:
+        """Whether row slots ``[begin, end)`` overlap the permuted part."""
+        return begin < self.end and end > self.start
+
+
+def row_order(plan: ReusePlan) -> Optional[RowOrder]:
+    """The row of a plan whose recompute set is chosen (None without recompute)."""
+    if not plan.recompute:
+        return None
+    chosen = set(plan.recompute)
+    kept = [p for p in range(plan.start, plan.end) if p not in chosen]
+    return RowOrder(plan.start, tuple(kept + sorted(chosen)))

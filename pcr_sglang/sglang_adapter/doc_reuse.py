@@ -14,7 +14,12 @@ it carries a host hit, so its admission budget, locks and row writing apply unch
 * ``prefix_device_indices`` appends those private slots to the tree path, so
   ``alloc_for_extend`` writes them into the request's row; from then on they are the
   request's, freed with its row like any slot past ``cache_protected_len``;
-* checkpoints stop at the plan's ``exact_end``: blended KV never enters the tree.
+* checkpoints stop at the plan's ``exact_end``: blended KV never enters the tree;
+* recompute modes (``lego``, ``blend``) keep only part of the re-placed tokens: the
+  recomputed ones' slots are freed at admission, and they are extended at their true
+  positions behind the kept ones (:class:`pcr_sglang.core.doc_reuse.RowOrder`,
+  :mod:`pcr_sglang.sglang_adapter.permuted_rows`); ``blend`` picks them with the layer-1
+  probe (:mod:`pcr_sglang.sglang_adapter.blend_probe`).
 
 The cache state still owns every tree chunk: this module reads residency, locks chains
 while it copies from them, and allocates and frees only its private slots.
@@ -23,7 +28,7 @@ while it copies from them, and allocates and frees only its private slots.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -34,14 +39,19 @@ from pcr_sglang.core.doc_reuse import (
     DOC_BOUNDS_PARAM,
     DocBoundsError,
     DocSpan,
+    Recompute,
     ReusePlan,
+    RowOrder,
     canonical_tokens,
     parse_doc_bounds,
     plan_reuse,
-    request_mode,
+    request_recompute,
+    row_order,
+    with_recompute,
 )
 from pcr_sglang.core.keys import chunk_keys
 from pcr_sglang.core.residency import CacheState
+from pcr_sglang.sglang_adapter.blend_probe import Layer1Probe
 from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots, replace_layer
 
 logger = logging.getLogger(__name__)
@@ -55,6 +65,7 @@ class DocReuseStats:
     docs_reused: int = 0
     tokens_reused: int = 0
     tokens_rotated: int = 0  # of those, moved to another position (delta != 0)
+    tokens_recomputed: int = 0  # re-placed tokens recomputed instead (lego, blend)
     load_failures: int = 0  # planned but not loadable at admission (recomputed)
     malformed: int = 0  # bounds the scheduler could not use (the HTTP server checks them first)
 
@@ -62,7 +73,9 @@ class DocReuseStats:
 @dataclass
 class _Planned:
     spans: tuple[DocSpan, ...]
+    recompute: Recompute = field(default_factory=Recompute)
     plan: Optional[ReusePlan] = None
+    row: Optional[RowOrder] = None  # recompute modes: where the row holds which positions
     slots: Optional[torch.Tensor] = None  # private slots for [plan.start, plan.end)
     in_row: bool = False  # written into the request's row: the row frees them
     counted: bool = False
@@ -71,15 +84,18 @@ class _Planned:
     chain_keys: dict[int, list[Any]] = field(default_factory=dict)
 
 
-def request_doc_spans(req: Any, num_tokens: int) -> Optional[tuple[DocSpan, ...]]:
-    """The documents ``req`` marked, or None (not asking, or asking for ``off``).
-    Raises :class:`DocBoundsError` for bounds that do not fit its tokens."""
+def request_doc_reuse(req: Any, num_tokens: int,
+                      server: Recompute) -> Optional[tuple[tuple[DocSpan, ...], Recompute]]:
+    """The documents ``req`` marked and how it wants them repaired, or None (not asking,
+    or asking for ``off``). Raises :class:`DocBoundsError` for bounds that do not fit its
+    tokens or a mode or K/R the server cannot serve."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     if not params or DOC_BOUNDS_PARAM not in params:
         return None
-    if request_mode(params) == "off":
+    recompute = request_recompute(params, server)
+    if recompute is None:
         return None
-    return parse_doc_bounds(params[DOC_BOUNDS_PARAM], num_tokens)
+    return parse_doc_bounds(params[DOC_BOUNDS_PARAM], num_tokens), recompute
 
 
 def is_canonical_request(req: Any) -> bool:
@@ -88,12 +104,14 @@ def is_canonical_request(req: Any) -> bool:
 
 
 class DocReuse:
-    def __init__(self, state: CacheState, mode: str, chunk_size: int, pad_token_id: int, rope: RopeSpec,
-                 kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], allocator: Any,
+    def __init__(self, state: CacheState, recompute: Recompute, chunk_size: int, pad_token_id: int,
+                 rope: RopeSpec, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], allocator: Any,
                  root_key: Callable[[Optional[str], Optional[str]], bytes],
-                 free_slots: Callable[[torch.Tensor], None]):
+                 free_slots: Callable[[torch.Tensor], None], probe: Optional[Layer1Probe] = None):
         self.state = state
-        self.mode = mode
+        self.server = recompute
+        self.mode = recompute.mode
+        self.probe = probe  # blend's selection (built for the recompute modes)
         self.chunk = chunk_size
         self.pad_token_id = pad_token_id
         self.rope = rope
@@ -118,16 +136,16 @@ class DocReuse:
             entry.slots = None
         if entry is None:
             try:
-                spans = request_doc_spans(req, len(req.origin_input_ids))
+                asked = request_doc_reuse(req, len(req.origin_input_ids), self.server)
             except DocBoundsError as e:
                 self.stats.malformed += 1  # once: the empty entry below answers later matches
                 if not self._warned_malformed:
                     self._warned_malformed = True
                     logger.warning("PCR document reuse: request %s: %s; served without document reuse", req.rid, e)
-                spans = ()
-            if spans is None:
+                asked = ((), Recompute())
+            if asked is None:
                 return None
-            entry = self._requests.setdefault(req.rid, _Planned(spans))
+            entry = self._requests.setdefault(req.rid, _Planned(*asked))
         if entry.slots is not None or not entry.spans:  # loaded already (a later chunk), or malformed
             return None
         origin = req.origin_input_ids
@@ -145,7 +163,8 @@ class DocReuse:
             chains[span.index] = match.nodes
             return True
 
-        entry.plan = plan_reuse(entry.spans, exact_len, len(tokens), cached)
+        plan = plan_reuse(entry.spans, exact_len, len(tokens), cached)
+        entry.plan = with_recompute(plan, entry.spans, entry.recompute) if plan is not None else None
         entry.chains = chains
         return entry.plan
 
@@ -154,9 +173,11 @@ class DocReuse:
         return entry.plan if entry is not None and entry.slots is None else None
 
     # ------------------------------------------------------------------ admission
-    def load(self, req: Any, load_chain: Callable[[list[ChunkNode]], bool], evict: Callable[[int], int],
-             order_before_copy: Callable[[], None]) -> bool:
-        """Copy the planned documents into fresh private slots. All or nothing."""
+    def load(self, req: Any, prefix_node: ChunkNode, load_chain: Callable[[list[ChunkNode]], bool],
+             evict: Callable[[int], int], order_before_copy: Callable[[], None]) -> bool:
+        """Copy the planned documents into fresh private slots (``prefix_node``: the end of
+        the request's exact prefix, on the device). All or nothing. With recompute, the
+        recomputed tokens' slots are freed again: the row keeps the others."""
         entry = self._requests.get(req.rid)
         if entry is None or entry.plan is None:
             return False
@@ -186,8 +207,47 @@ class DocReuse:
                 self.state.unlock(node)
         for doc in dict.fromkeys(s.doc for s in plan.segments):  # reused: recently used, for the LRU
             self.state.match(iter(entry.chain_keys[doc]))
+        if plan.recompute_count:
+            slots = self._keep_unrecomputed(req, entry, prefix_node, slots)
         entry.slots = slots
         return True
+
+    def _keep_unrecomputed(self, req: Any, entry: _Planned, prefix_node: ChunkNode,
+                           slots: torch.Tensor) -> torch.Tensor:
+        """Choose the recomputed tokens (``blend``: by the probe), free their slots, and
+        lay out the row; returns the kept tokens' slots, in position order."""
+        plan = entry.plan
+        assert plan is not None
+        chosen = plan.recompute
+        if not chosen:
+            chosen = self._blend_selection(req, plan, prefix_node, slots)
+            plan = entry.plan = replace(plan, recompute=chosen)
+        keep = torch.ones(plan.tokens, dtype=torch.bool)
+        keep[torch.tensor([p - plan.start for p in chosen], dtype=torch.int64)] = False
+        keep = keep.to(slots.device)
+        self.free_slots(slots[~keep])
+        entry.row = row_order(plan)
+        return slots[keep]
+
+    def _blend_selection(self, req: Any, plan: ReusePlan, prefix_node: ChunkNode,
+                         slots: torch.Tensor) -> tuple[int, ...]:
+        """The ``plan.recompute_count`` re-placed tokens whose layer-1 V deviates most from
+        full prefill's; the probe's full-context layer-1 KV replaces the reused one."""
+        assert self.probe is not None, "blend needs the layer-1 probe (built at startup)"
+        path = [n.device_value for n in prefix_node.path_from_root()]
+        device = slots.device
+        prefix = torch.cat(path).to(device) if path else torch.empty(0, dtype=torch.int64, device=device)
+        ids = torch.tensor(req.origin_input_ids[plan.start:plan.end], dtype=torch.int64, device=device)
+        positions = torch.arange(plan.start, plan.end, dtype=torch.int64, device=device)
+        result = self.probe.run(ids, positions, prefix[:plan.start], slots)
+        candidates = torch.tensor(plan.rotated_positions(), dtype=torch.int64)
+        offsets = (candidates - plan.start).to(device)
+        k1, v1 = self.kv_layers[1]  # only re-placed tokens: delta-0 slots may enter the tree
+        k1[slots[offsets]] = result.k1[offsets]
+        v1[slots[offsets]] = result.v1[offsets]
+        scores = result.deviation.cpu()[candidates - plan.start]
+        top = torch.topk(scores, plan.recompute_count).indices
+        return tuple(sorted(int(p) for p in candidates[top]))
 
     def _failed(self, entry: _Planned) -> bool:
         self.stats.load_failures += 1
@@ -223,13 +283,19 @@ class DocReuse:
             self.stats.requests += 1
             self.stats.docs_marked += len(entry.spans)
             self.stats.docs_reused += plan.docs
-            self.stats.tokens_reused += plan.tokens
-            self.stats.tokens_rotated += plan.rotated_tokens
+            self.stats.tokens_reused += plan.prefix_tokens
+            self.stats.tokens_rotated += plan.rotated_tokens - plan.recompute_count
+            self.stats.tokens_recomputed += plan.recompute_count
 
     def reused(self, rid: str) -> Optional[ReusePlan]:
         """The plan ``rid`` was loaded with, if any."""
         entry = self._requests.get(rid)
         return entry.plan if entry is not None and entry.slots is not None else None
+
+    def row(self, rid: str) -> Optional[RowOrder]:
+        """Where a recompute request's row holds which positions (None: in order)."""
+        entry = self._requests.get(rid)
+        return entry.row if entry is not None and entry.slots is not None else None
 
     def exact_end(self, rid: str) -> Optional[int]:
         """Past this position the request's KV is blended: never checkpointed."""

@@ -17,8 +17,11 @@ from typing import Any, Optional
 import torch
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
+from pcr_sglang.core.doc_reuse import RECOMPUTE_MODES
 from pcr_sglang.core.residency import CacheState
+from pcr_sglang.sglang_adapter.blend_probe import Layer1Probe, probe_support
 from pcr_sglang.sglang_adapter.doc_reuse import DocReuse
+from pcr_sglang.sglang_adapter.permuted_rows import RECOMPUTE_BACKENDS
 from pcr_sglang.sglang_adapter.rope_spec import UnsupportedRope, model_rope_spec
 from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
 
@@ -103,7 +106,7 @@ def layer0_self_test(model: Any, spec: RopeSpec, kv_dtype: torch.dtype) -> Optio
 
 
 def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, allocator: Any, tp_worker: Any,
-                     hf_config: Any) -> Optional[DocReuse]:
+                     hf_config: Any, tp_size: int = 1) -> Optional[DocReuse]:
     """The document-reuse side for ``--pcr-doc-reuse`` (None when off). Raises
     :class:`PCRConfigError` naming the flag when the model cannot support it."""
     if config.doc_reuse == "off":
@@ -130,8 +133,36 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
     problem = layer0_self_test(model, spec, kv_dtype)
     if problem is not None:
         raise PCRConfigError(f"{flag} is refused for this model: {problem}")
+    kv_layers = list(zip(k_buffers, v_buffers))
+    probe = None
+    if config.doc_reuse in RECOMPUTE_MODES:
+        problem = recompute_support(tp_worker, model, tp_size)
+        if problem is not None:
+            raise PCRConfigError(f"{flag} is refused: {problem}")
+        probe = Layer1Probe(model, kv_layers)
     pad = doc_pad_token_id(hf_config)
     logger.info("PCR document reuse: mode %s, RoPE %s, layer-0 self-test passed, pad token %d",
                 config.doc_reuse, spec.signature(), pad)
-    return DocReuse(state, config.doc_reuse, config.chunk_size, pad, spec, list(zip(k_buffers, v_buffers)),
-                    allocator, scheduler.root_key, scheduler.free_private)
+    return DocReuse(state, config.doc_recompute(), config.chunk_size, pad, spec, kv_layers, allocator,
+                    scheduler.root_key, scheduler.free_private, probe=probe)
+
+
+def recompute_support(tp_worker: Any, model: Any, tp_size: int) -> Optional[str]:
+    """None when this server can run the recompute modes (``lego`` and ``blend``: a
+    request on a recompute server may ask for either); else why not. They need an
+    attention backend that takes a position-causal mask over a permuted row, and
+    ``blend``'s layer-1 probe runs the model's first two layers on one rank."""
+    runner = getattr(tp_worker, "model_runner", None)
+    backend = getattr(runner, "attn_backend", None)
+    names = {type(backend).__name__}
+    for part in ("prefill_backend", "decode_backend"):
+        inner = getattr(backend, part, None)
+        if inner is not None:
+            names.add(type(inner).__name__)
+    allowed = {"TorchNativeAttnBackend", "TritonAttnBackend"}
+    if not names & allowed or any(n not in allowed and n != "HybridAttnBackend" for n in names):
+        return (f"recompute needs --attention-backend {' or '.join(RECOMPUTE_BACKENDS)} (a position-causal "
+                f"mask over a permuted row); this server's is {', '.join(sorted(names))}")
+    if tp_size > 1:
+        return "blend's layer-1 probe runs on one rank; --tp-size > 1 is not supported (use concat)"
+    return probe_support(model)

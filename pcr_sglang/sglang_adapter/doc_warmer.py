@@ -37,9 +37,10 @@ from pcr_sglang.core.doc_reuse import (
     CANONICAL_PARAM,
     DOC_BOUNDS_PARAM,
     DocBoundsError,
+    Recompute,
     canonical_tokens,
     parse_doc_bounds,
-    request_mode,
+    request_recompute,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,16 +64,26 @@ def validate_doc_bounds(result: Any, manager: Any, obj: Any, input_ids: Any, *ar
     if input_ids is None:
         raise ValueError(f"{DOC_BOUNDS_PARAM} needs a token prompt (input_ids or text)")
     try:
-        request_mode(custom)
+        request_recompute(custom, server_recompute(getattr(manager, "server_args", None)))
         parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(input_ids))
     except DocBoundsError as e:
         raise ValueError(str(e)) from None
     return None
 
 
+def server_recompute(args: Any) -> Recompute:
+    """The server's document-reuse mode and K/R (mode ``off`` without PCR or the flag)."""
+    if not getattr(args, "enable_pcr", False):
+        return Recompute("off")
+    from pcr_sglang.config import PCRConfig
+
+    return PCRConfig.from_server_args(args).doc_recompute()
+
+
 class DocWarmer:
-    def __init__(self, chunk_size: int, pad_token_id: int, ttl_s: float = WARM_TTL_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, chunk_size: int, pad_token_id: int, server: Recompute = Recompute(),
+                 ttl_s: float = WARM_TTL_S, clock: Callable[[], float] = time.monotonic):
+        self.server = server
         self.chunk = chunk_size
         self.pad_token_id = pad_token_id
         self.ttl_s = ttl_s
@@ -94,7 +105,7 @@ class DocWarmer:
         custom = _custom_params(tokenized) or {}
         tokens = list(tokenized.input_ids)
         try:
-            if request_mode(custom) == "off" or getattr(tokenized, "lora_id", None):
+            if request_recompute(custom, self.server) is None or getattr(tokenized, "lora_id", None):
                 return
             spans = parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(tokens))
         except DocBoundsError:
@@ -173,7 +184,7 @@ def _warmer_for(manager: Any) -> Optional[DocWarmer]:
     from pcr_sglang.sglang_adapter.doc_reuse_setup import doc_pad_token_id
 
     hf_config = getattr(getattr(manager, "model_config", None), "hf_config", None)
-    warmer = DocWarmer(int(args.pcr_chunk_size), doc_pad_token_id(hf_config))
+    warmer = DocWarmer(int(args.pcr_chunk_size), doc_pad_token_id(hf_config), server_recompute(args))
     manager._pcr_doc_warmer = warmer
     return warmer
 

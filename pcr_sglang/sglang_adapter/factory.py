@@ -139,7 +139,7 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
     try:
         cache.scheduler.docs = attach_doc_reuse(config, cache.state, cache.scheduler,
                                                 ctx.params.token_to_kv_pool_allocator, ctx.tp_worker,
-                                                ctx.model_config.hf_config)
+                                                ctx.model_config.hf_config, tp_size=ctx.tp_size)
     except BaseException:
         cache.scheduler.close()
         raise

@@ -119,9 +119,10 @@ class PCRMetrics:
             "sglang:pcr_doc_reuse_total",
             "PCR document reuse (--pcr-doc-reuse): admitted requests that marked documents "
             "(requests), canonical document prefills the server ran for them (canonical_requests), "
-            "documents marked and reused (docs_marked, docs_reused), tokens whose KV was copied "
+            "documents marked and reused (docs_marked, docs_reused), tokens whose KV was reused "
             "from a document's canonical chain (tokens_reused) and, of those, moved to another "
-            "position (tokens_rotated), planned reuse not loadable at admission (load_failures), "
+            "position (tokens_rotated), re-placed tokens recomputed instead (tokens_recomputed: "
+            "lego, blend), planned reuse not loadable at admission (load_failures), "
             "bounds the scheduler could not use (malformed).",
             labelnames=names + ["kind"],
         )

@@ -120,7 +120,7 @@ class PCRPrefixCache(BasePrefixCache):
         if self.scheduler.docs is not None and params.req is not None:
             # Documents reused past the exact prefix come in through init_load_back too.
             plan = self.scheduler.docs.plan(params.req, tokens, host_node.depth * self.chunk_size)
-            doc_tokens = plan.tokens if plan is not None else 0
+            doc_tokens = plan.prefix_tokens if plan is not None else 0
         return self._result(device_node, host_node, host_chunks, doc_tokens)
 
     def _result(self, device_node: ChunkNode, host_node: ChunkNode, host_chunks: int,

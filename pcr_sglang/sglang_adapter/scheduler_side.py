@@ -35,7 +35,9 @@ from pcr_sglang.core.keys import ChunkKey, chunk_keys, root_key
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.io.protocol import ReadChunk, Reorder, WriteChunk
 from pcr_sglang.io.supervisor import IOSupervisor
+from pcr_sglang.core.doc_reuse import RECOMPUTE_MODES
 from pcr_sglang.sglang_adapter.doc_reuse import DocReuse, is_canonical_request
+from pcr_sglang.sglang_adapter.permuted_rows import permute_extend_inputs
 from pcr_sglang.sglang_adapter.requests import Hold, RequestRegistry
 from pcr_sglang.sglang_adapter.step_timing import StepHistogram
 from pcr_sglang.sglang_adapter.tp_group import TpGroup
@@ -242,7 +244,7 @@ class SchedulerSide:
         self.last_load_private = False
         device_node = req.last_node
         plan = self.docs.planned(req.rid) if self.docs is not None else None
-        exact_host = host_hit_length - (plan.tokens if plan is not None else 0)
+        exact_host = host_hit_length - (plan.prefix_tokens if plan is not None else 0)
         nodes = host_node.path_from_root()[device_node.depth:]
         if (len(nodes) * self.chunk != exact_host or (nodes and nodes[0].parent is not device_node)
                 or any(not (n.on_host or n.on_device) for n in nodes) or (not nodes and plan is None)):
@@ -252,7 +254,7 @@ class SchedulerSide:
         if plan is not None:
             self.state.lock(host_node)
             try:
-                loaded = self.docs.load(req, lambda chain: self._load_chain(None, chain), self.evict,
+                loaded = self.docs.load(req, host_node, lambda chain: self._load_chain(None, chain), self.evict,
                                         self._order_before_copy)
             finally:
                 self.state.unlock(host_node)
@@ -310,6 +312,13 @@ class SchedulerSide:
             for req in reqs:
                 self.docs.written_into_row(req)
 
+    def permute_extend_inputs(self, batch: Any) -> Optional[dict[int, torch.Tensor]]:
+        """After ``prepare_for_extend``: recompute requests' extend input in row order, and
+        their rows' positions for the forward (None when the batch has none)."""
+        if self.docs is None or self.docs.mode not in RECOMPUTE_MODES:
+            return None
+        return permute_extend_inputs(batch, self.docs.row)
+
     def admitted(self, req: Any) -> None:
         """``req``'s first extend was prepared: count its hits once, by tier, as SGLang
         split them for its response."""
@@ -325,7 +334,7 @@ class SchedulerSide:
                 self.docs.count_canonical()
             plan = self.docs.reused(req.rid)
             if plan is not None:  # SGLang counts them as host hits (they came through load_back)
-                host = max(host - plan.tokens, 0)
+                host = max(host - plan.prefix_tokens, 0)
         self.state.count_admission(req.cached_tokens_device // chunk, host // chunk,
                                    req.cached_tokens_storage // chunk, in_time, late, on_demand)
         if self.tp is not None:

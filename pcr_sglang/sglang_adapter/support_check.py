@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
+from pcr_sglang.core.doc_reuse import RECOMPUTE_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,28 @@ DOC_REUSE_REFUSED_ROPE = {"dynamic": "dynamic NTK scaling (frequencies depend on
                           "mrope": "multi-axis mRoPE", "default_mrope": "multi-axis mRoPE"}
 
 
+# Extend attention backends that take a position-causal mask over a permuted row.
+RECOMPUTE_ATTENTION_BACKENDS = ("torch_native", "triton")
+
+
+def _recompute_flags(cfg: Any) -> Optional[str]:
+    """Why the flags cannot run a recompute mode (None if they can): its extend is a
+    permuted row under a position-causal mask, set where SGLang builds an eager extend."""
+    prefill = getattr(cfg, "prefill_attention_backend", None) or getattr(cfg, "attention_backend", None)
+    if prefill is not None and prefill not in RECOMPUTE_ATTENTION_BACKENDS:
+        return (f"recomputes tokens inside a permuted row, which needs the "
+                f"{' or '.join(RECOMPUTE_ATTENTION_BACKENDS)} attention backend for prefill; this server's is "
+                f"{prefill}: pass --attention-backend triton (GPU) or torch_native (CPU), or use concat")
+    if int(getattr(cfg, "tp_size", 1) or 1) > 1:
+        return "runs blend's layer-1 probe on one rank; --tp-size > 1 is not supported: use concat"
+    if getattr(cfg, "enable_dp_attention", False):
+        return "is not supported with --enable-dp-attention: use concat"
+    if getattr(cfg, "enable_piecewise_cuda_graph", False):
+        return "changes extend positions and masks per batch, which a captured prefill graph cannot: drop " \
+               "--enable-piecewise-cuda-graph"
+    return None
+
+
 def check_doc_reuse(x: SupportInputs) -> Optional[str]:
     """Document reuse rotates cached K in place of recomputing it: quantized KV and RoPE
     variants where a rotation is not a move are refused here; the loaded model's own RoPE
@@ -165,6 +188,10 @@ def check_doc_reuse(x: SupportInputs) -> Optional[str]:
     dtype = str(getattr(x.cfg, "kv_cache_dtype", "auto") or "auto")
     if dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"):
         return f"{flag} rotates K in the KV cache's dtype; --kv-cache-dtype {dtype} is quantized: use auto"
+    if x.pcr.doc_reuse in RECOMPUTE_MODES:
+        problem = _recompute_flags(x.cfg)
+        if problem is not None:
+            return f"{flag} {problem}"
     mc = x.model_config
     if mc is None:
         return None

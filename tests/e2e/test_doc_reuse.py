@@ -1,4 +1,8 @@
-"""Document reuse in any order (``--pcr-doc-reuse concat``) on a real server and the tiny model.
+"""Document reuse in any order (``--pcr-doc-reuse``) on a real server and the tiny model.
+
+One server serves every mode: it runs ``blend`` with a default ratio of 0 (so a request
+that names no mode, or asks for ``concat``, is served by concatenation, recomputing
+nothing), and requests ask for ``lego`` or ``blend`` and their K or R themselves.
 
 The oracle is the no-cache server: what must be exact (a document right after the leading
 tokens, every request that does not mark documents, running beside ones that do) is
@@ -10,6 +14,7 @@ loaded back as the tests go on: every tier of a document's KV is exercised.
 from __future__ import annotations
 
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -24,7 +29,7 @@ from tests.e2e.helpers import COMMON_ARGS, serving, ssd_server
 pytestmark = pytest.mark.e2e
 
 SAMPLING = {"temperature": 0.0, "max_new_tokens": 8}
-DOC_REUSE = ("--pcr-doc-reuse", "concat")
+DOC_REUSE = ("--pcr-doc-reuse", "blend", "--pcr-doc-recompute-ratio", "0")
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +56,12 @@ def _doc_counters(server: ServerProcess) -> dict:
     return server.pcr_state()["doc_reuse"]["counters"]
 
 
-def _generate(server: ServerProcess, prompt, marked: bool, **extra):
-    sampling = prompt.sampling_params(**SAMPLING) if marked else dict(SAMPLING)
-    return server.generate({"input_ids": prompt.input_ids, "sampling_params": sampling, **extra})
+def _generate(server: ServerProcess, prompt, marked: bool, mode=None, **custom):
+    """``mode`` and ``custom`` (K, R) are asked for in the request's custom_params."""
+    sampling = prompt.sampling_params(mode=mode, **SAMPLING) if marked else dict(SAMPLING)
+    if marked:
+        sampling["custom_params"].update(custom)
+    return server.generate({"input_ids": prompt.input_ids, "sampling_params": sampling})
 
 
 @pytest.mark.parametrize("bounds, message", [
@@ -128,11 +136,16 @@ def test_blended_kv_never_reaches_a_request_that_did_not_ask(servers, tokenizer,
         assert out["meta_info"]["cached_tokens"] <= first_doc_end
 
 
+# Per request: unmarked, concat, lego (K=8), blend (R=30%): the modes batched together.
+MIXED_MODES = [(False, None, {}), (True, "concat", {}), (True, "lego", {"pcr_doc_recompute_tokens": 8}),
+               (True, "blend", {"pcr_doc_recompute_ratio": 0.3})]
+
+
 def test_concurrent_reuse_and_exact_requests_and_everything_balances(servers, tokenizer, passages):
-    """24 requests, 8 at a time, half marking documents (random orders of a shared pool of
-    documents), half not: the unmarked ones equal the no-cache server token for token; when
-    all are done every device slot is the tree's or free, nothing is locked, and the
-    tree's bookkeeping checks."""
+    """24 requests, 8 at a time, a quarter not marking documents, the others in concat,
+    lego or blend (random orders of a shared pool of documents): the unmarked ones equal
+    the no-cache server token for token; when all are done every device slot is the
+    tree's or free, nothing is locked, and the tree's bookkeeping checks."""
     docs, ref = servers["docs"], servers["nocache"]
     pool = passages[30:40]
     rng = random.Random(7)
@@ -140,19 +153,21 @@ def test_concurrent_reuse_and_exact_requests_and_everything_balances(servers, to
     for i in range(24):
         chosen = rng.sample(pool, 3)
         prompt = build_doc_prompt(tokenizer, "Use the documents.", chosen, f"Question {i}?")
-        jobs.append((prompt, i % 2 == 0))
+        jobs.append((prompt, *MIXED_MODES[i % 4]))
+    before = _doc_counters(docs)
     with ThreadPoolExecutor(8) as executor:
-        outs = list(executor.map(lambda job: _generate(docs, job[0], marked=job[1]), jobs))
-    for (prompt, marked), out in zip(jobs, outs):
+        outs = list(executor.map(lambda job: _generate(docs, job[0], job[1], job[2], **job[3]), jobs))
+    for (prompt, marked, _, _), out in zip(jobs, outs):
         if not marked:
             assert out["output_ids"] == _generate(ref, prompt, marked=False)["output_ids"]
+    assert _doc_counters(docs)["tokens_recomputed"] > before["tokens_recomputed"]
     state = docs.pcr_state(check_invariants=True)
     assert state["invariants"]["ok"] is True, state["invariants"]
     assert state["tree"]["locked_chunks"] == 0
     assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"]
     counters = state["doc_reuse"]["counters"]
     assert counters["docs_reused"] > 0
-    assert state["doc_reuse"]["mode"] == "concat"
+    assert state["doc_reuse"]["mode"] == "blend"
 
 
 def test_a_request_can_opt_out_on_a_server_with_reuse(servers, tokenizer, passages):
@@ -224,6 +239,135 @@ def test_concat_outputs_equal_an_independent_reference(servers, tokenizer, passa
         unshifted = _hf_concat_reference(model, prompt, SAMPLING["max_new_tokens"], shift=False)
         unshifted_differs += unshifted != out["output_ids"]
     assert unshifted_differs >= 3
+
+
+def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: int = 0, ratio: float = 0.0,
+                            positions: bool = True) -> tuple[list[int], list[int]]:
+    """What lego and blend must compute, built with Hugging Face transformers: the concat
+    KV (as in :func:`_hf_concat_reference`), then the recomputed tokens, lego's first ``k``
+    of each re-placed document or blend's ``ratio`` of them whose layer-1 V deviates most
+    from full prefill's (whose layer-1 K/V also replace the re-placed ones, as CacheBlend
+    keeps its check layer's), dropped from the cache and run again with the question at
+    their true positions under a position-causal 4-D mask. Returns the greedy answer and
+    the recomputed positions. ``positions=False`` runs them at the positions their row slots
+    would have (the negative control: a missing position override)."""
+    import torch
+    from transformers import DynamicCache
+
+    ids, bounds = prompt.input_ids, prompt.doc_bounds
+    spans = list(zip(bounds[::2], bounds[1::2]))
+    leading, end = spans[0][0], spans[-1][1]
+    with torch.no_grad():
+        pieces = []
+        for n, (start, stop) in enumerate(spans):
+            seq = torch.tensor([ids[:leading] + ids[start:stop]])
+            cache = model(seq, position_ids=torch.arange(seq.shape[1]).unsqueeze(0) + (start - leading),
+                          use_cache=True).past_key_values
+            keep = slice(0, None) if n == 0 else slice(leading, None)
+            pieces.append([(layer.keys[:, :, keep], layer.values[:, :, keep]) for layer in cache.layers])
+        layers = [[torch.cat([p[i][0] for p in pieces], dim=2), torch.cat([p[i][1] for p in pieces], dim=2)]
+                  for i in range(len(pieces[0]))]
+        rotated = [p for start, stop in spans[1:] for p in range(start, stop)]
+        if mode == "lego":
+            chosen = [p for start, stop in spans[1:] for p in range(start, min(stop, start + k))]
+        else:
+            full = model(torch.tensor([ids[:end]]), use_cache=True).past_key_values.layers[1]
+            index = torch.tensor(rotated)
+            deviation = (full.values[0][:, index] - layers[1][1][0][:, index]).square().sum(dim=(0, 2))
+            count = min(len(rotated), int(round(ratio * len(rotated))))
+            chosen = sorted(index[torch.topk(deviation, count).indices].tolist())
+            layers[1][0][:, :, index] = full.keys[:, :, index]
+            layers[1][1][:, :, index] = full.values[:, :, index]
+        kept = [p for p in range(end) if p not in set(chosen)]
+        cache = DynamicCache()
+        for i, (keys, values) in enumerate(layers):
+            cache.update(keys[:, :, kept], values[:, :, kept], i)
+        query_positions = chosen + list(range(end, len(ids)))
+        row = kept + query_positions  # request positions, in the row's slot order
+        key_positions = torch.tensor(row)
+        q = torch.tensor(query_positions)
+        mask = (key_positions.unsqueeze(0) <= q.unsqueeze(1))[None, None]
+        run_at = q if positions else torch.arange(len(kept), len(row))
+        step = torch.tensor([[ids[p] for p in query_positions]])
+        logits = model(step, position_ids=run_at.unsqueeze(0), past_key_values=cache, attention_mask=mask,
+                       use_cache=True).logits
+        out: list[int] = []
+        position = len(ids)
+        for _ in range(max_new_tokens):
+            token = int(logits[0, -1].argmax())
+            out.append(token)
+            logits = model(torch.tensor([[token]]), position_ids=torch.tensor([[position]]), past_key_values=cache,
+                           use_cache=True).logits
+            position += 1
+    return out, chosen
+
+
+@pytest.mark.parametrize("mode, custom, expected_kwargs", [
+    ("lego", {"pcr_doc_recompute_tokens": 6}, {"k": 6}),
+    ("blend", {"pcr_doc_recompute_ratio": 0.3}, {"ratio": 0.3}),
+], ids=["lego", "blend"])
+def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, passages, tiny_model, mode, custom,
+                                                          expected_kwargs):
+    """Permuted rows, true positions, the position-causal mask and blend's layer-1 probe,
+    checked against transformers (no code shared with PCR or SGLang's attention). Negative
+    controls: the same reference without the position override, and concat's output, differ
+    from the recompute output for most prompts, so the comparison can tell. (Without the
+    mask applied in the server, lego failed here.) The tiny model has two layers, so blend's
+    probe makes every re-placed token exact at both and which tokens it picks cannot move
+    the answer: the pick is checked in tests/unit/test_doc_reuse_setup.py."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    docs = servers["docs"]
+    pool = passages[50:56]
+    rng = random.Random(11)
+    before = _doc_counters(docs)
+    differs_unplaced = differs_concat = recomputed = 0
+    for i in range(5):
+        prompt = build_doc_prompt(tokenizer, "Recompute check.", rng.sample(pool, 3), f"Point {i}?")
+        _generate(docs, prompt, marked=True, mode="concat")  # warm: every document cached
+        out = _generate(docs, prompt, marked=True, mode=mode, **custom)
+        expected, chosen = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], mode,
+                                                   **expected_kwargs)
+        assert out["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1] - len(chosen), i
+        assert out["output_ids"] == expected, i
+        recomputed += len(chosen)
+        unplaced, _ = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], mode, positions=False,
+                                              **expected_kwargs)
+        differs_unplaced += unplaced != expected
+        differs_concat += _generate(docs, prompt, marked=True, mode="concat")["output_ids"] != expected
+    assert _doc_counters(docs)["tokens_recomputed"] - before["tokens_recomputed"] == recomputed
+    assert differs_unplaced >= 3 and differs_concat >= 2, (differs_unplaced, differs_concat)
+
+
+@pytest.mark.parametrize("mode, custom", [("lego", {"pcr_doc_recompute_tokens": 100000}),
+                                          ("blend", {"pcr_doc_recompute_ratio": 1.0})], ids=["lego", "blend"])
+def test_every_document_token_recomputed_equals_full_prefill(servers, tokenizer, passages, mode, custom):
+    """The correctness gate: with every re-placed token recomputed, the outputs are the
+    no-cache server's, token for token (only the exact first document stays reused)."""
+    docs, ref = servers["docs"], servers["nocache"]
+    for i in range(3):
+        prompt = build_doc_prompt(tokenizer, "Gate.", [passages[i + 3], passages[i + 7], passages[i + 12]][::-1],
+                                  f"Gate {i}?")
+        _generate(docs, prompt, marked=True, mode="concat")
+        out = _generate(docs, prompt, marked=True, mode=mode, **custom)
+        assert out["output_ids"] == _generate(ref, prompt, marked=False)["output_ids"], i
+        assert out["meta_info"]["cached_tokens"] <= prompt.doc_bounds[1]  # at most S and the first document
+
+
+@pytest.mark.parametrize("custom, message", [
+    ({"pcr_doc_recompute_tokens": -2}, "pcr_doc_recompute_tokens must be an integer >= 0"),
+    ({"pcr_doc_recompute_ratio": 2}, r"pcr_doc_recompute_ratio must be a number in \[0, 1\]"),
+])
+def test_bad_recompute_parameters_get_http_400(servers, tokenizer, custom, message):
+    prompt = build_doc_prompt(tokenizer, "Bad.", ["a document", "another one"], "Why?")
+    sampling = prompt.sampling_params(**SAMPLING)
+    sampling["custom_params"].update(custom)
+    response = requests.post(servers["docs"].base_url + "/generate", timeout=60,
+                             json={"input_ids": prompt.input_ids, "sampling_params": sampling})
+    assert response.status_code == 400, response.text
+    assert re.search(message, response.text), response.text
 
 
 def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, tokenizer, passages, tiny_model,

@@ -47,6 +47,12 @@ def test_valid_flags_resolve(resolve, tiny_model):
         (("--pcr-dram-gb", "0.01", "--enable-two-batch-overlap"), "--enable-two-batch-overlap"),
         (("--pcr-doc-reuse", "concat", "--page-size", "16"), "--pcr-doc-reuse concat needs --page-size 1"),
         (("--pcr-doc-reuse", "concat", "--kv-cache-dtype", "fp8_e4m3"), "--kv-cache-dtype fp8_e4m3 is quantized"),
+        (("--pcr-doc-reuse", "blend", "--pcr-doc-recompute-ratio", "1.5"),
+         r"--pcr-doc-recompute-ratio must be a number in \[0, 1\], got 1.5"),
+        (("--pcr-doc-reuse", "lego", "--pcr-doc-recompute-tokens", "-3"),
+         "--pcr-doc-recompute-tokens must be an integer >= 0, got -3"),
+        (("--pcr-doc-reuse", "lego", "--attention-backend", "flashinfer"),
+         "--pcr-doc-reuse lego recomputes tokens inside a permuted row, which needs the torch_native or triton"),
     ],
 )
 def test_invalid_flags_fail_naming_the_flag(resolve, tiny_model, flags, message):

@@ -9,10 +9,12 @@ import pytest
 from bench.doc_reuse_accuracy import (
     EXACT,
     FULL,
+    ModeSpec,
     answer_nll,
     markdown_table,
     normalize_answer,
     parse_modes,
+    server_mode,
     summarize,
     target_lines,
     token_f1,
@@ -66,25 +68,34 @@ def test_answer_nll_rejects_misaligned_logprobs():
 
 
 def test_parse_modes():
-    assert parse_modes("concat") == ("concat",)
-    assert parse_modes(" concat , concat ") == ("concat",)
-    with pytest.raises(argparse.ArgumentTypeError, match="not implemented"):
-        parse_modes("concat,blend")
-    with pytest.raises(argparse.ArgumentTypeError, match="not implemented"):
-        parse_modes("lego")
-    with pytest.raises(argparse.ArgumentTypeError, match="unknown mode 'bogus'"):
-        parse_modes("bogus")
-    with pytest.raises(argparse.ArgumentTypeError, match="at least one"):
-        parse_modes(" , ")
+    assert parse_modes("concat") == (ModeSpec("concat"),)
+    assert parse_modes(" concat , concat ") == (ModeSpec("concat"),)
+    specs = parse_modes("concat,lego:16,blend,blend:0.3")
+    assert [s.name for s in specs] == ["concat", "lego:16", "blend", "blend:0.3"]
+    assert specs[1].custom_params() == {"pcr_doc_reuse": "lego", "pcr_doc_recompute_tokens": 16}
+    assert specs[3].custom_params() == {"pcr_doc_reuse": "blend", "pcr_doc_recompute_ratio": 0.3}
+    assert specs[2].custom_params() == {"pcr_doc_reuse": "blend"}  # the server's R
+    assert server_mode(specs) == "blend" and server_mode(parse_modes("concat")) == "concat"
+    for bad, message in [("bogus", "unknown mode 'bogus'"), (" , ", "at least one"), ("concat:3", "no :value"),
+                         ("lego:x", "integer K"), ("lego:-1", "K must be >= 0"), ("blend:1.5", "R must be in")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse_modes(bad)
+
+
+def test_recomputed_tokens_when_every_document_is_reused():
+    bounds = [3, 13, 13, 53, 60, 70]  # documents of 10, 40 and 10 tokens; the first is not re-placed
+    assert ModeSpec("concat").recomputed_if_all_reused(bounds) == 0
+    assert ModeSpec("lego", 16).recomputed_if_all_reused(bounds) == 16 + 10
+    assert ModeSpec("blend", 0.5).recomputed_if_all_reused(bounds) == 25
 
 
 def test_main_refuses_unknown_modes_before_starting_anything(capsys):
     from bench.doc_reuse_accuracy import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["--modes", "blend"])
+        main(["--modes", "mosaic"])
     assert exc.value.code == 2
-    assert "not implemented by the server yet" in capsys.readouterr().err
+    assert "unknown mode 'mosaic'" in capsys.readouterr().err
 
 
 def _row(identical: bool, f1: float, nll: float, first: bool, reused: bool = True) -> dict:
@@ -111,7 +122,7 @@ def test_summarize_and_table():
     assert lines[4] == "| concat | 3 | 67% | 33% | 0.500 | 2.000 | 2.00 | 67% |"
     assert "| n/a |" in lines[3]  # the control reuses no documents
     targets = "\n".join(target_lines({FULL: full, EXACT: control, "concat": s}))
-    assert "blend not run" in targets and "concat: mean F1 0.500 (below >= 0.90)" in targets
+    assert "no blend configuration was run" in targets and "concat: mean F1 0.500 (below >= 0.90)" in targets
     assert "outside 5%" in targets
 
 

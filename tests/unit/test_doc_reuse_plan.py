@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from dataclasses import replace
+
 from pcr_sglang.core.doc_reuse import (
     CopySegment,
     DocBoundsError,
     DocSpan,
+    Recompute,
     canonical_tokens,
     parse_doc_bounds,
     plan_reuse,
+    request_recompute,
+    row_order,
+    with_recompute,
 )
 
 
@@ -87,3 +93,77 @@ def test_plan_never_reaches_the_limit_sglang_computes_from():
     assert _plan(SPANS, 0, limit=3).end == 3  # only leading tokens (exact) before the limit
     assert _plan(SPANS, 0, limit=3).exact_end == 3
     assert _plan(SPANS, 40, limit=45) is None  # the exact prefix already covers every document
+
+
+# ---------------------------------------------------------------------------- recompute
+SERVER = Recompute("blend", tokens=4, ratio=0.25)
+
+
+def test_request_recompute_defaults_to_the_server_and_takes_overrides():
+    assert request_recompute({}, SERVER) == SERVER
+    assert request_recompute({"pcr_doc_reuse": "off"}, SERVER) is None
+    assert request_recompute({"pcr_doc_reuse": "lego", "pcr_doc_recompute_tokens": 9}, SERVER) == \
+        Recompute("lego", 9, 0.25)
+    assert request_recompute({"pcr_doc_recompute_ratio": 1}, SERVER) == Recompute("blend", 4, 1.0)
+    assert request_recompute({}, Recompute("concat")) == Recompute("concat")
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"pcr_doc_recompute_tokens": -1}, "integer >= 0"),
+    ({"pcr_doc_recompute_tokens": 2.5}, "integer >= 0"),
+    ({"pcr_doc_recompute_tokens": True}, "integer >= 0"),
+    ({"pcr_doc_recompute_ratio": 1.5}, r"in \[0, 1\]"),
+    ({"pcr_doc_recompute_ratio": "0.1"}, r"in \[0, 1\]"),
+    ({"pcr_doc_reuse": "mosaic"}, "must be one of"),
+])
+def test_bad_recompute_parameters_are_refused(params, message):
+    with pytest.raises(DocBoundsError, match=message):
+        request_recompute(params, SERVER)
+
+
+def test_recompute_modes_need_a_recompute_server():
+    for server in (Recompute("concat"), Recompute("off")):
+        with pytest.raises(DocBoundsError, match="start it with --pcr-doc-reuse lego or blend"):
+            request_recompute({"pcr_doc_reuse": "lego"}, server)
+    assert request_recompute({"pcr_doc_reuse": "concat"}, SERVER).mode == "concat"
+
+
+def test_lego_recomputes_the_first_tokens_of_each_re_placed_document():
+    plan = _plan(SPANS, exact_len=0, limit=45)  # document 0 at delta 0, 1 at [20, 31), 2 at [31, 40)
+    lego = with_recompute(plan, SPANS, Recompute("lego", tokens=4))
+    assert lego.recompute == (20, 21, 22, 23, 31, 32, 33, 34)  # never document 0 (exact)
+    assert lego.recompute_count == 8 and lego.prefix_tokens == 40 - 8
+    short = with_recompute(plan, SPANS, Recompute("lego", tokens=100))
+    assert short.recompute == tuple(range(20, 40))  # a whole document at most
+    assert with_recompute(plan, SPANS, Recompute("lego", tokens=0)) == plan
+    assert with_recompute(plan, SPANS, Recompute("concat", tokens=4)) == plan
+    # The exact prefix covers document 1's first 4 tokens: the rest of its first 6 are recomputed.
+    inside = with_recompute(_plan(SPANS, exact_len=24, limit=45), SPANS, Recompute("lego", tokens=6))
+    assert inside.recompute == (24, 25, 31, 32, 33, 34, 35, 36)
+
+
+def test_blend_counts_its_share_of_re_placed_tokens_and_chooses_at_admission():
+    plan = _plan(SPANS, exact_len=0, limit=45)
+    blend = with_recompute(plan, SPANS, Recompute("blend", ratio=0.25))
+    assert blend.recompute_count == 5 and blend.recompute == ()  # 25% of the 20 re-placed tokens
+    assert blend.prefix_tokens == 35
+    assert plan.rotated_positions() == list(range(20, 40))
+    # Recomputing everything re-placed leaves the exact part to reuse.
+    everything = with_recompute(plan, SPANS, Recompute("blend", ratio=1.0))
+    assert everything.prefix_tokens == 20
+    # Nothing left to reuse at all: no plan (a plain prefill).
+    only_rotated = _plan(SPANS, exact_len=20, limit=45)
+    assert with_recompute(only_rotated, SPANS, Recompute("blend", ratio=1.0)) is None
+
+
+def test_row_order_moves_the_recomputed_tokens_behind_the_kept_ones():
+    plan = with_recompute(_plan(SPANS, 0, 45), SPANS, Recompute("lego", tokens=2))
+    row = row_order(plan)
+    assert plan.recompute == (20, 21, 31, 32)
+    assert row.start == 0 and row.end == 40
+    assert row.positions == tuple(range(0, 20)) + tuple(range(22, 31)) + tuple(range(33, 40)) + (20, 21, 31, 32)
+    # Slots past the permuted part hold their own positions; a later extend chunk is plain.
+    assert row.positions_of_slots(34, 44) == [38, 39, 20, 21, 31, 32, 40, 41, 42, 43]
+    assert row.permutes(36, 44) and not row.permutes(40, 44)
+    assert sorted(row.positions_of_slots(0, 40)) == list(range(40))
+    assert row_order(replace(plan, recompute_count=0, recompute=())) is None

@@ -80,3 +80,59 @@ def test_pad_token_prefers_pad_then_eos_then_bos():
     assert doc_pad_token_id(config) == 7
     config.pad_token_id = 2
     assert doc_pad_token_id(config) == 2
+
+
+# ---------------------------------------------------------------------------- recompute modes
+def test_recompute_needs_a_masking_backend_one_rank_and_a_probe_able_model():
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from pcr_sglang.sglang_adapter.doc_reuse_setup import recompute_support
+
+    class FlashInferAttnBackend:  # stands for any backend without the position-causal mask
+        pass
+
+    def worker(backend):
+        return SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend))
+
+    native = object.__new__(TorchNativeAttnBackend)
+    assert "needs --attention-backend torch_native or triton" in recompute_support(
+        worker(FlashInferAttnBackend()), None, 1)
+    assert "--tp-size > 1" in recompute_support(worker(native), None, 2)
+    assert "no model.embed_tokens" in recompute_support(worker(native), SimpleNamespace(), 1)
+
+
+def test_blend_picks_the_most_deviating_re_placed_tokens_and_refreshes_only_those():
+    """``DocReuse._blend_selection`` with a probe whose deviations are given: the top ones
+    among the re-placed tokens (delta != 0), never the exact ones, whatever their score;
+    the probe's layer-1 KV lands in the re-placed tokens' slots only (exact slots may be
+    checkpointed into the tree and must keep the forward's own KV)."""
+    from types import SimpleNamespace
+
+    from pcr_sglang.core.doc_reuse import CopySegment, ReusePlan
+    from pcr_sglang.sglang_adapter.blend_probe import ProbeResult
+    from pcr_sglang.sglang_adapter.doc_reuse import DocReuse
+
+    # Positions 4..7 exact (delta 0), 8..13 re-placed; slots 20..29 hold them.
+    plan = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 8, 14, 4)), 4, 14, 8, recompute_count=2)
+    slots = torch.arange(20, 30)
+    deviation = torch.tensor([9.0, 9.0, 9.0, 9.0, 0.1, 5.0, 0.2, 0.3, 7.0, 0.4])  # exact ones score highest
+    k1 = torch.full((10, 1, 2), 1.0)
+    layers = [(torch.zeros(40, 1, 2), torch.zeros(40, 1, 2)), (torch.zeros(40, 1, 2), torch.zeros(40, 1, 2))]
+    calls = []
+
+    def run(ids, positions, prefix_slots, reused_slots):
+        calls.append((ids.tolist(), positions.tolist(), prefix_slots.tolist(), reused_slots.tolist()))
+        return ProbeResult(deviation, k1, k1 * 2)
+
+    node = SimpleNamespace(path_from_root=lambda: [SimpleNamespace(device_value=torch.tensor([0, 1, 2, 3]))])
+    this = SimpleNamespace(probe=SimpleNamespace(run=run), kv_layers=layers)
+    req = SimpleNamespace(origin_input_ids=list(range(100, 120)))
+    chosen = DocReuse._blend_selection(this, req, plan, node, slots)
+    assert chosen == (9, 12)
+    assert calls == [(list(range(104, 114)), list(range(4, 14)), [0, 1, 2, 3], list(range(20, 30)))]
+    k, v = layers[1]
+    assert k[24:30].eq(1.0).all() and v[24:30].eq(2.0).all()
+    assert k[20:24].eq(0).all() and v[20:24].eq(0).all()  # the exact tokens' slots untouched
+    assert layers[0][0].eq(0).all()

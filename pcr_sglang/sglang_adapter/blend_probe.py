@@ -1,0 +1,112 @@
+"""``blend`` mode's token selection: which re-placed tokens deviate most from full prefill.
+
+CacheBlend recomputes the tokens whose KV at layer 1 differs most between the reused
+(re-placed) KV and the KV full prefill would give, since those deviations grow through
+the layers and concentrate where a document attends to the documents before it. Layer 0
+is context-free (a projection of each token, then RoPE: the rotation is exact there, see
+``doc_reuse_setup.layer0_self_test``), so full-context layer-1 KV needs only layer 0's
+attention in full context and layer 0's MLP, for the reused tokens: the probe runs those
+with the model's own modules on the request's layer-0 KV already in the pool (the exact
+prefix and the just re-placed documents), then layer 1's projections. Its layer-1 K and V
+also replace the reused ones in the private slots, as CacheBlend keeps its check layer's
+fresh KV: the kept tokens are then exact through layer 1.
+
+The selection score is CacheBlend's reference one: the squared difference of layer-1 V,
+summed over heads and dimensions (V carries no position, so rotation error cannot enter).
+
+The probe drives the decoder layers' modules directly (norms, projections, MLP) rather
+than SGLang's forward, so it is allowed only for the layer classes whose structure it
+reproduces (``PROBE_LAYERS``); :func:`probe_support` says why not for any other.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Pre-norm decoder layers: x + attn(norm(x)), then + mlp(norm(.)), attention from a fused
+# qkv projection with RoPE, no q/k norms, no soft cap, full attention.
+PROBE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+
+
+def probe_support(model: Any) -> Optional[str]:
+    """None when :class:`Layer1Probe` can run on ``model``; else why not."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or getattr(inner, "embed_tokens", None) is None or len(layers) < 2:
+        return f"{type(model).__name__} has no model.embed_tokens / two model.layers for the layer-1 probe"
+    for layer in list(layers)[:2]:
+        name = type(layer).__name__
+        if name not in PROBE_LAYERS:
+            return f"the layer-1 probe reproduces {', '.join(PROBE_LAYERS)}; this model's layers are {name}"
+        attn = getattr(layer, "self_attn", None)
+        for part in ("qkv_proj", "o_proj", "rotary_emb", "q_size", "kv_size", "head_dim", "scaling"):
+            if not hasattr(attn, part):
+                return f"{name}.self_attn has no {part} for the layer-1 probe"
+        if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
+            return f"{name} normalizes q/k, which the layer-1 probe does not reproduce"
+        if float(getattr(getattr(attn, "attn", None), "logit_cap", 0.0) or 0.0) > 0:
+            return f"{name} soft-caps attention logits, which the layer-1 probe does not reproduce"
+        for part in ("input_layernorm", "post_attention_layernorm", "mlp"):
+            if getattr(layer, part, None) is None:
+                return f"{name} has no {part} for the layer-1 probe"
+    return None
+
+
+@dataclass
+class ProbeResult:
+    deviation: torch.Tensor  # [tokens] float32, squared layer-1 V difference per reused token
+    k1: torch.Tensor  # [tokens, kv_heads, head_dim] full-context layer-1 K, in the KV dtype
+    v1: torch.Tensor
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+class Layer1Probe:
+    def __init__(self, model: Any, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.embed = model.model.embed_tokens
+        self.layers = list(model.model.layers)[:2]
+        self.kv_layers = kv_layers
+
+    @torch.no_grad()
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, prefix_slots: torch.Tensor,
+            reused_slots: torch.Tensor) -> ProbeResult:
+        """Full-context layer-1 KV for the reused tokens ``token_ids`` at ``positions``
+        (ascending; the exact prefix's slots ``prefix_slots`` hold positions 0..), whose
+        re-placed KV sits in ``reused_slots``, and its deviation from that KV."""
+        layer0, layer1 = self.layers
+        attn0 = layer0.self_attn
+        k0_pool, v0_pool = self.kv_layers[0]
+        hidden = self.embed(token_ids)
+        normed = _first(layer0.input_layernorm(hidden))
+        q, k, v = _first(attn0.qkv_proj(normed)).split([attn0.q_size, attn0.kv_size, attn0.kv_size], dim=-1)
+        q, k = attn0.rotary_emb(positions, q, k)
+        d = attn0.head_dim
+        n = token_ids.shape[0]
+        keys = torch.cat([k0_pool[prefix_slots].to(q.dtype), k.reshape(n, -1, d)])
+        values = torch.cat([v0_pool[prefix_slots].to(q.dtype), v.reshape(n, -1, d)])
+        key_positions = torch.cat([torch.arange(prefix_slots.shape[0], device=q.device), positions])
+        mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)  # [n, keys]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.reshape(n, -1, d).transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=attn0.scaling,
+            enable_gqa=q.shape[-1] // d != keys.shape[1])
+        out = out.squeeze(0).transpose(0, 1).reshape(n, -1)
+        residual = hidden + _first(attn0.o_proj(out))
+        residual = residual + layer0.mlp(_first(layer0.post_attention_layernorm(residual)))
+        attn1 = layer1.self_attn
+        normed = _first(layer1.input_layernorm(residual))
+        q1, k1, v1 = _first(attn1.qkv_proj(normed)).split([attn1.q_size, attn1.kv_size, attn1.kv_size], dim=-1)
+        _, k1 = attn1.rotary_emb(positions, q1, k1)
+        k1_pool, v1_pool = self.kv_layers[1]
+        k1 = k1.reshape(n, -1, attn1.head_dim).to(k1_pool.dtype)
+        v1 = v1.reshape(n, -1, attn1.head_dim).to(v1_pool.dtype)
+        deviation = (v1.float() - v1_pool[reused_slots].float()).square().sum(dim=(1, 2))
+        return ProbeResult(deviation, k1, v1)

@@ -1,0 +1,188 @@
+"""Recompute modes in SGLang's forward: a permuted row's input, positions and attention.
+
+A ``lego``/``blend`` request's row is ``[exact prefix ‖ kept reused tokens ‖ recomputed
+tokens ‖ the rest]`` (:class:`pcr_sglang.core.doc_reuse.RowOrder`), so the recomputed
+tokens are part of the extend SGLang runs. Three things then differ from a plain extend,
+each set where SGLang builds it, for the requests whose extend touches a permuted part:
+
+* the extend's input ids (``prepare_for_extend`` takes ``fill_ids[prefix_len:]``): the
+  tokens at the slots' positions (:func:`permute_extend_inputs`, scheduler side);
+* the positions (``ForwardBatch.init_new`` computes ``prefix_len + i``): each token's
+  true position (:func:`apply_row_positions`), so RoPE and the sampled token are right;
+* attention: a query sees exactly the keys at positions up to its own, in whatever slot
+  they sit (:func:`position_causal_sdpa_extend` for ``torch_native``;
+  :func:`triton_position_mask` for ``triton``'s custom mask, prefix included).
+
+Row slot positions travel down with the batch: the ``ScheduleBatch`` carries them
+(attribute :data:`ROWS_ATTR`, a dict from the batch index to the positions of the
+request's row slots ``[0, seq_len)``), ``ForwardBatch.init_new`` publishes them for the
+forward it builds (:data:`CURRENT`: SGLang's runners hand the attention backend copies of
+that ``ForwardBatch``, without attributes of ours), and the backends read them there. A
+batch with no permuted request publishes None and runs SGLang's own code unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from pcr_sglang.core.doc_reuse import RowOrder
+
+logger = logging.getLogger(__name__)
+
+ROWS_ATTR = "pcr_row_positions"
+
+
+@dataclass
+class ForwardRows:
+    """The permuted rows of the forward being run, by batch index: the request-pool row
+    (checked by the attention backend against the batch it computes) and its slots'
+    positions. Set at every ``ForwardBatch.init_new``; one per process, like SGLang's
+    request-to-token pool, since a process runs one forward at a time."""
+
+    rows: Optional[dict[int, tuple[int, torch.Tensor]]] = None
+
+    def for_attention(self, req_pool_indices: torch.Tensor) -> Optional[dict[int, torch.Tensor]]:
+        """The positions by batch index, after checking the rows are this batch's."""
+        if not self.rows:
+            return None
+        pool = req_pool_indices.tolist()
+        for i, (row, _) in self.rows.items():
+            if i >= len(pool) or int(pool[i]) != row:
+                raise RuntimeError(f"PCR document reuse: the permuted row of batch entry {i} (request-pool row "
+                                   f"{row}) is not in this forward ({pool}); refusing to attend with wrong positions")
+        return {i: positions for i, (_, positions) in self.rows.items()}
+
+
+CURRENT = ForwardRows()
+# Attention backends whose extend takes a position-causal mask (recompute modes need one).
+RECOMPUTE_BACKENDS = ("torch_native", "triton")
+
+
+def permute_extend_inputs(batch: Any, row_of: Callable[[str], Optional[RowOrder]]) -> Optional[dict[int, torch.Tensor]]:
+    """After ``prepare_for_extend``: for each request whose extend overlaps its permuted
+    part, put the tokens of the slots' positions in the batch's extend input ids, and
+    return the positions of its row slots ``[0, seq_len)`` by batch index (None if none)."""
+    rows: dict[int, torch.Tensor] = {}
+    ids = batch.prefill_input_ids_cpu if getattr(batch, "prefill_input_ids_cpu", None) is not None \
+        else batch.input_ids
+    offset = 0
+    for i, req in enumerate(batch.reqs):
+        prefix, extend = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
+        row = row_of(req.rid)
+        if row is not None and row.permutes(prefix, prefix + extend):
+            positions = row.positions_of_slots(0, prefix + extend)
+            fill = req.get_fill_ids()
+            tokens = torch.tensor([fill[p] for p in positions[prefix:]], dtype=ids.dtype)
+            ids[offset: offset + extend] = tokens.to(ids.device)
+            rows[i] = torch.tensor(positions, dtype=torch.int64)
+        offset += extend
+    return rows or None
+
+
+def apply_row_positions(forward_batch: Any, batch: Any, current: ForwardRows = CURRENT) -> None:
+    """After ``ForwardBatch.init_new``: the permuted requests' extend tokens at their true
+    positions, and their row slots' positions published for the attention backend."""
+    rows = getattr(batch, ROWS_ATTR, None)
+    current.rows = None
+    if not rows or forward_batch.positions is None or not forward_batch.forward_mode.is_extend():
+        return
+    prefix_lens = forward_batch.extend_prefix_lens_cpu
+    extend_lens = forward_batch.extend_seq_lens_cpu
+    device = forward_batch.positions.device
+    start = 0
+    on_device: dict[int, tuple[int, torch.Tensor]] = {}
+    for i, extend in enumerate(extend_lens):
+        extend = int(extend)
+        if i in rows:
+            prefix = int(prefix_lens[i])
+            positions = rows[i]
+            forward_batch.positions[start: start + extend] = positions[prefix: prefix + extend].to(
+                device=device, dtype=forward_batch.positions.dtype)
+            on_device[i] = (int(batch.reqs[i].kv.req_pool_idx), positions.to(device))
+        start += extend
+    current.rows = on_device
+
+
+def _slot_positions(rows: dict[int, torch.Tensor], i: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    positions = rows.get(i)
+    if positions is None:
+        return torch.arange(seq_len, device=device)
+    return positions[:seq_len]
+
+
+def position_causal_sdpa_extend(rows: dict[int, torch.Tensor], query: torch.Tensor, output: torch.Tensor,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                                extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
+                                scaling: Optional[float], enable_gqa: bool) -> torch.Tensor:
+    """``torch_native``'s extend attention (query ``[tokens, heads, dim]``) with query
+    ``i`` of a request attending the row keys whose position is at most its own: for a
+    request without a permuted row that is the bottom-right causal mask of a plain extend."""
+    start = 0
+    for i in range(seq_lens.shape[0]):
+        seq_len, prefix, extend = int(seq_lens[i]), int(extend_prefix_lens[i]), int(extend_seq_lens[i])
+        q = query[start: start + extend].movedim(0, 1)  # [heads, extend, dim]
+        slots = req_to_token[req_pool_indices[i], :seq_len]
+        k = k_cache[slots].movedim(0, 1)
+        v = v_cache[slots].movedim(0, 1)
+        if not (q.dtype == k.dtype == v.dtype):
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        positions = _slot_positions(rows, i, seq_len, q.device)
+        mask = positions.unsqueeze(0) <= positions[prefix:seq_len].unsqueeze(1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=enable_gqa)
+        output[start: start + extend] = out.squeeze(0).movedim(1, 0)
+        start += extend
+    return output
+
+
+def triton_position_mask(rows: dict[int, torch.Tensor], seq_lens: list[int], prefix_lens: list[int],
+                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's Triton extend ``custom_mask`` (flat bool, per request ``[extend x seq_len]``
+    row-major, keys in row order: prefix then extend) and its ``mask_indptr``, for a
+    position-causal mask over every request of the batch (pass
+    ``skip_prefix_custom_mask=False`` so the prefix part is masked too)."""
+    masks = []
+    sizes = [0]
+    for i, (seq_len, prefix) in enumerate(zip(seq_lens, prefix_lens)):
+        positions = _slot_positions(rows, i, seq_len, device)
+        mask = positions.unsqueeze(0) <= positions[prefix:seq_len].unsqueeze(1)
+        masks.append(mask.reshape(-1))
+        sizes.append(mask.numel())
+    indptr = torch.cumsum(torch.tensor(sizes, dtype=torch.int64), dim=0).to(device)
+    return torch.cat(masks).to(device), indptr
+
+
+def native_extend_with_rows(original: Callable[..., Any], backend: Any, *args: Any,
+                            current: ForwardRows = CURRENT, **kwargs: Any) -> Any:
+    """Around ``TorchNativeAttnBackend._run_sdpa_forward_extend`` in a forward that carries
+    permuted rows: the position-causal loop for full causal attention; anything else
+    (cross-attention, sliding windows: refused at startup for recompute modes) unchanged."""
+    bound = inspect.signature(original).bind(backend, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    rows = current.for_attention(a["req_pool_indices"])
+    if not rows or not a.get("causal", True) or a.get("is_cross_attn") or a.get("sliding_window_size") is not None:
+        return original(backend, *args, **kwargs)
+    return position_causal_sdpa_extend(
+        rows, a["query"], a["output"], a["k_cache"], a["v_cache"], a["req_to_token"], a["req_pool_indices"],
+        a["seq_lens"], a["extend_prefix_lens"], a["extend_seq_lens"], a.get("scaling"), bool(a.get("enable_gqa")))
+
+
+def set_triton_position_mask(backend: Any, forward_batch: Any, rows: dict[int, torch.Tensor]) -> bool:
+    """After ``TritonAttnBackend.init_forward_metadata`` for a batch with permuted rows:
+    whether the mask was set (an extend; the kernel must then mask the prefix too)."""
+    metadata = backend.forward_metadata
+    if metadata is None or not forward_batch.forward_mode.is_extend() or forward_batch.forward_mode.is_target_verify():
+        return False
+    seq_lens = [int(x) for x in forward_batch.seq_lens_cpu.tolist()]
+    prefix_lens = [int(x) for x in forward_batch.extend_prefix_lens_cpu]
+    mask, indptr = triton_position_mask(rows, seq_lens, prefix_lens, forward_batch.seq_lens.device)
+    metadata.custom_mask = mask
+    metadata.mask_indptr = indptr
+    return True

@@ -1,0 +1,164 @@
+"""Recompute modes' forward pieces (pcr_sglang.sglang_adapter.permuted_rows), no server.
+
+The attention check is an invariance: keys carry their RoPE already, so a request whose
+row holds its positions in another order (kept reused tokens, then the recomputed ones,
+then the rest) must get, for each query, exactly what the same query gets over the row in
+position order, once each query sees the keys at positions up to its own. The negative
+control runs the permuted row through SGLang's own (bottom-right causal) mask, which must
+give other outputs, so the comparison can tell a wrong mask.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pcr_sglang.core.doc_reuse import RowOrder
+from pcr_sglang.sglang_adapter import permuted_rows
+from pcr_sglang.sglang_adapter.permuted_rows import (
+    ROWS_ATTR,
+    apply_row_positions,
+    permute_extend_inputs,
+    position_causal_sdpa_extend,
+    triton_position_mask,
+)
+from tests.unit.test_torch_native_extend import BATCH, TOLERANCES, make_batch, reference_padded, run_backend
+
+HEAD_DIM = 16
+
+
+def _native(b, rows, scaling=0.3):
+    output = torch.full_like(b.query, float("nan"))
+    return position_causal_sdpa_extend(rows, b.query, output, b.k_cache, b.v_cache, b.req_to_token,
+                                       b.req_pool_indices, b.seq_lens, b.prefix_lens, b.extend_lens, scaling,
+                                       b.query.shape[1] != b.k_cache.shape[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_in_position_order_are_a_plain_causal_extend(dtype):
+    """Requests without a permuted row (every other request of a batch that has one)."""
+    b = make_batch(BATCH, 6, 2, dtype)
+    torch.testing.assert_close(_native(b, {}), reference_padded(b, 0.3, True, None), **TOLERANCES[dtype])
+
+
+ROW = RowOrder(8, tuple([p for p in range(8, 30) if p not in (8, 9, 10, 20, 21)] + [8, 9, 10, 20, 21]))
+SEQ = 40
+
+
+def _natural_and_permuted(dtype, num_heads=4, num_kv_heads=2, seed=0):
+    """The same request twice: its row in position order (an extend of positions 8..39),
+    and permuted by ``ROW`` (an extend of the recomputed positions, then 30..39)."""
+    gen = torch.Generator().manual_seed(seed)
+    slot_of = torch.randperm(SEQ + 7, generator=gen)[:SEQ]  # position -> slot, scattered
+    k_cache = torch.randn(SEQ + 7, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(SEQ + 7, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    query_at = torch.randn(SEQ, num_heads, HEAD_DIM, generator=gen).to(dtype)  # position -> query
+    order = ROW.positions_of_slots(0, SEQ)
+    prefix = ROW.start + len(ROW.positions) - 5
+    queries = order[prefix:]  # the recomputed positions, then the rest
+
+    def batch(positions, prefix_len):
+        req_to_token = torch.zeros((2, SEQ + 3), dtype=torch.int64)
+        req_to_token[1, :SEQ] = slot_of[torch.tensor(positions)]
+        return SimpleNamespace(query=query_at[torch.tensor(positions[prefix_len:])].clone(), k_cache=k_cache,
+                               v_cache=v_cache, req_to_token=req_to_token, req_pool_indices=torch.tensor([1]),
+                               seq_lens=torch.tensor([SEQ]), prefix_lens=torch.tensor([prefix_len]),
+                               extend_lens=torch.tensor([SEQ - prefix_len]))
+
+    natural = batch(list(range(SEQ)), 8)
+    permuted = batch(order, prefix)
+    return natural, permuted, torch.tensor(order), queries
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_permuted_row_attends_exactly_as_in_position_order(dtype):
+    natural, permuted, order, queries = _natural_and_permuted(dtype)
+    expected = _native(natural, {})[torch.tensor(queries) - 8]
+    got = _native(permuted, {0: order})
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+    # Negative control: SGLang's mask (row index = position) sees the wrong keys.
+    wrong = run_backend(permuted, 0.3, True, None)
+    assert not torch.allclose(wrong, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_the_backend_hook_routes_only_forwards_with_rows(monkeypatch):
+    """``plugin._native_extend`` binds SGLang's arguments by name for the permuted loop,
+    leaves a forward without rows to SGLang, and refuses rows of another batch."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from pcr_sglang import plugin
+
+    natural, permuted, order, queries = _natural_and_permuted(torch.float32)
+    backend = object.__new__(TorchNativeAttnBackend)
+    original = TorchNativeAttnBackend._run_sdpa_forward_extend
+
+    def run():
+        output = torch.full_like(permuted.query, float("nan"))
+        plugin._native_extend(original, backend, permuted.query, output, permuted.k_cache, permuted.v_cache,
+                              permuted.req_to_token, permuted.req_pool_indices, permuted.seq_lens,
+                              permuted.prefix_lens, permuted.extend_lens, scaling=0.3, enable_gqa=True,
+                              causal=True)
+        return output
+
+    monkeypatch.setattr(permuted_rows.CURRENT, "rows", {0: (1, order)})  # request-pool row 1, as in the batch
+    torch.testing.assert_close(run(), _native(natural, {})[torch.tensor(queries) - 8], **TOLERANCES[torch.float32])
+    monkeypatch.setattr(permuted_rows.CURRENT, "rows", None)
+    torch.testing.assert_close(run(), run_backend(permuted, 0.3, True, None), **TOLERANCES[torch.float32])
+    monkeypatch.setattr(permuted_rows.CURRENT, "rows", {0: (2, order)})  # published for another batch
+    with pytest.raises(RuntimeError, match="not in this forward"):
+        run()
+
+
+def test_extend_inputs_are_the_tokens_of_the_slots_positions():
+    fill = list(range(100, 100 + SEQ))  # token at position p: 100 + p
+    prefix = ROW.end - 5
+    plain = SimpleNamespace(rid="plain", get_fill_ids=lambda: list(range(7)))
+    recompute = SimpleNamespace(rid="r", get_fill_ids=lambda: fill)
+    ids = torch.zeros(3 + SEQ - prefix, dtype=torch.int64)
+    ids[:3] = torch.tensor([4, 5, 6])
+    batch = SimpleNamespace(reqs=[plain, recompute], prefix_lens=[4, prefix], extend_lens=[3, SEQ - prefix],
+                            prefill_input_ids_cpu=ids, input_ids=None)
+    rows = permute_extend_inputs(batch, {"r": ROW}.get)
+    assert ids[:3].tolist() == [4, 5, 6]  # untouched
+    assert ids[3:].tolist() == [100 + p for p in (8, 9, 10, 20, 21, *range(30, 40))]
+    assert list(rows) == [1] and rows[1].tolist() == ROW.positions_of_slots(0, SEQ)
+    # A later chunk past the permuted part is a plain extend: nothing to carry.
+    later = SimpleNamespace(reqs=[recompute], prefix_lens=[ROW.end], extend_lens=[5],
+                            prefill_input_ids_cpu=torch.zeros(5, dtype=torch.int64), input_ids=None)
+    assert permute_extend_inputs(later, {"r": ROW}.get) is None
+
+
+def test_positions_are_the_true_ones_and_are_published_for_the_forward():
+    mode = SimpleNamespace(is_extend=lambda: True)
+    prefix = ROW.end - 5
+    forward = SimpleNamespace(positions=torch.arange(100, dtype=torch.int32)[:3 + SEQ - prefix].clone(),
+                              forward_mode=mode, extend_prefix_lens_cpu=[4, prefix],
+                              extend_seq_lens_cpu=[3, SEQ - prefix])
+    forward.positions[:3] = torch.tensor([4, 5, 6], dtype=torch.int32)
+    order = torch.tensor(ROW.positions_of_slots(0, SEQ))
+    reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
+    current = permuted_rows.ForwardRows()
+    apply_row_positions(forward, SimpleNamespace(reqs=reqs, **{ROWS_ATTR: {1: order}}), current)
+    assert forward.positions.tolist() == [4, 5, 6, 8, 9, 10, 20, 21, *range(30, 40)]
+    assert forward.positions.dtype == torch.int32
+    published = current.for_attention(torch.tensor([7, 3]))
+    assert list(published) == [1] and published[1].tolist() == order.tolist()
+    with pytest.raises(RuntimeError, match="not in this forward"):
+        current.for_attention(torch.tensor([7, 4]))
+    # The next forward without permuted rows (a decode, another batch) publishes nothing.
+    apply_row_positions(forward, SimpleNamespace(reqs=reqs, **{ROWS_ATTR: None}), current)
+    assert current.rows is None and current.for_attention(torch.tensor([7, 3])) is None
+
+
+def test_triton_mask_is_position_causal_per_request_in_row_order():
+    order = torch.tensor([0, 1, 3, 2])  # row slot 2 holds position 3, slot 3 position 2
+    mask, indptr = triton_position_mask({1: order}, seq_lens=[3, 4], prefix_lens=[1, 2], device=torch.device("cpu"))
+    assert indptr.tolist() == [0, 2 * 3, 2 * 3 + 2 * 4]
+    plain = mask[:6].reshape(2, 3).tolist()
+    assert plain == [[True, True, False], [True, True, True]]  # bottom-right causal
+    permuted = mask[6:].reshape(2, 4).tolist()
+    assert permuted == [[True, True, True, True],  # the query at position 3 sees every position
+                        [True, True, False, True]]  # the one at position 2 not position 3 (in slot 2)
+    assert permuted_rows.RECOMPUTE_BACKENDS == ("torch_native", "triton")
