@@ -250,7 +250,8 @@ def _triton_metadata(original: Callable[..., Any], backend: Any, forward_batch: 
     from pcr_sglang.sglang_adapter import permuted_rows
 
     result = original(backend, forward_batch, *args, **kwargs)
-    rows = permuted_rows.CURRENT.for_attention(forward_batch.req_pool_indices)
+    pool = getattr(forward_batch, "req_pool_indices_cpu", None)
+    rows = permuted_rows.CURRENT.for_attention(pool if pool is not None else forward_batch.req_pool_indices)
     backend._pcr_position_mask = bool(rows) and permuted_rows.set_triton_position_mask(backend, forward_batch, rows)
     return result
 

@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 # Pre-norm decoder layers: x + attn(norm(x)), then + mlp(norm(.)), attention from a fused
 # qkv projection with RoPE, no q/k norms, no soft cap, full attention.
 PROBE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+# Attention scores one query block of the probe may hold (heads x queries x keys): 2^26
+# float32 is 256 MiB, beside SGLang's own budget, for documents of any length.
+SCORE_ELEMENTS = 1 << 26
 
 
 def probe_support(model: Any) -> Optional[str]:
@@ -80,33 +83,39 @@ class Layer1Probe:
             reused_slots: torch.Tensor) -> ProbeResult:
         """Full-context layer-1 KV for the reused tokens ``token_ids`` at ``positions``
         (ascending; the exact prefix's slots ``prefix_slots`` hold positions 0..), whose
-        re-placed KV sits in ``reused_slots``, and its deviation from that KV."""
+        re-placed KV sits in ``reused_slots``, and its deviation from that KV. Queries run
+        in blocks, so the attention scores of one block stay within ``SCORE_ELEMENTS``."""
         layer0, layer1 = self.layers
-        attn0 = layer0.self_attn
+        attn0, attn1 = layer0.self_attn, layer1.self_attn
         k0_pool, v0_pool = self.kv_layers[0]
+        k1_pool, v1_pool = self.kv_layers[1]
+        d = attn0.head_dim
+        n = token_ids.shape[0]
         hidden = self.embed(token_ids)
         normed = _first(layer0.input_layernorm(hidden))
         q, k, v = _first(attn0.qkv_proj(normed)).split([attn0.q_size, attn0.kv_size, attn0.kv_size], dim=-1)
         q, k = attn0.rotary_emb(positions, q, k)
-        d = attn0.head_dim
-        n = token_ids.shape[0]
-        keys = torch.cat([k0_pool[prefix_slots].to(q.dtype), k.reshape(n, -1, d)])
-        values = torch.cat([v0_pool[prefix_slots].to(q.dtype), v.reshape(n, -1, d)])
+        q = q.reshape(n, -1, d)
+        keys = torch.cat([k0_pool[prefix_slots].to(q.dtype), k.reshape(n, -1, d)]).transpose(0, 1).unsqueeze(0)
+        values = torch.cat([v0_pool[prefix_slots].to(q.dtype), v.reshape(n, -1, d)]).transpose(0, 1).unsqueeze(0)
         key_positions = torch.cat([torch.arange(prefix_slots.shape[0], device=q.device), positions])
-        mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)  # [n, keys]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.reshape(n, -1, d).transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=attn0.scaling,
-            enable_gqa=q.shape[-1] // d != keys.shape[1])
-        out = out.squeeze(0).transpose(0, 1).reshape(n, -1)
-        residual = hidden + _first(attn0.o_proj(out))
-        residual = residual + layer0.mlp(_first(layer0.post_attention_layernorm(residual)))
-        attn1 = layer1.self_attn
-        normed = _first(layer1.input_layernorm(residual))
-        q1, k1, v1 = _first(attn1.qkv_proj(normed)).split([attn1.q_size, attn1.kv_size, attn1.kv_size], dim=-1)
-        _, k1 = attn1.rotary_emb(positions, q1, k1)
-        k1_pool, v1_pool = self.kv_layers[1]
-        k1 = k1.reshape(n, -1, attn1.head_dim).to(k1_pool.dtype)
-        v1 = v1.reshape(n, -1, attn1.head_dim).to(v1_pool.dtype)
+        gqa = q.shape[1] != keys.shape[1]
+        block = max(1, SCORE_ELEMENTS // (q.shape[1] * key_positions.shape[0]))
+        k1_parts, v1_parts = [], []
+        for begin in range(0, n, block):
+            end = min(begin + block, n)
+            mask = key_positions.unsqueeze(0) <= positions[begin:end].unsqueeze(1)  # [block, keys]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q[begin:end].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask, scale=attn0.scaling,
+                enable_gqa=gqa)
+            out = out.squeeze(0).transpose(0, 1).reshape(end - begin, -1)
+            residual = hidden[begin:end] + _first(attn0.o_proj(out))
+            residual = residual + layer0.mlp(_first(layer0.post_attention_layernorm(residual)))
+            normed1 = _first(layer1.input_layernorm(residual))
+            q1, k1, v1 = _first(attn1.qkv_proj(normed1)).split([attn1.q_size, attn1.kv_size, attn1.kv_size], dim=-1)
+            _, k1 = attn1.rotary_emb(positions[begin:end], q1, k1)
+            k1_parts.append(k1.reshape(end - begin, -1, attn1.head_dim).to(k1_pool.dtype))
+            v1_parts.append(v1.reshape(end - begin, -1, attn1.head_dim).to(v1_pool.dtype))
+        k1, v1 = torch.cat(k1_parts), torch.cat(v1_parts)
         deviation = (v1.float() - v1_pool[reused_slots].float()).square().sum(dim=(1, 2))
         return ProbeResult(deviation, k1, v1)

@@ -134,6 +134,7 @@ class DocReuse:
             # Loaded at an admission that did not go through (it is matched again): start over.
             self.free_slots(entry.slots)
             entry.slots = None
+            entry.row = None
         if entry is None:
             try:
                 asked = request_doc_reuse(req, len(req.origin_input_ids), self.server)
@@ -181,6 +182,7 @@ class DocReuse:
         entry = self._requests.get(req.rid)
         if entry is None or entry.plan is None:
             return False
+        entry.row = None  # laid out again below, for this plan
         plan = entry.plan
         chains = [entry.chains[doc] for doc in dict.fromkeys(s.doc for s in plan.segments)]
         ends = [nodes[-1] for nodes in chains]
@@ -208,7 +210,14 @@ class DocReuse:
         for doc in dict.fromkeys(s.doc for s in plan.segments):  # reused: recently used, for the LRU
             self.state.match(iter(entry.chain_keys[doc]))
         if plan.recompute_count:
-            slots = self._keep_unrecomputed(req, entry, prefix_node, slots)
+            try:
+                slots = self._keep_unrecomputed(req, entry, prefix_node, slots)
+            except Exception:  # noqa: BLE001 - a failed probe recomputes the request, never loses slots
+                logger.exception("PCR document reuse: choosing request %s's recomputed tokens failed; "
+                                 "its documents are recomputed", req.rid)
+                self.free_slots(slots)
+                entry.row = None
+                return self._failed(entry)
         entry.slots = slots
         return True
 
@@ -225,9 +234,10 @@ class DocReuse:
         keep = torch.ones(plan.tokens, dtype=torch.bool)
         keep[torch.tensor([p - plan.start for p in chosen], dtype=torch.int64)] = False
         keep = keep.to(slots.device)
-        self.free_slots(slots[~keep])
         entry.row = row_order(plan)
-        return slots[keep]
+        kept = slots[keep]
+        self.free_slots(slots[~keep])
+        return kept
 
     def _blend_selection(self, req: Any, plan: ReusePlan, prefix_node: ChunkNode,
                          slots: torch.Tensor) -> tuple[int, ...]:

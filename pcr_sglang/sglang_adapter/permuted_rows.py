@@ -84,6 +84,17 @@ def permute_extend_inputs(batch: Any, row_of: Callable[[str], Optional[RowOrder]
     return rows or None
 
 
+def _cpu_list(forward_batch: Any, name: str) -> list[int]:
+    """A per-request length list: SGLang's ``<name>_cpu`` copy, or the tensor itself when a
+    path left that copy unset."""
+    values = getattr(forward_batch, f"{name}_cpu", None)
+    if values is None:
+        values = getattr(forward_batch, name)
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    return [int(x) for x in values]
+
+
 def apply_row_positions(forward_batch: Any, batch: Any, current: ForwardRows = CURRENT) -> None:
     """After ``ForwardBatch.init_new``: the permuted requests' extend tokens at their true
     positions, and their row slots' positions published for the attention backend."""
@@ -91,8 +102,8 @@ def apply_row_positions(forward_batch: Any, batch: Any, current: ForwardRows = C
     current.rows = None
     if not rows or forward_batch.positions is None or not forward_batch.forward_mode.is_extend():
         return
-    prefix_lens = forward_batch.extend_prefix_lens_cpu
-    extend_lens = forward_batch.extend_seq_lens_cpu
+    prefix_lens = _cpu_list(forward_batch, "extend_prefix_lens")
+    extend_lens = _cpu_list(forward_batch, "extend_seq_lens")
     device = forward_batch.positions.device
     start = 0
     on_device: dict[int, tuple[int, torch.Tensor]] = {}
@@ -180,8 +191,8 @@ def set_triton_position_mask(backend: Any, forward_batch: Any, rows: dict[int, t
     metadata = backend.forward_metadata
     if metadata is None or not forward_batch.forward_mode.is_extend() or forward_batch.forward_mode.is_target_verify():
         return False
-    seq_lens = [int(x) for x in forward_batch.seq_lens_cpu.tolist()]
-    prefix_lens = [int(x) for x in forward_batch.extend_prefix_lens_cpu]
+    seq_lens = _cpu_list(forward_batch, "seq_lens")
+    prefix_lens = _cpu_list(forward_batch, "extend_prefix_lens")
     mask, indptr = triton_position_mask(rows, seq_lens, prefix_lens, forward_batch.seq_lens.device)
     metadata.custom_mask = mask
     metadata.mask_indptr = indptr

@@ -172,9 +172,17 @@ def _recompute_flags(cfg: Any) -> Optional[str]:
         return "runs blend's layer-1 probe on one rank; --tp-size > 1 is not supported: use concat"
     if getattr(cfg, "enable_dp_attention", False):
         return "is not supported with --enable-dp-attention: use concat"
-    if getattr(cfg, "enable_piecewise_cuda_graph", False):
-        return "changes extend positions and masks per batch, which a captured prefill graph cannot: drop " \
-               "--enable-piecewise-cuda-graph"
+    if int(getattr(cfg, "dcp_size", 1) or 1) > 1:
+        return "is not supported with decode context parallelism (its extend takes no custom mask): use concat"
+    if getattr(cfg, "enable_pdmux", False):
+        return "is not supported with --enable-pdmux (a split prefill runs one batch over several forwards)"
+    if getattr(cfg, "enable_lora", False) or getattr(cfg, "lora_paths", None):
+        return "runs blend's layer-1 probe on the base model's layers; LoRA adapters are not supported: use concat"
+    graphs = getattr(cfg, "cuda_graph_config", None)
+    prefill_graph = str(getattr(getattr(graphs, "prefill", None), "backend", "disabled") or "disabled")
+    if prefill_graph.lower() not in ("disabled", "none"):
+        return (f"sets extend positions and a position-causal mask per batch, which a captured prefill CUDA "
+                f"graph (backend {prefill_graph}) does not see: pass --disable-prefill-cuda-graph")
     return None
 
 

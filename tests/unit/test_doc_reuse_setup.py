@@ -136,3 +136,66 @@ def test_blend_picks_the_most_deviating_re_placed_tokens_and_refreshes_only_thos
     assert k[24:30].eq(1.0).all() and v[24:30].eq(2.0).all()
     assert k[20:24].eq(0).all() and v[20:24].eq(0).all()  # the exact tokens' slots untouched
     assert layers[0][0].eq(0).all()
+
+
+def test_the_blend_probe_gives_the_same_kv_in_any_query_blocks(monkeypatch):
+    """``Layer1Probe.run`` bounds its attention scores by running queries in blocks: one
+    token per block and all at once give the same layer-1 KV and deviations (on a stand-in
+    for the model's modules; the modules' fidelity to SGLang's layers is checked end to end
+    against transformers in tests/e2e/test_doc_reuse.py)."""
+    from types import SimpleNamespace
+
+    from pcr_sglang.sglang_adapter import blend_probe
+
+    torch.manual_seed(0)
+    hidden, heads, kv_heads, dim = 16, 4, 2, 4
+
+    def linear(n_in, n_out):
+        layer = torch.nn.Linear(n_in, n_out, bias=False)
+        return lambda x: (layer(x), None)
+
+    def rope(positions, q, k):  # any position-dependent map stands for RoPE here
+        return q * positions[:, None].cos(), k * positions[:, None].sin()
+
+    def layer():
+        attn = SimpleNamespace(qkv_proj=linear(hidden, (heads + 2 * kv_heads) * dim), o_proj=linear(heads * dim, hidden),
+                               rotary_emb=rope, q_size=heads * dim, kv_size=kv_heads * dim, head_dim=dim, scaling=0.5)
+        return SimpleNamespace(self_attn=attn, input_layernorm=torch.nn.LayerNorm(hidden),
+                               post_attention_layernorm=torch.nn.LayerNorm(hidden),
+                               mlp=torch.nn.Linear(hidden, hidden))
+
+    model = SimpleNamespace(model=SimpleNamespace(embed_tokens=torch.nn.Embedding(50, hidden), layers=[layer(), layer()]))
+    pools = [(torch.randn(40, kv_heads, dim), torch.randn(40, kv_heads, dim)) for _ in range(2)]
+    probe = blend_probe.Layer1Probe(model, pools)
+    args = (torch.tensor([3, 9, 4, 7, 1, 8]), torch.arange(5, 11), torch.arange(20, 25), torch.arange(30, 36))
+    whole = probe.run(*args)
+    monkeypatch.setattr(blend_probe, "SCORE_ELEMENTS", 1)
+    blocked = probe.run(*args)
+    for a, b in ((whole.k1, blocked.k1), (whole.v1, blocked.v1), (whole.deviation, blocked.deviation)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_load_that_did_not_go_through_leaves_no_row_order_behind():
+    """A recompute request loaded at an admission SGLang then gave up on is matched again:
+    its slots are freed and its old row order dropped, so a new plan without recompute
+    (its exact prefix grew meanwhile) cannot permute a row that is in order."""
+    from types import SimpleNamespace
+
+    from pcr_sglang.core.doc_reuse import DocSpan, Recompute, RowOrder
+    from pcr_sglang.sglang_adapter.doc_reuse import DocReuse, DocReuseStats, _Planned
+
+    freed = []
+    docs = object.__new__(DocReuse)
+    docs.free_slots = freed.append
+    docs.stats = DocReuseStats()
+    docs.chunk, docs.pad_token_id = 4, 0
+    docs.root_key = lambda extra_key, salt: b"root"
+    docs.state = SimpleNamespace(match=lambda keys, touch=False: SimpleNamespace(device=0, host=0, nodes=[]))
+    entry = _Planned((DocSpan(0, 2, 6), DocSpan(1, 6, 10)), Recompute("lego", 2))
+    entry.slots, entry.row = torch.arange(8), RowOrder(2, (2, 3, 4, 5, 8, 9, 6, 7))
+    docs._requests = {"r": entry}
+    req = SimpleNamespace(rid="r", sampling_params=None, origin_input_ids=list(range(12)), extra_key=None,
+                          cache_salt=None)
+    assert docs.plan(req, list(range(11)), exact_len=0) is None  # nothing cached now
+    assert len(freed) == 1 and freed[0].tolist() == list(range(8))
+    assert docs.row("r") is None and entry.row is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -198,3 +199,24 @@ def test_selecting_pcr_by_radix_cache_backend_runs_the_same_refusals(tiny_model)
                                 "--radix-eviction-policy", "lfu"])
     with pytest.raises(UnsupportedConfigError, match="--radix-eviction-policy"):
         args.resolve_once()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"attention_backend": "flashinfer"}, "needs the torch_native or triton attention backend"),
+    ({"attention_backend": "triton", "prefill_attention_backend": "fa3"}, "this server's is fa3"),
+    ({"tp_size": 2}, "--tp-size > 1"),
+    ({"enable_dp_attention": True}, "--enable-dp-attention"),
+    ({"dcp_size": 2}, "decode context parallelism"),
+    ({"enable_pdmux": True}, "--enable-pdmux"),
+    ({"lora_paths": ["adapter"]}, "LoRA"),
+    ({"cuda_graph_config": SimpleNamespace(prefill=SimpleNamespace(backend="breakable"))},
+     "--disable-prefill-cuda-graph"),
+])
+def test_recompute_modes_refuse_what_cannot_mask_a_permuted_row(overrides, message):
+    from pcr_sglang.sglang_adapter.support_check import _recompute_flags
+
+    cfg = SimpleNamespace(**{"attention_backend": "torch_native", **overrides})
+    assert message in _recompute_flags(cfg)
+    assert _recompute_flags(SimpleNamespace(attention_backend="triton", tp_size=1,
+                                            cuda_graph_config=SimpleNamespace(
+                                                prefill=SimpleNamespace(backend="disabled")))) is None
