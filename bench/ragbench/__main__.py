@@ -95,6 +95,11 @@ def _workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--followups", type=int, default=0, help="follow-up turns per session")
     g.add_argument("--max-new-tokens", type=int, default=8, help="output tokens per request (greedy)")
     g.add_argument("--seed", type=int, default=0, help="seeds documents, questions and arrivals")
+    g.add_argument("--doc-order", choices=["retrieval", "shuffled"], default="retrieval",
+                   help="retrieval: each request lists its documents as retrieved (a topic's neighbours in "
+                        "the same order); shuffled: each request in its own order (documents recur in random order)")
+    g.add_argument("--unique-docs", action="store_true",
+                   help="no document in two requests (retrieval source): only the system prompt recurs")
 
 
 def _params(args: argparse.Namespace, **overrides) -> WorkloadParams:
@@ -102,7 +107,7 @@ def _params(args: argparse.Namespace, **overrides) -> WorkloadParams:
         source=args.source, num_requests=args.requests, corpus_docs=args.corpus_docs,
         min_docs=args.min_docs, max_docs=args.max_docs, zipf_exponent=args.zipf,
         max_doc_chars=args.max_doc_chars or None, followups=args.followups,
-        max_new_tokens=args.max_new_tokens, seed=args.seed)
+        max_new_tokens=args.max_new_tokens, seed=args.seed, doc_order=args.doc_order, unique_docs=args.unique_docs)
     return replace(params, **overrides)
 
 

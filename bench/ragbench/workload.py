@@ -76,6 +76,13 @@ class WorkloadParams:
     think_time_s: float = 2.0  # mean pause before a follow-up
     max_new_tokens: int = 16
     seed: int = 0
+    # How a request lists its documents: as retrieved (a topic's neighbours in the same
+    # order every time), or "shuffled" (the same documents, each request in its own order:
+    # documents recur in random order, the demo's kind of traffic).
+    doc_order: str = "retrieval"
+    # No document in two requests: each takes its best retrieved documents no earlier
+    # request used (a trace where only the system prompt recurs).
+    unique_docs: bool = False
 
     def __post_init__(self) -> None:
         if self.source not in ("retrieval", "synthetic"):
@@ -90,6 +97,10 @@ class WorkloadParams:
             raise ValueError("need 0 < synthetic_min_tokens <= synthetic_max_tokens")
         if self.followups < 0 or self.think_time_s < 0 or self.max_new_tokens < 1:
             raise ValueError("followups and think_time_s must be >= 0, max_new_tokens >= 1")
+        if self.doc_order not in ("retrieval", "shuffled"):
+            raise ValueError(f"doc_order must be 'retrieval' or 'shuffled', got {self.doc_order!r}")
+        if self.unique_docs and self.source != "retrieval":
+            raise ValueError("unique_docs needs the retrieval source")
 
 
 @dataclass(frozen=True)
@@ -261,8 +272,17 @@ def make_trace(params: WorkloadParams, retriever: Optional[Callable[[list[str], 
             from bench.ragbench.retrieval import EmbeddingIndex
 
             retriever = EmbeddingIndex([f"{d.title}. {d.text}" for d in documents]).search
-        retrieved = retriever(questions, params.max_docs)
-        doc_lists = [hits[:k] for hits, k in zip(retrieved, ks)]
+        if params.unique_docs:
+            retrieved = retriever(questions, min(len(documents), params.max_docs * (params.num_requests + 1)))
+            used: set[int] = set()
+            doc_lists = []
+            for hits, k in zip(retrieved, ks):
+                picked = [d for d in hits if d not in used][:k]
+                used.update(picked)
+                doc_lists.append(picked)
+        else:
+            retrieved = retriever(questions, params.max_docs)
+            doc_lists = [hits[:k] for hits, k in zip(retrieved, ks)]
     else:
         doc_lists = []
         for topic, k in zip(topics, ks):
@@ -275,6 +295,9 @@ def make_trace(params: WorkloadParams, retriever: Optional[Callable[[list[str], 
         questions = [rng.choice(_QUESTIONS).format(title=documents[t].title,
                                                    word=_content_word(documents[t].text, "", rng))
                      for t in topics]
+    if params.doc_order == "shuffled":  # its own generator: the rest of the trace is unchanged
+        order_rng = random.Random(params.seed + 7919)
+        doc_lists = [order_rng.sample(list(docs), len(docs)) for docs in doc_lists]
     arrivals = poisson_arrivals(params.num_requests, rng)
     requests: list[TraceRequest] = []
     for i, (docs, question, arrival, topic) in enumerate(zip(doc_lists, questions, arrivals, topics)):

@@ -169,6 +169,34 @@ class DocReuse:
         entry.chains = chains
         return entry.plan
 
+    def canonical_chain_keys(self, req: Any) -> list[list[Any]]:
+        """The chunk keys of the canonical chains of the documents ``req`` marked, for the
+        look-ahead window: a waiting request needs them as it needs its own prefix (none
+        if it does not ask for reuse, or its bounds do not fit: ``plan`` reports those)."""
+        if is_canonical_request(req):
+            return []
+        entry = self._requests.get(req.rid)
+        if entry is None:
+            try:
+                asked = request_doc_reuse(req, len(req.origin_input_ids), self.server)
+            except DocBoundsError:
+                return []
+            if asked is None:
+                return []
+            entry = self._requests.setdefault(req.rid, _Planned(*asked))
+        if not entry.spans:
+            return []
+        root = self.root_key(req.extra_key, req.cache_salt)
+        keys = []
+        for span in entry.spans:
+            chain = entry.chain_keys.get(span.index)
+            if chain is None:
+                canonical = canonical_tokens(req.origin_input_ids, span, entry.spans[0].start, self.chunk,
+                                             self.pad_token_id)
+                chain = entry.chain_keys[span.index] = chunk_keys(root, canonical, self.chunk)
+            keys.append(chain)
+        return keys
+
     def planned(self, rid: str) -> Optional[ReusePlan]:
         entry = self._requests.get(rid)
         return entry.plan if entry is not None and entry.slots is None else None

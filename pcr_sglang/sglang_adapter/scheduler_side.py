@@ -173,15 +173,23 @@ class SchedulerSide:
         depth = max(lookahead, prefetch if ssd else 0)
         window = list(waiting_queue[:depth])
         self._window_keys = {req.rid: self._keys(req) for req in window}
-        chains = [self.state.match(iter(self._window_keys[req.rid]), touch=False).nodes for req in window]
-        if lookahead:
-            self.state.protect(chains[:lookahead])
+        # Per request: its own prefix, then (document reuse) its documents' canonical chains.
+        chains = [[self.state.match(iter(keys), touch=False).nodes for keys in self._needed_keys(req)]
+                  for req in window]
+        if lookahead:  # one entry per request: the window counts requests
+            self.state.protect([[n for chain in per_req for n in chain] for per_req in chains[:lookahead]])
         if ssd:
             held = [n for s in self.requests.holds() for n in s.hold.chain]
             effects = Effects()
-            self.state.plan_prefetch(chains[:prefetch] if self.state.io_healthy else [], held, effects,
-                                     len(waiting_queue))
+            wanted = [c for per_req in chains[:prefetch] for c in per_req] if self.state.io_healthy else []
+            self.state.plan_prefetch(wanted, held, effects, len(waiting_queue))
             self.execute(effects)
+
+    def _needed_keys(self, req: Any) -> list[list[ChunkKey]]:
+        """The chains a waiting request will reuse: its prefix, and with document reuse
+        the canonical chains of the documents it marked."""
+        own = self._window_keys[req.rid]
+        return [own, *self.docs.canonical_chain_keys(req)] if self.docs is not None else [own]
 
     # ------------------------------------------------------------------ admission
     def consider(self, req: Any) -> bool:

@@ -495,3 +495,33 @@ def test_report_walks_the_tree_only_when_asked(make, monkeypatch):
     asked = h.cache.report(check_invariants=True)["invariants"]
     assert walks == [1] and asked["checked"] is True and asked["ok"] is False
     assert "bookkeeping broken" in asked["error"]
+
+
+def test_lookahead_and_prefetch_cover_a_waiting_requests_document_chains(make):
+    """With document reuse, a waiting request that marks documents needs their canonical
+    chains as it needs its own prefix: the look-ahead window protects them (one window
+    entry per request, its documents included), so eviction takes an unrelated chain."""
+    from types import SimpleNamespace
+
+    from pcr_sglang.core.doc_reuse import Recompute, canonical_tokens, parse_doc_bounds
+    from pcr_sglang.sglang_adapter.doc_reuse import DocReuse
+    from pcr_sglang.transfer.rope_shift import RopeSpec
+
+    h = make(lookahead_window=1)
+    kv = h.allocator.get_kvcache()
+    h.scheduler.docs = DocReuse(h.state, Recompute("concat"), CHUNK, 0, RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
+                                list(zip(kv.k_buffer, kv.v_buffer)), h.allocator, h.scheduler.root_key,
+                                h.scheduler.free_private)
+    leading, doc = [7, 7], prompt(300, 2)[:6]
+    tokens = leading + prompt(400, 1) + doc + [5, 5, 5]  # S, another document, doc, the question
+    bounds = [2, 2 + CHUNK, 2 + CHUNK, 2 + CHUNK + 6]
+    canonical = canonical_tokens(tokens, parse_doc_bounds(bounds, len(tokens))[1], 2, CHUNK, 0)
+    h.serve(canonical, "warm-up")  # doc's canonical chain S ‖ doc ‖ pad: 2 chunks
+    h.serve(prompt(500, 2), "unrelated")
+    waiting = h.request(tokens, "marked")
+    waiting.sampling_params = SimpleNamespace(custom_params={"pcr_doc_bounds": bounds})
+    h.step([waiting])
+    assert h.cache.report()["lookahead_protected_chunks"] == 2  # the canonical chain (its own prefix is not cached)
+    assert h.cache.evict(EvictParams(num_tokens=2 * CHUNK)).num_tokens_evicted == 8
+    assert h.match(canonical).device_prefix_len == 2 * CHUNK  # the documents' chain survived
+    assert h.state.stats.evicted_protected_chunks == 0

@@ -55,6 +55,24 @@ def test_retrieval_trace_uses_the_embedder_and_is_deterministic(retrieval_trace)
     assert 0.1 < (arrivals[-1] / (len(arrivals) - 1)) < 10  # about one per second
 
 
+def test_shuffled_and_unique_document_traces(retrieval_trace):
+    """``doc_order="shuffled"``: the same documents per request, each in its own order, the
+    rest of the trace unchanged; ``unique_docs``: no document in two requests."""
+    from dataclasses import replace
+
+    base = retrieval_trace.first_turns()
+    shuffled = make_trace(replace(retrieval_trace.params, doc_order="shuffled")).first_turns()
+    assert [sorted(r.doc_ids) for r in shuffled] == [sorted(r.doc_ids) for r in base]
+    assert [(r.question, r.arrival) for r in shuffled] == [(r.question, r.arrival) for r in base]
+    assert sum(a.doc_ids != b.doc_ids for a, b in zip(shuffled, base)) >= len(base) // 2
+    unique = make_trace(replace(retrieval_trace.params, unique_docs=True)).first_turns()
+    seen = [d for r in unique for d in r.doc_ids]
+    assert len(seen) == len(set(seen)) and all(r.doc_ids for r in unique)
+    assert len(set(d for r in base for d in r.doc_ids)) < sum(len(r.doc_ids) for r in base)  # base has repeats
+    with pytest.raises(ValueError, match="doc_order"):
+        WorkloadParams(doc_order="sorted")
+
+
 def test_followups_extend_their_session_with_the_answers(retrieval_trace):
     trace = retrieval_trace
     followup = next(r for r in trace.requests if r.parent is not None)
