@@ -99,7 +99,8 @@ def _workload_args(parser: argparse.ArgumentParser) -> None:
                    help="retrieval: each request lists its documents as retrieved (a topic's neighbours in "
                         "the same order); shuffled: each request in its own order (documents recur in random order)")
     g.add_argument("--unique-docs", action="store_true",
-                   help="no document in two requests (retrieval source): only the system prompt recurs")
+                   help="no document in two first turns (retrieval source): only the system prompt recurs "
+                        "(follow-ups keep their session's documents)")
 
 
 def _params(args: argparse.Namespace, **overrides) -> WorkloadParams:

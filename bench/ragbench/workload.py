@@ -80,8 +80,9 @@ class WorkloadParams:
     # order every time), or "shuffled" (the same documents, each request in its own order:
     # documents recur in random order, the demo's kind of traffic).
     doc_order: str = "retrieval"
-    # No document in two requests: each takes its best retrieved documents no earlier
-    # request used (a trace where only the system prompt recurs).
+    # No document in two sessions: each first turn takes its best retrieved documents no
+    # earlier one used (a trace where only the system prompt recurs; follow-ups keep their
+    # session's documents).
     unique_docs: bool = False
 
     def __post_init__(self) -> None:
@@ -278,6 +279,9 @@ def make_trace(params: WorkloadParams, retriever: Optional[Callable[[list[str], 
             doc_lists = []
             for hits, k in zip(retrieved, ks):
                 picked = [d for d in hits if d not in used][:k]
+                if len(picked) < k:
+                    raise ValueError(f"unique_docs: the corpus of {len(documents)} documents has too few left "
+                                     f"for {params.num_requests} requests of up to {params.max_docs}")
                 used.update(picked)
                 doc_lists.append(picked)
         else:

@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 # Pre-norm decoder layers: x + attn(norm(x)), then + mlp(norm(.)), attention from a fused
 # qkv projection with RoPE, no q/k norms, no soft cap, full attention.
 PROBE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
-# Attention scores one query block of the probe may hold (heads x queries x keys): 2^26
-# float32 is 256 MiB, beside SGLang's own budget, for documents of any length.
+# Attention scores one query block of the probe aims at (heads x queries x keys): 2^26
+# float32 is about 256 MiB per block, beside SGLang's own budget (approximate: a block has
+# at least one query, and SDPA's temporaries, the mask and the keys come on top).
 SCORE_ELEMENTS = 1 << 26
 
 

@@ -169,7 +169,8 @@ def _recompute_flags(cfg: Any) -> Optional[str]:
                 f"{' or '.join(RECOMPUTE_ATTENTION_BACKENDS)} attention backend for prefill; this server's is "
                 f"{prefill}: pass --attention-backend triton (GPU) or torch_native (CPU), or use concat")
     if int(getattr(cfg, "tp_size", 1) or 1) > 1:
-        return "runs blend's layer-1 probe on one rank; --tp-size > 1 is not supported: use concat"
+        return "(a recompute mode: a request on it may ask for blend, whose layer-1 probe runs on one rank) " \
+               "does not support --tp-size > 1: use concat"
     if getattr(cfg, "enable_dp_attention", False):
         return "is not supported with --enable-dp-attention: use concat"
     if int(getattr(cfg, "dcp_size", 1) or 1) > 1:
@@ -177,7 +178,8 @@ def _recompute_flags(cfg: Any) -> Optional[str]:
     if getattr(cfg, "enable_pdmux", False):
         return "is not supported with --enable-pdmux (a split prefill runs one batch over several forwards)"
     if getattr(cfg, "enable_lora", False) or getattr(cfg, "lora_paths", None):
-        return "runs blend's layer-1 probe on the base model's layers; LoRA adapters are not supported: use concat"
+        return "(a recompute mode: blend's layer-1 probe runs the base model's layers) does not support LoRA " \
+               "adapters: use concat"
     graphs = getattr(cfg, "cuda_graph_config", None)
     prefill_graph = str(getattr(getattr(graphs, "prefill", None), "backend", "disabled") or "disabled")
     if prefill_graph.lower() not in ("disabled", "none"):

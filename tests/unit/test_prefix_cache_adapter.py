@@ -497,7 +497,7 @@ def test_report_walks_the_tree_only_when_asked(make, monkeypatch):
     assert "bookkeeping broken" in asked["error"]
 
 
-def test_lookahead_and_prefetch_cover_a_waiting_requests_document_chains(make):
+def test_lookahead_protects_a_waiting_requests_document_chains(make):
     """With document reuse, a waiting request that marks documents needs their canonical
     chains as it needs its own prefix: the look-ahead window protects them (one window
     entry per request, its documents included), so eviction takes an unrelated chain."""

@@ -69,6 +69,8 @@ def test_shuffled_and_unique_document_traces(retrieval_trace):
     seen = [d for r in unique for d in r.doc_ids]
     assert len(seen) == len(set(seen)) and all(r.doc_ids for r in unique)
     assert len(set(d for r in base for d in r.doc_ids)) < sum(len(r.doc_ids) for r in base)  # base has repeats
+    with pytest.raises(ValueError, match="too few left"):  # 30 requests of 3+ documents, 60 in the corpus
+        make_trace(replace(retrieval_trace.params, unique_docs=True, num_requests=30))
     with pytest.raises(ValueError, match="doc_order"):
         WorkloadParams(doc_order="sorted")
 
