@@ -525,3 +525,34 @@ def test_lookahead_protects_a_waiting_requests_document_chains(make):
     assert h.cache.evict(EvictParams(num_tokens=2 * CHUNK)).num_tokens_evicted == 8
     assert h.match(canonical).device_prefix_len == 2 * CHUNK  # the documents' chain survived
     assert h.state.stats.evicted_protected_chunks == 0
+
+
+def test_prefetch_reads_a_waiting_requests_document_chains_from_ssd(make, tmp_path):
+    """With document reuse, the queue prefetcher reads the canonical chains of a waiting
+    request's documents (only on SSD) into host memory, as it reads the request's own
+    prefix, so the request finds them resident when it is admitted."""
+    from types import SimpleNamespace
+
+    from pcr_sglang.core.doc_reuse import Recompute, canonical_tokens, parse_doc_bounds
+    from pcr_sglang.sglang_adapter.doc_reuse import DocReuse
+    from pcr_sglang.transfer.rope_shift import RopeSpec
+
+    h = make(host_slots=6, ssd_path=tmp_path / "ssd", prefetch_window=1)
+    kv = h.allocator.get_kvcache()
+    h.scheduler.docs = DocReuse(h.state, Recompute("concat"), CHUNK, 0, RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
+                                list(zip(kv.k_buffer, kv.v_buffer)), h.allocator, h.scheduler.root_key,
+                                h.scheduler.free_private)
+    leading, doc = [7, 7], prompt(300, 2)[:6]
+    tokens = leading + prompt(400, 1) + doc + [5, 5, 5]
+    bounds = [2, 2 + CHUNK, 2 + CHUNK, 2 + CHUNK + 6]
+    canonical = canonical_tokens(tokens, parse_doc_bounds(bounds, len(tokens))[1], 2, CHUNK, 0)
+    persisted(h, [canonical, prompt(500), prompt(600)])  # the canonical chain left host memory long ago
+    assert h.state.match(iter(h.scheduler._keys_of(canonical)), touch=False).ssd == 2
+    waiting = h.request(tokens, "marked")
+    waiting.sampling_params = SimpleNamespace(custom_params={"pcr_doc_bounds": bounds})
+    h.step([waiting])
+    assert h.state.ssd_stats.prefetch_issued == 2
+    h.drain_io([waiting])
+    assert h.state.match(iter(h.scheduler._keys_of(canonical)), touch=False).host == 2
+    h.step()
+    h.check()
