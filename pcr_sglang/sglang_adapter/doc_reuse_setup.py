@@ -21,8 +21,8 @@ from pcr_sglang.core.doc_reuse import RECOMPUTE_MODES
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.sglang_adapter.blend_probe import Layer1Probe, probe_support
 from pcr_sglang.sglang_adapter.doc_reuse import DocReuse
-from pcr_sglang.sglang_adapter.permuted_rows import RECOMPUTE_BACKENDS
 from pcr_sglang.sglang_adapter.rope_spec import UnsupportedRope, model_rope_spec
+from pcr_sglang.sglang_adapter.support_check import RECOMPUTE_ATTENTION_BACKENDS
 from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def recompute_support(tp_worker: Any, model: Any, tp_size: int) -> Optional[str]
             names.add(type(inner).__name__)
     allowed = {"TorchNativeAttnBackend", "TritonAttnBackend"}
     if not names & allowed or any(n not in allowed and n != "HybridAttnBackend" for n in names):
-        return (f"recompute needs --attention-backend {' or '.join(RECOMPUTE_BACKENDS)} (a position-causal "
+        return (f"recompute needs --attention-backend {' or '.join(RECOMPUTE_ATTENTION_BACKENDS)} (a position-causal "
                 f"mask over a permuted row); this server's is {', '.join(sorted(names))}")
     if tp_size > 1:
         return "blend's layer-1 probe runs on one rank; --tp-size > 1 is not supported (use concat)"

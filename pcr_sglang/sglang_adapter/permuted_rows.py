@@ -59,8 +59,6 @@ class ForwardRows:
 
 
 CURRENT = ForwardRows()
-# Attention backends whose extend takes a position-causal mask (recompute modes need one).
-RECOMPUTE_BACKENDS = ("torch_native", "triton")
 
 
 def permute_extend_inputs(batch: Any, row_of: Callable[[str], Optional[RowOrder]]) -> Optional[dict[int, torch.Tensor]]:
