@@ -26,10 +26,15 @@ from pcr_sglang.core.doc_reuse import RowOrder  # noqa: E402
 from pcr_sglang.sglang_adapter.permuted_rows import position_causal_sdpa_extend, triton_position_mask  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
-# (prefix, extend) per request; request 1's row is permuted: slots 5..24 hold the kept
-# positions, then the recomputed ones (5, 6, 14, 15) are the extend's first four tokens.
-LENGTHS = [(3, 5), (21, 9), (0, 6)]
-ROW = RowOrder(5, tuple([p for p in range(5, 25) if p not in (5, 6, 14, 15)] + [5, 6, 14, 15]))
+# (prefix, extend) per request, and request 1's permuted row. SMALL: slots 5..24 hold the
+# kept positions, then the recomputed ones (5, 6, 14, 15) are the extend's first four tokens.
+SMALL = ([(3, 5), (21, 9), (0, 6)],
+         RowOrder(5, tuple([p for p in range(5, 25) if p not in (5, 6, 14, 15)] + [5, 6, 14, 15])))
+# Several key and query tiles: a prefix past 128 keys and an extend past 64 queries, the
+# permuted part spanning tile edges (recomputed positions 40..47 and 150..181 moved last).
+_RECOMPUTED = [*range(40, 48), *range(150, 182)]
+LARGE = ([(70, 10), (190, 72), (0, 9)],
+         RowOrder(20, tuple([p for p in range(20, 222) if p not in _RECOMPUTED] + _RECOMPUTED)))
 
 
 def _kernel(q, k_ext, v_ext, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, mask, mask_indptr, max_extend,
@@ -43,7 +48,8 @@ def _kernel(q, k_ext, v_ext, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, m
     return out
 
 
-def test_triton_extend_with_the_position_mask_equals_the_torch_path():
+@pytest.mark.parametrize("LENGTHS, ROW", [SMALL, LARGE], ids=["one-tile", "several-tiles"])
+def test_triton_extend_with_the_position_mask_equals_the_torch_path(LENGTHS, ROW):
     gen = torch.Generator().manual_seed(0)
     seq_lens = [p + e for p, e in LENGTHS]
     slots = torch.randperm(sum(seq_lens) + 5, generator=gen)

@@ -161,3 +161,35 @@ def test_triton_mask_is_position_causal_per_request_in_row_order():
     permuted = mask[6:].reshape(2, 4).tolist()
     assert permuted == [[True, True, True, True],  # the query at position 3 sees every position
                         [True, True, False, True]]  # the one at position 2 not position 3 (in slot 2)
+
+
+def test_the_triton_hooks_set_the_mask_for_a_forward_with_rows_and_only_then(monkeypatch):
+    """``plugin._triton_metadata`` puts the position mask in the backend's forward metadata
+    for a forward that published rows, and ``_triton_extend_kernel`` then asks the kernel to
+    mask the prefix too; a forward without rows keeps SGLang's metadata and kernel call."""
+    from pcr_sglang import plugin
+
+    order = torch.tensor([0, 1, 3, 2])
+
+    def init_forward_metadata(backend, forward_batch):
+        backend.forward_metadata = SimpleNamespace(custom_mask=None, mask_indptr=None)
+
+    def kernel(backend, *args, **kwargs):
+        return kwargs
+
+    mode = SimpleNamespace(is_extend=lambda: True, is_target_verify=lambda: False)
+    forward = SimpleNamespace(forward_mode=mode, req_pool_indices_cpu=torch.tensor([5, 9]),
+                              seq_lens_cpu=torch.tensor([3, 4]), extend_prefix_lens_cpu=[1, 2],
+                              seq_lens=torch.tensor([3, 4]))
+    backend = SimpleNamespace()
+    monkeypatch.setattr(permuted_rows.CURRENT, "rows", {1: (9, order)})
+    plugin._triton_metadata(init_forward_metadata, backend, forward)
+    mask, indptr = triton_position_mask({1: order}, [3, 4], [1, 2], torch.device("cpu"))
+    assert torch.equal(backend.forward_metadata.custom_mask, mask)
+    assert torch.equal(backend.forward_metadata.mask_indptr, indptr)
+    assert plugin._triton_extend_kernel(kernel, backend, "layer")["skip_prefix_custom_mask"] is False
+
+    monkeypatch.setattr(permuted_rows.CURRENT, "rows", None)
+    plugin._triton_metadata(init_forward_metadata, backend, forward)
+    assert backend.forward_metadata.custom_mask is None
+    assert "skip_prefix_custom_mask" not in plugin._triton_extend_kernel(kernel, backend, "layer")
