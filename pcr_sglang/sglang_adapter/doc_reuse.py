@@ -154,10 +154,7 @@ class DocReuse:
         chains: dict[int, list[ChunkNode]] = {}
 
         def cached(span: DocSpan) -> bool:
-            keys = entry.chain_keys.get(span.index)
-            if keys is None:
-                canonical = canonical_tokens(origin, span, entry.spans[0].start, self.chunk, self.pad_token_id)
-                keys = entry.chain_keys[span.index] = chunk_keys(root, canonical, self.chunk)
+            keys = self._chain_keys(entry, origin, span, root)
             match = self.state.match(iter(keys), touch=False)
             if match.device + match.host < len(keys):
                 return False
@@ -187,14 +184,14 @@ class DocReuse:
         if not entry.spans:
             return []
         root = self.root_key(req.extra_key, req.cache_salt)
-        keys = []
-        for span in entry.spans:
-            chain = entry.chain_keys.get(span.index)
-            if chain is None:
-                canonical = canonical_tokens(req.origin_input_ids, span, entry.spans[0].start, self.chunk,
-                                             self.pad_token_id)
-                chain = entry.chain_keys[span.index] = chunk_keys(root, canonical, self.chunk)
-            keys.append(chain)
+        return [self._chain_keys(entry, req.origin_input_ids, span, root) for span in entry.spans]
+
+    def _chain_keys(self, entry: _Planned, origin: Sequence[int], span: DocSpan, root: bytes) -> list[Any]:
+        """Document ``span``'s canonical chain keys, hashed once per request."""
+        keys = entry.chain_keys.get(span.index)
+        if keys is None:
+            canonical = canonical_tokens(origin, span, entry.spans[0].start, self.chunk, self.pad_token_id)
+            keys = entry.chain_keys[span.index] = chunk_keys(root, canonical, self.chunk)
         return keys
 
     def planned(self, rid: str) -> Optional[ReusePlan]:
