@@ -11,11 +11,14 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pcr_sglang.core.doc_reuse import Recompute
+from pcr_sglang.core.doc_warmup import WarmupPolicy
 from pcr_sglang.server_args_fields import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_DOC_RECOMPUTE_RATIO,
     DEFAULT_DOC_RECOMPUTE_TOKENS,
     DEFAULT_DOC_REUSE,
+    DEFAULT_DOC_WARMUP,
+    DEFAULT_DOC_WARMUP_AFTER,
     DEFAULT_LAYERWISE,
     DEFAULT_LOOKAHEAD_WINDOW,
     DEFAULT_PREFETCH_BUDGET_MB,
@@ -23,6 +26,7 @@ from pcr_sglang.server_args_fields import (
     DEFAULT_SSD_DURABILITY,
     DEFAULT_SSD_WRITE,
     DOC_REUSE_CHOICES,
+    DOC_WARMUP_CHOICES,
     LAYERWISE_CHOICES,
     SSD_DURABILITY_CHOICES,
     SSD_WRITE_CHOICES,
@@ -52,6 +56,8 @@ class PCRConfig:
     doc_reuse: str = DEFAULT_DOC_REUSE
     doc_recompute_tokens: int = DEFAULT_DOC_RECOMPUTE_TOKENS
     doc_recompute_ratio: float = DEFAULT_DOC_RECOMPUTE_RATIO
+    doc_warmup: str = DEFAULT_DOC_WARMUP
+    doc_warmup_after: int = DEFAULT_DOC_WARMUP_AFTER
 
     @classmethod
     def from_server_args(cls, args: Any) -> PCRConfig:
@@ -71,11 +77,17 @@ class PCRConfig:
             doc_reuse=getattr(args, "pcr_doc_reuse", DEFAULT_DOC_REUSE),
             doc_recompute_tokens=getattr(args, "pcr_doc_recompute_tokens", DEFAULT_DOC_RECOMPUTE_TOKENS),
             doc_recompute_ratio=getattr(args, "pcr_doc_recompute_ratio", DEFAULT_DOC_RECOMPUTE_RATIO),
+            doc_warmup=getattr(args, "pcr_doc_warmup", DEFAULT_DOC_WARMUP),
+            doc_warmup_after=getattr(args, "pcr_doc_warmup_after", DEFAULT_DOC_WARMUP_AFTER),
         )
 
     def doc_recompute(self) -> Recompute:
         """The server's document-reuse mode with its K and R (requests may override them)."""
         return Recompute(self.doc_reuse, self.doc_recompute_tokens, float(self.doc_recompute_ratio))
+
+    def doc_warmup_policy(self) -> WarmupPolicy:
+        """When a marked document's canonical KV is computed (``core.doc_warmup``)."""
+        return WarmupPolicy(self.doc_warmup, self.doc_warmup_after)
 
     @property
     def dram_bytes(self) -> int:
@@ -142,6 +154,13 @@ class PCRConfig:
         ratio = self.doc_recompute_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
             raise PCRConfigError(f"--pcr-doc-recompute-ratio must be a number in [0, 1], got {ratio!r}")
+        if self.doc_warmup not in DOC_WARMUP_CHOICES:
+            raise PCRConfigError(
+                f"--pcr-doc-warmup must be one of {', '.join(DOC_WARMUP_CHOICES)}, got {self.doc_warmup!r}"
+            )
+        after = self.doc_warmup_after
+        if isinstance(after, bool) or not isinstance(after, int) or after < 1:
+            raise PCRConfigError(f"--pcr-doc-warmup-after must be an integer >= 1, got {after!r}")
         if self.doc_reuse != "off" and page_size > 1:
             raise PCRConfigError(
                 f"--pcr-doc-reuse {self.doc_reuse} needs --page-size 1: a re-placed document's "

@@ -1,7 +1,8 @@
 """Fill a server's cache with the canonical KV of a corpus (TurboRAG's offline phase).
 
 For every document of a JSONL corpus, one request ``S ‖ d`` marking ``d`` as a document
-goes to a running ``--pcr-doc-reuse`` server: the server computes the document's canonical
+(and asking for it to be warmed now, ``pcr_doc_warm``, whatever the server's
+``--pcr-doc-warmup`` policy) goes to a running ``--pcr-doc-reuse`` server: the server computes the document's canonical
 KV (``S ‖ d ‖ pad``, see :mod:`pcr_sglang.core.doc_reuse`) and keeps it in its tiers; with
 an SSD tier (write-through) it is on disk once the command returns, so a server started
 later on the same store serves these documents from SSD without ever having seen them in
@@ -71,7 +72,8 @@ def precompute(url: str, prompts: Sequence[tuple[list[int], list[int]]], concurr
     def one(prompt: tuple[list[int], list[int]]) -> bool:
         ids, bounds = prompt
         payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0, "temperature": 0.0,
-                                                         "custom_params": {"pcr_doc_bounds": bounds}}}
+                                                         "custom_params": {"pcr_doc_bounds": bounds,
+                                                                           "pcr_doc_warm": True}}}
         try:
             response = session.post(f"{url}/generate", json=payload, timeout=timeout_s)
         except requests.RequestException as e:

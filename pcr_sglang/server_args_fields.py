@@ -40,6 +40,11 @@ DEFAULT_DOC_REUSE = "off"
 # bench/doc_reuse_accuracy.py measures both on SmolLM2 (README "Document reuse").
 DEFAULT_DOC_RECOMPUTE_TOKENS = 32
 DEFAULT_DOC_RECOMPUTE_RATIO = 0.15
+# When a document's canonical KV is computed (pcr_sglang.core.doc_warmup): bench/ragbench
+# --unique-docs measured warming every first sighting 3.6-5.1x slower than radix.
+DOC_WARMUP_CHOICES = ["request", "idle"]
+DEFAULT_DOC_WARMUP = "request"
+DEFAULT_DOC_WARMUP_AFTER = 2
 
 
 class Pcr(msgspec.Struct):
@@ -235,3 +240,31 @@ class Pcr(msgspec.Struct):
             )
         ),
     ] = DEFAULT_DOC_RECOMPUTE_RATIO
+    pcr_doc_warmup: A[
+        str,
+        Arg(
+            help=(
+                "--pcr-doc-reuse: when a document's canonical KV (its KV right after the "
+                "request's leading tokens, what other requests reuse) is computed once it is "
+                "due (see --pcr-doc-warmup-after). 'request': before the request that marks it "
+                "is sent, so that request reuses it too (it waits for about the prefill it "
+                "would have done). 'idle': the request is sent at once with what is cached, and "
+                "the document is warmed later, one at a time while the server has no request "
+                "in flight (never delays a request; on a busy server it may never run). "
+                f"Default: {DEFAULT_DOC_WARMUP}."
+            ),
+            choices=DOC_WARMUP_CHOICES,
+        ),
+    ] = DEFAULT_DOC_WARMUP
+    pcr_doc_warmup_after: A[
+        int,
+        Arg(
+            help=(
+                "--pcr-doc-reuse: warm a document from its N-th sighting in marked requests "
+                "(per tenant). 1 warms every document the first time it is seen after another; "
+                "2 serves a first sighting by plain prefill and warms only documents that recur, "
+                "so traffic whose documents never recur costs what it costs without document "
+                f"reuse. Default: {DEFAULT_DOC_WARMUP_AFTER}."
+            )
+        ),
+    ] = DEFAULT_DOC_WARMUP_AFTER

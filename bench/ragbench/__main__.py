@@ -33,7 +33,7 @@ from typing import Any, Optional
 import requests
 
 from bench.ragbench.report import build_report, write_report
-from bench.ragbench.runner import (CONFIG_NAMES, DOC_REUSE_CONFIGS, Budgets, RunResult, ServerPool,
+from bench.ragbench.runner import (CONFIG_NAMES, DEFAULT_CONFIGS, DOC_REUSE_CONFIGS, Budgets, RunResult, ServerPool,
                                    build_hicache_extension, plan_run, run_planned)
 from bench.ragbench.workload import (Trace, TraceRequest, WorkloadParams, calibrated_exponent, load_trace,
                                      make_trace, save_trace)
@@ -238,8 +238,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/ragbench"),
                         help="where the report, plots, traces and server logs go")
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (built offline)")
-    parser.add_argument("--configs", type=_config_list, default=CONFIG_NAMES,
-                        help=f"comma-separated subset of {','.join(CONFIG_NAMES)}")
+    parser.add_argument("--configs", type=_config_list, default=DEFAULT_CONFIGS,
+                        help=f"comma-separated subset of {','.join(CONFIG_NAMES)} "
+                             f"(default: all but pcr-docs-eager,pcr-docs-idle)")
     parser.add_argument("--rates", type=_float_list, default=(0.5, 1.25),
                         help="first turns per second; SmolLM2 on two cores serves 0.5-0.9/s with a 5%% pool, "
                              "so at 1.25/s the waiting queue averages 4 or more (the issue's headline load)")

@@ -18,13 +18,13 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from bench.ragbench.runner import RequestRecord, RunResult
+from bench.ragbench.runner import DOC_REUSE_CONFIGS, RequestRecord, RunResult
 
 BASELINES = ("radix", "hicache", "oracle")
 # Configurations that serve blended KV (document reuse): their outputs are not expected to
 # match the oracle's; the share that does is reported, and the outputs check skips them.
 # Document reuse: answers differ from full prefill's by design (accuracy is measured apart).
-APPROXIMATE_CONFIGS = ("pcr-docs", "pcr-docs-pre", "pcr-blend", "pcr-blend-pre")
+APPROXIMATE_CONFIGS = tuple(DOC_REUSE_CONFIGS)
 PLOTTED_PERCENTILES = (50, 75, 90, 95, 99)
 
 
@@ -264,7 +264,8 @@ def _doc_section(report: dict[str, Any]) -> list[str]:
               "evicts) reused on the same trace (recomputed document tokens are not reused ones). `-pre` "
               "configurations start on a store filled with every trace document's canonical KV (then "
               "restarted). `pcr-docs` is concat (no recompute), `pcr-blend` recomputes 15% of re-placed "
-              "tokens; answers differ from full prefill's (see bench/README's accuracy table) and are not "
+              "tokens; both warm a document when it recurs (`-eager`: at its first sighting, before its "
+              "request; `-idle`: at its first sighting, after its request, when nothing else runs); answers differ from full prefill's (see bench/README's accuracy table) and are not "
               "part of the outputs check below.", ""]
     return lines
 

@@ -43,13 +43,22 @@ from pcr_sglang.launcher import ServerProcess
 logger = logging.getLogger(__name__)
 
 CONFIG_NAMES = ("radix", "hicache", "oracle", "pcr", "pcr-docs", "pcr-docs-pre", "pcr-blend", "pcr-blend-pre",
-                "pcr-layerwise", "pcr-prefetch", "pcr-lookahead")
+                "pcr-docs-eager", "pcr-docs-idle", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead")
 # PCR with document reuse in any order: requests mark their documents; "docs" is concat
 # (no recompute), "blend" recomputes the default 15% of re-placed tokens (CacheBlend);
 # "-pre" first fills the store with every trace document's canonical KV (TurboRAG's
 # offline phase, ``python -m pcr_sglang.precompute``) and restarts the server.
+# The warm-up policy (--pcr-doc-warmup, --pcr-doc-warmup-after): the default warms a
+# document when it recurs, before the request that sees it again; "-eager" warms every
+# first sighting before its request; "-idle" every first sighting, after its request,
+# while nothing else is in flight.
 DOC_REUSE_CONFIGS = {"pcr-docs": ("--pcr-doc-reuse", "concat"), "pcr-docs-pre": ("--pcr-doc-reuse", "concat"),
-                     "pcr-blend": ("--pcr-doc-reuse", "blend"), "pcr-blend-pre": ("--pcr-doc-reuse", "blend")}
+                     "pcr-blend": ("--pcr-doc-reuse", "blend"), "pcr-blend-pre": ("--pcr-doc-reuse", "blend"),
+                     "pcr-docs-eager": ("--pcr-doc-reuse", "concat", "--pcr-doc-warmup-after", "1"),
+                     "pcr-docs-idle": ("--pcr-doc-reuse", "concat", "--pcr-doc-warmup", "idle",
+                                       "--pcr-doc-warmup-after", "1")}
+# What runs without --configs: the warm-up variants only when asked for.
+DEFAULT_CONFIGS = tuple(c for c in CONFIG_NAMES if c not in ("pcr-docs-eager", "pcr-docs-idle"))
 PRECOMPUTED_CONFIGS = ("pcr-docs-pre", "pcr-blend-pre")
 # PCR without one feature: the flag that turns it off.
 ABLATIONS = {

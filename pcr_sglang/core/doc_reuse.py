@@ -38,6 +38,9 @@ DOC_MODE_PARAM = "pcr_doc_reuse"
 RECOMPUTE_TOKENS_PARAM = "pcr_doc_recompute_tokens"
 RECOMPUTE_RATIO_PARAM = "pcr_doc_recompute_ratio"
 CANONICAL_PARAM = "pcr_canonical_doc"
+# ``True``: warm this request's documents before it, whatever the server's warm-up policy
+# (what ``python -m pcr_sglang.precompute`` sends: a precomputed document is seen once).
+WARM_NOW_PARAM = "pcr_doc_warm"
 
 SERVER_MODES = ("concat", "lego", "blend")
 RECOMPUTE_MODES = ("lego", "blend")
@@ -88,6 +91,14 @@ def request_recompute(custom_params: dict, server: Recompute) -> Optional[Recomp
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
         raise DocBoundsError(f"{RECOMPUTE_RATIO_PARAM} must be a number in [0, 1], got {ratio!r}")
     return Recompute(mode, int(tokens), float(ratio))
+
+
+def request_warm_now(custom_params: dict) -> bool:
+    """Whether the request asks for its documents to be warmed now (``pcr_doc_warm``)."""
+    value = custom_params.get(WARM_NOW_PARAM, False)
+    if not isinstance(value, bool):
+        raise DocBoundsError(f"{WARM_NOW_PARAM} must be true or false, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,15 @@ warmed before the request that needs them.
   prompt's tokens; bad bounds raise ``ValueError``, which SGLang's HTTP server returns as
   400 naming the problem. Checked whether or not the server has document reuse on.
 * ``_send_one_request`` and ``_send_batch_request`` (AROUND): with ``--pcr-doc-reuse`` on,
-  a request marking documents first has the canonical sequence ``S ‖ d ‖ pad`` of each of
-  its documents prefilled (one ``max_new_tokens=0`` request each, concurrently, at the
-  request's priority, under its ``extra_key`` and ``cache_salt``), so it reuses them all
-  itself. A document warmed in the last ``WARM_TTL_S`` seconds is not warmed again (a
-  prefill of a cached chain costs little, but not nothing); one being warmed is waited
-  for, not sent twice. A failed warm-up only costs reuse: the request is served either way.
+  the canonical sequence ``S ‖ d ‖ pad`` of a marked request's documents is prefilled
+  (one ``max_new_tokens=0`` request each, under the request's ``extra_key`` and
+  ``cache_salt``) when :class:`pcr_sglang.core.doc_warmup.WarmupLedger` says it is due:
+  from a document's ``--pcr-doc-warmup-after``-th sighting, not within ``WARM_TTL_S`` of
+  its last warm-up. ``--pcr-doc-warmup request``: concurrently, at the request's priority,
+  before it is sent, so it reuses them itself; ``idle``: queued, one at a time while no
+  request is in flight, and the request is sent at once. One being warmed is waited for
+  (``request``), not sent twice. A failed warm-up only costs reuse: the request is served
+  either way.
 
 The warm-up requests are sent below ``generate_request``: the marked request already holds
 the tokenizer manager's pause condition and model-update reader lock, and taking them
@@ -18,10 +21,10 @@ again would deadlock against a waiting writer (a weight update) or an abort-mode
 An abort of the marked request that arrives while it is warming reaches a scheduler that
 does not have it yet, so it is sent again right after the request.
 
-This is the "as part of the request" choice of computing a document's canonical KV the
-first time it is seen at a later position: the request pays roughly the prefill it would
-have paid anyway (its documents, computed one by one instead of in sequence), and every
-later request finds them cached.
+``request`` is the "as part of the request" choice of computing a document's canonical KV
+the first time it is due (the request pays about the prefill it would have paid anyway,
+its documents computed one by one instead of in sequence); ``idle`` is the background,
+low-priority one. ``bench/README.md`` measures both.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ from pcr_sglang.core.doc_reuse import (
     canonical_tokens,
     parse_doc_bounds,
     request_recompute,
+    request_warm_now,
 )
+from pcr_sglang.core.doc_warmup import WarmupLedger, WarmupPolicy, WarmupStats
 
 logger = logging.getLogger(__name__)
 
-WARM_TTL_S = 30.0
-_MAX_REMEMBERED = 1 << 16
+IDLE_QUEUE_MAX = 1024  # documents waiting for idle time; the oldest are forgotten first
+IDLE_POLL_S = 0.05
 
 
 def _custom_params(obj: Any) -> Optional[dict]:
@@ -65,6 +70,7 @@ def validate_doc_bounds(result: Any, manager: Any, obj: Any, input_ids: Any, *ar
         raise ValueError(f"{DOC_BOUNDS_PARAM} needs a token prompt (input_ids or text)")
     try:
         request_recompute(custom, server_recompute(getattr(manager, "server_args", None)))
+        request_warm_now(custom)
         parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(input_ids))
     except DocBoundsError as e:
         raise ValueError(str(e)) from None
@@ -81,17 +87,24 @@ def server_recompute(args: Any) -> Recompute:
 
 
 class DocWarmer:
+    """Sends the warm-up prefills :class:`WarmupLedger` asks for, at most once at a time per
+    document (a request that needs one being warmed waits for it)."""
+
     def __init__(self, chunk_size: int, pad_token_id: int, server: Recompute = Recompute(),
-                 ttl_s: float = WARM_TTL_S, clock: Callable[[], float] = time.monotonic):
+                 policy: WarmupPolicy = WarmupPolicy(), clock: Callable[[], float] = time.monotonic):
         self.server = server
         self.chunk = chunk_size
         self.pad_token_id = pad_token_id
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self._warmed: OrderedDict[bytes, float] = OrderedDict()
+        self.policy = policy
+        self.ledger = WarmupLedger(policy, clock)
         self._in_flight: dict[bytes, asyncio.Future] = {}
-        self.sent = 0
-        self.failed = 0
+        # ``idle``: documents waiting for a moment with no request in flight, oldest first.
+        self._idle_queue: OrderedDict[bytes, tuple[list[int], Optional[str], Optional[str]]] = OrderedDict()
+        self._idle_task: Optional[asyncio.Task] = None
+
+    @property
+    def stats(self) -> WarmupStats:
+        return self.ledger.stats
 
     def _key(self, tokens: list[int], extra_key: Optional[str], cache_salt: Optional[str]) -> bytes:
         digest = hashlib.blake2b(digest_size=16)
@@ -101,17 +114,18 @@ class DocWarmer:
         return digest.digest()
 
     async def warm(self, manager: Any, tokenized: Any, send: Callable[..., Any]) -> None:
-        """Prefill the canonical sequences ``tokenized`` needs, and wait for them."""
+        """Warm the documents ``tokenized`` marks that are due (``request``, or asked for with
+        ``pcr_doc_warm``: and wait for them; ``idle``: queue them and return at once)."""
         custom = _custom_params(tokenized) or {}
         tokens = list(tokenized.input_ids)
         try:
             if request_recompute(custom, self.server) is None or getattr(tokenized, "lora_id", None):
                 return
             spans = parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(tokens))
+            now = request_warm_now(custom)
         except DocBoundsError:
             return  # checked at validation; the scheduler serves it without reuse
         extra_key, salt = getattr(tokenized, "extra_key", None), getattr(tokenized, "cache_salt", None)
-        now = self.clock()
         waits = []
         for span in spans:
             canonical = canonical_tokens(tokens, span, spans[0].start, self.chunk, self.pad_token_id)
@@ -119,29 +133,60 @@ class DocWarmer:
             if key in self._in_flight:
                 waits.append(self._in_flight[key])
                 continue
-            warmed = self._warmed.get(key)
-            if warmed is not None and now - warmed < self.ttl_s:
+            if key in self._idle_queue and not now:
+                continue  # queued already
+            if not self.ledger.should_warm(key, now):
                 continue
-            future = asyncio.ensure_future(self._prefill(manager, send, canonical, extra_key, salt,
-                                                         getattr(tokenized, "priority", None)))
-            self._in_flight[key] = future
-            future.add_done_callback(lambda f, key=key: self._done(key, f))
-            waits.append(future)
-        if waits:  # shielded: a waiter cancelled (its client gone) must not cancel another's warm-up
+            if self.policy.when == "idle" and not now:
+                self._queue_for_idle(manager, send, key, (canonical, extra_key, salt))
+                continue
+            self._idle_queue.pop(key, None)
+            waits.append(self._start(manager, send, key, canonical, extra_key, salt,
+                                     getattr(tokenized, "priority", None)))
+        if waits and (self.policy.when == "request" or now):
+            # Shielded: a waiter cancelled (its client gone) must not cancel another's warm-up.
             await asyncio.gather(*(asyncio.shield(w) for w in waits), return_exceptions=True)
+
+    def _start(self, manager: Any, send: Callable[..., Any], key: bytes, canonical: list[int],
+               extra_key: Optional[str], salt: Optional[str], priority: Optional[int]) -> asyncio.Future:
+        future = asyncio.ensure_future(self._prefill(manager, send, canonical, extra_key, salt, priority))
+        self._in_flight[key] = future
+        future.add_done_callback(lambda f, key=key: self._done(key, f))
+        return future
 
     def _done(self, key: bytes, future: asyncio.Future) -> None:
         """Remember a warm-up that completed; a failed or aborted one is tried again next time."""
         self._in_flight.pop(key, None)
         if future.cancelled() or future.exception() is not None:
-            self.failed += 1
+            self.ledger.failed(key)
             if not future.cancelled():
                 logger.warning("PCR document reuse: warming a document failed: %s", future.exception())
             return
-        self._warmed[key] = self.clock()
-        self._warmed.move_to_end(key)
-        while len(self._warmed) > _MAX_REMEMBERED:
-            self._warmed.popitem(last=False)
+        self.ledger.completed(key)
+
+    # ------------------------------------------------------------------ idle
+    def _queue_for_idle(self, manager: Any, send: Callable[..., Any], key: bytes,
+                        job: tuple[list[int], Optional[str], Optional[str]]) -> None:
+        self._idle_queue[key] = job
+        while len(self._idle_queue) > IDLE_QUEUE_MAX:
+            self._idle_queue.popitem(last=False)
+            self.ledger.stats.dropped += 1
+        if self._idle_task is None or self._idle_task.done():
+            self._idle_task = asyncio.ensure_future(self._drain_when_idle(manager, send))
+
+    async def _drain_when_idle(self, manager: Any, send: Callable[..., Any]) -> None:
+        """One queued warm-up at a time, each only while no request is in flight (the
+        tokenizer manager's ``rid_to_state`` is empty): low priority without preemption,
+        so a request arriving meanwhile waits at most for one document's prefill."""
+        while self._idle_queue:
+            if getattr(manager, "rid_to_state", None):
+                await asyncio.sleep(IDLE_POLL_S)
+                continue
+            key, (canonical, extra_key, salt) = self._idle_queue.popitem(last=False)
+            try:
+                await asyncio.shield(self._start(manager, send, key, canonical, extra_key, salt, None))
+            except Exception:  # counted and logged by _done; the next one still runs
+                pass
 
     async def _prefill(self, manager: Any, send: Callable[..., Any], canonical: list[int],
                        extra_key: Optional[str], salt: Optional[str], priority: Optional[int]) -> None:
@@ -149,7 +194,6 @@ class DocWarmer:
         locks (the marked request holds them)."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        self.sent += 1
         obj = GenerateReqInput(
             input_ids=canonical,
             sampling_params={"max_new_tokens": 0, "temperature": 0.0,
@@ -181,10 +225,13 @@ def _warmer_for(manager: Any) -> Optional[DocWarmer]:
     if not getattr(args, "enable_pcr", False) or getattr(args, "pcr_doc_reuse", "off") == "off":
         manager._pcr_doc_warmer = False
         return None
+    from pcr_sglang.config import PCRConfig
     from pcr_sglang.sglang_adapter.doc_reuse_setup import doc_pad_token_id
 
     hf_config = getattr(getattr(manager, "model_config", None), "hf_config", None)
-    warmer = DocWarmer(int(args.pcr_chunk_size), doc_pad_token_id(hf_config), server_recompute(args))
+    config = PCRConfig.from_server_args(args)
+    warmer = DocWarmer(int(config.chunk_size), doc_pad_token_id(hf_config), config.doc_recompute(),
+                       config.doc_warmup_policy())
     manager._pcr_doc_warmer = warmer
     return warmer
 

@@ -29,7 +29,9 @@ from tests.e2e.helpers import COMMON_ARGS, serving, ssd_server
 pytestmark = pytest.mark.e2e
 
 SAMPLING = {"temperature": 0.0, "max_new_tokens": 8}
-DOC_REUSE = ("--pcr-doc-reuse", "blend", "--pcr-doc-recompute-ratio", "0")
+# Every first sighting warmed (the default waits for a document to recur): the tests below
+# count on a document being reusable from the request after the one that first marks it.
+DOC_REUSE = ("--pcr-doc-reuse", "blend", "--pcr-doc-recompute-ratio", "0", "--pcr-doc-warmup-after", "1")
 
 
 @pytest.fixture(scope="module")
@@ -359,6 +361,7 @@ def test_every_document_token_recomputed_equals_full_prefill(servers, tokenizer,
 @pytest.mark.parametrize("custom, message", [
     ({"pcr_doc_recompute_tokens": -2}, "pcr_doc_recompute_tokens must be an integer >= 0"),
     ({"pcr_doc_recompute_ratio": 2}, r"pcr_doc_recompute_ratio must be a number in \[0, 1\]"),
+    ({"pcr_doc_warm": "yes"}, "pcr_doc_warm must be true or false"),
 ])
 def test_bad_recompute_parameters_get_http_400(servers, tokenizer, custom, message):
     prompt = build_doc_prompt(tokenizer, "Bad.", ["a document", "another one"], "Why?")
@@ -388,11 +391,25 @@ def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, toke
     assert wait_for_ssd_writes(first.base_url)
     prompt = build_doc_prompt(tokenizer, system, [corpus[2], corpus[0], corpus[3]], "What links them?")
     # A second server on the same store (stores are shareable): it restores, never serves traffic.
-    with ssd_server(tiny_model, store_dir, *DOC_REUSE) as restarted:
+    # With the default warm-up policy it warms nothing at a first sighting: what it reuses
+    # was restored.
+    with ssd_server(tiny_model, store_dir, *DOC_REUSE[:4]) as restarted:
         assert restarted.pcr_state()["ssd"]["counters"]["restored_chunks"] > 0
         out = _generate(restarted, prompt, marked=True)
         state = restarted.pcr_state(check_invariants=True)
+        # The default policy (--pcr-doc-warmup-after 2): documents first seen are served by
+        # plain prefill, and warmed when they recur, for the request that sees them again.
+        pair = passages[40:42]
+        first_sighting = build_doc_prompt(tokenizer, system, pair, "Which is longer?")
+        seen = _generate(restarted, first_sighting, marked=True)
+        assert _doc_counters(restarted)["canonical_requests"] == 0
+        assert seen["meta_info"]["cached_tokens"] < first_sighting.doc_bounds[1]
+        recurring = build_doc_prompt(tokenizer, system, pair[::-1], "Which is longer?")
+        reused = _generate(restarted, recurring, marked=True)
+        assert _doc_counters(restarted)["canonical_requests"] == 2
+        assert reused["meta_info"]["cached_tokens"] == recurring.doc_bounds[-1]
     assert out["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1]
+    assert state["doc_reuse"]["counters"]["canonical_requests"] == 0
     ssd = state["ssd"]["counters"]
     assert ssd["bytes_read_on_demand"] + ssd["bytes_read_prefetch"] > 0, ssd  # the canonical chains came from SSD
     assert state["invariants"]["ok"] is True

@@ -1,0 +1,190 @@
+"""When documents are warmed: the core ledger and the tokenizer-side warmer's two policies."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from pcr_sglang.config import PCRConfig, PCRConfigError
+from pcr_sglang.core.doc_reuse import DocBoundsError, Recompute, request_warm_now
+from pcr_sglang.core.doc_warmup import WarmupLedger, WarmupPolicy
+from pcr_sglang.sglang_adapter.doc_warmer import DocWarmer
+
+CHUNK = 4
+PAD = 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_document_is_due_from_its_after_th_sighting():
+    clock = Clock()
+    ledger = WarmupLedger(WarmupPolicy(after=2, ttl_s=10.0), clock)
+    assert not ledger.should_warm("a")  # first sighting: served by plain prefill
+    assert not ledger.should_warm("b")
+    assert ledger.should_warm("a")  # it recurred
+    ledger.completed("a")
+    clock.now = 5.0
+    assert not ledger.should_warm("a")  # warmed within the TTL
+    clock.now = 20.0
+    assert ledger.should_warm("a")  # the TTL passed: its chain may have been evicted
+    assert ledger.stats.not_yet == 2 and ledger.stats.fresh == 1 and ledger.stats.ordered == 2
+
+
+def test_after_one_warms_every_first_sighting_and_a_failure_is_retried():
+    ledger = WarmupLedger(WarmupPolicy(after=1), Clock())
+    assert ledger.should_warm("a")
+    ledger.failed("a")
+    assert ledger.should_warm("a")
+    assert ledger.stats.failed == 1
+
+
+def test_the_ledger_forgets_the_oldest_sightings_first():
+    ledger = WarmupLedger(WarmupPolicy(after=2), Clock(), capacity=2)
+    for key in ("a", "b", "c"):
+        ledger.should_warm(key)
+    assert not ledger.should_warm("a")  # forgotten: a first sighting again
+    assert ledger.should_warm("c")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"doc_warmup": "later"}, "--pcr-doc-warmup must be one of request, idle"),
+    ({"doc_warmup_after": 0}, "--pcr-doc-warmup-after must be an integer >= 1"),
+    ({"doc_warmup_after": True}, "--pcr-doc-warmup-after must be an integer >= 1"),
+])
+def test_bad_warmup_flags_name_the_flag(fields, message):
+    with pytest.raises(PCRConfigError, match=message):
+        PCRConfig(enabled=True, **fields).validate(page_size=1)
+
+
+def test_the_flags_reach_the_policy():
+    args = SimpleNamespace(enable_pcr=True, pcr_doc_warmup="idle", pcr_doc_warmup_after=3)
+    assert PCRConfig.from_server_args(args).doc_warmup_policy() == WarmupPolicy("idle", 3)
+
+
+# ---------------------------------------------------------------- the warmer
+def _marked(tokens: list[int], bounds: list[int], salt=None) -> SimpleNamespace:
+    return SimpleNamespace(input_ids=tokens, sampling_params={"custom_params": {"pcr_doc_bounds": bounds}},
+                           extra_key=None, cache_salt=salt, priority=None, lora_id=None)
+
+
+# S = [1, 2]; documents [10, 11, 12] and [20, 21]; question [30].
+PROMPT = [1, 2, 10, 11, 12, 20, 21, 30]
+BOUNDS = [2, 5, 5, 7]
+CANONICAL = [[1, 2, 10, 11, 12, PAD, PAD, PAD], [1, 2, 20, 21]]
+
+
+class Recorder:
+    """Stands in for the warm-up prefill (which needs a tokenizer manager): records what
+    was sent, under which tenant, and lets a test hold prefills in flight."""
+
+    def __init__(self, manager: SimpleNamespace):
+        self.manager = manager
+        self.sent: list[tuple[list[int], object]] = []
+        self.release = asyncio.Event()
+        self.hold = False
+        self.concurrent = 0
+        self.most_concurrent = 0
+
+    async def __call__(self, manager, send, canonical, extra_key, salt, priority):
+        self.sent.append((canonical, salt))
+        rid = f"warm-{len(self.sent)}"
+        manager.rid_to_state[rid] = object()  # a warm-up is a request in flight too
+        self.concurrent += 1
+        self.most_concurrent = max(self.most_concurrent, self.concurrent)
+        try:
+            if self.hold:
+                await self.release.wait()
+        finally:
+            del manager.rid_to_state[rid]
+            self.concurrent -= 1
+
+
+def _warmer(policy: WarmupPolicy) -> tuple[DocWarmer, Recorder, SimpleNamespace]:
+    manager = SimpleNamespace(rid_to_state={})
+    warmer = DocWarmer(CHUNK, PAD, Recompute("concat"), policy)
+    recorder = Recorder(manager)
+    warmer._prefill = recorder  # type: ignore[method-assign]
+    return warmer, recorder, manager
+
+
+def test_request_mode_after_two_warms_only_recurring_documents_and_waits_for_them():
+    async def run():
+        warmer, recorder, manager = _warmer(WarmupPolicy("request", after=2))
+        await warmer.warm(manager, _marked(PROMPT, BOUNDS), send=None)
+        assert recorder.sent == []  # first sightings: nothing prefilled, the request goes at once
+        await warmer.warm(manager, _marked(PROMPT, BOUNDS), send=None)
+        assert [c for c, _ in recorder.sent] == CANONICAL  # and the request waited for both
+        await warmer.warm(manager, _marked(PROMPT, BOUNDS), send=None)
+        assert len(recorder.sent) == 2  # warmed: not again within the TTL
+        # Another tenant's sightings are its own.
+        await warmer.warm(manager, _marked(PROMPT, BOUNDS, salt="other"), send=None)
+        assert len(recorder.sent) == 2
+    asyncio.run(run())
+
+
+def test_request_mode_after_one_warms_first_sightings():
+    async def run():
+        warmer, recorder, manager = _warmer(WarmupPolicy("request", after=1))
+        await warmer.warm(manager, _marked(PROMPT, BOUNDS), send=None)
+        assert [c for c, _ in recorder.sent] == CANONICAL
+    asyncio.run(run())
+
+
+def test_idle_mode_sends_the_request_at_once_and_warms_one_at_a_time_when_nothing_is_in_flight():
+    async def run():
+        warmer, recorder, manager = _warmer(WarmupPolicy("idle", after=1))
+        manager.rid_to_state["the-marked-request"] = object()
+        await asyncio.wait_for(warmer.warm(manager, _marked(PROMPT, BOUNDS), send=None), timeout=1)
+        await asyncio.sleep(0.2)
+        assert recorder.sent == []  # the marked request is still in flight
+        del manager.rid_to_state["the-marked-request"]
+        for _ in range(100):
+            if len(recorder.sent) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert [c for c, _ in recorder.sent] == CANONICAL
+        assert recorder.most_concurrent == 1
+        assert warmer.stats.completed == 2
+    asyncio.run(run())
+
+
+def test_a_request_waits_for_a_document_already_being_warmed_instead_of_sending_it_twice():
+    async def run():
+        warmer, recorder, manager = _warmer(WarmupPolicy("request", after=1))
+        recorder.hold = True
+        first = asyncio.ensure_future(warmer.warm(manager, _marked(PROMPT, BOUNDS), send=None))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(warmer.warm(manager, _marked(PROMPT, BOUNDS), send=None))
+        await asyncio.sleep(0.05)
+        assert not second.done()  # waiting on the first's warm-ups
+        recorder.release.set()
+        await asyncio.wait_for(asyncio.gather(first, second), timeout=1)
+        assert len(recorder.sent) == 2
+    asyncio.run(run())
+
+
+def test_a_request_asking_for_a_warm_up_gets_it_at_once_whatever_the_policy():
+    """What the precompute command sends: every document is seen once there."""
+    async def run():
+        for policy in (WarmupPolicy("request", after=2), WarmupPolicy("idle", after=2)):
+            warmer, recorder, manager = _warmer(policy)
+            manager.rid_to_state["the-marked-request"] = object()  # idle would wait for it
+            asked = _marked(PROMPT, BOUNDS)
+            asked.sampling_params["custom_params"]["pcr_doc_warm"] = True
+            await asyncio.wait_for(warmer.warm(manager, asked, send=None), timeout=1)
+            assert [c for c, _ in recorder.sent] == CANONICAL, policy  # done before it returned
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_a_bad_warm_request_is_refused(value):
+    with pytest.raises(DocBoundsError, match="pcr_doc_warm must be true or false"):
+        request_warm_now({"pcr_doc_warm": value})
