@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from pcr_sglang.core.doc_reuse import Recompute
 from pcr_sglang.core.doc_warmup import WarmupPolicy
+from pcr_sglang.core.hints import HintLimits
 from pcr_sglang.server_args_fields import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_DOC_RECOMPUTE_RATIO,
@@ -19,6 +20,9 @@ from pcr_sglang.server_args_fields import (
     DEFAULT_DOC_REUSE,
     DEFAULT_DOC_WARMUP,
     DEFAULT_DOC_WARMUP_AFTER,
+    DEFAULT_HINT_BUDGET_MB,
+    DEFAULT_HINT_MAX_TTL_S,
+    DEFAULT_HINT_RATE,
     DEFAULT_LAYERWISE,
     DEFAULT_LOOKAHEAD_WINDOW,
     DEFAULT_PREFETCH_BUDGET_MB,
@@ -58,6 +62,9 @@ class PCRConfig:
     doc_recompute_ratio: float = DEFAULT_DOC_RECOMPUTE_RATIO
     doc_warmup: str = DEFAULT_DOC_WARMUP
     doc_warmup_after: int = DEFAULT_DOC_WARMUP_AFTER
+    hint_budget_mb: int = DEFAULT_HINT_BUDGET_MB
+    hint_max_ttl_s: float = DEFAULT_HINT_MAX_TTL_S
+    hint_rate: float = DEFAULT_HINT_RATE
 
     @classmethod
     def from_server_args(cls, args: Any) -> PCRConfig:
@@ -79,11 +86,18 @@ class PCRConfig:
             doc_recompute_ratio=getattr(args, "pcr_doc_recompute_ratio", DEFAULT_DOC_RECOMPUTE_RATIO),
             doc_warmup=getattr(args, "pcr_doc_warmup", DEFAULT_DOC_WARMUP),
             doc_warmup_after=getattr(args, "pcr_doc_warmup_after", DEFAULT_DOC_WARMUP_AFTER),
+            hint_budget_mb=getattr(args, "pcr_hint_budget_mb", DEFAULT_HINT_BUDGET_MB),
+            hint_max_ttl_s=getattr(args, "pcr_hint_max_ttl_s", DEFAULT_HINT_MAX_TTL_S),
+            hint_rate=getattr(args, "pcr_hint_rate", DEFAULT_HINT_RATE),
         )
 
     def doc_recompute(self) -> Recompute:
         """The server's document-reuse mode with its K and R (requests may override them)."""
         return Recompute(self.doc_reuse, self.doc_recompute_tokens, float(self.doc_recompute_ratio))
+
+    def hint_limits(self) -> HintLimits:
+        return HintLimits(max_ttl_s=float(self.hint_max_ttl_s), rate_per_s=float(self.hint_rate),
+                          burst=max(1, int(2 * self.hint_rate)))
 
     def doc_warmup_policy(self) -> WarmupPolicy:
         """When a marked document's canonical KV is computed (``core.doc_warmup``)."""
@@ -132,7 +146,8 @@ class PCRConfig:
         if self.ssd_path and not dram > 0:
             raise PCRConfigError("--pcr-ssd-path needs --pcr-dram-gb > 0: SSD chunks are read through host memory")
         for flag, value in (("--pcr-prefetch-window", self.prefetch_window),
-                            ("--pcr-prefetch-budget-mb", self.prefetch_budget_mb)):
+                            ("--pcr-prefetch-budget-mb", self.prefetch_budget_mb),
+                            ("--pcr-hint-budget-mb", self.hint_budget_mb)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PCRConfigError(f"{flag} must be a non-negative integer, got {value!r}")
         if self.ssd_write not in SSD_WRITE_CHOICES:
@@ -154,6 +169,9 @@ class PCRConfig:
         ratio = self.doc_recompute_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
             raise PCRConfigError(f"--pcr-doc-recompute-ratio must be a number in [0, 1], got {ratio!r}")
+        for flag, value in (("--pcr-hint-max-ttl-s", self.hint_max_ttl_s), ("--pcr-hint-rate", self.hint_rate)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise PCRConfigError(f"{flag} must be a positive number, got {value!r}")
         if self.doc_warmup not in DOC_WARMUP_CHOICES:
             raise PCRConfigError(
                 f"--pcr-doc-warmup must be one of {', '.join(DOC_WARMUP_CHOICES)}, got {self.doc_warmup!r}"

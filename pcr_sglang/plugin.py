@@ -32,6 +32,10 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
 * the tokenizer manager's ``_validate_one_request`` (AFTER), ``_send_one_request`` and
   ``_send_batch_request`` (AROUND): document bounds are checked (HTTP 400), and with ``--pcr-doc-reuse`` a request's
   documents are warmed before it is sent (``sglang_adapter/doc_warmer``);
+* the scheduler's ``_add_request_to_queue`` (AROUND) and the tokenizer manager's
+  ``_validate_one_request`` (AFTER): KV hints (``kv_hints`` action
+  ``pcr.lookahead_prefetch``) are checked (HTTP 400), registered for the prefetcher, and a
+  hint-only request finishes without a forward (``sglang_adapter/kv_hints``);
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state;
   the tokenizer manager's ``init_communicators`` (AFTER) and ``get_internal_state``
   (AROUND): ``/server_info?pcr_check_invariants=1`` asks for the O(tree) bookkeeping
@@ -124,7 +128,17 @@ def register() -> None:
         _add_pcr_internal_state,
         HookType.AFTER,
     )
-    from pcr_sglang.sglang_adapter import doc_warmer, server_info_check
+    from pcr_sglang.sglang_adapter import doc_warmer, kv_hints, server_info_check
+
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", kv_hints.add_request_to_queue,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        kv_hints.validate_kv_hints,
+        HookType.AFTER,
+    )
 
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",

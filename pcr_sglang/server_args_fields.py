@@ -33,6 +33,10 @@ DEFAULT_SSD_DURABILITY = "record"
 # From bench/prefetch_sweep.py (see bench/README.md).
 DEFAULT_PREFETCH_WINDOW = 16
 DEFAULT_PREFETCH_BUDGET_MB = 256
+# KV hints (pcr_sglang.core.hints): reads for hinted chains come after the queue's own.
+DEFAULT_HINT_BUDGET_MB = 128
+DEFAULT_HINT_MAX_TTL_S = 30.0
+DEFAULT_HINT_RATE = 20.0
 # Document KV reuse in any order (README "Document reuse"): off, or the re-placement mode.
 DOC_REUSE_CHOICES = ["off", "concat", "lego", "blend"]
 DEFAULT_DOC_REUSE = "off"
@@ -167,6 +171,36 @@ class Pcr(msgspec.Struct):
             )
         ),
     ] = DEFAULT_PREFETCH_BUDGET_MB
+    pcr_hint_budget_mb: A[
+        int,
+        Arg(
+            help=(
+                "KV hints: most chunk bytes (MB) in flight from SSD for hinted chains (requests "
+                "carrying a 'pcr.lookahead_prefetch' kv_hints action: the chains of a prompt not "
+                "sent yet). They take what the waiting queue's prefetch leaves of "
+                "--pcr-prefetch-budget-mb, never more than this; 0 ignores hints (a hint-only "
+                f"request still finishes at once). Default: {DEFAULT_HINT_BUDGET_MB}."
+            )
+        ),
+    ] = DEFAULT_HINT_BUDGET_MB
+    pcr_hint_max_ttl_s: A[
+        float,
+        Arg(
+            help=(
+                "KV hints: a hint is dropped after its payload's ttl_s, at most this many seconds, "
+                f"or when a request covering it is admitted. Default: {DEFAULT_HINT_MAX_TTL_S:g}."
+            )
+        ),
+    ] = DEFAULT_HINT_MAX_TTL_S
+    pcr_hint_rate: A[
+        float,
+        Arg(
+            help=(
+                "KV hints: most hints registered per second (a token bucket of twice as many); "
+                f"hints over it are answered and dropped. Default: {DEFAULT_HINT_RATE:g}."
+            )
+        ),
+    ] = DEFAULT_HINT_RATE
     pcr_ssd_write: A[
         str,
         Arg(

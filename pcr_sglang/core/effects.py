@@ -96,6 +96,12 @@ class SSDStats:
     abandoned_reads: int = 0  # reads whose waiting request left before they landed (an abort)
     cancelled_reads: int = 0  # reads cancelled before they started (prefetch or abandoned)
     on_demand_reads: int = 0  # ordered only when its request was considered for admission
+    # KV hints (pcr_sglang.core.hints): reads ordered for hinted chains, found in host
+    # memory / still in flight when a request needed them, landed and dropped unused.
+    hint_issued: int = 0
+    hint_in_time: int = 0
+    hint_late: int = 0
+    hint_wasted: int = 0
     bytes_read_prefetch: int = 0
     bytes_read_on_demand: int = 0
     max_queue_depth: int = 0

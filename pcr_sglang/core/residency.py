@@ -59,6 +59,7 @@ class CacheStateConfig:
     ssd_capacity_chunks: int = 0  # 0: no SSD tier
     write_through: bool = True
     prefetch_budget_chunks: int = 0
+    hint_budget_chunks: int = 0  # most reads in flight for KV hints (inside the prefetch budget)
     decode_offload_share: float = DECODE_OFFLOAD_SHARE
 
 
@@ -99,6 +100,7 @@ class CacheState:
         self._writing: dict[ChunkNode, int] = {}
         self._cancelling: set[int] = set()
         self._landed: set[ChunkNode] = set()  # read from SSD, not yet used by a request
+        self._hinted: set[ChunkNode] = set()  # of those read or reading, ordered for a KV hint
         self._bad: list[ChunkNode] = []  # SSD records found bad while their chain was locked
         self._decode_reserved: set[int] = set()  # host slots reserved by decode-time offloads
         self.decode_offload_limit = int(config.host_slots * config.decode_offload_share)
@@ -371,11 +373,13 @@ class CacheState:
         return node in self._landed
 
     def plan_prefetch(self, chains: Sequence[Sequence[ChunkNode]], keep: Iterable[ChunkNode],
-                      effects: Effects, queue_depth: int) -> None:
+                      effects: Effects, queue_depth: int, hinted: Sequence[Sequence[ChunkNode]] = ()) -> None:
         """Each scheduler step: order the SSD-only chunks of the waiting requests' chains
-        (earliest request first) within the prefetch budget and half the host tier, and
-        stop protecting (and cancel the reads of) chunks no waiting request needs now.
-        ``keep`` are other chunks still wanted (those of requests waiting for reads)."""
+        (earliest request first) within the prefetch budget and half the host tier, then
+        those of ``hinted`` chains (KV hints, newest first) with what is left, at most
+        ``hint_budget_chunks`` hinted reads in flight; and stop protecting (and cancel the reads
+        of) chunks neither needs now. ``keep`` are other chunks still wanted (those of
+        requests waiting for reads)."""
         if not self.ssd_enabled:
             return
         self.ssd_stats.max_queue_depth = max(self.ssd_stats.max_queue_depth, queue_depth)
@@ -387,14 +391,42 @@ class CacheState:
             needed.update(chain)
             if budget > 0:
                 budget -= self.order_reads(chain, effects, urgent=False, limit=budget)
+        hint_room = min(budget, self.config.hint_budget_chunks - sum(1 for n in self._hinted if n in self._reading))
+        for chain in hinted:
+            needed.update(chain)
+            if hint_room > 0:
+                before = {n for n in chain if n in self._reading}
+                ordered = self.order_reads(chain, effects, urgent=False, limit=hint_room)
+                hint_room -= ordered
+                if ordered:
+                    self.ssd_stats.hint_issued += ordered
+                    self._hinted.update(n for n in chain if n in self._reading and n not in before)
         for node in [n for n in self._landed if n not in needed]:
             self._landed.discard(node)
             self.ssd_stats.prefetch_unused += 1
+            if node in self._hinted:
+                self._hinted.discard(node)
+                self.ssd_stats.hint_wasted += 1
         for node, seq in self._reading.items():
             op = self._pending[seq]
             if not op.urgent and node not in needed and seq not in self._cancelling:
                 self._cancelling.add(seq)
                 effects.orders.append(Reorder(seq, cancel=True))
+        self._hinted = {n for n in self._hinted if n in self._reading or n in self._landed}
+
+    def count_hinted(self, nodes: Iterable[ChunkNode]) -> None:
+        """A request needs ``nodes`` now (first considered for admission): those read for a
+        hint count as in time (landed) or late (still reading), once. A landed one was in
+        host memory before the request existed: it is a host hit from here on, not a read
+        made for this request (which SGLang reports as ``storage``)."""
+        for node in nodes:
+            if node in self._hinted:
+                self._hinted.discard(node)
+                if node in self._landed:
+                    self._landed.discard(node)
+                    self.ssd_stats.hint_in_time += 1
+                elif node in self._reading:
+                    self.ssd_stats.hint_late += 1
 
     # ------------------------------------------------------------------ I/O outcomes
     def outstanding(self) -> list[int]:
@@ -517,6 +549,7 @@ class CacheState:
         for op in self._pending.values():
             op.orphaned = True
         self._reading, self._writing, self._landed, self._bad = {}, {}, set(), []
+        self._hinted = set()
         self._cancelling = set()
         self._decode_reserved = set()  # the slot table frees every reservation
         self.tree.reset()

@@ -174,6 +174,8 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
         ssd_capacity_chunks=capacity,
         write_through=config.ssd_write == "through",
         prefetch_budget_chunks=max((config.prefetch_budget_mb << 20) // store.record_bytes, 1) if store else 0,
+        hint_budget_chunks=max((config.hint_budget_mb << 20) // store.record_bytes, 1)
+        if store and config.hint_budget_mb > 0 else 0,
     ))
     if store is not None:
         _restore(state, store, tp)

@@ -40,9 +40,15 @@ _SSD_FIELDS = {
     "prefetch_unused": ("prefetch_chunks", {"outcome": "unused"}),
     "prefetch_cancelled": ("prefetch_chunks", {"outcome": "cancelled"}),
     "on_demand_reads": ("prefetch_chunks", {"outcome": "on_demand"}),
+    "hint_issued": ("prefetch_chunks", {"outcome": "hint_issued"}),
+    "hint_in_time": ("prefetch_chunks", {"outcome": "hint_in_time"}),
+    "hint_late": ("prefetch_chunks", {"outcome": "hint_late"}),
+    "hint_wasted": ("prefetch_chunks", {"outcome": "hint_wasted"}),
     "bytes_read_prefetch": ("ssd_read_bytes", {"reason": "prefetch"}),
     "bytes_read_on_demand": ("ssd_read_bytes", {"reason": "on_demand"}),
 }
+
+_HINT_KINDS = ("registered", "rate_limited", "expired", "consumed")
 
 
 class PCRMetrics:
@@ -101,7 +107,9 @@ class PCRMetrics:
             "found in host memory when their request ran (in_time), still in flight when it "
             "was first considered for admission (late), landed but left unused when its request "
             "left the prefetch window (unused), dropped before reading (cancelled), and SSD "
-            "chunks read only when their request was considered (on_demand).",
+            "chunks read only when their request was considered (on_demand); for KV hints' "
+            "chains: ordered (hint_issued), in host memory or still in flight when a request "
+            "needed them (hint_in_time, hint_late), landed and dropped unused (hint_wasted).",
             labelnames=names + ["outcome"],
         )
         self.ssd_read_bytes = Counter(
@@ -126,6 +134,13 @@ class PCRMetrics:
             "bounds the scheduler could not use (malformed).",
             labelnames=names + ["kind"],
         )
+        self.hints = Counter(
+            "sglang:pcr_hints_total",
+            "PCR KV hints (kv_hints action 'pcr.lookahead_prefetch'): registered, dropped over "
+            "--pcr-hint-rate (rate_limited), ended by their TTL (expired) or by an admitted "
+            "request covering them (consumed).",
+            labelnames=names + ["kind"],
+        )
         self._last: dict[str, int] = {}
 
     def _add(self, prefix: str, values: dict[str, Any], fields: dict) -> None:
@@ -135,10 +150,14 @@ class PCRMetrics:
                 getattr(self, attr).labels(**self.labels, **extra).inc(delta)
             self._last[prefix + field] = values[field]
 
-    def sync(self, state: Any, doc_stats: Any = None) -> None:
+    def sync(self, state: Any, doc_stats: Any = None, hint_stats: Any = None) -> None:
         """Publish ``state``'s (a :class:`~pcr_sglang.core.CacheState`) counters and sizes,
-        and document reuse's (a :class:`~pcr_sglang.sglang_adapter.doc_reuse.DocReuseStats`)."""
+        document reuse's (a :class:`~pcr_sglang.sglang_adapter.doc_reuse.DocReuseStats`) and
+        the KV hints' (a :class:`~pcr_sglang.core.hints.HintStats`)."""
         tree = state.tree
+        if hint_stats is not None:
+            values = {k: v for k, v in asdict(hint_stats).items() if k in _HINT_KINDS}
+            self._add("hint.", values, {name: ("hints", {"kind": name}) for name in values})
         if doc_stats is not None:
             values = asdict(doc_stats)
             self._add("doc.", values, {name: ("doc_reuse", {"kind": name}) for name in values})

@@ -95,7 +95,7 @@ class PCRPrefixCache(BasePrefixCache):
         self.scheduler.step(waiting_queue, busy)
         if self.metrics is not None:
             docs = self.scheduler.docs
-            self.metrics.sync(self.state, docs.stats if docs is not None else None)
+            self.metrics.sync(self.state, docs.stats if docs is not None else None, self.scheduler.hints.stats)
 
     def supports_fast_match_prefix(self) -> bool:
         # A match hashes the prompt chunk by chunk (BLAKE2b) up to its first miss: cheap,

@@ -52,6 +52,7 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
         "host_pool_decode_offload_slots": state.decode_reserved_slots,
         "host_pool_io_slots": slot_counts.get("filling", 0),
         "layerwise": engine.mode.value if engine is not None else None,
+        "forwards": scheduler.worker.forwards if scheduler.worker is not None else None,
         "transfers": {"pending_loads": engine.pending_loads, "planned_offloads": engine.planned_offloads}
         if engine is not None else None,
         "counters": asdict(state.stats),
@@ -63,6 +64,7 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
                # Rounds in which the ranks' digests of admitted prefix lengths differed.
                "prefix_digest_mismatches": scheduler.digest_mismatches},
         "ssd": _ssd_report(cache) if state.ssd_enabled else None,
+        "hints": {"live": len(scheduler.hints), "counters": asdict(scheduler.hints.stats)},
         "doc_reuse": {"mode": scheduler.docs.mode, "rope": scheduler.docs.rope.signature(),
                       "counters": asdict(scheduler.docs.stats)} if scheduler.docs is not None else None,
         "invariants": {"checked": check_invariants, "ok": (invariant_error is None) if check_invariants else None,

@@ -31,6 +31,7 @@ from pcr_sglang.config import PCRConfig
 from pcr_sglang.core.agreement import LocalView, agree
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.effects import Effects, IoOutcome
+from pcr_sglang.core.hints import HintBook, HintPayload
 from pcr_sglang.core.keys import ChunkKey, chunk_keys, root_key
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.io.protocol import ReadChunk, Reorder, WriteChunk
@@ -72,6 +73,7 @@ class SchedulerSide:
         self.iteration_time = StepHistogram()  # the scheduler loop's iterations while busy
         self._last_step_start: Optional[float] = None
         self.docs: Optional[DocReuse] = None  # --pcr-doc-reuse (set by the factory)
+        self.hints = HintBook(config.hint_limits())
         self.last_load_private = False  # the last load_back gave the request private slots
 
     # ------------------------------------------------------------------ keys
@@ -181,9 +183,34 @@ class SchedulerSide:
         if ssd:
             held = [n for s in self.requests.holds() for n in s.hold.chain]
             effects = Effects()
-            wanted = [c for per_req in chains[:prefetch] for c in per_req] if self.state.io_healthy else []
-            self.state.plan_prefetch(wanted, held, effects, len(waiting_queue))
+            healthy = self.state.io_healthy
+            wanted = [c for per_req in chains[:prefetch] for c in per_req] if healthy else []
+            hinted = self._hinted_chains() if healthy else []
+            self.state.plan_prefetch(wanted, held, effects, len(waiting_queue), hinted)
             self.execute(effects)
+
+    # ------------------------------------------------------------------ KV hints
+    def add_hint(self, req: Any, payload: HintPayload) -> bool:
+        """Register ``req``'s prompt as a hint: its chains are read ahead while the hint
+        lives (see :mod:`pcr_sglang.core.hints`). False when it was not registered (no SSD
+        tier, hints off, TP, or over the rate)."""
+        if not self.state.ssd_enabled or self.state.config.hint_budget_chunks <= 0:
+            return False
+        if self.tp is not None:  # expiry is by each rank's clock: the ranks' plans could differ
+            return False
+        tokens = req.origin_input_ids
+        # What the final request will match: all but its last token (always computed).
+        keys = self._keys_of(tokens[: max(len(tokens) - 1, 0)], req.extra_key, req.cache_salt)
+        return self.hints.register(req.rid, keys, payload, time.monotonic())
+
+    def _hinted_chains(self) -> list[list[ChunkNode]]:
+        self.hints.expire(time.monotonic())
+        chains = []
+        for hint in self.hints.live():
+            nodes = self.state.match(iter(hint.keys), touch=False).nodes
+            if nodes:
+                chains.append(nodes)
+        return chains
 
     def _needed_keys(self, req: Any) -> list[list[ChunkKey]]:
         """The chains a waiting request will reuse: its prefix, and with document reuse
@@ -233,6 +260,7 @@ class SchedulerSide:
         entry = self.requests.peek(rid)
         if entry is not None and entry.considered:
             return entry
+        self.state.count_hinted(match.nodes)
         in_time = sum(1 for n in match.host_nodes if self.state.landed(n))
         ssd = match.ssd_nodes
         if not in_time and not ssd:
@@ -345,6 +373,8 @@ class SchedulerSide:
                 host = max(host - plan.prefix_tokens, 0)
         self.state.count_admission(req.cached_tokens_device // chunk, host // chunk,
                                    req.cached_tokens_storage // chunk, in_time, late, on_demand)
+        if len(self.hints):
+            self.hints.consume(self._keys(req))
         if self.tp is not None:
             data = f"{self._admission_digest}|{req.rid}|{req.prefix_len}".encode()
             self._admission_digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 12

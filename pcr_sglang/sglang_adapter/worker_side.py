@@ -38,6 +38,7 @@ class WorkerSide:
         self.engine = engine
         self.mode = engine.mode
         self._timings: list[tuple[int, Any, Any]] = []  # (tokens, start, end): seconds or CUDA events
+        self.forwards = 0  # model forwards run (extend and decode)
         if self.mode.loads:
             if getattr(kvcache, "layer_transfer_counter", None) is not None:
                 raise ValueError("--pcr-layerwise load: the KV pool already has a layer-transfer counter")
@@ -77,6 +78,7 @@ class WorkerSide:
     def forward(self, run: Callable[[], Any], forward_batch: Any) -> Any:
         """Around ``ModelRunner.forward``: note the stream, time extends."""
         self.engine.note_forward_stream()
+        self.forwards += 1
         tokens = getattr(forward_batch, "extend_num_tokens", None)
         if not tokens:
             return run()

@@ -1,5 +1,5 @@
 """The SSD tier through a real server on CPU: hits beyond device + DRAM, warm restart,
-crash during write-back, corrupt records, a full disk."""
+KV hints read ahead after it, crash during write-back, corrupt records, a full disk."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import shutil
 import signal
 import threading
 import time
+import uuid
 
 import pytest
+import requests
 
 from pcr_sglang.launcher import ServerProcess
 from tests.e2e.helpers import (
@@ -91,6 +93,87 @@ def test_restart_finds_the_persisted_chunks_and_skips_corrupt_ones(servers, tiny
     assert state["ssd"]["counters"]["restored_chunks"] > 10
     assert state["ssd"]["store"]["corrupt_chunks"] >= 2  # truncated and garbage: found on open
     assert state["ssd"]["store"]["discarded_tmp_files"] == 1
+
+
+# KV hints (kv_hints action pcr.lookahead_prefetch) on the restarted server, before any
+# traffic: every chain is on SSD only, so what a hint reads ahead shows as a host hit where
+# the same request without a hint reads SSD on demand (``storage``).
+HINTED = slice(40, 43)  # prompts no other test sends before these
+
+
+def _hint(payload=None, version="1") -> dict:
+    return {"protocol_version": "1", "message_id": uuid.uuid4().hex,
+            "actions": [{"action_id": "a0", "action_type": "pcr.lookahead_prefetch", "action_version": version,
+                         "payload": {"hint_only": True, "ttl_s": 20} if payload is None else payload}]}
+
+
+def _hint_counters(server) -> dict:
+    state = server.pcr_state()
+    ssd = state["ssd"]
+    return {**state["hints"]["counters"], **{k: v for k, v in ssd["counters"].items() if k.startswith("hint_")},
+            "forwards": state["forwards"], "reads_in_flight": ssd["reads_in_flight"]}
+
+
+def _send_hint(server, ids, **extra) -> dict:
+    return server.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "kv_hints": _hint(), **extra})
+
+
+@pytest.mark.parametrize("payload, version, message", [
+    ({"ttl_s": -5}, "1", "ttl_s must be a number of seconds"),
+    ({"hint_only": "yes"}, "1", "hint_only must be true or false"),
+    ({}, "9", "action_version '9' is not supported"),
+])
+def test_a_malformed_kv_hint_gets_http_400_naming_the_problem(servers, rag_prompt_ids, payload, version, message):
+    response = requests.post(servers["ssd"].base_url + "/generate", timeout=60, json={
+        "input_ids": rag_prompt_ids[0], "sampling_params": {"max_new_tokens": 0}, "kv_hints": _hint(payload, version)})
+    assert response.status_code == 400, response.text
+    assert message in response.text
+
+
+def test_a_kv_hint_then_the_final_request_finds_its_chain_in_host_memory(servers, rag_prompt_ids, baseline_outputs):
+    server = servers["ssd"]
+    prompt, control = rag_prompt_ids[HINTED][:2]
+    before = _hint_counters(server)
+    out = _send_hint(server, prompt)
+    assert out["output_ids"] == []
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0, "pcr_hint": "registered"}
+    deadline = time.monotonic() + 30
+    while True:  # the prefetcher reads the hinted chain in the background
+        counters = _hint_counters(server)
+        if (counters["hint_issued"] > before["hint_issued"] and counters["reads_in_flight"] == 0) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert counters["hint_issued"] > before["hint_issued"] and counters["reads_in_flight"] == 0, counters
+    assert counters["forwards"] == before["forwards"]  # a hint-only request runs no forward
+    assert counters["registered"] == before["registered"] + 1
+    final = server.generate({"input_ids": prompt, "sampling_params": GREEDY})
+    details = final["meta_info"]["cached_tokens_details"]
+    assert final["output_ids"] == baseline_outputs[HINTED][0]
+    assert details.get("host", 0) > 0 and details.get("storage", 0) == 0, details
+    after = _hint_counters(server)
+    assert after["hint_in_time"] > before["hint_in_time"] and after["consumed"] == before["consumed"] + 1
+    # The control: a prompt nobody hinted reads its chain from SSD when it arrives.
+    unhinted = server.generate({"input_ids": control, "sampling_params": GREEDY})
+    assert unhinted["output_ids"] == baseline_outputs[HINTED][1]
+    assert unhinted["meta_info"]["cached_tokens_details"].get("storage", 0) > 0
+
+
+def test_a_kv_hint_under_another_tenants_salt_prefetches_nothing(servers, rag_prompt_ids, baseline_outputs):
+    server = servers["ssd"]
+    prompt = rag_prompt_ids[HINTED][2]
+    before = _hint_counters(server)
+    out = _send_hint(server, prompt, cache_salt="another-tenant")
+    assert out["meta_info"]["finish_reason"]["pcr_hint"] == "registered"
+    time.sleep(1.0)  # several scheduler steps
+    assert _hint_counters(server)["hint_issued"] == before["hint_issued"]  # no chain of this tenant
+    final = server.generate({"input_ids": prompt, "sampling_params": GREEDY})
+    assert final["output_ids"] == baseline_outputs[HINTED][2]
+    assert final["meta_info"]["cached_tokens_details"].get("storage", 0) > 0
+
+
+def test_after_a_restart_every_prompt_is_served_right_from_ssd(servers, rag_prompt_ids, baseline_outputs):
+    restarted = servers["ssd"]
     outputs, details = replay_with_details(restarted, rag_prompt_ids[:10])
     assert outputs == baseline_outputs[:10]
     assert sum(d.get("storage", 0) for d in details) > 0, details

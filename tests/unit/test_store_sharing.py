@@ -389,9 +389,12 @@ def test_short_reads_are_retried_not_taken_for_corruption():
     FUSE may; the read loop must still fill the buffer."""
     r, w = os.pipe()
     data = payload(5)
+    first_read = threading.Event()
 
     def trickle():
-        for i in range(0, len(data), 100):
+        os.write(w, data[:100])
+        first_read.wait(10)  # the rest only after the reader took a short read (not by timing)
+        for i in range(100, len(data), 100):
             os.write(w, data[i:i + 100])
             time.sleep(0.002)
         os.close(w)
@@ -401,7 +404,8 @@ def test_short_reads_are_retried_not_taken_for_corruption():
     out = bytearray(len(data))
     with open(r, "rb", buffering=0) as f:
         first = f.readinto(memoryview(out)[:len(data)])
-        assert 0 < first < len(data)  # a real short read happened
+        first_read.set()
+        assert first == 100  # a real short read happened
         assert first + _read_full(f, memoryview(out)[first:]) == len(data)
     t.join()
     assert bytes(out) == data

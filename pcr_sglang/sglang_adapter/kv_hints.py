@@ -1,0 +1,95 @@
+"""KV hints through SGLang's ``kv_hints`` request field: the ``pcr.lookahead_prefetch`` action.
+
+A RAG pipeline sends the prompt it expects to send next (rendered from the documents the
+look-ahead retrieval predicted) as an ordinary ``/generate`` request carrying::
+
+    "kv_hints": {"protocol_version": "1", "message_id": "...",
+                 "actions": [{"action_id": "a0", "action_type": "pcr.lookahead_prefetch",
+                              "action_version": "1",
+                              "payload": {"hint_only": true, "ttl_s": 15, "group": "run-7"}}]}
+
+* ``_validate_one_request`` (AFTER, tokenizer manager): a malformed action is an HTTP 400
+  naming the field; other actions are left to whoever implements them.
+* ``Scheduler._add_request_to_queue`` (AROUND): the prompt's chunk keys (under the request's
+  namespace, ``extra_key`` and ``cache_salt``, exactly as the final request will hash them)
+  are registered with the scheduler side's :class:`~pcr_sglang.core.hints.HintBook`; a
+  ``hint_only`` request then finishes at once, with no forward: its ``finish_reason`` is
+  ``{"type": "length", "length": 0, "pcr_hint": "registered"}`` (``"ignored"`` without an
+  SSD tier, with ``--pcr-hint-budget-mb 0``, with TP, or over ``--pcr-hint-rate``). Retracted re-queues and
+  requests already finishing pass through untouched.
+
+SGLang 0.5.23 carries the field to ``Req.kv_hints`` and implements no action itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+from pcr_sglang.core.hints import HINT_ACTION, HINT_ACTION_VERSION, HintError, HintPayload
+
+logger = logging.getLogger(__name__)
+
+
+def hint_payload(envelope: Any) -> Optional[HintPayload]:
+    """The ``pcr.lookahead_prefetch`` action of a ``KvHintsEnvelope`` (None without one).
+    Raises :class:`HintError` for a malformed one."""
+    actions = getattr(envelope, "actions", None) or ()
+    ours = [a for a in actions if getattr(a, "action_type", None) == HINT_ACTION]
+    if not ours:
+        return None
+    if len(ours) > 1:
+        raise HintError(f"kv_hints carries {len(ours)} {HINT_ACTION} actions; send one per request")
+    action = ours[0]
+    if action.action_version != HINT_ACTION_VERSION:
+        raise HintError(f"{HINT_ACTION} action_version {action.action_version!r} is not supported "
+                        f"(this server implements {HINT_ACTION_VERSION!r})")
+    return HintPayload.parse(action.payload)
+
+
+def validate_kv_hints(result: Any, manager: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``TokenizerManager._validate_one_request``."""
+    envelope = getattr(obj, "kv_hints", None)
+    if envelope is None:
+        return None
+    try:
+        hint_payload(envelope)
+    except HintError as e:
+        raise ValueError(str(e)) from None
+    return None
+
+
+class HintRegistered:
+    """The finish reason of a hint-only request (SGLang sends only ``to_json()`` on)."""
+
+    def __init__(self, registered: bool):
+        self.registered = registered
+
+    def to_json(self) -> dict:
+        return {"type": "length", "length": 0, "pcr_hint": "registered" if self.registered else "ignored"}
+
+
+def add_request_to_queue(original: Callable[..., Any], scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``Scheduler._add_request_to_queue(req, is_retracted=False)``."""
+    envelope = getattr(req, "kv_hints", None)
+    retracted = bool(kwargs.get("is_retracted", args[0] if args else False))
+    if envelope is None or retracted or req.finished() or getattr(req, "to_finish", None) is not None:
+        return original(scheduler, req, *args, **kwargs)
+    from pcr_sglang.plugin import _pcr_cache
+
+    try:
+        payload = hint_payload(envelope)
+    except HintError as e:  # validated at the tokenizer; a request from elsewhere is served without it
+        logger.warning("PCR: ignoring a malformed KV hint on %s: %s", req.rid, e)
+        payload = None
+    if payload is None:
+        return original(scheduler, req, *args, **kwargs)
+    cache = _pcr_cache(scheduler)
+    registered = cache is not None and cache.scheduler.add_hint(req, payload)
+    if not payload.hint_only:
+        return original(scheduler, req, *args, **kwargs)
+    # Finished without computing anything, as SGLang finishes a request it rejects at intake.
+    req.finished_reason = HintRegistered(registered)
+    scheduler._release_aborted_request(req)
+    scheduler.output_streamer.stream_output([req], req.return_logprob)
+    return None
