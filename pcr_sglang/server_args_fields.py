@@ -45,7 +45,8 @@ DEFAULT_DOC_REUSE = "off"
 DEFAULT_DOC_RECOMPUTE_TOKENS = 32
 DEFAULT_DOC_RECOMPUTE_RATIO = 0.15
 # When a document's canonical KV is computed (pcr_sglang.core.doc_warmup): bench/ragbench
-# --unique-docs measured warming every first sighting 3.6-5.1x slower than radix.
+# --unique-docs measured warming every first sighting several times slower than radix
+# (bench/README.md, "When documents are warmed").
 DOC_WARMUP_CHOICES = ["request", "idle"]
 DEFAULT_DOC_WARMUP = "request"
 DEFAULT_DOC_WARMUP_AFTER = 2
@@ -187,8 +188,9 @@ class Pcr(msgspec.Struct):
         float,
         Arg(
             help=(
-                "KV hints: a hint is dropped after its payload's ttl_s, at most this many seconds, "
-                f"or when a request covering it is admitted. Default: {DEFAULT_HINT_MAX_TTL_S:g}."
+                "KV hints: a hint is dropped after its payload's ttl_s, at most this many seconds; "
+                "earlier when a request covering it (or another candidate of its group) is admitted, "
+                f"or when over 256 hints are live (the oldest). Default: {DEFAULT_HINT_MAX_TTL_S:g}."
             )
         ),
     ] = DEFAULT_HINT_MAX_TTL_S
@@ -295,7 +297,7 @@ class Pcr(msgspec.Struct):
         Arg(
             help=(
                 "--pcr-doc-reuse: warm a document from its N-th sighting in marked requests "
-                "(per tenant). 1 warms every document the first time it is seen after another; "
+                "(per tenant). 1 warms every document the first time a marked request has it; "
                 "2 serves a first sighting by plain prefill and warms only documents that recur, "
                 "so traffic whose documents never recur costs what it costs without document "
                 f"reuse. Default: {DEFAULT_DOC_WARMUP_AFTER}."

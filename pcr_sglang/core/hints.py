@@ -8,8 +8,10 @@ and within the hint budget, so the final request finds them in DRAM.
 
 A hint lives until its TTL (capped by the server), or until a request whose chain covers
 the hint's is admitted (its whole group, the other candidates for the same final prompt,
-is dropped then). Registrations are rate-limited (a token bucket) and the number of live
-hints is bounded, so hints cannot crowd out the waiting queue or grow without bound. The
+is dropped then), or when more than ``max_live`` hints are live (the oldest go).
+Registrations are rate-limited (a token bucket); hinted reads have a budget of their own,
+in flight and landed, and at most a quarter of the host tier, so hints can neither crowd
+out the waiting queue's prefetch nor grow without bound. The
 keys fold in the namespace, ``extra_key`` and ``cache_salt``: a hint can only reach chains
 of its own tenant.
 
@@ -135,13 +137,14 @@ class HintBook:
         return gone
 
     def live(self) -> list[Hint]:
-        """Newest registration first; within a group, by rank."""
-        return sorted(self._hints.values(), key=lambda h: (-self._group_seq(h), h.rank, -h.seq))
-
-    def _group_seq(self, hint: Hint) -> int:
-        if hint.group is None:
-            return hint.seq
-        return max(h.seq for h in self._hints.values() if h.group == hint.group)
+        """Newest group first (a group is as new as its newest candidate); within a group,
+        by rank."""
+        newest: dict[object, int] = {}
+        for hint in self._hints.values():
+            group = hint.group if hint.group is not None else ("", hint.hint_id)
+            newest[group] = max(newest.get(group, 0), hint.seq)
+        return sorted(self._hints.values(), key=lambda h: (
+            -newest[h.group if h.group is not None else ("", h.hint_id)], h.rank, -h.seq))
 
     def consume(self, request_keys: Sequence[ChunkKey]) -> list[Hint]:
         """A request with chain ``request_keys`` was admitted: the hints whose whole chain

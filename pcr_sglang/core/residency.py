@@ -312,7 +312,8 @@ class CacheState:
         effects.orders.append(DeleteChunk(node.key))
 
     # ------------------------------------------------------------------ SSD reads
-    def order_reads(self, nodes: Sequence[ChunkNode], effects: Effects, *, urgent: bool, limit: int) -> int:
+    def order_reads(self, nodes: Sequence[ChunkNode], effects: Effects, *, urgent: bool, limit: int,
+                    hint: bool = False) -> int:
         """Order reads of the SSD-only chunks among ``nodes`` (a chain, in order), at most
         ``limit`` new ones; reads already in flight are moved ahead when ``urgent``.
         Returns how many were ordered. The chain is locked meanwhile, so making room in
@@ -343,7 +344,7 @@ class CacheState:
                 ordered += 1
         finally:
             self.tree.unlock(nodes[-1])
-        if not urgent:
+        if not urgent and not hint:  # a hint's reads are counted as hint_issued
             self.ssd_stats.prefetch_issued += ordered
         return ordered
 
@@ -384,29 +385,33 @@ class CacheState:
             return
         self.ssd_stats.max_queue_depth = max(self.ssd_stats.max_queue_depth, queue_depth)
         needed = set(keep)
-        prefetching = sum(1 for op in self._pending.values() if op.is_read and not op.urgent)
+        # Hinted reads, in flight or landed, have their own budget and never take the
+        # queue's: they count only against it, and against at most a quarter of the host tier.
+        hinted_held = len(self._hinted)
+        prefetching = sum(1 for n, seq in self._reading.items() if not self._pending[seq].urgent and n not in self._hinted)
         room = self.config.host_slots // 2 - len(self._reading) - len(self._landed)
         budget = min(self.config.prefetch_budget_chunks - prefetching, room)
         for chain in chains:
             needed.update(chain)
             if budget > 0:
                 budget -= self.order_reads(chain, effects, urgent=False, limit=budget)
-        hint_room = min(budget, self.config.hint_budget_chunks - sum(1 for n in self._hinted if n in self._reading))
+        hint_room = min(budget, self.config.hint_budget_chunks - hinted_held, self.config.host_slots // 4 - hinted_held)
         for chain in hinted:
             needed.update(chain)
             if hint_room > 0:
                 before = {n for n in chain if n in self._reading}
-                ordered = self.order_reads(chain, effects, urgent=False, limit=hint_room)
+                ordered = self.order_reads(chain, effects, urgent=False, limit=hint_room, hint=True)
                 hint_room -= ordered
                 if ordered:
                     self.ssd_stats.hint_issued += ordered
                     self._hinted.update(n for n in chain if n in self._reading and n not in before)
         for node in [n for n in self._landed if n not in needed]:
             self._landed.discard(node)
-            self.ssd_stats.prefetch_unused += 1
-            if node in self._hinted:
+            if node in self._hinted:  # counted as a hint's, never also as the queue's
                 self._hinted.discard(node)
                 self.ssd_stats.hint_wasted += 1
+            else:
+                self.ssd_stats.prefetch_unused += 1
         for node, seq in self._reading.items():
             op = self._pending[seq]
             if not op.urgent and node not in needed and seq not in self._cancelling:
@@ -414,19 +419,23 @@ class CacheState:
                 effects.orders.append(Reorder(seq, cancel=True))
         self._hinted = {n for n in self._hinted if n in self._reading or n in self._landed}
 
-    def count_hinted(self, nodes: Iterable[ChunkNode]) -> None:
+    def count_hinted(self, nodes: Iterable[ChunkNode]) -> set[ChunkNode]:
         """A request needs ``nodes`` now (first considered for admission): those read for a
-        hint count as in time (landed) or late (still reading), once. A landed one was in
-        host memory before the request existed: it is a host hit from here on, not a read
-        made for this request (which SGLang reports as ``storage``)."""
+        hint count as in time (landed) or late (still reading), once, and only as a hint's
+        (returned, so the caller leaves them out of the queue prefetch's counts). A landed
+        one was in host memory before the request existed: it is a host hit from here on,
+        not a read made for this request (which SGLang reports as ``storage``)."""
+        counted = set()
         for node in nodes:
             if node in self._hinted:
                 self._hinted.discard(node)
+                counted.add(node)
                 if node in self._landed:
                     self._landed.discard(node)
                     self.ssd_stats.hint_in_time += 1
                 elif node in self._reading:
                     self.ssd_stats.hint_late += 1
+        return counted
 
     # ------------------------------------------------------------------ I/O outcomes
     def outstanding(self) -> list[int]:

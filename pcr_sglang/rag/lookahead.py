@@ -19,6 +19,7 @@ cluster: recall is never below IVF's, results may differ from it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -93,17 +94,22 @@ class LookaheadRetriever:
         self.mode = mode
         self.budget = budget or BudgetModel()
         self._slow = ThreadPoolExecutor(1, thread_name_prefix="pcr-rag-faiss")
+        # Hugging Face fast tokenizers refuse concurrent calls ("Already borrowed"): pipelines
+        # running in threads embed one at a time.
+        self._embed_lock = threading.Lock()
 
     # ------------------------------------------------------------------ look-ahead
-    def lookahead(self, inputs: Texts, stage: str = "default") -> Ticket:
-        return self.lookahead_vectors(self._embed(inputs), stage)
+    def lookahead(self, inputs: Texts, stage: str = "default", prefetch: bool = True) -> Ticket:
+        """Rank clusters for ``inputs`` and (``prefetch``) queue the top ones for the fast
+        tier; predict their documents either way."""
+        return self.lookahead_vectors(self._embed(inputs), stage, prefetch)
 
-    def lookahead_vectors(self, vectors: np.ndarray, stage: str = "default") -> Ticket:
+    def lookahead_vectors(self, vectors: np.ndarray, stage: str = "default", prefetch: bool = True) -> Ticket:
         x = normalized(vectors)
         _, ranked = self.datastore.probe(x, self.prefetch_nprobe)
         submitted: list[int] = []
         budget = 0
-        if self.tier is not None:
+        if self.tier is not None and prefetch:
             self.budget.observe_bandwidth(self.tier.stats.bandwidth_bytes_s)
             budget = min(self.budget.budget_bytes(stage), self.tier.capacity_bytes)
             chosen = fill_budget(ranked, self.tier.cost, budget, self.tier.is_resident)
@@ -166,7 +172,8 @@ class LookaheadRetriever:
 
     def _embed(self, texts: Texts) -> np.ndarray:
         batch = [texts] if isinstance(texts, str) else list(texts)
-        return np.asarray(self.embed(batch), dtype=np.float32)
+        with self._embed_lock:
+            return np.asarray(self.embed(batch), dtype=np.float32)
 
     def close(self) -> None:
         self._slow.shutdown(wait=True)

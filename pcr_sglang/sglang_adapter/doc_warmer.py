@@ -24,7 +24,7 @@ does not have it yet, so it is sent again right after the request.
 ``request`` is the "as part of the request" choice of computing a document's canonical KV
 the first time it is due (the request pays about the prefill it would have paid anyway,
 its documents computed one by one instead of in sequence); ``idle`` is the background,
-low-priority one. ``bench/README.md`` measures both.
+low-priority one. ``bench/README.md`` ("When documents are warmed") measures both.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 IDLE_QUEUE_MAX = 1024  # documents waiting for idle time; the oldest are forgotten first
 IDLE_POLL_S = 0.05
+# A request waits at most this long for its documents' warm-ups (then goes without them);
+# the idle drain moves on after it too. A warm-up is a prefill: far less on a live server.
+WARM_TIMEOUT_S = 120.0
 
 
 def _custom_params(obj: Any) -> Optional[dict]:
@@ -145,7 +148,12 @@ class DocWarmer:
                                      getattr(tokenized, "priority", None)))
         if waits and (self.policy.when == "request" or now):
             # Shielded: a waiter cancelled (its client gone) must not cancel another's warm-up.
-            await asyncio.gather(*(asyncio.shield(w) for w in waits), return_exceptions=True)
+            try:
+                await asyncio.wait_for(asyncio.gather(*(asyncio.shield(w) for w in waits), return_exceptions=True),
+                                       WARM_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning("PCR document reuse: warm-ups took over %.0f s; the request goes without them",
+                               WARM_TIMEOUT_S)
 
     def _start(self, manager: Any, send: Callable[..., Any], key: bytes, canonical: list[int],
                extra_key: Optional[str], salt: Optional[str], priority: Optional[int]) -> asyncio.Future:
@@ -184,8 +192,9 @@ class DocWarmer:
                 continue
             key, (canonical, extra_key, salt) = self._idle_queue.popitem(last=False)
             try:
-                await asyncio.shield(self._start(manager, send, key, canonical, extra_key, salt, None))
-            except Exception:  # counted and logged by _done; the next one still runs
+                await asyncio.wait_for(asyncio.shield(self._start(manager, send, key, canonical, extra_key, salt,
+                                                                  None)), WARM_TIMEOUT_S)
+            except Exception:  # failures are counted and logged by _done; a hung one is left behind
                 pass
 
     async def _prefill(self, manager: Any, send: Callable[..., Any], canonical: list[int],

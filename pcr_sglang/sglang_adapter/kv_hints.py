@@ -64,6 +64,7 @@ class HintRegistered:
 
     def __init__(self, registered: bool):
         self.registered = registered
+        self.message = "pcr: KV hint " + ("registered" if registered else "ignored")
 
     def to_json(self) -> dict:
         return {"type": "length", "length": 0, "pcr_hint": "registered" if self.registered else "ignored"}
@@ -88,8 +89,8 @@ def add_request_to_queue(original: Callable[..., Any], scheduler: Any, req: Any,
     registered = cache is not None and cache.scheduler.add_hint(req, payload)
     if not payload.hint_only:
         return original(scheduler, req, *args, **kwargs)
-    # Finished without computing anything, as SGLang finishes a request it rejects at intake.
+    # Finished without computing anything, the way SGLang retires a request its queues
+    # reject at their door (session, beam group, cache handle, trace, output).
     req.finished_reason = HintRegistered(registered)
-    scheduler._release_aborted_request(req)
-    scheduler.output_streamer.stream_output([req], req.return_logprob)
+    scheduler.retire_unadmitted_request(req)
     return None

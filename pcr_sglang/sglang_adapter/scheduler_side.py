@@ -260,9 +260,9 @@ class SchedulerSide:
         entry = self.requests.peek(rid)
         if entry is not None and entry.considered:
             return entry
-        self.state.count_hinted(match.nodes)
+        hinted = self.state.count_hinted(match.nodes)  # counted as the hints' own
         in_time = sum(1 for n in match.host_nodes if self.state.landed(n))
-        ssd = match.ssd_nodes
+        ssd = [n for n in match.ssd_nodes if n not in hinted]
         if not in_time and not ssd:
             return entry
         entry = entry or self.requests.get(rid)

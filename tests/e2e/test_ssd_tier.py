@@ -172,6 +172,49 @@ def test_a_kv_hint_under_another_tenants_salt_prefetches_nothing(servers, rag_pr
     assert final["meta_info"]["cached_tokens_details"].get("storage", 0) > 0
 
 
+def test_a_hyde_pipeline_on_the_frontend_sends_its_hint_and_searches_exactly(servers):
+    """The DSL program runs its pre-retrieval generation while the look-ahead and the KV
+    hint go out; its search is faiss's IVF search of its query, and its answer is what the
+    same final prompt gets when sent directly."""
+    from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+
+    from pcr_sglang.data import load_wiki_articles
+    from pcr_sglang.rag.budget import BudgetModel
+    from pcr_sglang.rag.embedder import embed_texts, load_embedder
+    from pcr_sglang.rag.host_tier import HostClusterTier
+    from pcr_sglang.rag.ivf import IVFDatastore
+    from pcr_sglang.rag.lookahead import LookaheadRetriever
+    from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, render_rag_prompt
+
+    server = servers["ssd"]
+    articles = load_wiki_articles()[700:820]
+    texts = [f"{a.title}. {a.text[:300]}" for a in articles]
+    datastore = IVFDatastore.build(embed_texts(texts), 8, seed=0)
+    embedder = load_embedder()
+    retriever = LookaheadRetriever(datastore, embedder.encode, nprobe=2, k=3,
+                                   tier=HostClusterTier(datastore.table, 8 << 20),
+                                   budget=BudgetModel(stage_bytes={"hyde": 4 << 20}))
+    hinter = KVHinter(server.base_url)
+    pipelines = Pipelines(retriever, texts, RuntimeEndpoint(server.base_url), hinter,
+                          PipelineConfig(hyde_tokens=16, answer_tokens=8))
+    before = _hint_counters(server)
+    try:
+        result = pipelines.hyde(f"What is {articles[5].title} known for?")
+    finally:
+        retriever.close()
+        hinter.close()
+    scores, ids = datastore.search(embedder.encode(result.queries), 4, 2)
+    expected = [int(i) for i in ids[0][:3]]
+    if set(result.doc_ids) != set(expected):  # rounding may only swap a tie at the third place
+        assert abs(scores[0][2] - scores[0][3]) < 1e-5 and set(result.doc_ids) <= set(ids[0].tolist())
+    assert result.searches[0].probed == 2
+    assert hinter.stats.sent == 1 and hinter.stats.registered == 1 and hinter.stats.failed == 0
+    assert _hint_counters(server)["registered"] == before["registered"] + 1
+    direct = server.generate({"text": render_rag_prompt([texts[i] for i in result.doc_ids], result.question),
+                              "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert result.answer == direct["text"].strip()
+
+
 def test_after_a_restart_every_prompt_is_served_right_from_ssd(servers, rag_prompt_ids, baseline_outputs):
     restarted = servers["ssd"]
     outputs, details = replay_with_details(restarted, rag_prompt_ids[:10])

@@ -131,9 +131,9 @@ def test_hinted_chains_are_read_after_the_queue_and_within_the_hint_budget():
 
 
 def test_a_hinted_chunk_landed_and_left_unused_counts_wasted_and_its_reads_are_cancelled():
-    d = Driver(host_slots=8, ssd_capacity_chunks=40, prefetch_budget_chunks=6, hint_budget_chunks=4)
+    d = Driver(host_slots=16, ssd_capacity_chunks=60, prefetch_budget_chunks=6, hint_budget_chunks=4)
     hinted = _ssd_only(d, list(range(300, 300 + 3 * CHUNK)))
-    _pushed_out(d)
+    _pushed_out(d, 24)
     plan = Effects()
     d.state.plan_prefetch([], [], plan, queue_depth=0, hinted=[hinted])
     d.run(plan)
@@ -145,10 +145,29 @@ def test_a_hinted_chunk_landed_and_left_unused_counts_wasted_and_its_reads_are_c
     assert not [o for o in plan.orders if isinstance(o, Reorder)]  # nothing was still reading
 
 
+def test_landed_hinted_chunks_count_against_the_hint_budget_and_never_take_the_queues():
+    """Review finding: only hinted reads in flight were counted, so landed ones piled up
+    over steps until they filled the host room the queue's prefetch needs."""
+    d = Driver(host_slots=16, ssd_capacity_chunks=80, prefetch_budget_chunks=8, hint_budget_chunks=2)
+    hinted = _ssd_only(d, list(range(300, 300 + 6 * CHUNK)))
+    queued = _ssd_only(d, list(range(600, 600 + 3 * CHUNK)))
+    _pushed_out(d, 24)
+    for _ in range(4):  # several steps; each lands what it ordered
+        plan = Effects()
+        d.state.plan_prefetch([], [], plan, queue_depth=0, hinted=[hinted])
+        d.run(plan)
+        d.answer(only=ReadChunk)
+    assert d.state.ssd_stats.hint_issued == 2  # the budget holds landed chunks too
+    plan = Effects()
+    d.state.plan_prefetch([queued], [], plan, queue_depth=1, hinted=[hinted])
+    assert [o.key for o in plan.orders if isinstance(o, ReadChunk)] == [n.key for n in queued]
+    assert d.state.ssd_stats.prefetch_issued == 3  # the queue's own, hints not counted there
+
+
 def test_hinted_reads_in_flight_count_late_and_are_cancelled_when_the_hint_ends():
-    d = Driver(host_slots=8, ssd_capacity_chunks=40, prefetch_budget_chunks=6, hint_budget_chunks=4)
+    d = Driver(host_slots=16, ssd_capacity_chunks=60, prefetch_budget_chunks=6, hint_budget_chunks=4)
     hinted = _ssd_only(d, list(range(300, 300 + 3 * CHUNK)))
-    _pushed_out(d)
+    _pushed_out(d, 24)
     plan = Effects()
     d.state.plan_prefetch([], [], plan, queue_depth=0, hinted=[hinted])
     d.run(plan)  # ordered, not answered: in flight

@@ -148,13 +148,17 @@ def test_a_cluster_still_copying_is_a_miss_searched_by_faiss(datastore, queries)
     codes = GatedCodes(np.asarray(table.codes), range(int(table.offsets[gated]), int(table.offsets[gated + 1])))
     tier = _tier(datastore, codes=codes, page_rows=10_000)  # one page per cluster: one gated read
     try:
-        tier.submit([gated] + [c for c in range(NLIST) if c != gated])
+        others = [c for c in range(NLIST) if c != gated]
+        tier.submit(others)
+        assert tier.wait_landed(others, timeout_s=10)
+        tier.submit([gated])  # landed and in flight together
         assert tier.is_resident(gated) and not tier.is_landed(gated)
         retriever = LookaheadRetriever(datastore, embed=None, nprobe=NPROBE, k=K, tier=tier)
         _, probes = datastore.probe(queries, NPROBE)
         got = retriever.search_vectors(queries)
         _assert_same_as_ivf(got.distances, got.ids, *datastore.search(queries, K, NPROBE))
-        assert got.stats.in_flight >= int((probes == gated).sum()) > 0
+        assert got.stats.in_flight == int((probes == gated).sum()) > 0
+        assert got.stats.hits == probes.size - got.stats.in_flight  # everything else came from the tier
     finally:
         codes.release.set()
         tier.close()
@@ -279,3 +283,37 @@ def test_merge_keeps_the_best_of_both_lists_and_drops_empty_slots():
     assert i.tolist() == [[-1, -1]]
     scores, ids = top_k(np.array([1.0, 2.0, 2.0, 0.5], np.float32), np.array([9, 7, 3, 1]), 2)
     assert ids.tolist() == [3, 7]
+
+
+def test_a_lookahead_without_prefetch_still_predicts_and_copies_nothing(datastore, queries):
+    tier = _tier(datastore)
+    try:
+        retriever = LookaheadRetriever(datastore, embed=None, nprobe=NPROBE, k=K, tier=tier,
+                                       budget=BudgetModel(stage_bytes={"hyde": 1 << 30}))
+        ticket = retriever.lookahead_vectors(queries[:1], stage="hyde", prefetch=False)
+        assert ticket.submitted == [] and tier.stats.submitted == 0
+        np.testing.assert_array_equal(ticket.predicted_ids, datastore.search(queries[:1], 2 * K, NPROBE)[1])
+    finally:
+        tier.close()
+
+
+def test_similar_questions_are_grouped_together():
+    from pcr_sglang.rag.pipelines import group_queries
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(16), rng.standard_normal(16)
+    vectors = np.stack([a, b + 0.01, a + 0.01, b, a - 0.01, b - 0.01]).astype(np.float32)
+    groups = group_queries(vectors, 3)
+    assert sorted(map(sorted, groups)) == [[0, 2, 4], [1, 3, 5]]
+    assert group_queries(vectors, 3) == groups  # deterministic
+    assert sorted(i for g in group_queries(vectors, 4) for i in g) == list(range(6))
+    with pytest.raises(ValueError, match="group_size"):
+        group_queries(vectors, 0)
+
+
+def test_the_final_prompt_keeps_retrieval_order():
+    from pcr_sglang.rag.pipelines import render_rag_prompt
+
+    prompt = render_rag_prompt(["first doc ", "second doc"], "Why?")
+    assert prompt.index("first doc") < prompt.index("second doc") < prompt.index("Question: Why?")
+    assert prompt.endswith("\nAnswer:")
