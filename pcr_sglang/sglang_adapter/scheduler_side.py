@@ -237,21 +237,28 @@ class SchedulerSide:
             return True  # one wait per request: what has not landed since is recomputed
         match = self.state.match(iter(self._keys(req)), touch=False)
         entry = self._first_consideration(req.rid, match)
-        ssd_nodes = match.ssd_nodes
-        if not ssd_nodes or not self.state.io_healthy:
+        # With document reuse, the documents' canonical chains on SSD are read as the
+        # request's own chain is: a document first marked after a restart (or a
+        # precompute) is reused from SSD without a warm-up.
+        docs = ([self.state.match(iter(keys), touch=False) for keys in self.docs.canonical_chain_keys(req)]
+                if self.docs is not None else [])
+        chains = [m for m in [match, *docs] if m.ssd_nodes]
+        ssd_count = sum(len(m.ssd_nodes) for m in chains)
+        if not chains or not self.state.io_healthy:
             return True
         if not self.state.cost_model.decide(self.state.prefer_load):
-            self.state.ssd_stats.recompute_chosen_chunks += len(ssd_nodes)
+            self.state.ssd_stats.recompute_chosen_chunks += ssd_count
             return True
         effects = Effects()
-        self.state.order_reads(ssd_nodes, effects, urgent=True, limit=len(ssd_nodes))
+        for chain in chains:
+            self.state.order_reads(chain.ssd_nodes, effects, urgent=True, limit=len(chain.ssd_nodes))
         self.execute(effects)
-        if not any(self.state.reading(n) for n in ssd_nodes):
+        if not any(self.state.reading(n) for chain in chains for n in chain.ssd_nodes):
             return True  # nothing could be ordered (no host slot): recompute
         if entry is None:
             entry = self.requests.get(req.rid)
-        wait_s = self.state.cost_model.recompute_seconds(len(ssd_nodes) * self.chunk)
-        entry.hold = Hold(chain=list(match.nodes), deadline=time.monotonic() + wait_s)
+        wait_s = self.state.cost_model.recompute_seconds(ssd_count * self.chunk)
+        entry.hold = Hold(chain=[n for chain in chains for n in chain.nodes], deadline=time.monotonic() + wait_s)
         entry.waited = True
         return False
 
