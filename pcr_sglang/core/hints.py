@@ -101,9 +101,11 @@ class HintBook:
     _last_refill: Optional[float] = None
     _seq: int = 0
 
-    def register(self, hint_id: str, keys: Sequence[ChunkKey], payload: HintPayload, now: float) -> bool:
-        """False when rate-limited (the hint is dropped, the request still answered)."""
-        if not self._take_token(now):
+    def register(self, hint_id: str, keys: Sequence[ChunkKey], payload: HintPayload, now: float,
+                 charge: bool = True) -> bool:
+        """False when rate-limited (the hint is dropped, the request still answered).
+        ``charge=False``: part of a hint already charged (its documents' chains)."""
+        if charge and not self._take_token(now):
             self.stats.rate_limited += 1
             return False
         if not keys:
@@ -112,7 +114,7 @@ class HintBook:
         self._seq += 1
         self._hints.pop(hint_id, None)
         self._hints[hint_id] = Hint(hint_id, list(keys), payload.group, payload.rank, now + ttl, self._seq)
-        self.stats.registered += 1
+        self.stats.registered += charge  # hints asked for, not the chains they cover
         while len(self._hints) > self.limits.max_live:
             self._hints.popitem(last=False)
             self.stats.expired += 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -201,7 +202,18 @@ class SchedulerSide:
         tokens = req.origin_input_ids
         # What the final request will match: all but its last token (always computed).
         keys = self._keys_of(tokens[: max(len(tokens) - 1, 0)], req.extra_key, req.cache_salt)
-        return self.hints.register(req.rid, keys, payload, time.monotonic())
+        now = time.monotonic()
+        if not self.hints.register(req.rid, keys, payload, now):
+            return False
+        if self.docs is not None and payload.hint_only:
+            # A hint marking documents also reads each one's canonical chain: the final
+            # request reuses them in whatever order it puts them. One group with the
+            # prompt's own hint, so they end together; they cost no extra rate token.
+            doc_payload = replace(payload, group=payload.group or f"pcr-hint:{req.rid}")
+            for n, chain in enumerate(self.docs.canonical_chain_keys(req)):
+                self.hints.register(f"{req.rid}#doc{n}", chain, doc_payload, now, charge=False)
+            self.docs.release(req.rid)  # the hint-only request never reaches admission
+        return True
 
     def _hinted_chains(self) -> list[list[ChunkNode]]:
         self.hints.expire(time.monotonic())
@@ -236,12 +248,12 @@ class SchedulerSide:
         if entry is not None and entry.waited:
             return True  # one wait per request: what has not landed since is recomputed
         match = self.state.match(iter(self._keys(req)), touch=False)
-        entry = self._first_consideration(req.rid, match)
         # With document reuse, the documents' canonical chains on SSD are read as the
         # request's own chain is: a document first marked after a restart (or a
         # precompute) is reused from SSD without a warm-up.
         docs = ([self.state.match(iter(keys), touch=False) for keys in self.docs.canonical_chain_keys(req)]
                 if self.docs is not None else [])
+        entry = self._first_consideration(req.rid, match, [n for m in docs for n in m.nodes])
         chains = [m for m in [match, *docs] if m.ssd_nodes]
         ssd_count = sum(len(m.ssd_nodes) for m in chains)
         if not chains or not self.state.io_healthy:
@@ -262,12 +274,13 @@ class SchedulerSide:
         entry.waited = True
         return False
 
-    def _first_consideration(self, rid: str, match: Any) -> Optional[Any]:
-        """Snapshot how timely the SSD chunks this request needs are, once."""
+    def _first_consideration(self, rid: str, match: Any, doc_nodes: Sequence[ChunkNode] = ()) -> Optional[Any]:
+        """Snapshot how timely the SSD chunks this request needs are, once (``doc_nodes``:
+        its documents' canonical chains, which only KV hints read ahead of it)."""
         entry = self.requests.peek(rid)
         if entry is not None and entry.considered:
             return entry
-        hinted = self.state.count_hinted(match.nodes)  # counted as the hints' own
+        hinted = self.state.count_hinted([*match.nodes, *doc_nodes])  # counted as the hints' own
         in_time = sum(1 for n in match.host_nodes if self.state.landed(n))
         ssd = [n for n in match.ssd_nodes if n not in hinted]
         if not in_time and not ssd:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -408,6 +409,27 @@ def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, toke
         reused = _generate(restarted, recurring, marked=True)
         assert _doc_counters(restarted)["canonical_requests"] == 2
         assert reused["meta_info"]["cached_tokens"] == recurring.doc_bounds[-1]
+        # A KV hint marking documents reads each one's canonical chain from SSD ahead of the
+        # request, which then reuses it from host memory. corpus[1] (precomputed, unused
+        # here) comes second, behind corpus[2] (already in memory): the prompt's own chain
+        # has nothing on SSD, so every hinted read is a document's canonical chain.
+        hinted = build_doc_prompt(tokenizer, system, [corpus[2], corpus[1]], "What is it?")
+        hint = restarted.generate({"input_ids": hinted.input_ids, "sampling_params": {
+            "max_new_tokens": 0, "custom_params": hinted.custom_params()}, "kv_hints": {
+                "protocol_version": "1", "message_id": "m1", "actions": [{
+                    "action_id": "a", "action_type": "pcr.lookahead_prefetch", "action_version": "1",
+                    "payload": {"ttl_s": 30}}]}})
+        assert hint["meta_info"]["finish_reason"]["pcr_hint"] == "registered"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ssd_now = restarted.pcr_state()["ssd"]
+            if ssd_now["counters"]["hint_issued"] > 0 and ssd_now["reads_in_flight"] == 0:
+                break
+            time.sleep(0.1)
+        assert ssd_now["counters"]["hint_issued"] > 0, ssd_now["counters"]
+        final = _generate(restarted, hinted, marked=True)
+        assert final["meta_info"]["cached_tokens"] == hinted.doc_bounds[-1]
+        assert restarted.pcr_state()["ssd"]["counters"]["hint_in_time"] > 0
     assert out["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1]
     assert state["doc_reuse"]["counters"]["canonical_requests"] == 0
     ssd = state["ssd"]["counters"]
