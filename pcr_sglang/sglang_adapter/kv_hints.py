@@ -76,8 +76,6 @@ def add_request_to_queue(original: Callable[..., Any], scheduler: Any, req: Any,
     retracted = bool(kwargs.get("is_retracted", args[0] if args else False))
     if envelope is None or retracted or req.finished() or getattr(req, "to_finish", None) is not None:
         return original(scheduler, req, *args, **kwargs)
-    from pcr_sglang.plugin import _pcr_cache
-
     try:
         payload = hint_payload(envelope)
     except HintError as e:  # validated at the tokenizer; a request from elsewhere is served without it
@@ -85,8 +83,10 @@ def add_request_to_queue(original: Callable[..., Any], scheduler: Any, req: Any,
         payload = None
     if payload is None:
         return original(scheduler, req, *args, **kwargs)
-    cache = _pcr_cache(scheduler)
-    registered = cache is not None and cache.scheduler.add_hint(req, payload)
+    from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
+
+    cache = getattr(scheduler, "tree_cache", None)
+    registered = isinstance(cache, PCRPrefixCache) and cache.scheduler.add_hint(req, payload)
     if not payload.hint_only:
         return original(scheduler, req, *args, **kwargs)
     # Finished without computing anything, the way SGLang retires a request its queues
