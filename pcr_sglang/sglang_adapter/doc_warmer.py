@@ -246,8 +246,23 @@ def _warmer_for(manager: Any) -> Optional[DocWarmer]:
 
 
 def _marked(tokenized: Any) -> bool:
+    """A request whose documents may need warming: it marks them, and it will be computed
+    (a hint-only KV hint is not: its documents' chains are read by the hint itself)."""
     custom = _custom_params(tokenized)
-    return bool(custom) and DOC_BOUNDS_PARAM in custom and getattr(tokenized, "input_ids", None) is not None
+    if not (bool(custom) and DOC_BOUNDS_PARAM in custom and getattr(tokenized, "input_ids", None) is not None):
+        return False
+    return not _hint_only(tokenized)
+
+
+def _hint_only(tokenized: Any) -> bool:
+    from pcr_sglang.core.hints import HintError
+    from pcr_sglang.sglang_adapter.kv_hints import hint_payload
+
+    try:
+        payload = hint_payload(getattr(tokenized, "kv_hints", None))
+    except HintError:
+        return False
+    return payload is not None and payload.hint_only
 
 
 async def _warm_all(manager: Any, marked: list[Any], send: Callable[..., Any]) -> None:

@@ -231,7 +231,7 @@ def test_kill_9_during_write_back_then_restart(servers, tiny_model, store_dir, r
 
     server = servers["ssd"]
     server.generate({"input_ids": rag_prompt_ids[0], "sampling_params": GREEDY})
-    wait_for_write_back(server)
+    written_before = wait_for_write_back(server)["ssd"]["counters"]["written_chunks"]
     records_before = len(list(store_dir.rglob("*.chunk")))
     # Heavy write-back: new chunks (a new first token changes every chunk's key) from
     # several clients; kill -9 while the server reports writes in flight.
@@ -252,7 +252,8 @@ def test_kill_9_during_write_back_then_restart(servers, tiny_model, store_dir, r
     in_flight_at_kill = io_pid = 0
     while time.monotonic() < deadline:
         ssd = server.pcr_state()["ssd"]
-        if ssd["counters"]["written_chunks"] >= 20 and ssd["writes_in_flight"] > 0:
+        # 20 of this test's own writes done (the server wrote others before it), more in flight.
+        if ssd["counters"]["written_chunks"] >= written_before + 20 and ssd["writes_in_flight"] > 0:
             in_flight_at_kill, io_pid = ssd["writes_in_flight"], ssd["io_process"]["pid"]
             break
         time.sleep(0.05)

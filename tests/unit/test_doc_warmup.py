@@ -188,3 +188,20 @@ def test_a_request_asking_for_a_warm_up_gets_it_at_once_whatever_the_policy():
 def test_a_bad_warm_request_is_refused(value):
     with pytest.raises(DocBoundsError, match="pcr_doc_warm must be true or false"):
         request_warm_now({"pcr_doc_warm": value})
+
+
+def test_a_hint_only_request_marking_documents_warms_nothing():
+    """Review finding: a KV hint that finishes without compute went through the warmer too
+    (and, once its documents recurred, waited for their warm-ups before being registered)."""
+    from pcr_sglang.sglang_adapter.doc_warmer import _marked as needs_warming
+
+    def action(hint_only):
+        return SimpleNamespace(action_type="pcr.lookahead_prefetch", action_version="1",
+                               payload={"hint_only": hint_only})
+
+    request = _marked(PROMPT, BOUNDS)
+    assert needs_warming(request)
+    request.kv_hints = SimpleNamespace(actions=[action(True)])
+    assert not needs_warming(request)
+    request.kv_hints = SimpleNamespace(actions=[action(False)])  # rides on a real request: warmed as usual
+    assert needs_warming(request)

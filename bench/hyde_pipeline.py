@@ -1,0 +1,142 @@
+"""The HyDE pipeline end to end on SmolLM2: what the cluster look-ahead and the KV hints
+each give, side by side.
+
+One PCR server with host and SSD tiers serves every configuration. The final prompts'
+KV is computed once (a fill pass), then before each configuration the server is
+restarted on the same store, so every chain starts on SSD only, as after a warm restart
+or once host memory has moved on; ``--read-delay-ms`` slows each SSD chunk read in the
+I/O process (the ``PCR_IO_TEST_FAULTS`` knob: a slower disk). Configurations:
+
+* ``none``: no look-ahead: faiss searches the memory-mapped datastore, the final
+  request reads its chain from SSD when it arrives;
+* ``clusters``: the look-ahead copies the predicted clusters into the host fast tier
+  while the passage is written;
+* ``hints``: the predicted final prompt goes to the server as a KV hint, which reads its
+  chain into host memory meanwhile;
+* ``both``.
+
+Questions are answered one at a time (low load: the waiting queue never holds the final
+request, so only a hint can read its chain ahead). Reported per configuration: median
+pipeline latency, passage generation, retrieval, the final request's latency (8 output
+tokens), its cached tokens by tier, the cluster hit rate and the server's hint counters.
+Single runs of ``--questions`` pipelines each; medians.
+
+Usage: ``python -m bench.hyde_pipeline [--questions 8] [--docs 1000] [--read-delay-ms 20]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pcr_sglang.data import load_wiki_articles
+from pcr_sglang.launcher import ServerProcess
+from pcr_sglang.models import cache_root
+from pcr_sglang.rag.budget import BudgetModel, measure_read_bandwidth
+from pcr_sglang.rag.embedder import embed_texts, load_embedder
+from pcr_sglang.rag.host_tier import HostClusterTier
+from pcr_sglang.rag.ivf import IVFDatastore
+from pcr_sglang.rag.lookahead import LookaheadRetriever
+from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines
+
+CONFIGS = {"none": (False, False), "clusters": (True, False), "hints": (False, True), "both": (True, True)}
+
+
+def _server(model: str, store: Path, read_delay_ms: float) -> ServerProcess:
+    server = ServerProcess(model, ("--enable-pcr", "--pcr-chunk-size", "16", "--pcr-dram-gb", "0.5",
+                                   "--pcr-ssd-path", str(store), "--pcr-ssd-gb", "2", "--pcr-ssd-reserve-gb", "0",
+                                   "--max-total-tokens", "16384", "--context-length", "4096",
+                                   "--log-level", "warning"))
+    if read_delay_ms > 0:
+        server.env = {**server.env, "PCR_IO_TEST_FAULTS": json.dumps({"read_delay_s": read_delay_ms / 1000})}
+    return server
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.hyde_pipeline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--docs", type=int, default=1000, help="Wikipedia extracts in the datastore")
+    parser.add_argument("--nprobe", type=int, default=8)
+    parser.add_argument("--read-delay-ms", type=float, default=20.0, help="added to each SSD chunk read")
+    parser.add_argument("--configs", default="none,clusters,hints,both")
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
+
+    from pcr_sglang.models.smollm2 import build_smollm2
+    from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+
+    model = args.model_path or str(build_smollm2())
+    articles = list(load_wiki_articles())[: args.docs]
+    texts = [f"{a.title}. {a.text}" for a in articles]
+    directory = cache_root() / "bench" / f"hyde-ivf-{args.docs}-{args.seed}"
+    if not (directory / "meta.json").is_file():
+        IVFDatastore.build(embed_texts(texts), max(8, int(4 * len(texts) ** 0.5)), seed=args.seed).save(directory)
+    datastore = IVFDatastore.load(directory, mmap=True)
+    embedder = load_embedder()
+    import random
+
+    rng = random.Random(args.seed)
+    questions = [f"What is {a.title} known for?" for a in rng.sample(articles, args.questions)]
+    bandwidth = measure_read_bandwidth(datastore.table.codes)
+
+    def pipelines_for(server: ServerProcess, clusters: bool, hints: bool) -> tuple[Pipelines, LookaheadRetriever,
+                                                                                     KVHinter]:
+        budget = BudgetModel(default_stage_s=1.0)
+        budget.observe_bandwidth(bandwidth)
+        tier = HostClusterTier(datastore.table, 64 << 20) if clusters else None
+        retriever = LookaheadRetriever(datastore, embedder.encode, nprobe=args.nprobe, k=3, tier=tier, budget=budget)
+        hinter = KVHinter(server.base_url)
+        config = PipelineConfig(k=3, hyde_tokens=48, answer_tokens=8, lookahead=clusters, hints=hints)
+        return Pipelines(retriever, texts, RuntimeEndpoint(server.base_url), hinter, config), retriever, hinter
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pcr-hyde-bench-") as tmp:
+        store = Path(tmp) / "store"
+        print("[bench] fill pass: computing every final prompt once", file=sys.stderr)
+        with _server(model, store, 0) as server:
+            pipelines, retriever, hinter = pipelines_for(server, False, False)
+            for q in questions:
+                pipelines.hyde(q)
+            retriever.close()
+            hinter.close()
+            deadline = time.monotonic() + 120
+            while server.pcr_state()["ssd"]["writes_in_flight"] and time.monotonic() < deadline:
+                time.sleep(0.5)
+        for name in configs:
+            clusters, hints = CONFIGS[name]
+            print(f"[bench] {name}: restarting on the store", file=sys.stderr)
+            with _server(model, store, args.read_delay_ms) as server:
+                pipelines, retriever, hinter = pipelines_for(server, clusters, hints)
+                results = [pipelines.hyde(q) for q in questions]
+                retriever.close()
+                hinter.close()
+                counters = server.pcr_state()["ssd"]["counters"]
+            tiers = {t: sum(r.cached_details.get(t, 0) for r in results) for t in ("device", "host", "storage")}
+            rows.append((name, results, tiers, counters))
+
+    med = lambda xs: statistics.median(xs) * 1000  # noqa: E731
+    print(f"\nHyDE on SmolLM2-135M, {len(questions)} questions one at a time, {len(texts)} documents "
+          f"(IVF{datastore.nlist}, nprobe {args.nprobe}, memory-mapped), SSD reads +{args.read_delay_ms:g} ms each")
+    print("| config | pipeline | generation | retrieval | final request | cached host / storage (tokens) | "
+          "cluster hits | hint chunks in time / late / issued |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, results, tiers, c in rows:
+        print(f"| {name} | {med([r.total_s for r in results]):.0f} ms | {med([r.generation_s for r in results]):.0f} ms | "
+              f"{med([r.retrieval_s for r in results]):.1f} ms | {med([r.answer_s for r in results]):.0f} ms | "
+              f"{tiers['host']} / {tiers['storage']} | {statistics.mean(r.cluster_hit_rate for r in results):.0%} | "
+              f"{c['hint_in_time']} / {c['hint_late']} / {c['hint_issued']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
