@@ -59,7 +59,7 @@ class CacheStateConfig:
     ssd_capacity_chunks: int = 0  # 0: no SSD tier
     write_through: bool = True
     prefetch_budget_chunks: int = 0
-    hint_budget_chunks: int = 0  # most reads in flight for KV hints (inside the prefetch budget)
+    hint_budget_chunks: int = 0  # most chunks read for KV hints and held (in flight or landed, unused)
     decode_offload_share: float = DECODE_OFFLOAD_SHARE
 
 
@@ -377,8 +377,9 @@ class CacheState:
                       effects: Effects, queue_depth: int, hinted: Sequence[Sequence[ChunkNode]] = ()) -> None:
         """Each scheduler step: order the SSD-only chunks of the waiting requests' chains
         (earliest request first) within the prefetch budget and half the host tier, then
-        those of ``hinted`` chains (KV hints, newest first) with what is left, at most
-        ``hint_budget_chunks`` hinted reads in flight; and stop protecting (and cancel the reads
+        those of ``hinted`` chains (KV hints, newest first) with what is left, holding at
+        most ``hint_budget_chunks`` hinted chunks (in flight or landed, at most a quarter of
+        the host tier); and stop protecting (and cancel the reads
         of) chunks neither needs now. ``keep`` are other chunks still wanted (those of
         requests waiting for reads)."""
         if not self.ssd_enabled:
@@ -388,7 +389,8 @@ class CacheState:
         # Hinted reads, in flight or landed, have their own budget and never take the
         # queue's: they count only against it, and against at most a quarter of the host tier.
         hinted_held = len(self._hinted)
-        prefetching = sum(1 for n, seq in self._reading.items() if not self._pending[seq].urgent and n not in self._hinted)
+        prefetching = sum(1 for op in self._pending.values()
+                          if op.is_read and not op.urgent and op.node not in self._hinted)
         room = self.config.host_slots // 2 - len(self._reading) - len(self._landed)
         budget = min(self.config.prefetch_budget_chunks - prefetching, room)
         for chain in chains:
