@@ -25,7 +25,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-WARMUP_WHEN_CHOICES = ("request", "idle")
 DEFAULT_WARMUP_WHEN = "request"
 DEFAULT_WARMUP_AFTER = 2
 WARM_TTL_S = 30.0  # a document warmed this recently is not warmed again (its prefill is cheap, not free)
@@ -36,13 +35,7 @@ MAX_REMEMBERED = 1 << 16
 class WarmupPolicy:
     when: str = DEFAULT_WARMUP_WHEN
     after: int = DEFAULT_WARMUP_AFTER
-    ttl_s: float = WARM_TTL_S
-
-    def __post_init__(self) -> None:
-        if self.when not in WARMUP_WHEN_CHOICES:
-            raise ValueError(f"warm-up 'when' must be one of {', '.join(WARMUP_WHEN_CHOICES)}, got {self.when!r}")
-        if isinstance(self.after, bool) or not isinstance(self.after, int) or self.after < 1:
-            raise ValueError(f"warm-up 'after' must be an integer >= 1, got {self.after!r}")
+    ttl_s: float = WARM_TTL_S  # (``when`` and ``after`` are checked, naming their flags, by PCRConfig)
 
 
 @dataclass

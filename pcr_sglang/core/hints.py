@@ -30,6 +30,14 @@ HINT_ACTION = "pcr.lookahead_prefetch"
 HINT_ACTION_VERSION = "1"
 
 
+def hint_envelope(payload: dict, message_id: str, version: str = HINT_ACTION_VERSION) -> dict:
+    """The ``kv_hints`` field of a request carrying one ``pcr.lookahead_prefetch`` action
+    (SGLang's ``KvHintsEnvelope`` as JSON)."""
+    return {"protocol_version": "1", "message_id": message_id,
+            "actions": [{"action_id": "lookahead", "action_type": HINT_ACTION, "action_version": version,
+                         "payload": payload}]}
+
+
 class HintError(ValueError):
     """A malformed hint payload."""
 

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Optional
 
 
+from pcr_sglang.rag.pipelines import PIPELINES
+
 logger = logging.getLogger("pcr_sglang.rag")
 
 TEXTS_FILE = "texts.jsonl"
@@ -121,7 +123,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     r = sub.add_parser("run", help="run a RAG pipeline over the corpus against a running server")
     r.add_argument("--url", required=True, help="the SGLang server, e.g. http://127.0.0.1:30000")
     r.add_argument("--datastore", type=Path, required=True, help="built by `build` (memory-mapped)")
-    r.add_argument("--pipeline", choices=["hyde", "iter-retgen"], default="hyde")
+    r.add_argument("--pipeline", choices=PIPELINES, default="hyde")
     r.add_argument("--questions", type=int, default=8, help="how many questions")
     r.add_argument("--questions-file", type=Path, default=None, help="one question per line (default: about corpus titles)")
     r.add_argument("--k", type=int, default=3, help="documents per final prompt")

@@ -22,6 +22,7 @@ chain is the final request's (the DSL's chat-role wrappers would template it the
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -32,6 +33,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import requests
 
+from pcr_sglang.core.hints import hint_envelope
+from pcr_sglang.rag.ivf import normalized
 from pcr_sglang.rag.lookahead import LookaheadRetriever, SearchResult, SearchStats
 
 logger = logging.getLogger(__name__)
@@ -46,7 +49,8 @@ def render_rag_prompt(documents: Sequence[str], question: str) -> str:
 
 
 # ---------------------------------------------------------------- the DSL programs
-def _programs():
+@functools.lru_cache(maxsize=1)
+def programs():
     """Built on first use: importing SGLang's frontend costs seconds."""
     import sglang as sgl
 
@@ -65,16 +69,6 @@ def _programs():
         s += prompt + sgl.gen("answer", max_tokens=max_tokens, temperature=0)
 
     return hyde_passage, draft_answer, final_answer
-
-
-_PROGRAMS: Optional[tuple] = None
-
-
-def programs():
-    global _PROGRAMS
-    if _PROGRAMS is None:
-        _PROGRAMS = _programs()
-    return _PROGRAMS
 
 
 # ---------------------------------------------------------------- KV hints
@@ -110,9 +104,8 @@ class KVHinter:
         for rank, prompt in enumerate(prompts):
             payload: dict[str, Any] = {
                 "text": prompt, "sampling_params": {"max_new_tokens": 0},
-                "kv_hints": {"protocol_version": "1", "message_id": uuid.uuid4().hex, "actions": [{
-                    "action_id": "lookahead", "action_type": "pcr.lookahead_prefetch", "action_version": "1",
-                    "payload": {"hint_only": True, "ttl_s": self.ttl_s, "group": group, "rank": rank}}]}}
+                "kv_hints": hint_envelope({"hint_only": True, "ttl_s": self.ttl_s, "group": group, "rank": rank},
+                                          uuid.uuid4().hex)}
             if self.cache_salt is not None:
                 payload["cache_salt"] = self.cache_salt
             self.stats.sent += 1
@@ -257,7 +250,7 @@ class Pipelines:
         return {"hyde": self.hyde, "iter-retgen": self.iter_retgen}[name](question)
 
 
-PIPELINES = ("hyde", "iter-retgen")
+PIPELINES = ("hyde", "iter-retgen")  # the names Pipelines.run takes
 
 
 def group_queries(vectors: np.ndarray, group_size: int) -> list[list[int]]:
@@ -266,7 +259,7 @@ def group_queries(vectors: np.ndarray, group_size: int) -> list[list[int]]:
     similar remaining queries; repeat. Deterministic (ties by index)."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    x = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    x = normalized(vectors)
     similarity = x @ x.T
     remaining = list(range(len(x)))
     groups = []

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from pcr_sglang.core.hints import hint_envelope
 from pcr_sglang.data import load_wiki_articles
 from pcr_sglang.doc_prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
 from pcr_sglang.launcher import ServerProcess
@@ -415,10 +416,8 @@ def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, toke
         # has nothing on SSD, so every hinted read is a document's canonical chain.
         hinted = build_doc_prompt(tokenizer, system, [corpus[2], corpus[1]], "What is it?")
         hint = restarted.generate({"input_ids": hinted.input_ids, "sampling_params": {
-            "max_new_tokens": 0, "custom_params": hinted.custom_params()}, "kv_hints": {
-                "protocol_version": "1", "message_id": "m1", "actions": [{
-                    "action_id": "a", "action_type": "pcr.lookahead_prefetch", "action_version": "1",
-                    "payload": {"ttl_s": 30}}]}})
+            "max_new_tokens": 0, "custom_params": hinted.custom_params()},
+            "kv_hints": hint_envelope({"ttl_s": 30}, "m1")})
         assert hint["meta_info"]["finish_reason"]["pcr_hint"] == "registered"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

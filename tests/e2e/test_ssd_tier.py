@@ -102,9 +102,9 @@ HINTED = slice(40, 43)  # prompts no other test sends before these
 
 
 def _hint(payload=None, version="1") -> dict:
-    return {"protocol_version": "1", "message_id": uuid.uuid4().hex,
-            "actions": [{"action_id": "a0", "action_type": "pcr.lookahead_prefetch", "action_version": version,
-                         "payload": {"hint_only": True, "ttl_s": 20} if payload is None else payload}]}
+    from pcr_sglang.core.hints import hint_envelope
+
+    return hint_envelope({"hint_only": True, "ttl_s": 20} if payload is None else payload, uuid.uuid4().hex, version)
 
 
 def _hint_counters(server) -> dict:
