@@ -3,6 +3,7 @@
     python -m bench.ragbench                 # the full comparison (under 30 min on 2 CPU cores)
     python -m bench.ragbench --quick         # the headline trace only: no sweeps, no cross-check
     python -m bench.ragbench generate --out trace.jsonl [--followups 2] [--source synthetic]
+    python -m bench.ragbench operating-points   # document reuse at 50% / 80% of no-cache capacity, repeated
 
 The full comparison: one seeded retrieval trace with the device pool at 5% of its working
 set, every configuration at each ``--rates`` entry (ablations at the highest rate); then,
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
 import platform
@@ -28,15 +28,16 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import requests
 
+from bench.ragbench.common import (Model, budgets_for, config_list, float_list, trace_shape, workload_args,
+                                   workload_params)
 from bench.ragbench.report import build_report, write_report
-from bench.ragbench.runner import (CONFIG_NAMES, DEFAULT_CONFIGS, DOC_REUSE_CONFIGS, Budgets, RunResult, ServerPool,
+from bench.ragbench.runner import (CONFIG_NAMES, DEFAULT_CONFIGS, DOC_REUSE_CONFIGS, RunResult, ServerPool,
                                    build_hicache_extension, plan_run, run_planned)
-from bench.ragbench.workload import (Trace, TraceRequest, WorkloadParams, calibrated_exponent, load_trace,
-                                     make_trace, save_trace)
+from bench.ragbench.workload import Trace, calibrated_exponent, load_trace, make_trace, save_trace
 from pcr_sglang.launcher import cpu_only
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,6 @@ MAIN_CONFIGS = ("radix", "hicache", "pcr", "oracle")
 # (oracle) and PCR's share of it move with the skew. The baselines are in the headline.
 ZIPF_SWEEP_CONFIGS = ("pcr", "oracle")
 POOL_SWEEP_CONFIGS = ("radix", "pcr")  # the oracle's pool does not depend on the fraction
-SLACK_TOKENS = 256  # room above the longest prompt in every device pool
 
 
 @dataclass(frozen=True)
@@ -61,145 +61,12 @@ class Point:
     rates: tuple[float, ...]
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return values
-
-
-def _config_list(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in CONFIG_NAMES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown configurations {unknown}; known: {', '.join(CONFIG_NAMES)}")
-    return names
-
-
-def _workload_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("workload")
-    g.add_argument("--source", choices=["retrieval", "synthetic"], default="retrieval",
-                   help="retrieval: Wikipedia extracts chosen by the embedder; synthetic: lognormal-length documents")
-    g.add_argument("--requests", type=int, default=20, help="first turns in the headline trace")
-    g.add_argument("--corpus-docs", type=int, default=1000,
-                   help="articles retrieval searches (or synthetic documents made)")
-    g.add_argument("--min-docs", type=int, default=3, help="documents per request, at least")
-    g.add_argument("--max-docs", type=int, default=5, help="documents per request, at most")
-    g.add_argument("--zipf", type=float, default=None,
-                   help="topic popularity exponent (default: calibrated so 3%% of topics draw 60%%)")
-    g.add_argument("--max-doc-chars", type=int, default=600,
-                   help="cut Wikipedia extracts to this many characters (whole sentences); 0: no cut")
-    g.add_argument("--followups", type=int, default=0, help="follow-up turns per session")
-    g.add_argument("--max-new-tokens", type=int, default=8, help="output tokens per request (greedy)")
-    g.add_argument("--seed", type=int, default=0, help="seeds documents, questions and arrivals")
-    g.add_argument("--doc-order", choices=["retrieval", "shuffled"], default="retrieval",
-                   help="retrieval: each request lists its documents as retrieved (a topic's neighbours in "
-                        "the same order); shuffled: each request in its own order (documents recur in random order)")
-    g.add_argument("--unique-docs", action="store_true",
-                   help="no document in two first turns (retrieval source): only the system prompt recurs "
-                        "(follow-ups keep their session's documents)")
-
-
-def _params(args: argparse.Namespace, **overrides) -> WorkloadParams:
-    params = WorkloadParams(
-        source=args.source, num_requests=args.requests, corpus_docs=args.corpus_docs,
-        min_docs=args.min_docs, max_docs=args.max_docs, zipf_exponent=args.zipf,
-        max_doc_chars=args.max_doc_chars or None, followups=args.followups,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, doc_order=args.doc_order, unique_docs=args.unique_docs)
-    return replace(params, **overrides)
-
-
-class Model:
-    """The served model's tokenizer: chat template in, token ids out."""
-
-    def __init__(self, path: str):
-        from transformers import AutoTokenizer
-
-        self.path = path
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self._first_turns: dict[tuple[int, str], Any] = {}
-
-    def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.tokenizer.encode(self._render(messages), add_special_tokens=False)
-
-    def _render(self, messages: list[dict[str, str]]) -> str:
-        if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # A model without a chat template (the tests' tiny Llama): plain turns.
-        return "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
-
-    def prompt(self, trace: Trace, request: TraceRequest, answers: dict[str, str]) -> tuple[list[int], list[int]]:
-        """Token ids and document bounds. A first turn is its documents tokenized one by one
-        (:meth:`Trace.doc_prompt`: what document reuse needs, and what every configuration is
-        sent); a follow-up is its first turn's ids followed by the rest of the conversation
-        as the chat template renders it (the same bounds)."""
-        root = request
-        while root.parent is not None:
-            root = trace._by_rid()[root.parent]
-        key = (id(trace), root.rid)
-        first = self._first_turns.get(key)
-        if first is None:
-            first = self._first_turns[key] = trace.doc_prompt(root, self.tokenizer)
-        if request is root:
-            return list(first.input_ids), list(first.doc_bounds)
-        head = self._render(trace.messages(root, {}))
-        whole = self._render(trace.messages(request, answers))
-        if not whole.startswith(head):  # a template that re-renders earlier turns: no shared prefix
-            return self.encode(trace.messages(request, answers)), []
-        return list(first.input_ids) + self.tokenizer.encode(whole[len(head):], add_special_tokens=False), \
-            list(first.doc_bounds)
-
-    def kv_bytes_per_token(self) -> int:
-        """KV cache bytes per token as served: layers x (K, V) x KV heads x head dim x the
-        element size (float32 on CPU, the model's 16-bit dtype on GPU)."""
-        config = json.loads((Path(self.path) / "config.json").read_text())
-        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        return config["num_hidden_layers"] * 2 * heads * head_dim * (4 if cpu_only() else 2)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
-
-
-def trace_shape(trace: Trace, model: Model, chunk_size: int) -> dict[str, int]:
-    """Token counts of the trace's first turns: the longest prompt, the total, and the
-    working set (distinct chunk-aligned prefixes; follow-ups add to it at run time)."""
-    from pcr_sglang.workload import working_set_tokens
-
-    prompts = [model.prompt(trace, r, {})[0] for r in trace.first_turns()]
-    turns = 1 + trace.params.followups
-    # A follow-up's prompt: its first turn's, plus each earlier answer and question.
-    per_turn = trace.params.max_new_tokens + 64
-    return {"longest": max(map(len, prompts)) + (turns - 1) * per_turn,
-            "total": sum(map(len, prompts)) * turns + sum(range(turns)) * per_turn * len(prompts),
-            "working_set": working_set_tokens(prompts, chunk_size)}
-
-
-def budgets_for(shape: dict[str, int], pool_fraction: float, host_fraction: float, chunk_size: int,
-                bytes_per_token: int) -> Budgets:
-    """Device pool at ``pool_fraction`` of the working set (never below one longest prompt
-    plus slack), host memory at ``host_fraction`` of it, disk enough for all of it."""
-    pool = max(int(shape["working_set"] * pool_fraction), shape["longest"] + SLACK_TOKENS)
-    host_gb = max(shape["working_set"] * host_fraction * bytes_per_token / 2**30, 0.05)
-    ssd_gb = max(4 * shape["working_set"] * bytes_per_token / 2**30, 1.0)
-    return Budgets(device_pool_tokens=pool, oracle_pool_tokens=2 * shape["total"] + 4 * shape["longest"],
-                   host_gb=round(host_gb, 3), ssd_gb=round(ssd_gb, 2),
-                   context_length=shape["longest"] + SLACK_TOKENS, kv_bytes_per_token=bytes_per_token,
-                   chunk_size=chunk_size, page_size=chunk_size)
-
-
 def plan(args: argparse.Namespace, model: Model, out_dir: Path) -> list[Point]:
     def trace_for(label: str, **overrides) -> Trace:
         path = out_dir / f"trace-{label}.jsonl"
         if args.trace and label == "headline":
             return load_trace(Path(args.trace))
-        trace = make_trace(_params(args, **overrides), count_tokens=model.count_tokens)
+        trace = make_trace(workload_params(args, **overrides), count_tokens=model.count_tokens)
         save_trace(trace, path)
         return trace
 
@@ -233,15 +100,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["generate"]:
         return generate(argv[1:])
+    if argv[:1] == ["operating-points"]:
+        from bench.ragbench.operating_points import main as operating_points
+
+        return operating_points(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m bench.ragbench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench/results/ragbench"),
                         help="where the report, plots, traces and server logs go")
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (built offline)")
-    parser.add_argument("--configs", type=_config_list, default=DEFAULT_CONFIGS,
+    parser.add_argument("--configs", type=config_list, default=DEFAULT_CONFIGS,
                         help=f"comma-separated subset of {','.join(CONFIG_NAMES)} "
-                             f"(default: all but pcr-docs-eager,pcr-docs-idle)")
-    parser.add_argument("--rates", type=_float_list, default=(0.5, 1.25),
+                             f"(default: all but nocache,pcr-docs-eager,pcr-docs-idle)")
+    parser.add_argument("--rates", type=float_list, default=(0.5, 1.25),
                         help="first turns per second; SmolLM2 on two cores serves 0.5-0.9/s with a 5%% pool, "
                              "so at 1.25/s the waiting queue averages 4 or more (the issue's headline load)")
     parser.add_argument("--pool-fraction", type=float, default=0.05,
@@ -249,10 +120,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--host-fraction", type=float, default=0.25,
                         help="host-memory budget (PCR and HiCache) as a fraction of the working set")
     parser.add_argument("--chunk-size", type=int, default=16, help="PCR chunk = HiCache page, in tokens")
-    parser.add_argument("--zipf-sweep", type=_float_list, default=(0.6, 0.9, 1.2),
+    parser.add_argument("--zipf-sweep", type=float_list, default=(0.6, 0.9, 1.2),
                         help="topic-popularity exponents, one trace each (pcr and oracle at the top rate)")
     parser.add_argument("--sweep-requests", type=int, default=12, help="requests in each Zipf-sweep trace")
-    parser.add_argument("--pool-sweep", type=_float_list, default=(0.05, 0.20),
+    parser.add_argument("--pool-sweep", type=float_list, default=(0.05, 0.20),
                         help="device pool fractions of the headline trace (at the top rate)")
     parser.add_argument("--multiturn-sessions", type=int, default=5, help="sessions in the multi-turn workload")
     parser.add_argument("--multiturn-followups", type=int, default=2,
@@ -262,7 +133,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="skip the sglang.benchmark.serving cross-check")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: the headline trace only, no sweeps, no cross-check")
-    _workload_args(parser)
+    workload_args(parser)
     args = parser.parse_args(argv)
     if not 0 < args.pool_fraction <= 1 or not 0 < args.host_fraction:
         parser.error("--pool-fraction must be in (0, 1] and --host-fraction > 0")
@@ -358,7 +229,7 @@ def generate(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model-path", default=None,
                         help="tokenizer for synthetic document lengths (default: SmolLM2-135M-Instruct)")
-    _workload_args(parser)
+    workload_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     count_tokens = None
@@ -366,7 +237,7 @@ def generate(argv: list[str]) -> int:
         from pcr_sglang.models.smollm2 import build_smollm2
 
         count_tokens = Model(args.model_path or str(build_smollm2())).count_tokens
-    trace = make_trace(_params(args), count_tokens=count_tokens)
+    trace = make_trace(workload_params(args), count_tokens=count_tokens)
     save_trace(trace, args.out)
     s = trace.stats
     print(f"wrote {args.out}: {len(trace.requests)} requests over {len(trace.documents)} documents; "

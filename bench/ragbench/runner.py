@@ -4,6 +4,8 @@ Every configuration serves the same model with the same device KV pool (a fracti
 trace's working set); the tiered ones get the same host-memory and disk budgets:
 
 * ``radix``          SGLang's default radix cache.
+* ``nocache``        ``--disable-radix-cache``: every prompt prefilled in full (the floor, and
+                     the server whose capacity the operating points are set from).
 * ``hicache``        SGLang's hierarchical cache: host tier plus the ``file`` storage backend,
                      capped at the disk budget.
 * ``oracle``         the radix cache with a pool that never evicts: what any prefix cache
@@ -42,7 +44,7 @@ from pcr_sglang.launcher import ServerProcess
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAMES = ("radix", "hicache", "oracle", "pcr", "pcr-docs", "pcr-docs-pre", "pcr-blend", "pcr-blend-pre",
+CONFIG_NAMES = ("radix", "nocache", "hicache", "oracle", "pcr", "pcr-docs", "pcr-docs-pre", "pcr-blend", "pcr-blend-pre",
                 "pcr-docs-eager", "pcr-docs-idle", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead")
 # PCR with document reuse in any order: requests mark their documents; "docs" is concat
 # (no recompute), "blend" recomputes the default 15% of re-placed tokens (CacheBlend);
@@ -58,7 +60,7 @@ DOC_REUSE_CONFIGS = {"pcr-docs": ("--pcr-doc-reuse", "concat"), "pcr-docs-pre": 
                      "pcr-docs-idle": ("--pcr-doc-reuse", "concat", "--pcr-doc-warmup", "idle",
                                        "--pcr-doc-warmup-after", "1")}
 # What runs without --configs: the warm-up variants only when asked for.
-DEFAULT_CONFIGS = tuple(c for c in CONFIG_NAMES if c not in ("pcr-docs-eager", "pcr-docs-idle"))
+DEFAULT_CONFIGS = tuple(c for c in CONFIG_NAMES if c not in ("nocache", "pcr-docs-eager", "pcr-docs-idle"))
 PRECOMPUTED_CONFIGS = ("pcr-docs-pre", "pcr-blend-pre")
 # PCR without one feature: the flag that turns it off.
 ABLATIONS = {
@@ -69,7 +71,7 @@ ABLATIONS = {
 # Configurations whose whole cache lives in the device pool: SGLang's /flush_cache empties
 # it, so a flushed server starts the next run as a fresh one would, and saves a server start
 # (about 35 s on two cores). HiCache and PCR keep host and disk tiers a flush does not reset.
-REUSABLE_CONFIGS = ("radix", "oracle")
+REUSABLE_CONFIGS = ("radix", "nocache", "oracle")
 HICACHE_STORAGE_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 HICACHE_MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"  # bytes; LRU-evicted above it
 
@@ -109,6 +111,8 @@ def server_config(name: str, budgets: Budgets, storage_dir: Path) -> ServerConfi
     pool = ("--max-total-tokens", str(budgets.device_pool_tokens))
     if name == "radix":
         return ServerConfig(name, (*pool, *common))
+    if name == "nocache":
+        return ServerConfig(name, (*pool, *common, "--disable-radix-cache"))
     if name == "oracle":
         return ServerConfig(name, ("--max-total-tokens", str(budgets.oracle_pool_tokens), *common))
     if name == "hicache":
