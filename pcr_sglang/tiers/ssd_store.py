@@ -59,14 +59,12 @@ import logging
 import os
 import secrets
 import stat
-import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-import blake3
-
 from pcr_sglang.tiers.fileops import FileOps
+from pcr_sglang.tiers.records import FORMAT_VERSION, HEADER_BYTES, ChunkRecord, RecordCodec  # noqa: F401
 from pcr_sglang.tiers.store_dir import (
     NAMESPACE_FILE,
     SLOT_RE,
@@ -89,26 +87,7 @@ from pcr_sglang.transfer.layout import HostChunkLayout
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"PCRCHUNK"
-FORMAT_VERSION = 2
 DURABILITY_CHOICES = ("record", "batch", "none")
-_MAC_BYTES = 16
-# magic, version, header bytes, flags, key, parent key, namespace digest, depth,
-# num tokens, num layers, chunk size, row bytes, dtype, payload bytes, payload MAC
-_FIELDS = struct.Struct("<8sHHI16s16s16sIIIII16sQ16s")
-HEADER_BYTES = _FIELDS.size + _MAC_BYTES
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    """A verified header: what the store knows of a chunk without reading its payload."""
-
-    key: bytes
-    parent_key: bytes
-    depth: int
-    num_tokens: int
-    payload_bytes: int
-    payload_digest: bytes
 
 
 @dataclass
@@ -166,7 +145,6 @@ class ChunkFileStore:
         self.durability = durability
         self.read_only = read_only
         self.ops = fileops or FileOps()
-        self._dtype_field = dtype.encode()[:16].ljust(16, b"\0")
         self.low_watermark_bytes = low_watermark_bytes
         self.dir = self.root / namespace_digest.hex()
         self.record_bytes = HEADER_BYTES + layout.slot_bytes
@@ -210,8 +188,7 @@ class ChunkFileStore:
             raise
         except OSError as e:
             raise SSDStoreError(f"--pcr-ssd-path {self.root} is not a writable directory: {e}") from e
-        self._header_key = blake3.blake3(b"pcr-sglang record header", key=self._key).digest()
-        self._payload_key = blake3.blake3(b"pcr-sglang record payload", key=self._key).digest()
+        self.codec = RecordCodec(self._key, self.namespace, self.layout, self.dtype)
 
     @property
     def own_dir(self) -> Path:
@@ -280,31 +257,6 @@ class ChunkFileStore:
         self.ops.fsync_dir(str(path.parent))
 
     # ------------------------------------------------------------------ records
-    def _mac(self, key: bytes, data) -> bytes:
-        return blake3.blake3(data, key=key).digest(_MAC_BYTES)
-
-    def _header(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload) -> bytes:
-        fields = _FIELDS.pack(
-            MAGIC, FORMAT_VERSION, HEADER_BYTES, 0, key, parent_key, self.namespace, depth, num_tokens,
-            self.layout.num_layers, self.layout.chunk_size, self.layout.row_bytes, self._dtype_field,
-            len(payload), self._mac(self._payload_key, payload),
-        )
-        return fields + self._mac(self._header_key, fields)
-
-    def _parse_header(self, raw: bytes) -> Optional[ChunkRecord]:
-        """The record's header if its MAC verifies and it belongs to this namespace and layout."""
-        if len(raw) < HEADER_BYTES or self._mac(self._header_key, raw[: _FIELDS.size]) != raw[_FIELDS.size:HEADER_BYTES]:
-            return None
-        (magic, version, header_bytes, _flags, key, parent_key, namespace, depth, num_tokens, num_layers,
-         chunk_size, row_bytes, dtype, payload_bytes, payload_mac) = _FIELDS.unpack_from(raw)
-        if (magic != MAGIC or version != FORMAT_VERSION or header_bytes != HEADER_BYTES
-                or namespace != self.namespace or dtype != self._dtype_field
-                or (num_layers, chunk_size, row_bytes) != (self.layout.num_layers, self.layout.chunk_size,
-                                                           self.layout.row_bytes)
-                or payload_bytes != self.layout.slot_bytes or depth < 1):
-            return None
-        return ChunkRecord(key, parent_key, depth, num_tokens, payload_bytes, payload_mac)
-
     def _check_writable(self) -> None:
         if self.slot is None:
             raise SSDStoreError(f"{self.dir} is open read-only")
@@ -329,7 +281,7 @@ class ChunkFileStore:
                 self.ops.fsync_dir(str(self.own_dir))  # the new <key[:2]>/ entry itself
             self._drop_pending(key)
             fd = self.ops.create(str(tmp))
-            self.ops.write_all(fd, self._header(key, parent_key, depth, num_tokens, payload))
+            self.ops.write_all(fd, self.codec.header(key, parent_key, depth, num_tokens, payload))
             self.ops.write_all(fd, payload)
             if self.durability == "batch":
                 self._pending.append(_Pending(key, fd, tmp, final))
@@ -430,14 +382,14 @@ class ChunkFileStore:
                 header = bytearray(HEADER_BYTES)
                 if _read_full(f, memoryview(header)) != HEADER_BYTES:
                     return self._drop_corrupt(path, "wrong length")
-                record = self._parse_header(bytes(header))
+                record = self.codec.parse_header(bytes(header))
                 if record is None or record.key != key:
                     return self._drop_corrupt(path, "bad header")
                 if _read_full(f, out) != record.payload_bytes or f.read(1):
                     return self._drop_corrupt(path, "wrong payload length")
         except OSError as e:
             return self._read_error(path, e)
-        if self._mac(self._payload_key, out) != record.payload_digest:
+        if not self.codec.payload_ok(record, out):
             return self._drop_corrupt(path, "payload fails authentication")
         return True
 
@@ -578,7 +530,7 @@ class ChunkFileStore:
                 except OSError as e:
                     self._read_error(path, e)
                     continue
-                record = self._parse_header(bytes(raw[:n]))
+                record = self.codec.parse_header(bytes(raw[:n]))
                 if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
                     self._drop_corrupt(path, f"owned by uid {st.st_uid}, not by this user")
                 elif (record is None or path.name != f"{record.key.hex()}{SUFFIX}"
@@ -597,13 +549,13 @@ class ChunkFileStore:
             except OSError as e:
                 report.bad.append(f"{path.name}: {e}")
                 continue
-            record = self._parse_header(data[:HEADER_BYTES])
+            record = self.codec.parse_header(data[:HEADER_BYTES])
             payload = data[HEADER_BYTES:]
             if st.st_uid != os.geteuid():
                 report.bad.append(f"{path.name}: owned by uid {st.st_uid}")
             elif record is None or path.name != f"{record.key.hex()}{SUFFIX}":
                 report.bad.append(f"{path.name}: bad header")
-            elif len(payload) != record.payload_bytes or self._mac(self._payload_key, payload) != record.payload_digest:
+            elif not self.codec.payload_ok(record, payload):
                 report.bad.append(f"{path.name}: payload fails authentication")
             else:
                 report.ok += 1
