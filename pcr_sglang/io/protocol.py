@@ -1,8 +1,10 @@
 """Messages between the scheduler and its I/O process (msgpack over ZMQ IPC sockets).
 
 The scheduler owns the tree and every slot; the I/O process only executes orders on
-bytes: read chunk ``key`` from the store into host slot ``host_slot``, persist host slot
-``host_slot`` as chunk ``key``, or delete chunk ``key``. Reads and writes carry a
+bytes: read chunk ``key`` from the store into host slot ``host_slot`` (from the local SSD,
+else from the remote tier when there is one), persist host slot ``host_slot`` as chunk
+``key`` (and write it through to the remote tier), delete chunk ``key`` (locally; remote
+objects are the remote store's to evict), or ask the remote tier which chunks it holds. Reads and writes carry a
 sequence number, assigned by the scheduler's cache state (the same on every TP rank),
 and each completion echoes it with an :class:`IoOutcome`. Deletes and reorders are not
 acknowledged. Executing an order twice has the same effect as once (a read rewrites the
@@ -59,7 +61,15 @@ class Reorder(msgspec.Struct, tag="reorder"):
     cancel: bool
 
 
-Order = Union[ReadChunk, WriteChunk, DeleteChunk, Reorder]
+class ProbeRemote(msgspec.Struct, tag="probe"):
+    """Which leading chunks of each chain the remote tier holds (one round trip). Answered
+    by :class:`Probed` with the same ``seq`` (a counter of its own, not the reads')."""
+
+    seq: int
+    chains: list[list[bytes]]
+
+
+Order = Union[ReadChunk, WriteChunk, DeleteChunk, Reorder, ProbeRemote]
 
 
 class Done(msgspec.Struct, tag="done"):
@@ -68,13 +78,35 @@ class Done(msgspec.Struct, tag="done"):
     error: str = ""
     errno: int = 0
     seconds: float = 0.0
+    source: int = 0  # a read: SOURCE_LOCAL or SOURCE_REMOTE
+
+
+SOURCE_LOCAL, SOURCE_REMOTE = 0, 1
 
 
 class Hello(msgspec.Struct, tag="hello"):
     pid: int
 
 
-Reply = Union[Done, Hello]
+class Probed(msgspec.Struct, tag="probed"):
+    seq: int
+    present: list[int]  # per chain: how many of its first chunks the remote tier holds
+    error: str = ""  # why nothing was found ("": the store answered)
+    seconds: float = 0.0
+
+
+class RemoteStatus(msgspec.Struct, tag="remote"):
+    """The remote tier as the I/O process sees it, sent when it changes (at most once a
+    second): reachable or not, why not, its counters since the process started, and
+    ``queued_writes`` and ``queued_reads`` (not started yet)."""
+
+    healthy: bool
+    error: str
+    counters: dict[str, float]
+    pid: int = 0  # the I/O process's: its counters start again from 0 after a restart
+
+
+Reply = Union[Done, Hello, Probed, RemoteStatus]
 
 order_encoder = msgspec.msgpack.Encoder()
 order_decoder = msgspec.msgpack.Decoder(Order)
@@ -103,3 +135,4 @@ class WorkerConfig(msgspec.Struct):
     writer_slot: str = ""
     lease_fd: int = -1
     durability: str = "record"  # --pcr-ssd-durability
+    remote_config: str = ""  # --pcr-remote-config as JSON (RemoteConfig); "": no remote tier

@@ -26,7 +26,8 @@ from typing import Optional
 import msgspec
 
 from pcr_sglang.io.client import IOChannel
-from pcr_sglang.io.protocol import Done, Hello, IoOutcome, Order, ReadChunk, WorkerConfig, WriteChunk
+from pcr_sglang.io.protocol import (Done, Hello, IoOutcome, Order, Probed, ReadChunk, RemoteStatus, WorkerConfig,
+                                    WriteChunk)
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +65,19 @@ class IOSupervisor:
         self._said_stuck = False
         self.restarts = 0
         self.failures = 0
+        # The remote tier (--pcr-remote): probe answers not yet taken, by probe seq, and the
+        # tier's last reported state (None: no report yet, or no remote tier).
+        self._probed: dict[int, Probed] = {}
+        self.remote_status: Optional[RemoteStatus] = None
         self._spawn()
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self) -> None:
+        # The Mooncake client (remote tier) logs every connection at INFO: warnings and up only.
+        env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING")}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "pcr_sglang.io.worker", msgspec.msgpack.encode(self.config).hex()],
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL, env=env,
             # The store's writer lease: held by the I/O process too, so a peer starting on
             # the directory never takes over the slot while this process still writes.
             pass_fds=(self.config.lease_fd,) if self.config.lease_fd >= 0 else (),
@@ -122,6 +129,21 @@ class IOSupervisor:
         elif tracked:
             self._finished.append((order.seq, IoOutcome.CANCELLED, 0.0))
 
+    def take_replies(self) -> None:
+        """Take what has arrived, without a health check (completions are kept for the next
+        :meth:`poll`): for reports asked of an idle scheduler, whose steps do not run."""
+        self._take_replies(timeout_ms=0)
+
+    def take_probe(self, seq: int) -> Optional[Probed]:
+        """The answer to probe ``seq`` if it has arrived (taken once). A probe lost with its
+        process is never answered: the scheduler stops waiting at its deadline."""
+        return self._probed.pop(seq, None)
+
+    def drop_probes(self, keep: set[int]) -> None:
+        """Forget answers nobody will take (their request left before they arrived)."""
+        for seq in [s for s in self._probed if s not in keep]:
+            del self._probed[seq]
+
     @property
     def in_flight(self) -> int:
         return len(self._outstanding)
@@ -140,6 +162,12 @@ class IOSupervisor:
                 if self._proc is not None and reply.pid == self._proc.pid and self._phase is _Phase.STARTING:
                     self._enter(_Phase.READY)
                     self._backoff_s = 1.0
+                continue
+            if isinstance(reply, Probed):
+                self._probed[reply.seq] = reply
+                continue
+            if isinstance(reply, RemoteStatus):
+                self.remote_status = reply
                 continue
             assert isinstance(reply, Done)
             if self._outstanding.pop(reply.seq, None) is not None:
@@ -185,6 +213,7 @@ class IOSupervisor:
         cancelled = len(self._outstanding)
         self._finished.extend((seq, IoOutcome.CANCELLED, 0.0) for seq in self._outstanding)
         self._outstanding = {}
+        self.remote_status = None  # the next process reports its own
         self._phase = _Phase.DOWN
         self._restart_at = now + self._backoff_s
         logger.warning("PCR I/O process gone: %d orders cancelled; restart in %.0f s", cancelled, self._backoff_s)

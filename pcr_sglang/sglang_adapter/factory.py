@@ -179,7 +179,8 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
     ))
     if store is not None:
         _restore(state, store, tp)
-        io = start_io_process(store, host_pool, tp_rank)
+        remote = config.remote_settings()
+        io = start_io_process(store, host_pool, tp_rank, remote.to_json() if remote is not None else "")
     scheduler = SchedulerSide(state, config, namespace.chain_digest(), allocator, worker=worker, io=io, tp=tp)
     cache = PCRPrefixCache(params, state, scheduler, namespace=namespace, host_pool=host_pool, store=store)
     if io is not None:
@@ -229,7 +230,8 @@ def _restore(state: CacheState, store: ChunkFileStore, tp: Optional[TpGroup]) ->
                     "TP rank deleted)", restored, store.dir, len(unreachable), len(keys) - len(common))
 
 
-def start_io_process(store: ChunkFileStore, host_pool: HostChunkPool, tp_rank: int) -> IOSupervisor:
+def start_io_process(store: ChunkFileStore, host_pool: HostChunkPool, tp_rank: int,
+                     remote_config: str = "") -> IOSupervisor:
     layout = host_pool.layout
     io = IOSupervisor(WorkerConfig(
         store_root=str(store.root), namespace_hex=store.namespace.hex(), dtype=store.dtype,
@@ -237,6 +239,7 @@ def start_io_process(store: ChunkFileStore, host_pool: HostChunkPool, tp_rank: i
         row_bytes=layout.row_bytes, reserve_bytes=store.low_watermark_bytes,
         shm_name=host_pool.info().shm_name, orders_endpoint="", replies_endpoint="", parent_pid=0,
         tp_rank=tp_rank, writer_slot=store.slot or "", lease_fd=store.lease_fd, durability=store.durability,
+        remote_config=remote_config,
     ))
     if not io.wait_ready():
         logger.warning("PCR I/O process did not start; the SSD tier waits for its restart")

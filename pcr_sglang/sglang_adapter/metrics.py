@@ -49,6 +49,24 @@ _SSD_FIELDS = {
 }
 
 _HINT_KINDS = ("registered", "rate_limited", "expired", "consumed")
+# The remote tier: the scheduler's probe counters, then the I/O process's store counters.
+_REMOTE_PROBE_FIELDS = {"probes": ("remote_probes", {"kind": "sent"}),
+                        "answered": ("remote_probes", {"kind": "answered"}),
+                        "timed_out": ("remote_probes", {"kind": "timed_out"}),
+                        "found_chunks": ("remote_chunks", {"kind": "found"}),
+                        "adopted_chunks": ("remote_chunks", {"kind": "adopted"})}
+_REMOTE_STORE_FIELDS = {"read_ok": ("remote_chunks", {"kind": "read"}),
+                        "read_missing": ("remote_chunks", {"kind": "read_missing"}),
+                        "read_corrupt": ("remote_chunks", {"kind": "read_corrupt"}),
+                        "read_failed": ("remote_chunks", {"kind": "read_failed"}),
+                        "writes": ("remote_chunks", {"kind": "written"}),
+                        "writes_present": ("remote_chunks", {"kind": "write_present"}),
+                        "writes_dropped": ("remote_chunks", {"kind": "write_dropped"}),
+                        "writes_failed": ("remote_chunks", {"kind": "write_failed"}),
+                        "read_bytes": ("remote_bytes", {"direction": "read"}),
+                        "write_bytes": ("remote_bytes", {"direction": "write"}),
+                        "errors": ("remote_errors", {}),
+                        "outages": ("remote_outages", {})}
 
 
 class PCRMetrics:
@@ -141,7 +159,43 @@ class PCRMetrics:
             "request covering them (consumed).",
             labelnames=names + ["kind"],
         )
+        self.remote_probes = Counter(
+            "sglang:pcr_remote_probes_total",
+            "PCR remote tier (--pcr-remote): probes sent (one per request whose chains go past "
+            "the local tiers), answered, and given up on by their request (timed_out).",
+            labelnames=names + ["kind"],
+        )
+        self.remote_chunks = Counter(
+            "sglang:pcr_remote_chunks_total",
+            "PCR remote tier chunks: held there when probed (found), entered into the tree "
+            "(adopted), read (read; read_missing: gone since the probe; read_corrupt: failed "
+            "verification, removed; read_failed: the store could not be asked), written through "
+            "(written; write_present: held already; write_dropped: queue full; write_failed).",
+            labelnames=names + ["kind"],
+        )
+        self.remote_bytes = Counter(
+            "sglang:pcr_remote_bytes_total",
+            "Record bytes PCR read from and wrote to the remote tier.",
+            labelnames=names + ["direction"],
+        )
+        self.remote_errors = Counter(
+            "sglang:pcr_remote_errors_total",
+            "Remote tier calls that failed (each marks the tier down until a retry succeeds).",
+            labelnames=names,
+        )
+        self.remote_outages = Counter(
+            "sglang:pcr_remote_outages_total",
+            "Times the remote tier went down (unreachable or failing).",
+            labelnames=names,
+        )
+        self.remote_up = Gauge(
+            "sglang:pcr_remote_up",
+            "1 while the I/O process reaches the remote tier, 0 while it is down.",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+        )
         self._last: dict[str, int] = {}
+        self._remote_pid = 0
 
     def _add(self, prefix: str, values: dict[str, Any], fields: dict) -> None:
         for field, (attr, extra) in fields.items():
@@ -150,11 +204,23 @@ class PCRMetrics:
                 getattr(self, attr).labels(**self.labels, **extra).inc(delta)
             self._last[prefix + field] = values[field]
 
-    def sync(self, state: Any, doc_stats: Any = None, hint_stats: Any = None) -> None:
+    def sync(self, state: Any, doc_stats: Any = None, hint_stats: Any = None, remote_probes: Any = None,
+             remote_status: Any = None) -> None:
         """Publish ``state``'s (a :class:`~pcr_sglang.core.CacheState`) counters and sizes,
-        document reuse's (a :class:`~pcr_sglang.sglang_adapter.doc_reuse.DocReuseStats`) and
-        the KV hints' (a :class:`~pcr_sglang.core.hints.HintStats`)."""
+        document reuse's (a :class:`~pcr_sglang.sglang_adapter.doc_reuse.DocReuseStats`),
+        the KV hints' (a :class:`~pcr_sglang.core.hints.HintStats`) and the remote tier's
+        (the scheduler's probe counters, the I/O process's last ``RemoteStatus``)."""
         tree = state.tree
+        if remote_probes is not None:
+            self._add("remote.", asdict(remote_probes), _REMOTE_PROBE_FIELDS)
+        if remote_status is not None:  # the I/O process's counters (from 0 again after a restart)
+            if remote_status.pid != self._remote_pid:
+                self._remote_pid = remote_status.pid
+                for name in [k for k in self._last if k.startswith("remote-store.")]:
+                    del self._last[name]  # a new process: its counts are all new
+            self._add("remote-store.", {k: int(v) for k, v in remote_status.counters.items()},
+                      {k: v for k, v in _REMOTE_STORE_FIELDS.items() if k in remote_status.counters})
+            self.remote_up.labels(**self.labels).set(1 if remote_status.healthy else 0)
         if hint_stats is not None:
             values = {k: v for k, v in asdict(hint_stats).items() if k in _HINT_KINDS}
             self._add("hint.", values, {name: ("hints", {"kind": name}) for name in values})

@@ -95,7 +95,10 @@ class PCRPrefixCache(BasePrefixCache):
         self.scheduler.step(waiting_queue, busy)
         if self.metrics is not None:
             docs = self.scheduler.docs
-            self.metrics.sync(self.state, docs.stats if docs is not None else None, self.scheduler.hints.stats)
+            scheduler = self.scheduler
+            self.metrics.sync(self.state, docs.stats if docs is not None else None, scheduler.hints.stats,
+                              scheduler.remote_stats if scheduler.remote else None,
+                              scheduler.io.remote_status if scheduler.remote and scheduler.io is not None else None)
 
     def supports_fast_match_prefix(self) -> bool:
         # A match hashes the prompt chunk by chunk (BLAKE2b) up to its first miss: cheap,

@@ -65,6 +65,7 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
                "prefix_digest_mismatches": scheduler.digest_mismatches},
         "ssd": _ssd_report(cache) if state.ssd_enabled else None,
         "hints": {"live": len(scheduler.hints), "counters": asdict(scheduler.hints.stats)},
+        "remote": remote_report(scheduler) if scheduler.remote else None,
         "doc_reuse": {"mode": scheduler.docs.mode, "rope": scheduler.docs.rope.signature(),
                       "counters": asdict(scheduler.docs.stats)} if scheduler.docs is not None else None,
         "invariants": {"checked": check_invariants, "ok": (invariant_error is None) if check_invariants else None,
@@ -92,4 +93,22 @@ def _ssd_report(cache: Any) -> dict[str, Any]:
         "counters": asdict(state.ssd_stats),
         "cost_model": asdict(state.cost_model),
         "store": asdict(store.stats) if store is not None else None,  # this process's own store I/O
+    }
+
+
+def remote_report(scheduler: Any) -> dict[str, Any]:
+    """The remote tier: the scheduler's probes, and the I/O process's last report of the
+    store (reachable or not, and its reads and writes)."""
+    if scheduler.io is not None:
+        scheduler.io.take_replies()  # an idle scheduler runs no step that would
+    status = scheduler.io.remote_status if scheduler.io is not None else None
+    probes = asdict(scheduler.remote_stats)
+    answered = probes["answered"]
+    return {
+        "backend": scheduler.config.remote,
+        "healthy": status.healthy if status is not None else None,
+        "error": status.error if status is not None else "no report from the I/O process yet",
+        "probes": {**probes, "in_flight": scheduler.probes_in_flight,
+                   "mean_seconds": probes["seconds_total"] / answered if answered else None},
+        "store": dict(status.counters) if status is not None else None,
     }

@@ -2,7 +2,7 @@
 
 A request gets an entry only when PCR has something to remember for it: host slots its
 planned offloads will fill, the SSD reads it is waiting for, how timely the reads it
-needed were when it was first considered for admission. The entry goes when SGLang
+needed were when it was first considered for admission, its remote-tier probe. The entry goes when SGLang
 releases the request (``on_release``) or drops it unadmitted (``release_aborted_request``).
 """
 
@@ -33,6 +33,8 @@ class RequestState:
     in_time_chunks: int = 0  # read from SSD before it was first considered
     late_chunks: int = 0  # being read then
     on_demand_chunks: int = 0  # only on SSD then, not being read
+    probe_seq: Optional[int] = None  # the remote tier's probe for its chains, once sent
+    probed: bool = False  # its probe was answered, timed out, or had nothing to ask
 
 
 class RequestRegistry:

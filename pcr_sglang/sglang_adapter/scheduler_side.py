@@ -8,7 +8,8 @@ Once per scheduler step (``get_next_batch_to_run``), before any request is match
    requests waiting for reads have waited long enough; apply what was agreed;
 3. send I/O orders that waited for their host slot's copies to complete;
 4. refresh the look-ahead protection and plan prefetch reads for the first waiting
-   requests.
+   requests; with a remote tier (``--pcr-remote``), probe it once for each of them whose
+   chains go past the local tiers, and enter what it holds at the SSD level.
 
 At admission: :meth:`SchedulerSide.consider` (SGLang's ``PrefillAdder.add_one_req``)
 holds a request back while its SSD chunks are read (ordered together, urgently, and
@@ -21,9 +22,10 @@ its hits, once. The scheduler never waits on a disk, a peer or a whole CUDA stre
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -35,7 +37,7 @@ from pcr_sglang.core.effects import Effects, IoOutcome
 from pcr_sglang.core.hints import HintBook, HintPayload
 from pcr_sglang.core.keys import ChunkKey, chunk_keys, root_key
 from pcr_sglang.core.residency import CacheState
-from pcr_sglang.io.protocol import ReadChunk, Reorder, WriteChunk
+from pcr_sglang.io.protocol import ProbeRemote, ReadChunk, Reorder, WriteChunk
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.core.doc_reuse import RECOMPUTE_MODES
 from pcr_sglang.sglang_adapter.doc_reuse import DocReuse, is_canonical_request
@@ -46,6 +48,34 @@ from pcr_sglang.sglang_adapter.tp_group import TpGroup
 from pcr_sglang.sglang_adapter.worker_side import WorkerSide
 
 logger = logging.getLogger(__name__)
+
+# A probe asks for at most this many chunks past a chain's match (64k tokens at 128).
+MAX_PROBE_CHUNKS = 512
+# A probe answer that comes after its request stopped waiting still enters what it found
+# (later requests reuse it) if it comes within this long; later ones are forgotten.
+LATE_PROBE_S = 30.0
+
+
+@dataclass
+class _Probe:
+    """A remote-tier probe in flight: for whom, which chains, and where each one's match
+    ended when it was sent (the probe asked for the keys from there)."""
+
+    rid: str
+    chains: list[list[ChunkKey]]
+    starts: list[int]
+    sent_at: float
+    deadline: float
+
+
+@dataclass
+class RemoteProbeStats:
+    probes: int = 0  # sent
+    answered: int = 0
+    timed_out: int = 0  # their request stopped waiting first
+    found_chunks: int = 0  # the remote tier held them
+    adopted_chunks: int = 0  # entered into the tree (not there already)
+    seconds_total: float = 0.0  # from send to answer, over the answered ones
 
 
 class SchedulerSide:
@@ -76,6 +106,12 @@ class SchedulerSide:
         self.docs: Optional[DocReuse] = None  # --pcr-doc-reuse (set by the factory)
         self.hints = HintBook(config.hint_limits())
         self.last_load_private = False  # the last load_back gave the request private slots
+        # The remote tier (--pcr-remote): probes in flight, by probe seq.
+        self.remote = config.remote != "off" and io is not None
+        self.remote_probe_timeout_s = config.remote_probe_timeout_ms / 1000
+        self.remote_stats = RemoteProbeStats()
+        self._probes: dict[int, _Probe] = {}
+        self._probe_seq = itertools.count(1)
 
     # ------------------------------------------------------------------ keys
     def root_key(self, extra_key: Optional[str], cache_salt: Optional[str]) -> bytes:
@@ -121,6 +157,8 @@ class SchedulerSide:
         effects = Effects()
         if self.io is not None or self.tp is not None:
             self._agree_and_apply(bool(waiting_queue), effects)
+        if self.remote:
+            self._collect_probes(effects)
         self.execute(effects)
         self._send_deferred()
         self._update_window(waiting_queue)
@@ -181,6 +219,11 @@ class SchedulerSide:
                   for req in window]
         if lookahead:  # one entry per request: the window counts requests
             self.state.protect([[n for chain in per_req for n in chain] for per_req in chains[:lookahead]])
+        if self.remote and self.state.io_healthy:
+            for req in window[:prefetch]:  # probed ahead of admission, so the answer is in by then
+                entry = self.requests.get(req.rid)
+                if entry.probe_seq is None and not entry.probed:
+                    self._probe(req, entry)
         if ssd:
             held = [n for s in self.requests.holds() for n in s.hold.chain]
             effects = Effects()
@@ -230,6 +273,78 @@ class SchedulerSide:
         own = self._window_keys[req.rid]
         return [own, *self.docs.canonical_chain_keys(req)] if self.docs is not None else [own]
 
+    # ------------------------------------------------------------------ the remote tier
+    def _chains_of(self, req: Any) -> list[list[ChunkKey]]:
+        """The chains ``req`` reuses: its prefix, and its documents' canonical chains."""
+        own = self._keys(req)
+        return [own, *self.docs.canonical_chain_keys(req)] if self.docs is not None else [own]
+
+    def _probe(self, req: Any, entry: Any) -> None:
+        """Ask the remote tier, in one round trip, which chunks past the tree's match of
+        each of ``req``'s chains it holds (once per request)."""
+        assert self.io is not None
+        status = self.io.remote_status
+        if status is not None and not status.healthy:
+            entry.probed = True  # the tier is down: no probe, no wait (it reports when it is back)
+            return
+        chains, starts = [], []
+        for keys in self._chains_of(req):
+            matched = len(self.state.match(iter(keys), touch=False).nodes)
+            if matched < len(keys):
+                chains.append(list(keys))
+                starts.append(matched)
+        if not chains:
+            entry.probed = True
+            return
+        seq = next(self._probe_seq)
+        now = time.monotonic()
+        self._probes[seq] = _Probe(req.rid, chains, starts, now, now + self.remote_probe_timeout_s)
+        entry.probe_seq = seq
+        self.remote_stats.probes += 1
+        self.io.submit(ProbeRemote(seq, [c[s:s + MAX_PROBE_CHUNKS] for c, s in zip(chains, starts)]))
+
+    def _awaiting_probe(self, req: Any) -> bool:
+        """Hold ``req`` while its probe is out and within its timeout (a probe is sent at
+        its first consideration if the prefetch window did not send one)."""
+        entry = self.requests.get(req.rid)
+        if entry.probed:
+            return False
+        if entry.probe_seq is None:
+            if not self.state.io_healthy:
+                entry.probed = True
+                return False
+            self._probe(req, entry)
+            if entry.probed:
+                return False
+        probe = self._probes.get(entry.probe_seq)
+        if probe is not None and time.monotonic() < probe.deadline:
+            return True
+        if probe is not None:
+            self.remote_stats.timed_out += 1
+        entry.probed = True  # timed out (a late answer still enters the tree): go on without it
+        return False
+
+    def _collect_probes(self, effects: Effects) -> None:
+        """Enter what answered probes found into the tree, as SSD-level chunks."""
+        assert self.io is not None
+        now = time.monotonic()
+        for seq, probe in list(self._probes.items()):
+            answer = self.io.take_probe(seq)
+            if answer is None:
+                if now - probe.sent_at > LATE_PROBE_S:
+                    del self._probes[seq]
+                continue
+            del self._probes[seq]
+            self.remote_stats.answered += 1
+            self.remote_stats.seconds_total += now - probe.sent_at
+            for keys, start, present in zip(probe.chains, probe.starts, answer.present):
+                self.remote_stats.found_chunks += present
+                self.remote_stats.adopted_chunks += self.state.adopt_remote(keys, start, present, effects)
+            entry = self.requests.peek(probe.rid)
+            if entry is not None:
+                entry.probed = True
+        self.io.drop_probes(set(self._probes))
+
     # ------------------------------------------------------------------ admission
     def consider(self, req: Any) -> bool:
         """A waiting request is a candidate for admission: False holds it back this pass
@@ -247,6 +362,8 @@ class SchedulerSide:
             return False
         if entry is not None and entry.waited:
             return True  # one wait per request: what has not landed since is recomputed
+        if self.remote and self._awaiting_probe(req):
+            return False
         match = self.state.match(iter(self._keys(req)), touch=False)
         # With document reuse, the documents' canonical chains on SSD are read as the
         # request's own chain is: a document first marked after a restart (or a
@@ -529,6 +646,10 @@ class SchedulerSide:
             self.io.submit(order)
 
     @property
+    def probes_in_flight(self) -> int:
+        return len(self._probes)
+
+    @property
     def deferred_orders(self) -> int:
         return len(self._deferred)
 
@@ -543,6 +664,7 @@ class SchedulerSide:
 
     def reset(self) -> None:
         self.requests.clear()
+        self._probes = {}
         if self.docs is not None:
             self.docs.reset()
         self._window_keys = {}

@@ -219,8 +219,17 @@ def check_doc_reuse(x: SupportInputs) -> Optional[str]:
     return None
 
 
+def check_remote(x: SupportInputs) -> Optional[str]:
+    """The remote tier's probes and reads are not agreed across TP ranks (each rank has
+    its own objects and its own I/O process): one rank could admit what another recomputes."""
+    if x.pcr.remote != "off" and int(getattr(x.cfg, "tp_size", 1) or 1) > 1:
+        return f"--pcr-remote {x.pcr.remote} does not support --tp-size > 1 yet: run it with TP size 1"
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     check_doc_reuse,
+    check_remote,
     check_full_attention,
     check_mla_host_tier,
     check_scale_buffers,

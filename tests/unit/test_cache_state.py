@@ -301,3 +301,33 @@ def test_reads_a_departed_request_waited_for_are_cancelled_unless_still_needed()
     d.state.plan_prefetch([still_needed], [], plan, queue_depth=1)
     cancels = [o for o in plan.orders if isinstance(o, Reorder) and o.cancel]
     assert [o.target for o in cancels] == [d.state._reading[chain[2]]]  # the third: nobody needs it
+
+
+def test_chunks_a_remote_probe_found_enter_the_ssd_level_past_the_match_only():
+    d = Driver(host_slots=4, ssd_capacity_chunks=6)
+    tokens = list(range(5 * CHUNK))
+    ks = keys(tokens)
+    d.serve(tokens[: 2 * CHUNK])  # the first two chunks are on the device
+    effects = Effects()
+    assert d.state.adopt_remote(ks, 2, 3, effects) == 3
+    match = d.state.match(iter(ks), touch=False)
+    assert (match.device, match.host, match.ssd) == (2, 0, 3)
+    assert d.state.adopt_remote(ks, 2, 3, effects) == 0  # entered already
+    # A probe sent when the match ended at chunk 4 cannot attach behind a shorter chain.
+    other = keys(list(range(900, 900 + 5 * CHUNK)))
+    assert d.state.adopt_remote(other, 4, 1, effects) == 0 and d.state.tree.match(iter(other)).nodes == []
+    # An answer that overlaps what the tree gained since adds only the rest.
+    assert d.state.adopt_remote(keys(list(range(6 * CHUNK))), 3, 3, effects) == 1
+    # Beyond the SSD level's capacity, the least recently used SSD chunks go: not the
+    # chunks just entered, which a request is about to read.
+    assert d.state.adopt_remote(other, 0, 5, effects) == 5
+    assert d.state.tree.ssd_chunks <= 6 and d.state.ssd_stats.remote_adopted_chunks == 9
+    assert d.state.match(iter(other), touch=False).ssd == 5
+    # Read like any SSD chunk: ordered into a host slot, landed on OK.
+    tail = d.state.match(iter(other), touch=False).ssd_nodes
+    effects = Effects()
+    assert d.state.order_reads(tail[:2], effects, urgent=True, limit=2) == 2
+    d.run(effects)
+    d.answer(only=ReadChunk)
+    assert all(n.on_host for n in tail[:2])
+    d.check()

@@ -1,0 +1,151 @@
+"""Start and stop a Mooncake Store on this machine: its master and a store process.
+
+The remote tier (``--pcr-remote mooncake``) needs a Mooncake master (object placement
+and eviction) and at least one process that lends memory to the shared pool; PCR's I/O
+processes are clients that lend none (``global_segment_size`` 0), so the objects outlive
+every server. Both binaries ship in the ``mooncake-transfer-engine`` wheels. Everything
+binds to loopback here except what Mooncake's transfer engine binds itself (its TCP
+transfer socket listens on all interfaces: confine multi-host setups by network policy).
+
+Used by the tests and by ``python -m pcr_sglang.fleet``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pcr_sglang.launcher import free_port
+from pcr_sglang.tiers.records import KEY_BYTES
+
+logger = logging.getLogger(__name__)
+
+
+class MooncakeError(RuntimeError):
+    """A Mooncake process could not be found or started."""
+
+
+def binary(name: str) -> str:
+    """``mooncake_master`` or ``mooncake_client``: beside this Python, or on PATH."""
+    beside = Path(sys.executable).with_name(name)
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise MooncakeError(f"{name} not found: pip install mooncake-transfer-engine-non-cuda (CPU) or "
+                            f"mooncake-transfer-engine (CUDA); on Debian it also needs libibverbs1")
+    return found
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def keygen(path: str | os.PathLike) -> Path:
+    """Write a new fleet key (the remote tier's record MAC key): 32 random bytes, 0600.
+    Refuses to overwrite one (every server of a fleet must use the same key)."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(KEY_BYTES))
+    return path
+
+
+@dataclass
+class _Process:
+    name: str
+    args: list[str]
+    host: str
+    port: int
+    log_path: Optional[Path] = None
+    proc: Optional[subprocess.Popen] = None
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()
+        deadline = time.monotonic() + timeout_s
+        while not _listening(self.host, self.port):
+            if self.proc.poll() is not None:
+                raise MooncakeError(f"{self.name} exited with code {self.proc.returncode} at start"
+                                    + (f" (log: {self.log_path})" if self.log_path else ""))
+            if time.monotonic() > deadline:
+                self.kill()
+                raise MooncakeError(f"{self.name} did not listen on {self.host}:{self.port} within {timeout_s:.0f} s")
+            time.sleep(0.05)
+        logger.info("%s listening on %s:%d (pid %d)", self.name, self.host, self.port, self.proc.pid)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if not self.running:
+            return
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class MooncakeMaster(_Process):
+    """``mooncake_master`` on loopback: RPC on ``port``, metrics/admin on ``metrics_port``,
+    no HTTP metadata server (clients use P2P handshakes)."""
+
+    def __init__(self, port: Optional[int] = None, metrics_port: Optional[int] = None, host: str = "127.0.0.1",
+                 log_path: Optional[Path] = None, lease_ttl_ms: int = 5000):
+        port = port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        super().__init__("mooncake_master", [
+            binary("mooncake_master"), f"--rpc_address={host}", f"--rpc_port={port}",
+            f"--metrics_host={host}", f"--metrics_port={self.metrics_port}",
+            f"--default_kv_lease_ttl={lease_ttl_ms}", "--eviction_high_watermark_ratio=0.95",
+        ], host, port, log_path)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class MooncakeStoreProcess(_Process):
+    """``mooncake_client`` as a standalone store: lends ``segment_bytes`` of its memory to
+    the pool, over TCP, registered with ``master``."""
+
+    def __init__(self, master: MooncakeMaster, segment_bytes: int, port: Optional[int] = None,
+                 host: str = "127.0.0.1", log_path: Optional[Path] = None):
+        port = port or free_port()
+        self.segment_bytes = segment_bytes
+        super().__init__("mooncake_client", [
+            binary("mooncake_client"), f"--host={host}", f"--port={port}",
+            f"--global_segment_size={segment_bytes}", f"--master_server_address={master.address}",
+            "--metadata_server=P2PHANDSHAKE", "--protocol=tcp",
+        ], host, port, log_path)
+
+
+def client_config(master: MooncakeMaster, key_file: str | os.PathLike, **extra) -> dict:
+    """A ``--pcr-remote-config`` for servers of this store."""
+    return {"master_server_address": master.address, "key_file": str(key_file), "metadata_server": "P2PHANDSHAKE",
+            "protocol": "tcp", "local_hostname": "127.0.0.1", "global_segment_size": 0, **extra}

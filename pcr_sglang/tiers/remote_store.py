@@ -1,0 +1,309 @@
+"""RemoteChunkStore: the shared remote tier, PCR's chunk records as objects in Mooncake Store.
+
+Below device, host memory and the local SSD, a fleet of servers shares one Mooncake Store
+(a master that places and evicts objects, and store processes that hold them in memory;
+``mooncake-transfer-engine``, over TCP or RDMA). Each object is one chunk's complete
+record (:mod:`pcr_sglang.tiers.records`) under the key ``pcr/<namespace hex>/<chunk key
+hex>``: the namespace covers the model, dtype, layout and TP rank, the chunk key the
+prefix, ``extra_key`` and ``cache_salt``, so another model or tenant can never hit. The
+records are MAC-ed under a key the fleet shares (``key_file``), so an object written by
+anyone else, or torn, is refused and recomputed, never served.
+
+The Mooncake client is driven directly (not through SGLang's ``MooncakeStore``, whose
+generic ``batch_set`` and ``batch_exists`` tag keys differently). Mooncake places,
+replicates and evicts on its own, so a probe's answer is a hint: an object may be gone
+when it is read (a miss: the chunk is recomputed). Writes are first-writer-wins: any
+server's KV for a prefix is a valid KV for it.
+
+Only the I/O process uses this (on its remote thread, :mod:`pcr_sglang.io.remote_thread`):
+a call to an unreachable master can block for seconds, and the scheduler never waits.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import re
+import socket
+import stat
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from pcr_sglang.tiers.records import KEY_BYTES, ChunkRecord, RecordCodec
+
+logger = logging.getLogger(__name__)
+
+# Mooncake's ErrorCodes that concern one key, not the store: never a reason to call the
+# tier down.
+OBJECT_NOT_FOUND = -704
+REPLICA_IS_NOT_READY = -703  # still being written by another client: a miss for now
+OBJECT_ALREADY_EXISTS = -705
+OBJECT_HAS_LEASE = -706
+INVALID_PARAMS = -600  # also what get_into answers for an object larger than the buffer
+CONNECT_TIMEOUT_S = 1.0
+KEY_PREFIX = "pcr"
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
+
+
+class RemoteConfigError(ValueError):
+    """``--pcr-remote-config`` is malformed or names a key file that cannot be used."""
+
+
+class RemoteError(RuntimeError):
+    """The remote store did not answer as it should (unreachable master, transfer failure)."""
+
+
+def _size(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise RemoteConfigError(f"--pcr-remote-config: {name} must be a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise RemoteConfigError(f"--pcr-remote-config: {name} must be >= 0, got {value}")
+        return value
+    match = _SIZE.match(str(value))
+    if match is None:
+        raise RemoteConfigError(f"--pcr-remote-config: {name} must be bytes or a size like '64MB', got {value!r}")
+    return int(match.group(1)) << (10 * " KMGT".index(match.group(2).upper() or " "))
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """``--pcr-remote-config``: JSON, or ``@path`` to a JSON file. Mooncake's client keys
+    (as in SGLang's HiCache Mooncake config) plus PCR's own."""
+
+    master_server_address: str  # host:port of mooncake_master
+    key_file: str  # 32 bytes, 0600, the same file on every server of the fleet
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"  # or "rdma" (the CUDA build)
+    local_hostname: str = "127.0.0.1"
+    device_name: str = ""  # RDMA devices, for protocol "rdma"
+    # Memory this server contributes to the shared pool. 0 (the default): none, so the
+    # objects live in store processes (mooncake_client) and outlive any one server.
+    global_segment_size: int = 0
+    local_buffer_size: int = 0  # Mooncake's staging buffer; 0: four records (at least 16 MiB)
+    probe_timeout_ms: float = 100.0  # a request waits at most this long for its probe
+    write_queue_records: int = 16  # write-through records held for the remote thread; more are dropped
+
+    @classmethod
+    def parse(cls, text: str) -> RemoteConfig:
+        source = "--pcr-remote-config"
+        if text.startswith("@"):
+            source = text[1:]
+            try:
+                text = Path(source).read_text()
+            except OSError as e:
+                raise RemoteConfigError(f"--pcr-remote-config {source}: {e.strerror or e}") from None
+            except UnicodeDecodeError:
+                raise RemoteConfigError(f"--pcr-remote-config {source} is not UTF-8 text") from None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RemoteConfigError(f"{source} is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise RemoteConfigError(f"{source} must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise RemoteConfigError(f"{source}: unknown keys {unknown}; known: {sorted(known)}")
+        missing = [k for k in ("master_server_address", "key_file") if not raw.get(k)]
+        if missing:
+            raise RemoteConfigError(f"{source}: {', '.join(missing)} required")
+        for name in ("global_segment_size", "local_buffer_size"):
+            if name in raw:
+                raw[name] = _size(name, raw[name])
+        for f in fields(cls):
+            if f.name not in raw or f.name in ("global_segment_size", "local_buffer_size"):
+                continue
+            value, want = raw[f.name], type(getattr(_DEFAULTS, f.name, ""))
+            ok = (isinstance(value, str) if want is str else
+                  isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else
+                  isinstance(value, int) and not isinstance(value, bool))
+            if not ok:
+                raise RemoteConfigError(f"{source}: {f.name} must be a {want.__name__}, got {value!r}")
+        config = cls(**raw)
+        if config.protocol not in ("tcp", "rdma"):
+            raise RemoteConfigError(f"{source}: protocol must be tcp or rdma, got {config.protocol!r}")
+        if not config.probe_timeout_ms > 0 or int(config.write_queue_records) < 0:
+            raise RemoteConfigError(f"{source}: probe_timeout_ms must be > 0 and write_queue_records >= 0")
+        return config
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
+
+_DEFAULTS = RemoteConfig(master_server_address="", key_file="")
+
+
+def load_fleet_key(path: str) -> bytes:
+    """The records' MAC key: exactly 32 bytes, in a regular file of ours that nobody else
+    can read (anyone who can read it can forge records every server accepts)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)  # a symlink is followed; the file it names is checked
+    except OSError as e:
+        raise RemoteConfigError(f"--pcr-remote-config key_file {path}: {e.strerror or e} (create one with "
+                                f"`python -m pcr_sglang.fleet keygen {path}`)") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise RemoteConfigError(f"key_file {path} must be a regular file owned by this user")
+        if st.st_mode & 0o077:
+            raise RemoteConfigError(f"key_file {path} is readable by others (mode {st.st_mode & 0o777:o}); "
+                                    f"chmod 600 it")
+        key = f.read(KEY_BYTES + 1)
+    if len(key) != KEY_BYTES:
+        raise RemoteConfigError(f"key_file {path} must hold exactly {KEY_BYTES} bytes, it has {len(key)}")
+    return key
+
+
+class ReadResult(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"  # the store does not hold it (never written, or evicted)
+    CORRUPT = "corrupt"  # held, but not a record of ours for this key (removed)
+
+
+class RemoteChunkStore:
+    """One Mooncake client, for one namespace's records. Not thread-safe: one thread uses it."""
+
+    def __init__(self, config: RemoteConfig, codec: RecordCodec):
+        self.config = config
+        self.codec = codec
+        self.prefix = f"{KEY_PREFIX}/{codec.namespace.hex()}/"
+        self._client: Any = None
+        self._staging: Optional[np.ndarray] = None
+        self.last_record: Optional[ChunkRecord] = None  # the header of the last record read_into served
+
+    def open(self) -> None:
+        """Connect to the master. Raises RemoteError (RemoteConfigError: not installed)."""
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise RemoteConfigError(f"--pcr-remote mooncake needs the Mooncake client "
+                                    f"(pip install mooncake-transfer-engine-non-cuda, or "
+                                    f"mooncake-transfer-engine with CUDA): {e}") from None
+        c = self.config
+        self._check_master_reachable()
+        buffer = c.local_buffer_size or max(16 << 20, 4 * self.codec.record_bytes)
+        client = MooncakeDistributedStore()
+        rc = client.setup({"local_hostname": c.local_hostname, "metadata_server": c.metadata_server,
+                           "global_segment_size": c.global_segment_size, "local_buffer_size": buffer,
+                           "protocol": c.protocol, "rdma_devices": c.device_name,
+                           "master_server_addr": c.master_server_address})
+        if rc != 0:
+            client.close()
+            raise RemoteError(f"Mooncake client setup against {c.master_server_address} failed (code {rc})")
+        staging = np.zeros(self.codec.record_bytes, dtype=np.uint8)
+        rc = client.register_buffer(staging.ctypes.data, staging.nbytes)
+        if rc != 0:
+            client.close()
+            raise RemoteError(f"Mooncake register_buffer failed (code {rc})")
+        self._client, self._staging = client, staging
+
+    def _check_master_reachable(self) -> None:
+        """Mooncake's ``setup`` against an unreachable master blocks for about 90 s while
+        holding the GIL (measured), which would stop the I/O process's main loop: connect
+        first, with a timeout. (A master dying between the two still costs that wait.)"""
+        host, _, port = self.config.master_server_address.rpartition(":")
+        try:
+            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=CONNECT_TIMEOUT_S):
+                pass
+        except (OSError, ValueError) as e:
+            raise RemoteError(f"the master {self.config.master_server_address} is unreachable: {e}") from None
+
+    def close(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            finally:
+                self._client = None
+
+    def object_key(self, key: bytes) -> str:
+        return self.prefix + key.hex()
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            raise RemoteError("the remote store is not open")
+        return self._client
+
+    def probe(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        """For each chain of chunk keys: how many of its first chunks the store holds
+        (one round trip for all of them)."""
+        flat = [self.object_key(k) for chain in chains for k in chain]
+        if not flat:
+            return [0] * len(chains)
+        found = self.client.batch_is_exist(flat)
+        if len(found) != len(flat) or any(f < 0 for f in found):
+            raise RemoteError(f"batch_is_exist failed (codes {sorted({f for f in found if f < 0})})")
+        present, start = [], 0
+        for chain in chains:
+            run = 0
+            while run < len(chain) and found[start + run] == 1:
+                run += 1
+            present.append(run)
+            start += len(chain)
+        return present
+
+    def read_into(self, key: bytes, out: memoryview) -> ReadResult:
+        """Chunk ``key``'s payload into ``out`` (one host slot) if the store holds a valid
+        record of it. Raises RemoteError when the store cannot be asked."""
+        assert self._staging is not None
+        staging = self._staging
+        name = self.object_key(key)
+        got = self.client.get_into(name, staging.ctypes.data, staging.nbytes)
+        if got in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
+            return ReadResult.MISSING
+        if got == INVALID_PARAMS and self.client.get_size(name) > staging.nbytes:
+            got = 0  # larger than any record: refused below
+        elif got < 0:
+            raise RemoteError(f"get_into failed (code {got})")
+        record = self.codec.parse_header(staging[: min(got, len(staging))].tobytes()) if got > 0 else None
+        payload = memoryview(staging)[self.codec.record_bytes - self.codec.layout.slot_bytes:]
+        if got != self.codec.record_bytes or record is None or record.key != key \
+                or not self.codec.payload_ok(record, payload):
+            self._remove(key)
+            return ReadResult.CORRUPT
+        memoryview(out).cast("B")[:] = payload
+        self.last_record = record
+        return ReadResult.OK
+
+    def _remove(self, key: bytes) -> None:
+        """A bad object would be served to nobody and, first writer winning, would block
+        every good write of its key: remove it (best effort)."""
+        try:
+            self.client.remove(self.object_key(key), True)
+        except Exception as e:  # noqa: BLE001 - a failed cleanup leaves a miss, no harm
+            logger.warning("PCR remote tier: removing a bad object failed: %s", e)
+
+    def ping(self) -> None:
+        """Raise RemoteError unless the master answers a query (Mooncake's own
+        ``health_check`` still said healthy here for a master killed moments before)."""
+        found = self.client.batch_is_exist([self.prefix + "ping"])
+        if not found or found[0] < 0:
+            raise RemoteError(f"the master does not answer (code {found[0] if found else None})")
+
+    def exists(self, key: bytes) -> bool:
+        found = self.client.batch_is_exist([self.object_key(key)])
+        if not found or found[0] < 0:
+            raise RemoteError(f"batch_is_exist failed (code {found[0] if found else None})")
+        return found[0] == 1
+
+    def write(self, key: bytes, record: bytes) -> bool:
+        """Store ``record`` (complete, built by :meth:`build_record`) unless the store holds
+        the key already; True when it was sent."""
+        if self.exists(key):
+            return False
+        rc = self.client.put(self.object_key(key), record)
+        if rc in (OBJECT_ALREADY_EXISTS, OBJECT_HAS_LEASE):
+            return False  # another server's write of it came first
+        if rc != 0:
+            raise RemoteError(f"put failed (code {rc})")
+        return True
+
+    def build_record(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload) -> bytes:
+        payload = memoryview(payload).cast("B")
+        return self.codec.header(key, parent_key, depth, num_tokens, payload) + bytes(payload)
