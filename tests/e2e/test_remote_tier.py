@@ -1,0 +1,277 @@
+"""The remote tier (``--pcr-remote mooncake``) through real servers on CPU and a real
+Mooncake Store (master and store process) on loopback: a chunk one server computed is a
+hit on another, and stays one after the writer dies; other tenants never hit; corrupt or
+evicted objects are recomputed; a slow or dead store costs hits, never tokens; SGLang's
+gateway serves the fleet."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from pcr_sglang.core.keys import CacheNamespace, chunk_keys, root_key
+from pcr_sglang.fleet import Gateway
+from pcr_sglang.launcher import ServerProcess
+from pcr_sglang.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
+from pcr_sglang.tiers.records import RecordCodec
+from pcr_sglang.tiers.remote_store import RemoteChunkStore, RemoteConfig, load_fleet_key
+from pcr_sglang.transfer.layout import HostChunkLayout
+from tests.e2e.helpers import COMMON_ARGS, GREEDY, TIERED_ARGS, prometheus_counts, serving, wait_for_write_back
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def mooncake(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("mooncake")
+    master = MooncakeMaster(log_path=logs / "master.log")
+    store = MooncakeStoreProcess(master, 256 << 20, log_path=logs / "store.log")
+    master.start()
+    store.start()
+    yield {"master": master, "store": store, "key": keygen(logs / "fleet.key")}
+    store.stop()
+    master.stop()
+
+
+# Chunks of 64 tokens here, not the other modules' 16: a remote read costs about a
+# round trip whatever the chunk's size, and the tiny model recomputes 16 tokens in a few
+# milliseconds, so on a busy machine the cost model would rightly recompute 16-token
+# chunks rather than read them, and nothing would be read from the remote tier.
+REMOTE_CHUNK = 64
+
+
+def remote_server(model, path, mooncake, env=None, **config) -> ServerProcess:
+    remote = json.dumps(client_config(mooncake["master"], mooncake["key"], **config))
+    return ServerProcess(model, (*TIERED_ARGS, "--pcr-chunk-size", str(REMOTE_CHUNK), "--pcr-ssd-path", str(path),
+                                 "--pcr-ssd-gb", "0.5", "--pcr-ssd-reserve-gb", "0", "--enable-metrics",
+                                 "--pcr-remote", "mooncake", "--pcr-remote-config", remote), env=env or {})
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, mooncake, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pcr-remote")
+    everything = {
+        "baseline": ServerProcess(tiny_model, (*COMMON_ARGS, "--disable-radix-cache")),
+        "a": remote_server(tiny_model, root / "a", mooncake),
+        "b": remote_server(tiny_model, root / "b", mooncake),
+        # Every remote read takes 2 s there (probes are quick): its requests stop waiting
+        # for them and recompute, and the test can evict objects between probe and read.
+        "slow": remote_server(tiny_model, root / "slow", mooncake,
+                              env={"PCR_IO_TEST_FAULTS": json.dumps({"remote_read_delay_s": 2.0})}),
+    }
+    with serving(everything):
+        yield everything
+
+
+def remote(server) -> dict:
+    return server.pcr_state()["remote"]
+
+
+def written(server) -> int:
+    store = remote(server)["store"] or {}
+    return int(store.get("writes", 0) + store.get("writes_present", 0))
+
+
+def send(server, prompt, **fields):
+    return server.generate({"input_ids": prompt, "sampling_params": GREEDY, **fields})
+
+
+def storage_tokens(outs) -> int:
+    """Prompt tokens the replies say came from storage (local SSD or the remote tier)."""
+    return sum((o["meta_info"].get("cached_tokens_details") or {}).get("storage", 0) for o in outs)
+
+
+def remote_idle(server, timeout_s: float = 120) -> None:
+    """Until the server's remote thread has no read queued or running (the slow server's
+    reads take 2 s each, and probes wait behind a running one)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        store = remote(server)["store"] or {}
+        finished = sum(store.get(k, 0) for k in ("read_ok", "read_missing", "read_corrupt", "read_failed"))
+        if store.get("queued_reads", 1) == 0 and store.get("reads", 0) == finished:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the remote thread stayed busy: {remote(server)}")
+
+
+def served(server, prompts, timeout_s: float = 60) -> None:
+    """Serve ``prompts``, then wait until the server's SSD writes are done and their
+    records have gone through to the remote tier."""
+    before = written(server)
+    for p in prompts:
+        send(server, p)
+    wait_for_write_back(server)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        store = remote(server)["store"] or {}
+        if written(server) > before and store.get("queued_writes", 1) == 0:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"write-through did not finish: {remote(server)}")
+
+
+def remote_up(server) -> float:
+    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("sglang:pcr_remote_up{"))
+
+
+def object_keys(server, prompt) -> list[str]:
+    """The remote objects of ``prompt``'s whole chunks on ``server`` (its namespace)."""
+    ns = CacheNamespace(**server.pcr_state()["namespace"])
+    keys = chunk_keys(root_key(ns.chain_digest()), prompt[:len(prompt) - 1], REMOTE_CHUNK)
+    return [f"pcr/{ns.digest().hex()}/{k.hex()}" for k in keys]
+
+
+def raw_client(mooncake):
+    """A Mooncake client of the test's own (any namespace: it only puts and removes)."""
+    config = RemoteConfig.parse(json.dumps(client_config(mooncake["master"], mooncake["key"])))
+    codec = RecordCodec(load_fleet_key(config.key_file), bytes(16), HostChunkLayout(1, 1, 1, 1), "x")
+    store = RemoteChunkStore(config, codec)
+    store.open()
+    return store
+
+
+def test_a_prompt_one_server_computed_hits_on_another(servers, rag_prompt_ids, baseline_outputs):
+    a, b = servers["a"], servers["b"]
+    served(a, rag_prompt_ids[:4])
+    before = remote(b)
+    outs = [send(b, p) for p in rag_prompt_ids[:4]]
+    assert [o["output_ids"] for o in outs] == baseline_outputs[:4]
+    assert storage_tokens(outs) > 0, [o["meta_info"] for o in outs]  # read remotely: B's own SSD had none
+    after = remote(b)
+    assert after["healthy"] and after["probes"]["found_chunks"] > before["probes"]["found_chunks"], after
+    time.sleep(1.5)
+    assert remote(b)["store"]["read_ok"] > 0
+    assert b.pcr_state(check_invariants=True)["invariants"]["ok"]
+    counts = prometheus_counts(b, "sglang:pcr_remote_chunks_total", "kind")
+    assert counts.get("read", 0) > 0 and counts.get("found", 0) > 0, counts
+
+
+def test_another_tenants_salt_never_hits_the_remote_tier(servers, rag_prompt_ids, baseline_outputs):
+    b = servers["b"]
+    prompt = rag_prompt_ids[4]
+    served(servers["a"], [prompt])
+    before = remote(b)["probes"]["found_chunks"]
+    out = send(b, prompt, cache_salt="another-tenant")
+    assert out["output_ids"] == baseline_outputs[4]
+    assert out["meta_info"]["cached_tokens"] == 0
+    assert remote(b)["probes"]["found_chunks"] == before
+
+
+def test_a_corrupt_remote_object_is_detected_and_recomputed(servers, mooncake, rag_prompt_ids, baseline_outputs):
+    a, b = servers["a"], servers["b"]
+    prompt = rag_prompt_ids[5]
+    served(a, [prompt])
+    client = raw_client(mooncake)
+    try:
+        damaged = 0
+        for obj in object_keys(b, prompt):  # every chunk of the prompt: B's own match ends somewhere inside
+            if client.client.batch_is_exist([obj]) == [1]:
+                client.client.remove(obj, True)
+                assert client.client.put(obj, os.urandom(4096)) == 0
+                damaged += 1
+        assert damaged > 0
+    finally:
+        client.close()
+    out = send(b, prompt)
+    assert out["output_ids"] == baseline_outputs[5]
+    time.sleep(1.5)
+    report = remote(b)
+    state = b.pcr_state()
+    assert report["store"]["read_corrupt"] > 0, (report["store"], report["probes"], state["ssd"]["counters"])
+    assert b.pcr_state(check_invariants=True)["invariants"]["ok"]
+
+
+def test_a_slow_remote_tier_costs_hits_not_tokens(servers, rag_prompt_ids, baseline_outputs):
+    slow = servers["slow"]
+    before = remote(slow)["probes"]["found_chunks"]
+    outs = [send(slow, p) for p in rag_prompt_ids[:3]]  # on the remote tier since the first test
+    assert [o["output_ids"] for o in outs] == baseline_outputs[:3]
+    assert remote(slow)["probes"]["found_chunks"] > before  # the tier had them...
+    assert storage_tokens(outs) == 0  # ...too late
+
+
+def test_an_object_evicted_between_probe_and_read_is_recomputed(servers, mooncake, rag_prompt_ids,
+                                                                 baseline_outputs):
+    a, slow = servers["a"], servers["slow"]
+    prompt = rag_prompt_ids[6]
+    served(a, [prompt])
+    remote_idle(slow)  # so that its probe is answered at once
+    before = remote(slow)
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(send, slow, prompt)
+        deadline = time.monotonic() + 60
+        while remote(slow)["probes"]["answered"] == before["probes"]["answered"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # The probe found the prompt's chunks and their reads wait 2 s each: the store
+        # drops them now, as its eviction could.
+        client = raw_client(mooncake)
+        try:
+            for obj in object_keys(slow, prompt):
+                client.client.remove(obj, True)
+        finally:
+            client.close()
+        assert reply.result()["output_ids"] == baseline_outputs[6]
+    deadline = time.monotonic() + 90
+    while remote(slow)["store"]["read_missing"] == before["store"]["read_missing"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert remote(slow)["store"]["read_missing"] > before["store"]["read_missing"], remote(slow)
+    assert slow.pcr_state(check_invariants=True)["invariants"]["ok"]
+
+
+def test_the_gateway_serves_the_fleet(servers, rag_prompt_ids, baseline_outputs, tmp_path):
+    """SGLang Model Gateway (smg, cache_aware) in front of the two servers: requests come
+    back with the baseline's tokens, and a repeated prompt goes where its prefix is."""
+    gateway = Gateway([servers["a"].base_url, servers["b"].base_url], "cache_aware",
+                      log_path=tmp_path / "gateway.log").start()
+    try:
+        for i in (14, 15, 14):
+            r = requests.post(f"{gateway.base_url}/generate",
+                              json={"input_ids": rag_prompt_ids[i], "sampling_params": GREEDY}, timeout=300)
+            r.raise_for_status()
+            assert r.json()["output_ids"] == baseline_outputs[i]
+        assert r.json()["meta_info"]["cached_tokens"] > 0  # the repeat hit where the first one ran
+    finally:
+        gateway.stop()
+
+
+def test_hits_survive_the_writer_being_killed(servers, rag_prompt_ids, baseline_outputs):
+    a, b = servers["a"], servers["b"]
+    prompts = rag_prompt_ids[7:10]
+    served(a, prompts)
+    a.kill()
+    outs = [send(b, p) for p in prompts]
+    assert [o["output_ids"] for o in outs] == baseline_outputs[7:10]
+    assert storage_tokens(outs) > 0, (remote(b), [o["meta_info"] for o in outs])
+
+
+def test_a_dead_store_costs_hits_then_comes_back(servers, mooncake, rag_prompt_ids, baseline_outputs):
+    """Kill the master and the store: requests still get the right tokens from the local
+    tiers and /server_info and /metrics say the tier is down; restarted, it is used again
+    (the restarted store is empty: what it held before is gone)."""
+    b = servers["b"]
+    mooncake["store"].kill()
+    mooncake["master"].kill()
+    outs = [send(b, p) for p in rag_prompt_ids[10:13]]
+    assert [o["output_ids"] for o in outs] == baseline_outputs[10:13]
+    deadline = time.monotonic() + 30
+    while remote(b)["healthy"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    report = remote(b)
+    assert report["healthy"] is False and report["error"], report
+    assert remote_up(b) == 0.0
+    mooncake["master"].start()
+    mooncake["store"].start()
+    # Idle, the I/O process notices by itself (a health query after each back-off).
+    deadline = time.monotonic() + 60
+    while not remote(b)["healthy"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert remote(b)["healthy"], remote(b)
+    assert remote_up(b) == 1.0
+    # And it is written again: a new prompt's chunks go through to the restarted store.
+    served(b, [rag_prompt_ids[16]])
