@@ -79,9 +79,8 @@ def replay(trace_keys: list[list[bytes]], capacity: int, window: int, queue_dept
         # the pool is full of locked chunks).
         room = max(0, capacity - tree.num_chunks)
         keep = outcome.num_chunks + min(new, room)
-        inserted = tree.insert(keys[:keep], [None] * keep)
+        tree.insert(keys[:keep], [True] * keep)  # device values: the tree needs one, any will do
         tree.unlock(outcome.last_node)
-        del inserted
     return hits / max(total, 1)
 
 
