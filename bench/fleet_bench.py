@@ -94,7 +94,7 @@ def summarize(name: str, records: list[RequestRecord], servers: list[ServerProce
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# Fleets through the gateway ({meta['date']})", "", f"Command: `{meta['command']}`.", "",
              f"- trace: {meta['trace']}", f"- per server: {meta['budgets']}", f"- rate: {meta['rate']:g} req/s",
-             "", "| fleet | hit ratio | device | host | storage (of it remote) | per-server prompt share | "
+             "", "| fleet | hit ratio | device | host | storage (remote reads) | per-server prompt share | "
              "TTFT mean | P99 | outputs = single's |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         t = r["by_tier"]
@@ -150,7 +150,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         spec = SPECS[name]
         k = spec.memory_scale
         server_args = ("--max-total-tokens", str(base.device_pool_tokens * k), "--context-length",
-                       str(base.context_length), "--log-level", "warning", "--enable-metrics", "--enable-pcr",
+                       str(base.context_length), "--log-level", "warning", "--sleep-on-idle", "--enable-metrics",
+                       "--enable-pcr",
                        "--pcr-chunk-size", str(args.chunk_size), "--pcr-dram-gb", f"{base.host_gb * k:.4f}",
                        "--pcr-ssd-gb", f"{base.ssd_gb * k:.3f}", "--pcr-ssd-reserve-gb", "0")
         work = args.out / name
