@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from typing import Optional, Sequence
 
 import requests
 
-from pcr_sglang.launcher import ServerProcess, free_port
+from pcr_sglang.launcher import ServerProcess, cpu_only, free_port
 from pcr_sglang.mooncake_services import MooncakeError, MooncakeMaster, MooncakeStoreProcess, client_config, keygen
 
 logger = logging.getLogger(__name__)
@@ -94,13 +95,32 @@ class Gateway:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+        """SIGTERM the gateway's process group (``smg`` runs its router in a child process,
+        which outlives a signal to the parent alone), then SIGKILL what is left of it."""
+        if self.proc is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
             try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and _group_alive(self.proc.pid):
+                self.proc.poll()
+                time.sleep(0.1)
+            if not _group_alive(self.proc.pid):
+                break
+        self.proc.poll()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 @dataclass
@@ -220,9 +240,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         from pcr_sglang.models.smollm2 import build_smollm2
 
         model = str(build_smollm2())
+    # On CPU, idle schedulers sleep: several busy-polling ones would starve each other's cores.
+    idle = ("--sleep-on-idle",) if cpu_only() and "--sleep-on-idle" not in extra else ()
     fleet = Fleet(model, args.dir, args.servers, not args.no_remote, args.policy, int(args.store_gb * 2**30),
                   ("--enable-pcr", "--pcr-dram-gb", str(args.dram_gb), "--pcr-ssd-gb", str(args.ssd_gb),
-                   "--enable-metrics", *extra), args.key_file)
+                   "--enable-metrics", *idle, *extra), args.key_file)
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(signal="SIGTERM"))
     try:
