@@ -127,11 +127,6 @@ class PCRConfig:
         return config
 
     @property
-    def remote_probe_timeout_ms(self) -> float:
-        settings = self.remote_settings() if self.remote != "off" else None
-        return settings.probe_timeout_ms if settings is not None else 0.0
-
-    @property
     def dram_bytes(self) -> int:
         return int(self.dram_gb * (1 << 30))
 

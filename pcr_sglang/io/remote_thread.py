@@ -127,9 +127,8 @@ class RemoteThread:
             self._cv.notify()
 
     def write(self, key: bytes, record: bytes) -> None:
-        with self._cv:
-            if len(self._writes) >= self.store.config.write_queue_records:
-                self.counters.writes_dropped += 1
+        with self._cv:  # re-entrant: has_room takes the same lock
+            if not self.has_room():
                 return
             self._writes.append((key, record))
             self._cv.notify()

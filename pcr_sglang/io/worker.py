@@ -142,7 +142,7 @@ class Worker:
         self.remote: Optional[RemoteThread] = None
         self.remote_error = ""  # why there is no remote tier although one was configured
         # Records the remote thread read, to keep on the local SSD too (the tree counts them
-        # there): (key, verified header, payload), written after every acknowledged order.
+        # there): (key, verified header, payload), written when no order waits.
         self._to_cache: collections.deque = collections.deque(maxlen=64)
         if config.remote_config:
             try:

@@ -177,11 +177,13 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
         hint_budget_chunks=max((config.hint_budget_mb << 20) // store.record_bytes, 1)
         if store and config.hint_budget_mb > 0 else 0,
     ))
+    remote = None
     if store is not None:
         _restore(state, store, tp)
         remote = config.remote_settings()
         io = start_io_process(store, host_pool, tp_rank, remote.to_json() if remote is not None else "")
-    scheduler = SchedulerSide(state, config, namespace.chain_digest(), allocator, worker=worker, io=io, tp=tp)
+    scheduler = SchedulerSide(state, config, namespace.chain_digest(), allocator, worker=worker, io=io, tp=tp,
+                              remote=remote)
     cache = PCRPrefixCache(params, state, scheduler, namespace=namespace, host_pool=host_pool, store=store)
     if io is not None:
         # Registered after the host pool's close, so it runs first: the I/O process is

@@ -46,6 +46,7 @@ from pcr_sglang.sglang_adapter.requests import Hold, RequestRegistry
 from pcr_sglang.sglang_adapter.step_timing import StepHistogram
 from pcr_sglang.sglang_adapter.tp_group import TpGroup
 from pcr_sglang.sglang_adapter.worker_side import WorkerSide
+from pcr_sglang.tiers.remote_store import RemoteConfig
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class RemoteProbeStats:
 class SchedulerSide:
     def __init__(self, state: CacheState, config: PCRConfig, chain_digest: bytes, allocator: Any, *,
                  worker: Optional[WorkerSide] = None, io: Optional[IOSupervisor] = None,
-                 tp: Optional[TpGroup] = None):
+                 tp: Optional[TpGroup] = None, remote: Optional[RemoteConfig] = None):
         self.state = state
         self.config = config
         self.chunk = config.chunk_size
@@ -106,9 +107,9 @@ class SchedulerSide:
         self.docs: Optional[DocReuse] = None  # --pcr-doc-reuse (set by the factory)
         self.hints = HintBook(config.hint_limits())
         self.last_load_private = False  # the last load_back gave the request private slots
-        # The remote tier (--pcr-remote): probes in flight, by probe seq.
-        self.remote = config.remote != "off" and io is not None
-        self.remote_probe_timeout_s = config.remote_probe_timeout_ms / 1000
+        # The remote tier (--pcr-remote, parsed by the factory): probes in flight, by probe seq.
+        self.remote = remote is not None and io is not None
+        self.remote_probe_timeout_s = remote.probe_timeout_ms / 1000 if remote is not None else 0.0
         self.remote_stats = RemoteProbeStats()
         self._probes: dict[int, _Probe] = {}
         self._probe_seq = itertools.count(1)
@@ -270,15 +271,10 @@ class SchedulerSide:
     def _needed_keys(self, req: Any) -> list[list[ChunkKey]]:
         """The chains a waiting request will reuse: its prefix, and with document reuse
         the canonical chains of the documents it marked."""
-        own = self._window_keys[req.rid]
-        return [own, *self.docs.canonical_chain_keys(req)] if self.docs is not None else [own]
-
-    # ------------------------------------------------------------------ the remote tier
-    def _chains_of(self, req: Any) -> list[list[ChunkKey]]:
-        """The chains ``req`` reuses: its prefix, and its documents' canonical chains."""
         own = self._keys(req)
         return [own, *self.docs.canonical_chain_keys(req)] if self.docs is not None else [own]
 
+    # ------------------------------------------------------------------ the remote tier
     def _probe(self, req: Any, entry: Any) -> None:
         """Ask the remote tier, in one round trip, which chunks past the tree's match of
         each of ``req``'s chains it holds (once per request)."""
@@ -288,7 +284,7 @@ class SchedulerSide:
             entry.probed = True  # the tier is down: no probe, no wait (it reports when it is back)
             return
         chains, starts = [], []
-        for keys in self._chains_of(req):
+        for keys in self._needed_keys(req):
             matched = len(self.state.match(iter(keys), touch=False).nodes)
             if matched < len(keys):
                 chains.append(list(keys))

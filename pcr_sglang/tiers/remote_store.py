@@ -236,9 +236,7 @@ class RemoteChunkStore:
         flat = [self.object_key(k) for chain in chains for k in chain]
         if not flat:
             return [0] * len(chains)
-        found = self.client.batch_is_exist(flat)
-        if len(found) != len(flat) or any(f < 0 for f in found):
-            raise RemoteError(f"batch_is_exist failed (codes {sorted({f for f in found if f < 0})})")
+        found = self._exist(flat)
         present, start = [], 0
         for chain in chains:
             run = 0
@@ -279,18 +277,24 @@ class RemoteChunkStore:
         except Exception as e:  # noqa: BLE001 - a failed cleanup leaves a miss, no harm
             logger.warning("PCR remote tier: removing a bad object failed: %s", e)
 
+    def _exist(self, names: list[str]) -> list[int]:
+        """``batch_is_exist``: 1 or 0 per object name. Raises RemoteError if any answer is
+        an error (or the answers do not match the names)."""
+        found = self.client.batch_is_exist(names)
+        if len(found) != len(names) or any(f < 0 for f in found):
+            raise RemoteError(f"batch_is_exist failed (codes {sorted({f for f in found if f < 0})})")
+        return found
+
     def ping(self) -> None:
         """Raise RemoteError unless the master answers a query (Mooncake's own
         ``health_check`` still said healthy here for a master killed moments before)."""
-        found = self.client.batch_is_exist([self.prefix + "ping"])
-        if not found or found[0] < 0:
-            raise RemoteError(f"the master does not answer (code {found[0] if found else None})")
+        try:
+            self._exist([self.prefix + "ping"])
+        except RemoteError as e:
+            raise RemoteError(f"the master does not answer ({e})") from None
 
     def exists(self, key: bytes) -> bool:
-        found = self.client.batch_is_exist([self.object_key(key)])
-        if not found or found[0] < 0:
-            raise RemoteError(f"batch_is_exist failed (code {found[0] if found else None})")
-        return found[0] == 1
+        return self._exist([self.object_key(key)])[0] == 1
 
     def write(self, key: bytes, record: bytes) -> bool:
         """Store ``record`` (complete, built by :meth:`build_record`) unless the store holds
