@@ -57,6 +57,7 @@ import numpy as np
 from pcr_sglang.core.chunk_tree import ChunkTree
 from pcr_sglang.core.keys import CacheNamespace, chunk_keys, root_key
 from pcr_sglang.core.lookahead import LookaheadProtection
+from pcr_sglang.workload import zipf_weights
 
 POLICIES = ("random", "round_robin", "cache_aware", "prefix_hash")
 SYSTEM_CHUNK = -1
@@ -73,7 +74,7 @@ class Workload:
 
 
 def zipf_sampler(n: int, alpha: float, rng: np.random.Generator):
-    weights = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** alpha
+    weights = np.asarray(zipf_weights(n, alpha))
     cdf = np.cumsum(weights / weights.sum())
     return lambda size: np.minimum(np.searchsorted(cdf, rng.random(size)), n - 1), weights / weights.sum()
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,91 +34,45 @@ from typing import Optional, Sequence
 import requests
 
 from pcr_sglang.launcher import ServerProcess, cpu_only, free_port
-from pcr_sglang.mooncake_services import MooncakeError, MooncakeMaster, MooncakeStoreProcess, client_config, keygen
+from pcr_sglang.mooncake_services import (MooncakeError, MooncakeMaster, MooncakeStoreProcess, ServiceProcess,
+                                          client_config, keygen)
 
 logger = logging.getLogger(__name__)
 
 GATEWAY_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "prefix_hash", "consistent_hashing")
 
 
-@dataclass
-class Gateway:
-    """``smg launch`` over ``worker_urls`` on loopback."""
+class Gateway(ServiceProcess):
+    """``smg launch`` over ``worker_urls`` on loopback, ready once it has registered every
+    worker (its ``/health`` answers before it has checked them)."""
 
-    worker_urls: list[str]
-    policy: str = "cache_aware"
-    cache_threshold: float = 0.3
-    port: int = 0
-    log_path: Optional[Path] = None
-    proc: Optional[subprocess.Popen] = None
+    install_hint = "pip install smg==1.13.0 (SGLang Model Gateway)"
+
+    def __init__(self, worker_urls: list[str], policy: str = "cache_aware", cache_threshold: float = 0.3,
+                 port: int = 0, log_path: Optional[Path] = None):
+        self.worker_urls, self.policy, self.cache_threshold = list(worker_urls), policy, cache_threshold
+        port = port or free_port()
+        smg = Path(sys.executable).with_name("smg")
+        super().__init__("smg", [
+            str(smg) if smg.exists() else "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *self.worker_urls, "--policy", policy, "--cache-threshold", str(cache_threshold),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn",
+        ], "127.0.0.1", port, log_path)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def argv(self) -> list[str]:
-        smg = Path(sys.executable).with_name("smg")
-        return [str(smg) if smg.exists() else "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port),
-                "--worker-urls", *self.worker_urls, "--policy", self.policy,
-                "--cache-threshold", str(self.cache_threshold), "--prometheus-host", "127.0.0.1",
-                "--prometheus-port", str(free_port()), "--log-level", "warn"]
+    def ready(self) -> bool:
+        try:
+            workers = requests.get(f"{self.base_url}/workers", timeout=2).json()
+        except (requests.RequestException, ValueError):
+            return False
+        return int(workers.get("total", 0)) >= len(self.worker_urls)
 
     def start(self, timeout_s: float = 60.0) -> Gateway:
-        self.port = self.port or free_port()
-        log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL
-        try:
-            self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        except FileNotFoundError:
-            raise MooncakeError("smg not found: pip install smg==1.13.0 (SGLang Model Gateway)") from None
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"smg exited with code {self.proc.returncode}"
-                                   + (f" (log: {self.log_path})" if self.log_path else ""))
-            try:
-                # /health answers before the workers are registered (smg checks each first).
-                workers = requests.get(f"{self.base_url}/workers", timeout=2).json()
-                if int(workers.get("total", 0)) >= len(self.worker_urls):
-                    return self
-            except (requests.RequestException, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"smg did not register its {len(self.worker_urls)} workers within {timeout_s:.0f} s"
-                                   + (f" (log: {self.log_path})" if self.log_path else ""))
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        """SIGTERM the gateway's process group (``smg`` runs its router in a child process,
-        which outlives a signal to the parent alone), then SIGKILL what is left of it."""
-        if self.proc is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and _group_alive(self.proc.pid):
-                self.proc.poll()
-                time.sleep(0.1)
-            if not _group_alive(self.proc.pid):
-                break
-        self.proc.poll()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        super().start(timeout_s)
+        return self
 
 
 @dataclass

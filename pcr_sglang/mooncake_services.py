@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 class MooncakeError(RuntimeError):
-    """A Mooncake process could not be found or started."""
+    """A Mooncake process (or the gateway beside it) could not be found or started."""
 
 
 def binary(name: str) -> str:
@@ -64,54 +64,79 @@ def keygen(path: str | os.PathLike) -> Path:
 
 
 @dataclass
-class _Process:
+class ServiceProcess:
+    """A helper process on loopback (Mooncake's master and store, SGLang's gateway): started
+    in a session of its own, ready when :meth:`ready` says so, stopped with its whole
+    process group (``smg`` runs its router in a child that outlives a signal to its parent)."""
+
     name: str
     args: list[str]
     host: str
     port: int
     log_path: Optional[Path] = None
     proc: Optional[subprocess.Popen] = None
+    install_hint = ""  # what to install when the program is not found
+
+    def ready(self) -> bool:
+        return _listening(self.host, self.port)
 
     def start(self, timeout_s: float = 30.0) -> None:
         log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
+        except FileNotFoundError:
+            raise MooncakeError(f"{self.args[0]} not found" + (f": {self.install_hint}" if self.install_hint else "")) \
+                from None
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()
         deadline = time.monotonic() + timeout_s
-        while not _listening(self.host, self.port):
+        while not self.ready():
             if self.proc.poll() is not None:
                 raise MooncakeError(f"{self.name} exited with code {self.proc.returncode} at start"
                                     + (f" (log: {self.log_path})" if self.log_path else ""))
             if time.monotonic() > deadline:
                 self.kill()
-                raise MooncakeError(f"{self.name} did not listen on {self.host}:{self.port} within {timeout_s:.0f} s")
+                raise MooncakeError(f"{self.name} was not ready on {self.host}:{self.port} within {timeout_s:.0f} s"
+                                    + (f" (log: {self.log_path})" if self.log_path else ""))
             time.sleep(0.05)
-        logger.info("%s listening on %s:%d (pid %d)", self.name, self.host, self.port, self.proc.pid)
+        logger.info("%s ready on %s:%d (pid %d)", self.name, self.host, self.port, self.proc.pid)
 
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if not self.running:
+        """SIGTERM the process group, then SIGKILL what is left of it after ``timeout_s``."""
+        if self.proc is None:
             return
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
+        if not self._signal_group(signal.SIGTERM, timeout_s):
             self.kill()
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            self._signal_group(signal.SIGKILL, 10.0)
+
+    def _signal_group(self, sig: int, wait_s: float) -> bool:
+        """Send ``sig`` to the process group; whether all of it was gone within ``wait_s``."""
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return True
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            self.proc.poll()  # reap the leader, or the group never looks empty
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return True
+            time.sleep(0.05)
+        return False
 
 
-class MooncakeMaster(_Process):
+class MooncakeMaster(ServiceProcess):
     """``mooncake_master`` on loopback: RPC on ``port``, metrics/admin on ``metrics_port``,
     no HTTP metadata server (clients use P2P handshakes)."""
 
@@ -130,7 +155,7 @@ class MooncakeMaster(_Process):
         return f"{self.host}:{self.port}"
 
 
-class MooncakeStoreProcess(_Process):
+class MooncakeStoreProcess(ServiceProcess):
     """``mooncake_client`` as a standalone store: lends ``segment_bytes`` of its memory to
     the pool, over TCP, registered with ``master``."""
 
