@@ -6,8 +6,11 @@ layers x KV heads x head size while prefill speed is set by the accelerator, so 
 disk (network storage, a busy SSD) behind a fast GPU can make recomputation the faster
 path; on this project's CPU test machine the disk wins by two orders of magnitude.
 
-Both rates are measured while serving (exponential moving averages). Until both are
-known the model says load; while it says recompute, one in ``probe_every`` decisions
+Both rates are measured while serving (exponential moving averages). Prefills of fewer
+than ``MIN_TIMED_TOKENS`` tokens are not counted: they time the forward's fixed cost, not
+its per-token one (a server's warm-up request of a few tokens measured tens of tokens per
+second, and the next 700-token request then waited seconds for reads it could have
+recomputed in a fraction of that). Until both rates are known the model says load; while it says recompute, one in ``probe_every`` decisions
 loads anyway, so a disk that got faster is noticed. With tensor parallelism each rank
 measures its own rates; the scheduler agrees the verdict across ranks (the minimum)
 before it changes any request's prefix length.
@@ -22,6 +25,8 @@ from typing import Optional
 # after a start or a restart): about what a small GPU prefill of a few chunks costs.
 DEFAULT_WAIT_S = 0.25
 MIN_WAIT_S = 0.005
+# Smaller prefills are not timed into the prefill speed (see the module's docstring).
+MIN_TIMED_TOKENS = 128
 
 
 @dataclass
@@ -36,7 +41,7 @@ class LoadOrRecompute:
         self.read_seconds_per_chunk = self._ewma(self.read_seconds_per_chunk, seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
+        if tokens >= MIN_TIMED_TOKENS and seconds > 0:
             self.prefill_tokens_per_second = self._ewma(self.prefill_tokens_per_second, tokens / seconds)
 
     def prefers_load(self, chunk_tokens: int) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pcr_sglang.core.cost_model import LoadOrRecompute
+from pcr_sglang.core.cost_model import DEFAULT_WAIT_S, LoadOrRecompute
 
 
 def test_loads_until_both_rates_are_measured():
@@ -25,3 +25,13 @@ def test_fast_disk_loads_slow_disk_recomputes_and_still_probes():
     for _ in range(30):  # the disk recovers: the moving average follows
         slow.observe_read(0.001)
     assert slow.decide(slow.prefers_load(64))
+
+
+def test_a_few_token_warm_up_does_not_set_the_prefill_speed():
+    """A server's warm-up prefill (a few tokens, mostly the forward's fixed cost) once set
+    the speed to ~50 tokens/s, and the first real request then waited 14 s for reads."""
+    model = LoadOrRecompute()
+    model.observe_prefill(tokens=7, seconds=0.14)
+    assert model.recompute_seconds(704) == DEFAULT_WAIT_S
+    model.observe_prefill(tokens=700, seconds=0.35)  # 2,000 tokens/s
+    assert abs(model.recompute_seconds(704) - 0.352) < 1e-9
