@@ -3,7 +3,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from types import MappingProxyType
+from typing import Iterator, Mapping, Sequence
 
 from pcr_sglang.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
@@ -15,12 +16,18 @@ COMMON_ARGS = (
 )
 
 
+BASELINE_ARGS = (*COMMON_ARGS, "--disable-radix-cache")
+
+
 @contextmanager
-def serving(servers: dict[str, ServerProcess], start_first: Sequence[str] = ()) -> Iterator[dict[str, ServerProcess]]:
+def serving(servers: dict[str, ServerProcess], start_first: Sequence[str] = (),
+            shared: Mapping[str, ServerProcess] = MappingProxyType({})) -> Iterator[dict[str, ServerProcess]]:
     """Start several servers at once (their startup is mostly import time); on exit stop
     every server the dict then holds (a test may replace one with a restarted server).
     ``start_first`` are started alone beforehand: HiCache checks at startup that host
-    memory beyond a 10 GB reserve is free, which servers starting beside it can use up."""
+    memory beyond a 10 GB reserve is free, which servers starting beside it can use up.
+    ``shared`` are added to the dict already running and are left running (the session's
+    baseline server, which every module's token-for-token checks use)."""
     try:
         for name in start_first:
             servers[name].start()
@@ -30,10 +37,13 @@ def serving(servers: dict[str, ServerProcess], start_first: Sequence[str] = ()) 
             errors = [f.exception() for f in futures]
         if any(errors):
             raise next(e for e in errors if e)
+        servers.update(shared)
         yield servers
     finally:
+        kept = {id(s) for s in shared.values()}
         for s in servers.values():
-            s.stop()
+            if id(s) not in kept:
+                s.stop()
 
 
 def generate_greedy(server: ServerProcess, prompts: Sequence[list[int]], concurrency: int = 1):

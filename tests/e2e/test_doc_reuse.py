@@ -26,7 +26,7 @@ from pcr_sglang.data import load_wiki_articles
 from pcr_sglang.doc_prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
 from pcr_sglang.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
-from tests.e2e.helpers import COMMON_ARGS, serving, ssd_server
+from tests.e2e.helpers import serving, ssd_server
 
 pytestmark = pytest.mark.e2e
 
@@ -42,10 +42,9 @@ def store_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, store_dir):
-    everything = {"docs": ssd_server(tiny_model, store_dir, *DOC_REUSE),
-                  "nocache": ServerProcess(tiny_model, (*COMMON_ARGS, "--disable-radix-cache"))}
-    with serving(everything):
+def servers(tiny_model, store_dir, baseline_server):
+    everything = {"docs": ssd_server(tiny_model, store_dir, *DOC_REUSE)}
+    with serving(everything, shared={"nocache": baseline_server}):
         yield everything
 
 

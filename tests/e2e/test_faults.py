@@ -30,7 +30,7 @@ import pytest
 import requests
 
 from pcr_sglang.launcher import ServerProcess
-from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, serving, ssd_server, wait_for_write_back
+from tests.e2e.helpers import GREEDY, generate_greedy, serving, ssd_server, wait_for_write_back
 
 pytestmark = pytest.mark.e2e
 
@@ -105,8 +105,7 @@ def mounts(tmp_path_factory) -> Iterator[dict[str, Path]]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, tmp_path_factory, mounts):
-    baseline = ServerProcess(tiny_model, (*COMMON_ARGS, "--disable-radix-cache"))
+def servers(tiny_model, baseline_server, tmp_path_factory, mounts):
     # A context longer than the 2,600-token device pool: SGLang's own limit then applies.
     readonly_dir = tmp_path_factory.mktemp("pcr-readonly") / "store"
     readonly = ssd_server(tiny_model, readonly_dir, "--context-length", "4096")
@@ -115,8 +114,8 @@ def servers(tiny_model, tmp_path_factory, mounts):
     # Every SSD read takes 0.25 s: a queued request's prefetches are in flight for seconds.
     slow_reads = ssd_server(tiny_model, tmp_path_factory.mktemp("pcr-slow") / "store", "--pcr-prefetch-window", "16")
     slow_reads.env = {**slow_reads.env, "PCR_IO_TEST_FAULTS": json.dumps({"read_delay_s": 0.25})}
-    everything = {"baseline": baseline, "readonly": readonly, "filling": filling, "slow_reads": slow_reads}
-    with serving(everything):
+    everything = {"readonly": readonly, "filling": filling, "slow_reads": slow_reads}
+    with serving(everything, shared={"baseline": baseline_server}):
         yield everything
 
 

@@ -23,8 +23,7 @@ SMALL_POOL_ARGS = (
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model):
-    baseline = ServerProcess(tiny_model, (*COMMON_ARGS, "--disable-radix-cache"))
+def servers(tiny_model, baseline_server):
     pcr = ServerProcess(tiny_model, (*COMMON_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE)))
     # A KV pool of ~3 prompts for a working set of ~40 documents: eviction all the time.
     pcr_small = ServerProcess(
@@ -48,7 +47,7 @@ def servers(tiny_model):
         (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
          "--schedule-policy", "lpm", "--enable-metrics"),
     )
-    everything = {"baseline": baseline, "pcr": pcr, "pcr_small": pcr_small, "hicache": hicache,
+    everything = {"pcr": pcr, "pcr_small": pcr_small, "hicache": hicache,
                   "pcr_dram": pcr_dram, "pcr_lpm": pcr_lpm}
     # The other --pcr-layerwise settings (pcr_dram runs the default, both).
     for mode in ("off", "load", "offload"):
@@ -57,7 +56,7 @@ def servers(tiny_model):
             (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
              "--pcr-layerwise", mode),
         )
-    with serving(everything, start_first=("hicache",)):
+    with serving(everything, start_first=("hicache",), shared={"baseline": baseline_server}):
         yield everything
 
 

@@ -10,17 +10,16 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.helpers import (COMMON_ARGS, TIERED_ARGS, generate_greedy, prometheus_counts, serving,
+from tests.e2e.helpers import (TIERED_ARGS, generate_greedy, prometheus_counts, serving,
                                ssd_server, wait_for_write_back)
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, tmp_path_factory):
+def servers(tiny_model, baseline_server, tmp_path_factory):
     from pcr_sglang.launcher import ServerProcess
 
-    baseline = ServerProcess(tiny_model, (*COMMON_ARGS, "--disable-radix-cache"))
     prefetch = ssd_server(tiny_model, tmp_path_factory.mktemp("pcr-prefetch") / "store",
                           "--pcr-prefetch-window", "16", "--enable-metrics")
     # Host memory of ~100 chunks for a working set of ~1,600: every burst of evictions
@@ -28,8 +27,8 @@ def servers(tiny_model, tmp_path_factory):
     churn = ServerProcess(tiny_model, (*TIERED_ARGS[:-1], "0.003", "--pcr-ssd-path",
                                        str(tmp_path_factory.mktemp("pcr-churn") / "store"), "--pcr-ssd-gb", "0.5",
                                        "--pcr-ssd-reserve-gb", "0"))
-    everything = {"baseline": baseline, "prefetch": prefetch, "churn": churn}
-    with serving(everything):
+    everything = {"prefetch": prefetch, "churn": churn}
+    with serving(everything, shared={"baseline": baseline_server}):
         yield everything
 
 

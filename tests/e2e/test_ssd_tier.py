@@ -15,7 +15,6 @@ import requests
 
 from pcr_sglang.launcher import ServerProcess
 from tests.e2e.helpers import (
-    COMMON_ARGS,
     GREEDY,
     TIERED_ARGS,
     generate_greedy,
@@ -32,8 +31,7 @@ def store_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, store_dir, tmp_path_factory):
-    baseline = ServerProcess(tiny_model, (*COMMON_ARGS, "--disable-radix-cache"))
+def servers(tiny_model, baseline_server, store_dir, tmp_path_factory):
     ssd = ssd_server(tiny_model, store_dir)
     # Its disk keeps a reserve of all but ~200 MB of what is free now; the test then
     # fills those 200 MB, as another tenant of the disk would.
@@ -42,8 +40,8 @@ def servers(tiny_model, store_dir, tmp_path_factory):
     full = ServerProcess(tiny_model, (*TIERED_ARGS, "--pcr-ssd-path", str(full_dir), "--pcr-ssd-gb", "0.5",
                                       "--pcr-ssd-reserve-gb", f"{free_gb - 0.2:.6f}"))
     full.filler_dir = full_dir.parent
-    everything = {"baseline": baseline, "ssd": ssd, "full": full}
-    with serving(everything):
+    everything = {"ssd": ssd, "full": full}
+    with serving(everything, shared={"baseline": baseline_server}):
         yield everything
 
 

@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from pcr_sglang.launcher import ServerProcess
-from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, serving, ssd_server, wait_for_write_back
+from tests.e2e.helpers import GREEDY, generate_greedy, serving, ssd_server, wait_for_write_back
 
 pytestmark = pytest.mark.e2e
 
@@ -21,10 +20,9 @@ def store_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, store_dir):
-    everything = {"baseline": ServerProcess(tiny_model, (*COMMON_ARGS, "--disable-radix-cache")),
-                  "a": ssd_server(tiny_model, store_dir)}
-    with serving(everything):
+def servers(tiny_model, store_dir, baseline_server):
+    everything = {"a": ssd_server(tiny_model, store_dir)}
+    with serving(everything, shared={"baseline": baseline_server}):
         yield everything
 
 
