@@ -36,6 +36,9 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
   ``_validate_one_request`` (AFTER): KV hints (``kv_hints`` action
   ``pcr.lookahead_prefetch``) are checked (HTTP 400), registered for the prefetcher, and a
   hint-only request finishes without a forward (``sglang_adapter/kv_hints``);
+* ``runtime_context.describe_kv_events_publisher`` (AFTER): with ``--kv-events-config``,
+  ``/server_info``'s ``kv_events.block_size`` is PCR's chunk size, the size of the blocks
+  its events carry (SGLang's says the page size; ``sglang_adapter/kv_events``);
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state;
   the tokenizer manager's ``init_communicators`` (AFTER) and ``get_internal_state``
   (AROUND): ``/server_info?pcr_check_invariants=1`` asks for the O(tree) bookkeeping
@@ -127,6 +130,9 @@ def register() -> None:
         "SchedulerInternalStateController.get_internal_state",
         _add_pcr_internal_state,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.runtime_context.describe_kv_events_publisher", _kv_event_block_size, HookType.AFTER
     )
     from pcr_sglang.sglang_adapter import doc_warmer, kv_hints, server_info_check
 
@@ -314,6 +320,23 @@ def _add_pcr_internal_state(result: Any, controller: Any, recv_req: Any = None, 
     return result
 
 
+def _pcr_selected(server_args: Any) -> bool:
+    """``--enable-pcr`` or ``--radix-cache-backend pcr``."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    return bool(getattr(server_args, "enable_pcr", False)
+                or getattr(resolving_view(server_args), "radix_cache_backend", None) == BACKEND_NAME)
+
+
+def _kv_event_block_size(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
+    """Routers hash prompts at the advertised block size: PCR's events carry chunks."""
+    if isinstance(result, dict) and _pcr_selected(server_args):
+        from pcr_sglang.config import PCRConfig
+
+        result["block_size"] = PCRConfig.from_server_args(server_args).chunk_size
+    return result
+
+
 _CONFLICTS = (
     ("disable_radix_cache", "--disable-radix-cache"),
     ("enable_hierarchical_cache", "--enable-hierarchical-cache"),
@@ -330,7 +353,7 @@ def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwar
     from sglang.srt.arg_groups.overrides import resolving_view
 
     cfg = resolving_view(server_args)
-    if not (getattr(server_args, "enable_pcr", False) or getattr(cfg, "radix_cache_backend", None) == BACKEND_NAME):
+    if not _pcr_selected(server_args):
         if getattr(server_args, "pcr_doc_reuse", "off") != "off":
             raise PCRStartupError("--pcr-doc-reuse needs --enable-pcr (documents are reused through PCR's cache)")
         return None

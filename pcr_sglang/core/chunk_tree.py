@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from pcr_sglang.core.keys import ChunkKey
 from pcr_sglang.core.lru import TierLeaves
+from pcr_sglang.core.tier_events import Tier, TierEventLog
 
 logger = logging.getLogger(__name__)
 
@@ -150,10 +151,14 @@ class ChunkTree:
     def __init__(self) -> None:
         self._tick = itertools.count(1)
         self._seq = itertools.count()
+        # Set to record every residency change (KV cache events); None records nothing.
+        self.events: Optional[TierEventLog] = None
         self.reset()
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
+        if self.events is not None:
+            self.events.cleared()
         self.root = ChunkNode(key=b"", parent=None)
         self.root.lock_ref = 1  # the root is never evicted
         self._num_chunks = 0
@@ -276,6 +281,8 @@ class ChunkTree:
             self._locked_device_chunks += node.lock_ref > 0
             parent.device_children += 1
             self._device.refresh(parent)
+            if self.events is not None:
+                self.events.stored(node, Tier.DEVICE)
         node.device_value = value
         self._device.refresh(node)
         self._host.refresh(node)
@@ -291,6 +298,8 @@ class ChunkTree:
         node.parent.host_children += 1
         self._host.refresh(node.parent)
         self._host.refresh(node)
+        if self.events is not None:
+            self.events.stored(node, Tier.HOST)
 
     def set_ssd(self, node: ChunkNode) -> None:
         """Record that ``node``'s KV is also persisted in the SSD store."""
@@ -303,6 +312,8 @@ class ChunkTree:
         node.parent.ssd_children += 1
         self._ssd.refresh(node.parent)
         self._ssd.refresh(node)
+        if self.events is not None:
+            self.events.stored(node, Tier.SSD)
 
     def add_persisted(self, parent: Optional[ChunkNode], key: ChunkKey) -> ChunkNode:
         """A chunk found in the SSD store at startup, under ``parent`` (None: the root)."""
@@ -473,6 +484,8 @@ class ChunkTree:
         parent.device_children -= 1
         self._device.leaves.discard(node)
         self._device.refresh(parent)
+        if self.events is not None:
+            self.events.removed(node, Tier.DEVICE)
         if not self._in_no_tier(node):
             self._host.refresh(node)
             self._ssd.refresh(node)
@@ -508,6 +521,8 @@ class ChunkTree:
         parent.host_children -= 1
         self._host.leaves.discard(node)
         self._host.refresh(parent)
+        if self.events is not None:
+            self.events.removed(node, Tier.HOST)
 
     def _drop_ssd(self, node: ChunkNode) -> None:
         parent = node.parent
@@ -517,11 +532,15 @@ class ChunkTree:
         parent.ssd_children -= 1
         self._ssd.leaves.discard(node)
         self._ssd.refresh(parent)
+        if self.events is not None:
+            self.events.removed(node, Tier.SSD)
 
     def _remove_leaf(self, node: ChunkNode) -> None:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
         assert self._in_no_tier(node)
+        if self.events is not None:
+            self.events.forgotten(node)
         del parent.children[node.key]
         self._device.leaves.discard(node)
         self._host.leaves.discard(node)

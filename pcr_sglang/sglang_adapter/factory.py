@@ -16,6 +16,7 @@ from pcr_sglang.io.protocol import WorkerConfig
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.sglang_adapter.doc_reuse_setup import attach_doc_reuse
 from pcr_sglang.sglang_adapter.fingerprint import cache_namespace
+from pcr_sglang.sglang_adapter.kv_events import PCRKvEvents
 from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
 from pcr_sglang.sglang_adapter.scheduler_side import SchedulerSide
 from pcr_sglang.sglang_adapter.support_check import collect_inputs, unsupported_reasons
@@ -177,6 +178,8 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
         hint_budget_chunks=max((config.hint_budget_mb << 20) // store.record_bytes, 1)
         if store and config.hint_budget_mb > 0 else 0,
     ))
+    # Attached before the restore: chunks found on SSD are announced once their tokens are known.
+    kv_events = PCRKvEvents(state.tree, config.chunk_size) if getattr(params, "enable_kv_cache_events", False) else None
     remote = None
     if store is not None:
         _restore(state, store, tp)
@@ -184,7 +187,8 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
         io = start_io_process(store, host_pool, tp_rank, remote.to_json() if remote is not None else "")
     scheduler = SchedulerSide(state, config, namespace.chain_digest(), allocator, worker=worker, io=io, tp=tp,
                               remote=remote)
-    cache = PCRPrefixCache(params, state, scheduler, namespace=namespace, host_pool=host_pool, store=store)
+    cache = PCRPrefixCache(params, state, scheduler, namespace=namespace, host_pool=host_pool, store=store,
+                           kv_events=kv_events)
     if io is not None:
         # Registered after the host pool's close, so it runs first: the I/O process is
         # gone before the slots it reads and writes are unmapped.

@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.keys import CacheNamespace, chunk_keys, iter_chunk_keys
 from pcr_sglang.core.residency import CacheState
+from pcr_sglang.sglang_adapter.kv_events import PCRKvEvents
 from pcr_sglang.sglang_adapter.metrics import PCRMetrics
 from pcr_sglang.sglang_adapter.report import build_report
 from pcr_sglang.sglang_adapter.scheduler_side import SchedulerSide
@@ -57,7 +58,7 @@ class PCRPrefixCache(BasePrefixCache):
 
     def __init__(self, params: CacheInitParams, state: CacheState, scheduler: SchedulerSide, *,
                  namespace: Optional[CacheNamespace] = None, host_pool: Optional[HostChunkPool] = None,
-                 store: Optional[ChunkFileStore] = None):
+                 store: Optional[ChunkFileStore] = None, kv_events: Optional[PCRKvEvents] = None):
         if params.is_eagle:
             raise ValueError("--enable-pcr does not support speculative decoding yet")
         self.disable = False
@@ -75,6 +76,8 @@ class PCRPrefixCache(BasePrefixCache):
         self.device = torch.device(device) if isinstance(device, (str, torch.device)) else torch.device("cpu")
         self._empty_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.metrics: Optional[PCRMetrics] = None
+        # SGLang's KV cache events (--kv-events-config), on the publishing rank only.
+        self.kv_events: Optional[PCRKvEvents] = kv_events
         if params.enable_metrics:
             self.init_metrics_collector()
             self.metrics = PCRMetrics(self.metrics_collector.labels)
@@ -116,6 +119,8 @@ class PCRPrefixCache(BasePrefixCache):
         if len(tokens) >= self.chunk_size:
             match = self.state.match(
                 iter_chunk_keys(self.scheduler.root_key(key.extra_key, key.cache_salt), tokens, self.chunk_size))
+            if self.kv_events is not None:
+                self.kv_events.learn(match.nodes, tokens, key.cache_salt)
             device_node = match.nodes[match.device - 1] if match.device else self.root_node
             host_node = match.nodes[match.device + match.host - 1] if match.host else device_node
             host_chunks = match.host
@@ -183,6 +188,8 @@ class PCRPrefixCache(BasePrefixCache):
         keys = chunk_keys(self.scheduler.root_key(key.extra_key, key.cache_salt),
                           tokens[: num_chunks * self.chunk_size], self.chunk_size)
         outcome = self.state.insert(keys, list(values.split(self.chunk_size)))
+        if self.kv_events is not None:
+            self.kv_events.learn(outcome.nodes, tokens, key.cache_salt)
         return InsertResult(prefix_len=outcome.num_existing * self.chunk_size,
                             total_len=num_chunks * self.chunk_size, last_device_node=outcome.last_node)
 

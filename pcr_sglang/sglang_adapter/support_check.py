@@ -19,8 +19,8 @@ Why these configurations, in short:
   a page, and the Triton copy kernel has no bounds check;
 * layer-wise offload issues layer ``i``'s copies on the first write of layer ``i``; with
   two-batch overlap the second micro-batch has not written it yet;
-* PCR's tree evicts in LRU order and publishes no KV events, so ``--radix-eviction-policy``
-  other than ``lru`` and ``--kv-events-config`` would be silently ignored.
+* PCR's tree evicts in LRU order, so ``--radix-eviction-policy`` other than ``lru`` would
+  be silently ignored.
 
 The same conditions are checked again where the tree cache is built
 (``factory.build_pcr_prefix_cache`` / ``build_host_pool``), as a second line of defence.
@@ -63,13 +63,6 @@ class SupportInputs:
 
 
 Rule = Callable[[SupportInputs], Optional[str]]
-
-
-def check_kv_events(x: SupportInputs) -> Optional[str]:
-    if getattr(x.cfg, "kv_events_config", None):
-        return ("--enable-pcr publishes no KV cache events yet, so cache-aware routers would get "
-                "none: drop --kv-events-config, or run without --enable-pcr")
-    return None
 
 
 def check_eviction_policy(x: SupportInputs) -> Optional[str]:
@@ -236,7 +229,6 @@ RULES: tuple[Rule, ...] = (
     check_token_major_layout,
     check_two_batch_overlap,
     check_eviction_policy,
-    check_kv_events,
 )
 
 

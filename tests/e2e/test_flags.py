@@ -43,7 +43,6 @@ def test_valid_flags_resolve(resolve, tiny_model):
         (("--enable-hierarchical-cache",), "cannot be combined with --enable-hierarchical-cache"),
         (("--radix-cache-backend", "flexkv"), "drop --radix-cache-backend=flexkv"),
         (("--radix-eviction-policy", "slru"), "drop --radix-eviction-policy slru"),
-        (("--kv-events-config", '{"publisher": "zmq"}'), "drop --kv-events-config"),
         (("--pcr-dram-gb", "0.01", "--enable-two-batch-overlap"), "--enable-two-batch-overlap"),
         (("--pcr-doc-reuse", "concat", "--page-size", "16"), "--pcr-doc-reuse concat needs --page-size 1"),
         (("--pcr-doc-reuse", "concat", "--kv-cache-dtype", "fp8_e4m3"), "--kv-cache-dtype fp8_e4m3 is quantized"),

@@ -1,16 +1,27 @@
 """Queue-based prefetch and the I/O process through a real server on CPU: correctness under
-a deep queue, no disk I/O in the scheduler, kill -9 of the I/O process and of the server."""
+a deep queue, no disk I/O in the scheduler, kill -9 of the I/O process and of the server;
+and SGLang's KV cache events from the same server, replayed against its tree."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
+import msgspec
 import psutil
 import pytest
+import requests
+import zmq
+from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from tests.e2e.helpers import (TIERED_ARGS, generate_greedy, prometheus_counts, serving,
+from pcr_sglang.core.keys import CacheNamespace, chunk_keys, root_key
+from pcr_sglang.launcher import free_port
+from pcr_sglang.sglang_adapter.kv_events import block_hash
+from tests.conftest import CHUNK_SIZE
+
+from tests.e2e.helpers import (GREEDY, TIERED_ARGS, generate_greedy, prometheus_counts, serving,
                                ssd_server, wait_for_write_back)
 
 pytestmark = pytest.mark.e2e
@@ -20,8 +31,13 @@ pytestmark = pytest.mark.e2e
 def servers(tiny_model, baseline_server, tmp_path_factory):
     from pcr_sglang.launcher import ServerProcess
 
+    # It publishes KV cache events, which the last test replays (SGLang's replay socket
+    # keeps every batch since the start, so no subscriber has to be there first).
+    events = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}", "bind": True,
+              "replay_endpoint": f"tcp://127.0.0.1:{free_port()}", "buffer_steps": 1_000_000, "topic": "kv"}
     prefetch = ssd_server(tiny_model, tmp_path_factory.mktemp("pcr-prefetch") / "store",
-                          "--pcr-prefetch-window", "16", "--enable-metrics")
+                          "--pcr-prefetch-window", "16", "--enable-metrics", "--kv-events-config", json.dumps(events))
+    prefetch.kv_events = events
     # Host memory of ~100 chunks for a working set of ~1,600: every burst of evictions
     # cycles host slots many times over (the benchmark that found a batched-copy bug).
     churn = ServerProcess(tiny_model, (*TIERED_ARGS[:-1], "0.003", "--pcr-ssd-path",
@@ -171,3 +187,95 @@ def test_kill_9_of_the_server_leaves_no_io_process(servers, tiny_model, tmp_path
             break
         assert time.monotonic() < deadline, "the I/O process outlived its server"
         time.sleep(0.2)
+
+
+def replayed_events(replay_endpoint: str) -> list:
+    """Every event the server published since it started, in order (SGLang's replay
+    protocol: the first sequence number asked for, then batches until an end marker)."""
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(replay_endpoint)
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        events, expected_seq = [], 0
+        while True:
+            _, topic, seq, payload = sock.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return events
+            assert topic == b"kv" and int.from_bytes(seq, "big") == expected_seq  # none lost
+            expected_seq += 1
+            events.extend(decoder.decode(payload).events)
+    finally:
+        sock.close()
+
+
+def mirror(events) -> tuple[dict[str, set[int]], dict[int, tuple]]:
+    """What an event-driven router rebuilds: block hashes per medium, (parent, tokens) per
+    block; with the checks a router relies on (a parent is known, nothing stored twice in
+    a medium or removed unstored)."""
+    media: dict[str, set[int]] = {}
+    blocks_seen: dict[int, tuple] = {}
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            media.clear()
+        elif isinstance(event, BlockStored):
+            assert event.block_size == CHUNK_SIZE and len(event.token_ids) == CHUNK_SIZE * len(event.block_hashes)
+            known = set().union(*media.values()) | set(event.block_hashes)
+            assert event.parent_block_hash is None or event.parent_block_hash in known, event
+            blocks = media.setdefault(event.medium, set())
+            parent = event.parent_block_hash
+            for i, h in enumerate(event.block_hashes):
+                assert h not in blocks, (event.medium, h)
+                blocks.add(h)
+                blocks_seen[h] = (parent, list(event.token_ids[i * CHUNK_SIZE:(i + 1) * CHUNK_SIZE]))
+                parent = h
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                assert h in media.get(event.medium, set()), (event.medium, h)
+                media[event.medium].discard(h)
+    return media, blocks_seen
+
+
+def expected_blocks(server, sequences) -> dict[int, tuple]:
+    """(parent hash, tokens) of every whole chunk of ``sequences``, by block hash: a block
+    hash is its chunk key's first 8 bytes, in the server's namespace."""
+    ns = CacheNamespace(**server.pcr_state()["namespace"])
+    expected = {}
+    for seq in sequences:
+        parent = None
+        for i, key in enumerate(chunk_keys(root_key(ns.chain_digest()), seq, CHUNK_SIZE)):
+            expected[block_hash(key)] = (parent, list(seq[i * CHUNK_SIZE:(i + 1) * CHUNK_SIZE]))
+            parent = block_hash(key)
+    return expected
+
+
+def test_kv_cache_events_replayed_hold_what_the_tree_holds(servers, rag_prompt_ids, baseline_outputs):
+    """After this module's traffic (a deep queue, host churn, the I/O process killed), the
+    server's published events, replayed, give per medium exactly the tree's chunk counts,
+    and every stored block is a chunk of a sequence it served, under its true parent."""
+    server = servers["prefetch"]
+    info = requests.get(f"{server.base_url}/server_info", timeout=30).json()
+    assert info["kv_events"]["block_size"] == CHUNK_SIZE  # PCR's chunks, not SGLang's page size
+    driving = [7] * 40  # the supervisor test's prompt
+    served = [p + out for p, out in zip(rag_prompt_ids, baseline_outputs)]
+    served.append(driving + servers["baseline"].generate({"input_ids": driving, "sampling_params": GREEDY})["output_ids"])
+    expected = expected_blocks(server, served)
+    deadline = time.monotonic() + 60
+    while True:
+        wait_for_write_back(server)
+        tree = server.pcr_state()["tree"]
+        media, tokens = mirror(replayed_events(server.kv_events["replay_endpoint"]))
+        counts = {m: len(media.get(m, ())) for m in ("GPU", "CPU_PINNED", "DISK")}
+        if counts == {"GPU": tree["device_chunks"], "CPU_PINNED": tree["host_chunks"], "DISK": tree["ssd_chunks"]}:
+            break
+        # The last step's events are published with the next step: one more request.
+        assert time.monotonic() < deadline, (counts, tree)
+        server.generate({"input_ids": [3] * 8, "sampling_params": {"max_new_tokens": 1}})
+    assert counts["GPU"] and counts["CPU_PINNED"] and counts["DISK"], counts
+    assert set(tokens) <= set(expected), len(set(tokens) - set(expected))
+    assert all(tokens[h] == expected[h] for h in tokens)
+    report = server.pcr_state()["kv_events"]
+    assert report["removed_blocks"] > 0 and report["unannounced_chunks"] == 0, report

@@ -87,17 +87,22 @@ def test_mla_without_host_tier_resolves(resolve, config_only_model):
     assert args.enable_pcr
 
 
+def test_kv_cache_events_resolve(resolve, tiny_model):
+    """PCR publishes SGLang's KV cache events (once refused: it published none)."""
+    args = resolve(tiny_model, "--kv-events-config", '{"publisher": "zmq", "topic": "kv"}')
+    assert args.enable_pcr and args.kv_events_config
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [
         (("--radix-eviction-policy", "lfu"), "drop --radix-eviction-policy lfu"),
-        (("--kv-events-config", '{"publisher": "zmq", "topic": "kv"}'), "drop --kv-events-config"),
         ((*DRAM, "--enable-two-batch-overlap"),
          "--pcr-layerwise both copies layer i .* --enable-two-batch-overlap"),
         ((*DRAM, "--enable-unified-memory", "--attention-backend", "triton"),
          r"--pcr-dram-gb copies token-major \(NHD\) KV rows; --enable-unified-memory"),
     ],
-    ids=["eviction-policy", "kv-events", "two-batch-overlap", "unified-memory"],
+    ids=["eviction-policy", "two-batch-overlap", "unified-memory"],
 )
 def test_flags_are_refused_at_resolution(resolve, tiny_model, flags, message):
     with pytest.raises(UnsupportedConfigError, match=message):
