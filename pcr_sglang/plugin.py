@@ -36,9 +36,11 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
   ``_validate_one_request`` (AFTER): KV hints (``kv_hints`` action
   ``pcr.lookahead_prefetch``) are checked (HTTP 400), registered for the prefetcher, and a
   hint-only request finishes without a forward (``sglang_adapter/kv_hints``);
-* ``runtime_context.describe_kv_events_publisher`` (AFTER): with ``--kv-events-config``,
-  ``/server_info``'s ``kv_events.block_size`` is PCR's chunk size, the size of the blocks
-  its events carry (SGLang's says the page size; ``sglang_adapter/kv_events``);
+* ``runtime_context.describe_kv_events_publisher`` (AFTER) and
+  ``SchedulerKvEventsPublisher.local_kv_event_sources`` (AROUND): with
+  ``--kv-events-config``, ``/server_info``'s ``kv_events.block_size`` and the event sources
+  advertised to gRPC routers say PCR's chunk size, the size of the blocks its events carry
+  (SGLang's say the page size; ``sglang_adapter/kv_events``);
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state;
   the tokenizer manager's ``init_communicators`` (AFTER) and ``get_internal_state``
   (AROUND): ``/server_info?pcr_check_invariants=1`` asks for the O(tree) bookkeeping
@@ -133,6 +135,12 @@ def register() -> None:
     )
     HookRegistry.register(
         "sglang.srt.runtime_context.describe_kv_events_publisher", _kv_event_block_size, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.kv_events_publisher.SchedulerKvEventsPublisher."
+        "local_kv_event_sources",
+        _kv_event_sources,
+        HookType.AROUND,
     )
     from pcr_sglang.sglang_adapter import doc_warmer, kv_hints, server_info_check
 
@@ -335,6 +343,13 @@ def _kv_event_block_size(result: Any, server_args: Any, *args: Any, **kwargs: An
 
         result["block_size"] = PCRConfig.from_server_args(server_args).chunk_size
     return result
+
+
+def _kv_event_sources(original: Callable[..., Any], publisher: Any, block_size: int, *args: Any,
+                      **kwargs: Any) -> Any:
+    """The sources SGLang advertises to gRPC routers, at the block size of PCR's events."""
+    cache = _pcr_cache(publisher)
+    return original(publisher, cache.chunk_size if cache is not None else block_size, *args, **kwargs)
 
 
 _CONFLICTS = (

@@ -6,7 +6,8 @@ different nodes (the paper's Figure 7).
 
 Each node records where its KV lives: ``device_value`` (opaque to the tree; the adapter
 puts the chunk's device KV slot indices there), ``host_slot`` (a host-pool slot) and
-``on_ssd`` (a record in the SSD store, named by the node's key). A node exists while it
+``on_ssd`` (a record in the SSD store, named by the node's key, or with ``remote_only``
+only in the remote tier behind it, until it is read). A node exists while it
 lives in at least one tier. Device residency is prefix-closed (a
 chunk is on the device only if its parent is), because only device *leaves* leave the
 device and chunks come back parent first; so a matched chain is a device-resident
@@ -31,7 +32,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from pcr_sglang.core.keys import ChunkKey
 from pcr_sglang.core.lru import TierLeaves
-from pcr_sglang.core.tier_events import Tier, TierEventLog
+from pcr_sglang.core.tier_events import Tier, TierEvent, TierEventKind, TierEventLog
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ChunkNode:
         "device_value",
         "host_slot",
         "on_ssd",
+        "remote_only",
         "device_children",
         "host_children",
         "ssd_children",
@@ -66,6 +68,7 @@ class ChunkNode:
         self.device_value = device_value
         self.host_slot: Optional[int] = None
         self.on_ssd = False
+        self.remote_only = False  # its SSD-level record is in the remote tier only
         self.device_children = 0
         self.host_children = 0
         self.ssd_children = 0
@@ -158,7 +161,7 @@ class ChunkTree:
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         if self.events is not None:
-            self.events.cleared()
+            self.events.append(TierEvent(TierEventKind.CLEARED))
         self.root = ChunkNode(key=b"", parent=None)
         self.root.lock_ref = 1  # the root is never evicted
         self._num_chunks = 0
@@ -282,7 +285,7 @@ class ChunkTree:
             parent.device_children += 1
             self._device.refresh(parent)
             if self.events is not None:
-                self.events.stored(node, Tier.DEVICE)
+                self._log(TierEventKind.STORED, node, Tier.DEVICE)
         node.device_value = value
         self._device.refresh(node)
         self._host.refresh(node)
@@ -299,7 +302,7 @@ class ChunkTree:
         self._host.refresh(node.parent)
         self._host.refresh(node)
         if self.events is not None:
-            self.events.stored(node, Tier.HOST)
+            self._log(TierEventKind.STORED, node, Tier.HOST)
 
     def set_ssd(self, node: ChunkNode) -> None:
         """Record that ``node``'s KV is also persisted in the SSD store."""
@@ -313,18 +316,31 @@ class ChunkTree:
         self._ssd.refresh(node.parent)
         self._ssd.refresh(node)
         if self.events is not None:
-            self.events.stored(node, Tier.SSD)
+            self._log(TierEventKind.STORED, node, self._ssd_tier(node))
 
-    def add_persisted(self, parent: Optional[ChunkNode], key: ChunkKey) -> ChunkNode:
-        """A chunk found in the SSD store at startup, under ``parent`` (None: the root)."""
+    def add_persisted(self, parent: Optional[ChunkNode], key: ChunkKey, remote_only: bool = False) -> ChunkNode:
+        """A chunk found in the SSD store at startup, or (``remote_only``) in the remote
+        tier by a probe, under ``parent`` (None: the root)."""
         parent = parent or self.root
         if key in parent.children:
             raise RuntimeError(f"chunk {key.hex()} is already in the tree")
         node = ChunkNode(key=key, parent=parent)
+        node.remote_only = remote_only
         parent.children[key] = node
         self._num_chunks += 1
         self.set_ssd(node)
         return node
+
+    def mark_ssd_local(self, node: ChunkNode) -> None:
+        """``node``, entered from the remote tier, was read: the I/O process keeps it on
+        the local SSD too."""
+        if not node.remote_only or not node.on_ssd:
+            return
+        if self.events is not None:
+            self._log(TierEventKind.REMOVED, node, Tier.REMOTE)
+        node.remote_only = False
+        if self.events is not None:
+            self._log(TierEventKind.STORED, node, Tier.SSD)
 
     def drop_ssd(self, node: ChunkNode, on_drop_host: Optional[NodeCallback] = None,
                  on_drop_ssd: Optional[NodeCallback] = None) -> None:
@@ -332,9 +348,12 @@ class ChunkTree:
         no tier is removed with the descendants only it made reachable."""
         if not node.on_ssd:
             return
+        last = self._held_once(node)
+        if last:  # what only it made reachable goes first (so events name children before parents)
+            self._drop_children(node, on_drop_host, on_drop_ssd)
         self._drop_ssd(node)
-        if self._in_no_tier(node):
-            self._remove_with_descendants(node, on_drop_host, on_drop_ssd)
+        if last:
+            self._remove_leaf(node)
 
     # ------------------------------------------------------------------ host pins
     def pin_host(self, node: ChunkNode) -> None:
@@ -459,9 +478,12 @@ class ChunkTree:
         for node in tier.pop_lru(num_chunks, is_protected, take):
             if on_evict is not None:
                 on_evict(node)
+            last = self._held_once(node)
+            if last:  # what only it made reachable goes first (so events name children before parents)
+                self._drop_children(node, on_drop_host, on_drop_ssd)
             drop(node)
-            if self._in_no_tier(node):
-                self._remove_with_descendants(node, on_drop_host, on_drop_ssd)
+            if last:
+                self._remove_leaf(node)
             evicted.append(node)
         return evicted
 
@@ -469,29 +491,39 @@ class ChunkTree:
     def _in_no_tier(node: ChunkNode) -> bool:
         return not node.on_device and not node.on_host and not node.on_ssd
 
-    def _remove_with_descendants(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
-                                 on_drop_ssd: Optional[NodeCallback]) -> None:
+    @staticmethod
+    def _ssd_tier(node: ChunkNode) -> Tier:
+        return Tier.REMOTE if node.remote_only else Tier.SSD
+
+    @staticmethod
+    def _held_once(node: ChunkNode) -> bool:
+        """Only one tier holds ``node``: leaving it, the chunk leaves the tree."""
+        return node.on_device + node.on_host + node.on_ssd == 1
+
+    def _drop_children(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
+                       on_drop_ssd: Optional[NodeCallback]) -> None:
         for child in list(node.children.values()):
             self._drop_subtree(child, on_drop_host, on_drop_ssd)
-        self._remove_leaf(node)
 
     def _drop_device(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
                      on_drop_ssd: Optional[NodeCallback] = None) -> None:
         parent = node.parent
         assert parent is not None and node.on_device and node.device_children == 0
+        last = self._held_once(node)
+        if last:  # no tier will hold it: its descendants are unreachable, and go first
+            self._drop_children(node, on_drop_host, on_drop_ssd)
         node.device_value = None
         self._device_chunks -= 1
         parent.device_children -= 1
         self._device.leaves.discard(node)
         self._device.refresh(parent)
         if self.events is not None:
-            self.events.removed(node, Tier.DEVICE)
-        if not self._in_no_tier(node):
-            self._host.refresh(node)
-            self._ssd.refresh(node)
+            self._log(TierEventKind.REMOVED, node, Tier.DEVICE)
+        if last:
+            self._remove_leaf(node)
             return
-        # No tier holds this chunk any more: its descendants are unreachable.
-        self._remove_with_descendants(node, on_drop_host, on_drop_ssd)
+        self._host.refresh(node)
+        self._ssd.refresh(node)
 
     def _drop_subtree(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
                       on_drop_ssd: Optional[NodeCallback] = None) -> None:
@@ -522,25 +554,26 @@ class ChunkTree:
         self._host.leaves.discard(node)
         self._host.refresh(parent)
         if self.events is not None:
-            self.events.removed(node, Tier.HOST)
+            self._log(TierEventKind.REMOVED, node, Tier.HOST)
 
     def _drop_ssd(self, node: ChunkNode) -> None:
         parent = node.parent
         assert parent is not None and node.on_ssd
+        if self.events is not None:
+            self._log(TierEventKind.REMOVED, node, self._ssd_tier(node))
         node.on_ssd = False
+        node.remote_only = False
         self._ssd_chunks -= 1
         parent.ssd_children -= 1
         self._ssd.leaves.discard(node)
         self._ssd.refresh(parent)
-        if self.events is not None:
-            self.events.removed(node, Tier.SSD)
 
     def _remove_leaf(self, node: ChunkNode) -> None:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
         assert self._in_no_tier(node)
         if self.events is not None:
-            self.events.forgotten(node)
+            self._log(TierEventKind.FORGOTTEN, node)
         del parent.children[node.key]
         self._device.leaves.discard(node)
         self._host.leaves.discard(node)
@@ -549,6 +582,11 @@ class ChunkTree:
         node.parent = None
 
     # ------------------------------------------------------------------ helpers
+    def _log(self, kind: TierEventKind, node: ChunkNode, tier: Optional[Tier] = None) -> None:
+        parent = node.parent
+        parent_key = None if parent is None or parent.parent is None else parent.key
+        self.events.append(TierEvent(kind, node.key, parent_key, tier))
+
     @staticmethod
     def _is_device_leaf(node: ChunkNode) -> bool:
         return (

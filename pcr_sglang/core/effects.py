@@ -111,3 +111,4 @@ class SSDStats:
     # The remote tier: chunks a probe found there and the tree took in (SSD level: the
     # I/O process reads them from the remote tier when the local SSD has no record).
     remote_adopted_chunks: int = 0
+    remote_recompute_chosen_chunks: int = 0  # remote-only chunks the cost model left to recomputation

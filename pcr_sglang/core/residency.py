@@ -466,7 +466,12 @@ class CacheState:
         if not op.orphaned and self._reading.get(node) == seq:
             del self._reading[node]
         if outcome is IoOutcome.OK:
+            # The local SSD's read time (a remote read's outcome carries 0: its time is
+            # timed apart, IOSupervisor.take_remote_read_seconds). A chunk read from the
+            # remote tier is local from now on: in host memory, and the I/O process keeps
+            # a copy on the local SSD.
             self.cost_model.observe_read(seconds)
+            self.tree.mark_ssd_local(node)
             if op.prefetch:
                 self.ssd_stats.prefetch_completed += 1
                 self.ssd_stats.bytes_read_prefetch += self.config.chunk_bytes
@@ -562,7 +567,7 @@ class CacheState:
             return 0
         parent = nodes[-1] if nodes else None
         for key in keys[len(nodes):end]:
-            parent = self.tree.add_persisted(parent, key)
+            parent = self.tree.add_persisted(parent, key, remote_only=True)
         added = end - len(nodes)
         self.tree.match(iter(keys[:end]))  # the most recent now: a request is about to read them
         self.ssd_stats.remote_adopted_chunks += added

@@ -26,8 +26,8 @@ from typing import Optional
 import msgspec
 
 from pcr_sglang.io.client import IOChannel
-from pcr_sglang.io.protocol import (Done, Hello, IoOutcome, Order, Probed, ReadChunk, RemoteStatus, WorkerConfig,
-                                    WriteChunk)
+from pcr_sglang.io.protocol import (SOURCE_REMOTE, Done, Hello, IoOutcome, Order, Probed, ReadChunk, RemoteStatus,
+                                    WorkerConfig, WriteChunk)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class IOSupervisor:
         self.startup_timeout_s = startup_timeout_s
         self._outstanding: dict[int, float] = {}  # seq -> when it was sent
         self._finished: list[Outcome] = []
+        self._remote_read_seconds: list[float] = []
         self._proc: Optional[subprocess.Popen] = None
         self._phase = _Phase.DOWN
         self._since = 0.0  # when the current phase began
@@ -148,6 +149,12 @@ class IOSupervisor:
     def in_flight(self) -> int:
         return len(self._outstanding)
 
+    def take_remote_read_seconds(self) -> list[float]:
+        """How long each remote-tier read that succeeded since the last call took (its call
+        to the store alone; the local SSD miss before it and any queueing excluded)."""
+        taken, self._remote_read_seconds = self._remote_read_seconds, []
+        return taken
+
     def poll(self) -> list[Outcome]:
         """Completions since the last call, after a health check (never waits)."""
         self._take_replies(timeout_ms=0)
@@ -170,8 +177,13 @@ class IOSupervisor:
                 self.remote_status = reply
                 continue
             assert isinstance(reply, Done)
+            seconds = reply.seconds
+            if reply.source == SOURCE_REMOTE:  # timed apart: the cost model weighs the tiers apart
+                if reply.outcome == IoOutcome.OK:  # also for a read given up on meanwhile: it took that long
+                    self._remote_read_seconds.append(seconds)
+                seconds = 0.0
             if self._outstanding.pop(reply.seq, None) is not None:
-                self._finished.append((reply.seq, IoOutcome(reply.outcome), reply.seconds))
+                self._finished.append((reply.seq, IoOutcome(reply.outcome), seconds))
 
     # ------------------------------------------------------------------ supervision
     def _check_health(self) -> None:

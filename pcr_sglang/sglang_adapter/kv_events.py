@@ -13,8 +13,9 @@ worker holding its longest prefix. Here a block is one PCR chunk:
   layout), the cache salt and the extra key, so two tenants' blocks never share a hash
   in either event format;
 * the medium is the tier: ``GPU`` for the device pool, ``CPU_PINNED`` for the host tier,
-  ``DISK`` for the SSD level (the local store, or the remote tier behind it: the server
-  can read the chunk either way).
+  ``DISK`` for the local SSD store, ``EXTERNAL`` for a chunk a probe found in the remote
+  tier (``--pcr-remote``) that this server has not read yet (once read, it moves to
+  ``DISK``: the I/O process keeps a local copy).
 
 The tree logs its residency changes (:mod:`pcr_sglang.core.tier_events`); this class
 turns them into SGLang's events. A ``BlockStored`` needs the block's tokens, which the
@@ -24,8 +25,8 @@ at startup, nothing has asked for it since) is announced when they are; a tier i
 before that is never announced, and so never removed either. ``/flush_cache`` publishes
 ``AllBlocksCleared``, then the persisted chunks it keeps as stored on ``DISK`` again. What is kept per chunk (its
 tokens, parent, tiers held and announced) is dropped when the chunk leaves the tree: with
-events on, it costs about 70 bytes plus 4 per token for each chunk in the tree (130 bytes
-for 16-token chunks, measured).
+events on, it costs about 200 bytes plus 4 per token for each chunk in the tree (260
+bytes for 16-token chunks, 450 for 64-token ones, measured with tracemalloc).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from pcr_sglang.core.tier_events import Tier, TierEventKind, TierEventLog
 
 logger = logging.getLogger(__name__)
 
-MEDIUM = {Tier.DEVICE: StorageMedium.GPU, Tier.HOST: StorageMedium.CPU, Tier.SSD: StorageMedium.DISK}
-TIERS = (Tier.DEVICE, Tier.HOST, Tier.SSD)  # announced in this order: the fastest first
+MEDIUM = {Tier.DEVICE: StorageMedium.GPU, Tier.HOST: StorageMedium.CPU, Tier.SSD: StorageMedium.DISK,
+          Tier.REMOTE: StorageMedium.EXTERNAL}
+TIERS = (Tier.DEVICE, Tier.HOST, Tier.SSD, Tier.REMOTE)  # announced in this order: the fastest first
 
 
 def block_hash(key: ChunkKey) -> int:

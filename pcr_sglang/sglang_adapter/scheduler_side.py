@@ -159,6 +159,8 @@ class SchedulerSide:
         if self.io is not None or self.tp is not None:
             self._agree_and_apply(bool(waiting_queue), effects)
         if self.remote:
+            for seconds in self.io.take_remote_read_seconds():
+                self.state.cost_model.observe_read(seconds, remote=True)
             self._collect_probes(effects)
         self.execute(effects)
         self._send_deferred()
@@ -230,6 +232,8 @@ class SchedulerSide:
             effects = Effects()
             healthy = self.state.io_healthy
             wanted = [c for per_req in chains[:prefetch] for c in per_req] if healthy else []
+            if self.remote and not self.state.cost_model.prefers_remote_load(self.chunk):
+                wanted = [_before_remote_only(c) for c in wanted]  # not worth reading ahead either
             hinted = self._hinted_chains() if healthy else []
             self.state.plan_prefetch(wanted, held, effects, len(waiting_queue), hinted)
             self.execute(effects)
@@ -374,18 +378,38 @@ class SchedulerSide:
         if not self.state.cost_model.decide(self.state.prefer_load):
             self.state.ssd_stats.recompute_chosen_chunks += ssd_count
             return True
+        reads = self._worth_reading([m.ssd_nodes for m in chains])
+        if not reads:
+            return True
         effects = Effects()
-        for chain in chains:
-            self.state.order_reads(chain.ssd_nodes, effects, urgent=True, limit=len(chain.ssd_nodes))
+        for nodes in reads:
+            self.state.order_reads(nodes, effects, urgent=True, limit=len(nodes))
         self.execute(effects)
-        if not any(self.state.reading(n) for chain in chains for n in chain.ssd_nodes):
+        if not any(self.state.reading(n) for nodes in reads for n in nodes):
             return True  # nothing could be ordered (no host slot): recompute
         if entry is None:
             entry = self.requests.get(req.rid)
-        wait_s = self.state.cost_model.recompute_seconds(ssd_count * self.chunk)
+        wait_s = self.state.cost_model.recompute_seconds(sum(len(nodes) for nodes in reads) * self.chunk)
         entry.hold = Hold(chain=[n for chain in chains for n in chain.nodes], deadline=time.monotonic() + wait_s)
         entry.waited = True
         return False
+
+    def _worth_reading(self, chains: Sequence[Sequence[ChunkNode]]) -> list[Sequence[ChunkNode]]:
+        """Each chain's SSD-level chunks to read, once loading from the SSD tier was chosen:
+        all of them, or, where the remote tier's measured cost says recompute, up to the
+        first chunk only the remote tier holds (those are a chain's last: a probe adopts
+        only past the local match)."""
+        if not self.remote or not any(n.remote_only for nodes in chains for n in nodes):
+            return [nodes for nodes in chains if nodes]
+        if self.state.cost_model.decide_remote(self.chunk):
+            return [nodes for nodes in chains if nodes]
+        kept = []
+        for nodes in chains:
+            local = _before_remote_only(nodes)
+            self.state.ssd_stats.remote_recompute_chosen_chunks += len(nodes) - len(local)
+            if local:
+                kept.append(local)
+        return kept
 
     def _first_consideration(self, rid: str, match: Any, doc_nodes: Sequence[ChunkNode] = ()) -> Optional[Any]:
         """Snapshot how timely the SSD chunks this request needs are, once (``doc_nodes``:
@@ -669,3 +693,8 @@ class SchedulerSide:
     def close(self) -> None:
         if self.io is not None:
             self.io.close()
+
+
+def _before_remote_only(nodes: Sequence[ChunkNode]) -> Sequence[ChunkNode]:
+    """``nodes`` up to the first chunk only the remote tier holds."""
+    return next((nodes[:i] for i, n in enumerate(nodes) if n.remote_only), nodes)

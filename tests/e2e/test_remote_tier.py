@@ -186,19 +186,10 @@ def test_a_corrupt_remote_object_is_detected_and_recomputed(servers, mooncake, r
     assert b.pcr_state(check_invariants=True)["invariants"]["ok"]
 
 
-def test_a_slow_remote_tier_costs_hits_not_tokens(servers, rag_prompt_ids, baseline_outputs):
-    slow = servers["slow"]
-    before = remote(slow)["probes"]["found_chunks"]
-    outs = [send(slow, p) for p in rag_prompt_ids[:3]]  # on the remote tier since the first test
-    assert [o["output_ids"] for o in outs] == baseline_outputs[:3]
-    assert remote(slow)["probes"]["found_chunks"] > before  # the tier had them...
-    # ...too late: a request waits for reads about what recomputing them costs (a
-    # fraction of a second here), and each read takes 2 s.
-    assert storage_tokens(outs) == 0, (slow.pcr_state()["ssd"]["cost_model"], [o["meta_info"] for o in outs])
-
-
 def test_an_object_evicted_between_probe_and_read_is_recomputed(servers, mooncake, rag_prompt_ids,
                                                                  baseline_outputs):
+    """Runs before the slow-tier test: the slow server has timed no remote read yet, so its
+    request orders reads (afterwards its cost model would recompute instead)."""
     a, slow = servers["a"], servers["slow"]
     prompt = rag_prompt_ids[6]
     served(a, [prompt])
@@ -223,6 +214,36 @@ def test_an_object_evicted_between_probe_and_read_is_recomputed(servers, mooncak
         time.sleep(0.5)
     assert remote(slow)["store"]["read_missing"] > before["store"]["read_missing"], remote(slow)
     assert slow.pcr_state(check_invariants=True)["invariants"]["ok"]
+
+
+def test_a_slow_remote_tier_costs_hits_not_tokens(servers, rag_prompt_ids, baseline_outputs):
+    slow = servers["slow"]
+    remote_idle(slow)  # the last test's reads (2 s each) are done: probes are answered at once
+    before = remote(slow)["probes"]["found_chunks"]
+    outs = [send(slow, p) for p in rag_prompt_ids[:3]]  # on the remote tier since the first test
+    assert [o["output_ids"] for o in outs] == baseline_outputs[:3]
+    assert remote(slow)["probes"]["found_chunks"] > before  # the tier had them...
+    # ...too late: a request waits for reads about what recomputing them costs (a
+    # fraction of a second here), and each read takes 2 s.
+    assert storage_tokens(outs) == 0, (slow.pcr_state()["ssd"]["cost_model"], [o["meta_info"] for o in outs])
+    # Once its reads are timed, the cost model weighs the remote tier at 2 s a chunk, and
+    # the next request recomputes its remote chunks rather than reading them at all.
+    deadline = time.monotonic() + 120
+    while slow.pcr_state()["ssd"]["cost_model"]["remote_read_seconds_per_chunk"] is None:
+        assert time.monotonic() < deadline, remote(slow)
+        time.sleep(0.5)
+    remote_idle(slow)  # the reads still running end (the status says so within a second)
+    time.sleep(1.5)
+    remote_idle(slow)
+    state = slow.pcr_state()["ssd"]
+    assert state["cost_model"]["remote_read_seconds_per_chunk"] >= 1.5, state["cost_model"]
+    assert state["cost_model"]["read_seconds_per_chunk"] is None  # no local SSD read was timed as remote
+    reads = remote(slow)["store"]["reads"]
+    out = send(slow, rag_prompt_ids[3])
+    assert out["output_ids"] == baseline_outputs[3] and storage_tokens([out]) == 0
+    state = slow.pcr_state()["ssd"]
+    assert state["counters"]["remote_recompute_chosen_chunks"] > 0, state
+    assert remote(slow)["store"]["reads"] == reads  # not even read ahead
 
 
 def test_the_gateway_serves_the_fleet(servers, rag_prompt_ids, baseline_outputs, tmp_path):

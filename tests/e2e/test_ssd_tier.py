@@ -3,6 +3,7 @@ KV hints read ahead after it, crash during write-back, corrupt records, a full d
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -167,7 +168,8 @@ def test_a_kv_hint_under_another_tenants_salt_prefetches_nothing(servers, rag_pr
     assert _hint_counters(server)["hint_issued"] == before["hint_issued"]  # no chain of this tenant
     final = server.generate({"input_ids": prompt, "sampling_params": GREEDY})
     assert final["output_ids"] == baseline_outputs[HINTED][2]
-    assert final["meta_info"]["cached_tokens_details"].get("storage", 0) > 0
+    ssd = server.pcr_state()["ssd"]
+    assert final["meta_info"]["cached_tokens_details"].get("storage", 0) > 0, json.dumps([ssd["cost_model"], ssd["counters"], ssd["prefetch_timeliness"]])
 
 
 def test_a_hyde_pipeline_on_the_frontend_sends_its_hint_and_searches_exactly(servers):

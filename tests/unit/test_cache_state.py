@@ -325,9 +325,11 @@ def test_chunks_a_remote_probe_found_enter_the_ssd_level_past_the_match_only():
     assert d.state.match(iter(other), touch=False).ssd == 5
     # Read like any SSD chunk: ordered into a host slot, landed on OK.
     tail = d.state.match(iter(other), touch=False).ssd_nodes
+    assert all(n.remote_only for n in tail)  # the cost model weighs them at the remote tier's rate
     effects = Effects()
     assert d.state.order_reads(tail[:2], effects, urgent=True, limit=2) == 2
     d.run(effects)
     d.answer(only=ReadChunk)
     assert all(n.on_host for n in tail[:2])
+    assert [n.remote_only for n in tail] == [False, False, True, True, True]  # read: local from now on
     d.check()

@@ -8,7 +8,9 @@ import random
 
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from pcr_sglang.core import Effects, PersistedChunk
+from pcr_sglang.core import Effects, IoOutcome, PersistedChunk
+from pcr_sglang.core.tier_events import Tier
+from pcr_sglang.io.protocol import ReadChunk
 from pcr_sglang.sglang_adapter.kv_events import MEDIUM, TIERS, PCRKvEvents, block_hash
 from tests.unit.test_cache_state import Driver
 from tests.unit.test_chunk_tree import CHUNK, keys
@@ -20,21 +22,29 @@ class Subscriber:
     def __init__(self) -> None:
         self.media: dict[str, set[int]] = {}
         self.tokens: dict[int, list[int]] = {}
+        self.parents: dict[int, int] = {}
         self.salts: dict[int, str] = {}
+
+    def held(self) -> set[int]:
+        return set().union(*self.media.values())
 
     def apply(self, events) -> None:
         for event in events:
             if isinstance(event, AllBlocksCleared):
                 self.media.clear()
             elif isinstance(event, BlockStored):
-                known = set().union(*self.media.values()) | set(event.block_hashes)
+                known = self.held() | set(event.block_hashes)
                 assert event.parent_block_hash is None or event.parent_block_hash in known, event
+                parent = event.parent_block_hash
                 assert len(event.token_ids) == event.block_size * len(event.block_hashes) and event.block_size == CHUNK
                 blocks = self.media.setdefault(event.medium, set())
                 for i, h in enumerate(event.block_hashes):
                     assert h not in blocks, ("stored twice", event.medium, h)
                     blocks.add(h)
                     self.tokens[h] = event.token_ids[i * CHUNK:(i + 1) * CHUNK]
+                    if parent is not None:
+                        self.parents[h] = parent
+                    parent = h
                     if event.cache_salt is not None:
                         self.salts[h] = event.cache_salt
             elif isinstance(event, BlockRemoved):
@@ -42,6 +52,9 @@ class Subscriber:
                 for h in event.block_hashes:
                     assert h in blocks, ("removed but never stored", event.medium, h)
                     blocks.discard(h)
+                    held = self.held()
+                    if h not in held:  # gone from every medium: no child of it may be left
+                        assert not any(self.parents.get(c) == h for c in held), ("orphaned children", h)
             else:
                 raise AssertionError(f"unexpected event {event!r}")
 
@@ -49,7 +62,8 @@ class Subscriber:
 def tree_blocks(state) -> dict[str, set[int]]:
     held = {MEDIUM[t]: set() for t in TIERS}
     for node in state.tree.iter_nodes():
-        for tier, on in zip(TIERS, (node.on_device, node.on_host, node.on_ssd)):
+        ssd = Tier.REMOTE if node.remote_only else Tier.SSD
+        for tier, on in ((Tier.DEVICE, node.on_device), (Tier.HOST, node.on_host), (ssd, node.on_ssd)):
             if on:
                 held[MEDIUM[tier]].add(block_hash(node.key))
     return held
@@ -82,10 +96,29 @@ def test_a_subscriber_mirrors_every_tier_through_500_requests():
     d = EventDriver(device_slots=40, host_slots=24, ssd_capacity_chunks=60)
     sub = Subscriber()
     docs = [[rng.randrange(1000) for _ in range(CHUNK * rng.randint(1, 4))] for _ in range(30)]
+    served = []
     for step in range(500):
-        d.serve(sum((rng.choice(docs) for _ in range(rng.randint(1, 3))), [])[: 12 * CHUNK])
+        tokens = sum((rng.choice(docs) for _ in range(rng.randint(1, 3))), [])[: 12 * CHUNK]
+        d.serve(tokens)
+        served.append(tokens)
         if step % 3 == 0:
             d.answer()  # write-back completes now and then: chunks reach the SSD level
+        if step % 7 == 0:  # SSD chunks read back into host memory; every other round fails (bad records)
+            chain = d.state.match(iter(keys(rng.choice(served))), touch=False).ssd_nodes
+            effects = Effects()
+            d.state.order_reads(chain, effects, urgent=True, limit=len(chain))
+            d.run(effects)
+            d.answer(IoOutcome.BAD if step % 2 == 0 else IoOutcome.OK, only=ReadChunk)
+        if step % 13 == 0:  # a probe finds a chain's continuation in the remote tier
+            more = tokens + [rng.randrange(1000) for _ in range(2 * CHUNK)]
+            ks = keys(more)
+            matched = len(d.state.match(iter(ks), touch=False).nodes)
+            effects = Effects()
+            if d.state.adopt_remote(ks, matched, len(ks) - matched, effects):
+                d.run(effects)
+                d.events.learn(d.state.match(iter(ks), touch=False).nodes, more, None)
+                for i, k in enumerate(ks):
+                    d.chunk_tokens[block_hash(k)] = more[i * CHUNK:(i + 1) * CHUNK]
         if step % 5 == 0:
             sub.apply(d.events.take())
             assert mirrored(sub) == tree_blocks(d.state), step
@@ -93,8 +126,9 @@ def test_a_subscriber_mirrors_every_tier_through_500_requests():
     sub.apply(d.events.take())
     held = tree_blocks(d.state)
     assert mirrored(sub) == held
-    assert all(held.values()), held  # every tier was exercised
+    assert all(held[MEDIUM[t]] for t in (Tier.DEVICE, Tier.HOST, Tier.SSD)), held
     assert d.events.stats.removed_blocks > 0
+    assert d.state.ssd_stats.remote_adopted_chunks and d.state.ssd_stats.read_failures
     for h, tokens in sub.tokens.items():
         assert tokens == d.chunk_tokens[h]
 

@@ -87,10 +87,23 @@ def test_mla_without_host_tier_resolves(resolve, config_only_model):
     assert args.enable_pcr
 
 
-def test_kv_cache_events_resolve(resolve, tiny_model):
-    """PCR publishes SGLang's KV cache events (once refused: it published none)."""
-    args = resolve(tiny_model, "--kv-events-config", '{"publisher": "zmq", "topic": "kv"}')
+def test_kv_cache_events_resolve_and_routers_are_told_the_chunk_size(resolve, tiny_model):
+    """PCR publishes SGLang's KV cache events (once refused: it published none), one block
+    per chunk: both places SGLang advertises the block size say the chunk size."""
+    from types import SimpleNamespace
+
+    from pcr_sglang import plugin
+    from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
+
+    args = resolve(tiny_model, "--kv-events-config", '{"publisher": "zmq", "topic": "kv"}',
+                   "--pcr-chunk-size", "32")
     assert args.enable_pcr and args.kv_events_config
+    assert plugin._kv_event_block_size({"block_size": 1}, args) == {"block_size": 32}
+    cache = object.__new__(PCRPrefixCache)
+    cache.chunk_size = 32
+    sources = lambda publisher, block_size: [{"block_size": block_size}]  # noqa: E731
+    assert plugin._kv_event_sources(sources, SimpleNamespace(tree_cache=cache), 1) == [{"block_size": 32}]
+    assert plugin._kv_event_sources(sources, SimpleNamespace(tree_cache=object()), 1) == [{"block_size": 1}]
 
 
 @pytest.mark.parametrize(
