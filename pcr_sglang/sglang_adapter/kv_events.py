@@ -6,8 +6,9 @@ SGLang's scheduler publishes, every step, what its tree cache's ``take_events()`
 SGLang Model Gateway's event-driven cache-aware policy) index to route a prompt to the
 worker holding its longest prefix. Here a block is one PCR chunk:
 
-* ``block_size`` is ``--pcr-chunk-size`` (``/server_info``'s ``kv_events.block_size`` says
-  so too: PCR's plugin corrects SGLang's, which reports the page size);
+* ``block_size`` is ``--pcr-chunk-size`` (``/server_info``'s ``kv_events.block_size`` and
+  the event sources advertised to gRPC routers say so too: PCR's plugin corrects SGLang's,
+  which report the page size);
 * a block's hash is the first 8 bytes of its chunk key (signed, big-endian), and its
   parent's is its parent chunk's: the keys already chain the namespace (model, dtype,
   layout), the cache salt and the extra key, so two tenants' blocks never share a hash
@@ -23,9 +24,9 @@ tree does not keep: the prefix cache tells this class the tokens of every chain 
 inserts or matches. A chunk whose tokens are not known yet (restored from the SSD store
 at startup, nothing has asked for it since) is announced when they are; a tier it left
 before that is never announced, and so never removed either. ``/flush_cache`` publishes
-``AllBlocksCleared``, then the persisted chunks it keeps as stored on ``DISK`` again. What is kept per chunk (its
-tokens, parent, tiers held and announced) is dropped when the chunk leaves the tree: with
-events on, it costs about 200 bytes plus 4 per token for each chunk in the tree (260
+``AllBlocksCleared``, then the persisted chunks it keeps as stored on ``DISK`` again.
+What is kept per chunk (its tokens, parent, tiers held and announced) is dropped when
+the chunk leaves the tree: with events on, it costs about 200 bytes plus 4 per token for each chunk in the tree (260
 bytes for 16-token chunks, 450 for 64-token ones, measured with tracemalloc).
 """
 
