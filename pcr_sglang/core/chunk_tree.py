@@ -284,8 +284,7 @@ class ChunkTree:
             self._locked_device_chunks += node.lock_ref > 0
             parent.device_children += 1
             self._device.refresh(parent)
-            if self.events is not None:
-                self._log(TierEventKind.STORED, node, Tier.DEVICE)
+            self._log(TierEventKind.STORED, node, Tier.DEVICE)
         node.device_value = value
         self._device.refresh(node)
         self._host.refresh(node)
@@ -301,8 +300,7 @@ class ChunkTree:
         node.parent.host_children += 1
         self._host.refresh(node.parent)
         self._host.refresh(node)
-        if self.events is not None:
-            self._log(TierEventKind.STORED, node, Tier.HOST)
+        self._log(TierEventKind.STORED, node, Tier.HOST)
 
     def set_ssd(self, node: ChunkNode) -> None:
         """Record that ``node``'s KV is also persisted in the SSD store."""
@@ -315,8 +313,7 @@ class ChunkTree:
         node.parent.ssd_children += 1
         self._ssd.refresh(node.parent)
         self._ssd.refresh(node)
-        if self.events is not None:
-            self._log(TierEventKind.STORED, node, self._ssd_tier(node))
+        self._log(TierEventKind.STORED, node, self._ssd_tier(node))
 
     def add_persisted(self, parent: Optional[ChunkNode], key: ChunkKey, remote_only: bool = False) -> ChunkNode:
         """A chunk found in the SSD store at startup, or (``remote_only``) in the remote
@@ -336,11 +333,9 @@ class ChunkTree:
         the local SSD too."""
         if not node.remote_only or not node.on_ssd:
             return
-        if self.events is not None:
-            self._log(TierEventKind.REMOVED, node, Tier.REMOTE)
+        self._log(TierEventKind.REMOVED, node, Tier.REMOTE)
         node.remote_only = False
-        if self.events is not None:
-            self._log(TierEventKind.STORED, node, Tier.SSD)
+        self._log(TierEventKind.STORED, node, Tier.SSD)
 
     def drop_ssd(self, node: ChunkNode, on_drop_host: Optional[NodeCallback] = None,
                  on_drop_ssd: Optional[NodeCallback] = None) -> None:
@@ -517,8 +512,7 @@ class ChunkTree:
         parent.device_children -= 1
         self._device.leaves.discard(node)
         self._device.refresh(parent)
-        if self.events is not None:
-            self._log(TierEventKind.REMOVED, node, Tier.DEVICE)
+        self._log(TierEventKind.REMOVED, node, Tier.DEVICE)
         if last:
             self._remove_leaf(node)
             return
@@ -553,14 +547,12 @@ class ChunkTree:
         parent.host_children -= 1
         self._host.leaves.discard(node)
         self._host.refresh(parent)
-        if self.events is not None:
-            self._log(TierEventKind.REMOVED, node, Tier.HOST)
+        self._log(TierEventKind.REMOVED, node, Tier.HOST)
 
     def _drop_ssd(self, node: ChunkNode) -> None:
         parent = node.parent
         assert parent is not None and node.on_ssd
-        if self.events is not None:
-            self._log(TierEventKind.REMOVED, node, self._ssd_tier(node))
+        self._log(TierEventKind.REMOVED, node, self._ssd_tier(node))
         node.on_ssd = False
         node.remote_only = False
         self._ssd_chunks -= 1
@@ -572,8 +564,7 @@ class ChunkTree:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
         assert self._in_no_tier(node)
-        if self.events is not None:
-            self._log(TierEventKind.FORGOTTEN, node)
+        self._log(TierEventKind.FORGOTTEN, node)
         del parent.children[node.key]
         self._device.leaves.discard(node)
         self._host.leaves.discard(node)
@@ -583,6 +574,9 @@ class ChunkTree:
 
     # ------------------------------------------------------------------ helpers
     def _log(self, kind: TierEventKind, node: ChunkNode, tier: Optional[Tier] = None) -> None:
+        """Record a residency change, when events are on."""
+        if self.events is None:
+            return
         parent = node.parent
         parent_key = None if parent is None or parent.parent is None else parent.key
         self.events.append(TierEvent(kind, node.key, parent_key, tier))

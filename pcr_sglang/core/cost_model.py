@@ -19,9 +19,9 @@ the first 700-token request waited seconds for reads it could have recomputed in
 fraction of that). Short extends keep counting: they include the forward's fixed cost,
 which makes recomputing look dearer than its marginal cost, so the model leans towards
 loading. Until both rates are known it says load; while it says recompute, one in
-``probe_every`` decisions loads anyway, so a disk that got faster is noticed. With tensor parallelism each rank
-measures its own rates; the scheduler agrees the verdict across ranks (the minimum)
-before it changes any request's prefix length.
+``probe_every`` decisions loads anyway, so a disk that got faster is noticed. With
+tensor parallelism each rank measures its own rates; the scheduler agrees the verdict
+across ranks (the minimum) before it changes any request's prefix length.
 """
 
 from __future__ import annotations
@@ -64,9 +64,7 @@ class LoadOrRecompute:
 
     def prefers_load(self, chunk_tokens: int) -> bool:
         """This rank's measured verdict (no probing): is reading a chunk faster?"""
-        if self.read_seconds_per_chunk is None or self.prefill_tokens_per_second is None:
-            return True
-        return self.read_seconds_per_chunk <= chunk_tokens / self.prefill_tokens_per_second
+        return self._reading_wins(self.read_seconds_per_chunk, chunk_tokens)
 
     def decide(self, prefers_load: bool) -> bool:
         """A decision from a verdict (possibly agreed across ranks), with probing."""
@@ -78,9 +76,7 @@ class LoadOrRecompute:
     def prefers_remote_load(self, chunk_tokens: int) -> bool:
         """Is reading a chunk from the remote tier faster than recomputing it? (The remote
         tier runs without TP, so this verdict needs no agreement across ranks.)"""
-        if self.remote_read_seconds_per_chunk is None or self.prefill_tokens_per_second is None:
-            return True
-        return self.remote_read_seconds_per_chunk <= chunk_tokens / self.prefill_tokens_per_second
+        return self._reading_wins(self.remote_read_seconds_per_chunk, chunk_tokens)
 
     def decide_remote(self, chunk_tokens: int) -> bool:
         """:meth:`decide` for the remote tier: one in ``probe_every`` of its recompute
@@ -95,6 +91,12 @@ class LoadOrRecompute:
         if self.prefill_tokens_per_second is None:
             return DEFAULT_WAIT_S
         return max(tokens / self.prefill_tokens_per_second, MIN_WAIT_S)
+
+    def _reading_wins(self, read_seconds: Optional[float], chunk_tokens: int) -> bool:
+        """Reading a chunk at ``read_seconds`` beats recomputing it (or a rate is unknown)."""
+        if read_seconds is None or self.prefill_tokens_per_second is None:
+            return True
+        return read_seconds <= chunk_tokens / self.prefill_tokens_per_second
 
     def _ewma(self, old: Optional[float], sample: float) -> float:
         return sample if old is None else (1 - self.alpha) * old + self.alpha * sample

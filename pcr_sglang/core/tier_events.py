@@ -54,6 +54,3 @@ class TierEventLog:
     def take(self) -> list[TierEvent]:
         events, self._events = self._events, []
         return events
-
-    def __len__(self) -> int:
-        return len(self._events)

@@ -26,8 +26,9 @@ at startup, nothing has asked for it since) is announced when they are; a tier i
 before that is never announced, and so never removed either. ``/flush_cache`` publishes
 ``AllBlocksCleared``, then the persisted chunks it keeps as stored on ``DISK`` again.
 What is kept per chunk (its tokens, parent, tiers held and announced) is dropped when
-the chunk leaves the tree: with events on, it costs about 200 bytes plus 4 per token for each chunk in the tree (260
-bytes for 16-token chunks, 450 for 64-token ones, measured with tracemalloc).
+the chunk leaves the tree: with events on, it costs about 200 bytes plus 4 per token for
+each chunk in the tree (260 bytes for 16-token chunks, 450 for 64-token ones, measured
+with tracemalloc).
 """
 
 from __future__ import annotations

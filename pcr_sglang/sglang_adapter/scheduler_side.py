@@ -399,9 +399,8 @@ class SchedulerSide:
         all of them, or, where the remote tier's measured cost says recompute, up to the
         first chunk only the remote tier holds (those are a chain's last: a probe adopts
         only past the local match)."""
-        if not self.remote or not any(n.remote_only for nodes in chains for n in nodes):
-            return [nodes for nodes in chains if nodes]
-        if self.state.cost_model.decide_remote(self.chunk):
+        if (not self.remote or not any(n.remote_only for nodes in chains for n in nodes)
+                or self.state.cost_model.decide_remote(self.chunk)):
             return [nodes for nodes in chains if nodes]
         kept = []
         for nodes in chains:
