@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from pcr_sglang.launcher import ServerProcess
+from pcr_sglang.tiers.records import _FIELDS
 from tests.e2e.helpers import (
     GREEDY,
     TIERED_ARGS,
@@ -32,6 +33,12 @@ def store_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def damaged_payloads() -> list:
+    """Records the restart test damaged in a way only a full read detects."""
+    return []
+
+
+@pytest.fixture(scope="module")
 def servers(tiny_model, baseline_server, store_dir, tmp_path_factory):
     ssd = ssd_server(tiny_model, store_dir)
     # Its disk keeps a reserve of all but ~200 MB of what is free now; the test then
@@ -44,6 +51,19 @@ def servers(tiny_model, baseline_server, store_dir, tmp_path_factory):
     everything = {"ssd": ssd, "full": full}
     with serving(everything, shared={"baseline": baseline_server}):
         yield everything
+
+
+def _leaf_records(store_dir) -> list:
+    """The record files no other record names as its parent, deepest first (read from
+    unverified headers: only for choosing which files to damage)."""
+    headers = {}
+    for path in store_dir.rglob("*.chunk"):
+        with open(path, "rb") as f:
+            fields = _FIELDS.unpack_from(f.read(_FIELDS.size))
+        headers[path] = (fields[4], fields[5], fields[7])  # key, parent key, depth
+    parents = {parent for _, parent, _ in headers.values()}
+    leaves = [path for path, (key, _, _) in headers.items() if key not in parents]
+    return sorted(leaves, key=lambda path: (-headers[path][2], path.name))
 
 
 def replay_with_details(server, prompts):
@@ -67,18 +87,20 @@ def test_working_set_beyond_device_and_dram_is_served_from_ssd(servers, rag_prom
     assert state["host_pool_slots"] - state["host_pool_free_slots"] == state["tree"]["host_chunks"]
 
 
-def test_restart_finds_the_persisted_chunks_and_skips_corrupt_ones(servers, tiny_model, store_dir,
-                                                                   rag_prompt_ids, baseline_outputs):
+def test_restart_finds_the_persisted_chunks_and_skips_corrupt_ones(servers, tiny_model, store_dir, damaged_payloads):
     server = servers["ssd"]
     wait_for_write_back(server)
     server.stop()
     # Damage three records while the server is down: a flipped payload byte, a truncated
     # file and garbage; and leave a partial write, as a crash would.
-    files = sorted(store_dir.rglob("*.chunk"))
+    # Only leaves are damaged: that orphans no other record, so the chains the KV-hint
+    # tests below rely on stay whole whichever files these are.
+    files = _leaf_records(store_dir)
     assert len(files) > 10
     data = bytearray(files[0].read_bytes())
     data[-3] ^= 0xFF
     files[0].write_bytes(bytes(data))
+    damaged_payloads.append(files[0])
     files[1].write_bytes(files[1].read_bytes()[:-100])
     files[2].write_bytes(b"\0" * 4096)
     (files[3].parent / "partial.123.tmp").write_bytes(b"half a chunk")
@@ -92,6 +114,7 @@ def test_restart_finds_the_persisted_chunks_and_skips_corrupt_ones(servers, tiny
     assert state["ssd"]["counters"]["restored_chunks"] > 10
     assert state["ssd"]["store"]["corrupt_chunks"] >= 2  # truncated and garbage: found on open
     assert state["ssd"]["store"]["discarded_tmp_files"] == 1
+    assert state["ssd"]["counters"]["orphaned_records"] == 0  # only leaves were damaged
 
 
 # KV hints (kv_hints action pcr.lookahead_prefetch) on the restarted server, before any
@@ -226,9 +249,12 @@ def test_after_a_restart_every_prompt_is_served_right_from_ssd(servers, rag_prom
     assert state["invariants"]["ok"] and state["tree"]["locked_chunks"] == 0
 
 
-def test_kill_9_during_write_back_then_restart(servers, tiny_model, store_dir, rag_prompt_ids, baseline_outputs):
+def test_kill_9_during_write_back_then_restart(servers, tiny_model, store_dir, damaged_payloads, rag_prompt_ids,
+                                              baseline_outputs):
     from pcr_sglang.store import main as store_cli
 
+    for path in damaged_payloads:  # still there unless a read found it: verify below checks the crash alone
+        path.unlink(missing_ok=True)
     server = servers["ssd"]
     server.generate({"input_ids": rag_prompt_ids[0], "sampling_params": GREEDY})
     written_before = wait_for_write_back(server)["ssd"]["counters"]["written_chunks"]
