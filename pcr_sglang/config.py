@@ -31,10 +31,12 @@ from pcr_sglang.server_args_fields import (
     DEFAULT_PREFETCH_WINDOW,
     DEFAULT_REMOTE,
     DEFAULT_SSD_DURABILITY,
+    DEFAULT_SSD_READ_THREADS,
     DEFAULT_SSD_WRITE,
     DOC_REUSE_CHOICES,
     DOC_WARMUP_CHOICES,
     LAYERWISE_CHOICES,
+    MAX_SSD_READ_THREADS,
     REMOTE_CHOICES,
     SSD_DURABILITY_CHOICES,
     SSD_WRITE_CHOICES,
@@ -59,6 +61,7 @@ class PCRConfig:
     ssd_reserve_gb: float = 1.0
     ssd_write: str = DEFAULT_SSD_WRITE
     ssd_durability: str = DEFAULT_SSD_DURABILITY
+    ssd_read_threads: int = DEFAULT_SSD_READ_THREADS
     prefetch_window: int = DEFAULT_PREFETCH_WINDOW
     prefetch_budget_mb: int = DEFAULT_PREFETCH_BUDGET_MB
     doc_reuse: str = DEFAULT_DOC_REUSE
@@ -85,6 +88,7 @@ class PCRConfig:
             ssd_reserve_gb=getattr(args, "pcr_ssd_reserve_gb", 1.0),
             ssd_write=getattr(args, "pcr_ssd_write", DEFAULT_SSD_WRITE),
             ssd_durability=getattr(args, "pcr_ssd_durability", DEFAULT_SSD_DURABILITY),
+            ssd_read_threads=getattr(args, "pcr_ssd_read_threads", DEFAULT_SSD_READ_THREADS),
             prefetch_window=getattr(args, "pcr_prefetch_window", DEFAULT_PREFETCH_WINDOW),
             prefetch_budget_mb=getattr(args, "pcr_prefetch_budget_mb", DEFAULT_PREFETCH_BUDGET_MB),
             doc_reuse=getattr(args, "pcr_doc_reuse", DEFAULT_DOC_REUSE),
@@ -181,6 +185,11 @@ class PCRConfig:
             raise PCRConfigError(
                 f"--pcr-ssd-durability must be one of {', '.join(SSD_DURABILITY_CHOICES)}, "
                 f"got {self.ssd_durability!r}"
+            )
+        threads = self.ssd_read_threads
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_SSD_READ_THREADS:
+            raise PCRConfigError(
+                f"--pcr-ssd-read-threads must be an integer from 1 to {MAX_SSD_READ_THREADS}, got {threads!r}"
             )
         if self.doc_reuse not in DOC_REUSE_CHOICES:
             raise PCRConfigError(

@@ -30,6 +30,10 @@ DEFAULT_SSD_WRITE = "through"
 SSD_DURABILITY_CHOICES = ["record", "batch", "none"]
 # From bench/ssd_store_bench.py (see bench/README.md).
 DEFAULT_SSD_DURABILITY = "record"
+# Reads in flight at once per I/O process: an NVMe drive reaches its bandwidth only with
+# several in its queue, and a slow or network disk hides its latency only so.
+DEFAULT_SSD_READ_THREADS = 4
+MAX_SSD_READ_THREADS = 64
 # From bench/prefetch_sweep.py (see bench/README.md).
 DEFAULT_PREFETCH_WINDOW = 16
 DEFAULT_PREFETCH_BUDGET_MB = 256
@@ -236,6 +240,19 @@ class Pcr(msgspec.Struct):
             choices=SSD_DURABILITY_CHOICES,
         ),
     ] = DEFAULT_SSD_DURABILITY
+    pcr_ssd_read_threads: A[
+        int,
+        Arg(
+            help=(
+                "SSD tier: local reads the I/O process runs at once, up to this many (one thread "
+                f"each; 1 to {MAX_SSD_READ_THREADS}). A disk serves reads in parallel: an NVMe drive reaches "
+                "its bandwidth only with several queued, and a slow or network disk hides its "
+                "latency only so. Each read is timed as its share of the disk's busy time, so the "
+                "load-or-recompute verdict sees the parallelism reached; reads the remote tier "
+                f"answers still go one at a time. Default: {DEFAULT_SSD_READ_THREADS}."
+            )
+        ),
+    ] = DEFAULT_SSD_READ_THREADS
     pcr_doc_reuse: A[
         str,
         Arg(

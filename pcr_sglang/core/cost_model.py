@@ -1,7 +1,10 @@
 """Load or recompute: whether reading chunks from SSD beats prefilling their tokens again.
 
 Loading is not always faster. Reading a chunk costs its bytes over the disk's bandwidth;
-recomputing it costs its tokens over the prefill speed. KV bytes per token grow with
+recomputing it costs its tokens over the prefill speed. The I/O process runs several
+reads at once and times each as its share of the disk's busy time (``io.worker``), so
+a read's time is what a chunk costs at the parallelism reached: a disk with high latency
+but room for parallel reads can still beat recomputing. KV bytes per token grow with
 layers x KV heads x head size while prefill speed is set by the accelerator, so a slow
 disk (network storage, a busy SSD) behind a fast GPU can make recomputation the faster
 path; on this project's CPU test machine the disk wins by two orders of magnitude.

@@ -135,4 +135,8 @@ class WorkerConfig(msgspec.Struct):
     writer_slot: str = ""
     lease_fd: int = -1
     durability: str = "record"  # --pcr-ssd-durability
+    read_threads: int = 4  # --pcr-ssd-read-threads (same default): reads in flight at once
+    # A read running longer than this makes the process exit, to be restarted (the
+    # supervisor's own stall timeout, which sees only a process that answers nothing).
+    stall_timeout_s: float = 30.0
     remote_config: str = ""  # --pcr-remote-config as JSON (RemoteConfig); "": no remote tier

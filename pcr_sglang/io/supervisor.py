@@ -2,8 +2,10 @@
 without ever making the scheduler wait.
 
 One I/O process per scheduler (TP rank). Reads and writes are tracked by sequence
-number until their completion arrives. When the process exits, stops answering (an
-order older than ``stall_timeout_s`` with nothing heard meanwhile) or never says hello,
+number until their completion arrives. When the process exits (as it does itself when
+one of its reads has run longer than ``stall_timeout_s``: its other reader threads may
+still answer), stops answering (an order older than ``stall_timeout_s`` with nothing
+heard meanwhile) or never says hello,
 it is sent SIGKILL, and its outstanding orders stay outstanding until the kernel
 confirms it is gone (a process stuck in uninterruptible disk I/O keeps their host slots
 reserved, so it can never write into a slot that was reused); then they come back
@@ -51,6 +53,7 @@ class IOSupervisor:
         self.config = msgspec.structs.replace(
             config, orders_endpoint=self._channel.orders_endpoint,
             replies_endpoint=self._channel.replies_endpoint, parent_pid=os.getpid(),
+            stall_timeout_s=stall_timeout_s,
         )
         self.stall_timeout_s = stall_timeout_s
         self.startup_timeout_s = startup_timeout_s

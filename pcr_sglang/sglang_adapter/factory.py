@@ -184,7 +184,8 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
     if store is not None:
         _restore(state, store, tp)
         remote = config.remote_settings()
-        io = start_io_process(store, host_pool, tp_rank, remote.to_json() if remote is not None else "")
+        io = start_io_process(store, host_pool, tp_rank, remote.to_json() if remote is not None else "",
+                              read_threads=config.ssd_read_threads)
     scheduler = SchedulerSide(state, config, namespace.chain_digest(), allocator, worker=worker, io=io, tp=tp,
                               remote=remote)
     cache = PCRPrefixCache(params, state, scheduler, namespace=namespace, host_pool=host_pool, store=store,
@@ -237,7 +238,7 @@ def _restore(state: CacheState, store: ChunkFileStore, tp: Optional[TpGroup]) ->
 
 
 def start_io_process(store: ChunkFileStore, host_pool: HostChunkPool, tp_rank: int,
-                     remote_config: str = "") -> IOSupervisor:
+                     remote_config: str, read_threads: int) -> IOSupervisor:
     layout = host_pool.layout
     io = IOSupervisor(WorkerConfig(
         store_root=str(store.root), namespace_hex=store.namespace.hex(), dtype=store.dtype,
@@ -245,7 +246,7 @@ def start_io_process(store: ChunkFileStore, host_pool: HostChunkPool, tp_rank: i
         row_bytes=layout.row_bytes, reserve_bytes=store.low_watermark_bytes,
         shm_name=host_pool.info().shm_name, orders_endpoint="", replies_endpoint="", parent_pid=0,
         tp_rank=tp_rank, writer_slot=store.slot or "", lease_fd=store.lease_fd, durability=store.durability,
-        remote_config=remote_config,
+        remote_config=remote_config, read_threads=read_threads,
     ))
     if not io.wait_ready():
         logger.warning("PCR I/O process did not start; the SSD tier waits for its restart")

@@ -127,6 +127,10 @@ class ChunkFileStore:
     ``slot`` None and ``read_only`` False: take a writer lease (a server's scheduler).
     ``slot="w3"``: write into that slot, whose lease the caller's parent holds (the I/O
     process). ``read_only``: no slot, no writes (the ``python -m pcr_sglang.store`` tools).
+
+    Threads: :meth:`read_into` may run on several threads at once (the I/O process's
+    readers; its ``stats`` counts are then approximate), beside one thread that does
+    everything else and never writes or deletes a key while it is being read.
     """
 
     def __init__(self, root: str | os.PathLike, namespace_digest: bytes, layout: HostChunkLayout,

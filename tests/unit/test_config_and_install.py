@@ -59,6 +59,9 @@ def test_invalid_lookahead_window_names_the_flag(window):
         ({"ssd_reserve_gb": -1}, "--pcr-ssd-reserve-gb must be a number of GB >= 0"),
         ({"ssd_path": "/x", "ssd_gb": 1.0, "dram_gb": 1.0, "ssd_write": "later"},
          "--pcr-ssd-write must be one of through, on-evict"),
+        ({"ssd_read_threads": 0}, "--pcr-ssd-read-threads must be an integer from 1 to 64, got 0"),
+        ({"ssd_read_threads": 65}, "--pcr-ssd-read-threads must be an integer from 1 to 64"),
+        ({"ssd_read_threads": 2.5}, "--pcr-ssd-read-threads must be an integer from 1 to 64"),
     ],
 )
 def test_invalid_tier_flags_name_the_flag(fields, message):
