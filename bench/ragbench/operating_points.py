@@ -2,6 +2,7 @@
 
     python -m bench.ragbench operating-points                       # about 25 min on 2 cores
     python -m bench.ragbench operating-points --repeats 1 --requests 12   # a smoke run
+    python -m bench.ragbench operating-points --repeats 0 --capacity-rps 0.6   # the 80% rate alone
 
 1. The device pool holds ``--batch-prompts`` of the trace's longest prompts (so several
    requests batch) while the trace's working set stays several times larger (printed).
@@ -160,7 +161,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--configs", type=config_list, default=DEFAULT_CONFIGS,
                         help="comma-separated configurations (default: %(default)s); the targets need "
                              "oracle, pcr-docs and pcr-blend-pre")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration at the 50%% rate")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each configuration at the 50%% rate (0: only the 80%% rate)")
     parser.add_argument("--high-repeats", type=int, default=1, help="runs of each configuration at the 80%% rate")
     parser.add_argument("--batch-prompts", type=int, default=3,
                         help="device pool in longest prompts (plus slack): how many requests can batch")
@@ -172,8 +174,8 @@ def main(argv: list[str]) -> int:
     workload_args(parser)
     parser.set_defaults(requests=30)
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.high_repeats < 0 or args.batch_prompts < 1:
-        parser.error("--repeats and --batch-prompts must be >= 1, --high-repeats >= 0")
+    if args.repeats < 0 or args.high_repeats < 0 or args.repeats + args.high_repeats < 1 or args.batch_prompts < 1:
+        parser.error("--repeats and --high-repeats must be >= 0 and not both 0, --batch-prompts >= 1")
     if args.capacity_rps is not None and args.capacity_rps <= 0:
         parser.error("--capacity-rps must be > 0")
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -8,7 +8,10 @@
     Runs the pipeline over questions about the corpus against a running server (started
     with ``--enable-pcr`` and an SSD tier for the KV hints to matter) and prints each
     answer, its documents, the cluster hit rate, retrieval and end-to-end latency, and a
-    summary. ``--no-lookahead`` and ``--no-hints`` switch the two look-aheads off.
+    summary. ``--no-lookahead`` and ``--no-hints`` switch the two look-aheads off;
+    ``--mark-documents`` marks the final prompts' documents for a server started with
+    ``--pcr-doc-reuse`` (each document's KV reused wherever it appears, and hinted
+    order-free).
 """
 
 from __future__ import annotations
@@ -85,9 +88,16 @@ def run(args: argparse.Namespace) -> int:
     tier = HostClusterTier(datastore.table, args.tier_mb << 20) if not args.no_lookahead else None
     budget = BudgetModel(bandwidth_bytes_s=measure_read_bandwidth(datastore.table.codes))
     retriever = LookaheadRetriever(datastore, embedder.encode, nprobe=args.nprobe, k=args.k, tier=tier, budget=budget)
-    hinter = None if args.no_hints else KVHinter(args.url)
-    config = PipelineConfig(k=args.k, lookahead=not args.no_lookahead, hints=not args.no_hints)
-    pipelines = Pipelines(retriever, texts, RuntimeEndpoint(args.url), hinter, config)
+    if args.mark_documents:
+        from pcr_sglang.frontend import DocReuseEndpoint
+
+        backend = DocReuseEndpoint(args.url)
+    else:
+        backend = RuntimeEndpoint(args.url)
+    hinter = None if args.no_hints else KVHinter(args.url, tokenizer=getattr(backend, "tokenizer", None))
+    config = PipelineConfig(k=args.k, lookahead=not args.no_lookahead, hints=not args.no_hints,
+                            mark_documents=args.mark_documents)
+    pipelines = Pipelines(retriever, texts, backend, hinter, config)
     questions = _questions(texts, args.questions, args.seed, args.questions_file)
     try:
         if args.concurrency > 1:
@@ -132,6 +142,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     r.add_argument("--concurrency", type=int, default=1, help=">1: groups of similar questions run at once")
     r.add_argument("--no-lookahead", action="store_true", help="no cluster prefetch (faiss searches everything)")
     r.add_argument("--no-hints", action="store_true", help="no KV hints for the predicted final prompt")
+    r.add_argument("--mark-documents", action="store_true",
+                   help="mark the final prompts' documents, for a server with --pcr-doc-reuse")
     r.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")

@@ -18,6 +18,14 @@ and the KV hint goes out (TeleRAG's overlap, on SGLang's own frontend).
 The final prompt is rendered once, in Python (:func:`render_rag_prompt`), and sent as raw
 text: the KV hint sends the same text, so the server tokenizes both alike and the hinted
 chain is the final request's (the DSL's chat-role wrappers would template it their own way).
+
+With ``PipelineConfig(mark_documents=True)`` (for a server with ``--pcr-doc-reuse``) each
+document of the final prompt is marked (:func:`pcr_sglang.frontend.doc`) and the backend
+must be a :class:`~pcr_sglang.frontend.DocReuseEndpoint`, which sends the prompt as token
+ids with the documents' bounds: the server reuses each document's KV wherever it appears.
+The hint is the same marked prompt, tokenized alike by the hinter, so besides the prompt's
+own chain the server reads each predicted document's canonical chain ahead, order-free:
+the final request reuses them whatever order the real search puts them in.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import requests
 
+from pcr_sglang.core.doc_reuse import DOC_BOUNDS_PARAM
 from pcr_sglang.core.hints import hint_envelope
 from pcr_sglang.rag.ivf import normalized
 from pcr_sglang.rag.lookahead import LookaheadRetriever, SearchResult, SearchStats
@@ -42,10 +51,16 @@ logger = logging.getLogger(__name__)
 SYSTEM = "Answer the question using only the documents below. Be brief.\n\n"
 
 
-def render_rag_prompt(documents: Sequence[str], question: str) -> str:
-    """The final prompt: system text, the documents in retrieval order, the question."""
-    body = "".join(f"Document: {d.strip()}\n\n" for d in documents)
-    return f"{SYSTEM}{body}Question: {question}\nAnswer:"
+def render_rag_prompt(documents: Sequence[str], question: str, mark_documents: bool = False) -> str:
+    """The final prompt: system text, the documents in retrieval order, the question.
+    ``mark_documents``: each document's block marked for document reuse (the same text
+    once the markers are stripped)."""
+    blocks = [f"Document: {d.strip()}\n\n" for d in documents]
+    if mark_documents:
+        from pcr_sglang.frontend import doc
+
+        blocks = [doc(block) for block in blocks]
+    return f"{SYSTEM}{''.join(blocks)}Question: {question}\nAnswer:"
 
 
 # ---------------------------------------------------------------- the DSL programs
@@ -84,10 +99,14 @@ class KVHinter:
     request (``kv_hints`` action ``pcr.lookahead_prefetch``), from a thread of its own:
     the pipeline never waits for it, and a failed hint only costs its prefetch.
     ``cache_salt`` must be the final request's (a hint reaches only its tenant's chains);
-    SGLang's DSL ``RuntimeEndpoint`` sends none, so leave it unset with the DSL."""
+    SGLang's DSL ``RuntimeEndpoint`` sends none, so leave it unset with the DSL.
+    ``tokenizer``: the one a ``DocReuseEndpoint`` uses; needed to hint prompts with marked
+    documents, which go as token ids with their bounds, exactly as the final request."""
 
-    def __init__(self, url: str, ttl_s: float = 15.0, cache_salt: Optional[str] = None, timeout_s: float = 10.0):
+    def __init__(self, url: str, ttl_s: float = 15.0, cache_salt: Optional[str] = None, timeout_s: float = 10.0,
+                 tokenizer: Any = None):
         self.url = url.rstrip("/")
+        self.tokenizer = tokenizer
         self.ttl_s = ttl_s
         self.cache_salt = cache_salt
         self.timeout_s = timeout_s
@@ -103,7 +122,7 @@ class KVHinter:
         registered = 0
         for rank, prompt in enumerate(prompts):
             payload: dict[str, Any] = {
-                "text": prompt, "sampling_params": {"max_new_tokens": 0},
+                **self._prompt_fields(prompt),
                 "kv_hints": hint_envelope({"hint_only": True, "ttl_s": self.ttl_s, "group": group, "rank": rank},
                                           uuid.uuid4().hex)}
             if self.cache_salt is not None:
@@ -119,6 +138,17 @@ class KVHinter:
                 logger.warning("a KV hint failed (its prefetch is lost, nothing else): %s", e)
         self.stats.registered += registered
         return registered
+
+    def _prompt_fields(self, prompt: str) -> dict[str, Any]:
+        from pcr_sglang.frontend import DOC_OPEN, marked_input
+
+        if DOC_OPEN not in prompt:
+            return {"text": prompt, "sampling_params": {"max_new_tokens": 0}}
+        if self.tokenizer is None:
+            raise ValueError("a prompt with marked documents needs KVHinter(tokenizer=...)")
+        ids, bounds = marked_input(self.tokenizer, prompt)
+        return {"input_ids": ids, "sampling_params": {"max_new_tokens": 0,
+                                                      "custom_params": {DOC_BOUNDS_PARAM: bounds}}}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -156,6 +186,9 @@ class PipelineConfig:
     rounds: int = 2  # iter_retgen
     lookahead: bool = True  # clusters into the fast tier during generation
     hints: bool = True  # the predicted final prompt's KV read ahead (needs a KVHinter)
+    # Final prompts with marked documents, for --pcr-doc-reuse (needs a DocReuseEndpoint,
+    # and a KVHinter with its tokenizer).
+    mark_documents: bool = False
 
 
 class Pipelines:
@@ -168,6 +201,15 @@ class Pipelines:
         self.backend = backend
         self.hinter = hinter
         self.config = config
+        if config.mark_documents:
+            from pcr_sglang.frontend import DocReuseEndpoint
+
+            if not isinstance(backend, DocReuseEndpoint):
+                raise ValueError("PipelineConfig(mark_documents=True) needs a pcr_sglang.frontend.DocReuseEndpoint "
+                                 "backend: a RuntimeEndpoint would send the markers as text")
+            if hinter is not None and config.hints and hinter.tokenizer is None:
+                raise ValueError("PipelineConfig(mark_documents=True) with hints needs "
+                                 "KVHinter(tokenizer=backend.tokenizer)")
 
     def _docs(self, result: SearchResult, row: int = 0) -> list[int]:
         return [int(i) for i in result.ids[row] if i >= 0][: self.config.k]
@@ -176,11 +218,11 @@ class Pipelines:
         if self.hinter is None or not self.config.hints:
             return
         docs = [self.texts[int(i)] for i in predicted_ids if i >= 0][: self.config.k]
-        self.hinter.send([render_rag_prompt(docs, question)])
+        self.hinter.send([render_rag_prompt(docs, question, self.config.mark_documents)])
 
     def _answer(self, result: PipelineResult, docs: list[int], question: str, start: float) -> PipelineResult:
         _, _, final_answer = programs()
-        prompt = render_rag_prompt([self.texts[i] for i in docs], question)
+        prompt = render_rag_prompt([self.texts[i] for i in docs], question, self.config.mark_documents)
         answer_start = time.perf_counter()
         state = final_answer.run(prompt=prompt, max_tokens=self.config.answer_tokens, backend=self.backend)
         result.answer = state["answer"].strip()
@@ -232,7 +274,7 @@ class Pipelines:
             docs = self._docs(found)
             if round_no == self.config.rounds - 1:
                 break
-            prompt = render_rag_prompt([self.texts[i] for i in docs], question)
+            prompt = render_rag_prompt([self.texts[i] for i in docs], question, self.config.mark_documents)
             gen_start = time.perf_counter()
             state = draft_answer.run(prompt=prompt, max_tokens=self.config.draft_tokens, backend=self.backend)
             # While round i's draft is written: the look-ahead for round i + 1, on round i's query.

@@ -470,6 +470,48 @@ def test_frontend_dsl_programs_mark_documents(servers, tokenizer, passages):
         assert answer == direct["text"]
 
 
+def test_a_hyde_pipeline_marking_its_documents_reuses_them_and_hints_them(servers, tokenizer, passages):
+    """The HyDE DSL pipeline with ``mark_documents``: its final prompt and its KV hint go
+    as token ids with the documents' bounds; the hint registers (with each predicted
+    document's canonical chain beside the prompt's), the answer is what the same marked
+    prompt gets sent directly, and the pipeline's second run reuses every document."""
+    from pcr_sglang.frontend import DocReuseEndpoint, marked_input
+    from pcr_sglang.rag.embedder import embed_texts, load_embedder
+    from pcr_sglang.rag.ivf import IVFDatastore
+    from pcr_sglang.rag.lookahead import LookaheadRetriever
+    from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, render_rag_prompt
+
+    docs = servers["docs"]
+    texts = passages[44:56]
+    datastore = IVFDatastore.build(embed_texts(texts), 2, seed=0)
+    embedder = load_embedder()
+    retriever = LookaheadRetriever(datastore, embedder.encode, nprobe=2, k=3)  # every cluster: exact
+    backend = DocReuseEndpoint(docs.base_url, tokenizer=tokenizer)
+    hinter = KVHinter(docs.base_url, tokenizer=tokenizer)
+    pipelines = Pipelines(retriever, texts, backend, hinter,
+                          PipelineConfig(hyde_tokens=8, answer_tokens=8, lookahead=False, mark_documents=True))
+    question = "What does the first passage describe?"
+    try:
+        registered = docs.pcr_state()["hints"]["counters"]["registered"]
+        before = _doc_counters(docs)
+        first = pipelines.hyde(question)
+        after_first = _doc_counters(docs)
+        second = pipelines.hyde(question)
+    finally:
+        retriever.close()
+        hinter.close()
+    assert hinter.stats.sent == 2 and hinter.stats.registered == 2 and hinter.stats.failed == 0
+    assert docs.pcr_state()["hints"]["counters"]["registered"] == registered + 2
+    assert after_first["requests"] > before["requests"]  # the final request marked its documents
+    assert first.doc_ids == second.doc_ids and len(first.doc_ids) == 3
+    ids, bounds = marked_input(tokenizer, render_rag_prompt([texts[i] for i in first.doc_ids], question, True))
+    assert len(bounds) == 6
+    direct = docs.generate({"input_ids": ids, "sampling_params": {
+        **SAMPLING, "custom_params": {"pcr_doc_bounds": bounds}}})
+    assert second.answer == direct["text"].strip()
+    assert second.cached_tokens == bounds[-1], second.cached_details  # every document reused
+
+
 def test_openai_completions_with_a_token_prompt_mark_documents(servers, tokenizer, passages):
     """OpenAI-compatible clients: /v1/completions takes a token prompt and custom_params."""
     docs = servers["docs"]

@@ -317,3 +317,33 @@ def test_the_final_prompt_keeps_retrieval_order():
     prompt = render_rag_prompt(["first doc ", "second doc"], "Why?")
     assert prompt.index("first doc") < prompt.index("second doc") < prompt.index("Question: Why?")
     assert prompt.endswith("\nAnswer:")
+
+
+def test_a_marked_prompt_is_hinted_as_the_final_request_sends_it(tokenizer):
+    """With marked documents the hint goes as token ids with the documents' bounds, the
+    same ones the DSL endpoint sends for the final prompt (so the hinted chains, the
+    prompt's and each document's canonical one, are the final request's); without a
+    tokenizer a marked prompt cannot be hinted, and the markers strip to the plain prompt."""
+    from pcr_sglang.core.doc_reuse import DOC_BOUNDS_PARAM
+    from pcr_sglang.frontend import marked_input, strip_markers
+    from pcr_sglang.rag.pipelines import KVHinter, render_rag_prompt
+
+    docs = ["The Nile is a river in Africa.", "Mount Fuji is a volcano in Japan."]
+    marked = render_rag_prompt(docs, "Which is older?", mark_documents=True)
+    assert strip_markers(marked) == render_rag_prompt(docs, "Which is older?")
+    hinter = KVHinter("http://127.0.0.1:1", tokenizer=tokenizer)
+    try:
+        fields = hinter._prompt_fields(marked)
+        ids, bounds = marked_input(tokenizer, marked)
+        assert fields["input_ids"] == ids and fields["sampling_params"]["custom_params"] == {DOC_BOUNDS_PARAM: bounds}
+        assert len(bounds) == 4 and fields["sampling_params"]["max_new_tokens"] == 0
+        assert tokenizer.decode(ids[bounds[2]:bounds[3]]).startswith("Document: Mount Fuji")
+        assert hinter._prompt_fields(strip_markers(marked))["text"] == strip_markers(marked)
+    finally:
+        hinter.close()
+    plain = KVHinter("http://127.0.0.1:1")
+    try:
+        with pytest.raises(ValueError, match="tokenizer"):
+            plain._prompt_fields(marked)
+    finally:
+        plain.close()
