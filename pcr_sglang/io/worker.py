@@ -298,13 +298,13 @@ class Worker:
         return self.shm.buf[start:start + self.slot_bytes]
 
     def read(self, order: ReadChunk) -> Optional[Done]:
-        """One read, on a reader thread (None: the remote thread answers it)."""
-        start = time.perf_counter()
+        """One read, on a reader thread (None: the remote thread answers it). The thread
+        sets the reply's ``seconds``."""
         try:
             if self.faults is not None:
                 time.sleep(self.faults.read_delay_s)
                 if self.faults.fail_reads:
-                    return Done(order.seq, IoOutcome.BAD, "test fault", seconds=time.perf_counter() - start)
+                    return Done(order.seq, IoOutcome.BAD, "test fault")
                 if self._rendezvous is not None:
                     try:
                         self._rendezvous.wait()
@@ -312,12 +312,11 @@ class Worker:
                         return Done(order.seq, IoOutcome.BAD, "test fault: reads did not overlap")
             ok = self.store.read_into(order.key, self.slot(order.host_slot))
         except OSError as e:
-            return Done(order.seq, IoOutcome.BAD, str(e), e.errno or 0, time.perf_counter() - start)
+            return Done(order.seq, IoOutcome.BAD, str(e), e.errno or 0)
         if not ok and self.remote is not None:
             self.remote.read(order)  # the remote thread answers it
             return None
-        return Done(order.seq, IoOutcome.OK if ok else IoOutcome.BAD,
-                    "" if ok else "missing or failed verification", seconds=time.perf_counter() - start)
+        return Done(order.seq, IoOutcome.OK if ok else IoOutcome.BAD, "" if ok else "missing or failed verification")
 
     def execute(self, order) -> Optional[Done]:
         """A write or a delete, on the main thread."""
@@ -391,12 +390,16 @@ class Worker:
                 self.execute(order)  # DeleteChunk: not acknowledged
                 deletes += 1
 
+    def _write_ready(self, urgent: collections.deque, reads: collections.deque, writes: collections.deque) -> bool:
+        """A write may run: no read waits, and none of its chunk runs."""
+        return bool(writes) and not urgent and not reads and not self.readers.reading(writes[0].key)
+
     def _ready(self, urgent: collections.deque, reads: collections.deque, writes: collections.deque) -> bool:
-        """Work the main thread can do without waiting for a reader thread: a write once no
-        read waits (and none of its key runs), or more deletes of a long run of them."""
+        """Work the main thread can do without waiting for a reader thread: a write, or more
+        deletes of a long run of them."""
         if reads and isinstance(reads[0], DeleteChunk):
             return not self.readers.reading(reads[0].key)
-        return bool(writes) and not urgent and not reads and not self.readers.reading(writes[0].key)
+        return self._write_ready(urgent, reads, writes)
 
     def reorder(self, request: Reorder, urgent: collections.deque, reads: collections.deque) -> None:
         """Expedite a queued prefetch read, or cancel a queued read (a read that a request
@@ -464,7 +467,7 @@ class Worker:
                     else:
                         (writes if isinstance(order, WriteChunk) else reads).append(order)
             self.dispatch_reads(urgent, reads)
-            if writes and not urgent and not reads and not self.readers.reading(writes[0].key):
+            if self._write_ready(urgent, reads, writes):
                 done = self.execute(writes.popleft())
                 if done is not None:
                     self.replies.send(reply_encoder.encode(done))
