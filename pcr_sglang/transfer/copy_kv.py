@@ -3,7 +3,8 @@
 The device pool is token-indexed (``k_buffer[layer][token_slot]``, one row per token);
 the host pool is chunk-slot-indexed (see :mod:`pcr_sglang.transfer.layout`). A transfer
 names, for each chunk, its host slot and its ``chunk_size`` device token slots (any
-order, not contiguous). Both directions, any dtype: rows are copied as bytes.
+order, not contiguous). Both directions, any dtype: rows are copied as raw bytes (on CPU
+as the widest integer words that tile them).
 
 On CUDA the copy is a Triton kernel, one program per (token, block of row bytes), which
 reads a pinned host buffer directly and runs on whatever stream is current (the
@@ -36,6 +37,22 @@ def _byte_rows(buffer: torch.Tensor, row_bytes: int) -> torch.Tensor:
     return buffer.view(torch.uint8).reshape(-1, row_bytes)
 
 
+# Rows are moved as the widest integer words that tile them: torch's gather and scatter
+# move one element at a time, so 8-byte words copy a 768-byte row about 4x faster than
+# its bytes (measured on the 2-core CI machine, SmolLM2's fp32 rows).
+_WORDS = (torch.int64, torch.int32, torch.int16)
+
+
+def _as_words(rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """``rows`` (uint8, ``[n, row_bytes]``, contiguous) viewed as ``[n, row_bytes / w]``
+    words of the widest size ``w`` its length and alignment allow."""
+    for dtype in _WORDS:
+        size = torch.empty((), dtype=dtype).element_size()
+        if row_bytes % size == 0 and rows.data_ptr() % size == 0:
+            return rows.view(dtype)
+    return rows
+
+
 def _check(layout: HostChunkLayout, host: torch.Tensor, token_slots: torch.Tensor,
            host_slots: torch.Tensor, layer: int) -> None:
     if host.dtype != torch.uint8 or host.numel() != layout.total_bytes:
@@ -52,21 +69,28 @@ def _check(layout: HostChunkLayout, host: torch.Tensor, token_slots: torch.Tenso
 def copy_layer_torch(direction: Direction, device_k: torch.Tensor, device_v: torch.Tensor,
                      host: torch.Tensor, token_slots: torch.Tensor, host_slots: torch.Tensor,
                      layer: int, layout: HostChunkLayout) -> None:
-    """Reference and CPU path."""
+    """Reference and CPU path: per K and V, one gather and one scatter over all chunks
+    (a chunk's layer block is contiguous on the host, so one index per chunk names it).
+    ``host_slots`` must not repeat (a scatter into one slot twice has no order)."""
     _check(layout, host, token_slots, host_slots, layer)
     if host_slots.numel() == 0:
         return
-    host_view = host.view(layout.shape)
-    chunk = layout.chunk_size
-    slot_of_token = host_slots.to(host.device, torch.int64).repeat_interleave(chunk)
-    pos_in_chunk = torch.arange(token_slots.numel(), device=host.device) % chunk
+    chunks, chunk = host_slots.numel(), layout.chunk_size
+    host_rows = _as_words(host.view(-1, layout.row_bytes), layout.row_bytes)
+    host_view = host_rows.view(layout.num_slots, layout.num_layers, 2, chunk, -1)
+    slots = host_slots.to(host.device, torch.int64)
     rows = token_slots.to(device_k.device, torch.int64)
     for kv, device in ((0, device_k), (1, device_v)):
         dev_rows = _byte_rows(device, layout.row_bytes)
+        if dev_rows.data_ptr() % host_rows.element_size() == 0:
+            dev_rows = dev_rows.view(host_rows.dtype)
+            words = host_view
+        else:  # an odd device alignment: both sides as bytes
+            words = host.view(layout.shape)
         if direction == Direction.DEVICE_TO_HOST:
-            host_view[slot_of_token, layer, kv, pos_in_chunk] = dev_rows[rows].to(host.device)
+            words[slots, layer, kv] = dev_rows[rows].view(chunks, chunk, -1).to(host.device)
         else:
-            dev_rows[rows] = host_view[slot_of_token, layer, kv, pos_in_chunk].to(device.device)
+            dev_rows[rows] = words[slots, layer, kv].reshape(chunks * chunk, -1).to(device.device)
 
 
 def _triton_kernel():

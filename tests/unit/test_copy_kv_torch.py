@@ -15,6 +15,28 @@ def test_torch_copy_matches_reference(dtype, direction, chunk_size, num_chunks):
     check(copy_layer_torch, dtype, chunk_size, num_chunks, direction)
 
 
+@pytest.mark.parametrize("direction", list(Direction))
+@pytest.mark.parametrize("heads, head_dim, misalign, words", [(4, 4, 0, torch.int64), (3, 5, 0, torch.int32),
+                                                               (4, 4, 1, torch.int64)],
+                         ids=["8-byte-words", "4-byte-words", "misaligned-device-bytes"])
+def test_rows_moved_as_words_or_bytes_match_the_reference(direction, heads, head_dim, misalign, words):
+    """The copy moves rows as the widest words they tile, and as bytes where the device
+    buffer's address does not allow words (a view one fp32 element into a buffer)."""
+    from pcr_sglang.transfer.copy_kv import _as_words
+    from tests.kernels.copy_kv_cases import reference
+
+    layout, k, v, host, token_slots, host_slots = make_case(torch.float32, 4, 3, heads=heads, head_dim=head_dim)
+    if misalign:
+        k = torch.cat([torch.zeros(1), k.reshape(-1)])[1:].view(k.shape)  # data_ptr 4 bytes past 8-alignment
+        assert k.is_contiguous() and k.data_ptr() % 8 == 4
+    assert _as_words(host.view(-1, layout.row_bytes), layout.row_bytes).dtype == words
+    want_k, want_v, want_host = reference(direction, k, v, host, token_slots, host_slots, 1, layout)
+    copy_layer_torch(direction, k, v, host, token_slots, host_slots, 1, layout)
+    as_bytes = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731 - random host bytes may be NaNs
+    assert torch.equal(host, want_host)
+    assert torch.equal(as_bytes(k), as_bytes(want_k)) and torch.equal(as_bytes(v), as_bytes(want_v))
+
+
 def test_round_trip_through_host_restores_kv():
     layout, k, v, host, token_slots, host_slots = make_case(torch.bfloat16, 8, 3)
     original_k, original_v = k.clone(), v.clone()

@@ -94,6 +94,63 @@ def test_an_offload_runs_only_in_a_batch_of_its_own_request():
     assert engine.planned_offloads == 0 and engine.offload_ran(2) and engine.host_slot_ready(2)
 
 
+def test_a_batchs_offloads_and_loads_are_copied_together_layer_by_layer(monkeypatch):
+    """Several requests' chunks (one transfer each) are copied with one copy per layer and
+    direction, each byte where the per-chunk copies put it; a load and an offload in
+    the same batch stay apart."""
+    import pcr_sglang.transfer.engine as engine_module
+
+    calls = []
+    real = engine_module.copy_layer
+    monkeypatch.setattr(engine_module, "copy_layer",
+                        lambda direction, *args: calls.append((direction, args[-2])) or real(direction, *args))
+    engine, kv, host = make_engine("both")
+    chunks = {"r1": ([7, 8, 9, 30], 2), "r2": ([40, 41, 42, 43], 0), "r3": ([1, 12, 3, 60], 5)}
+    for owner, (slots, host_slot) in chunks.items():
+        engine.plan_offload(owner, torch.tensor(slots), host_slot)
+    load_slots = torch.tensor([20, 21, 22, 23])
+    engine.load(load_slots, [4])
+    loaded = {(layer, i): host_rows(host, 4, layer, i).clone() for layer in range(LAYERS) for i in (0, 1)}
+    engine.begin_batch(list(chunks))
+    for layer in range(LAYERS):
+        engine.wait_until(layer)  # the forward reads layer `layer` (the load), then writes it
+        for owner, (slots, _) in chunks.items():
+            kv[layer][0][torch.tensor(slots)] = float(layer + 1) + int(owner[1]) / 10
+            kv[layer][1][torch.tensor(slots)] = -float(layer + 1) - int(owner[1]) / 10
+        engine.on_layer_written(layer)
+    engine.end_batch()
+    for layer in range(LAYERS):
+        for owner, (_, host_slot) in chunks.items():
+            assert torch.all(host_rows(host, host_slot, layer, 0) == float(layer + 1) + int(owner[1]) / 10)
+            assert torch.all(host_rows(host, host_slot, layer, 1) == -float(layer + 1) - int(owner[1]) / 10)
+        assert torch.equal(kv[layer][0][load_slots], loaded[(layer, 0)])
+        assert torch.equal(kv[layer][1][load_slots], loaded[(layer, 1)])
+    # One copy per layer for the three offloads, one per layer for the load.
+    assert sorted(calls) == sorted([(d, layer) for layer in range(LAYERS) for d in (0, 1)])
+    assert all(engine.host_slot_ready(slot) for _, slot in chunks.values()) and engine.host_slot_ready(4)
+
+
+def test_offloads_naming_one_host_slot_twice_are_copied_one_transfer_at_a_time(monkeypatch):
+    """A merged scatter into one slot twice has no defined order (torch's CPU scatter
+    happens to keep the last write, a GPU kernel need not): such a group is copied
+    transfer by transfer, so the offload planned last wins, as it did one at a time."""
+    import pcr_sglang.transfer.engine as engine_module
+
+    calls = []
+    real = engine_module.copy_layer
+    monkeypatch.setattr(engine_module, "copy_layer",
+                        lambda direction, *args: calls.append(args[-2]) or real(direction, *args))
+    engine, kv, host = make_engine("offload")
+    kv[0][0][torch.tensor([1, 2, 3, 4])] = 1.0
+    kv[0][0][torch.tensor([5, 6, 7, 8])] = 2.0
+    engine.plan_offload("a", torch.tensor([1, 2, 3, 4]), 3)
+    engine.plan_offload("b", torch.tensor([5, 6, 7, 8]), 3)
+    engine.begin_batch(["a", "b"])
+    engine.end_batch()
+    assert torch.all(host_rows(host, 3, 0, 0) == 2.0)
+    assert sorted(calls) == sorted(list(range(LAYERS)) * 2)  # each transfer's own copy, per layer
+
+
 def test_end_batch_finishes_an_offload_whose_layers_were_written_without_the_hook():
     engine, kv, host = make_engine("offload")
     slots = torch.tensor([1, 2, 3, 4])
