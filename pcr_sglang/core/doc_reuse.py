@@ -23,7 +23,10 @@ K tokens of each re-placed document, whose canonical KV made them attention sink
 most from full prefill's (the adapter measures that). SGLang extends a contiguous suffix of
 a request's row, so the recomputed tokens move behind the kept ones:
 ``row = [exact prefix ‖ kept reused tokens ‖ recomputed tokens ‖ the rest]``, each
-computed at its true position under a position-causal mask (:class:`RowOrder`).
+computed at its true position under a position-causal mask (:class:`RowOrder`). The same
+row carries *gaps*: a document whose canonical KV is not cached, after a reused one, is
+computed in place like recomputed tokens, and the documents after it are still reused (a
+prefix of cached documents would stop at the first new one).
 
 This module only parses and plans; the adapter copies (``sglang_adapter/doc_reuse``).
 """
@@ -181,8 +184,9 @@ class CopySegment:
 
 @dataclass(frozen=True)
 class ReusePlan:
-    """What a request reuses beyond its exact prefix: segments cover ``[start, end)``
-    without gaps; KV is exact (delta 0, right after ``S``) up to ``exact_end``."""
+    """What a request reuses beyond its exact prefix: segments and ``gaps`` (computed in
+    place, see :func:`plan_reuse`) cover ``[start, end)``; KV is exact (delta 0, right
+    after ``S``) up to ``exact_end``."""
 
     segments: tuple[CopySegment, ...]
     start: int
@@ -192,15 +196,33 @@ class ReusePlan:
     # planning for ``lego``; chosen at admission for ``blend``, from measured deviation).
     recompute_count: int = 0
     recompute: tuple[int, ...] = ()
+    gaps: tuple[tuple[int, int], ...] = ()  # request ranges [start, end) with no cached KV
 
     @property
     def tokens(self) -> int:
         return self.end - self.start
 
     @property
+    def gap_tokens(self) -> int:
+        return sum(end - start for start, end in self.gaps)
+
+    @property
+    def reused_tokens(self) -> int:
+        """Tokens the segments copy (recomputed ones included)."""
+        return self.tokens - self.gap_tokens
+
+    @property
     def prefix_tokens(self) -> int:
-        """Tokens that join the request's cached prefix (the recomputed ones are extended)."""
-        return self.tokens - self.recompute_count
+        """Tokens that join the request's cached prefix (recomputed and gap tokens are extended)."""
+        return self.reused_tokens - self.recompute_count
+
+    def gap_positions(self) -> list[int]:
+        return [p for start, end in self.gaps for p in range(start, end)]
+
+    def extended_positions(self) -> list[int]:
+        """Positions inside ``[start, end)`` the request computes: recomputed and gap
+        tokens, ascending (known once ``recompute`` is chosen)."""
+        return sorted({*self.recompute, *self.gap_positions()})
 
     @property
     def rotated_tokens(self) -> int:
@@ -216,30 +238,44 @@ class ReusePlan:
 
 
 def plan_reuse(spans: Sequence[DocSpan], exact_len: int, limit: int,
-               canonical_cached: Callable[[DocSpan], bool]) -> Optional[ReusePlan]:
+               canonical_cached: Callable[[DocSpan], bool], fill_gaps: bool = False) -> Optional[ReusePlan]:
     """Extend an exact prefix of ``exact_len`` tokens with canonical document KV.
 
-    Reuse starts where the exact prefix ends and goes document by document while each
-    document's canonical chain is cached and the next document follows without a gap
-    (tokens between documents are nobody's canonical KV), never past ``limit`` (SGLang
-    computes at least the last prompt token, and fewer with logprobs requested earlier).
-    The leading tokens still missing from the exact prefix, if any, come from the first
-    document's chain at delta 0. Returns None when nothing beyond the exact prefix can be
-    reused. ``canonical_cached`` only looks (it is called while matching).
+    Reuse starts where the exact prefix ends and goes document by document, never past
+    ``limit`` (SGLang computes at least the last prompt token, and fewer with logprobs
+    requested earlier). The leading tokens still missing from the exact prefix, if any,
+    come from the first reused document's chain at delta 0 (every canonical chain starts
+    with them). Tokens between reused documents that are nobody's cached canonical KV (a
+    document not cached, or tokens between documents) are *gaps*: without ``fill_gaps``
+    reuse stops at the first one; with it, a gap *after a reused document* is computed in
+    place at its true positions (the row is permuted as for recompute, :class:`RowOrder`)
+    and reuse goes on with the next cached document, so one new document no longer costs
+    the reuse of every document after it. A gap right after the exact prefix still ends
+    the plan: that request is prefilled in order, exactly, and its whole prefix enters the
+    tree, where the next request with the same leading documents finds it (computed in a
+    permuted row, its KV past the leading tokens would stay out of the tree, and its
+    output would be blended although nothing before the new document was reused).
+    Returns None when nothing beyond the exact prefix can be reused. ``canonical_cached``
+    only looks (it is called while matching).
     """
     if not spans:
         return None
     leading = spans[0].start
     segments: list[CopySegment] = []
-    position = exact_len
+    gaps: list[tuple[int, int]] = []
+    position = exact_len  # [exact_len, position) is planned: segments and gaps
+    reused_document = False  # a gap is filled only behind a document reused here
     for span in spans:
         if span.end <= position:
             continue  # already inside the exact prefix
-        if span.start > max(position, leading):
-            break  # a gap: its tokens must be computed, and everything after them
         if position >= limit:
             break
+        filling = fill_gaps and reused_document
+        if span.start > max(position, leading) and (not filling or span.start >= limit):
+            break  # a gap: its tokens must be computed, and everything after them
         if not canonical_cached(span):
+            if filling:
+                continue  # computed in place, if a later document is reused
             break
         if position < leading:  # the tail of S, from this document's chain (exact)
             tail_end = min(leading, limit)
@@ -247,9 +283,15 @@ def plan_reuse(spans: Sequence[DocSpan], exact_len: int, limit: int,
             position = tail_end
             if position >= limit:
                 break
+        if span.start > position:
+            if span.start >= limit:
+                break  # nothing after the gap could be reused
+            gaps.append((position, span.start))
+            position = span.start
         end = min(span.end, limit)
         segments.append(CopySegment(span.index, position, end, leading + position - span.start))
         position = end
+        reused_document = True
     if position <= exact_len:
         return None
     exact_end = exact_len
@@ -257,7 +299,7 @@ def plan_reuse(spans: Sequence[DocSpan], exact_len: int, limit: int,
         if segment.delta != 0 or segment.start != exact_end:
             break
         exact_end = segment.end
-    return ReusePlan(tuple(segments), exact_len, position, exact_end)
+    return ReusePlan(tuple(segments), exact_len, position, exact_end, gaps=tuple(gaps))
 
 
 def with_recompute(plan: ReusePlan, spans: Sequence[DocSpan], recompute: Recompute) -> Optional[ReusePlan]:
@@ -277,7 +319,7 @@ def with_recompute(plan: ReusePlan, spans: Sequence[DocSpan], recompute: Recompu
         chosen, count = (), min(rotated, int(round(recompute.ratio * rotated)))
     if count == 0:
         return plan
-    if count >= plan.tokens:
+    if count >= plan.reused_tokens:
         return None
     return replace(plan, recompute_count=count, recompute=chosen)
 
@@ -311,9 +353,11 @@ class RowOrder:
 
 
 def row_order(plan: ReusePlan) -> Optional[RowOrder]:
-    """The row of a plan whose recompute set is chosen (None without recompute)."""
-    if not plan.recompute:
+    """The row of a plan whose recompute set is chosen (None when it computes nothing
+    inside ``[start, end)``: neither recomputed nor gap tokens)."""
+    extended = plan.extended_positions()
+    if not extended:
         return None
-    chosen = set(plan.recompute)
-    kept = [p for p in range(plan.start, plan.end) if p not in chosen]
-    return RowOrder(plan.start, tuple(kept + sorted(chosen)))
+    computed = set(extended)
+    kept = [p for p in range(plan.start, plan.end) if p not in computed]
+    return RowOrder(plan.start, tuple(kept + extended))

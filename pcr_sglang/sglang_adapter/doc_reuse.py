@@ -19,7 +19,10 @@ it carries a host hit, so its admission budget, locks and row writing apply unch
   recomputed ones' slots are freed at admission, and they are extended at their true
   positions behind the kept ones (:class:`pcr_sglang.core.doc_reuse.RowOrder`,
   :mod:`pcr_sglang.sglang_adapter.permuted_rows`); ``blend`` picks them with the layer-1
-  probe (:mod:`pcr_sglang.sglang_adapter.blend_probe`).
+  probe (:mod:`pcr_sglang.sglang_adapter.blend_probe`);
+* with ``fill_gaps`` (every mode where the attention takes permuted rows), a document that
+  is not cached, between reused ones, is extended in place the same way, and the
+  documents after it are still reused.
 
 The cache state still owns every tree chunk: this module reads residency, locks chains
 while it copies from them, and allocates and frees only its private slots.
@@ -37,6 +40,7 @@ from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.doc_reuse import (
     CANONICAL_PARAM,
     DOC_BOUNDS_PARAM,
+    RECOMPUTE_MODES,
     DocBoundsError,
     DocSpan,
     Recompute,
@@ -66,6 +70,7 @@ class DocReuseStats:
     tokens_reused: int = 0
     tokens_rotated: int = 0  # of those, moved to another position (delta != 0)
     tokens_recomputed: int = 0  # re-placed tokens recomputed instead (lego, blend)
+    gap_tokens: int = 0  # tokens between reused documents with no cached KV, computed in place
     load_failures: int = 0  # planned but not loadable at admission (recomputed)
     malformed: int = 0  # bounds the scheduler could not use (the HTTP server checks them first)
 
@@ -107,10 +112,14 @@ class DocReuse:
     def __init__(self, state: CacheState, recompute: Recompute, chunk_size: int, pad_token_id: int,
                  rope: RopeSpec, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], allocator: Any,
                  root_key: Callable[[Optional[str], Optional[str]], bytes],
-                 free_slots: Callable[[torch.Tensor], None], probe: Optional[Layer1Probe] = None):
+                 free_slots: Callable[[torch.Tensor], None], probe: Optional[Layer1Probe] = None,
+                 fill_gaps: bool = False):
         self.state = state
         self.server = recompute
         self.mode = recompute.mode
+        # Compute a document that is not cached in place and go on reusing the ones after
+        # it (a permuted row, as recompute has): needs the position-causal attention.
+        self.fill_gaps = fill_gaps or recompute.mode in RECOMPUTE_MODES
         self.probe = probe  # blend's selection (built for the recompute modes)
         self.chunk = chunk_size
         self.pad_token_id = pad_token_id
@@ -161,7 +170,7 @@ class DocReuse:
             chains[span.index] = match.nodes
             return True
 
-        plan = plan_reuse(entry.spans, exact_len, len(tokens), cached)
+        plan = plan_reuse(entry.spans, exact_len, len(tokens), cached, fill_gaps=self.fill_gaps)
         entry.plan = with_recompute(plan, entry.spans, entry.recompute) if plan is not None else None
         entry.chains = chains
         return entry.plan
@@ -234,7 +243,7 @@ class DocReuse:
                 self.state.unlock(node)
         for doc in dict.fromkeys(s.doc for s in plan.segments):  # reused: recently used, for the LRU
             self.state.match(iter(entry.chain_keys[doc]))
-        if plan.recompute_count:
+        if plan.recompute_count or plan.gaps:
             try:
                 slots = self._keep_unrecomputed(req, entry, prefix_node, slots)
             except Exception:  # noqa: BLE001 - a failed probe recomputes the request, never loses slots
@@ -248,16 +257,15 @@ class DocReuse:
 
     def _keep_unrecomputed(self, req: Any, entry: _Planned, prefix_node: ChunkNode,
                            slots: torch.Tensor) -> torch.Tensor:
-        """Choose the recomputed tokens (``blend``: by the probe), free their slots, and
-        lay out the row; returns the kept tokens' slots, in position order."""
+        """Choose the recomputed tokens (``blend``: by the probe), free their slots and the
+        gaps', and lay out the row; returns the kept tokens' slots, in position order."""
         plan = entry.plan
         assert plan is not None
-        chosen = plan.recompute
-        if not chosen:
+        if plan.recompute_count and not plan.recompute:
             chosen = self._blend_selection(req, plan, prefix_node, slots)
             plan = entry.plan = replace(plan, recompute=chosen)
         keep = torch.ones(plan.tokens, dtype=torch.bool)
-        keep[torch.tensor([p - plan.start for p in chosen], dtype=torch.int64)] = False
+        keep[torch.tensor([p - plan.start for p in plan.extended_positions()], dtype=torch.int64)] = False
         keep = keep.to(slots.device)
         entry.row = row_order(plan)
         kept = slots[keep]
@@ -290,16 +298,20 @@ class DocReuse:
         return False
 
     def _copy(self, plan: ReusePlan, chains: dict[int, list[ChunkNode]], slots: torch.Tensor) -> None:
-        sources, deltas = [], []
+        """Each segment's canonical KV into its offset of ``slots`` (gaps get nothing)."""
+        sources, targets, deltas = [], [], []
         for segment in plan.segments:
             chain_slots = torch.cat([n.device_value for n in chains[segment.doc]])
             sources.append(chain_slots[segment.source_start: segment.source_start + segment.length])
+            offset = segment.start - plan.start
+            targets.append(slots[offset: offset + segment.length])
             deltas.append(torch.full((segment.length,), segment.delta, dtype=torch.int64))
         src = torch.cat(sources).to(slots.device)
+        dst = torch.cat(targets)
         delta = torch.cat(deltas).to(slots.device)
-        check_slots(src, slots, self.kv_layers[0][0].shape[0])  # once, not per layer (a device sync)
+        check_slots(src, dst, self.kv_layers[0][0].shape[0])  # once, not per layer (a device sync)
         for k_buffer, v_buffer in self.kv_layers:
-            replace_layer(k_buffer, v_buffer, src, slots, delta, self.rope, verify_slots=False)
+            replace_layer(k_buffer, v_buffer, src, dst, delta, self.rope, verify_slots=False)
 
     # ------------------------------------------------------------------ the request's row
     def private_slots(self, rid: str) -> Optional[torch.Tensor]:
@@ -321,6 +333,7 @@ class DocReuse:
             self.stats.tokens_reused += plan.prefix_tokens
             self.stats.tokens_rotated += plan.rotated_tokens - plan.recompute_count
             self.stats.tokens_recomputed += plan.recompute_count
+            self.stats.gap_tokens += plan.gap_tokens
 
     def reused(self, rid: str) -> Optional[ReusePlan]:
         """The plan ``rid`` was loaded with, if any."""

@@ -106,9 +106,12 @@ def layer0_self_test(model: Any, spec: RopeSpec, kv_dtype: torch.dtype) -> Optio
 
 
 def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, allocator: Any, tp_worker: Any,
-                     hf_config: Any, tp_size: int = 1) -> Optional[DocReuse]:
+                     hf_config: Any, tp_size: int = 1, row_flags_problem: Optional[str] = None) -> Optional[DocReuse]:
     """The document-reuse side for ``--pcr-doc-reuse`` (None when off). Raises
-    :class:`PCRConfigError` naming the flag when the model cannot support it."""
+    :class:`PCRConfigError` naming the flag when the model cannot support it.
+    ``row_flags_problem``: why the server's flags cannot run a permuted row
+    (``support_check.permuted_row_flags``); ``concat`` then stops reusing at the first
+    document that is not cached instead of computing it in place."""
     if config.doc_reuse == "off":
         return None
     flag = f"--pcr-doc-reuse {config.doc_reuse}"
@@ -140,18 +143,23 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
         if problem is not None:
             raise PCRConfigError(f"{flag} is refused: {problem}")
         probe = Layer1Probe(model, kv_layers)
+        fill_gaps = True
+    else:
+        gap_problem = row_flags_problem or permuted_row_support(tp_worker, tp_size)
+        fill_gaps = gap_problem is None
+        if not fill_gaps:
+            logger.info("PCR document reuse (concat): a request's reuse stops at its first document that is not "
+                        "cached; computing that document in place needs a permuted row (%s)", gap_problem)
     pad = doc_pad_token_id(hf_config)
     logger.info("PCR document reuse: mode %s, RoPE %s, layer-0 self-test passed, pad token %d",
                 config.doc_reuse, spec.signature(), pad)
     return DocReuse(state, config.doc_recompute(), config.chunk_size, pad, spec, kv_layers, allocator,
-                    scheduler.root_key, scheduler.free_private, probe=probe)
+                    scheduler.root_key, scheduler.free_private, probe=probe, fill_gaps=fill_gaps)
 
 
-def recompute_support(tp_worker: Any, model: Any, tp_size: int) -> Optional[str]:
-    """None when this server can run the recompute modes (``lego`` and ``blend``: a
-    request on a recompute server may ask for either); else why not. They need an
-    attention backend that takes a position-causal mask over a permuted row, and
-    ``blend``'s layer-1 probe runs the model's first two layers on one rank."""
+def permuted_row_support(tp_worker: Any, tp_size: int) -> Optional[str]:
+    """None when this server's attention takes a position-causal mask over a permuted row
+    on one rank; else why not (what computing gap tokens in place needs)."""
     runner = getattr(tp_worker, "model_runner", None)
     backend = getattr(runner, "attn_backend", None)
     names = {type(backend).__name__}
@@ -161,8 +169,18 @@ def recompute_support(tp_worker: Any, model: Any, tp_size: int) -> Optional[str]
             names.add(type(inner).__name__)
     allowed = {"TorchNativeAttnBackend", "TritonAttnBackend"}
     if not names & allowed or any(n not in allowed and n != "HybridAttnBackend" for n in names):
-        return (f"recompute needs --attention-backend {' or '.join(RECOMPUTE_ATTENTION_BACKENDS)} (a position-causal "
+        return (f"a permuted row needs --attention-backend {' or '.join(RECOMPUTE_ATTENTION_BACKENDS)} (a position-causal "
                 f"mask over a permuted row); this server's is {', '.join(sorted(names))}")
     if tp_size > 1:
+        return "runs permuted rows on one rank only; --tp-size > 1 is not supported"
+    return None
+
+
+def recompute_support(tp_worker: Any, model: Any, tp_size: int) -> Optional[str]:
+    """None when this server can run the recompute modes (``lego`` and ``blend``: a
+    request on a recompute server may ask for either); else why not. They need an
+    attention backend that takes a position-causal mask over a permuted row, and
+    ``blend``'s layer-1 probe runs the model's first two layers on one rank."""
+    if tp_size > 1:
         return "blend's layer-1 probe runs on one rank; --tp-size > 1 is not supported (use concat)"
-    return probe_support(model)
+    return permuted_row_support(tp_worker, tp_size) or probe_support(model)

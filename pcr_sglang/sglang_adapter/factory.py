@@ -19,7 +19,7 @@ from pcr_sglang.sglang_adapter.fingerprint import cache_namespace
 from pcr_sglang.sglang_adapter.kv_events import PCRKvEvents
 from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
 from pcr_sglang.sglang_adapter.scheduler_side import SchedulerSide
-from pcr_sglang.sglang_adapter.support_check import collect_inputs, unsupported_reasons
+from pcr_sglang.sglang_adapter.support_check import collect_inputs, permuted_row_flags, unsupported_reasons
 from pcr_sglang.sglang_adapter.tp_group import TpGroup
 from pcr_sglang.sglang_adapter.worker_side import attach_worker_side
 from pcr_sglang.tiers.host_pool import HostChunkPool, HostPoolError
@@ -131,7 +131,8 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
     # this process builds the cache for.
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    reasons = unsupported_reasons(collect_inputs(resolving_view(ctx.server_args), config, ctx.model_config))
+    resolved = resolving_view(ctx.server_args)
+    reasons = unsupported_reasons(collect_inputs(resolved, config, ctx.model_config))
     if reasons:
         raise PCRConfigError("; ".join(reasons))
     namespace = cache_namespace(ctx.server_args, ctx.model_config, _kv_dtype_name(ctx), config.chunk_size,
@@ -140,7 +141,8 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
     try:
         cache.scheduler.docs = attach_doc_reuse(config, cache.state, cache.scheduler,
                                                 ctx.params.token_to_kv_pool_allocator, ctx.tp_worker,
-                                                ctx.model_config.hf_config, tp_size=ctx.tp_size)
+                                                ctx.model_config.hf_config, tp_size=ctx.tp_size,
+                                                row_flags_problem=permuted_row_flags(resolved))
     except BaseException:
         cache.scheduler.close()
         raise

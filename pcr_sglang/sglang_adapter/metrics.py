@@ -148,7 +148,8 @@ class PCRMetrics:
             "documents marked and reused (docs_marked, docs_reused), tokens whose KV was reused "
             "from a document's canonical chain (tokens_reused) and, of those, moved to another "
             "position (tokens_rotated), re-placed tokens recomputed instead (tokens_recomputed: "
-            "lego, blend), planned reuse not loadable at admission (load_failures), "
+            "lego, blend), tokens between reused documents with no cached KV, computed in place "
+            "(gap_tokens), planned reuse not loadable at admission (load_failures), "
             "bounds the scheduler could not use (malformed).",
             labelnames=names + ["kind"],
         )

@@ -39,7 +39,6 @@ from pcr_sglang.core.keys import ChunkKey, chunk_keys, root_key
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.io.protocol import ProbeRemote, ReadChunk, Reorder, WriteChunk
 from pcr_sglang.io.supervisor import IOSupervisor
-from pcr_sglang.core.doc_reuse import RECOMPUTE_MODES
 from pcr_sglang.sglang_adapter.doc_reuse import DocReuse, is_canonical_request
 from pcr_sglang.sglang_adapter.permuted_rows import permute_extend_inputs
 from pcr_sglang.sglang_adapter.requests import Hold, RequestRegistry
@@ -505,9 +504,10 @@ class SchedulerSide:
                 self.docs.written_into_row(req)
 
     def permute_extend_inputs(self, batch: Any) -> Optional[dict[int, torch.Tensor]]:
-        """After ``prepare_for_extend``: recompute requests' extend input in row order, and
-        their rows' positions for the forward (None when the batch has none)."""
-        if self.docs is None or self.docs.mode not in RECOMPUTE_MODES:
+        """After ``prepare_for_extend``: the extend input of requests with permuted rows
+        (recomputed or gap tokens) in row order, and their rows' positions for the forward
+        (None when the batch has none)."""
+        if self.docs is None or not self.docs.fill_gaps:  # no request's row is permuted
             return None
         return permute_extend_inputs(batch, self.docs.row)
 

@@ -153,31 +153,41 @@ DOC_REUSE_REFUSED_ROPE = {"dynamic": "dynamic NTK scaling (frequencies depend on
 RECOMPUTE_ATTENTION_BACKENDS = ("torch_native", "triton")
 
 
-def _recompute_flags(cfg: Any) -> Optional[str]:
-    """Why the flags cannot run a recompute mode (None if they can): its extend is a
-    permuted row under a position-causal mask, set where SGLang builds an eager extend."""
+def permuted_row_flags(cfg: Any) -> Optional[str]:
+    """Why these flags cannot run a permuted row (None if they can): its extend runs under
+    a position-causal mask, set where SGLang builds an eager extend. Recompute modes need
+    one; ``concat`` uses one to compute an uncached document in place between reused ones."""
     prefill = getattr(cfg, "prefill_attention_backend", None) or getattr(cfg, "attention_backend", None)
     if prefill is not None and prefill not in RECOMPUTE_ATTENTION_BACKENDS:
         return (f"recomputes tokens inside a permuted row, which needs the "
                 f"{' or '.join(RECOMPUTE_ATTENTION_BACKENDS)} attention backend for prefill; this server's is "
                 f"{prefill}: pass --attention-backend triton (GPU) or torch_native (CPU), or use concat")
-    if int(getattr(cfg, "tp_size", 1) or 1) > 1:
-        return "(a recompute mode: a request on it may ask for blend, whose layer-1 probe runs on one rank) " \
-               "does not support --tp-size > 1: use concat"
     if getattr(cfg, "enable_dp_attention", False):
         return "is not supported with --enable-dp-attention: use concat"
     if int(getattr(cfg, "dcp_size", 1) or 1) > 1:
         return "is not supported with decode context parallelism (its extend takes no custom mask): use concat"
     if getattr(cfg, "enable_pdmux", False):
         return "is not supported with --enable-pdmux (a split prefill runs one batch over several forwards)"
-    if getattr(cfg, "enable_lora", False) or getattr(cfg, "lora_paths", None):
-        return "(a recompute mode: blend's layer-1 probe runs the base model's layers) does not support LoRA " \
-               "adapters: use concat"
     graphs = getattr(cfg, "cuda_graph_config", None)
     prefill_graph = str(getattr(getattr(graphs, "prefill", None), "backend", "disabled") or "disabled")
     if prefill_graph.lower() not in ("disabled", "none"):
         return (f"sets extend positions and a position-causal mask per batch, which a captured prefill CUDA "
                 f"graph (backend {prefill_graph}) does not see: pass --disable-prefill-cuda-graph")
+    return None
+
+
+def _recompute_flags(cfg: Any) -> Optional[str]:
+    """Why the flags cannot run a recompute mode (None if they can): a permuted row, and
+    ``blend``'s layer-1 probe on one rank with the base model's layers."""
+    problem = permuted_row_flags(cfg)
+    if problem is not None:
+        return problem
+    if int(getattr(cfg, "tp_size", 1) or 1) > 1:
+        return "(a recompute mode: a request on it may ask for blend, whose layer-1 probe runs on one rank) " \
+               "does not support --tp-size > 1: use concat"
+    if getattr(cfg, "enable_lora", False) or getattr(cfg, "lora_paths", None):
+        return "(a recompute mode: blend's layer-1 probe runs the base model's layers) does not support LoRA " \
+               "adapters: use concat"
     return None
 
 

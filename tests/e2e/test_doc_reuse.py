@@ -55,6 +55,15 @@ def passages():
     return [a.text[:300] for a in articles[500:560]]
 
 
+@pytest.fixture(scope="module")
+def hf_model(tiny_model):
+    """The tiny model in Hugging Face transformers: the independent references below."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
 def _doc_counters(server: ServerProcess) -> dict:
     return server.pcr_state()["doc_reuse"]["counters"]
 
@@ -170,7 +179,7 @@ def test_concurrent_reuse_and_exact_requests_and_everything_balances(servers, to
     assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"]
     counters = state["doc_reuse"]["counters"]
     assert counters["docs_reused"] > 0
-    assert state["doc_reuse"]["mode"] == "blend"
+    assert state["doc_reuse"]["mode"] == "blend" and state["doc_reuse"]["fill_gaps"] is True
 
 
 def test_a_request_can_opt_out_on_a_server_with_reuse(servers, tokenizer, passages):
@@ -221,14 +230,11 @@ def _hf_concat_reference(model, prompt, max_new_tokens: int, shift: bool = True)
     return out
 
 
-def test_concat_outputs_equal_an_independent_reference(servers, tokenizer, passages, tiny_model):
+def test_concat_outputs_equal_an_independent_reference(servers, tokenizer, passages, hf_model):
     """Rotation, offsets and the question's positions, checked against an implementation
     that shares no code with PCR (and a negative control: the same reference without the
     position shift gives other tokens for most prompts, so the comparison can tell)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    model = hf_model
     docs = servers["docs"]
     pool = passages[50:56]
     rng = random.Random(3)
@@ -245,7 +251,7 @@ def test_concat_outputs_equal_an_independent_reference(servers, tokenizer, passa
 
 
 def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: int = 0, ratio: float = 0.0,
-                            positions: bool = True) -> tuple[list[int], list[int]]:
+                            positions: bool = True, gaps=()) -> tuple[list[int], list[int]]:
     """What lego and blend must compute, built with Hugging Face transformers: the concat
     KV (as in :func:`_hf_concat_reference`), then the recomputed tokens, lego's first ``k``
     of each re-placed document or blend's ``ratio`` of them whose layer-1 V deviates most
@@ -253,16 +259,19 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
     keeps its check layer's), dropped from the cache and run again with the question at
     their true positions under a position-causal 4-D mask. Returns the greedy answer and
     the recomputed positions. ``positions=False`` runs them at the positions their row slots
-    would have (the negative control: a missing position override)."""
+    would have (the negative control: a missing position override). ``gaps``: unmarked
+    token ranges between marked documents, computed in place with the recomputed tokens
+    (their KV here is a placeholder the cache drops)."""
     import torch
     from transformers import DynamicCache
 
     ids, bounds = prompt.input_ids, prompt.doc_bounds
     spans = list(zip(bounds[::2], bounds[1::2]))
     leading, end = spans[0][0], spans[-1][1]
+    gap_positions = [p for start, stop in gaps for p in range(start, stop)]
     with torch.no_grad():
         pieces = []
-        for n, (start, stop) in enumerate(spans):
+        for n, (start, stop) in enumerate(sorted(spans + list(gaps))):
             seq = torch.tensor([ids[:leading] + ids[start:stop]])
             cache = model(seq, position_ids=torch.arange(seq.shape[1]).unsqueeze(0) + (start - leading),
                           use_cache=True).past_key_values
@@ -281,6 +290,7 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
             chosen = sorted(index[torch.topk(deviation, count).indices].tolist())
             layers[1][0][:, :, index] = full.keys[:, :, index]
             layers[1][1][:, :, index] = full.values[:, :, index]
+        chosen = sorted({*chosen, *gap_positions})
         kept = [p for p in range(end) if p not in set(chosen)]
         cache = DynamicCache()
         for i, (keys, values) in enumerate(layers):
@@ -309,7 +319,7 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
     ("lego", {"pcr_doc_recompute_tokens": 6}, {"k": 6}),
     ("blend", {"pcr_doc_recompute_ratio": 0.3}, {"ratio": 0.3}),
 ], ids=["lego", "blend"])
-def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, passages, tiny_model, mode, custom,
+def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, passages, hf_model, mode, custom,
                                                           expected_kwargs):
     """Permuted rows, true positions, the position-causal mask and blend's layer-1 probe,
     checked against transformers (no code shared with PCR or SGLang's attention). Negative
@@ -318,10 +328,7 @@ def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, pa
     mask applied in the server, lego failed here.) The tiny model has two layers, so blend's
     probe makes every re-placed token exact at both and which tokens it picks cannot move
     the answer: the pick is checked in tests/unit/test_doc_reuse_setup.py."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    model = hf_model
     docs = servers["docs"]
     pool = passages[50:56]
     rng = random.Random(11)
@@ -342,6 +349,43 @@ def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, pa
         differs_concat += _generate(docs, prompt, marked=True, mode="concat")["output_ids"] != expected
     assert _doc_counters(docs)["tokens_recomputed"] - before["tokens_recomputed"] == recomputed
     assert differs_unplaced >= 3 and differs_concat >= 2, (differs_unplaced, differs_concat)
+
+
+@pytest.mark.parametrize("mode, custom, reference", [
+    ("concat", {}, ("lego", {"k": 0})),
+    ("lego", {"pcr_doc_recompute_tokens": 6}, ("lego", {"k": 6})),
+    ("blend", {"pcr_doc_recompute_ratio": 0.3}, ("blend", {"ratio": 0.3})),
+], ids=["concat", "lego", "blend"])
+def test_a_passage_with_no_cached_kv_between_reused_documents_is_computed_in_place(servers, tokenizer, passages,
+                                                                                 hf_model, mode, custom, reference):
+    """A prefix of cached documents would stop at the first one with no cached KV; here
+    the passage between two reused documents is unmarked (nobody's canonical KV), is
+    extended in place at its true positions, and the document after it is still reused.
+    Checked against transformers; negative control: reusing that passage's own canonical
+    KV instead (marking it) gives other tokens for some prompts. With the passage's tokens
+    treated as the end of the reuse (as before gap filling), the cached-token check fails."""
+    from pcr_sglang.doc_prompt import DocPrompt
+
+    model = hf_model
+    docs = servers["docs"]
+    pool = passages[40:46]
+    rng = random.Random(5)
+    differs_marked = 0
+    for i in range(4):
+        full = build_doc_prompt(tokenizer, "Gap check.", rng.sample(pool, 3), f"Point {i}?")
+        b = full.doc_bounds
+        prompt = DocPrompt(full.input_ids, b[:2] + b[4:])  # the middle passage unmarked
+        _generate(docs, prompt, marked=True, mode="concat")  # warm: both marked documents cached
+        before = _doc_counters(docs)["gap_tokens"]
+        out = _generate(docs, prompt, marked=True, mode=mode, **custom)
+        assert _doc_counters(docs)["gap_tokens"] - before == b[3] - b[2]
+        expected, chosen = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], reference[0],
+                                                   gaps=[(b[2], b[3])], **reference[1])
+        assert out["meta_info"]["cached_tokens"] == b[5] - len(chosen), i
+        assert out["output_ids"] == expected, i
+        marked_all, _ = _hf_recompute_reference(model, full, SAMPLING["max_new_tokens"], reference[0], **reference[1])
+        differs_marked += marked_all != expected
+    assert differs_marked >= 1, differs_marked
 
 
 @pytest.mark.parametrize("mode, custom", [("lego", {"pcr_doc_recompute_tokens": 100000}),

@@ -88,6 +88,45 @@ def test_plan_stops_at_the_first_document_not_cached_and_at_a_gap():
     assert _plan(gapped, 0, 45).end == 20
 
 
+def test_with_gap_filling_an_uncached_document_is_computed_in_place_and_the_next_reused():
+    plan = plan_reuse(SPANS, 0, 45, lambda s: s.index != 1, fill_gaps=True)
+    assert plan.segments == (CopySegment(0, 0, 5, 0), CopySegment(0, 5, 20, 5), CopySegment(2, 31, 40, 5))
+    assert plan.gaps == ((20, 31),) and plan.gap_tokens == 11
+    assert (plan.start, plan.end, plan.exact_end) == (0, 40, 20)
+    assert plan.reused_tokens == 29 and plan.prefix_tokens == 29 and plan.docs == 2
+    assert plan.rotated_positions() == list(range(31, 40))  # what recompute may pick: never a gap
+    # A gap right after the exact prefix is no gap to fill: the request is prefilled in
+    # order (exact, and its whole prefix enters the tree for the next request like it).
+    assert plan_reuse(SPANS, 0, 45, lambda s: s.index != 0, fill_gaps=True) is None
+    assert plan_reuse(SPANS, 20, 45, lambda s: s.index != 1, fill_gaps=True) is None
+    # Tokens between documents are a gap too; trailing documents not cached are no gap.
+    gapped = (DocSpan(0, 5, 20), DocSpan(1, 22, 30))
+    assert plan_reuse(gapped, 0, 45, lambda s: True, fill_gaps=True).gaps == ((20, 22),)
+    tail_new = plan_reuse(SPANS, 0, 45, lambda s: s.index == 0, fill_gaps=True)
+    assert tail_new.end == 20 and tail_new.gaps == ()
+    # A gap reaching the limit ends the plan before it; nothing cached: no plan.
+    assert plan_reuse(SPANS, 0, 30, lambda s: s.index != 1, fill_gaps=True).end == 20
+    assert plan_reuse(SPANS, 0, 45, lambda s: False, fill_gaps=True) is None
+
+
+def test_gap_tokens_are_extended_in_the_permuted_row_with_the_recomputed_ones():
+    plan = plan_reuse(SPANS, 0, 45, lambda s: s.index != 1, fill_gaps=True)
+    row = row_order(plan)  # concat: only the gap is extended
+    assert row.positions == tuple(range(0, 20)) + tuple(range(31, 40)) + tuple(range(20, 31))
+    lego = with_recompute(plan, SPANS, Recompute("lego", tokens=2))
+    assert lego.recompute == (31, 32) and lego.prefix_tokens == 29 - 2
+    assert lego.extended_positions() == list(range(20, 33))
+    assert row_order(lego).positions == tuple(range(0, 20)) + tuple(range(33, 40)) + tuple(range(20, 33))
+    blend = with_recompute(plan, SPANS, Recompute("blend", ratio=0.5))
+    assert blend.recompute_count == 4 and blend.prefix_tokens == 25  # half of the 9 re-placed (rounded)
+    # Recomputing every re-placed token leaves the exact part to reuse; with no exact part, no plan.
+    assert with_recompute(plan, SPANS, Recompute("blend", ratio=1.0)).prefix_tokens == 20
+    four = (*SPANS, DocSpan(3, 40, 44))  # exact prefix through document 0; 1 reused, 2 new, 3 reused
+    behind = plan_reuse(four, 20, 45, lambda s: s.index != 2, fill_gaps=True)
+    assert behind.gaps == ((31, 40),) and behind.rotated_positions() == [*range(20, 31), *range(40, 44)]
+    assert with_recompute(behind, four, Recompute("blend", ratio=1.0)) is None
+
+
 def test_plan_never_reaches_the_limit_sglang_computes_from():
     assert _plan(SPANS, 0, limit=25).end == 25
     assert _plan(SPANS, 0, limit=3).end == 3  # only leading tokens (exact) before the limit

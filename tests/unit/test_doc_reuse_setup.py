@@ -101,6 +101,47 @@ def test_recompute_needs_a_masking_backend_one_rank_and_a_probe_able_model():
         worker(FlashInferAttnBackend()), None, 1)
     assert "--tp-size > 1" in recompute_support(worker(native), None, 2)
     assert "no model.embed_tokens" in recompute_support(worker(native), SimpleNamespace(), 1)
+    # What concat needs to compute an uncached document in place: the mask, one rank; no probe.
+    from pcr_sglang.sglang_adapter.doc_reuse_setup import permuted_row_support
+
+    assert permuted_row_support(worker(native), 1) is None
+    assert "needs --attention-backend torch_native or triton" in permuted_row_support(
+        worker(FlashInferAttnBackend()), 1)
+    assert "--tp-size > 1" in permuted_row_support(worker(native), 2)
+
+
+@pytest.mark.parametrize("backend, tp_size, flags_problem, fills", [
+    ("torch_native", 1, None, True),
+    ("flashinfer", 1, None, False),
+    ("torch_native", 2, None, False),
+    ("torch_native", 1, "is not supported with --enable-pdmux", False),
+], ids=["torch-native", "flashinfer", "tp2", "pdmux"])
+def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows(backend, tp_size, flags_problem,
+                                                                                fills, caplog):
+    """``attach_doc_reuse`` for ``concat``: a document with no cached KV between reused
+    ones is computed in place only where the attention takes a position-causal mask on
+    one rank and the flags allow a permuted row; elsewhere reuse stops at it, logged."""
+    import logging
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from pcr_sglang.config import PCRConfig
+    from pcr_sglang.sglang_adapter.doc_reuse_setup import attach_doc_reuse
+
+    class FlashInferAttnBackend:
+        pass
+
+    attn = object.__new__(TorchNativeAttnBackend) if backend == "torch_native" else FlashInferAttnBackend()
+    kv = SimpleNamespace(k_buffer=[torch.zeros(8, KV_HEADS, HEAD_DIM)], v_buffer=[torch.zeros(8, KV_HEADS, HEAD_DIM)])
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=_model(), attn_backend=attn))
+    scheduler = SimpleNamespace(root_key=lambda extra_key, salt: b"root", free_private=lambda slots: None)
+    with caplog.at_level(logging.INFO, logger="pcr_sglang.sglang_adapter.doc_reuse_setup"):
+        docs = attach_doc_reuse(PCRConfig(enabled=True, doc_reuse="concat"), None, scheduler,
+                                SimpleNamespace(get_kvcache=lambda: kv), worker, SimpleNamespace(),
+                                tp_size=tp_size, row_flags_problem=flags_problem)
+    assert docs.fill_gaps is fills
+    assert ("reuse stops at its first document that is not cached" in caplog.text) is not fills
 
 
 def test_blend_picks_the_most_deviating_re_placed_tokens_and_refreshes_only_those():
@@ -188,7 +229,7 @@ def test_a_load_that_did_not_go_through_leaves_no_row_order_behind():
     docs = object.__new__(DocReuse)
     docs.free_slots = freed.append
     docs.stats = DocReuseStats()
-    docs.chunk, docs.pad_token_id = 4, 0
+    docs.chunk, docs.pad_token_id, docs.fill_gaps = 4, 0, True
     docs.root_key = lambda extra_key, salt: b"root"
     docs.state = SimpleNamespace(match=lambda keys, touch=False: SimpleNamespace(device=0, host=0, nodes=[]))
     entry = _Planned((DocSpan(0, 2, 6), DocSpan(1, 6, 10)), Recompute("lego", 2))
