@@ -143,7 +143,7 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
         if problem is not None:
             raise PCRConfigError(f"{flag} is refused: {problem}")
         probe = Layer1Probe(model, kv_layers)
-        fill_gaps = True
+        fill_gaps = True  # DocReuse fills gaps in every recompute mode (its rows are permuted anyway)
     else:
         gap_problem = row_flags_problem or permuted_row_support(tp_worker, tp_size)
         fill_gaps = gap_problem is None

@@ -47,8 +47,7 @@ def _as_words(rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """``rows`` (uint8, ``[n, row_bytes]``, contiguous) viewed as ``[n, row_bytes / w]``
     words of the widest size ``w`` its length and alignment allow."""
     for dtype in _WORDS:
-        size = torch.empty((), dtype=dtype).element_size()
-        if row_bytes % size == 0 and rows.data_ptr() % size == 0:
+        if row_bytes % dtype.itemsize == 0 and rows.data_ptr() % dtype.itemsize == 0:
             return rows.view(dtype)
     return rows
 

@@ -165,7 +165,8 @@ class TransferEngine:
             pending = [t for t in pending if t.next_layer <= last]
         done = [t for t in transfers if t.next_layer == self.num_layers]
         if done:
-            for key in [key for key in self._merged if any(t in done for t in key)]:
+            finished_now = set(done)  # by identity
+            for key in [key for key in self._merged if not finished_now.isdisjoint(key)]:
                 del self._merged[key]
         if self._stream is not None:
             finished = [t for t in done if t.event is None]
