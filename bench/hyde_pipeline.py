@@ -46,7 +46,7 @@ from pcr_sglang.launcher import ServerProcess
 from pcr_sglang.models import cache_root
 from pcr_sglang.rag.budget import BudgetModel, measure_read_bandwidth
 from pcr_sglang.rag.embedder import embed_texts, load_embedder
-from pcr_sglang.rag.host_tier import HostClusterTier
+from pcr_sglang.rag.device_tier import FAST_TIERS, make_fast_tier
 from pcr_sglang.rag.ivf import IVFDatastore
 from pcr_sglang.rag.lookahead import LookaheadRetriever
 from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, run_batch
@@ -72,6 +72,8 @@ def main(argv=None) -> int:
                         help="pipelines at once (>1: groups of similar questions, run_batch)")
     parser.add_argument("--docs", type=int, default=1000, help="Wikipedia extracts in the datastore")
     parser.add_argument("--nprobe", type=int, default=8)
+    parser.add_argument("--fast-tier", choices=FAST_TIERS, default="auto",
+                        help="where look-ahead clusters land: gpu, host, or auto (the GPU where torch sees one)")
     parser.add_argument("--read-delay-ms", type=float, default=20.0, help="added to each SSD chunk read")
     parser.add_argument("--read-threads", default="4",
                         help="comma list of --pcr-ssd-read-threads values; every configuration runs at each")
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
                                                                                      KVHinter]:
         budget = BudgetModel(default_stage_s=1.0)
         budget.observe_bandwidth(bandwidth)
-        tier = HostClusterTier(datastore.table, 64 << 20) if clusters else None
+        tier = make_fast_tier(datastore.table, 64 << 20, args.fast_tier) if clusters else None
         retriever = LookaheadRetriever(datastore, embedder.encode, nprobe=args.nprobe, k=3, tier=tier, budget=budget)
         hinter = KVHinter(server.base_url)
         config = PipelineConfig(k=3, hyde_tokens=48, answer_tokens=8, lookahead=clusters, hints=hints)

@@ -36,7 +36,7 @@ from pcr_sglang.data import load_wiki_articles
 from pcr_sglang.models import cache_root
 from pcr_sglang.rag.budget import BudgetModel, measure_read_bandwidth
 from pcr_sglang.rag.embedder import embed_texts, load_embedder
-from pcr_sglang.rag.host_tier import HostClusterTier
+from pcr_sglang.rag.device_tier import FAST_TIERS, make_fast_tier
 from pcr_sglang.rag.ivf import IVFDatastore, normalized
 from pcr_sglang.rag.lookahead import LookaheadRetriever
 
@@ -78,7 +78,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sigma", type=float, default=0.05, help="jitter of each copy (then renormalised)")
     parser.add_argument("--queries", type=int, default=20)
     parser.add_argument("--generation-s", type=float, default=1.0, help="simulated pre-retrieval generation")
-    parser.add_argument("--tier-mb", type=int, default=512, help="the host fast tier")
+    parser.add_argument("--tier-mb", type=int, default=512, help="the fast tier's size (MB)")
+    parser.add_argument("--fast-tier", choices=FAST_TIERS, default="auto",
+                        help="gpu, host, or auto (the GPU where torch sees one)")
     parser.add_argument("--budget-mb", type=int, default=0,
                         help="look-ahead budget (default: measured bandwidth x --generation-s)")
     parser.add_argument("--dir", type=Path, default=None, help="where the table lives (default: the cache)")
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
                              stage_bytes={"bench": args.budget_mb << 20} if args.budget_mb else {})
         budget.observe_bandwidth(bandwidth)
         retriever = LookaheadRetriever(datastore, embed=None, nprobe=args.nprobe, k=args.k,
-                                       tier=HostClusterTier(datastore.table, args.tier_mb << 20), budget=budget)
+                                       tier=make_fast_tier(datastore.table, args.tier_mb << 20, args.fast_tier), budget=budget)
         try:
             ticket = retriever.lookahead_vectors(q_in[n:n + 1], stage="bench")
             time.sleep(args.generation_s)  # the LLM writes the query meanwhile

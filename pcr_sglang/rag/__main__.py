@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 
+from pcr_sglang.rag.device_tier import FAST_TIERS
 from pcr_sglang.rag.pipelines import PIPELINES
 
 logger = logging.getLogger("pcr_sglang.rag")
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pcr_sglang.rag.budget import BudgetModel, measure_read_bandwidth
     from pcr_sglang.rag.embedder import load_embedder
-    from pcr_sglang.rag.host_tier import HostClusterTier
+    from pcr_sglang.rag.device_tier import make_fast_tier
     from pcr_sglang.rag.ivf import IVFDatastore
     from pcr_sglang.rag.lookahead import LookaheadRetriever
     from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, run_batch
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     datastore = IVFDatastore.load(args.datastore, mmap=True)
     texts = _texts(args.datastore)
     embedder = load_embedder()
-    tier = HostClusterTier(datastore.table, args.tier_mb << 20) if not args.no_lookahead else None
+    tier = make_fast_tier(datastore.table, args.tier_mb << 20, args.fast_tier) if not args.no_lookahead else None
     budget = BudgetModel(bandwidth_bytes_s=measure_read_bandwidth(datastore.table.codes))
     retriever = LookaheadRetriever(datastore, embedder.encode, nprobe=args.nprobe, k=args.k, tier=tier, budget=budget)
     if args.mark_documents:
@@ -138,7 +139,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     r.add_argument("--questions-file", type=Path, default=None, help="one question per line (default: about corpus titles)")
     r.add_argument("--k", type=int, default=3, help="documents per final prompt")
     r.add_argument("--nprobe", type=int, default=8, help="IVF clusters each search probes")
-    r.add_argument("--tier-mb", type=int, default=64, help="the host fast tier's size (MB)")
+    r.add_argument("--tier-mb", type=int, default=64, help="the fast tier's size (MB)")
+    r.add_argument("--fast-tier", choices=FAST_TIERS, default="auto",
+                   help="where look-ahead clusters land: gpu (GPU memory, a copy stream, an event per cluster), "
+                        "host (a host buffer), auto (the GPU where torch sees one; default)")
     r.add_argument("--concurrency", type=int, default=1, help=">1: groups of similar questions run at once")
     r.add_argument("--no-lookahead", action="store_true", help="no cluster prefetch (faiss searches everything)")
     r.add_argument("--no-hints", action="store_true", help="no KV hints for the predicted final prompt")

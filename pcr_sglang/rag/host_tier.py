@@ -66,8 +66,8 @@ class HostClusterTier:
         self.page_rows = page_rows
         self.page_bytes = page_rows * (table.dim * 4 + 8)
         num_pages = int(capacity_bytes) // self.page_bytes
-        self.codes = np.zeros((num_pages, page_rows, table.dim), np.float32)
-        self.ids = np.zeros((num_pages, page_rows), np.int64)
+        self.codes = self._allocate_codes(num_pages)
+        self.ids = np.zeros((num_pages, page_rows), np.int64)  # on the host in every tier: merged there
         self.stats = TierStats()
         self._free = list(range(num_pages - 1, -1, -1))
         self._clusters: OrderedDict[int, _Cluster] = OrderedDict()  # least recently used first
@@ -77,6 +77,10 @@ class HostClusterTier:
         self._closed = False
         self._thread = threading.Thread(target=self._copy_loop, name="pcr-rag-host-tier", daemon=True)
         self._thread.start()
+
+    def _allocate_codes(self, num_pages: int):
+        """The page buffer for the vectors (a subclass puts it in accelerator memory)."""
+        return np.zeros((num_pages, self.page_rows, self.table.dim), np.float32)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -229,19 +233,25 @@ class HostClusterTier:
         distances = np.full((n, k), -np.inf, np.float32)
         labels = np.full((n, k), -1, np.int64)
         for i, mine in enumerate(clusters):
-            scores, ids = [], []
+            pages, counts = [], []
             for cluster in mine:
                 entry = pinned[cluster]
                 for m, page in enumerate(entry.pages):
-                    rows = min(self.page_rows, entry.rows - m * self.page_rows)
-                    scores.append(self.codes[page, :rows] @ queries[i])
-                    ids.append(self.ids[page, :rows])
-            if not scores:
+                    pages.append(page)
+                    counts.append(min(self.page_rows, entry.rows - m * self.page_rows))
+            if not pages:
                 continue
-            top_d, top_i = top_k(np.concatenate(scores), np.concatenate(ids), k)
+            scores = self._page_scores(pages, queries[i])
+            top_d, top_i = top_k(np.concatenate([scores[j, :rows] for j, rows in enumerate(counts)]),
+                                 np.concatenate([self.ids[page, :rows] for page, rows in zip(pages, counts)]), k)
             distances[i, :len(top_d)] = top_d
             labels[i, :len(top_i)] = top_i
         return distances, labels
+
+    def _page_scores(self, pages: Sequence[int], query: np.ndarray) -> np.ndarray:
+        """``[len(pages), page_rows]`` inner products of ``query`` with the pages' rows
+        (rows past a cluster's end hold stale vectors: the caller drops them)."""
+        return np.stack([self.codes[page] @ query for page in pages])
 
     def close(self) -> None:
         with self._lock:

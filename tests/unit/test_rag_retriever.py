@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pcr_sglang.rag.budget import BudgetModel, fill_budget
+from pcr_sglang.rag.device_tier import DeviceClusterTier, make_fast_tier
 from pcr_sglang.rag.host_tier import HostClusterTier, top_k
 from pcr_sglang.rag.ivf import ClusterTable, DatastoreError, IVFDatastore, normalized
 from pcr_sglang.rag.lookahead import LookaheadRetriever, merge_top_k
@@ -115,20 +116,33 @@ class GatedCodes:
         return len(self.codes)
 
 
-def _tier(datastore, capacity_bytes=None, codes=None, page_rows=64) -> HostClusterTier:
+@pytest.fixture(params=["host", "device"])
+def tier_kind(request) -> str:
+    """Every fast-tier test runs on the host tier and on the device tier (a torch buffer on
+    the CPU here; the same class with a CUDA stream and events on a GPU)."""
+    return request.param
+
+
+def _make_tier(kind, table, capacity_bytes, page_rows) -> HostClusterTier:
+    if kind == "device":
+        return DeviceClusterTier(table, capacity_bytes, device="cpu", page_rows=page_rows)
+    return HostClusterTier(table, capacity_bytes, page_rows=page_rows)
+
+
+def _tier(datastore, kind, capacity_bytes=None, codes=None, page_rows=64) -> HostClusterTier:
     table = datastore.table if codes is None else ClusterTable(codes, datastore.table.ids, datastore.table.offsets)
-    return HostClusterTier(table, capacity_bytes or 64 << 20, page_rows=page_rows)
+    return _make_tier(kind, table, capacity_bytes or 64 << 20, page_rows)
 
 
 @pytest.mark.parametrize("contents", ["empty", "full", "partial", "outside-probes"])
-def test_merged_search_equals_faiss_ivf_whatever_the_fast_tier_holds(datastore, queries, contents):
+def test_merged_search_equals_faiss_ivf_whatever_the_fast_tier_holds(datastore, queries, contents, tier_kind):
     rng = np.random.default_rng(hash(contents) % 1000)
     _, probes = datastore.probe(queries, NPROBE)
     probed = sorted({int(c) for c in probes.ravel()})
     held = {"empty": [], "full": list(range(NLIST)),
             "partial": sorted(rng.choice(NLIST, NLIST // 3, replace=False).tolist()),
             "outside-probes": [c for c in range(NLIST) if c not in probed[: len(probed) // 2]]}[contents]
-    tier = _tier(datastore)
+    tier = _tier(datastore, tier_kind)
     try:
         tier.submit(held)
         assert tier.wait_landed(held, timeout_s=10)
@@ -142,11 +156,11 @@ def test_merged_search_equals_faiss_ivf_whatever_the_fast_tier_holds(datastore, 
         tier.close()
 
 
-def test_a_cluster_still_copying_is_a_miss_searched_by_faiss(datastore, queries):
+def test_a_cluster_still_copying_is_a_miss_searched_by_faiss(datastore, queries, tier_kind):
     table = datastore.table
     gated = 5
     codes = GatedCodes(np.asarray(table.codes), range(int(table.offsets[gated]), int(table.offsets[gated + 1])))
-    tier = _tier(datastore, codes=codes, page_rows=10_000)  # one page per cluster: one gated read
+    tier = _tier(datastore, tier_kind, codes=codes, page_rows=10_000)  # one page per cluster: one gated read
     try:
         others = [c for c in range(NLIST) if c != gated]
         tier.submit(others)
@@ -164,8 +178,8 @@ def test_a_cluster_still_copying_is_a_miss_searched_by_faiss(datastore, queries)
         tier.close()
 
 
-def test_superset_mode_never_recalls_less_than_ivf(datastore, queries, vectors):
-    tier = _tier(datastore)
+def test_superset_mode_never_recalls_less_than_ivf(datastore, queries, vectors, tier_kind):
+    tier = _tier(datastore, tier_kind)
     try:
         held = list(range(0, NLIST, 2))
         tier.submit(held)
@@ -183,11 +197,11 @@ def test_superset_mode_never_recalls_less_than_ivf(datastore, queries, vectors):
         tier.close()
 
 
-def test_eviction_is_lru_and_spares_pinned_protected_and_copying_clusters(datastore):
+def test_eviction_is_lru_and_spares_pinned_protected_and_copying_clusters(datastore, tier_kind):
     table = datastore.table
     sizes = [table.size(c) for c in range(NLIST)]
     page_rows = max(sizes)  # every cluster takes one page
-    tier = HostClusterTier(table, capacity_bytes=3 * page_rows * (DIM * 4 + 8), page_rows=page_rows)
+    tier = _make_tier(tier_kind, table, 3 * page_rows * (DIM * 4 + 8), page_rows)
     try:
         assert tier.submit([0, 1, 2]) == [0, 1, 2]
         assert tier.wait_landed([0, 1, 2], timeout_s=10)
@@ -206,10 +220,10 @@ def test_eviction_is_lru_and_spares_pinned_protected_and_copying_clusters(datast
         tier.close()
 
 
-def test_the_tier_copies_from_a_memory_mapped_table(datastore, tmp_path):
+def test_the_tier_copies_from_a_memory_mapped_table(datastore, tmp_path, tier_kind):
     datastore.save(tmp_path)
     mapped = IVFDatastore.load(tmp_path, mmap=True)
-    tier = HostClusterTier(mapped.table, 8 << 20, page_rows=32)
+    tier = _make_tier(tier_kind, mapped.table, 8 << 20, 32)
     try:
         tier.submit([2, 9])
         assert tier.wait_landed([2, 9], timeout_s=10)
@@ -221,6 +235,21 @@ def test_the_tier_copies_from_a_memory_mapped_table(datastore, tmp_path):
         assert tier.stats.bandwidth_bytes_s > 0
     finally:
         tier.close()
+
+
+def test_the_fast_tier_kind_is_chosen_or_refused_clearly(datastore):
+    import torch
+
+    tier = make_fast_tier(datastore.table, 1 << 20, "auto", page_rows=64)
+    try:
+        assert isinstance(tier, DeviceClusterTier) == torch.cuda.is_available()
+    finally:
+        tier.close()
+    with pytest.raises(ValueError, match="fast tier must be one of"):
+        make_fast_tier(datastore.table, 1 << 20, "disk")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            make_fast_tier(datastore.table, 1 << 20, "gpu")
 
 
 # ------------------------------------------------------------------ budget and look-ahead
@@ -249,9 +278,9 @@ def test_the_budget_is_bandwidth_times_the_stage_time_unless_overridden():
     assert BudgetModel(bandwidth_bytes_s=10.0, stage_bytes={"subq": 77}).budget_bytes("subq") == 77
 
 
-def test_lookahead_fills_the_tier_within_its_budget_and_the_search_then_hits(datastore, queries):
+def test_lookahead_fills_the_tier_within_its_budget_and_the_search_then_hits(datastore, queries, tier_kind):
     table = datastore.table
-    tier = _tier(datastore)
+    tier = _tier(datastore, tier_kind)
     try:
         budget_bytes = sum(tier.cost(c) for c in range(NLIST)) // 4
         retriever = LookaheadRetriever(datastore, embed=None, nprobe=NPROBE, k=K, tier=tier,
@@ -285,8 +314,8 @@ def test_merge_keeps_the_best_of_both_lists_and_drops_empty_slots():
     assert ids.tolist() == [3, 7]
 
 
-def test_a_lookahead_without_prefetch_still_predicts_and_copies_nothing(datastore, queries):
-    tier = _tier(datastore)
+def test_a_lookahead_without_prefetch_still_predicts_and_copies_nothing(datastore, queries, tier_kind):
+    tier = _tier(datastore, tier_kind)
     try:
         retriever = LookaheadRetriever(datastore, embed=None, nprobe=NPROBE, k=K, tier=tier,
                                        budget=BudgetModel(stage_bytes={"hyde": 1 << 30}))
