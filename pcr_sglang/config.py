@@ -25,6 +25,7 @@ from pcr_sglang.server_args_fields import (
     DEFAULT_HINT_BUDGET_MB,
     DEFAULT_HINT_MAX_TTL_S,
     DEFAULT_HINT_RATE,
+    DEFAULT_HINT_TO_DEVICE,
     DEFAULT_LAYERWISE,
     DEFAULT_LOOKAHEAD_WINDOW,
     DEFAULT_PREFETCH_BUDGET_MB,
@@ -35,6 +36,7 @@ from pcr_sglang.server_args_fields import (
     DEFAULT_SSD_WRITE,
     DOC_REUSE_CHOICES,
     DOC_WARMUP_CHOICES,
+    HINT_TO_DEVICE_CHOICES,
     LAYERWISE_CHOICES,
     MAX_SSD_READ_THREADS,
     REMOTE_CHOICES,
@@ -72,6 +74,7 @@ class PCRConfig:
     hint_budget_mb: int = DEFAULT_HINT_BUDGET_MB
     hint_max_ttl_s: float = DEFAULT_HINT_MAX_TTL_S
     hint_rate: float = DEFAULT_HINT_RATE
+    hint_to_device: str = DEFAULT_HINT_TO_DEVICE
     remote: str = DEFAULT_REMOTE
     remote_config: Optional[str] = None  # as given (JSON or @path); parsed by remote_settings()
 
@@ -99,6 +102,7 @@ class PCRConfig:
             hint_budget_mb=getattr(args, "pcr_hint_budget_mb", DEFAULT_HINT_BUDGET_MB),
             hint_max_ttl_s=getattr(args, "pcr_hint_max_ttl_s", DEFAULT_HINT_MAX_TTL_S),
             hint_rate=getattr(args, "pcr_hint_rate", DEFAULT_HINT_RATE),
+            hint_to_device=getattr(args, "pcr_hint_to_device", DEFAULT_HINT_TO_DEVICE),
             remote=getattr(args, "pcr_remote", DEFAULT_REMOTE),
             remote_config=getattr(args, "pcr_remote_config", None) or None,
         )
@@ -177,6 +181,10 @@ class PCRConfig:
                             ("--pcr-hint-budget-mb", self.hint_budget_mb)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise PCRConfigError(f"{flag} must be a non-negative integer, got {value!r}")
+        if self.hint_to_device not in HINT_TO_DEVICE_CHOICES:
+            raise PCRConfigError(
+                f"--pcr-hint-to-device must be one of {', '.join(HINT_TO_DEVICE_CHOICES)}, got {self.hint_to_device!r}"
+            )
         if self.ssd_write not in SSD_WRITE_CHOICES:
             raise PCRConfigError(
                 f"--pcr-ssd-write must be one of {', '.join(SSD_WRITE_CHOICES)}, got {self.ssd_write!r}"

@@ -44,6 +44,12 @@ DEFAULT_REMOTE = "off"
 DEFAULT_HINT_BUDGET_MB = 128
 DEFAULT_HINT_MAX_TTL_S = 30.0
 DEFAULT_HINT_RATE = 20.0
+# Hinted chunks in host memory go on into free device slots: on a GPU that moves the
+# PCIe copy off the final request's critical path; on CPU it saves only a memcpy.
+HINT_TO_DEVICE_CHOICES = ["auto", "on", "off"]
+DEFAULT_HINT_TO_DEVICE = "auto"
+# Promotion stops while fewer device slots than this share of the pool would stay free.
+HINT_TO_DEVICE_FREE_SHARE = 0.5
 # Document KV reuse in any order (README "Document reuse"): off, or the re-placement mode.
 DOC_REUSE_CHOICES = ["off", "concat", "lego", "blend"]
 DEFAULT_DOC_REUSE = "off"
@@ -210,6 +216,20 @@ class Pcr(msgspec.Struct):
             )
         ),
     ] = DEFAULT_HINT_RATE
+    pcr_hint_to_device: A[
+        str,
+        Arg(
+            help=(
+                "KV hints: hinted chunks already in host memory are also loaded into free device "
+                "slots before their request arrives, while at least half of the device KV pool "
+                "stays free (they stay ordinary cached chunks, evicted like any other, so they "
+                "never keep a request out). 'auto': on where the KV pool is on a "
+                "GPU (the host-to-device copy leaves the final request's critical path); 'on', "
+                f"'off'. Default: {DEFAULT_HINT_TO_DEVICE}."
+            ),
+            choices=HINT_TO_DEVICE_CHOICES,
+        ),
+    ] = DEFAULT_HINT_TO_DEVICE
     pcr_ssd_write: A[
         str,
         Arg(

@@ -102,6 +102,7 @@ class SSDStats:
     hint_in_time: int = 0
     hint_late: int = 0
     hint_wasted: int = 0
+    hint_promoted: int = 0  # hinted chunks loaded from host memory into free device slots ahead
     bytes_read_prefetch: int = 0
     bytes_read_on_demand: int = 0
     max_queue_depth: int = 0

@@ -101,6 +101,8 @@ class CacheState:
         self._cancelling: set[int] = set()
         self._landed: set[ChunkNode] = set()  # read from SSD, not yet used by a request
         self._hinted: set[ChunkNode] = set()  # of those read or reading, ordered for a KV hint
+        # Hinted chunks that landed, then went on into free device slots before their request.
+        self._promoted: set[ChunkNode] = set()
         self._bad: list[ChunkNode] = []  # SSD records found bad while their chain was locked
         self._decode_reserved: set[int] = set()  # host slots reserved by decode-time offloads
         self.decode_offload_limit = int(config.host_slots * config.decode_offload_share)
@@ -419,7 +421,23 @@ class CacheState:
             if not op.urgent and node not in needed and seq not in self._cancelling:
                 self._cancelling.add(seq)
                 effects.orders.append(Reorder(seq, cancel=True))
-        self._hinted = {n for n in self._hinted if n in self._reading or n in self._landed}
+        for node in [n for n in self._promoted if n not in needed]:
+            self._promoted.discard(node)
+            self._hinted.discard(node)
+            self.ssd_stats.hint_wasted += 1
+        self._hinted = {n for n in self._hinted if n in self._reading or n in self._landed or n in self._promoted}
+
+    def promote(self, nodes: Sequence[ChunkNode], device_values: Sequence[Any]) -> None:
+        """KV hints: host-resident ``nodes`` of a hinted chain (continuing its device
+        prefix) were copied into free device slots ``device_values`` before any request
+        needs them. They are ordinary device chunks from here (evictable, demoted for free:
+        their host copy stays); those read for a hint still count as its, in time, when
+        their request comes."""
+        for node in nodes:
+            if node in self._landed and node in self._hinted:
+                self._promoted.add(node)
+        self.commit_load(nodes, device_values)
+        self.ssd_stats.hint_promoted += len(nodes)
 
     def count_hinted(self, nodes: Iterable[ChunkNode]) -> set[ChunkNode]:
         """A request needs ``nodes`` now (first considered for admission): those read for a
@@ -432,8 +450,9 @@ class CacheState:
             if node in self._hinted:
                 self._hinted.discard(node)
                 counted.add(node)
-                if node in self._landed:
+                if node in self._landed or node in self._promoted:
                     self._landed.discard(node)
+                    self._promoted.discard(node)
                     self.ssd_stats.hint_in_time += 1
                 elif node in self._reading:
                     self.ssd_stats.hint_late += 1
@@ -590,6 +609,7 @@ class CacheState:
             op.orphaned = True
         self._reading, self._writing, self._landed, self._bad = {}, {}, set(), []
         self._hinted = set()
+        self._promoted = set()
         self._cancelling = set()
         self._decode_reserved = set()  # the slot table frees every reservation
         self.tree.reset()

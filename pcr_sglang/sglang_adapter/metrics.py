@@ -44,6 +44,7 @@ _SSD_FIELDS = {
     "hint_in_time": ("prefetch_chunks", {"outcome": "hint_in_time"}),
     "hint_late": ("prefetch_chunks", {"outcome": "hint_late"}),
     "hint_wasted": ("prefetch_chunks", {"outcome": "hint_wasted"}),
+    "hint_promoted": ("prefetch_chunks", {"outcome": "hint_promoted"}),
     "bytes_read_prefetch": ("ssd_read_bytes", {"reason": "prefetch"}),
     "bytes_read_on_demand": ("ssd_read_bytes", {"reason": "on_demand"}),
 }
@@ -127,7 +128,8 @@ class PCRMetrics:
             "left the prefetch window (unused), dropped before reading (cancelled), and SSD "
             "chunks read only when their request was considered (on_demand); for KV hints' "
             "chains: ordered (hint_issued), in host memory or still in flight when a request "
-            "needed them (hint_in_time, hint_late), landed and dropped unused (hint_wasted).",
+            "needed them (hint_in_time, hint_late), landed and dropped unused (hint_wasted), "
+            "loaded on into free device slots ahead of their request (hint_promoted).",
             labelnames=names + ["outcome"],
         )
         self.ssd_read_bytes = Counter(

@@ -39,6 +39,7 @@ from pcr_sglang.core.keys import ChunkKey, chunk_keys, root_key
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.io.protocol import ProbeRemote, ReadChunk, Reorder, WriteChunk
 from pcr_sglang.io.supervisor import IOSupervisor
+from pcr_sglang.server_args_fields import HINT_TO_DEVICE_FREE_SHARE
 from pcr_sglang.sglang_adapter.doc_reuse import DocReuse, is_canonical_request
 from pcr_sglang.sglang_adapter.permuted_rows import permute_extend_inputs
 from pcr_sglang.sglang_adapter.requests import Hold, RequestRegistry
@@ -105,6 +106,10 @@ class SchedulerSide:
         self._last_step_start: Optional[float] = None
         self.docs: Optional[DocReuse] = None  # --pcr-doc-reuse (set by the factory)
         self.hints = HintBook(config.hint_limits())
+        # --pcr-hint-to-device: 'auto' is on where the KV pool is on a GPU.
+        on_gpu = str(getattr(allocator, "device", "cpu")).startswith("cuda")
+        self.promote_hints = config.hint_to_device == "on" or (config.hint_to_device == "auto" and on_gpu)
+        self._promote_free_floor = int(HINT_TO_DEVICE_FREE_SHARE * getattr(allocator, "size", 0))
         self.last_load_private = False  # the last load_back gave the request private slots
         # The remote tier (--pcr-remote, parsed by the factory): probes in flight, by probe seq.
         self.remote = remote is not None and io is not None
@@ -236,6 +241,8 @@ class SchedulerSide:
             hinted = self._hinted_chains() if healthy else []
             self.state.plan_prefetch(wanted, held, effects, len(waiting_queue), hinted)
             self.execute(effects)
+            if hinted and self.promote_hints:
+                self._promote_hinted()
 
     # ------------------------------------------------------------------ KV hints
     def add_hint(self, req: Any, payload: HintPayload) -> bool:
@@ -270,6 +277,29 @@ class SchedulerSide:
             if nodes:
                 chains.append(nodes)
         return chains
+
+    def _promote_hinted(self) -> None:
+        """``--pcr-hint-to-device``: the host-resident run that continues each live hint's
+        device prefix is loaded into free device slots now, while more than half the pool
+        stays free, newest hint first; never by evicting anything. The final request then
+        finds it on the device (on a GPU its PCIe copy left the critical path)."""
+        if self.engine is None:
+            return
+        for hint in self.hints.live():
+            nodes = self.state.match(iter(hint.keys), touch=False).host_nodes
+            tokens = len(nodes) * self.chunk
+            if not nodes or self.allocator.available_size() - tokens < self._promote_free_floor:
+                continue
+            slots = self.allocator.alloc(tokens)
+            if slots is None:
+                continue
+            slots = slots.to(torch.int64)
+            self.engine.load(slots, [n.host_slot for n in nodes])
+            self.state.promote(nodes, [s.clone() for s in slots.split(self.chunk)])
+        if self.engine.pending_loads:
+            # CPU: copies wait for the next forward's layer hooks; there may be none for a
+            # while, and an I/O order for these host slots waits for them: copy now.
+            self.engine.order_before_reuse()
 
     def _needed_keys(self, req: Any) -> list[list[ChunkKey]]:
         """The chains a waiting request will reuse: its prefix, and with document reuse

@@ -276,6 +276,60 @@ def test_chunks_come_back_from_ssd_and_survive_a_restart(make, tmp_path, ssd_wri
         h2.drain_io()
 
 
+def _hint(h: Harness, tokens: list[int], rid: str = "hint") -> None:
+    from pcr_sglang.core.hints import HintPayload
+
+    assert h.scheduler.add_hint(h.request(tokens, rid), HintPayload(hint_only=True, ttl_s=60))
+
+
+@pytest.mark.parametrize("to_device", ["on", "off"])
+def test_a_hinted_chain_read_from_ssd_goes_on_into_free_device_slots(make, tmp_path, to_device):
+    """--pcr-hint-to-device: after a restart (every chunk on SSD only), a hint's chain is
+    read into host memory and, with 'on', loaded on into free device slots before its
+    request comes: the request finds it all on the device with the right KV. Either way
+    the hint's reads count as in time."""
+    tokens = prompt(100)
+    persisted(make(host_slots=3, ssd_path=tmp_path / "ssd"), [tokens])
+    h = make(host_slots=12, ssd_path=tmp_path / "ssd", hint_to_device=to_device)  # hints take a quarter
+    assert h.state.tree.ssd_chunks == 3 and h.state.tree.host_chunks == 0
+    _hint(h, tokens + [0])
+    h.step()  # orders the hinted reads
+    h.drain_io()  # applies them as they land (and promotes, in the same step)
+    req = h.request(tokens + [0], "final")
+    assert h.scheduler.consider(req)  # nothing left to wait for
+    device, loaded = h.admit(req)
+    h.scheduler.admitted(req)
+    assert (device, loaded) == ((12, 0) if to_device == "on" else (0, 12))
+    assert h.state.ssd_stats.hint_promoted == (3 if to_device == "on" else 0)
+    assert h.state.ssd_stats.hint_in_time == 3 and h.state.ssd_stats.hint_wasted == 0
+    h.assert_kv(tokens, h.cache.path_device_indices(req.last_node))
+    h.step()
+    h.check()
+
+
+def test_hints_go_to_the_device_only_while_half_the_pool_stays_free(make, tmp_path):
+    """Promotion never evicts and leaves at least half the device pool free: with most of
+    it taken, the hinted chain stays in host memory; once room is back it goes on, and a
+    promoted chain whose hint ends unused counts as wasted."""
+    tokens = prompt(300)
+    persisted(make(host_slots=3, ssd_path=tmp_path / "ssd"), [tokens])
+    h = make(host_slots=12, ssd_path=tmp_path / "ssd", hint_to_device="on")
+    taken = h.allocator.alloc(POOL // 2)  # 12 more would leave less than half free
+    _hint(h, tokens + [0])
+    h.step()  # orders the hinted reads
+    h.drain_io()  # applies them as they land (and promotes, in the same step)
+    assert h.state.ssd_stats.hint_promoted == 0 and h.state.tree.host_chunks == 3
+    assert h.state.tree.device_chunks == 0
+    h.allocator.free(taken)
+    h.step()
+    assert h.state.ssd_stats.hint_promoted == 3 and h.state.tree.device_chunks == 3
+    h.check()
+    h.scheduler.hints.expire(float("inf"))  # the hint ends: nothing needs the chain any more
+    h.step()
+    assert h.state.ssd_stats.hint_wasted == 3 and h.state.ssd_stats.hint_in_time == 0
+    h.check()
+
+
 def test_on_evict_writes_a_chunk_when_host_eviction_picks_it(make, tmp_path):
     """With --pcr-ssd-write on-evict nothing is written while host memory has room; the
     chunk host eviction picks is written first and leaves host memory once written."""
