@@ -1,8 +1,12 @@
 """Internet scale, on paper: N servers, routing policies and a shared tier, over PCR's own tree.
 
-    python -m bench.fleet_sim                     # the table in bench/README (a few minutes)
+    python -m bench.fleet_sim                     # the tables and plot in bench/README (~9 min of CPU)
     python -m bench.fleet_sim --check             # only the closed-form checks
     python -m bench.fleet_sim --docs 100000 --servers 2,16 --requests 5000   # quicker
+
+It prints a table per corpus size (``--docs``, default 10^4, 10^5 and 10^6 documents) and
+writes ``results.json`` and ``fleet_sim.png`` (hit ratio, load imbalance and projected TTFT
+against the number of servers, per policy, with and without the shared tier) to ``--out``.
 
 Each server's cache is :class:`pcr_sglang.core.chunk_tree.ChunkTree` (LRU over unlocked
 leaves, as the server evicts) with look-ahead protection of the next requests routed to
@@ -19,20 +23,21 @@ preceding documents.
 
 Routing: ``random``; ``round_robin``; ``cache_aware`` (SMG's policy: an approximate tree of
 the prefixes routed to each server, not told of evictions; the server holding the longest
-routed prefix if it covers more than ``--cache-threshold`` of the prompt, else the least
+routed prefix if it covers more than its cache threshold (0.3) of the prompt, else the least
 loaded; load imbalance over SMG's defaults, 32 requests and 1.1x, sends to the least
 loaded); ``prefix_hash`` (a consistent hash of the system prompt and first document,
 bounded load 1.25x the mean, as SMG's prefix_hash). Load is the requests a server took in
-the last ``--inflight`` x N routed (a stand-in for requests in flight).
+the last 4 x N routed (a stand-in for requests in flight).
 
 Cost model per request (seconds): recomputed tokens / ``--prefill-tps`` + chunks held by
-the shared tier x min(chunk bytes / ``--net-gbps`` + ``--rtt-us``, their recompute time)
+the shared tier x min(chunk bytes / link GB/s + RTT, their recompute time)
 (PCR's load-or-recompute choice) + locally cached chunks x chunk bytes / ``--pcie-gbps`` (a
 local hit is taken as host-resident, the conservative case); each server an M/M/1 queue
 at its share of ``--rate-per-server`` x N requests/s: TTFT = s / (1 - rho). The defaults are
 Llama-3.1-8B in bf16 (128 KiB of KV per token) on one GPU at 15k prefill tokens/s, PCIe at
 25 GB/s and 10 GbE (1.25 GB/s) to the shared tier, where reading a 64-token chunk (8 MiB,
-6.8 ms) loses to recomputing it (4.3 ms): run with ``--net-gbps 25`` for RDMA.
+6.8 ms) loses to recomputing it (4.3 ms). Every fleet is priced under each link of
+``--networks`` (default 10 GbE at 1.25 GB/s and 50 us, and RDMA at 25 GB/s and 10 us).
 
 Checked against closed forms (``--check``): Che's approximation for one LRU cache of
 independent objects (hit(i) = 1 - exp(-p_i T), with T solving sum_i (1 - exp(-p_i T)) = C);
@@ -45,11 +50,13 @@ from __future__ import annotations
 import argparse
 import bisect
 import hashlib
+import json
 import math
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
@@ -220,22 +227,59 @@ class Router:
 
 @dataclass
 class Result:
+    """What one fleet served: per server, its requests and its chunks by where they came from.
+
+    The projected TTFT is a function of these and of a cost model, so one simulation is
+    priced under several networks (:meth:`ttft_ms`)."""
+
     policy: str
     servers: int
     shared: bool
-    local_hit: float
-    remote_hit: float
-    imbalance: float
-    ttft_ms: float
+    requests: list[int]  # per server
+    local_chunks: list[int]  # per server: chunks found in its own cache
+    remote_chunks: list[int]  # per server: chunks only the shared tier held
+    computed_chunks: list[int]  # per server
     seconds: float
+
+    @property
+    def total_chunks(self) -> int:
+        return sum(self.local_chunks) + sum(self.remote_chunks) + sum(self.computed_chunks)
+
+    @property
+    def local_hit(self) -> float:
+        return sum(self.local_chunks) / self.total_chunks
+
+    @property
+    def remote_hit(self) -> float:
+        return sum(self.remote_chunks) / self.total_chunks
 
     @property
     def hit(self) -> float:
         return self.local_hit + self.remote_hit
 
+    @property
+    def imbalance(self) -> float:
+        """The busiest server's requests over the mean."""
+        return max(self.requests) * self.servers / sum(self.requests)
+
+    def ttft_ms(self, costs: Costs, rate: float) -> float:
+        """Mean projected TTFT at ``rate`` requests/s offered to the whole fleet: each server
+        an M/M/1 queue at its share of the rate, with its mean service time under ``costs``
+        (service time is linear in the chunk counts, so per-server sums suffice)."""
+        total = sum(self.requests)
+        weighted = 0.0
+        for s in range(self.servers):
+            if not self.requests[s]:
+                continue
+            mean_s = costs.service_s(self.local_chunks[s], self.remote_chunks[s],
+                                     self.computed_chunks[s]) / self.requests[s]
+            rho = rate * self.requests[s] / total * mean_s
+            weighted += self.requests[s] * (mean_s / (1 - rho) if rho < 1 else math.inf)
+        return 1000 * weighted / total
+
 
 def simulate(requests: list[list[bytes]], servers: int, policy: str, local_chunks: int, shared_chunks: int,
-             costs: Costs, rate: float, window: int = 8, seed: int = 0) -> Result:
+             window: int = 8, seed: int = 0) -> Result:
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
     router = Router(policy, servers, rng)
@@ -246,8 +290,7 @@ def simulate(requests: list[list[bytes]], servers: int, policy: str, local_chunk
     for i, s in enumerate(routed):
         by_server[s].append(i)
     position = [0] * servers
-    local = remote = total = 0
-    service = [0.0] * servers
+    local, remote, computed = [0] * servers, [0] * servers, [0] * servers
     for i, keys in enumerate(requests):
         s = routed[i]
         position[s] += 1
@@ -257,19 +300,47 @@ def simulate(requests: list[list[bytes]], servers: int, policy: str, local_chunk
         if shared is not None:
             far = max(shared.match(keys, touch=False) - hit, 0)
             shared.admit(keys)  # read what it had, write the rest through
-        local, remote, total = local + hit, remote + far, total + len(keys)
-        service[s] += costs.service_s(hit, far, len(keys) - hit - far)
-    counts = [len(b) for b in by_server]
-    mean = len(requests) / servers
-    ttft = 0.0
-    for s in range(servers):
-        if not counts[s]:
-            continue
-        s_mean = service[s] / counts[s]
-        rho = rate * counts[s] / len(requests) * s_mean
-        ttft += counts[s] * (s_mean / (1 - rho) if rho < 1 else math.inf)
-    return Result(policy, servers, shared is not None, local / total, remote / total, max(counts) / mean,
-                  1000 * ttft / len(requests), time.perf_counter() - started)
+        local[s] += hit
+        remote[s] += far
+        computed[s] += len(keys) - hit - far
+    return Result(policy, servers, shared is not None, [len(b) for b in by_server], local, remote, computed,
+                  time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class Network:
+    """The link to the shared tier, for pricing remote reads."""
+
+    name: str
+    gbps: float  # GB/s
+    rtt_us: float
+
+
+def parse_networks(text: str) -> list[Network]:
+    """``NAME=GBPS@RTT_US,...`` (GB/s and microseconds), e.g. ``10GbE=1.25@50,RDMA=25@10``."""
+    networks = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            name, rest = item.split("=", 1)
+            gbps, rtt = rest.split("@", 1)
+            networks.append(Network(name.strip(), float(gbps), float(rtt)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--networks: {item!r} is not NAME=GBPS@RTT_US") from None
+        if networks[-1].gbps <= 0 or networks[-1].rtt_us < 0:
+            raise argparse.ArgumentTypeError(f"--networks: {item!r} needs GBPS > 0 and RTT_US >= 0")
+    if not networks:
+        raise argparse.ArgumentTypeError("--networks: name at least one NAME=GBPS@RTT_US")
+    return networks
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers")
+    return values
 
 
 # ---------------------------------------------------------------------------- closed forms
@@ -309,15 +380,62 @@ def checks(docs: int = 20_000, alpha: float = 0.9, requests: int = 60_000, capac
              che_hit_ratio(p, servers * capacity))]
 
 
+def plot(rows: list[dict], networks: Sequence[Network], path: Path) -> Path:
+    """One column per corpus size; rows: hit ratio, load imbalance, projected TTFT per network.
+    A colour per policy; solid without the shared tier, dashed with it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    corpora = sorted({r["docs"] for r in rows})
+    metrics = [("hit", "hit ratio (prompt chunks reused)"), ("imbalance", "busiest server / mean")]
+    metrics += [(f"ttft_ms[{n.name}]", f"projected TTFT, ms ({n.name})") for n in networks]
+    fig, axes = plt.subplots(len(metrics), len(corpora), figsize=(4.2 * len(corpora), 3.0 * len(metrics)),
+                             squeeze=False, sharex=True)
+    colours = dict(zip(POLICIES, ("tab:grey", "tab:blue", "tab:red", "tab:green")))
+    for col, docs in enumerate(corpora):
+        for row, (metric, label) in enumerate(metrics):
+            ax = axes[row][col]
+            for policy in POLICIES:
+                for shared in (False, True):
+                    points = sorted((r["servers"], _metric(r, metric)) for r in rows
+                                    if r["docs"] == docs and r["policy"] == policy and r["shared"] == shared)
+                    if points:
+                        ax.plot(*zip(*points), marker="o", markersize=3, color=colours[policy],
+                                linestyle="--" if shared else "-",
+                                label=f"{policy}{' + shared tier' if shared else ''}")
+            ax.set_xscale("log", base=2)
+            ax.grid(True, alpha=0.3)
+            if row == 0:
+                ax.set_title(f"{docs:,} documents")
+            if col == 0:
+                ax.set_ylabel(label)
+            if row == len(metrics) - 1:
+                ax.set_xlabel("servers")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _metric(row: dict, metric: str) -> float:
+    if metric.startswith("ttft_ms["):
+        return row["ttft_ms"][metric[len("ttft_ms["):-1]]
+    return row[metric]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fleet_sim", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--check", action="store_true", help="only the closed-form checks")
-    parser.add_argument("--docs", type=int, default=1_000_000)
+    parser.add_argument("--docs", type=int_list, default=[10_000, 100_000, 1_000_000],
+                        help="corpus sizes, comma-separated (one table each)")
     parser.add_argument("--zipf", type=float, default=1.0)
     parser.add_argument("--doc-chunks", type=int, default=4)
     parser.add_argument("--requests", type=int, default=20_000)
-    parser.add_argument("--servers", default="2,8,32,128,256")
+    parser.add_argument("--servers", type=int_list, default=[2, 8, 32, 128, 256])
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--local-chunks", type=int, default=2_000, help="each server's cache, in chunks")
     parser.add_argument("--shared-per-server", type=int, default=2_000,
@@ -325,33 +443,54 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=64)
     parser.add_argument("--prefill-tps", type=float, default=15_000.0)
     parser.add_argument("--pcie-gbps", type=float, default=25.0)
-    parser.add_argument("--net-gbps", type=float, default=1.25)
-    parser.add_argument("--rtt-us", type=float, default=50.0)
+    parser.add_argument("--networks", type=parse_networks, default=parse_networks("10GbE=1.25@50,RDMA=25@10"),
+                        help="links to the shared tier to price remote reads over, NAME=GB/s@RTT_us, "
+                             "comma-separated (one TTFT column each)")
     parser.add_argument("--rate-per-server", type=float, default=4.0, help="requests/s per server offered")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench/results/fleet_sim",
+                        help="folder for results.json and fleet_sim.png ('' to write nothing)")
     args = parser.parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        parser.error(f"--policies: unknown {', '.join(unknown)} (choose from {', '.join(POLICIES)})")
     print("Closed-form checks (one-chunk objects, Zipf 0.9, 20k objects):")
     print(f"{'case':<62} {'simulated':>9} {'formula':>9}")
     for what, simulated, formula in checks():
         print(f"{what:<62} {simulated:9.3f} {formula:9.3f}")
     if args.check:
         return 0
-    costs = Costs(args.chunk_tokens, prefill_tps=args.prefill_tps, pcie_gbps=args.pcie_gbps,
-                  net_gbps=args.net_gbps, rtt_us=args.rtt_us)
-    requests = make_requests(Workload(args.docs, args.zipf, args.doc_chunks, requests=args.requests, seed=args.seed))
-    print(f"\n{args.requests} requests over {args.docs} documents (Zipf {args.zipf}), {args.local_chunks} chunks "
-          f"per server, shared tier {args.shared_per_server} chunks per server, {args.rate_per_server:g} req/s "
-          f"per server")
-    print(f"{'servers':>7} {'policy':<12} {'shared':<6} {'hit':>6} {'local':>6} {'remote':>6} {'max/mean':>8} "
-          f"{'TTFT ms':>9}")
+    prices = {n.name: Costs(args.chunk_tokens, prefill_tps=args.prefill_tps, pcie_gbps=args.pcie_gbps,
+                            net_gbps=n.gbps, rtt_us=n.rtt_us) for n in args.networks}
     shared_options = (False, True) if args.shared_per_server else (False,)
-    for n in (int(v) for v in args.servers.split(",")):
-        for policy in args.policies.split(","):
-            for shared in shared_options:
-                r = simulate(requests, n, policy, args.local_chunks, args.shared_per_server * n if shared else 0,
-                             costs, args.rate_per_server * n, seed=args.seed)
-                print(f"{n:>7} {policy:<12} {'yes' if shared else 'no':<6} {r.hit:6.1%} {r.local_hit:6.1%} "
-                      f"{r.remote_hit:6.1%} {r.imbalance:8.2f} {r.ttft_ms:9.1f}", flush=True)
+    rows: list[dict] = []
+    for docs in args.docs:
+        requests = make_requests(Workload(docs, args.zipf, args.doc_chunks, requests=args.requests, seed=args.seed))
+        print(f"\n{args.requests} requests over {docs} documents (Zipf {args.zipf}), {args.local_chunks} chunks "
+              f"per server, shared tier {args.shared_per_server} chunks per server, {args.rate_per_server:g} req/s "
+              f"per server")
+        print(f"{'servers':>7} {'policy':<12} {'shared':<6} {'hit':>6} {'local':>6} {'remote':>6} {'max/mean':>8} "
+              + " ".join(f"{'TTFT ' + name:>14}" for name in prices))
+        for n in args.servers:
+            for policy in policies:
+                for shared in shared_options:
+                    r = simulate(requests, n, policy, args.local_chunks,
+                                 args.shared_per_server * n if shared else 0, seed=args.seed)
+                    ttft = {name: r.ttft_ms(costs, args.rate_per_server * n) for name, costs in prices.items()}
+                    rows.append({"docs": docs, "servers": n, "policy": policy, "shared": shared, "hit": r.hit,
+                                 "local_hit": r.local_hit, "remote_hit": r.remote_hit,
+                                 "imbalance": r.imbalance, "ttft_ms": ttft, "seconds": r.seconds})
+                    print(f"{n:>7} {policy:<12} {'yes' if shared else 'no':<6} {r.hit:6.1%} {r.local_hit:6.1%} "
+                          f"{r.remote_hit:6.1%} {r.imbalance:8.2f} "
+                          + " ".join(f"{v:11.1f} ms" for v in ttft.values()), flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        settings = {k: v for k, v in vars(args).items() if k not in ("out", "check", "networks")}
+        settings["networks"] = [vars(n) for n in args.networks]
+        (out / "results.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
+        print(f"\nwrote {out / 'results.json'} and {plot(rows, args.networks, out / 'fleet_sim.png')}")
     return 0
 
 

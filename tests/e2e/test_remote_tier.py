@@ -262,6 +262,46 @@ def test_the_gateway_serves_the_fleet(servers, rag_prompt_ids, baseline_outputs,
         gateway.stop()
 
 
+def test_the_store_process_killed_under_a_live_master_costs_hits_not_tokens(servers, mooncake, rag_prompt_ids,
+                                                                            baseline_outputs):
+    """Only the store process dies (it holds the objects' bytes; the master lives on and
+    lists them until the dead process's lease expires, about 10 s): B's reads of what A
+    wrote fail, or find a restarted process's memory where the record was and fail
+    verification; B recomputes with the right tokens, and once the new store process is
+    in use B writes through to it again."""
+    a, b = servers["a"], servers["b"]
+    prompts = rag_prompt_ids[17:19]
+    served(a, prompts)
+    before = remote(b)["store"] or {}
+    mooncake["store"].kill()
+    try:
+        outs = [send(b, p) for p in prompts]
+        assert [o["output_ids"] for o in outs] == baseline_outputs[17:19]
+        assert storage_tokens(outs) == 0, (remote(b), [o["meta_info"] for o in outs])
+        assert b.pcr_state(check_invariants=True)["invariants"]["ok"]
+    finally:
+        mooncake["store"].start()
+    remote_idle(b)  # the reads the requests did not wait for have ended
+    time.sleep(1.5)  # and the I/O process has reported them (its status comes every second)
+    after = remote(b)["store"] or {}
+    assert after.get("read_ok", 0) == before.get("read_ok", 0)  # nothing came back from a dead store
+    failed = sum(after.get(k, 0) - before.get(k, 0) for k in ("read_failed", "read_corrupt", "read_missing"))
+    assert failed > 0, after  # the master still listed A's objects: B tried them, and recomputed
+    # Until the master expires the dead process, a put may still be placed in its segment
+    # and fail; the breaker then drops write-through records for its back-off. Then B's
+    # records go through to the new process.
+    deadline = time.monotonic() + 120
+    for prompt in rag_prompt_ids[20:40]:
+        try:
+            served(b, [prompt], timeout_s=15)
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline, remote(b)
+    else:
+        raise AssertionError(f"nothing was written through to the new store process: {remote(b)}")
+    assert remote(b)["healthy"], remote(b)
+
+
 def test_hits_survive_the_writer_being_killed(servers, rag_prompt_ids, baseline_outputs):
     a, b = servers["a"], servers["b"]
     prompts = rag_prompt_ids[7:10]
