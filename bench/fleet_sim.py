@@ -448,7 +448,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "comma-separated (one TTFT column each)")
     parser.add_argument("--rate-per-server", type=float, default=4.0, help="requests/s per server offered")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench/results/fleet_sim",
+    parser.add_argument("--out", default="bench/latest/fleet_sim",
                         help="folder for results.json and fleet_sim.png ('' to write nothing)")
     args = parser.parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
