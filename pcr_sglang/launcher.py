@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import IO, Optional, Sequence
 
 import psutil
 import requests
@@ -25,6 +26,34 @@ logger = logging.getLogger(__name__)
 # float32 (measured on the 2-core CI machine: 20 vs 128 GFLOPS), and SGLang's "auto"
 # dtype picks half precision: serve in float32. Later --dtype arguments override this.
 CPU_SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32")
+
+
+# PCR_SERVER_START_SLOTS=N: at most N servers (of this user, on this machine) start at
+# once; others wait for a slot before they launch. A start is mostly CPU-bound imports, so
+# on a small machine many at once each take as long as all of them together and can run
+# past their startup timeout (the test suite runs modules side by side). Unset or 0: no limit.
+START_SLOTS_ENV = "PCR_SERVER_START_SLOTS"
+
+
+def _acquire_start_slot() -> Optional[IO]:
+    """A locked slot file (held until the server is up), or None without a limit."""
+    try:
+        slots = int(os.environ.get(START_SLOTS_ENV) or 0)
+    except ValueError:
+        raise ValueError(f"{START_SLOTS_ENV} must be an integer, got {os.environ[START_SLOTS_ENV]!r}") from None
+    if slots <= 0:
+        return None
+    directory = Path(tempfile.gettempdir()) / f"pcr-sglang-start-slots-{os.getuid()}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    while True:
+        for i in range(slots):
+            slot = open(directory / f"slot-{i}", "a")
+            try:
+                fcntl.flock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return slot
+            except BlockingIOError:
+                slot.close()
+        time.sleep(0.2)
 
 
 # What uvicorn logs when the server's HTTP port is taken; the server then hangs instead of exiting.
@@ -138,6 +167,15 @@ class ServerProcess:
         if cpu_only():
             env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         env.update(self.env)
+        slot = _acquire_start_slot()
+        try:
+            self._launch(env, choose_port)
+        finally:
+            if slot is not None:
+                slot.close()  # releases the lock
+        return self
+
+    def _launch(self, env: dict[str, str], choose_port: bool) -> None:
         started = time.monotonic()
         for attempt in range(1, PORT_ATTEMPTS + 1):
             if choose_port:
@@ -161,7 +199,6 @@ class ServerProcess:
                 raise
             break
         self.startup_seconds = time.monotonic() - started
-        return self
 
     def _port_taken(self) -> bool:
         if self.log_path is None or not self.log_path.exists():

@@ -12,4 +12,16 @@ cd "$REPO"
 if [[ $# -eq 0 ]]; then
   TRITON_INTERPRET=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/kernels
 fi
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 tests --ignore=tests/kernels "$@"
+# One file after another by default. PCR_TEST_WORKERS=2 runs two files at a time on
+# pytest-xdist workers (module fixtures stay in one process): most of an e2e module's time
+# is its servers starting or one request at a time on the tiny model, so two side by side
+# keep both cores busy (26 min instead of 37 here), but the contention has made two tests
+# fail that depend on timing (a read beating a recompute, an abort beating a read), so it
+# is not the default yet. PCR_SERVER_START_SLOTS bounds the servers starting at once (a
+# start is CPU-bound imports: too many at once run past their startup timeout on two
+# cores), PCR_TEST_SERVER_SLOTS the servers the modules hold at once (about 1.3 GB each:
+# see tests/e2e/helpers.py).
+export PCR_SERVER_START_SLOTS="${PCR_SERVER_START_SLOTS:-2}"
+export PCR_TEST_SERVER_SLOTS="${PCR_TEST_SERVER_SLOTS:-10}"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 -n "${PCR_TEST_WORKERS:-0}" \
+  --dist loadfile tests --ignore=tests/kernels "$@"

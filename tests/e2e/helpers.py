@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import fcntl
+import os
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 from types import MappingProxyType
 from typing import Iterator, Mapping, Sequence
 
@@ -19,6 +23,49 @@ COMMON_ARGS = (
 BASELINE_ARGS = (*COMMON_ARGS, "--disable-radix-cache")
 
 
+# PCR_TEST_SERVER_SLOTS=N: the modules running side by side (scripts/test.sh runs two
+# pytest-xdist workers) hold at most N of their servers at once, machine-wide. A server
+# of the tiny model takes about 1.3 GB with its scheduler and I/O processes, and the
+# largest module runs nine: two large modules at once came within 3 GB of the machine's
+# 24. Unset or 0: no limit.
+SERVER_SLOTS_ENV = "PCR_TEST_SERVER_SLOTS"
+
+
+@contextmanager
+def server_budget(count: int) -> Iterator[None]:
+    """Hold ``count`` of the machine's server slots (all at once or none, so two modules
+    never each hold part of what they need and wait for the other) while a module's
+    servers run."""
+    slots = int(os.environ.get(SERVER_SLOTS_ENV) or 0)
+    if slots <= 0 or count <= 0:
+        yield
+        return
+    count = min(count, slots)
+    directory = Path(tempfile.gettempdir()) / f"pcr-sglang-test-servers-{os.getuid()}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    held: list = []
+    while len(held) < count:
+        for i in range(slots):
+            slot = open(directory / f"slot-{i}", "a")
+            try:
+                fcntl.flock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(slot)
+            except BlockingIOError:
+                slot.close()
+            if len(held) == count:
+                break
+        else:
+            for slot in held:
+                slot.close()
+            held = []
+            time.sleep(0.5)
+    try:
+        yield
+    finally:
+        for slot in held:
+            slot.close()
+
+
 @contextmanager
 def serving(servers: dict[str, ServerProcess], start_first: Sequence[str] = (),
             shared: Mapping[str, ServerProcess] = MappingProxyType({})) -> Iterator[dict[str, ServerProcess]]:
@@ -28,22 +75,23 @@ def serving(servers: dict[str, ServerProcess], start_first: Sequence[str] = (),
     memory beyond a 10 GB reserve is free, which servers starting beside it can use up.
     ``shared`` are added to the dict already running and are left running (the session's
     baseline server, which every module's token-for-token checks use)."""
-    try:
-        for name in start_first:
-            servers[name].start()
-        rest = [s for name, s in servers.items() if name not in start_first]
-        with ThreadPoolExecutor(max(len(rest), 1)) as pool:
-            futures = [pool.submit(s.start) for s in rest]
-            errors = [f.exception() for f in futures]
-        if any(errors):
-            raise next(e for e in errors if e)
-        servers.update(shared)
-        yield servers
-    finally:
-        kept = {id(s) for s in shared.values()}
-        for s in servers.values():
-            if id(s) not in kept:
-                s.stop()
+    with server_budget(len(servers)):
+        try:
+            for name in start_first:
+                servers[name].start()
+            rest = [s for name, s in servers.items() if name not in start_first]
+            with ThreadPoolExecutor(max(len(rest), 1)) as pool:
+                futures = [pool.submit(s.start) for s in rest]
+                errors = [f.exception() for f in futures]
+            if any(errors):
+                raise next(e for e in errors if e)
+            servers.update(shared)
+            yield servers
+        finally:
+            kept = {id(s) for s in shared.values()}
+            for s in servers.values():
+                if id(s) not in kept:
+                    s.stop()
 
 
 def generate_greedy(server: ServerProcess, prompts: Sequence[list[int]], concurrency: int = 1):

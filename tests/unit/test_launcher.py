@@ -66,3 +66,55 @@ def test_a_port_the_caller_chose_is_not_replaced(taken_port):
     with pytest.raises(PortInUseError, match=str(taken_port)):
         server.start()
     assert server.port == taken_port
+
+
+def test_start_slots_let_only_n_servers_start_at_once(monkeypatch, tmp_path):
+    """PCR_SERVER_START_SLOTS=1: a second start waits for the first one's slot (a lock
+    file, so it holds across the test suite's worker processes too)."""
+    import tempfile
+    import threading
+
+    monkeypatch.setenv(launcher.START_SLOTS_ENV, "1")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    first = launcher._acquire_start_slot()
+    assert first is not None
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(launcher._acquire_start_slot()), daemon=True)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not got  # the only slot is held
+    first.close()
+    waiter.join(10)
+    assert got and got[0] is not None
+    got[0].close()
+    monkeypatch.setenv(launcher.START_SLOTS_ENV, "0")
+    assert launcher._acquire_start_slot() is None  # no limit
+    monkeypatch.setenv(launcher.START_SLOTS_ENV, "two")
+    with pytest.raises(ValueError, match=launcher.START_SLOTS_ENV):
+        launcher._acquire_start_slot()
+
+
+def test_a_module_takes_its_server_slots_all_at_once(monkeypatch, tmp_path):
+    """The e2e helpers' machine-wide server budget: a module needing more slots than are
+    free waits, holding none, until another module releases its own."""
+    import tempfile
+    import threading
+
+    from tests.e2e.helpers import SERVER_SLOTS_ENV, server_budget
+
+    monkeypatch.setenv(SERVER_SLOTS_ENV, "3")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    entered = threading.Event()
+
+    def second_module():
+        with server_budget(2):
+            entered.set()
+
+    with server_budget(2):
+        waiter = threading.Thread(target=second_module, daemon=True)
+        waiter.start()
+        assert not entered.wait(1.0)  # one slot is free, two are needed
+        with server_budget(1):  # and that one slot is still free: the waiter holds none
+            pass
+    assert entered.wait(10)
+    waiter.join(10)
