@@ -451,6 +451,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default="bench/latest/fleet_sim",
                         help="folder for results.json and fleet_sim.png ('' to write nothing)")
     args = parser.parse_args(argv)
+    for flag, value in (("--requests", args.requests), ("--local-chunks", args.local_chunks),
+                        ("--chunk-tokens", args.chunk_tokens), ("--doc-chunks", args.doc_chunks),
+                        ("--prefill-tps", args.prefill_tps), ("--pcie-gbps", args.pcie_gbps),
+                        ("--rate-per-server", args.rate_per_server), ("--zipf", args.zipf)):
+        if not value > 0:
+            parser.error(f"{flag} must be > 0, got {value}")
+    if args.shared_per_server < 0:
+        parser.error(f"--shared-per-server must be >= 0, got {args.shared_per_server}")
+    names = [n.name for n in args.networks]
+    if len(set(names)) != len(names):
+        parser.error(f"--networks: each link needs a name of its own, got {', '.join(names)}")
     policies = [p for p in args.policies.split(",") if p]
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
@@ -489,7 +500,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if k not in ("out", "check", "networks")}
         settings["networks"] = [vars(n) for n in args.networks]
-        (out / "results.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
+        # A queue at or past saturation (rho >= 1) has no finite TTFT: null in the JSON.
+        finite = [{**r, "ttft_ms": {k: v if math.isfinite(v) else None for k, v in r["ttft_ms"].items()}}
+                  for r in rows]
+        (out / "results.json").write_text(json.dumps({"settings": settings, "rows": finite}, indent=1))
         print(f"\nwrote {out / 'results.json'} and {plot(rows, args.networks, out / 'fleet_sim.png')}")
     return 0
 

@@ -47,7 +47,7 @@ DEFAULT_HINT_RATE = 20.0
 # Hinted chunks in host memory go on into free device slots: on a GPU that moves the
 # PCIe copy off the final request's critical path; on CPU it saves only a memcpy.
 HINT_TO_DEVICE_CHOICES = ["auto", "on", "off"]
-DEFAULT_HINT_TO_DEVICE = "auto"
+DEFAULT_HINT_TO_DEVICE = "off"  # until it has been measured on a GPU
 # Promotion stops while fewer device slots than this share of the pool would stay free.
 HINT_TO_DEVICE_FREE_SHARE = 0.5
 # Document KV reuse in any order (README "Document reuse"): off, or the re-placement mode.
@@ -223,9 +223,10 @@ class Pcr(msgspec.Struct):
                 "KV hints: hinted chunks already in host memory are also loaded into free device "
                 "slots before their request arrives, while at least half of the device KV pool "
                 "stays free (they stay ordinary cached chunks, evicted like any other, so they "
-                "never keep a request out). 'auto': on where the KV pool is on a "
-                "GPU (the host-to-device copy leaves the final request's critical path); 'on', "
-                f"'off'. Default: {DEFAULT_HINT_TO_DEVICE}."
+                "never keep a request out; counted as hint_promoted, and again as hint_in_time "
+                "or hint_wasted). 'on'; 'auto': on where the KV pool is on a GPU (where it is "
+                "meant to take the host-to-device copy off the final request's path; not "
+                f"measured yet); 'off'. Default: {DEFAULT_HINT_TO_DEVICE}."
             ),
             choices=HINT_TO_DEVICE_CHOICES,
         ),

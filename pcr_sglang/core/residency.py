@@ -427,6 +427,15 @@ class CacheState:
             self.ssd_stats.hint_wasted += 1
         self._hinted = {n for n in self._hinted if n in self._reading or n in self._landed or n in self._promoted}
 
+    def promotable(self, nodes: Sequence[ChunkNode]) -> Sequence[ChunkNode]:
+        """The leading run of host-resident ``nodes`` a hint may load on to the device: up
+        to the first one the queue prefetch read for a waiting request (its admission
+        counts and loads it, as for any prefetched chunk)."""
+        for i, node in enumerate(nodes):
+            if node in self._landed and node not in self._hinted:
+                return nodes[:i]
+        return nodes
+
     def promote(self, nodes: Sequence[ChunkNode], device_values: Sequence[Any]) -> None:
         """KV hints: host-resident ``nodes`` of a hinted chain (continuing its device
         prefix) were copied into free device slots ``device_values`` before any request

@@ -15,7 +15,9 @@ with the page buffer in a torch tensor on ``device``:
 * a search scores each query against its landed pages with one ``mv`` over the gathered
   pages on the device (a GEMV: no TF32 rounding, unlike a float32 GEMM on recent GPUs with
   TF32 enabled), and the scores come back to the host, where the top k are taken with the
-  host tier's tie rule, so exact mode still returns what faiss's IVF search returns.
+  host tier's tie rule, so exact mode still returns what faiss's IVF search returns (up
+  to float rounding: a GEMV sums in another order than faiss, so two documents scored
+  within about 1e-6 at the k-th place may swap).
 
 On a machine without CUDA the same class runs with ``device="cpu"`` (a torch buffer,
 copies done inline on the copy thread): the tests run every fast-tier test on it, as the
@@ -56,8 +58,13 @@ class DeviceClusterTier(HostClusterTier):
         super().__init__(table, capacity_bytes, page_rows)
 
     def _allocate_codes(self, num_pages: int):
-        return self._torch.zeros((num_pages, self.page_rows, self.table.dim), dtype=self._torch.float32,
-                                 device=self.device)
+        codes = self._torch.zeros((num_pages, self.page_rows, self.table.dim), dtype=self._torch.float32,
+                                  device=self.device)
+        if self._cuda:
+            # The fill runs on the current stream, the copies on the tier's own (which does
+            # not wait for it): without this a first copy could land and then be zeroed.
+            self._stream.wait_stream(self._torch.cuda.current_stream(self.device))
+        return codes
 
     def _copy(self, entry: _Cluster) -> None:
         torch = self._torch
@@ -77,7 +84,7 @@ class DeviceClusterTier(HostClusterTier):
             for m, page in enumerate(entry.pages):
                 start, end = m * self.page_rows, min((m + 1) * self.page_rows, n)
                 self.codes[page, :end - start].copy_(staged[start:end], non_blocking=True)
-            landed = torch.cuda.Event()
+            landed = torch.cuda.Event(blocking=True)  # the copy thread sleeps on it, not spins
             landed.record(self._stream)
         landed.synchronize()  # this thread waits for its cluster; searches never wait for copies
 

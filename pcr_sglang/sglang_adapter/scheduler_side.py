@@ -286,7 +286,7 @@ class SchedulerSide:
         if self.engine is None:
             return
         for hint in self.hints.live():
-            nodes = self.state.match(iter(hint.keys), touch=False).host_nodes
+            nodes = self.state.promotable(self.state.match(iter(hint.keys), touch=False).host_nodes)
             tokens = len(nodes) * self.chunk
             if not nodes or self.allocator.available_size() - tokens < self._promote_free_floor:
                 continue

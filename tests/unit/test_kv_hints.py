@@ -176,3 +176,21 @@ def test_hinted_reads_in_flight_count_late_and_are_cancelled_when_the_hint_ends(
     plan = Effects()
     d.state.plan_prefetch([], [], plan, queue_depth=0, hinted=[])
     assert len([o for o in plan.orders if isinstance(o, Reorder) and o.cancel]) == 3
+
+
+def test_a_hint_promotes_nothing_the_queue_prefetch_read_for_a_waiting_request():
+    """Review finding: loading a chunk the queue's prefetch read for a waiting request
+    took it out of the prefetch's accounting (neither in time nor unused): a hint's
+    promotion stops at the first such chunk and leaves it to the request's admission."""
+    d = Driver(host_slots=16, ssd_capacity_chunks=60, prefetch_budget_chunks=8, hint_budget_chunks=8)
+    chain = _ssd_only(d, list(range(3 * CHUNK)))
+    _pushed_out(d, 24)
+    plan = Effects()
+    d.state.plan_prefetch([chain[:2]], [], plan, queue_depth=1, hinted=[chain])  # the queue reads 0-1
+    d.run(plan)
+    d.answer()
+    assert all(n.on_host for n in chain)
+    assert list(d.state.promotable(chain)) == []  # the first chunk is the waiting request's
+    assert list(d.state.promotable(chain[2:])) == [chain[2]]  # the hint's own read
+    d.state.count_hinted(chain[2:])
+    assert d.state.ssd_stats.hint_in_time == 1

@@ -65,8 +65,9 @@ def test_fleet_sim_writes_its_table_json_and_plot(tmp_path, capsys):
 
 
 def test_fleet_sim_refuses_bad_options():
-    for bad in (["--networks", "fast=25"], ["--networks", "x=0@1"], ["--docs", "0"], ["--servers", "two"],
-                ["--policies", "nearest"]):
+    for bad in (["--networks", "fast=25"], ["--networks", "x=0@1"], ["--networks", "a=1@1,a=2@1"], ["--docs", "0"],
+                ["--servers", "two"], ["--policies", "nearest"], ["--requests", "0"], ["--prefill-tps", "0"],
+                ["--rate-per-server", "-1"]):
         with pytest.raises(SystemExit):
             fleet_sim.main(bad + ["--out", ""])
 
