@@ -44,8 +44,8 @@ DEFAULT_REMOTE = "off"
 DEFAULT_HINT_BUDGET_MB = 128
 DEFAULT_HINT_MAX_TTL_S = 30.0
 DEFAULT_HINT_RATE = 20.0
-# Hinted chunks in host memory go on into free device slots: on a GPU that moves the
-# PCIe copy off the final request's critical path; on CPU it saves only a memcpy.
+# Hinted chunks in host memory go on into free device slots: on a GPU that is meant to
+# move the PCIe copy off the final request's path; on CPU it saves only a memcpy.
 HINT_TO_DEVICE_CHOICES = ["auto", "on", "off"]
 DEFAULT_HINT_TO_DEVICE = "off"  # until it has been measured on a GPU
 # Promotion stops while fewer device slots than this share of the pool would stay free.

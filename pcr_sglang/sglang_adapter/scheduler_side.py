@@ -280,9 +280,10 @@ class SchedulerSide:
 
     def _promote_hinted(self) -> None:
         """``--pcr-hint-to-device``: the host-resident run that continues each live hint's
-        device prefix is loaded into free device slots now, while more than half the pool
+        device prefix is loaded into free device slots now, while at least half the pool
         stays free, newest hint first; never by evicting anything. The final request then
-        finds it on the device (on a GPU its PCIe copy left the critical path)."""
+        finds it on the device (on a GPU its PCIe copy is meant to have left the request's
+        path: not measured yet)."""
         if self.engine is None:
             return
         for hint in self.hints.live():
