@@ -15,7 +15,7 @@ fi
 # One file after another by default. PCR_TEST_WORKERS=2 runs two files at a time on
 # pytest-xdist workers (module fixtures stay in one process): most of an e2e module's time
 # is its servers starting or one request at a time on the tiny model, so two side by side
-# keep both cores busy (26 min instead of 37 here), but the contention has made two tests
+# keep both cores busy (26 min instead of 30-38 here), but the contention has made two tests
 # fail that depend on timing (a read beating a recompute, an abort beating a read), so it
 # is not the default yet. PCR_SERVER_START_SLOTS bounds the servers starting at once (a
 # start is CPU-bound imports: too many at once run past their startup timeout on two
