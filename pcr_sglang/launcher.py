@@ -35,25 +35,42 @@ CPU_SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--
 START_SLOTS_ENV = "PCR_SERVER_START_SLOTS"
 
 
-def _acquire_start_slot() -> Optional[IO]:
-    """A locked slot file (held until the server is up), or None without a limit."""
+def slots_from_env(name: str) -> int:
+    """A machine-wide slot count from environment variable ``name`` (unset: 0, no limit)."""
     try:
-        slots = int(os.environ.get(START_SLOTS_ENV) or 0)
+        return int(os.environ.get(name) or 0)
     except ValueError:
-        raise ValueError(f"{START_SLOTS_ENV} must be an integer, got {os.environ[START_SLOTS_ENV]!r}") from None
-    if slots <= 0:
-        return None
-    directory = Path(tempfile.gettempdir()) / f"pcr-sglang-start-slots-{os.getuid()}"
+        raise ValueError(f"{name} must be an integer, got {os.environ[name]!r}") from None
+
+
+def acquire_slots(pool: str, slots: int, count: int = 1) -> list[IO]:
+    """Lock ``count`` of the ``slots`` slot files of ``pool`` (this user's, machine-wide),
+    all at once or none: while fewer are free, hold none and poll (so two holders never
+    each wait for the other). Closing a returned file releases its slot."""
+    directory = Path(tempfile.gettempdir()) / f"pcr-sglang-{pool}-{os.getuid()}"
     directory.mkdir(mode=0o700, exist_ok=True)
+    count = min(count, slots)
     while True:
+        held: list[IO] = []
         for i in range(slots):
             slot = open(directory / f"slot-{i}", "a")
             try:
                 fcntl.flock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return slot
             except BlockingIOError:
                 slot.close()
+                continue
+            held.append(slot)
+            if len(held) == count:
+                return held
+        for slot in held:
+            slot.close()
         time.sleep(0.2)
+
+
+def _acquire_start_slot() -> Optional[IO]:
+    """A locked slot file (held until the server is up), or None without a limit."""
+    slots = slots_from_env(START_SLOTS_ENV)
+    return acquire_slots("start-slots", slots)[0] if slots > 0 else None
 
 
 # What uvicorn logs when the server's HTTP port is taken; the server then hangs instead of exiting.

@@ -72,17 +72,15 @@ class DeviceClusterTier(HostClusterTier):
         n = rows.stop - rows.start
         staged = self._staging[:n]
         staged.numpy()[:] = self.table.codes[rows.start:rows.stop]  # the read (from disk, if memory-mapped)
-        for m, page in enumerate(entry.pages):
-            start, end = m * self.page_rows, min((m + 1) * self.page_rows, n)
+        spans = [(page, m * self.page_rows, min((m + 1) * self.page_rows, n)) for m, page in enumerate(entry.pages)]
+        for page, start, end in spans:
             self.ids[page, :end - start] = self.table.ids[rows.start + start:rows.start + end]
         if not self._cuda:
-            for m, page in enumerate(entry.pages):
-                start, end = m * self.page_rows, min((m + 1) * self.page_rows, n)
+            for page, start, end in spans:
                 self.codes[page, :end - start].copy_(staged[start:end])
             return
         with torch.cuda.stream(self._stream):
-            for m, page in enumerate(entry.pages):
-                start, end = m * self.page_rows, min((m + 1) * self.page_rows, n)
+            for page, start, end in spans:
                 self.codes[page, :end - start].copy_(staged[start:end], non_blocking=True)
             landed = torch.cuda.Event(blocking=True)  # the copy thread sleeps on it, not spins
             landed.record(self._stream)

@@ -1,16 +1,12 @@
 from __future__ import annotations
 
-import fcntl
-import os
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 from types import MappingProxyType
 from typing import Iterator, Mapping, Sequence
 
-from pcr_sglang.launcher import ServerProcess
+from pcr_sglang.launcher import ServerProcess, acquire_slots, slots_from_env
 from tests.conftest import CHUNK_SIZE
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
@@ -36,29 +32,8 @@ def server_budget(count: int) -> Iterator[None]:
     """Hold ``count`` of the machine's server slots (all at once or none, so two modules
     never each hold part of what they need and wait for the other) while a module's
     servers run."""
-    slots = int(os.environ.get(SERVER_SLOTS_ENV) or 0)
-    if slots <= 0 or count <= 0:
-        yield
-        return
-    count = min(count, slots)
-    directory = Path(tempfile.gettempdir()) / f"pcr-sglang-test-servers-{os.getuid()}"
-    directory.mkdir(mode=0o700, exist_ok=True)
-    held: list = []
-    while len(held) < count:
-        for i in range(slots):
-            slot = open(directory / f"slot-{i}", "a")
-            try:
-                fcntl.flock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held.append(slot)
-            except BlockingIOError:
-                slot.close()
-            if len(held) == count:
-                break
-        else:
-            for slot in held:
-                slot.close()
-            held = []
-            time.sleep(0.5)
+    slots = slots_from_env(SERVER_SLOTS_ENV)
+    held = acquire_slots("test-servers", slots, count) if slots > 0 and count > 0 else []
     try:
         yield
     finally:
