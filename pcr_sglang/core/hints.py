@@ -169,5 +169,10 @@ class HintBook:
         self.stats.consumed += len(matched)
         return gone
 
+    def clear(self) -> None:
+        """Drop every live hint (``/flush_cache``), counted as expired; the rate bucket stays."""
+        self.stats.expired += len(self._hints)
+        self._hints.clear()
+
     def __len__(self) -> int:
         return len(self._hints)

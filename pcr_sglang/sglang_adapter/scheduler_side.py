@@ -288,15 +288,11 @@ class SchedulerSide:
             return
         for hint in self.hints.live():
             nodes = self.state.promotable(self.state.match(iter(hint.keys), touch=False).host_nodes)
-            tokens = len(nodes) * self.chunk
-            if not nodes or self.allocator.available_size() - tokens < self._promote_free_floor:
+            if not nodes or self.allocator.available_size() - len(nodes) * self.chunk < self._promote_free_floor:
                 continue
-            slots = self.allocator.alloc(tokens)
-            if slots is None:
-                continue
-            slots = slots.to(torch.int64)
-            self.engine.load(slots, [n.host_slot for n in nodes])
-            self.state.promote(nodes, [s.clone() for s in slots.split(self.chunk)])
+            slots = self._load_into_free_slots(nodes)
+            if slots is not None:
+                self.state.promote(nodes, slots)
         if self.engine.pending_loads:
             # CPU: copies wait for the next forward's layer hooks; there may be none for a
             # while, and an I/O order for these host slots waits for them: copy now.
@@ -498,13 +494,10 @@ class SchedulerSide:
         try:
             if self.allocator.available_size() < tokens:
                 self.evict(tokens - self.allocator.available_size())
-            slots = self.allocator.alloc(tokens) if self.allocator.available_size() >= tokens else None
+            slots = self._load_into_free_slots(to_load) if self.allocator.available_size() >= tokens else None
             if slots is None:
                 return False
-            slots = slots.to(torch.int64)
-            assert self.engine is not None
-            self.engine.load(slots, [n.host_slot for n in to_load])
-            from_ssd = self.state.commit_load(to_load, [s.clone() for s in slots.split(self.chunk)])
+            from_ssd = self.state.commit_load(to_load, slots)
         finally:
             self.state.unlock(last)
         if from_ssd and req is not None:
@@ -512,6 +505,18 @@ class SchedulerSide:
             req.storage_hit_length = from_ssd * self.chunk
             req.storage_hit_start = req.prefix_len
         return True
+
+    def _load_into_free_slots(self, nodes: Sequence[ChunkNode]) -> Optional[list[torch.Tensor]]:
+        """Take device slots for host-resident ``nodes`` from the free pool (never evicting:
+        the caller has made room or chosen not to) and order their copies; each chunk's
+        slots, for the cache state to commit, or None when the pool is short."""
+        assert self.engine is not None
+        slots = self.allocator.alloc(len(nodes) * self.chunk)
+        if slots is None:
+            return None
+        slots = slots.to(torch.int64)
+        self.engine.load(slots, [n.host_slot for n in nodes])
+        return [s.clone() for s in slots.split(self.chunk)]
 
     def _order_before_reuse(self) -> None:
         if self.engine is not None:
@@ -713,7 +718,11 @@ class SchedulerSide:
         self.allocator.free(slots)
 
     def reset(self) -> None:
+        """``/flush_cache``: forget every request's bookkeeping, live KV hint and cached
+        chunk (but the persisted ones). A hint outliving the flush would read its chains
+        back from the SSD into the cache just emptied."""
         self.requests.clear()
+        self.hints.clear()
         self._probes = {}
         if self.docs is not None:
             self.docs.reset()

@@ -330,6 +330,21 @@ def test_hints_go_to_the_device_only_while_half_the_pool_stays_free(make, tmp_pa
     h.check()
 
 
+def test_a_flush_ends_the_live_hints_so_nothing_is_read_back(make, tmp_path):
+    """``/flush_cache`` empties the cache; a hint registered before it must not read its
+    chain back from the SSD into the emptied cache afterwards."""
+    tokens = prompt(100)
+    persisted(make(host_slots=3, ssd_path=tmp_path / "ssd"), [tokens])
+    h = make(host_slots=12, ssd_path=tmp_path / "ssd")
+    _hint(h, tokens + [0])
+    h.cache.reset()
+    h.step()
+    h.drain_io()
+    assert len(h.scheduler.hints) == 0 and h.scheduler.hints.stats.expired == 1
+    assert h.state.tree.host_chunks == 0 and h.state.ssd_stats.hint_issued == 0
+    h.check()
+
+
 def test_on_evict_writes_a_chunk_when_host_eviction_picks_it(make, tmp_path):
     """With --pcr-ssd-write on-evict nothing is written while host memory has room; the
     chunk host eviction picks is written first and leaves host memory once written."""
