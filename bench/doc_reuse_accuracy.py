@@ -13,9 +13,11 @@ embedding retriever, Zipf-popular topics), as document-marked token prompts
 2. each ``--modes`` entry (``concat``, ``lego[:K]``, ``blend[:R]``), all on one server
    (``--enable-pcr --pcr-doc-reuse blend``, or ``concat`` when no entry recomputes; each
    request asks for its mode, K or R in ``custom_params``): every prompt is sent
-   with its documents marked, twice: the first send (one output token) makes sure every
-   document's canonical KV is cached, the second is measured (its greedy answer, and
-   ``cached_tokens``: all documents were reused when it equals the last document's end).
+   with its documents marked, twice: the first send (one output token; the server warms
+   documents at their first sighting) makes sure every document's canonical KV is
+   cached, the second is measured (its greedy answer, and ``cached_tokens``: all
+   documents were reused when it equals the last document's end). Each mode's requests
+   carry their own ``extra_key``, so no mode reads what another one cached.
    Then the reference answer is teacher-forced under the mode's KV (prompt + answer ids,
    ``return_logprob``, ``logprob_start_len = len(prompt) - 1``; SGLang reuses at most
    ``logprob_start_len`` tokens, which is past the documents, so they are still reused).
@@ -200,6 +202,15 @@ def server_mode(specs: Sequence[ModeSpec]) -> str:
     return "blend" if any(s.mode != "concat" for s in specs) else "concat"
 
 
+def doc_reuse_server_flags(reuse: str, chunk_size: int) -> tuple[str, ...]:
+    """The doc-reuse server: documents warmed at their first sighting, so each prompt's
+    warm-up send computes its documents' canonical KV and reuses it (with the default,
+    warm when a document recurs, the warm-up would be a plain prefill, cached exactly, and
+    the measured send would hit that exact prefix)."""
+    return ("--enable-pcr", "--pcr-chunk-size", str(chunk_size), "--pcr-doc-reuse", reuse,
+            "--pcr-doc-warmup", "request", "--pcr-doc-warmup-after", "1")
+
+
 # ---------------------------------------------------------------------------- rows
 @dataclass
 class Prompt:
@@ -230,10 +241,22 @@ def _sampling(prompt: Prompt, spec: Optional[ModeSpec], **sampling: Any) -> dict
     return params
 
 
+def mode_request(prompt: Prompt, spec: Optional[ModeSpec], input_ids: Optional[list[int]] = None,
+                 **sampling: Any) -> dict[str, Any]:
+    """A ``/generate`` body for ``prompt`` in mode ``spec``. Each mode has its own cache
+    namespace (``extra_key``): a prompt one mode served by plain prefill (nothing left to
+    reuse) is cached exactly, and would otherwise answer the next mode's requests from
+    that exact prefix instead of from re-placed documents."""
+    body: dict[str, Any] = {"input_ids": prompt.input_ids if input_ids is None else input_ids,
+                            "sampling_params": _sampling(prompt, spec, **sampling)}
+    if spec is not None:
+        body["extra_key"] = f"pcr-accuracy:{spec.name}"
+    return body
+
+
 def teacher_forced(server: Any, prompt: Prompt, answer: list[int], spec: Optional[ModeSpec]) -> tuple[float, int]:
     """NLL per token of ``answer`` after ``prompt`` on ``server``, and the request's cached tokens."""
-    reply = server.generate({"input_ids": prompt.input_ids + answer,
-                             "sampling_params": _sampling(prompt, spec, **greedy(0)),
+    reply = server.generate({**mode_request(prompt, spec, prompt.input_ids + answer, **greedy(0)),
                              "return_logprob": True, "logprob_start_len": len(prompt.input_ids) - 1})
     meta = reply["meta_info"]
     return answer_nll(meta["input_token_logprobs"], answer), int(meta.get("cached_tokens", 0))
@@ -252,10 +275,8 @@ def measure_mode(server: Any, prompt: Prompt, reference: dict[str, Any], max_new
     """Warm, measured greedy answer, teacher-forced NLL of the reference answer (``spec``
     None: the documents unmarked, the exact prefix cache's control)."""
     marked = spec is not None
-    warm = server.generate({"input_ids": prompt.input_ids,
-                            "sampling_params": _sampling(prompt, spec, **greedy(1))})
-    reply = server.generate({"input_ids": prompt.input_ids,
-                             "sampling_params": _sampling(prompt, spec, **greedy(max_new_tokens))})
+    warm = server.generate(mode_request(prompt, spec, **greedy(1)))
+    reply = server.generate(mode_request(prompt, spec, **greedy(max_new_tokens)))
     answer = list(reply["output_ids"])
     cached = int(reply["meta_info"].get("cached_tokens", 0))
     nll, tf_cached = teacher_forced(server, prompt, reference["answer_ids"], spec)
@@ -471,7 +492,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict[str, list[dict[str, Any]]] = {}
     counters: dict[str, dict[str, Any]] = {}
     reuse = server_mode(args.modes)
-    flags = ("--enable-pcr", "--pcr-chunk-size", str(args.chunk_size), "--pcr-doc-reuse", reuse)
+    flags = doc_reuse_server_flags(reuse, args.chunk_size)
     with serving(f"doc-reuse {reuse}", flags) as server:
         for spec in args.modes:
             before = _counters(server)
