@@ -11,7 +11,8 @@ embedding retriever, Zipf-popular topics), as document-marked token prompts
 1. **full prefill** (``--disable-radix-cache``): the reference. Each prompt's greedy answer
    (temperature 0), and the teacher-forced NLL of that answer under full prefill.
 2. each ``--modes`` entry (``concat``, ``lego[:K]``, ``blend[:R]``), all on one server
-   (``--enable-pcr --pcr-doc-reuse blend``, or ``concat`` when no entry recomputes; each
+   (``--enable-pcr --pcr-doc-reuse blend``, or ``concat`` when no entry recomputes, with
+   ``--pcr-doc-warmup request --pcr-doc-warmup-after 1``; each
    request asks for its mode, K or R in ``custom_params``): every prompt is sent
    with its documents marked, twice: the first send (one output token; the server warms
    documents at their first sighting) makes sure every document's canonical KV is

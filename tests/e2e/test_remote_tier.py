@@ -285,7 +285,8 @@ def test_the_store_process_killed_under_a_live_master_costs_hits_not_tokens(serv
     prompts = rag_prompt_ids[17:19]
     served(servers["slow"], prompts)  # its writes are not slowed, only its reads
     before = remote(b)["store"] or {}
-    found_before = remote(b)["probes"]["found_chunks"]
+    probes_before = remote(b)["probes"]
+    chosen_before = b.pcr_state()["ssd"]["counters"]["remote_recompute_chosen_chunks"]
     mooncake["store"].kill()
     try:
         outs = [send(b, p) for p in prompts]
@@ -299,15 +300,16 @@ def test_the_store_process_killed_under_a_live_master_costs_hits_not_tokens(serv
     after = remote(b)["store"] or {}
     assert after.get("read_ok", 0) == before.get("read_ok", 0)  # nothing came back from a dead store
     failed = sum(after.get(k, 0) - before.get(k, 0) for k in ("read_failed", "read_corrupt", "read_missing"))
-    reads = after.get("reads", 0) - before.get("reads", 0)
-    found = remote(b)["probes"]["found_chunks"] - found_before
-    # Every read B issued failed: the master still listed the objects (B found them), or on
-    # a slow machine had already dropped them (nothing found, nothing read). Finding them is
-    # not reading them: a probe answered after its request stopped waiting, or the cost model
-    # chose to recompute, and the chunks are recomputed unread (seen in CI: 18 found, none
-    # read). Never a hit either way.
-    assert reads == failed, (found, reads, failed, after)
-    assert found or not reads, (found, reads, after)
+    probes = remote(b)["probes"]
+    found = probes["found_chunks"] - probes_before["found_chunks"]
+    timed_out = probes["timed_out"] - probes_before["timed_out"]
+    chosen = b.pcr_state()["ssd"]["counters"]["remote_recompute_chosen_chunks"] - chosen_before
+    # The master still listed the objects (B found them) and B read them, every read
+    # failing; or B found them and recomputed them unread, because its probe answered after
+    # the request stopped waiting or the cost model chose recomputing (seen in CI: 18 found,
+    # none read); or, on a slow machine, the master had already dropped them (nothing found).
+    # Never a hit (read_ok above, and remote_idle waited for every read's outcome).
+    assert not found or failed > 0 or timed_out > 0 or chosen > 0, (found, timed_out, chosen, after, probes)
     # Until the master expires the dead process, a put may still be placed in its segment
     # and fail; the breaker then drops write-through records for its back-off. Then B's
     # records go through to the new process.

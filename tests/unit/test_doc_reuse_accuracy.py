@@ -146,3 +146,29 @@ def test_each_mode_reads_only_what_it_cached_and_its_warm_up_warms_every_documen
     assert "extra_key" not in mode_request(prompt, None)  # the control: plain prefix caching
     flags = doc_reuse_server_flags("blend", 16)
     assert flags[flags.index("--pcr-doc-warmup-after") + 1] == "1"
+    assert flags[flags.index("--pcr-doc-warmup") + 1] == "request"  # 'idle' would not wait for the warm-ups
+
+
+class _RecordingServer:
+    """Keeps the bodies a measurement sends (what reaches the server is under test here,
+    not what it answers)."""
+
+    def __init__(self):
+        self.bodies = []
+
+    def generate(self, body):
+        self.bodies.append(body)
+        tail = body["input_ids"][body.get("logprob_start_len", len(body["input_ids"])):]
+        logprobs = [[None if i == 0 else -1.0, t, None] for i, t in enumerate(tail)]
+        return {"output_ids": [7, 8], "text": "a b",
+                "meta_info": {"cached_tokens": 0, "input_token_logprobs": logprobs}}
+
+
+def test_every_request_of_a_mode_measurement_carries_the_modes_key():
+    from bench.doc_reuse_accuracy import measure_mode
+
+    prompt = Prompt(0, "r0", "Why?", ["d1", "d2"], list(range(40)), [3, 13, 13, 30])
+    server = _RecordingServer()
+    measure_mode(server, prompt, {"answer_ids": [7, 8]}, 2, ModeSpec("blend", 0.7), lambda ids: "a b")
+    assert len(server.bodies) == 3  # warm-up, measured, teacher-forced
+    assert {b.get("extra_key") for b in server.bodies} == {"pcr-accuracy:blend:0.7"}
