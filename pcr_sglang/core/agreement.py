@@ -20,7 +20,11 @@ finished operations; here the agreed facts are, once per scheduler step:
   (its deadline not passed);
 * a digest of the prefix lengths this rank admitted requests with: a canary, not an
   input. Equal everywhere unless a decision escaped agreement (a bug); a mismatch is
-  counted and logged.
+  counted and logged;
+* the clock KV hints live by (``hint_clock_ms``): each rank's monotonic clock, agreed as
+  the earliest, so a hint expires in the same step on every rank and the hinted reads
+  every rank orders stay the same (each rank's own clock could expire a hint between
+  two ranks' steps, after which their orders would differ).
 
 Pure logic: the collective itself (``reduce_min``) is passed in.
 """
@@ -45,6 +49,7 @@ class LocalView:
     finished: dict[int, tuple[IoOutcome, float]]  # of those, what this rank's process returned
     still_waiting: Sequence[bool] = ()  # per request waiting for reads, in a rank-independent order
     admission_digest: int = 0  # of (request, prefix length) admitted so far, < 2**52
+    hint_clock_ms: int = 0  # this rank's clock for KV hints
 
 
 @dataclass
@@ -56,23 +61,25 @@ class Agreed:
     consistent: bool = True
     error: Optional[str] = None
     digests_match: bool = True
+    hint_clock_ms: int = 0  # the earliest rank's
 
 
 def agree(view: LocalView, reduce_min: Optional[ReduceMin]) -> Agreed:
     """The step's agreed facts; with ``reduce_min`` None (one rank) this rank's own."""
     if reduce_min is None:
         outcomes = [(seq, *view.finished[seq]) for seq in view.outstanding if seq in view.finished]
-        return Agreed(view.healthy, view.prefers_load, outcomes, list(view.still_waiting))
+        return Agreed(view.healthy, view.prefers_load, outcomes, list(view.still_waiting),
+                      hint_clock_ms=view.hint_clock_ms)
     orders, waiting = len(view.outstanding), len(view.still_waiting)
     digest = view.admission_digest
     header = reduce_min([orders, -orders, waiting, -waiting, int(view.healthy), int(view.prefers_load),
-                         digest, -digest])
+                         digest, -digest, view.hint_clock_ms])
     digests_match = header[6] == -header[7]
     if header[0] != -header[1] or header[2] != -header[3] or header[0] != orders or header[2] != waiting:
         return Agreed(False, False, consistent=False, digests_match=digests_match, error=(
             f"TP ranks disagree on the SSD tier's outstanding orders ({header[0]}..{-header[1]}, "
             f"this rank {orders}) or waiting requests ({header[2]}..{-header[3]}, this rank {waiting})"))
-    agreed = Agreed(bool(header[4]), bool(header[5]), digests_match=digests_match)
+    agreed = Agreed(bool(header[4]), bool(header[5]), digests_match=digests_match, hint_clock_ms=header[8])
     if not orders and not waiting:
         return agreed
     body = [int(view.finished[seq][0]) if seq in view.finished else int(IoOutcome.PENDING)

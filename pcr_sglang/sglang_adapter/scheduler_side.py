@@ -4,8 +4,9 @@ Once per scheduler step (``get_next_batch_to_run``), before any request is match
 
 1. take the I/O process's completions and the worker side's prefill timings;
 2. agree across TP ranks (:mod:`pcr_sglang.core.agreement`) on which orders finished
-   and how, on I/O health, write-back and the load-or-recompute verdict, and on which
-   requests waiting for reads have waited long enough; apply what was agreed;
+   and how, on I/O health, write-back and the load-or-recompute verdict, on which
+   requests waiting for reads have waited long enough, and on the clock KV hints expire
+   by; apply what was agreed;
 3. send I/O orders that waited for their host slot's copies to complete;
 4. refresh the look-ahead protection and plan prefetch reads for the first waiting
    requests; with a remote tier (``--pcr-remote``), probe it once for each of them whose
@@ -26,7 +27,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -106,6 +107,10 @@ class SchedulerSide:
         self._last_step_start: Optional[float] = None
         self.docs: Optional[DocReuse] = None  # --pcr-doc-reuse (set by the factory)
         self.hints = HintBook(config.hint_limits())
+        # Hints live by the clock the TP ranks agree on (the earliest rank's), so that they
+        # register, hit the rate limit and expire in the same step on every rank.
+        self.hint_clock: Callable[[], float] = time.monotonic  # this rank's (a test may replace it)
+        self._hint_now = 0.0  # the last agreed hint clock, in seconds
         # --pcr-hint-to-device: 'auto' is on where the KV pool is on a GPU.
         on_gpu = str(getattr(allocator, "device", "cpu")).startswith("cuda")
         self.promote_hints = config.hint_to_device == "on" or (config.hint_to_device == "auto" and on_gpu)
@@ -179,7 +184,7 @@ class SchedulerSide:
             self.state.ssd_stats.io_restarts = self.io.restarts
         holds = self.requests.holds()
         outstanding = self.state.outstanding()
-        if self.tp is not None and not (outstanding or holds or queue_nonempty):
+        if self.tp is not None and not (outstanding or holds or queue_nonempty or len(self.hints)):
             return  # nothing to agree on (and the same on every rank)
         if self._broken is not None:
             return
@@ -187,7 +192,7 @@ class SchedulerSide:
         view = LocalView(healthy=self.io is not None and self.io.healthy,
                          prefers_load=self.state.cost_model.prefers_load(self.chunk), outstanding=outstanding,
                          finished=self._finished, still_waiting=[now < s.hold.deadline for s in holds],
-                         admission_digest=self._admission_digest)
+                         admission_digest=self._admission_digest, hint_clock_ms=self._hint_clock_ms())
         agreed = agree(view, self.tp.reduce_min if self.tp is not None else None)
         self.agreement_rounds += 1
         if not agreed.digests_match:
@@ -203,6 +208,7 @@ class SchedulerSide:
             return
         self.state.io_healthy = agreed.healthy
         self.state.prefer_load = agreed.prefers_load
+        self._hint_now = max(self._hint_now, agreed.hint_clock_ms / 1000)
         for seq, _, _ in agreed.outcomes:
             del self._finished[seq]
         self.state.apply_outcomes(agreed.outcomes, effects)
@@ -248,15 +254,18 @@ class SchedulerSide:
     def add_hint(self, req: Any, payload: HintPayload) -> bool:
         """Register ``req``'s prompt as a hint: its chains are read ahead while the hint
         lives (see :mod:`pcr_sglang.core.hints`). False when it was not registered (no SSD
-        tier, hints off, TP, or over the rate)."""
+        tier, hints off, or over the rate). Under TP every rank registers the same request
+        here (SGLang hands each rank the same requests in the same order), so the clock it
+        is registered at is agreed by a collective of its own."""
         if not self.state.ssd_enabled or self.state.config.hint_budget_chunks <= 0:
-            return False
-        if self.tp is not None:  # expiry is by each rank's clock: the ranks' plans could differ
             return False
         tokens = req.origin_input_ids
         # What the final request will match: all but its last token (always computed).
         keys = self._keys_of(tokens[: max(len(tokens) - 1, 0)], req.extra_key, req.cache_salt)
-        now = time.monotonic()
+        clock_ms = self._hint_clock_ms()
+        if self.tp is not None:
+            clock_ms = self.tp.reduce_min([clock_ms])[0]
+        now = self._hint_now = max(self._hint_now, clock_ms / 1000)
         if not self.hints.register(req.rid, keys, payload, now):
             return False
         if self.docs is not None and payload.hint_only:
@@ -269,8 +278,12 @@ class SchedulerSide:
             self.docs.release(req.rid)  # the hint-only request never reaches admission
         return True
 
+    def _hint_clock_ms(self) -> int:
+        return int(self.hint_clock() * 1000)
+
     def _hinted_chains(self) -> list[list[ChunkNode]]:
-        self.hints.expire(time.monotonic())
+        """The live hints' cached chains, after expiring by this step's agreed clock."""
+        self.hints.expire(self._hint_now)
         chains = []
         for hint in self.hints.live():
             nodes = self.state.match(iter(hint.keys), touch=False).nodes

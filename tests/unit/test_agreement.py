@@ -78,6 +78,15 @@ def test_ranks_that_disagree_on_the_outstanding_orders_stop_the_tier_on_both():
     assert not a0.consistent and not a1.consistent and "disagree" in a0.error
 
 
+def test_the_hint_clock_is_the_earliest_ranks_even_with_nothing_outstanding():
+    ranks = TwoRanks()
+    r0 = LocalView(True, True, [], {}, hint_clock_ms=9_000)
+    r1 = LocalView(True, True, [], {}, hint_clock_ms=5_000)
+    a0, a1 = on_both(lambda: agree(r0, ranks.group(0).reduce_min), lambda: agree(r1, ranks.group(1).reduce_min))
+    assert a0.hint_clock_ms == a1.hint_clock_ms == 5_000
+    assert agree(r0, None).hint_clock_ms == 9_000
+
+
 def test_one_rank_agrees_with_itself():
     agreed = agree(view({2: (IoOutcome.OK, 0.1)}, prefers_load=False, waiting=[False]), None)
     assert agreed.outcomes == [(2, IoOutcome.OK, 0.1)] and not agreed.prefers_load
@@ -169,3 +178,56 @@ def test_ranks_that_fingerprint_different_weights_refuse_to_start_on_both(tmp_pa
 
     errors = on_both(lambda: build(0), lambda: build(1))
     assert all(e is not None and "model fingerprint" in e for e in errors), errors
+
+
+def test_a_kv_hint_lives_by_the_clock_the_ranks_agree_on(tmp_path):
+    """Under TP every rank registers the same hint and must order the same hinted reads:
+    by its own clock a rank could expire a hint that another still reads for, and their
+    orders would differ (the SSD tier stops on every rank). Rank 1's clock runs three
+    times as fast as rank 0's here; two of rank 0's seconds after a hint with a 5 s TTL
+    (six of rank 1's), both ranks still hold it and read its chain, and its request finds
+    the chain in host memory on both."""
+    pytest.importorskip("sglang")
+    from pcr_sglang.core.hints import HintPayload
+    from tests.unit.adapter_harness import Harness
+    from tests.unit.test_prefix_cache_adapter import persisted, prompt
+
+    ranks = TwoRanks()
+    tokens = prompt(100)
+
+    def rank(r: int):
+        store = tmp_path / f"r{r}"
+        first = Harness(host_slots=3, ssd_path=store, tp=ranks.group(r), tp_rank=r)
+        try:
+            persisted(first, [tokens])
+        finally:
+            first.close()
+        # Restarted on its store: the chain is on SSD only. Hinted reads may take a quarter
+        # of the host tier: three chunks.
+        h = Harness(host_slots=12, ssd_path=store, tp=ranks.group(r), tp_rank=r)
+        try:
+            clock = [100.0]
+            rate = 3.0 if r == 1 else 1.0
+            h.scheduler.hint_clock = lambda: clock[0] * rate
+            registered = h.scheduler.add_hint(h.request(tokens + [0], "hint"), HintPayload(ttl_s=5.0))
+            clock[0] += 2.0  # rank 0: 2 s later; rank 1: 6 s later, past the TTL by its own clock
+            h.step()
+            h.drain_io()
+            live, issued = len(h.scheduler.hints), h.state.ssd_stats.hint_issued
+            req = h.request(tokens + [0], "final")
+            assert h.scheduler.consider(req)
+            admitted = h.admit(req)
+            h.scheduler.admitted(req)
+            h.step()
+            h.check()
+            # A second hint, then past its TTL by the agreed (rank 0's) clock: gone on both.
+            h.scheduler.add_hint(h.request(prompt(200) + [0], "later"), HintPayload(ttl_s=5.0))
+            clock[0] += 6.0
+            h.step()
+            return (registered, live, issued, admitted, h.state.ssd_stats.hint_in_time, len(h.scheduler.hints),
+                    h.scheduler.hints.stats.expired, h.scheduler.broken, h.scheduler.digest_mismatches)
+        finally:
+            h.close()
+
+    r0, r1 = on_both(lambda: rank(0), lambda: rank(1))
+    assert r0 == r1 == (True, 1, 3, (0, 12), 3, 0, 1, None, 0), (r0, r1)
