@@ -14,13 +14,19 @@
    compute-only time. The host chunks live where the server keeps them: a POSIX
    shared-memory pool registered with ``cudaHostRegister``
    (:class:`~pcr_sglang.tiers.host_pool.HostChunkPool`), not a ``pin_memory()`` buffer.
+   With ``--doc`` > 0, the first ``--doc`` cached tokens are also a reused document:
+   re-placed into private slots with K rotated by a position delta
+   (:meth:`~pcr_sglang.transfer.engine.TransferEngine.replace`, the Triton rotation
+   kernel), all at once after the whole load (synchronous) or layer by layer on a second
+   side stream, each layer after that layer's load (layer-wise); checked against the
+   torch rotation of the host rows.
 3. Tickets: after a layer-wise run, how long until every host slot it touched reports
    ready (``host_slot_ready``, an event query: the scheduler never waits on it).
 
 Without a GPU it runs a reduced version on the CPU (torch copy path, no streams) so the
 script does not rot, and says so: those figures are not GPU figures.
 
-Usage: python bench/gpu_transfer_check.py [--layers 32] [--prefix 4096] [--new 1024]
+Usage: python bench/gpu_transfer_check.py [--layers 32] [--prefix 4096] [--new 1024] [--doc 1024]
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from pcr_sglang.tiers.host_pool import HostChunkPool
 from pcr_sglang.transfer.copy_kv import Direction, copy_layer
 from pcr_sglang.transfer.engine import LayerwiseMode, TransferEngine
 from pcr_sglang.transfer.layout import HostChunkLayout
+from pcr_sglang.transfer.rope_shift import RopeSpec, shift_keys_torch
 
 # Llama-3-8B attention shapes.
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
@@ -131,11 +138,18 @@ def pipeline(args, device: str, timer: Timer) -> None:
     pool = HostChunkPool(layout)  # the server's host tier: shared memory, registered on CUDA
     host = pool.buffer
     host.view(dtype).copy_(torch.randn(layout.total_bytes // dtype.itemsize, dtype=dtype))
-    pool_tokens = args.prefix + args.new
+    doc = min(args.doc, args.prefix)
+    pool_tokens = args.prefix + args.new + doc
     k_pool = [torch.zeros(pool_tokens, KV_HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(args.layers)]
     v_pool = [torch.zeros_like(k) for k in k_pool]
     prefix_slots = torch.arange(args.prefix, device=device)
-    new_slots = torch.arange(args.prefix, pool_tokens, device=device)
+    new_slots = torch.arange(args.prefix, args.prefix + args.new, device=device)
+    # A reused document: the first ``doc`` cached tokens re-placed 1000 positions on
+    # (Llama-3's RoPE base 500000), into private slots past the new tokens.
+    doc_src = prefix_slots[:doc]
+    doc_dst = torch.arange(args.prefix + args.new, pool_tokens, device=device)
+    doc_delta = torch.full((doc,), 1000, dtype=torch.int64, device=device)
+    rope = RopeSpec(HEAD_DIM, HEAD_DIM, True, tuple(500000.0 ** (-2 * i / HEAD_DIM) for i in range(HEAD_DIM // 2)))
     prefix_host = list(range(prefix_chunks))
     new_host = list(range(prefix_chunks, prefix_chunks + new_chunks))
     x0 = torch.randn(args.new, HIDDEN, device=device, dtype=dtype)
@@ -145,8 +159,8 @@ def pipeline(args, device: str, timer: Timer) -> None:
 
     def layer_compute(i, x):
         x, k_new, v_new = layers[i](x, k_pool[i][: args.prefix], v_pool[i][: args.prefix])
-        k_pool[i][args.prefix:] = k_new
-        v_pool[i][args.prefix:] = v_new
+        k_pool[i][args.prefix:args.prefix + args.new] = k_new
+        v_pool[i][args.prefix:args.prefix + args.new] = v_new
         return x
 
     def compute_only():
@@ -156,6 +170,8 @@ def pipeline(args, device: str, timer: Timer) -> None:
 
     def synchronous():
         whole.load(prefix_slots, prefix_host)
+        if doc:
+            whole.replace(doc_src, doc_dst, doc_delta, rope)
         compute_only()
         whole.copy_to_host(new_slots, new_host)
 
@@ -163,6 +179,8 @@ def pipeline(args, device: str, timer: Timer) -> None:
         # What the server does: admission submits the load, prepare_for_extend plans the
         # request's offloads, run_batch starts them, and the KV pool's hooks drive each layer.
         layered.load(prefix_slots, prefix_host)
+        if doc:
+            layered.replace(doc_src, doc_dst, doc_delta, rope)
         for c, slot in enumerate(new_host):
             layered.plan_offload("bench", new_slots[c * args.chunk:(c + 1) * args.chunk], slot)
         layered.begin_batch(["bench"])
@@ -176,7 +194,8 @@ def pipeline(args, device: str, timer: Timer) -> None:
 
     def layerwise_is_correct() -> bool:
         """After a layer-wise run: the prefix rows equal their host chunks and the new
-        rows were offloaded to theirs, byte for byte, in every layer."""
+        rows were offloaded to theirs, byte for byte, in every layer; the document's
+        private rows hold its host rows re-placed (V exact, K within bf16 rounding)."""
         for pool in k_pool + v_pool:
             pool.zero_()
         layerwise()
@@ -188,7 +207,16 @@ def pipeline(args, device: str, timer: Timer) -> None:
                 rows = pool[i].view(torch.uint8).reshape(pool_tokens, row_bytes).cpu()
                 if not torch.equal(rows[: args.prefix], host_view[:prefix_chunks, i, kv].reshape(args.prefix, -1)):
                     return False
-                if not torch.equal(rows[args.prefix:], host_view[prefix_chunks:, i, kv].reshape(args.new, -1)):
+                if not torch.equal(rows[args.prefix:args.prefix + args.new],
+                                   host_view[prefix_chunks:, i, kv].reshape(args.new, -1)):
+                    return False
+            if doc:
+                host_k = host_view[:prefix_chunks, i, 0].reshape(args.prefix, -1)[:doc].contiguous()
+                host_k = host_k.view(dtype).view(doc, KV_HEADS, HEAD_DIM).to(device)
+                want_k = shift_keys_torch(host_k, doc_delta, rope)
+                if not torch.allclose(k_pool[i][doc_dst].float(), want_k.float(), atol=2e-2, rtol=2e-2):
+                    return False
+                if not torch.equal(v_pool[i][doc_dst], v_pool[i][doc_src]):
                     return False
         return True
 
@@ -204,11 +232,11 @@ def pipeline(args, device: str, timer: Timer) -> None:
     t_ready = time.perf_counter() - start
     moved = layout.layer_bytes * (prefix_chunks + new_chunks) * args.layers / 2
     print(f"\n[pipeline] {args.layers} layers, {args.prefix} cached + {args.new} new tokens, "
-          f"{moved / 2**20:.0f} MiB moved per forward")
+          f"{moved / 2**20:.0f} MiB moved per forward, {doc} cached tokens re-placed as a reused document")
     print(f"  compute only      {t_compute * 1000:8.2f} ms")
     print(f"  synchronous       {t_sync * 1000:8.2f} ms  (exposed transfer {1000 * (t_sync - t_compute):7.2f} ms)")
     print(f"  layer-wise        {t_layer * 1000:8.2f} ms  (exposed transfer {1000 * (t_layer - t_compute):7.2f} ms)")
-    print(f"  layer-wise copies byte-exact in every layer: {correct}")
+    print(f"  layer-wise copies byte-exact in every layer (the document re-placed from them): {correct}")
     print(f"  host slots ready {t_ready * 1000:.2f} ms after the run was launched ({polls} event polls)")
     pool.close()
 
@@ -218,6 +246,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--prefix", type=int, default=4096, help="cached tokens loaded from host")
     parser.add_argument("--new", type=int, default=1024, help="new tokens computed and offloaded")
+    parser.add_argument("--doc", type=int, default=1024, help="cached tokens also re-placed (document reuse)")
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--bw-chunks", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)
@@ -230,6 +259,7 @@ def main() -> None:
         print("No GPU found: running a reduced CPU version (torch copy path, no side streams). "
               "These are not GPU figures.")
         args.layers, args.prefix, args.new = min(args.layers, 2), min(args.prefix, 512), min(args.new, 256)
+        args.doc = min(args.doc, 128)
         args.bw_chunks, args.repeats = min(args.bw_chunks, 16), min(args.repeats, 3)
         args.chunk = min(args.chunk, 64)
     timer = Timer(cuda)

@@ -10,7 +10,11 @@ it carries a host hit, so its admission budget, locks and row writing apply unch
 * :meth:`DocReuse.load` (from ``init_load_back``, under the adder's budget): the chains'
   host chunks are loaded into the tree like any host hit, then each document's KV is
   copied into slots of the request's own, K rotated by the position delta
-  (:func:`pcr_sglang.transfer.rope_shift.replace_layer`);
+  (:func:`pcr_sglang.transfer.rope_shift.replace_layer`): with a transfer engine, layer
+  by layer with the chains' loads, before the forward reads each layer
+  (:meth:`pcr_sglang.transfer.engine.TransferEngine.replace`), only the tokens the
+  request keeps (``blend`` rotates layers 0-1 of every candidate first: its probe reads
+  them);
 * ``prefix_device_indices`` appends those private slots to the tree path, so
   ``alloc_for_extend`` writes them into the request's row; from then on they are the
   request's, freed with its row like any slot past ``cache_protected_len``;
@@ -56,6 +60,7 @@ from pcr_sglang.core.doc_reuse import (
 from pcr_sglang.core.keys import chunk_keys
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.sglang_adapter.blend_probe import Layer1Probe
+from pcr_sglang.transfer.engine import TransferEngine
 from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots, replace_layer
 
 logger = logging.getLogger(__name__)
@@ -113,7 +118,7 @@ class DocReuse:
                  rope: RopeSpec, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], allocator: Any,
                  root_key: Callable[[Optional[str], Optional[str]], bytes],
                  free_slots: Callable[[torch.Tensor], None], probe: Optional[Layer1Probe] = None,
-                 fill_gaps: bool = False):
+                 fill_gaps: bool = False, engine: Optional[TransferEngine] = None):
         self.state = state
         self.server = recompute
         self.mode = recompute.mode
@@ -128,6 +133,9 @@ class DocReuse:
         self.allocator = allocator
         self.root_key = root_key
         self.free_slots = free_slots
+        # Re-placements go through the transfer engine where there is one (layer by layer
+        # with the loads); without one (no host tier) they run at admission.
+        self.engine = engine
         self.stats = DocReuseStats()
         self._requests: dict[str, _Planned] = {}
         self._warned_malformed = False
@@ -236,40 +244,51 @@ class DocReuse:
             if slots is None:
                 return self._failed(entry)
             slots = slots.to(torch.int64)
-            order_before_copy()  # chain chunks loaded layer by layer are complete before the copy
-            self._copy(plan, entry.chains, slots)
+            if self.engine is None:
+                order_before_copy()  # the chains' loads are complete before the copy
+            if plan.recompute_count or plan.gaps:
+                try:
+                    slots = self._keep_unrecomputed(req, entry, prefix_node, slots)
+                except Exception:  # noqa: BLE001 - a failed probe recomputes the request, never loses slots
+                    logger.exception("PCR document reuse: choosing request %s's recomputed tokens failed; "
+                                     "its documents are recomputed", req.rid)
+                    self.free_slots(slots)
+                    entry.row = None
+                    return self._failed(entry)
+            else:
+                self._copy(plan, entry.chains, slots)
         finally:
             for node in ends:
                 self.state.unlock(node)
         for doc in dict.fromkeys(s.doc for s in plan.segments):  # reused: recently used, for the LRU
             self.state.match(iter(entry.chain_keys[doc]))
-        if plan.recompute_count or plan.gaps:
-            try:
-                slots = self._keep_unrecomputed(req, entry, prefix_node, slots)
-            except Exception:  # noqa: BLE001 - a failed probe recomputes the request, never loses slots
-                logger.exception("PCR document reuse: choosing request %s's recomputed tokens failed; "
-                                 "its documents are recomputed", req.rid)
-                self.free_slots(slots)
-                entry.row = None
-                return self._failed(entry)
         entry.slots = slots
         return True
 
     def _keep_unrecomputed(self, req: Any, entry: _Planned, prefix_node: ChunkNode,
                            slots: torch.Tensor) -> torch.Tensor:
-        """Choose the recomputed tokens (``blend``: by the probe), free their slots and the
-        gaps', and lay out the row; returns the kept tokens' slots, in position order."""
+        """Choose the recomputed tokens (``blend``: by the probe, after re-placing layers
+        0-1 of every candidate), re-place the kept ones (the rest of their layers), free
+        the others' slots and the gaps', and lay out the row; returns the kept tokens'
+        slots, in position order."""
         plan = entry.plan
         assert plan is not None
+        first_layer = 0
         if plan.recompute_count and not plan.recompute:
+            self._copy(plan, entry.chains, slots, layers=range(2))
+            first_layer = 2
             chosen = self._blend_selection(req, plan, prefix_node, slots)
             plan = entry.plan = replace(plan, recompute=chosen)
         keep = torch.ones(plan.tokens, dtype=torch.bool)
         keep[torch.tensor([p - plan.start for p in plan.extended_positions()], dtype=torch.int64)] = False
+        self._copy(plan, entry.chains, slots, layers=range(first_layer, len(self.kv_layers)), keep=keep)
         keep = keep.to(slots.device)
         entry.row = row_order(plan)
         kept = slots[keep]
-        self.free_slots(slots[~keep])
+        if first_layer:
+            self.free_slots(slots[~keep])  # written (layers 0-1, the probe): ordered before reuse
+        else:
+            self.allocator.free(slots[~keep])  # never written: nothing to order
         return kept
 
     def _blend_selection(self, req: Any, plan: ReusePlan, prefix_node: ChunkNode,
@@ -277,6 +296,9 @@ class DocReuse:
         """The ``plan.recompute_count`` re-placed tokens whose layer-1 V deviates most from
         full prefill's; the probe's full-context layer-1 KV replaces the reused one."""
         assert self.probe is not None, "blend needs the layer-1 probe (built at startup)"
+        if self.engine is not None:  # the probe reads layers 0-1 of the prefix and the re-placed KV
+            self.engine.wait_until(0)
+            self.engine.wait_until(1)
         path = [n.device_value for n in prefix_node.path_from_root()]
         device = slots.device
         prefix = torch.cat(path).to(device) if path else torch.empty(0, dtype=torch.int64, device=device)
@@ -297,20 +319,36 @@ class DocReuse:
         entry.plan = None
         return False
 
-    def _copy(self, plan: ReusePlan, chains: dict[int, list[ChunkNode]], slots: torch.Tensor) -> None:
-        """Each segment's canonical KV into its offset of ``slots`` (gaps get nothing)."""
+    def _copy(self, plan: ReusePlan, chains: dict[int, list[ChunkNode]], slots: torch.Tensor,
+              layers: Optional[range] = None, keep: Optional[torch.Tensor] = None) -> None:
+        """Each segment's canonical KV into its offset of ``slots`` (gaps get nothing), for
+        ``layers`` (default all) and, with ``keep`` (a mask over the plan's tokens), only
+        the kept tokens."""
+        layers = layers if layers is not None else range(len(self.kv_layers))
         sources, targets, deltas = [], [], []
         for segment in plan.segments:
             chain_slots = torch.cat([n.device_value for n in chains[segment.doc]])
-            sources.append(chain_slots[segment.source_start: segment.source_start + segment.length])
             offset = segment.start - plan.start
-            targets.append(slots[offset: offset + segment.length])
-            deltas.append(torch.full((segment.length,), segment.delta, dtype=torch.int64))
+            source = chain_slots[segment.source_start: segment.source_start + segment.length]
+            target = slots[offset: offset + segment.length]
+            delta = torch.full((segment.length,), segment.delta, dtype=torch.int64)
+            if keep is not None:
+                kept = keep[offset: offset + segment.length]
+                source, target, delta = source[kept.to(source.device)], target[kept.to(target.device)], delta[kept]
+            sources.append(source)
+            targets.append(target)
+            deltas.append(delta)
         src = torch.cat(sources).to(slots.device)
-        dst = torch.cat(targets)
+        dst = torch.cat(targets).to(slots.device)
         delta = torch.cat(deltas).to(slots.device)
+        if src.numel() == 0 or not len(layers):
+            return
         check_slots(src, dst, self.kv_layers[0][0].shape[0])  # once, not per layer (a device sync)
-        for k_buffer, v_buffer in self.kv_layers:
+        if self.engine is not None:
+            self.engine.replace(src, dst, delta, self.rope, layers)
+            return
+        for layer in layers:
+            k_buffer, v_buffer = self.kv_layers[layer]
             replace_layer(k_buffer, v_buffer, src, dst, delta, self.rope, verify_slots=False)
 
     # ------------------------------------------------------------------ the request's row

@@ -154,7 +154,8 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
     logger.info("PCR document reuse: mode %s, RoPE %s, layer-0 self-test passed, pad token %d",
                 config.doc_reuse, spec.signature(), pad)
     return DocReuse(state, config.doc_recompute(), config.chunk_size, pad, spec, kv_layers, allocator,
-                    scheduler.root_key, scheduler.free_private, probe=probe, fill_gaps=fill_gaps)
+                    scheduler.root_key, scheduler.free_private, probe=probe, fill_gaps=fill_gaps,
+                    engine=scheduler.engine)
 
 
 def permuted_row_support(tp_worker: Any, tp_size: int) -> Optional[str]:

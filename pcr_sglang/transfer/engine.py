@@ -15,6 +15,11 @@ starts, only before the layer that reads it (a load) or after the layer that wro
   layer ``i`` of those chunks is copied to their host slots. A forward of another batch
   never runs them.
 * **Demotions** (device -> host at eviction) copy every layer at once.
+* **Re-placements** (device -> device, document reuse): a reused document's KV copied
+  into a request's private slots with K rotated by the position delta
+  (:func:`~pcr_sglang.transfer.rope_shift.replace_layer`), layer by layer with the loads:
+  layer ``i`` is re-placed after layer ``i`` of the loads submitted before it (the
+  document's chain may be one of them) and before the forward reads layer ``i``.
 
 On CUDA the copies run on a side stream: a copy first waits for the work queued on the
 compute streams (slots it overwrites may just have been freed there), loads record one
@@ -27,7 +32,10 @@ before it hands the slot to the I/O process; :meth:`order_before_reuse` makes th
 compute stream wait (on the GPU) for the copies before device slots are reused. On CPU there is no copy engine to overlap
 with, so the same protocol runs each copy inline where CUDA would wait for it: a load's
 layer ``i`` when layer ``i`` is first read, an offload's layer ``i`` right after it is
-written, and whatever is left at the end of the batch.
+written, and whatever is left at the end of the batch. Re-placements run on a second
+side stream on CUDA (a load's layers are all queued on the first when it is submitted, so
+a rotation queued behind them would wait for every layer): each layer waits for the
+loads' event of that layer, and records one the forward waits on.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import torch
 
 from pcr_sglang.transfer.copy_kv import Direction, copy_layer
 from pcr_sglang.transfer.layout import HostChunkLayout
+from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +90,19 @@ class _Transfer:
         return self.event is None or bool(self.event.query())
 
 
+@dataclass(eq=False)
+class _Replacement:
+    """Document reuse: KV of device slots ``src`` into ``dst``, K rotated by ``delta``
+    positions, for layers ``next_layer`` to ``end_layer - 1`` (those not run yet)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    delta: torch.Tensor
+    rope: RopeSpec
+    next_layer: int
+    end_layer: int
+
+
 class TransferEngine:
     """Issues per-layer copies and tells SGLang's forward when a layer is ready. Every
     method runs on the scheduler's thread (which also launches the forward)."""
@@ -106,6 +128,10 @@ class TransferEngine:
         self._in_flight: list[_Transfer] = []  # issued, not known complete (CUDA)
         self._by_host_slot: dict[int, _Transfer] = {}  # the last transfer touching each host slot
         self._layer_events: list[Any] = [None] * self.num_layers  # CUDA: newest load event per layer
+        self._replacements: list[_Replacement] = []  # CPU: submitted, layers not all run yet
+        self._replace_stream: Any = None  # CUDA: created with the first re-placement
+        self._replace_events: list[list[Any]] = [[] for _ in range(self.num_layers)]  # CUDA, per layer
+        self._replace_last: list[Any] = []  # CUDA: each re-placement's last event, until complete
         # Concatenated indices of a set of transfers copied together, until one completes.
         self._merged: dict[tuple[_Transfer, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -238,11 +264,81 @@ class TransferEngine:
         if self._stream is None:
             self._issue(self._loads, layer)
             self._loads = [t for t in self._loads if t.next_layer < self.num_layers]
+            self._run_replacements(layer)
             return
+        if torch.cuda.is_current_stream_capturing():
+            return
+        current = torch.cuda.current_stream(self.device)
         event = self._layer_events[layer]
-        if event is not None and not torch.cuda.is_current_stream_capturing():
-            torch.cuda.current_stream(self.device).wait_event(event)
+        if event is not None:
+            current.wait_event(event)
             self._layer_events[layer] = None
+        for event in self._replace_events[layer]:
+            current.wait_event(event)
+        self._replace_events[layer] = []
+
+    # ------------------------------------------------------------------ re-placements
+    def replace(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor, rope: RopeSpec,
+                layers: Optional[range] = None) -> None:
+        """Re-place device KV ``src`` -> ``dst`` (int64 slot tensors on the pool's device,
+        checked by the caller), K rotated by ``delta`` positions, for ``layers`` (default:
+        all), before the next forward reads each layer. Without ``--pcr-layerwise load`` it
+        runs now, after every load submitted so far."""
+        layers = layers if layers is not None else range(self.num_layers)
+        if not len(layers):
+            return
+        job = _Replacement(src, dst, delta, rope, layers.start, layers.stop)
+        if self._stream is None:
+            if self.mode.loads:
+                self._replacements.append(job)
+            else:  # loads ran at submission: nothing to wait for
+                self._run_replacement(job, self.num_layers - 1)
+            return
+        if self._replace_stream is None:
+            self._replace_stream = torch.cuda.Stream(self.device)
+        stream = self._replace_stream
+        for compute in self._compute_streams():  # sources written, or targets last read, by a forward
+            stream.wait_stream(compute)
+        if not self.mode.loads:
+            stream.wait_stream(self._stream)  # whole loads, submitted before
+        with torch.cuda.stream(stream):
+            for tensor in (src, dst, delta):
+                tensor.record_stream(stream)
+            event = None
+            for layer in layers:
+                load_event = self._layer_events[layer]
+                if load_event is not None:
+                    stream.wait_event(load_event)
+                k_buffer, v_buffer = self._kv_layers[layer]
+                replace_layer(k_buffer, v_buffer, src, dst, delta, rope, verify_slots=False)
+                event = torch.cuda.Event()
+                event.record(stream)
+                if self.mode.loads:
+                    self._replace_events[layer].append(event)
+        job.next_layer = job.end_layer
+        self._replace_last.append(event)
+        if not self.mode.loads:  # the next kernel waits for the whole re-placement
+            for compute in self._compute_streams():
+                compute.wait_event(event)
+
+    def _run_replacement(self, job: _Replacement, up_to: int) -> None:
+        """CPU: layers ``[job.next_layer, up_to]`` of ``job``, now."""
+        for layer in range(job.next_layer, min(up_to + 1, job.end_layer)):
+            k_buffer, v_buffer = self._kv_layers[layer]
+            replace_layer(k_buffer, v_buffer, job.src, job.dst, job.delta, job.rope, verify_slots=False)
+            job.next_layer = layer + 1
+
+    def _run_replacements(self, up_to: int) -> None:
+        if not self._replacements:
+            return
+        for job in self._replacements:
+            self._run_replacement(job, up_to)
+        self._replacements = [j for j in self._replacements if j.next_layer < j.end_layer]
+
+    @property
+    def pending_replacements(self) -> int:
+        """CPU: re-placements with layers not run yet."""
+        return len(self._replacements)
 
     # ------------------------------------------------------------------ offloads
     def plan_offload(self, owner: str, device_slots: torch.Tensor, host_slot: int) -> None:
@@ -287,8 +383,10 @@ class TransferEngine:
             self._side_waits_for_compute()
         self._issue(self._active + self._loads, self.num_layers - 1)
         self._active, self._loads = [], []
+        self._run_replacements(self.num_layers - 1)
         self._merged.clear()
         self._in_flight = [t for t in self._in_flight if not t.complete(self.num_layers)]
+        self._replace_last = [e for e in self._replace_last if not e.query()]
 
     # ------------------------------------------------------------------ demotions
     def copy_to_host(self, device_slots: torch.Tensor, host_slots: Sequence[int]) -> None:
@@ -320,15 +418,21 @@ class TransferEngine:
 
     def order_before_reuse(self) -> None:
         """Device slots are about to be freed: no copy still in progress may touch them
-        after a later kernel does (CPU: finish pending loads; CUDA: a GPU-side wait)."""
+        after a later kernel does (CPU: finish pending loads and re-placements; CUDA: a
+        GPU-side wait)."""
         if self._stream is None:
             self._issue(self._loads, self.num_layers - 1)
             self._loads = []
+            self._run_replacements(self.num_layers - 1)
             return
         self._in_flight = [t for t in self._in_flight if not t.complete(self.num_layers)]
         if self._in_flight:
             for stream in self._compute_streams():
                 stream.wait_stream(self._stream)
+        self._replace_last = [e for e in self._replace_last if not e.query()]
+        if self._replace_last:
+            for stream in self._compute_streams():
+                stream.wait_stream(self._replace_stream)
 
     @property
     def pending_loads(self) -> int:

@@ -135,7 +135,7 @@ def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows
     attn = object.__new__(TorchNativeAttnBackend) if backend == "torch_native" else FlashInferAttnBackend()
     kv = SimpleNamespace(k_buffer=[torch.zeros(8, KV_HEADS, HEAD_DIM)], v_buffer=[torch.zeros(8, KV_HEADS, HEAD_DIM)])
     worker = SimpleNamespace(model_runner=SimpleNamespace(model=_model(), attn_backend=attn))
-    scheduler = SimpleNamespace(root_key=lambda extra_key, salt: b"root", free_private=lambda slots: None)
+    scheduler = SimpleNamespace(root_key=lambda extra_key, salt: b"root", free_private=lambda slots: None, engine=None)
     with caplog.at_level(logging.INFO, logger="pcr_sglang.sglang_adapter.doc_reuse_setup"):
         docs = attach_doc_reuse(PCRConfig(enabled=True, doc_reuse="concat"), None, scheduler,
                                 SimpleNamespace(get_kvcache=lambda: kv), worker, SimpleNamespace(),
@@ -168,7 +168,7 @@ def test_blend_picks_the_most_deviating_re_placed_tokens_and_refreshes_only_thos
         return ProbeResult(deviation, k1, k1 * 2)
 
     node = SimpleNamespace(path_from_root=lambda: [SimpleNamespace(device_value=torch.tensor([0, 1, 2, 3]))])
-    this = SimpleNamespace(probe=SimpleNamespace(run=run), kv_layers=layers)
+    this = SimpleNamespace(probe=SimpleNamespace(run=run), kv_layers=layers, engine=None)
     req = SimpleNamespace(origin_input_ids=list(range(100, 120)))
     chosen = DocReuse._blend_selection(this, req, plan, node, slots)
     assert chosen == (9, 12)

@@ -202,3 +202,82 @@ def test_layer_count_must_match_the_host_layout():
     _, kv, _ = make_engine()
     with pytest.raises(ValueError, match="layers"):
         TransferEngine(kv[:2], torch.empty(0, dtype=torch.uint8), HostChunkLayout(1, LAYERS, CHUNK, 64))
+
+
+# ---------------------------------------------------------------- re-placements (document reuse)
+SPEC_INV_FREQ = (1.0, 0.1, 0.01, 0.001)
+
+
+def rope_spec():
+    from pcr_sglang.transfer.rope_shift import RopeSpec
+
+    return RopeSpec(DIM, DIM, True, SPEC_INV_FREQ)
+
+
+def rotated_host_rows(host, slot: int, layer: int, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What re-placing host slot ``slot``'s chunk, once loaded, by ``delta`` must give."""
+    from pcr_sglang.transfer.rope_shift import shift_keys_torch
+
+    return shift_keys_torch(host_rows(host, slot, layer, 0), delta, rope_spec()), host_rows(host, slot, layer, 1)
+
+
+def test_a_replacement_runs_layer_by_layer_after_that_layer_of_the_loads_it_reads():
+    """Document reuse on a host hit: the document's chain is loaded into the device and
+    its KV re-placed from there. Layer ``i`` of the re-placement runs when the forward
+    reads layer ``i``, after layer ``i`` of the load (it rotates the loaded KV, not what
+    the slots held before), and nothing of a later layer has run yet."""
+    engine, kv, host = make_engine("load")
+    chain = torch.tensor([9, 3, 40, 41])  # one chunk, loaded from host slot 2
+    engine.load(chain, [2])
+    private, delta = torch.tensor([50, 51, 52, 53]), torch.tensor([7, 7, 7, 7])
+    engine.replace(chain, private, delta, rope_spec())
+    untouched = [kv[layer][0][private].clone() for layer in range(LAYERS)]
+    assert engine.pending_replacements == 1
+    engine.wait_until(0)
+    k0, v0 = rotated_host_rows(host, 2, 0, delta)
+    assert torch.allclose(kv[0][0][private], k0) and torch.equal(kv[0][1][private], v0)
+    assert not torch.allclose(k0, host_rows(host, 2, 0, 0))  # rotated, not copied
+    for layer in range(1, LAYERS):
+        assert torch.equal(kv[layer][0][private], untouched[layer])  # not yet
+    engine.wait_until(1)
+    assert torch.allclose(kv[1][0][private], rotated_host_rows(host, 2, 1, delta)[0])
+    assert torch.equal(kv[2][0][private], untouched[2])
+    engine.end_batch()  # a layer the forward did not read is re-placed at the end of its batch
+    k2, v2 = rotated_host_rows(host, 2, 2, delta)
+    assert torch.allclose(kv[2][0][private], k2) and torch.equal(kv[2][1][private], v2)
+    assert engine.pending_replacements == 0
+
+
+def test_a_replacement_of_some_layers_runs_only_those():
+    """blend re-places layers 0-1 of every candidate for its probe, then the other layers
+    of the tokens it keeps: a re-placement touches only its layers."""
+    engine, kv, host = make_engine("load")
+    src, dst, delta = torch.tensor([1, 2]), torch.tensor([30, 31]), torch.tensor([3, 3])
+    before = kv[0][0][dst].clone()
+    engine.replace(src, dst, delta, rope_spec(), layers=range(1, LAYERS))
+    engine.end_batch()
+    assert torch.equal(kv[0][0][dst], before)
+    for layer in range(1, LAYERS):
+        assert torch.equal(kv[layer][1][dst], kv[layer][1][src])
+
+
+def test_order_before_reuse_finishes_pending_replacements():
+    """Slots about to be freed (a chain evicted, a request aborted before its forward) may
+    be a pending re-placement's source or target: it runs first."""
+    engine, kv, host = make_engine("load")
+    src, dst, delta = torch.tensor([1, 2]), torch.tensor([30, 31]), torch.tensor([0, 0])
+    engine.replace(src, dst, delta, rope_spec())
+    engine.order_before_reuse()
+    assert engine.pending_replacements == 0
+    assert all(torch.equal(kv[layer][0][dst], kv[layer][0][src]) for layer in range(LAYERS))
+
+
+def test_without_layerwise_loads_a_replacement_runs_at_once():
+    engine, kv, host = make_engine("off")
+    chain = torch.tensor([9, 3, 40, 41])
+    engine.load(chain, [2])
+    private, delta = torch.tensor([50, 51, 52, 53]), torch.tensor([5, 5, 5, 5])
+    engine.replace(chain, private, delta, rope_spec())
+    assert engine.pending_replacements == 0
+    for layer in range(LAYERS):
+        assert torch.allclose(kv[layer][0][private], rotated_host_rows(host, 2, layer, delta)[0])
