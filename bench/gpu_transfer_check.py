@@ -175,9 +175,10 @@ def pipeline(args, device: str, timer: Timer) -> None:
         compute_only()
         whole.copy_to_host(new_slots, new_host)
 
-    def layerwise():
+    def layerwise(seen: list | None = None):
         # What the server does: admission submits the load, prepare_for_extend plans the
         # request's offloads, run_batch starts them, and the KV pool's hooks drive each layer.
+        # ``seen``: the document's private rows as the forward's stream sees them at layer i.
         layered.load(prefix_slots, prefix_host)
         if doc:
             layered.replace(doc_src, doc_dst, doc_delta, rope)
@@ -188,20 +189,42 @@ def pipeline(args, device: str, timer: Timer) -> None:
         x = x0
         for i in range(args.layers):
             layered.wait_until(i)
+            if seen is not None and doc:
+                seen.append((k_pool[i][doc_dst].clone(), v_pool[i][doc_dst].clone()))
             x = layer_compute(i, x)
             layered.on_layer_written(i)
         layered.end_batch()
 
+    host_view = host.view(layout.shape)
+
+    def document_rows_ok(layer: int, k_rows: torch.Tensor, v_rows: torch.Tensor) -> bool:
+        """The document's private rows of ``layer`` hold its host rows re-placed: V
+        exact, K equal to the torch rotation up to bf16 rounding."""
+        host_k, host_v = (host_view[:prefix_chunks, layer, kv].reshape(args.prefix, -1)[:doc].contiguous()
+                          .view(dtype).view(doc, KV_HEADS, HEAD_DIM).to(device) for kv in (0, 1))
+        want_k = shift_keys_torch(host_k, doc_delta, rope)
+        return (torch.allclose(k_rows.float(), want_k.float(), atol=2e-2, rtol=2e-2)
+                and torch.equal(v_rows, host_v))
+
+    def synchronous_is_correct() -> bool:
+        for pool in k_pool + v_pool:
+            pool.zero_()
+        synchronous()
+        if cuda:
+            torch.cuda.synchronize()
+        return all(document_rows_ok(i, k_pool[i][doc_dst], v_pool[i][doc_dst]) for i in range(args.layers))
+
     def layerwise_is_correct() -> bool:
         """After a layer-wise run: the prefix rows equal their host chunks and the new
         rows were offloaded to theirs, byte for byte, in every layer; the document's
-        private rows hold its host rows re-placed (V exact, K within bf16 rounding)."""
+        private rows were re-placed from the loaded rows by the time the forward's stream
+        passed layer i's wait (checked on what that stream read then)."""
         for pool in k_pool + v_pool:
             pool.zero_()
-        layerwise()
+        seen: list = []
+        layerwise(seen)
         if cuda:
             torch.cuda.synchronize()
-        host_view = host.view(layout.shape)
         for i in range(args.layers):
             for kv, pool in ((0, k_pool), (1, v_pool)):
                 rows = pool[i].view(torch.uint8).reshape(pool_tokens, row_bytes).cpu()
@@ -210,17 +233,12 @@ def pipeline(args, device: str, timer: Timer) -> None:
                 if not torch.equal(rows[args.prefix:args.prefix + args.new],
                                    host_view[prefix_chunks:, i, kv].reshape(args.new, -1)):
                     return False
-            if doc:
-                host_k = host_view[:prefix_chunks, i, 0].reshape(args.prefix, -1)[:doc].contiguous()
-                host_k = host_k.view(dtype).view(doc, KV_HEADS, HEAD_DIM).to(device)
-                want_k = shift_keys_torch(host_k, doc_delta, rope)
-                if not torch.allclose(k_pool[i][doc_dst].float(), want_k.float(), atol=2e-2, rtol=2e-2):
-                    return False
-                if not torch.equal(v_pool[i][doc_dst], v_pool[i][doc_src]):
-                    return False
+            if doc and not document_rows_ok(i, *seen[i]):
+                return False
         return True
 
     correct = layerwise_is_correct()
+    sync_correct = not doc or synchronous_is_correct()
     t_compute = timer.run(compute_only, args.repeats)
     t_sync = timer.run(synchronous, args.repeats)
     t_layer = timer.run(layerwise, args.repeats)
@@ -236,7 +254,8 @@ def pipeline(args, device: str, timer: Timer) -> None:
     print(f"  compute only      {t_compute * 1000:8.2f} ms")
     print(f"  synchronous       {t_sync * 1000:8.2f} ms  (exposed transfer {1000 * (t_sync - t_compute):7.2f} ms)")
     print(f"  layer-wise        {t_layer * 1000:8.2f} ms  (exposed transfer {1000 * (t_layer - t_compute):7.2f} ms)")
-    print(f"  layer-wise copies byte-exact in every layer (the document re-placed from them): {correct}")
+    print(f"  layer-wise copies byte-exact in every layer, the document re-placed before each layer's "
+          f"read: {correct}; synchronous re-placement right: {sync_correct}")
     print(f"  host slots ready {t_ready * 1000:.2f} ms after the run was launched ({polls} event polls)")
     pool.close()
 

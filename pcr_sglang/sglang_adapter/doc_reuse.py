@@ -246,17 +246,17 @@ class DocReuse:
             slots = slots.to(torch.int64)
             if self.engine is None:
                 order_before_copy()  # the chains' loads are complete before the copy
-            if plan.recompute_count or plan.gaps:
-                try:
+            try:
+                if plan.recompute_count or plan.gaps:
                     slots = self._keep_unrecomputed(req, entry, prefix_node, slots)
-                except Exception:  # noqa: BLE001 - a failed probe recomputes the request, never loses slots
-                    logger.exception("PCR document reuse: choosing request %s's recomputed tokens failed; "
-                                     "its documents are recomputed", req.rid)
-                    self.free_slots(slots)
-                    entry.row = None
-                    return self._failed(entry)
-            else:
-                self._copy(plan, entry.chains, slots)
+                else:
+                    self._copy(plan, entry.chains, slots)
+            except Exception:  # noqa: BLE001 - a failed copy or probe recomputes the request, never loses slots
+                logger.exception("PCR document reuse: re-placing request %s's documents failed; they are "
+                                 "recomputed", req.rid)
+                self.free_slots(slots)
+                entry.row = None
+                return self._failed(entry)
         finally:
             for node in ends:
                 self.state.unlock(node)
@@ -281,15 +281,17 @@ class DocReuse:
             plan = entry.plan = replace(plan, recompute=chosen)
         keep = torch.ones(plan.tokens, dtype=torch.bool)
         keep[torch.tensor([p - plan.start for p in plan.extended_positions()], dtype=torch.int64)] = False
-        self._copy(plan, entry.chains, slots, layers=range(first_layer, len(self.kv_layers)), keep=keep)
-        keep = keep.to(slots.device)
-        entry.row = row_order(plan)
-        kept = slots[keep]
+        kept_index = keep.nonzero().squeeze(1).to(slots.device)
+        dropped = slots[(~keep).nonzero().squeeze(1).to(slots.device)]
         if first_layer:
-            self.free_slots(slots[~keep])  # written (layers 0-1, the probe): ordered before reuse
+            # Written (layers 0-1, the probe): ordered before reuse, which waits for what is
+            # pending, so before the kept tokens' other layers are queued.
+            self.free_slots(dropped)
         else:
-            self.allocator.free(slots[~keep])  # never written: nothing to order
-        return kept
+            self.allocator.free(dropped)  # never written: nothing to order
+        self._copy(plan, entry.chains, slots, layers=range(first_layer, len(self.kv_layers)), keep=keep)
+        entry.row = row_order(plan)
+        return slots[kept_index]
 
     def _blend_selection(self, req: Any, plan: ReusePlan, prefix_node: ChunkNode,
                          slots: torch.Tensor) -> tuple[int, ...]:
@@ -332,8 +334,8 @@ class DocReuse:
             source = chain_slots[segment.source_start: segment.source_start + segment.length]
             target = slots[offset: offset + segment.length]
             delta = torch.full((segment.length,), segment.delta, dtype=torch.int64)
-            if keep is not None:
-                kept = keep[offset: offset + segment.length]
+            if keep is not None:  # indices built on the host: a mask on the GPU would sync
+                kept = keep[offset: offset + segment.length].nonzero().squeeze(1)
                 source, target, delta = source[kept.to(source.device)], target[kept.to(target.device)], delta[kept]
             sources.append(source)
             targets.append(target)

@@ -209,6 +209,8 @@ class SchedulerSide:
         self.state.io_healthy = agreed.healthy
         self.state.prefer_load = agreed.prefers_load
         self._hint_now = max(self._hint_now, agreed.hint_clock_ms / 1000)
+        if len(self.hints):  # here, not only when planning reads: hints end while the I/O is down too
+            self.hints.expire(self._hint_now)
         for seq, _, _ in agreed.outcomes:
             del self._finished[seq]
         self.state.apply_outcomes(agreed.outcomes, effects)

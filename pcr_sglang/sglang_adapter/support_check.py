@@ -19,6 +19,9 @@ Why these configurations, in short:
   a page, and the Triton copy kernel has no bounds check;
 * layer-wise offload issues layer ``i``'s copies on the first write of layer ``i``; with
   two-batch overlap the second micro-batch has not written it yet;
+* layer-wise loads (and document re-placements) are waited for, or run, when the forward
+  first reads layer ``i`` (SGLang's per-layer hook); a full prefill CUDA graph replays the
+  forward without running that hook;
 * PCR's tree evicts in LRU order, so ``--radix-eviction-policy`` other than ``lru`` would
   be silently ignored.
 
@@ -134,6 +137,23 @@ def check_token_major_layout(x: SupportInputs) -> Optional[str]:
             "or heads: drop that setting, or drop --pcr-dram-gb")
 
 
+LOADING_LAYERWISE_MODES = ("load", "both")
+
+
+def prefill_graph_backend(cfg: Any) -> str:
+    graphs = getattr(cfg, "cuda_graph_config", None)
+    return str(getattr(getattr(graphs, "prefill", None), "backend", "disabled") or "disabled").lower()
+
+
+def check_full_prefill_graph(x: SupportInputs) -> Optional[str]:
+    if x.host_tier and x.pcr.layerwise in LOADING_LAYERWISE_MODES and prefill_graph_backend(x.cfg) == "full":
+        return (f"--pcr-layerwise {x.pcr.layerwise} has each layer's copies waited for (or, for a reused "
+                "document, run) where the forward first reads the layer, which a full prefill CUDA graph "
+                "replays without: pass --pcr-layerwise offload (or off), or --cuda-graph-backend-prefill "
+                "breakable")
+    return None
+
+
 def check_two_batch_overlap(x: SupportInputs) -> Optional[str]:
     if (x.host_tier and x.pcr.layerwise in OFFLOADING_LAYERWISE_MODES
             and getattr(x.cfg, "enable_two_batch_overlap", False)):
@@ -168,9 +188,8 @@ def permuted_row_flags(cfg: Any) -> Optional[str]:
         return "is not supported with decode context parallelism (its extend takes no custom mask): use concat"
     if getattr(cfg, "enable_pdmux", False):
         return "is not supported with --enable-pdmux (a split prefill runs one batch over several forwards)"
-    graphs = getattr(cfg, "cuda_graph_config", None)
-    prefill_graph = str(getattr(getattr(graphs, "prefill", None), "backend", "disabled") or "disabled")
-    if prefill_graph.lower() not in ("disabled", "none"):
+    prefill_graph = prefill_graph_backend(cfg)
+    if prefill_graph not in ("disabled", "none"):
         return (f"sets extend positions and a position-causal mask per batch, which a captured prefill CUDA "
                 f"graph (backend {prefill_graph}) does not see: pass --disable-prefill-cuda-graph")
     return None
@@ -238,6 +257,7 @@ RULES: tuple[Rule, ...] = (
     check_scale_buffers,
     check_token_major_layout,
     check_two_batch_overlap,
+    check_full_prefill_graph,
     check_eviction_policy,
 )
 

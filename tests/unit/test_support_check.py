@@ -122,6 +122,24 @@ def test_flags_are_refused_at_resolution(resolve, tiny_model, flags, message):
         resolve(tiny_model, *flags)
 
 
+@pytest.mark.parametrize("layerwise, backend, refused", [
+    ("both", "full", True), ("load", "full", True), ("offload", "full", False), ("both", "breakable", False),
+])
+def test_layerwise_loads_are_refused_with_a_full_prefill_graph(layerwise, backend, refused):
+    """A full prefill CUDA graph replays the forward without SGLang's per-layer read hook,
+    where layer-wise loads are waited for and a reused document's layers re-placed."""
+    from pcr_sglang.config import PCRConfig
+
+    cfg = SimpleNamespace(cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend=backend)))
+    inputs = SupportInputs(cfg, PCRConfig(enabled=True, dram_gb=0.01, layerwise=layerwise))
+    reason = support_check.check_full_prefill_graph(inputs)
+    assert (reason is not None) == refused
+    if refused:
+        assert f"--pcr-layerwise {layerwise}" in reason and "--cuda-graph-backend-prefill breakable" in reason
+    device_only = SupportInputs(cfg, PCRConfig(enabled=True, layerwise=layerwise))
+    assert support_check.check_full_prefill_graph(device_only) is None  # no host tier: nothing is copied
+
+
 def test_two_batch_overlap_with_layerwise_load_resolves(resolve, tiny_model):
     args = resolve(tiny_model, *DRAM, "--enable-two-batch-overlap", "--pcr-layerwise", "load")
     assert args.enable_two_batch_overlap
