@@ -21,14 +21,24 @@ Questions are answered one at a time (low load: the waiting queue never holds th
 request, so only a hint can read its chain ahead), or with ``--concurrency N`` N at a
 time, grouped by similarity (``run_batch``, TeleRAG's prefetch scheduler: under load the
 final requests queue, and the queue's own prefetch reads ahead too). Reported per configuration: median
-pipeline latency, passage generation, retrieval, the final request's latency (8 output
-tokens), its cached tokens by tier, the cluster hit rate and the server's hint counters.
+pipeline latency, passage generation, retrieval (embedding the query, then the search),
+the search alone (what the look-ahead can hide: the share of ``none``'s search latency
+each configuration hides), the final request's latency (8 output tokens), its
+cached tokens by tier, the cluster hit rate, how many searches returned exactly faiss's
+documents for the same query, and the server's hint counters.
+
+``--table-vectors N`` searches a synthetic table of N jittered copies of the ``--docs``
+extracts' embeddings instead (``bench.lookahead_retrieval``'s table: TeleRAG's scale,
+1.5 GB for 1M vectors, memory-mapped; a copy's document is its original's), dropped from
+the page cache and opened again before each pipeline (with ``--concurrency``, before the
+batch), so the search reads the disk: where retrieval takes long enough for the
+look-ahead to hide.
 ``--repeats`` runs of ``--questions`` pipelines each, the configurations interleaved
 within each repeat (the machine's noise falls on all alike); medians over every pipeline
 of every repeat, counters summed.
 
 Usage: ``python -m bench.hyde_pipeline [--questions 8] [--docs 1000] [--read-delay-ms 20]
-[--read-threads 1,4] [--repeats 2] [--concurrency 4]``
+[--read-threads 1,4] [--repeats 2] [--concurrency 4] [--table-vectors 1000000 --nlist 1024 --nprobe 64]``
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.lookahead_retrieval import build_table, open_cold
 from pcr_sglang.data import load_wiki_articles
 from pcr_sglang.launcher import ServerProcess
 from pcr_sglang.models import cache_root
@@ -72,6 +83,11 @@ def main(argv=None) -> int:
                         help="pipelines at once (>1: groups of similar questions, run_batch)")
     parser.add_argument("--docs", type=int, default=1000, help="Wikipedia extracts in the datastore")
     parser.add_argument("--nprobe", type=int, default=8)
+    parser.add_argument("--table-vectors", type=int, default=0,
+                        help="search a synthetic table of this many jittered copies of the documents' embeddings, "
+                             "read cold from disk (0: the documents themselves)")
+    parser.add_argument("--nlist", type=int, default=1024, help="IVF lists of the synthetic table")
+    parser.add_argument("--tier-mb", type=int, default=64, help="the look-ahead's fast tier (MB)")
     parser.add_argument("--fast-tier", choices=FAST_TIERS, default="auto",
                         help="where look-ahead clusters land: gpu, host, or auto (the GPU where torch sees one)")
     parser.add_argument("--read-delay-ms", type=float, default=20.0, help="added to each SSD chunk read")
@@ -101,22 +117,40 @@ def main(argv=None) -> int:
     model = args.model_path or str(build_smollm2())
     articles = list(load_wiki_articles())[: args.docs]
     texts = [f"{a.title}. {a.text}" for a in articles]
-    directory = cache_root() / "bench" / f"hyde-ivf-{args.docs}-{args.seed}"
-    if not (directory / "meta.json").is_file():
-        IVFDatastore.build(embed_texts(texts), max(8, int(4 * len(texts) ** 0.5)), seed=args.seed).save(directory)
-    datastore = IVFDatastore.load(directory, mmap=True)
+    cold = args.table_vectors > 0
+    if cold:  # the same table (and cache directory) as bench.lookahead_retrieval's
+        directory = cache_root() / "bench" / f"ivf-{args.table_vectors}-{args.nlist}-{args.docs}-{args.seed}"
+        if not (directory / "built.json").is_file():
+            directory.mkdir(parents=True, exist_ok=True)
+            build_table(directory, embed_texts(texts), args.table_vectors, args.nlist, 0.05, args.seed)
+        texts = [texts[i % len(texts)] for i in range(args.table_vectors)]  # row i copies document i % docs
+    else:
+        directory = cache_root() / "bench" / f"hyde-ivf-{args.docs}-{args.seed}"
+        if not (directory / "meta.json").is_file():
+            IVFDatastore.build(embed_texts(texts), max(8, int(4 * len(texts) ** 0.5)), seed=args.seed).save(directory)
+    def open_datastore() -> IVFDatastore:
+        # Cold: no earlier mapping may hold its pages (the caller dropped its datastore).
+        return open_cold(directory) if cold else IVFDatastore.load(directory, mmap=True)
+
+    datastore = open_datastore()
+    nlist = datastore.nlist
     embedder = load_embedder()
     import random
 
     rng = random.Random(args.seed)
     questions = [f"What is {a.title} known for?" for a in rng.sample(articles, args.questions)]
     bandwidth = measure_read_bandwidth(datastore.table.codes)
+    del datastore
 
-    def pipelines_for(server: ServerProcess, clusters: bool, hints: bool) -> tuple[Pipelines, LookaheadRetriever,
-                                                                                     KVHinter]:
+    def new_budget() -> BudgetModel:
         budget = BudgetModel(default_stage_s=1.0)
         budget.observe_bandwidth(bandwidth)
-        tier = make_fast_tier(datastore.table, 64 << 20, args.fast_tier) if clusters else None
+        return budget
+
+    def pipelines_for(server: ServerProcess, clusters: bool, hints: bool,
+                      budget: BudgetModel) -> tuple[Pipelines, LookaheadRetriever, KVHinter]:
+        datastore = open_datastore()
+        tier = make_fast_tier(datastore.table, args.tier_mb << 20, args.fast_tier) if clusters else None
         retriever = LookaheadRetriever(datastore, embedder.encode, nprobe=args.nprobe, k=3, tier=tier, budget=budget)
         hinter = KVHinter(server.base_url)
         config = PipelineConfig(k=3, hyde_tokens=48, answer_tokens=8, lookahead=clusters, hints=hints)
@@ -127,11 +161,12 @@ def main(argv=None) -> int:
         store = Path(tmp) / "store"
         print("[bench] fill pass: computing every final prompt once", file=sys.stderr)
         with _server(model, store, 0) as server:
-            pipelines, retriever, hinter = pipelines_for(server, False, False)
+            pipelines, retriever, hinter = pipelines_for(server, False, False, new_budget())
             for q in questions:
                 pipelines.hyde(q)
             retriever.close()
             hinter.close()
+            del pipelines, retriever, hinter  # a cold run's next datastore must be the only mapping
             deadline = time.monotonic() + 120
             while server.pcr_state()["ssd"]["writes_in_flight"] and time.monotonic() < deadline:
                 time.sleep(0.5)
@@ -142,15 +177,30 @@ def main(argv=None) -> int:
             print(f"[bench] repeat {repeat + 1}: {name}, {threads} read threads: restarting on the store",
                   file=sys.stderr)
             with _server(model, store, args.read_delay_ms, threads) as server:
-                pipelines, retriever, hinter = pipelines_for(server, clusters, hints)
-                if args.concurrency > 1:
-                    results = run_batch(pipelines, "hyde", questions, group_size=args.concurrency)
-                else:
-                    results = [pipelines.hyde(q) for q in questions]
-                retriever.close()
-                hinter.close()
+                budget = new_budget()  # one per configuration: it learns the stage's time
+                # One retriever per configuration, or with --table-vectors one per pipeline
+                # (or batch), each on a datastore opened cold.
+                batches = [questions] if args.concurrency > 1 or not cold else [[q] for q in questions]
+                results = []
+                for batch in batches:
+                    pipelines, retriever, hinter = pipelines_for(server, clusters, hints, budget)
+                    if args.concurrency > 1:
+                        results += run_batch(pipelines, "hyde", batch, group_size=args.concurrency)
+                    else:
+                        results += [pipelines.hyde(q) for q in batch]
+                    retriever.close()
+                    hinter.close()
+                    del pipelines, retriever, hinter
                 counters = server.pcr_state()["ssd"]["counters"]
+            # Exact mode: each search's documents are faiss IVF's for the same query (checked
+            # after the run, outside its timing).
+            reference = LookaheadRetriever(IVFDatastore.load(directory, mmap=True), embedder.encode,
+                                           nprobe=args.nprobe, k=3)  # faiss alone
+            summed_identical = sum(_same_as_faiss(reference, r) for r in results)
+            reference.close()
+            del reference
             pooled, tiers, summed = rows.setdefault((name, threads), ([], {}, {}))
+            summed["identical"] = summed.get("identical", 0) + summed_identical
             pooled += results
             for t in ("device", "host", "storage"):
                 tiers[t] = tiers.get(t, 0) + sum(r.cached_details.get(t, 0) for r in results)
@@ -160,17 +210,28 @@ def main(argv=None) -> int:
     med = lambda xs: statistics.median(xs) * 1000  # noqa: E731
     at_once = "one at a time" if args.concurrency == 1 else f"{args.concurrency} at a time"
     print(f"\nHyDE on SmolLM2-135M, {len(questions)} questions {at_once} x {args.repeats} repeats, "
-          f"{len(texts)} documents "
-          f"(IVF{datastore.nlist}, nprobe {args.nprobe}, memory-mapped), SSD reads +{args.read_delay_ms:g} ms each")
-    print("| config | read threads | pipeline | generation | retrieval | final request | "
-          "cached host / storage (tokens) | cluster hits | hint chunks in time / late / issued |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"{len(texts)} {'vectors (jittered copies of ' + str(args.docs) + ' documents, cold page cache)' if cold else 'documents'} "
+          f"(IVF{nlist}, nprobe {args.nprobe}, memory-mapped), SSD reads +{args.read_delay_ms:g} ms each")
+    print("| config | read threads | pipeline | generation | retrieval | search | search hidden | final request | "
+          "cached host / storage (tokens) | cluster hits | same as faiss | hint chunks in time / late / issued |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    search_s = lambda r: sum(s.total_s for s in r.searches)  # noqa: E731
     for (name, threads), (results, tiers, c) in rows.items():
+        search = med([search_s(r) for r in results])
+        plain = rows.get(("none", threads))
+        hidden = f"{1 - search / med([search_s(r) for r in plain[0]]):.0%}" if plain and name != "none" else "-"
         print(f"| {name} | {threads} | {med([r.total_s for r in results]):.0f} ms | {med([r.generation_s for r in results]):.0f} ms | "
-              f"{med([r.retrieval_s for r in results]):.1f} ms | {med([r.answer_s for r in results]):.0f} ms | "
+              f"{med([r.retrieval_s for r in results]):.1f} ms | {search:.1f} ms | {hidden} | "
+              f"{med([r.answer_s for r in results]):.0f} ms | "
               f"{tiers['host']} / {tiers['storage']} | {statistics.mean(r.cluster_hit_rate for r in results):.0%} | "
-              f"{c['hint_in_time']} / {c['hint_late']} / {c['hint_issued']} |")
+              f"{c['identical']}/{len(results)} | {c['hint_in_time']} / {c['hint_late']} / {c['hint_issued']} |")
     return 0
+
+
+def _same_as_faiss(reference: LookaheadRetriever, result) -> bool:
+    """Whether ``result``'s documents are what faiss IVF alone returns for its query."""
+    found = reference.search(result.queries[-1])
+    return {int(i) for i in found.ids[0] if i >= 0} == set(result.doc_ids)
 
 
 if __name__ == "__main__":

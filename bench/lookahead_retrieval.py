@@ -2,8 +2,12 @@
 
 A synthetic table of ``--vectors`` jittered copies of real all-MiniLM-L6-v2 embeddings of
 the Wikipedia extracts (TeleRAG's scale on a CPU machine: a 1M table is 1.5 GB per copy)
-is built once and memory-mapped; before each query the datastore's files are dropped from
-the page cache (``posix_fadvise(DONTNEED)``, only our files), so a search reads the disk.
+is built once and memory-mapped; before each measured leg the datastore's files are
+dropped from the page cache (``posix_fadvise(DONTNEED)``, only our files) and the
+datastore is opened again, so a search reads the disk (the kernel keeps every page a
+live mapping has touched: dropping under a mapping left the pages an earlier leg read
+resident, which is how this benchmark ran until 2026-12-03; it now checks with
+``mincore`` that the drop took).
 Per query, side by side:
 
 * ``faiss``: ``search(q_out)`` alone, what a pipeline without look-ahead waits for;
@@ -22,6 +26,8 @@ Usage: ``python -m bench.lookahead_retrieval [--vectors 1000000] [--queries 20]`
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import logging
 import os
@@ -44,7 +50,9 @@ logger = logging.getLogger(__name__)
 
 
 def drop_page_cache(directory: Path) -> None:
-    """Evict our datastore's files (and only those) from the page cache."""
+    """Evict our datastore's files (and only those) from the page cache. Pages a live
+    mapping of this process has touched stay: drop every datastore opened on them first
+    (:func:`open_cold`)."""
     for path in directory.iterdir():
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
@@ -52,6 +60,39 @@ def drop_page_cache(directory: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def resident_share(path: Path) -> float:
+    """The share of ``path``'s pages in the page cache (``mincore`` over a fresh,
+    untouched mapping)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0.0
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        pages = (size + page - 1) // page
+        vector = (ctypes.c_ubyte * pages)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mincore(ctypes.c_void_p(mapped.ctypes.data), ctypes.c_size_t(size), vector) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
+        return sum(b & 1 for b in bytes(vector)) / pages
+    finally:
+        del mapped
+
+
+def open_cold(directory: Path) -> IVFDatastore:
+    """The datastore opened again with none of its table in the page cache. Callers
+    must have dropped every datastore opened before (and ``gc`` must be able to free
+    them): a live mapping keeps the pages it touched."""
+    gc.collect()
+    drop_page_cache(directory)
+    codes = directory / "codes.npy"
+    left = resident_share(codes)
+    if left > 0.01:
+        logger.warning("%.0f%% of %s stayed in the page cache after the drop: a mapping of it is still open",
+                       100 * left, codes)
+    return IVFDatastore.load(directory, mmap=True)
 
 
 def build_table(directory: Path, base: np.ndarray, vectors: int, nlist: int, sigma: float, seed: int) -> None:
@@ -103,23 +144,28 @@ def main(argv=None) -> int:
     q_out_text = [f"{q} {articles[i].text.split('. ')[0]}." for q, i in zip(q_in_text, picks)]
     q_in, q_out = embedder.encode(q_in_text), embedder.encode(q_out_text)
 
-    drop_page_cache(directory)
+    ntotal, nlist = datastore.index.ntotal, datastore.nlist
+    del datastore
+    datastore = open_cold(directory)
     bandwidth = measure_read_bandwidth(datastore.table.codes)  # from the disk: its cache was just dropped
-    plain = LookaheadRetriever(datastore, embed=None, nprobe=args.nprobe, k=args.k)
+    del datastore
     faiss_ms, lookahead_ms, hit_rates, identical = [], [], [], 0
     copied = 0.0
     for n in range(args.queries):
-        drop_page_cache(directory)
+        plain = LookaheadRetriever(open_cold(directory), embed=None, nprobe=args.nprobe, k=args.k)
         start = time.perf_counter()
         ref = plain.search_vectors(q_out[n:n + 1])
         faiss_ms.append((time.perf_counter() - start) * 1000)
-        drop_page_cache(directory)
+        plain.close()
+        del plain
         # A fresh tier per query: what one pipeline's look-ahead fetches, no cache across queries.
         budget = BudgetModel(default_stage_s=args.generation_s,
                              stage_bytes={"bench": args.budget_mb << 20} if args.budget_mb else {})
         budget.observe_bandwidth(bandwidth)
-        retriever = LookaheadRetriever(datastore, embed=None, nprobe=args.nprobe, k=args.k,
-                                       tier=make_fast_tier(datastore.table, args.tier_mb << 20, args.fast_tier), budget=budget)
+        cold = open_cold(directory)
+        retriever = LookaheadRetriever(cold, embed=None, nprobe=args.nprobe, k=args.k,
+                                       tier=make_fast_tier(cold.table, args.tier_mb << 20, args.fast_tier), budget=budget)
+        del cold
         try:
             ticket = retriever.lookahead_vectors(q_in[n:n + 1], stage="bench")
             time.sleep(args.generation_s)  # the LLM writes the query meanwhile
@@ -129,11 +175,11 @@ def main(argv=None) -> int:
             copied += retriever.tier.stats.bytes_copied
         finally:
             retriever.close()
+        del retriever
         hit_rates.append(got.stats.hit_rate)
         identical += set(got.ids[0]) == set(ref.ids[0])
-    plain.close()
     f, la = statistics.median(faiss_ms), statistics.median(lookahead_ms)
-    print(f"\n{datastore.index.ntotal} vectors, nlist {datastore.nlist}, nprobe {args.nprobe}, k {args.k}, "
+    print(f"\n{ntotal} vectors, nlist {nlist}, nprobe {args.nprobe}, k {args.k}, "
           f"{args.queries} queries, simulated generation {args.generation_s:g} s, tier {args.tier_mb} MB, "
           f"disk read bandwidth {bandwidth / 1e6:.0f} MB/s, {copied / args.queries / 1e6:.0f} MB copied per look-ahead")
     print("| search | median latency | P90 |")
