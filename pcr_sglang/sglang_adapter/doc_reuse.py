@@ -281,17 +281,16 @@ class DocReuse:
             plan = entry.plan = replace(plan, recompute=chosen)
         keep = torch.ones(plan.tokens, dtype=torch.bool)
         keep[torch.tensor([p - plan.start for p in plan.extended_positions()], dtype=torch.int64)] = False
-        kept_index = keep.nonzero().squeeze(1).to(slots.device)
-        dropped = slots[(~keep).nonzero().squeeze(1).to(slots.device)]
-        if first_layer:
-            # Written (layers 0-1, the probe): ordered before reuse, which waits for what is
-            # pending, so before the kept tokens' other layers are queued.
-            self.free_slots(dropped)
-        else:
-            self.allocator.free(dropped)  # never written: nothing to order
         self._copy(plan, entry.chains, slots, layers=range(first_layer, len(self.kv_layers)), keep=keep)
         entry.row = row_order(plan)
-        return slots[kept_index]
+        # Nothing pending writes the dropped tokens' slots: no copy was queued into them but
+        # blend's layers 0-1, which the probe already waited for (on CUDA the scheduler's
+        # stream did, and the forward's stream waits for it). So they are freed without
+        # the ordering a free of pending slots needs, which would make the next forward
+        # wait for every pending copy. Nothing after this can fail: the caller frees all
+        # of ``slots`` on an exception.
+        self.allocator.free(slots[(~keep).nonzero().squeeze(1).to(slots.device)])
+        return slots[keep.nonzero().squeeze(1).to(slots.device)]
 
     def _blend_selection(self, req: Any, plan: ReusePlan, prefix_node: ChunkNode,
                          slots: torch.Tensor) -> tuple[int, ...]:
