@@ -45,7 +45,7 @@ class Ticket:
     ranked: np.ndarray  # [n, prefetch_nprobe] clusters by the input's similarity
     submitted: list[int]  # clusters queued for the fast tier (already resident ones not)
     budget_bytes: int
-    predicted_ids: np.ndarray  # [n, predict_k] documents the input itself retrieves
+    predicted_ids: np.ndarray  # [n, predict_k] documents the input itself retrieves (-1: not predicted)
     predicted_scores: np.ndarray
     started: float = field(default_factory=time.monotonic)
 
@@ -99,12 +99,16 @@ class LookaheadRetriever:
         self._embed_lock = threading.Lock()
 
     # ------------------------------------------------------------------ look-ahead
-    def lookahead(self, inputs: Texts, stage: str = "default", prefetch: bool = True) -> Ticket:
-        """Rank clusters for ``inputs`` and (``prefetch``) queue the top ones for the fast
-        tier; predict their documents either way."""
-        return self.lookahead_vectors(self._embed(inputs), stage, prefetch)
+    def lookahead(self, inputs: Texts, stage: str = "default", prefetch: bool = True, predict: bool = True) -> Ticket:
+        """Rank clusters for ``inputs``, (``prefetch``) queue the top ones for the fast tier
+        and (``predict``: what KV hints need) search them for the documents ``inputs``
+        itself retrieves. The prediction is a faiss search: on a datastore memory-mapped
+        from disk it reads the input's clusters, which also leaves them in the page cache
+        for the real search."""
+        return self.lookahead_vectors(self._embed(inputs), stage, prefetch, predict)
 
-    def lookahead_vectors(self, vectors: np.ndarray, stage: str = "default", prefetch: bool = True) -> Ticket:
+    def lookahead_vectors(self, vectors: np.ndarray, stage: str = "default", prefetch: bool = True,
+                          predict: bool = True) -> Ticket:
         x = normalized(vectors)
         _, ranked = self.datastore.probe(x, self.prefetch_nprobe)
         submitted: list[int] = []
@@ -115,7 +119,11 @@ class LookaheadRetriever:
             chosen = fill_budget(ranked, self.tier.cost, budget, self.tier.is_resident)
             protect = {int(c) for c in ranked[:, :self.nprobe].ravel() if c >= 0}
             submitted = self.tier.submit(chosen, protect=protect)
-        scores, ids = self.datastore.search(x, self.predict_k, self.nprobe)
+        if predict:
+            scores, ids = self.datastore.search(x, self.predict_k, self.nprobe)
+        else:
+            ids = np.full((len(x), self.predict_k), -1, dtype=np.int64)
+            scores = np.full((len(x), self.predict_k), -np.inf, dtype=np.float32)
         return Ticket(stage, ranked, submitted, budget, ids, scores)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
@@ -136,7 +144,8 @@ class LookaheadRetriever:
         if self.tier is None:
             slow_start = time.perf_counter()
             distances, ids = self.datastore.search_preassigned(x, self.k, probe, probe_scores)
-            stats.slow_s = stats.total_s = time.perf_counter() - slow_start
+            stats.slow_s = time.perf_counter() - slow_start
+            stats.total_s = time.perf_counter() - start  # the probe included, as with a tier
             return SearchResult(distances, ids, stats)
         wanted = {int(c) for c in probe.ravel() if c >= 0}
         with self.tier.pinned(wanted if self.mode == "exact" else self._all_resident()) as landed:

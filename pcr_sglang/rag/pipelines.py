@@ -238,7 +238,8 @@ class Pipelines:
         """Clusters (``lookahead``) and the prediction the hint needs (``hints``)."""
         if not (self.config.lookahead or (self.config.hints and self.hinter is not None)):
             return None
-        return self.retriever.lookahead(query, stage=stage, prefetch=self.config.lookahead)
+        hinting = self.config.hints and self.hinter is not None
+        return self.retriever.lookahead(query, stage=stage, prefetch=self.config.lookahead, predict=hinting)
 
     def hyde(self, question: str) -> PipelineResult:
         hyde_passage, _, _ = programs()
@@ -327,7 +328,7 @@ def run_batch(pipelines: Pipelines, name: str, questions: Sequence[str], group_s
     results: list[Optional[PipelineResult]] = [None] * len(questions)
     for group in group_queries(vectors, group_size):
         if pipelines.config.lookahead:
-            pipelines.retriever.lookahead_vectors(vectors[group], stage=name)
+            pipelines.retriever.lookahead_vectors(vectors[group], stage=name, predict=False)  # clusters only
         with ThreadPoolExecutor(len(group)) as pool:
             for i, result in zip(group, pool.map(lambda i: pipelines.run(name, questions[i]), group)):
                 results[i] = result

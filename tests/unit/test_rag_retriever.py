@@ -326,6 +326,37 @@ def test_a_lookahead_without_prefetch_still_predicts_and_copies_nothing(datastor
         tier.close()
 
 
+def test_a_lookahead_without_prediction_searches_nothing(datastore, queries, monkeypatch):
+    """Without KV hints nothing uses the predicted documents: the look-ahead must not run
+    the prediction's faiss search (on a memory-mapped datastore, disk reads beside the
+    LLM's generation for nothing)."""
+    def no_search(*args, **kwargs):
+        raise AssertionError("the prediction searched the datastore")
+
+    retriever = LookaheadRetriever(datastore, embed=None, nprobe=NPROBE, k=K)
+    try:
+        monkeypatch.setattr(datastore, "search", no_search)
+        ticket = retriever.lookahead_vectors(queries[:2], stage="hyde", predict=False)
+        assert ticket.predicted_ids.shape == (2, retriever.predict_k) and (ticket.predicted_ids == -1).all()
+    finally:
+        retriever.close()
+
+
+@pytest.mark.parametrize("hints", [True, False])
+def test_a_pipeline_predicts_documents_only_when_it_sends_hints(hints):
+    from types import SimpleNamespace
+
+    from pcr_sglang.rag.pipelines import PipelineConfig, Pipelines
+
+    calls = []
+    retriever = SimpleNamespace(lookahead=lambda query, **kwargs: calls.append(kwargs))
+    hinter = SimpleNamespace(tokenizer=None)
+    pipelines = Pipelines(retriever, ["doc"], backend=None, hinter=hinter,
+                          config=PipelineConfig(lookahead=True, hints=hints))
+    pipelines._lookahead("question", "hyde")
+    assert calls == [{"stage": "hyde", "prefetch": True, "predict": hints}]
+
+
 def test_similar_questions_are_grouped_together():
     from pcr_sglang.rag.pipelines import group_queries
 
