@@ -187,6 +187,8 @@ class SchedulerSide:
         if self.tp is not None and not (outstanding or holds or queue_nonempty or len(self.hints)):
             return  # nothing to agree on (and the same on every rank)
         if self._broken is not None:
+            if len(self.hints):  # nothing is read for them any more (every rank stopped), but they end
+                self.hints.expire(self.hint_clock())
             return
         now = time.monotonic()
         view = LocalView(healthy=self.io is not None and self.io.healthy,
