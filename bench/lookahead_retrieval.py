@@ -57,6 +57,7 @@ def drop_page_cache(directory: Path) -> None:
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
             try:
+                os.fsync(fd)  # dirty pages (a table just built) are not dropped
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
@@ -87,11 +88,11 @@ def open_cold(directory: Path) -> IVFDatastore:
     them): a live mapping keeps the pages it touched."""
     gc.collect()
     drop_page_cache(directory)
-    codes = directory / "codes.npy"
-    left = resident_share(codes)
-    if left > 0.01:
-        logger.warning("%.0f%% of %s stayed in the page cache after the drop: a mapping of it is still open",
-                       100 * left, codes)
+    for path in sorted(p for p in directory.iterdir() if p.is_file()):
+        left = resident_share(path)
+        if left > 0.01:
+            raise RuntimeError(f"{100 * left:.0f}% of {path} stayed in the page cache after the drop: "
+                               "a mapping of it is still open, so the measurement would not be cold")
     return IVFDatastore.load(directory, mmap=True)
 
 
@@ -125,6 +126,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-mb", type=int, default=0,
                         help="look-ahead budget (default: measured bandwidth x --generation-s)")
     parser.add_argument("--dir", type=Path, default=None, help="where the table lives (default: the cache)")
+    parser.add_argument("--no-predict", action="store_true",
+                        help="the look-ahead copies clusters only, without the prediction's faiss search (what "
+                             "KV hints need; it also reads the question's clusters into the page cache)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
                                        tier=make_fast_tier(cold.table, args.tier_mb << 20, args.fast_tier), budget=budget)
         del cold
         try:
-            ticket = retriever.lookahead_vectors(q_in[n:n + 1], stage="bench")
+            ticket = retriever.lookahead_vectors(q_in[n:n + 1], stage="bench", predict=not args.no_predict)
             time.sleep(args.generation_s)  # the LLM writes the query meanwhile
             start = time.perf_counter()
             got = retriever.search_vectors(q_out[n:n + 1], ticket)
@@ -181,6 +185,7 @@ def main(argv=None) -> int:
     f, la = statistics.median(faiss_ms), statistics.median(lookahead_ms)
     print(f"\n{ntotal} vectors, nlist {nlist}, nprobe {args.nprobe}, k {args.k}, "
           f"{args.queries} queries, simulated generation {args.generation_s:g} s, tier {args.tier_mb} MB, "
+          f"{'no prediction' if args.no_predict else 'with the prediction search'}, "
           f"disk read bandwidth {bandwidth / 1e6:.0f} MB/s, {copied / args.queries / 1e6:.0f} MB copied per look-ahead")
     print("| search | median latency | P90 |")
     print("| --- | --- | --- |")
