@@ -240,6 +240,9 @@ def test_a_hyde_pipeline_on_the_frontend_sends_its_hint_and_searches_exactly(ser
 
 def test_after_a_restart_every_prompt_is_served_right_from_ssd(servers, rag_prompt_ids, baseline_outputs):
     restarted = servers["ssd"]
+    # The tests before this one wrote new chunks, each held 0.1 s by the write-delay knob:
+    # reads queued behind them could outlast a request's wait (recomputed, no SSD hit).
+    wait_for_write_back(restarted)
     outputs, details = replay_with_details(restarted, rag_prompt_ids[:10])
     assert outputs == baseline_outputs[:10]
     assert sum(d.get("storage", 0) for d in details) > 0, details
