@@ -286,8 +286,7 @@ class SchedulerSide:
         return int(self.hint_clock() * 1000)
 
     def _hinted_chains(self) -> list[list[ChunkNode]]:
-        """The live hints' cached chains, after expiring by this step's agreed clock."""
-        self.hints.expire(self._hint_now)
+        """The live hints' cached chains (this step's agreement expired the old ones)."""
         chains = []
         for hint in self.hints.live():
             nodes = self.state.match(iter(hint.keys), touch=False).nodes
