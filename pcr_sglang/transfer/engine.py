@@ -130,8 +130,10 @@ class TransferEngine:
         self._layer_events: list[Any] = [None] * self.num_layers  # CUDA: newest load event per layer
         self._replacements: list[_Replacement] = []  # CPU: submitted, layers not all run yet
         self._replace_stream: Any = None  # CUDA: created with the first re-placement
-        self._replace_events: list[list[Any]] = [[] for _ in range(self.num_layers)]  # CUDA, per layer
-        self._replace_last: list[Any] = []  # CUDA: each re-placement's last event, until complete
+        # CUDA: the newest re-placement event per layer, and the newest of all (until it
+        # completes); one stream runs them in order, so the newest covers the older ones.
+        self._replace_layer_events: list[Any] = [None] * self.num_layers
+        self._replace_tail: Any = None
         # Concatenated indices of a set of transfers copied together, until one completes.
         self._merged: dict[tuple[_Transfer, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -273,9 +275,10 @@ class TransferEngine:
         if event is not None:
             current.wait_event(event)
             self._layer_events[layer] = None
-        for event in self._replace_events[layer]:
+        event = self._replace_layer_events[layer]
+        if event is not None:
             current.wait_event(event)
-        self._replace_events[layer] = []
+            self._replace_layer_events[layer] = None
 
     # ------------------------------------------------------------------ re-placements
     def replace(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor, rope: RopeSpec,
@@ -314,9 +317,9 @@ class TransferEngine:
                 event = torch.cuda.Event()
                 event.record(stream)
                 if self.mode.loads:
-                    self._replace_events[layer].append(event)
+                    self._replace_layer_events[layer] = event
         job.next_layer = job.end_layer
-        self._replace_last.append(event)
+        self._replace_tail = event
         if not self.mode.loads:  # the next kernel waits for the whole re-placement
             for compute in self._compute_streams():
                 compute.wait_event(event)
@@ -334,6 +337,12 @@ class TransferEngine:
         for job in self._replacements:
             self._run_replacement(job, up_to)
         self._replacements = [j for j in self._replacements if j.next_layer < j.end_layer]
+
+    def _replacements_in_flight(self) -> bool:
+        """CUDA: whether the newest re-placement (so any) is still running."""
+        if self._replace_tail is not None and self._replace_tail.query():
+            self._replace_tail = None
+        return self._replace_tail is not None
 
     @property
     def pending_replacements(self) -> int:
@@ -386,7 +395,7 @@ class TransferEngine:
         self._run_replacements(self.num_layers - 1)
         self._merged.clear()
         self._in_flight = [t for t in self._in_flight if not t.complete(self.num_layers)]
-        self._replace_last = [e for e in self._replace_last if not e.query()]
+        self._replacements_in_flight()
 
     # ------------------------------------------------------------------ demotions
     def copy_to_host(self, device_slots: torch.Tensor, host_slots: Sequence[int]) -> None:
@@ -429,8 +438,7 @@ class TransferEngine:
         if self._in_flight:
             for stream in self._compute_streams():
                 stream.wait_stream(self._stream)
-        self._replace_last = [e for e in self._replace_last if not e.query()]
-        if self._replace_last:
+        if self._replacements_in_flight():
             for stream in self._compute_streams():
                 stream.wait_stream(self._replace_stream)
 
