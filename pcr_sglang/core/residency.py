@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional, Sequence
 
 from pcr_sglang.core.chunk_tree import ChunkNode, ChunkTree, InsertOutcome
@@ -608,12 +608,14 @@ class CacheState:
         return [PersistedChunk(n.key, n.parent.key if n.parent.depth else NO_PARENT, n.depth)
                 for n in self.tree.iter_nodes() if n.on_ssd]
 
-    def reset(self) -> Effects:
-        """Forget every chunk but the persisted ones (``/flush_cache``). Orders in flight
-        are orphaned: their slots are released when they complete. Returns the deletes of
-        persisted chunks whose parent chain is not persisted (no longer reachable)."""
+    def reset(self, keep_persisted: bool = True) -> Effects:
+        """Forget every chunk but the persisted ones (``/flush_cache``); with
+        ``keep_persisted=False`` the persisted ones too (the weights changed: what the SSD
+        holds was computed with the old ones). Orders in flight are orphaned: their slots
+        are released when they complete. Returns the deletes of persisted chunks whose
+        parent chain is not persisted (no longer reachable)."""
         effects = Effects()
-        persisted = self.persisted_chunks() if self.ssd_enabled else []
+        persisted = self.persisted_chunks() if self.ssd_enabled and keep_persisted else []
         for op in self._pending.values():
             op.orphaned = True
         self._reading, self._writing, self._landed, self._bad = {}, {}, set(), []
@@ -630,6 +632,13 @@ class CacheState:
             effects.orders.extend(DeleteChunk(key) for key in self.restore(persisted))
             self.ssd_stats.restored_chunks = restored
         return effects
+
+    def resize_ssd(self, capacity_chunks: int) -> None:
+        """The SSD tier is another store now (the namespace moved with the weights), of
+        this capacity; called right after a reset that kept nothing persisted."""
+        if not self.ssd_enabled or capacity_chunks <= 0:
+            raise ValueError("the SSD tier cannot be added, removed or emptied of capacity at run time")
+        self.config = replace(self.config, ssd_capacity_chunks=capacity_chunks)
 
     # ------------------------------------------------------------------ accounting
     def count_admission(self, device: int, host: int, ssd: int, in_time: int, late: int, on_demand: int) -> None:

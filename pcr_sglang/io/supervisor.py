@@ -123,6 +123,29 @@ class IOSupervisor:
         self._proc = None
         self._channel.close()
 
+    def restart(self, config: WorkerConfig) -> bool:
+        """Serve another store (the weights changed, and with them the SSD namespace): the
+        running process is killed and waited for (nothing it was doing can land in a host
+        slot after this returns), its orders come back cancelled at the next :meth:`poll`,
+        and a process on ``config``'s store is started. True once it is ready."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                logger.error("PCR I/O process %d does not exit after SIGKILL", self._proc.pid)
+        self._finished.extend((seq, IoOutcome.CANCELLED, 0.0) for seq in self._outstanding)
+        self._outstanding = {}
+        self._probed = {}
+        self.remote_status = None
+        self.config = msgspec.structs.replace(
+            config, orders_endpoint=self._channel.orders_endpoint,
+            replies_endpoint=self._channel.replies_endpoint, parent_pid=os.getpid(),
+            stall_timeout_s=self.stall_timeout_s,
+        )
+        self._spawn()
+        return self.wait_ready()
+
     # ------------------------------------------------------------------ orders
     def submit(self, order: Order) -> None:
         """Send ``order``; a read or write that cannot be sent comes back cancelled."""

@@ -8,6 +8,7 @@ import atexit
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
+import msgspec
 import torch
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
@@ -15,15 +16,16 @@ from pcr_sglang.core import CacheNamespace, CacheState, CacheStateConfig, Persis
 from pcr_sglang.io.protocol import WorkerConfig
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.sglang_adapter.doc_reuse_setup import attach_doc_reuse
-from pcr_sglang.sglang_adapter.fingerprint import cache_namespace
+from pcr_sglang.sglang_adapter.fingerprint import IN_MEMORY_UPDATE_TAG, adapters_text, cache_namespace
 from pcr_sglang.sglang_adapter.kv_events import PCRKvEvents
 from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
 from pcr_sglang.sglang_adapter.scheduler_side import SchedulerSide
 from pcr_sglang.sglang_adapter.support_check import collect_inputs, permuted_row_flags, unsupported_reasons
 from pcr_sglang.sglang_adapter.tp_group import TpGroup
+from pcr_sglang.sglang_adapter.weight_updates import WeightsIdentity
 from pcr_sglang.sglang_adapter.worker_side import attach_worker_side
 from pcr_sglang.tiers.host_pool import HostChunkPool, HostPoolError
-from pcr_sglang.tiers.ssd_store import ChunkFileStore, SSDStoreError, describe_namespace
+from pcr_sglang.tiers.ssd_store import ChunkFileStore, SSDStoreError, describe_namespace, purge_namespace
 from pcr_sglang.transfer.layout import HostChunkLayout
 
 if TYPE_CHECKING:
@@ -138,6 +140,9 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
     namespace = cache_namespace(ctx.server_args, ctx.model_config, _kv_dtype_name(ctx), config.chunk_size,
                                 ctx.tp_rank, ctx.tp_size)
     cache = assemble_pcr_cache(ctx.params, config, namespace, TpGroup.from_cache_params(ctx.params), ctx.tp_rank)
+    cache.weights_identity = WeightsIdentity(
+        ctx.model_config, ctx.server_args.model_path, getattr(ctx.server_args, "revision", None),
+        getattr(ctx.server_args, "download_dir", None), adapters_text(ctx.server_args))
     try:
         cache.scheduler.docs = attach_doc_reuse(config, cache.state, cache.scheduler,
                                                 ctx.params.token_to_kv_pool_allocator, ctx.tp_worker,
@@ -192,6 +197,7 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
                               remote=remote)
     cache = PCRPrefixCache(params, state, scheduler, namespace=namespace, host_pool=host_pool, store=store,
                            kv_events=kv_events)
+    cache.namespace_mover = move_namespace
     if io is not None:
         # Registered after the host pool's close, so it runs first: the I/O process is
         # gone before the slots it reads and writes are unmapped.
@@ -253,3 +259,55 @@ def start_io_process(store: ChunkFileStore, host_pool: HostChunkPool, tp_rank: i
     if not io.wait_ready():
         logger.warning("PCR I/O process did not start; the SSD tier waits for its restart")
     return io
+
+
+def move_namespace(cache: PCRPrefixCache, namespace: CacheNamespace) -> None:
+    """Serve under ``namespace`` from now on: the weights changed in place
+    (``/update_weights_from_*``). Called from the cache's reset, on every TP rank in the
+    same order, with SGLang's scheduler idle.
+
+    Every chunk is forgotten, persisted ones too (they hold the old weights' KV), chunk
+    keys are derived from the new namespace (so the remote tier, whose object names fold
+    the key in, never answers with the old weights' objects either), and the SSD tier moves
+    to the new namespace's directory: the records found there (the same checkpoint served
+    before: a rollback) are restored, the old directory is kept for a later rollback, unless
+    it belonged to an in-memory update, whose weights no server can ever have again (it is
+    purged). If the new store cannot be opened the server keeps running with the SSD tier's
+    writes off; nothing of the old namespace is read again either way."""
+    scheduler, old_store, old = cache.scheduler, cache.store, cache.namespace
+    tp = scheduler.tp
+    scheduler.rekey(namespace.chain_digest())
+    scheduler.reset(keep_persisted=False)
+    cache.namespace = namespace
+    if old_store is None:
+        logger.info("PCR: the weights changed; chunk keys now derive from namespace %s", namespace)
+        return
+    assert cache.host_pool is not None and scheduler.io is not None
+    try:
+        store = _on_every_rank(tp, lambda: build_ssd_store(scheduler.config, namespace, cache.host_pool))
+    except PCRConfigError as e:
+        logger.error("PCR: the weights changed, but the SSD store of the new namespace cannot be opened (%s); "
+                     "serving on with SSD writes off (nothing of the old weights is read)", e)
+        scheduler.state.writes_enabled = False
+        return
+    capacity = store.capacity_chunks
+    if tp is not None:
+        capacity = tp.reduce_min([capacity])[0]
+    scheduler.state.resize_ssd(capacity)
+    _restore(scheduler.state, store, tp)
+    config = msgspec.structs.replace(
+        scheduler.io.config, store_root=str(store.root), namespace_hex=store.namespace.hex(),
+        writer_slot=store.slot or "", lease_fd=store.lease_fd, reserve_bytes=store.low_watermark_bytes,
+    )
+    if not scheduler.io.restart(config):
+        logger.warning("PCR I/O process did not start on the new namespace; the SSD tier waits for its restart")
+    cache.store = store
+    old_store.close()
+    if old is not None and old.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG):
+        try:
+            purged = purge_namespace(old_store.root, old_store.namespace.hex())
+            logger.info("PCR: purged %d chunks of the previous in-memory weights' namespace", purged)
+        except SSDStoreError as e:  # a peer server uses it after all: it stays
+            logger.warning("PCR: the previous in-memory weights' namespace stays on disk: %s", e)
+    logger.info("PCR: the weights changed; the cache now serves namespace %s (SSD tier %s, %d chunks restored)",
+                namespace, store.dir, scheduler.state.ssd_stats.restored_chunks)

@@ -33,8 +33,9 @@ the same tokens. Two parts:
   (attention / MoE / GEMM backend choice, CUDA graphs, torch.compile, deterministic
   inference) are left out: they perturb KV the way batch composition already does for
   SGLang's own radix cache. ``--enable-fp32-lm-head`` is left out because the LM head
-  runs after the last layer has written its KV. LoRA adapters are per request and already
-  in each request's root key (SGLang's ``extra_key``).
+  runs after the last layer has written its KV. Which LoRA adapter a request uses is in its
+  root key (SGLang's ``extra_key``); what the startup adapters' files hold is in the model
+  fingerprint (:func:`adapters_text`).
 """
 
 from __future__ import annotations
@@ -174,18 +175,88 @@ def weights_digest(root: Path) -> str:
 
 
 def model_fingerprint(model_config: Any, model_path: str, revision: Optional[str] = None,
-                      download_dir: Optional[str] = None) -> str:
-    """Config + weights identity (see the module docstring for what it reads)."""
+                      download_dir: Optional[str] = None, *, weights_path: Optional[str] = None,
+                      adapters: str = "") -> str:
+    """Config + weights identity (see the module docstring for what it reads).
+
+    ``weights_path``: the folder the weights are read from when it is not the one SGLang
+    started with (``/update_weights_from_disk`` loads another checkpoint into the same
+    config). ``adapters``: :func:`adapters_text` of the startup LoRA adapters."""
     h = hashlib.blake2b(digest_size=16)
     h.update(_config_text(model_config).encode())
     h.update(f"|revision={revision}".encode())
-    root = resolve_weights_dir(str(getattr(model_config, "model_path", None) or model_path), revision,
-                               download_dir)
+    path = weights_path or str(getattr(model_config, "model_path", None) or model_path)
+    root = resolve_weights_dir(path, revision, download_dir)
     if root is None:
-        h.update(f"|path={model_path}".encode())
+        h.update(f"|path={path}".encode())
     else:
         h.update(f"|weights={weights_digest(root)}".encode())
+    if adapters:
+        h.update(f"|adapters={adapters}".encode())
     return h.hexdigest()
+
+
+def in_memory_update_fingerprint(previous: str, nonce: int) -> str:
+    """The fingerprint after an update whose weights have no files to read
+    (``/update_weights_from_tensor``, ``_from_distributed``, ``_from_ipc``): the previous
+    fingerprint and a nonce the TP ranks agreed on, so no other server, restart or update
+    ever has the same one (two servers updated with different tensors must not share KV,
+    and a server cannot tell two tensor updates apart by their content)."""
+    return f"{IN_MEMORY_UPDATE_TAG}{hashlib.blake2b(f'{previous}|{nonce}'.encode(), digest_size=16).hexdigest()}"
+
+
+IN_MEMORY_UPDATE_TAG = "in-memory-update:"
+
+
+def _adapter_paths(lora_paths: Any) -> list[tuple[str, str]]:
+    """(name, path) of each startup adapter, whatever form SGLang holds them in (LoRARef
+    objects once resolved, dicts, ``name=path`` strings, or a name -> path dict)."""
+    if not lora_paths:
+        return []
+    if isinstance(lora_paths, dict):
+        return sorted((str(k), str(v)) for k, v in lora_paths.items())
+    pairs = []
+    for entry in lora_paths:
+        if isinstance(entry, str):
+            name, _, path = entry.partition("=")
+            pairs.append((name, path or name))
+        elif isinstance(entry, dict):
+            pairs.append((str(entry.get("lora_name")), str(entry.get("lora_path"))))
+        else:
+            pairs.append((str(getattr(entry, "lora_name", None)), str(getattr(entry, "lora_path", None))))
+    return sorted(pairs)
+
+
+def adapters_text(server_args: Any) -> str:
+    """The identity of the startup LoRA adapters (``--lora-paths``): each one's name and
+    the digest of its files (weights and ``adapter_config.json``).
+
+    SGLang names a startup adapter ``uuid5(name, path)`` and puts that id in every request's
+    ``extra_key``: the same across restarts and servers, so without the files' digest a
+    retrained adapter saved at the same path would be served the old adapter's KV from the
+    SSD and remote tiers. An adapter whose files cannot be found locally is named by its
+    path alone; :func:`unresolved_adapters` lets the support check refuse persistent tiers
+    for it. Adapters loaded at run time get a random id from SGLang and never share KV."""
+    parts = []
+    for name, path in _adapter_paths(getattr(server_args, "lora_paths", None)):
+        root = Path(path)
+        if root.is_dir():
+            h = hashlib.blake2b(digest_size=16)
+            h.update(f"|weights={weights_digest(root)}".encode())
+            for config in sorted(root.glob("*.json")):
+                h.update(f"|{config.name}:".encode() + config.read_bytes())
+            parts.append(f"{name}={h.hexdigest()}")
+        elif root.is_file():
+            parts.append(f"{name}={weights_digest(root)}")
+        else:
+            parts.append(f"{name}=path:{path}")
+    return ";".join(parts)
+
+
+def unresolved_adapters(server_args: Any) -> list[str]:
+    """Startup adapters whose files are not on this machine (a hub id SGLang downloads)."""
+    return [f"{name}={path}" for name, path in _adapter_paths(getattr(server_args, "lora_paths", None))
+            if not Path(path).exists()]
 
 
 def _file_digest(path: Optional[str]) -> str:
@@ -219,7 +290,8 @@ def cache_namespace(server_args: Any, model_config: Any, kv_dtype: str, chunk_si
     return CacheNamespace(
         model_fingerprint=model_fingerprint(model_config, server_args.model_path,
                                             getattr(server_args, "revision", None),
-                                            getattr(server_args, "download_dir", None)),
+                                            getattr(server_args, "download_dir", None),
+                                            adapters=adapters_text(server_args)),
         kv_dtype=kv_dtype,
         chunk_size=chunk_size,
         layout="token-major",

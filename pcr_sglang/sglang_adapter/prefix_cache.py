@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -78,13 +78,22 @@ class PCRPrefixCache(BasePrefixCache):
         self.metrics: Optional[PCRMetrics] = None
         # SGLang's KV cache events (--kv-events-config), on the publishing rank only.
         self.kv_events: Optional[PCRKvEvents] = kv_events
+        # The weights changed in place: the namespace the next reset moves the cache to
+        # (``sglang_adapter/weight_updates``), and the factory's function that moves it.
+        self.pending_namespace: Optional[CacheNamespace] = None
+        self.namespace_mover: Optional[Callable[[PCRPrefixCache, CacheNamespace], None]] = None
+        self.weights_identity: Any = None  # what a new checkpoint's fingerprint is computed from
         if params.enable_metrics:
             self.init_metrics_collector()
             self.metrics = PCRMetrics(self.metrics_collector.labels)
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
-        self.scheduler.reset()
+        pending, self.pending_namespace = self.pending_namespace, None
+        if pending is not None and self.namespace_mover is not None:
+            self.namespace_mover(self, pending)  # resets too, keeping nothing of the old weights
+        else:
+            self.scheduler.reset()
 
     @property
     def root_node(self) -> ChunkNode:

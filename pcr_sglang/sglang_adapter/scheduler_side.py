@@ -733,17 +733,23 @@ class SchedulerSide:
         self._order_before_reuse()
         self.allocator.free(slots)
 
-    def reset(self) -> None:
+    def reset(self, keep_persisted: bool = True) -> None:
         """``/flush_cache``: forget every request's bookkeeping, live KV hint and cached
-        chunk (but the persisted ones). A hint outliving the flush would read its chains
-        back from the SSD into the cache just emptied."""
+        chunk (but the persisted ones, unless ``keep_persisted`` is False). A hint outliving
+        the flush would read its chains back from the SSD into the cache just emptied."""
         self.requests.clear()
         self.hints.clear()
         self._probes = {}
         if self.docs is not None:
             self.docs.reset()
         self._window_keys = {}
-        self.execute(self.state.reset())
+        self.execute(self.state.reset(keep_persisted))
+
+    def rekey(self, chain_digest: bytes) -> None:
+        """Name chunks under another namespace from now on (the weights changed in place):
+        no key derived before matches one derived after, on any tier."""
+        self._chain_digest = chain_digest
+        self._window_keys = {}
 
     def close(self) -> None:
         if self.io is not None:

@@ -22,6 +22,12 @@ Why these configurations, in short:
 * layer-wise loads (and document re-placements) are waited for, or run, when the forward
   first reads layer ``i`` (SGLang's per-layer hook); a full prefill CUDA graph replays the
   forward without running that hook;
+* pipeline stages would share one cache namespace (and one SSD directory), and a read's
+  outcome is agreed across TP ranks only, not across stages;
+* ``concat`` under TP: a document copy failing on one rank would change that rank's
+  prefix length alone;
+* a startup LoRA adapter whose files are not local cannot be fingerprinted, and the SSD
+  and remote tiers would then serve a retrained adapter the old one's KV;
 * PCR's tree evicts in LRU order, so ``--radix-eviction-policy`` other than ``lru`` would
   be silently ignored.
 
@@ -241,6 +247,44 @@ def check_doc_reuse(x: SupportInputs) -> Optional[str]:
     return None
 
 
+def check_doc_reuse_tp(x: SupportInputs) -> Optional[str]:
+    """A document copy that fails on one rank (an allocation, say) makes that rank alone
+    recompute the request, so the ranks would admit different prefix lengths; until that
+    outcome is agreed across ranks, no document reuse under TP (recompute modes are refused
+    for their own reason in :func:`check_doc_reuse`)."""
+    if x.pcr.doc_reuse == "concat" and int(getattr(x.cfg, "tp_size", 1) or 1) > 1:
+        return ("--pcr-doc-reuse concat does not support --tp-size > 1 yet (a rank-local copy failure "
+                "would change one rank's prefix length): run it with TP size 1, or without document reuse")
+    return None
+
+
+def check_pipeline_parallel(x: SupportInputs) -> Optional[str]:
+    """Every pipeline stage would name its KV by the same namespace (one SSD directory, one
+    key), so a stage could read another stage's layers as its own, and whether a read
+    landed is agreed across TP ranks only, not across stages."""
+    if int(getattr(x.cfg, "pp_size", 1) or 1) > 1:
+        return (f"--enable-pcr does not support pipeline parallelism (--pp-size {x.cfg.pp_size}) yet: its cache "
+                f"namespace does not tell the stages apart and the stages do not agree on prefix lengths; "
+                f"use --tp-size instead")
+    return None
+
+
+def check_lora_persistent_tiers(x: SupportInputs) -> Optional[str]:
+    """A startup adapter's files are part of the cache namespace (``fingerprint.adapters_text``);
+    one PCR cannot read (a hub id SGLang downloads itself) would be named by its path alone,
+    and a persistent tier would then serve a retrained adapter the old one's KV."""
+    if x.pcr.ssd_bytes <= 0 and x.pcr.remote == "off":
+        return None
+    from pcr_sglang.sglang_adapter.fingerprint import unresolved_adapters
+
+    missing = unresolved_adapters(x.cfg)
+    if missing:
+        return (f"the SSD and remote tiers key KV by the LoRA adapters' files, and these are not local "
+                f"folders: {', '.join(missing)}; pass local adapter folders in --lora-paths, or run without "
+                f"--pcr-ssd-path/--pcr-remote")
+    return None
+
+
 def check_remote(x: SupportInputs) -> Optional[str]:
     """The remote tier's probes and reads are not agreed across TP ranks (each rank has
     its own objects and its own I/O process): one rank could admit what another recomputes."""
@@ -251,6 +295,9 @@ def check_remote(x: SupportInputs) -> Optional[str]:
 
 RULES: tuple[Rule, ...] = (
     check_doc_reuse,
+    check_doc_reuse_tp,
+    check_pipeline_parallel,
+    check_lora_persistent_tiers,
     check_remote,
     check_full_attention,
     check_mla_host_tier,

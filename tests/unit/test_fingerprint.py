@@ -208,3 +208,64 @@ def test_other_weights_change_the_namespace(namespace_of, tiny_model, model_copy
     _rewrite_tensor(Path(tiny_model), folder, _tensor_names(folder)[-1], lambda t: t * 1.0001)
     assert namespace_of(model=folder).chain_digest() != namespace_of(model=model_copy("ns-same")).chain_digest()
     assert namespace_of(model=model_copy("ns-same2")).chain_digest() == namespace_of().chain_digest()
+
+
+def _write_adapter(folder: Path, seed: int, hidden: int = 256) -> Path:
+    """A PEFT LoRA adapter folder (rank 4 on q_proj and v_proj of both layers) with
+    seeded weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for proj in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(4, hidden, generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden if proj == "q_proj" else 128, 4,
+                                                             generator=generator)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def test_a_retrained_adapter_at_the_same_path_changes_the_namespace(tmp_path):
+    """SGLang names a startup adapter uuid5(name, path): the same after the adapter at that
+    path is retrained, so its files must be in the namespace (they were not: the SSD and
+    remote tiers served the old adapter's KV to the new one)."""
+    from types import SimpleNamespace
+
+    path = _write_adapter(tmp_path / "adapter", seed=1)
+    args = SimpleNamespace(lora_paths=[f"a={path}"])
+    first = fingerprint.adapters_text(args)
+    assert first == fingerprint.adapters_text(SimpleNamespace(lora_paths=[f"a={path}"]))
+    _write_adapter(path, seed=2)  # retrained, saved at the same path
+    second = fingerprint.adapters_text(args)
+    assert second != first and second.startswith("a=")
+    # The forms SGLang holds the flag in name the same adapter the same way.
+    ref = SimpleNamespace(lora_name="a", lora_path=str(path))
+    assert fingerprint.adapters_text(SimpleNamespace(lora_paths=[ref])) == second
+    assert fingerprint.adapters_text(SimpleNamespace(lora_paths={"a": str(path)})) == second
+    assert fingerprint.adapters_text(SimpleNamespace(lora_paths=None)) == ""
+    mc = SimpleNamespace(hf_config=None, model_path=str(tmp_path))
+    assert model_fingerprint(mc, str(tmp_path), adapters=first) != model_fingerprint(mc, str(tmp_path), adapters=second)
+    assert fingerprint.unresolved_adapters(SimpleNamespace(lora_paths=["b=org/not-here"])) == ["b=org/not-here"]
+
+
+def test_a_disk_update_gets_the_fresh_servers_fingerprint(tiny_model, model_copy):
+    """The fingerprint a server moves to on /update_weights_from_disk is the one a server
+    started on that checkpoint has (so a rollback finds its records), and an in-memory
+    update's is new each time."""
+    from types import SimpleNamespace
+
+    other = model_copy("update-target")
+    _rewrite_tensor(Path(tiny_model), other, _tensor_names(other)[0], lambda t: t + 1)
+    mc = SimpleNamespace(hf_config=None, model_path=str(tiny_model))
+    started_on_other = model_fingerprint(SimpleNamespace(hf_config=None, model_path=str(other)), str(other))
+    assert model_fingerprint(mc, str(tiny_model), weights_path=str(other)) == started_on_other
+    assert model_fingerprint(mc, str(tiny_model)) != started_on_other
+    one, two = (fingerprint.in_memory_update_fingerprint(started_on_other, n) for n in (1, 2))
+    assert one != two and one.startswith(fingerprint.IN_MEMORY_UPDATE_TAG)

@@ -256,3 +256,48 @@ def test_recompute_modes_refuse_what_cannot_mask_a_permuted_row(overrides, messa
     assert _recompute_flags(SimpleNamespace(attention_backend="triton", tp_size=1,
                                             cuda_graph_config=SimpleNamespace(
                                                 prefill=SimpleNamespace(backend="disabled")))) is None
+
+
+def test_pipeline_parallelism_is_refused():
+    """Every stage would share one namespace (one SSD directory and key), so a stage could
+    read another stage's layers as its own (it was accepted)."""
+    from pcr_sglang.config import PCRConfig
+
+    inputs = SupportInputs(SimpleNamespace(pp_size=2), PCRConfig(enabled=True))
+    reason = support_check.check_pipeline_parallel(inputs)
+    assert reason is not None and "--pp-size 2" in reason
+    assert support_check.check_pipeline_parallel(SupportInputs(SimpleNamespace(pp_size=1), PCRConfig(enabled=True))) \
+        is None
+    assert support_check.check_pipeline_parallel in support_check.RULES
+
+
+def test_pipeline_parallelism_is_refused_at_resolution(resolve, tiny_model):
+    with pytest.raises(UnsupportedConfigError, match="pipeline parallelism"):
+        resolve(tiny_model, "--pp-size", "2")
+
+
+def test_concat_under_tp_is_refused():
+    """A copy failing on one rank would change that rank's prefix length alone."""
+    from pcr_sglang.config import PCRConfig
+
+    reason = support_check.check_doc_reuse_tp(SupportInputs(SimpleNamespace(tp_size=2),
+                                                            PCRConfig(enabled=True, doc_reuse="concat")))
+    assert reason is not None and "--pcr-doc-reuse concat" in reason and "--tp-size > 1" in reason
+    assert support_check.check_doc_reuse_tp(SupportInputs(SimpleNamespace(tp_size=1),
+                                                          PCRConfig(enabled=True, doc_reuse="concat"))) is None
+    assert support_check.check_doc_reuse_tp in support_check.RULES
+
+
+@pytest.mark.parametrize("tiers,refused", [((), False), (("ssd",), True), (("ssd", "remote"), True)])
+def test_an_adapter_without_local_files_is_refused_with_persistent_tiers(tmp_path, tiers, refused):
+    from pcr_sglang.config import PCRConfig
+
+    pcr = PCRConfig(enabled=True, dram_gb=0.01, ssd_path=str(tmp_path) if tiers else None,
+                    ssd_gb=0.1 if tiers else 0.0, remote="mooncake" if "remote" in tiers else "off")
+    missing = SupportInputs(SimpleNamespace(lora_paths=["a=org/adapter-on-the-hub"]), pcr)
+    reason = support_check.check_lora_persistent_tiers(missing)
+    assert (reason is not None) == refused
+    if refused:
+        assert "a=org/adapter-on-the-hub" in reason
+    local = SupportInputs(SimpleNamespace(lora_paths=[f"a={tmp_path}"]), pcr)
+    assert support_check.check_lora_persistent_tiers(local) is None

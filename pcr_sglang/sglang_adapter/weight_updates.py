@@ -1,0 +1,129 @@
+"""The cache namespace follows the weights when SGLang changes them in place.
+
+SGLang's ``/update_weights_from_disk``, ``_from_tensor``, ``_from_distributed`` and
+``_from_ipc`` load new weights into a running server (RL rollout servers do it every
+step) and then flush the tree cache. A PCR namespace fixed at startup would keep every
+chunk key, so the SSD records and the fleet's remote objects computed with the old
+weights would be served after the update. Instead every update call moves the server to
+a new namespace:
+
+* a disk update to the new checkpoint's fingerprint (the same one a fresh server on that
+  checkpoint has, so a rollback to weights served before finds their records again);
+* an in-memory update (tensor, distributed, IPC) to a fingerprint made of a nonce the TP
+  ranks agree on: nothing can ever be shared with it, and its SSD directory is purged
+  when the server leaves it.
+
+The new chunk keys apply as soon as the update call starts (nothing derived after it
+matches anything derived before); the tiers move at the cache's reset, which SGLang's
+flush after the update runs (``factory.move_namespace``). An update that fails, or whose
+outcome is unknown, moves to a nonce namespace too: the weights may be partly new. An
+update with ``flush_cache: false`` keeps the old weights' KV on the device, as SGLang's
+own radix cache does, but none of it matches a new request's keys; the SSD tier moves at
+the next ``/flush_cache``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+from pcr_sglang.core.keys import CacheNamespace
+from pcr_sglang.sglang_adapter.fingerprint import in_memory_update_fingerprint, model_fingerprint
+from pcr_sglang.sglang_adapter.tp_group import TpGroup
+
+logger = logging.getLogger(__name__)
+
+# SGLang's SchedulerWeightUpdaterManager methods that change the served weights.
+UPDATE_METHODS = ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed",
+                  "update_weights_from_ipc")
+
+
+@dataclass(frozen=True)
+class WeightsIdentity:
+    """What a checkpoint's fingerprint is computed from, besides its files (kept from the
+    server's startup: a disk update keeps the model's config)."""
+
+    model_config: Any
+    model_path: str
+    revision: Optional[str] = None
+    download_dir: Optional[str] = None
+    adapters: str = ""
+
+    def of_checkpoint(self, path: str) -> str:
+        return model_fingerprint(self.model_config, self.model_path, self.revision, self.download_dir,
+                                 weights_path=path, adapters=self.adapters)
+
+
+def _agreed_nonce(tp: Optional[TpGroup]) -> int:
+    nonce = secrets.randbits(62)
+    return tp.reduce_min([nonce])[0] if tp is not None else nonce
+
+
+def _agreed(tp: Optional[TpGroup], fingerprint: str) -> bool:
+    """Whether every TP rank computed this fingerprint (each reads the files itself)."""
+    if tp is None:
+        return True
+    value = int.from_bytes(bytes.fromhex(fingerprint[:14]), "big")  # a hex digest's first 56 bits
+    low, high = tp.reduce_min([value, -value])
+    return low == -high
+
+
+def in_memory_namespace(cache: Any) -> CacheNamespace:
+    """A namespace no server, restart or other update will ever have."""
+    current: CacheNamespace = cache.pending_namespace or cache.namespace
+    nonce = _agreed_nonce(cache.scheduler.tp)
+    return replace(current, model_fingerprint=in_memory_update_fingerprint(current.model_fingerprint, nonce))
+
+
+def next_namespace(cache: Any, method: str, recv_req: Any) -> CacheNamespace:
+    """The namespace of the weights ``recv_req`` loads (collective under TP)."""
+    identity: Optional[WeightsIdentity] = getattr(cache, "weights_identity", None)
+    path = getattr(recv_req, "model_path", None) if method == "update_weights_from_disk" else None
+    if path and identity is not None:
+        fingerprint = identity.of_checkpoint(str(path))
+        if _agreed(cache.scheduler.tp, fingerprint):
+            return replace(cache.namespace, model_fingerprint=fingerprint)
+        logger.warning("PCR: the TP ranks fingerprint %s differently; its KV gets a namespace of its own", path)
+    return in_memory_namespace(cache)
+
+
+def around_weight_update(method: str, original: Callable, manager: Any, recv_req: Any, *args: Any,
+                         **kwargs: Any) -> Any:
+    """SGLang's update call, with the PCR cache's namespace moved to the new weights'."""
+    cache = getattr(getattr(manager, "scheduler", None), "tree_cache", None)
+    if getattr(cache, "namespace_mover", None) is None or getattr(cache, "namespace", None) is None:
+        return original(manager, recv_req, *args, **kwargs)
+    target = next_namespace(cache, method, recv_req)
+    # Agreed before the call: what follows it must not be a collective, since whether an
+    # update failed need not be the same on every rank.
+    fallback = in_memory_namespace(cache)
+    begin(cache, target)
+    try:
+        out = original(manager, recv_req, *args, **kwargs)
+    except BaseException:
+        unknown_weights(cache, fallback)
+        raise
+    if cache.pending_namespace is not None:  # no flush ran inside the call
+        if not getattr(out, "success", False):
+            unknown_weights(cache, fallback)
+        else:
+            logger.warning("PCR: %s without a cache flush: new requests' chunk keys follow the new weights now; "
+                           "the SSD tier moves to them at the next /flush_cache", method)
+    return out
+
+
+def begin(cache: Any, namespace: CacheNamespace) -> None:
+    """From now on no key matches one derived under the old weights; the tiers follow at
+    the next reset."""
+    cache.pending_namespace = namespace
+    cache.scheduler.rekey(namespace.chain_digest())
+
+
+def unknown_weights(cache: Any, namespace: CacheNamespace) -> None:
+    """The update failed without a flush: the served weights may be partly new, so they
+    get ``namespace``, one of their own."""
+    begin(cache, namespace)
+    logger.warning("PCR: a weight update did not complete; the cache moves to a namespace of its own "
+                   "(nothing computed before or after it is shared with any other weights)")

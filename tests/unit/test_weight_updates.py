@@ -1,0 +1,188 @@
+"""The cache namespace follows the weights: an update in place (SGLang's
+``update_weights_from_*``, which flushes the tree cache) moves every tier to the new
+weights' namespace, over PCR's cache on SGLang's real CPU KV pool, with a real SSD store
+and I/O process. Before, the flush put every SSD record back under the startup namespace,
+so the old weights' KV was served after the update."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from pcr_sglang.sglang_adapter import weight_updates
+from pcr_sglang.sglang_adapter.fingerprint import IN_MEMORY_UPDATE_TAG
+from pcr_sglang.sglang_adapter.weight_updates import WeightsIdentity, around_weight_update
+from pcr_sglang.tiers.ssd_store import list_namespaces
+from tests.unit.adapter_harness import CHUNK, Harness, make  # noqa: F401
+
+
+def prompt(start: int, chunks: int = 3) -> list[int]:
+    return list(range(start, start + chunks * CHUNK))
+
+
+def persisted(h: Harness, tokens: list[int]) -> None:
+    h.serve(tokens)
+    h.cache.evict(EvictParams(num_tokens=10**6))
+    h.drain_io()
+
+
+def reusable_chunks(h: Harness, tokens: list[int]) -> int:
+    """Chunks of ``tokens`` some tier could serve now (device, host or SSD)."""
+    match = h.state.match(iter(h.scheduler._keys_of(tokens)))
+    return match.device + match.host + match.ssd
+
+
+def flush(cache) -> None:
+    """SGLang's ``Scheduler.flush_cache``: the tree cache's reset, then the allocator's."""
+    cache.reset()
+    cache.token_to_kv_pool_allocator.clear()
+
+
+def flushing_update(cache, success: bool = True):
+    """What SGLang's update call does once the weights are loaded: flush the tree cache
+    (``flush_cache_after_weight_update``), then answer."""
+
+    def original(manager, recv_req):
+        if success:
+            flush(cache)
+        return SimpleNamespace(success=success)
+
+    return original
+
+
+def manager_of(h: Harness) -> SimpleNamespace:
+    return SimpleNamespace(scheduler=SimpleNamespace(tree_cache=h.cache))
+
+
+def test_a_flush_after_a_weight_update_restores_nothing_of_the_old_weights(make, tmp_path):
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    tokens = prompt(100)
+    persisted(h, tokens)
+    assert reusable_chunks(h, tokens) == 3
+    flush(h.cache)  # a plain /flush_cache keeps what is persisted
+    assert reusable_chunks(h, tokens) == 3
+
+    around_weight_update("update_weights_from_tensor", flushing_update(h.cache), manager_of(h),
+                         SimpleNamespace())
+    assert h.cache.namespace.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
+    assert reusable_chunks(h, tokens) == 0 and h.state.tree.ssd_chunks == 0
+    h.step()
+    h.check()
+    # Served again under the new weights: persisted in the new namespace's directory.
+    persisted(h, tokens)
+    assert h.state.ssd_stats.written_chunks >= 6
+    assert h.cache.store.namespace == h.cache.namespace.digest()
+    h.check()
+
+
+def test_keys_change_as_the_update_starts_even_without_a_flush(make, tmp_path):
+    """``flush_cache: false``: SGLang keeps the device cache, but no new request's key
+    matches a chunk computed before the update."""
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    tokens = prompt(100)
+    h.serve(tokens)
+    assert reusable_chunks(h, tokens) == 3
+
+    def no_flush(manager, recv_req):
+        return SimpleNamespace(success=True)
+
+    around_weight_update("update_weights_from_distributed", no_flush, manager_of(h), SimpleNamespace())
+    assert reusable_chunks(h, tokens) == 0
+    assert h.cache.pending_namespace is not None  # the SSD tier moves at the next flush
+    flush(h.cache)
+    assert h.cache.pending_namespace is None and reusable_chunks(h, tokens) == 0
+    h.check()
+
+
+def test_a_disk_update_moves_to_the_checkpoints_namespace_and_a_rollback_finds_its_records(make, tmp_path):
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    model_a, model_b = tmp_path / "a", tmp_path / "b"
+    for folder, byte in ((model_a, b"A"), (model_b, b"B")):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(byte * 4096)  # not safetensors: sampled as opaque bytes
+    identity = WeightsIdentity(SimpleNamespace(hf_config=None), str(model_a))
+    h.cache.weights_identity = identity
+    start = h.cache.namespace
+    h.cache.namespace = replace(start, model_fingerprint=identity.of_checkpoint(str(model_a)))
+    tokens = prompt(100)
+    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h),
+                         SimpleNamespace(model_path=str(model_a)))  # to the checkpoint's own namespace
+    persisted(h, tokens)
+    namespace_a = h.cache.namespace
+
+    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h),
+                         SimpleNamespace(model_path=str(model_b)))
+    assert h.cache.namespace.model_fingerprint == identity.of_checkpoint(str(model_b))
+    assert reusable_chunks(h, tokens) == 0
+    persisted(h, prompt(300))
+
+    restored = h.state.ssd_stats.restored_chunks
+    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h),
+                         SimpleNamespace(model_path=str(model_a)))
+    assert h.cache.namespace == namespace_a
+    assert h.state.ssd_stats.restored_chunks == restored + 3  # A's records, kept for the rollback
+    assert reusable_chunks(h, tokens) == 3 and reusable_chunks(h, prompt(300)) == 0
+    h.check()
+    # Both checkpoints' directories stay on disk (purged by `python -m pcr_sglang.store purge`).
+    kept = {ns.digest_hex for ns in list_namespaces(tmp_path / "ssd") if ns.chunks}
+    assert kept == {namespace_a.digest().hex(), replace(namespace_a, model_fingerprint=identity.of_checkpoint(
+        str(model_b))).digest().hex()}
+
+
+def test_a_failed_update_gets_a_namespace_of_its_own(make, tmp_path):
+    """The weights may be partly new after a failed update: nothing before it or under
+    the checkpoint it tried to load is shared with what follows."""
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    model_b = tmp_path / "b"
+    model_b.mkdir()
+    (model_b / "model.safetensors").write_bytes(b"B" * 4096)
+    h.cache.weights_identity = WeightsIdentity(SimpleNamespace(hf_config=None), str(tmp_path))
+    tokens = prompt(100)
+    persisted(h, tokens)
+    around_weight_update("update_weights_from_disk", flushing_update(h.cache, success=False), manager_of(h),
+                         SimpleNamespace(model_path=str(model_b)))
+    pending = h.cache.pending_namespace
+    assert pending is not None and pending.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
+
+    def raising(manager, recv_req):
+        raise RuntimeError("load failed")
+
+    with pytest.raises(RuntimeError):
+        around_weight_update("update_weights_from_tensor", raising, manager_of(h), SimpleNamespace())
+    assert h.cache.pending_namespace not in (None, pending)
+    flush(h.cache)
+    assert reusable_chunks(h, tokens) == 0 and h.state.tree.ssd_chunks == 0
+    h.check()
+
+
+def test_leaving_an_in_memory_namespace_purges_its_directory(make, tmp_path):
+    """No server can ever have an in-memory update's weights again: its records are
+    deleted when the server moves on (RL servers update every step: they would fill the
+    disk)."""
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    around_weight_update("update_weights_from_tensor", flushing_update(h.cache), manager_of(h), SimpleNamespace())
+    persisted(h, prompt(100))
+    first = h.cache.namespace.digest().hex()
+    assert first in {ns.digest_hex for ns in list_namespaces(tmp_path / "ssd")}
+    around_weight_update("update_weights_from_tensor", flushing_update(h.cache), manager_of(h), SimpleNamespace())
+    names = {ns.digest_hex for ns in list_namespaces(tmp_path / "ssd")}
+    assert first not in names and h.cache.namespace.digest().hex() in names
+    persisted(h, prompt(200))
+    h.check()
+
+
+def test_the_hook_leaves_other_caches_alone():
+    calls = []
+
+    def original(manager, recv_req):
+        calls.append(recv_req)
+        return "out"
+
+    manager = SimpleNamespace(scheduler=SimpleNamespace(tree_cache=object()))
+    assert around_weight_update("update_weights_from_disk", original, manager, "req") == "out"
+    assert calls == ["req"]
+    assert weight_updates.UPDATE_METHODS[0] == "update_weights_from_disk"
