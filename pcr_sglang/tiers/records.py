@@ -6,6 +6,10 @@ header names the chunk (its key, its parent's key, its depth), the namespace (mo
 dtype, layout, TP rank: :mod:`pcr_sglang.core.keys`) and the layout, and carries a keyed
 BLAKE3 MAC of the payload; a second MAC covers the header. Whoever holds the MAC key can
 write records the others accept; nobody else can (see ``ssd_store``'s "Trust").
+
+The remote tier stores the same chunk sealed instead (encrypted and authenticated,
+:mod:`pcr_sglang.tiers.sealed_records`), under keys :meth:`RecordCodec.derive_key` derives
+from the fleet key; a chunk read from there is written to the SSD as this record.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import blake3
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from pcr_sglang.transfer.layout import HostChunkLayout
 
@@ -50,10 +56,20 @@ class RecordCodec:
             raise ValueError("namespace digest must be 16 bytes")
         self.namespace = namespace
         self.layout = layout
+        self.dtype = dtype
+        self._secret = mac_key
         self._dtype_field = dtype.encode()[:16].ljust(16, b"\0")
         self._header_key = blake3.blake3(b"pcr-sglang record header", key=mac_key).digest()
         self._payload_key = blake3.blake3(b"pcr-sglang record payload", key=mac_key).digest()
         self.record_bytes = HEADER_BYTES + layout.slot_bytes
+
+    def derive_key(self, purpose: bytes) -> bytes:
+        """A 32-byte key for another use of this codec's key (the remote tier's record and
+        object-name keys), independent of the MAC keys and of every other ``purpose``:
+        HKDF-SHA256 (RFC 5869) with the purpose as its info. Knowing a derived key tells
+        nothing of the codec's key nor of the other derived keys."""
+        return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
+                    info=b"pcr-sglang " + purpose).derive(self._secret)
 
     @staticmethod
     def _mac(key: bytes, data) -> bytes:

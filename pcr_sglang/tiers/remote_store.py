@@ -2,18 +2,21 @@
 
 Below device, host memory and the local SSD, a fleet of servers shares one Mooncake Store
 (a master that places and evicts objects, and store processes that hold them in memory;
-``mooncake-transfer-engine``, over TCP or RDMA). Each object is one chunk's complete
-record (:mod:`pcr_sglang.tiers.records`) under the key ``pcr/<namespace hex>/<chunk key
-hex>``: the namespace covers the model, dtype, layout and TP rank, the chunk key the
-prefix, ``extra_key`` and ``cache_salt``, so another model or tenant can never hit. The
-records are MAC-ed under a key the fleet shares (``key_file``), so an object written by
-anyone else, or torn, is refused and recomputed, never served.
+``mooncake-transfer-engine``, over TCP or RDMA). Each object is one chunk's record, sealed
+(:mod:`pcr_sglang.tiers.sealed_records`): encrypted and authenticated under a key derived
+from the key the fleet shares (``key_file``) for its namespace, and named by a keyed hash
+of the namespace and chunk key. The namespace covers the model, dtype, layout and TP rank,
+the chunk key the prefix, ``extra_key`` and ``cache_salt``, so another model or tenant can
+never hit. Mooncake authenticates no client, so a party that reaches the store learns
+nothing from names or bytes without the fleet key; an object anyone else wrote, or a torn
+one, fails authentication and is refused and recomputed, never served.
 
 The Mooncake client is driven directly (not through SGLang's ``MooncakeStore``, whose
 generic ``batch_set`` and ``batch_exists`` tag keys differently). Mooncake places,
 replicates and evicts on its own, so a probe's answer is a hint: an object may be gone
 when it is read (a miss: the chunk is recomputed). Writes are first-writer-wins: any
-server's KV for a prefix is a valid KV for it.
+server's KV for a prefix is a valid KV for it, but only a record that authenticates counts
+as written: a write that finds a bad object under its name replaces it.
 
 Only the I/O process uses this (on its remote thread, :mod:`pcr_sglang.io.remote_thread`):
 a call to an unreachable master can block for seconds, and the scheduler never waits.
@@ -35,6 +38,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from pcr_sglang.tiers.records import KEY_BYTES, ChunkRecord, RecordCodec
+from pcr_sglang.tiers.sealed_records import NAME_PREFIX, SealedRecordCodec
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +50,6 @@ OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
 INVALID_PARAMS = -600  # also what get_into answers for an object larger than the buffer
 CONNECT_TIMEOUT_S = 1.0
-KEY_PREFIX = "pcr"
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 
 
@@ -140,8 +143,9 @@ _DEFAULTS = RemoteConfig(master_server_address="", key_file="")
 
 
 def load_fleet_key(path: str) -> bytes:
-    """The records' MAC key: exactly 32 bytes, in a regular file of ours that nobody else
-    can read (anyone who can read it can forge records every server accepts)."""
+    """The fleet key, from which the remote records' encryption and object-name keys are
+    derived: exactly 32 bytes, in a regular file of ours that nobody else can read (anyone
+    who can read it can read every record and forge records every server accepts)."""
     try:
         fd = os.open(path, os.O_RDONLY)  # a symlink is followed; the file it names is checked
     except OSError as e:
@@ -167,12 +171,15 @@ class ReadResult(enum.Enum):
 
 
 class RemoteChunkStore:
-    """One Mooncake client, for one namespace's records. Not thread-safe: one thread uses it."""
+    """One Mooncake client, for one namespace's records. Not thread-safe: one thread uses
+    it (:meth:`build_record` excepted: it may run on any thread).
+
+    ``codec`` is the namespace's record codec under the fleet key; the store keeps the
+    sealed codec derived from it (``codec.record_bytes``: one object's size)."""
 
     def __init__(self, config: RemoteConfig, codec: RecordCodec):
         self.config = config
-        self.codec = codec
-        self.prefix = f"{KEY_PREFIX}/{codec.namespace.hex()}/"
+        self.codec = SealedRecordCodec(codec)
         self._client: Any = None
         self._staging: Optional[np.ndarray] = None
         self.last_record: Optional[ChunkRecord] = None  # the header of the last record read_into served
@@ -222,7 +229,7 @@ class RemoteChunkStore:
                 self._client = None
 
     def object_key(self, key: bytes) -> str:
-        return self.prefix + key.hex()
+        return self.codec.object_name(key)
 
     @property
     def client(self) -> Any:
@@ -248,30 +255,38 @@ class RemoteChunkStore:
 
     def read_into(self, key: bytes, out: memoryview) -> ReadResult:
         """Chunk ``key``'s payload into ``out`` (one host slot) if the store holds a valid
-        record of it. Raises RemoteError when the store cannot be asked."""
+        record of it (``out`` is untouched otherwise). Raises RemoteError when the store
+        cannot be asked."""
+        got = self._fetch(key)
+        if got in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
+            return ReadResult.MISSING
+        assert self._staging is not None
+        record = self.codec.open_into(key, memoryview(self._staging)[:got], out)
+        if record is None:
+            self._remove(key)
+            return ReadResult.CORRUPT
+        self.last_record = record
+        return ReadResult.OK
+
+    def _fetch(self, key: bytes) -> int:
+        """Chunk ``key``'s object into the staging buffer: its size (0 for one larger than
+        a record: never one of ours), or OBJECT_NOT_FOUND, or REPLICA_IS_NOT_READY (still
+        being written). Raises RemoteError when the store cannot be asked."""
         assert self._staging is not None
         staging = self._staging
         name = self.object_key(key)
         got = self.client.get_into(name, staging.ctypes.data, staging.nbytes)
         if got in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
-            return ReadResult.MISSING
+            return got
         if got == INVALID_PARAMS and self.client.get_size(name) > staging.nbytes:
-            got = 0  # larger than any record: refused below
-        elif got < 0:
+            return 0
+        if got < 0:
             raise RemoteError(f"get_into failed (code {got})")
-        record = self.codec.parse_header(staging[: min(got, len(staging))].tobytes()) if got > 0 else None
-        payload = memoryview(staging)[self.codec.record_bytes - self.codec.layout.slot_bytes:]
-        if got != self.codec.record_bytes or record is None or record.key != key \
-                or not self.codec.payload_ok(record, payload):
-            self._remove(key)
-            return ReadResult.CORRUPT
-        memoryview(out).cast("B")[:] = payload
-        self.last_record = record
-        return ReadResult.OK
+        return min(got, staging.nbytes)
 
     def _remove(self, key: bytes) -> None:
-        """A bad object would be served to nobody and, first writer winning, would block
-        every good write of its key: remove it (best effort)."""
+        """A bad object would be served to nobody and would cost every good write of its
+        key a read to find it bad: remove it (best effort)."""
         try:
             self.client.remove(self.object_key(key), True)
         except Exception as e:  # noqa: BLE001 - a failed cleanup leaves a miss, no harm
@@ -289,17 +304,22 @@ class RemoteChunkStore:
         """Raise RemoteError unless the master answers a query (Mooncake's own
         ``health_check`` still said healthy here for a master killed moments before)."""
         try:
-            self._exist([self.prefix + "ping"])
+            self._exist([NAME_PREFIX + "ping"])
         except RemoteError as e:
             raise RemoteError(f"the master does not answer ({e})") from None
 
     def exists(self, key: bytes) -> bool:
         return self._exist([self.object_key(key)])[0] == 1
 
-    def write(self, key: bytes, record: bytes) -> bool:
+    def write(self, key: bytes, record: bytes | bytearray) -> bool:
         """Store ``record`` (complete, built by :meth:`build_record`) unless the store holds
-        the key already; True when it was sent."""
-        if self.exists(key):
+        a valid record of the key already; True when it was sent.
+
+        An object already under the name is read and opened first: one that fails
+        authentication (garbage a client without the fleet key put there, a torn or
+        another fleet's record) is removed and replaced, so it cannot block the key's good
+        writes. One still being written by another client counts as held."""
+        if self.exists(key) and not self._replace_if_bad(key):
             return False
         rc = self.client.put(self.object_key(key), record)
         if rc in (OBJECT_ALREADY_EXISTS, OBJECT_HAS_LEASE):
@@ -308,6 +328,27 @@ class RemoteChunkStore:
             raise RemoteError(f"put failed (code {rc})")
         return True
 
-    def build_record(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload) -> bytes:
-        payload = memoryview(payload).cast("B")
-        return self.codec.header(key, parent_key, depth, num_tokens, payload) + bytes(payload)
+    def _replace_if_bad(self, key: bytes) -> bool:
+        """True when the object under ``key``'s name is gone or was bad and has been removed
+        (a write may land); False when it holds a valid record or is being written. An
+        object that cannot be read (its store process died while the master still lists
+        it) is as useless as a bad one: replaced too, and the put says whether the store
+        works."""
+        try:
+            got = self._fetch(key)
+        except RemoteError as e:
+            logger.info("PCR remote tier: the object of chunk %s cannot be read (%s); replacing it", key.hex(), e)
+            self._remove(key)
+            return True
+        if got in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
+            return got == OBJECT_NOT_FOUND  # gone since it was seen (evicted), or another client's write
+        assert self._staging is not None
+        if self.codec.open_into(key, memoryview(self._staging)[:got]) is not None:
+            return False
+        logger.warning("PCR remote tier: the object of chunk %s failed authentication; replacing it", key.hex())
+        self._remove(key)
+        return True
+
+    def build_record(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload) -> bytearray:
+        """Chunk ``key``'s sealed object (``payload``: its host slot, copied)."""
+        return self.codec.seal(key, parent_key, depth, num_tokens, payload)

@@ -119,18 +119,28 @@ def remote_up(server) -> float:
     return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("sglang:pcr_remote_up{"))
 
 
-def object_keys(server, prompt) -> list[str]:
-    """The remote objects of ``prompt``'s whole chunks on ``server`` (its namespace)."""
+def object_keys(server, prompt, mooncake) -> list[str]:
+    """The remote objects of ``prompt``'s whole chunks on ``server``: keyed hashes of its
+    namespace and the chunk keys, which only a holder of the fleet key can compute."""
     ns = CacheNamespace(**server.pcr_state()["namespace"])
     keys = chunk_keys(root_key(ns.chain_digest()), prompt[:len(prompt) - 1], REMOTE_CHUNK)
-    return [f"pcr/{ns.digest().hex()}/{k.hex()}" for k in keys]
+    namer = remote_store(mooncake, ns.digest())
+    names = [namer.object_key(k) for k in keys]
+    assert not any(k.hex() in name for k, name in zip(keys, names))
+    return names
+
+
+def remote_store(mooncake, namespace: bytes = bytes(16)) -> RemoteChunkStore:
+    """A store client of the test's own under the fleet key (the layout does not matter:
+    it only names, puts and removes objects)."""
+    config = RemoteConfig.parse(json.dumps(client_config(mooncake["master"], mooncake["key"])))
+    return RemoteChunkStore(config, RecordCodec(load_fleet_key(config.key_file), namespace,
+                                                HostChunkLayout(1, 1, 1, 1), "x"))
 
 
 def raw_client(mooncake):
     """A Mooncake client of the test's own (any namespace: it only puts and removes)."""
-    config = RemoteConfig.parse(json.dumps(client_config(mooncake["master"], mooncake["key"])))
-    codec = RecordCodec(load_fleet_key(config.key_file), bytes(16), HostChunkLayout(1, 1, 1, 1), "x")
-    store = RemoteChunkStore(config, codec)
+    store = remote_store(mooncake)
     store.open()
     return store
 
@@ -169,7 +179,7 @@ def test_a_corrupt_remote_object_is_detected_and_recomputed(servers, mooncake, r
     client = raw_client(mooncake)
     try:
         damaged = 0
-        for obj in object_keys(b, prompt):  # every chunk of the prompt: B's own match ends somewhere inside
+        for obj in object_keys(b, prompt, mooncake):  # every chunk of the prompt: B's own match ends somewhere inside
             if client.client.batch_is_exist([obj]) == [1]:
                 client.client.remove(obj, True)
                 assert client.client.put(obj, os.urandom(4096)) == 0
@@ -204,7 +214,7 @@ def test_an_object_evicted_between_probe_and_read_is_recomputed(servers, mooncak
         # drops them now, as its eviction could.
         client = raw_client(mooncake)
         try:
-            for obj in object_keys(slow, prompt):
+            for obj in object_keys(slow, prompt, mooncake):
                 client.client.remove(obj, True)
         finally:
             client.close()

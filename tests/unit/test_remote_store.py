@@ -14,7 +14,7 @@ from pcr_sglang.io.protocol import (SOURCE_REMOTE, Done, IoOutcome, Probed, Prob
                                     reply_decoder)
 from pcr_sglang.io.remote_thread import RemoteFaults, RemoteThread
 from pcr_sglang.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
-from pcr_sglang.tiers.records import HEADER_BYTES, RecordCodec
+from pcr_sglang.tiers.records import RecordCodec
 from pcr_sglang.tiers.remote_store import (ReadResult, RemoteChunkStore, RemoteConfig, RemoteConfigError,
                                            RemoteError, load_fleet_key)
 from pcr_sglang.transfer.layout import HostChunkLayout
@@ -50,10 +50,14 @@ def fleet_key(tmp_path_factory):
     return keygen(tmp_path_factory.mktemp("key") / "fleet.key")
 
 
+def unopened_store(master, key_file, namespace=NS_A, mac_key=None, **config) -> RemoteChunkStore:
+    config = RemoteConfig.parse(json.dumps(client_config(master, key_file, **config)))
+    return RemoteChunkStore(config, RecordCodec(mac_key or load_fleet_key(config.key_file), namespace, LAYOUT,
+                                                "torch.float32"))
+
+
 def open_store(master, key_file, namespace=NS_A, mac_key=None):
-    config = RemoteConfig.parse(json.dumps(client_config(master, key_file)))
-    codec = RecordCodec(mac_key or load_fleet_key(config.key_file), namespace, LAYOUT, "torch.float32")
-    store = RemoteChunkStore(config, codec)
+    store = unopened_store(master, key_file, namespace, mac_key)
     store.open()
     return store
 
@@ -63,6 +67,10 @@ def remote(mooncake, fleet_key):
     store = open_store(mooncake, fleet_key)
     yield store
     store.close()
+
+
+def codec(namespace=NS_A, mac_key=None) -> RecordCodec:
+    return RecordCodec(mac_key or bytes(range(32)), namespace, LAYOUT, "torch.float32")
 
 
 def write(store, i, parent=bytes(16), depth=1, seed=None):
@@ -151,36 +159,108 @@ def test_another_namespace_never_hits(mooncake, fleet_key, remote):
 
 
 def test_corrupt_and_foreign_objects_are_refused_and_removed(mooncake, fleet_key, remote):
-    out = memoryview(bytearray(LAYOUT.slot_bytes))
+    untouched = bytes([0xA5]) * LAYOUT.slot_bytes
+    out = memoryview(bytearray(untouched))
     # Garbage under a valid object key (as a buggy or hostile client could put).
     assert remote.client.put(remote.object_key(key(140)), os.urandom(remote.codec.record_bytes)) == 0
     assert remote.read_into(key(140), out) is ReadResult.CORRUPT
     assert remote.probe([[key(140)]]) == [0]  # removed: a good write of the key can land now
-    # A record of ours with one payload byte flipped.
-    record = bytearray(remote.build_record(key(141), bytes(16), 1, LAYOUT.chunk_size, payload(141)))
-    record[HEADER_BYTES + 3] ^= 1
-    assert remote.client.put(remote.object_key(key(141)), bytes(record)) == 0
-    assert remote.read_into(key(141), out) is ReadResult.CORRUPT
+    # A record of ours with one ciphertext byte flipped, in its header or its payload.
+    for i, at in ((141, 30), (146, remote.codec.record_bytes - 100)):
+        record = bytearray(remote.build_record(key(i), bytes(16), 1, LAYOUT.chunk_size, payload(i)))
+        record[at] ^= 1
+        assert remote.client.put(remote.object_key(key(i)), bytes(record)) == 0
+        assert remote.read_into(key(i), out) is ReadResult.CORRUPT
     # A record for another key stored under this one.
     assert remote.client.put(remote.object_key(key(142)), remote.build_record(
         key(143), bytes(16), 1, LAYOUT.chunk_size, payload(143))) == 0
     assert remote.read_into(key(142), out) is ReadResult.CORRUPT
-    # An object larger than a record.
+    # An object larger than a record, and a shorter one.
     assert remote.client.put(remote.object_key(key(144)), os.urandom(remote.codec.record_bytes + 64)) == 0
     assert remote.read_into(key(144), out) is ReadResult.CORRUPT
-    # A record written under another fleet key.
+    assert remote.client.put(remote.object_key(key(147)), os.urandom(4096)) == 0
+    assert remote.read_into(key(147), out) is ReadResult.CORRUPT
+    assert bytes(out) == untouched  # nothing of a refused object reached the slot
+    # A record of another namespace copied under this namespace's name of its key.
+    other = RemoteChunkStore(remote.config, codec(NS_B, load_fleet_key(remote.config.key_file)))
+    assert remote.client.put(remote.object_key(key(148)), other.build_record(
+        key(148), bytes(16), 1, LAYOUT.chunk_size, payload(148))) == 0
+    assert remote.read_into(key(148), out) is ReadResult.CORRUPT
+
+
+def test_stored_objects_hold_no_kv_nor_chunk_keys(remote):
+    """Whoever reaches the store reads an object's bytes: they must not hold the host
+    slot's KV, nor the chunk or parent key (unkeyed hashes of public inputs, which would
+    tell which prompt was served)."""
+    marker = b"RECOGNISABLE-KV!"
+    kv = (marker + bytes(range(16))) * (LAYOUT.slot_bytes // 32)
+    chunk, parent = b"chunk-key-151..." , b"parent-key-151.."
+    assert remote.write(chunk, remote.build_record(chunk, parent, 2, LAYOUT.chunk_size, kv)) is True
+    stored = remote.client.get(remote.object_key(chunk))
+    assert len(stored) == remote.codec.record_bytes
+    for secret in (marker, kv[40:56], chunk, parent, chunk.hex().encode()):
+        assert secret not in stored, f"{secret!r} is readable in the stored object"
+    out = bytearray(LAYOUT.slot_bytes)
+    assert remote.read_into(chunk, memoryview(out)) is ReadResult.OK and bytes(out) == kv
+    assert (remote.last_record.key, remote.last_record.parent_key, remote.last_record.depth) == (chunk, parent, 2)
+
+
+def test_object_names_are_keyed_hashes(remote):
+    """A name is neither the unkeyed chain (``pcr/<namespace>/<chunk key>``) nor computable
+    without the fleet key; every server of the fleet computes the same one."""
+    name = remote.object_key(key(160))
+    assert name != f"pcr/{NS_A.hex()}/{key(160).hex()}"
+    assert key(160).hex() not in name and NS_A.hex() not in name
+    assert len(name) == len("pcr/") + 64 and int(name[4:], 16) >= 0
+    fleet = load_fleet_key(remote.config.key_file)
+    same_fleet = RemoteChunkStore(remote.config, codec(NS_A, fleet))
+    assert same_fleet.object_key(key(160)) == name  # another server, the same fleet key
+    other_fleet = RemoteChunkStore(remote.config, codec(NS_A, os.urandom(32)))
+    other_ns = RemoteChunkStore(remote.config, codec(NS_B, fleet))
+    assert len({name, other_fleet.object_key(key(160)), other_ns.object_key(key(160)),
+                remote.object_key(key(161))}) == 4
+
+
+def test_a_bad_object_under_a_good_name_does_not_block_a_good_write(remote):
+    """Garbage put first (or a torn record, or one sealed for another key) under a chunk's
+    name: the next good write replaces it, and the read serves the good record."""
+    out = bytearray(LAYOUT.slot_bytes)
+    bad_objects = {170: os.urandom(remote.codec.record_bytes), 171: os.urandom(100),
+                   172: remote.build_record(key(173), bytes(16), 1, LAYOUT.chunk_size, payload(173))}
+    for i, bad in bad_objects.items():
+        assert remote.client.put(remote.object_key(key(i)), bad) == 0
+        assert write(remote, i) is True, i
+        assert remote.read_into(key(i), memoryview(out)) is ReadResult.OK and bytes(out) == payload(i)
+    assert write(remote, 170, seed=5) is False  # a good record stays: first writer wins
+
+
+def test_a_wrong_fleet_key_is_a_miss_never_wrong_kv(mooncake, fleet_key, remote):
+    """A record written under another fleet key lives under another name (a miss); its
+    bytes copied under our name fail authentication (refused, removed). Either way the
+    slot keeps what it held."""
+    untouched = bytes([0x5A]) * LAYOUT.slot_bytes
+    out = memoryview(bytearray(untouched))
     stranger = open_store(mooncake, fleet_key, mac_key=os.urandom(32))
     try:
-        write(stranger, 145)
+        assert write(stranger, 180) is True
+        assert remote.probe([[key(180)]]) == [0]
+        assert remote.read_into(key(180), out) is ReadResult.MISSING
+        copied = stranger.client.get(stranger.object_key(key(180)))
+        assert remote.client.put(remote.object_key(key(180)), copied) == 0
+        assert remote.read_into(key(180), out) is ReadResult.CORRUPT
+        assert remote.probe([[key(180)]]) == [0]  # removed
+        assert bytes(out) == untouched
+        # And the other way: the stranger never reads ours.
+        assert write(remote, 181) is True
+        assert stranger.read_into(key(181), out) is ReadResult.MISSING and bytes(out) == untouched
     finally:
         stranger.close()
-    assert remote.read_into(key(145), out) is ReadResult.CORRUPT
 
 
 def test_opening_against_an_unreachable_master_fails_at_once(fleet_key):
     """Mooncake's setup would block about 90 s holding the GIL: the store connects first."""
     config = RemoteConfig.parse(json.dumps({"master_server_address": "127.0.0.1:1", "key_file": str(fleet_key)}))
-    store = RemoteChunkStore(config, RecordCodec(load_fleet_key(str(fleet_key)), NS_A, LAYOUT, "torch.float32"))
+    store = RemoteChunkStore(config, codec(NS_A, load_fleet_key(str(fleet_key))))
     started = time.monotonic()
     with pytest.raises(RemoteError, match="unreachable"):
         store.open()
@@ -228,9 +308,8 @@ class Harness:
 
 
 def test_thread_answers_probes_and_reads_and_writes_through(mooncake, fleet_key):
-    store = open_store(mooncake, fleet_key)
-    store.close()  # the thread opens its own
-    h = Harness(RemoteChunkStore(store.config, store.codec))
+    store = unopened_store(mooncake, fleet_key)  # the thread opens it
+    h = Harness(store)
     record = store.build_record(key(200), bytes(16), 1, LAYOUT.chunk_size, payload(200))
     h.thread.write(key(200), record)
     deadline = time.monotonic() + 10
@@ -249,9 +328,7 @@ def test_thread_answers_probes_and_reads_and_writes_through(mooncake, fleet_key)
 
 
 def test_thread_breaker_answers_at_once_while_the_store_fails(mooncake, fleet_key):
-    store = open_store(mooncake, fleet_key)
-    store.close()
-    h = Harness(RemoteChunkStore(store.config, store.codec), RemoteFaults(fail=True))
+    h = Harness(unopened_store(mooncake, fleet_key), RemoteFaults(fail=True))
     h.thread.probe(ProbeRemote(1, [[key(1), key(2)]]))
     h.thread.read(ReadChunk(seq=2, key=key(1), host_slot=0))
     got = h.replies(lambda g: sum(isinstance(r, (Probed, Done)) for r in g) == 2, timeout_s=5)
@@ -265,11 +342,9 @@ def test_thread_breaker_answers_at_once_while_the_store_fails(mooncake, fleet_ke
 
 
 def test_thread_drops_write_through_beyond_its_queue(mooncake, fleet_key):
-    store = open_store(mooncake, fleet_key)
-    store.close()
-    config = RemoteConfig.parse(json.dumps(client_config(mooncake, fleet_key, write_queue_records=2)))
+    store = unopened_store(mooncake, fleet_key, write_queue_records=2)
     # Slow calls, so the queue fills before the thread drains it.
-    h = Harness(RemoteChunkStore(config, store.codec), RemoteFaults(delay_s=0.3))
+    h = Harness(store, RemoteFaults(delay_s=0.3))
     for i in range(6):
         h.thread.write(key(300 + i), store.build_record(key(300 + i), bytes(16), 1, LAYOUT.chunk_size, payload(i)))
     assert h.thread.counters.writes_dropped >= 3
