@@ -6,14 +6,17 @@ tokenizer is trained by ``tokenizers`` on the Wikipedia corpus so RAG-style prom
 tokenize to realistic lengths. Everything is seeded; the folder is rebuilt only when the
 recipe version changes.
 
-Usage: ``python -m pcr_sglang.models.tiny_llama [--out DIR]`` prints the folder path.
+Usage: ``python -m pcr_sglang.models.tiny_llama [--layers N] [--out DIR]`` prints the folder
+path. The default has two layers (every test's model); ``--layers 4`` builds a deeper
+variant in a folder of its own, for what two layers cannot tell (blend keeps re-placed KV
+only past its layer-1 probe, so on two layers its choice of tokens moves no answer).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pcr_sglang.models import build_cached, cache_root
@@ -37,8 +40,10 @@ class TinyLlamaRecipe:
     version: int = RECIPE_VERSION
 
 
-def default_tiny_llama_dir() -> Path:
-    return cache_root() / "models" / "tiny-llama"
+def default_tiny_llama_dir(num_layers: int = TinyLlamaRecipe.num_hidden_layers) -> Path:
+    """The cache folder of the tiny model with ``num_layers`` layers (each depth its own)."""
+    name = "tiny-llama" if num_layers == TinyLlamaRecipe.num_hidden_layers else f"tiny-llama-{num_layers}l"
+    return cache_root() / "models" / name
 
 
 def _train_tokenizer(recipe: TinyLlamaRecipe, out_dir: Path) -> None:
@@ -97,10 +102,16 @@ def _build_model(recipe: TinyLlamaRecipe, out_dir: Path, vocab_size: int) -> Non
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
-def build_tiny_llama(out_dir: Path | None = None, recipe: TinyLlamaRecipe | None = None) -> Path:
-    """Return the folder of the tiny model, building it first if missing or stale."""
+def build_tiny_llama(out_dir: Path | None = None, recipe: TinyLlamaRecipe | None = None,
+                     num_layers: int | None = None) -> Path:
+    """Return the folder of the tiny model, building it first if missing or stale.
+    ``num_layers`` overrides the recipe's depth (and picks that depth's default folder)."""
     recipe = recipe or TinyLlamaRecipe()
-    out_dir = Path(out_dir) if out_dir else default_tiny_llama_dir()
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        recipe = replace(recipe, num_hidden_layers=num_layers)
+    out_dir = Path(out_dir) if out_dir else default_tiny_llama_dir(recipe.num_hidden_layers)
 
     def build(folder: Path) -> None:
         logger.info("Building the tiny Llama for %s", out_dir)
@@ -116,8 +127,12 @@ def build_tiny_llama(out_dir: Path | None = None, recipe: TinyLlamaRecipe | None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="Output folder (default: the cache).")
+    parser.add_argument("--layers", type=int, default=TinyLlamaRecipe.num_hidden_layers,
+                        help="Number of decoder layers (default: %(default)s; other depths get their own folder).")
     args = parser.parse_args()
-    print(build_tiny_llama(args.out))
+    if args.layers < 1:
+        parser.error(f"--layers must be >= 1, got {args.layers}")
+    print(build_tiny_llama(args.out, num_layers=args.layers))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,14 @@ written, and whatever is left at the end of the batch. Re-placements run on a se
 side stream on CUDA (a load's layers are all queued on the first when it is submitted, so
 a rotation queued behind them would wait for every layer): each layer waits for the
 loads' event of that layer, and records one the forward waits on.
+
+The streams and events of the CUDA algorithm go through a
+:class:`~pcr_sglang.transfer.streams.Streams` object: ``torch.cuda``'s on a GPU
+(:class:`~pcr_sglang.transfer.streams.CudaStreams`, the default there), none on a CPU
+pool (the inline algorithm above). Tests pass an
+:class:`~pcr_sglang.transfer.streams.OrderingModel` to run the CUDA algorithm on CPU
+tensors: the copies run at once, and the model checks that the waits issued order every
+copy against the forward as a GPU would need.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import torch
 from pcr_sglang.transfer.copy_kv import Direction, copy_layer
 from pcr_sglang.transfer.layout import HostChunkLayout
 from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
+from pcr_sglang.transfer.streams import DEVICE_KV, HOST_KV, CudaStreams, Region, Streams
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +91,7 @@ class _Transfer:
     host_index: torch.Tensor
     host_slots: tuple[int, ...]
     next_layer: int = 0
-    event: Any = None  # CUDA: recorded on the side stream after the last layer
+    event: Any = None  # streams: recorded on the side stream after the last layer
 
     def complete(self, num_layers: int) -> bool:
         if self.next_layer < num_layers:
@@ -111,7 +120,10 @@ class TransferEngine:
     consumer_index = 0
 
     def __init__(self, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], host_buffer: torch.Tensor,
-                 layout: HostChunkLayout, mode: LayerwiseMode = LayerwiseMode.BOTH):
+                 layout: HostChunkLayout, mode: LayerwiseMode = LayerwiseMode.BOTH,
+                 streams: Optional[Streams] = None):
+        """``streams``: run the stream algorithm on these (default: CUDA's on a CUDA pool,
+        none on a CPU pool, which runs each copy inline)."""
         if len(kv_layers) != layout.num_layers:
             raise ValueError(f"{len(kv_layers)} KV layers but the host layout has {layout.num_layers}")
         self._kv_layers = list(kv_layers)
@@ -120,7 +132,10 @@ class TransferEngine:
         self.num_layers = layout.num_layers
         self.mode = LayerwiseMode(mode)
         self.device = kv_layers[0][0].device if kv_layers else torch.device("cpu")
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if streams is None and self.device.type == "cuda":
+            streams = CudaStreams(self.device)
+        self._streams = streams
+        self._stream = streams.new_stream("pcr-copy") if streams is not None else None
         self._forward_stream: Any = None  # CUDA: the stream the last forward ran on
         self._loads: list[_Transfer] = []  # CPU: submitted, layers not all issued yet
         self._planned: dict[str, list[_Transfer]] = defaultdict(list)  # offloads by request id
@@ -141,11 +156,11 @@ class TransferEngine:
     def note_forward_stream(self) -> None:
         """Called as a forward starts: the overlap scheduler runs forwards on a stream of
         its own, which copies must be ordered against."""
-        if self._stream is not None:
-            self._forward_stream = torch.cuda.current_stream(self.device)
+        if self._streams is not None:
+            self._forward_stream = self._streams.current_stream()
 
     def _compute_streams(self) -> list:
-        streams = [torch.cuda.current_stream(self.device)]
+        streams = [self._streams.current_stream()]
         if self._forward_stream is not None and self._forward_stream != streams[0]:
             streams.append(self._forward_stream)
         return streams
@@ -153,20 +168,20 @@ class TransferEngine:
     def order_after_forward(self) -> None:
         """A copy on the current stream is about to read or write device slots a forward
         still running on the overlap scheduler's stream may touch: wait for it (CUDA)."""
-        if self._stream is None:
+        if self._streams is None:
             return
-        current = torch.cuda.current_stream(self.device)
+        current = self._streams.current_stream()
         if self._forward_stream is not None and self._forward_stream != current:
-            current.wait_stream(self._forward_stream)
+            self._streams.wait_stream(current, self._forward_stream)
 
     def _side_waits_for_compute(self) -> None:
         for stream in self._compute_streams():
-            self._stream.wait_stream(stream)
+            self._streams.wait_stream(self._stream, stream)
 
     # ------------------------------------------------------------------ issuing
     def _make(self, direction: Direction, device_slots: torch.Tensor, host_slots: Sequence[int]) -> _Transfer:
         index = torch.tensor(list(host_slots), dtype=torch.int64)
-        if self._stream is not None:
+        if self.device.type == "cuda":
             index = index.pin_memory().to(self.device, non_blocking=True)
         # A copy: the caller's slot tensor may be a row of SGLang's req_to_token, rewritten later.
         transfer = _Transfer(direction, device_slots.to(torch.int64, copy=True), index, tuple(host_slots))
@@ -196,11 +211,10 @@ class TransferEngine:
             finished_now = set(done)  # by identity
             for key in [key for key in self._merged if not finished_now.isdisjoint(key)]:
                 del self._merged[key]
-        if self._stream is not None:
+        if self._streams is not None:
             finished = [t for t in done if t.event is None]
             if finished:
-                event = torch.cuda.Event()  # one event on the side stream completes them all
-                event.record(self._stream)
+                event = self._streams.record_event(self._stream)  # one event on the side stream completes them all
                 for transfer in finished:
                     transfer.event = event
                     self._in_flight.append(transfer)
@@ -209,21 +223,26 @@ class TransferEngine:
         """Layer ``layer`` of every transfer in ``group`` (one direction, all at that layer)."""
         k, v = self._kv_layers[layer]
         direction = group[0].direction
-        if self._stream is None:
+        if self._streams is None:
             for device_slots, host_index in self._merged_indices(group):
                 copy_layer(direction, k, v, self._host, device_slots, host_index, layer, self.layout)
         else:
-            with torch.cuda.stream(self._stream):
+            streams = self._streams
+            with streams.use(self._stream):
                 if layer == 0:
                     for transfer in group:
-                        transfer.device_slots.record_stream(self._stream)
-                        transfer.host_index.record_stream(self._stream)
+                        streams.keep_alive(transfer.device_slots, self._stream)
+                        streams.keep_alive(transfer.host_index, self._stream)
                 for device_slots, host_index in self._merged_indices(group):
                     copy_layer(direction, k, v, self._host, device_slots, host_index, layer, self.layout)
+                    if streams.records_accesses:
+                        device, host = Region(DEVICE_KV, layer, device_slots), Region(HOST_KV, layer, host_index)
+                        if direction == Direction.HOST_TO_DEVICE:
+                            streams.accesses(self._stream, [host], [device], "load")
+                        else:
+                            streams.accesses(self._stream, [device], [host], "offload")
                 if direction == Direction.HOST_TO_DEVICE:
-                    event = torch.cuda.Event()
-                    event.record(self._stream)
-                    self._layer_events[layer] = event
+                    self._layer_events[layer] = streams.record_event(self._stream)
         for transfer in group:
             transfer.next_layer += 1
 
@@ -248,12 +267,12 @@ class TransferEngine:
         """Copy chunks ``host_slots`` into ``device_slots`` before the next forward reads
         them (layer by layer with ``--pcr-layerwise load``)."""
         transfer = self._make(Direction.HOST_TO_DEVICE, device_slots, host_slots)
-        if self._stream is not None:
+        if self._streams is not None:
             self._side_waits_for_compute()
             self._issue((transfer,), self.num_layers - 1)
             if not self.mode.loads:  # the next kernel waits for the whole copy
                 for stream in self._compute_streams():
-                    stream.wait_event(transfer.event)
+                    self._streams.wait_event(stream, transfer.event)
         elif self.mode.loads:
             self._loads.append(transfer)
         else:
@@ -263,21 +282,21 @@ class TransferEngine:
         """SGLang's per-layer read hook: layer ``layer`` of every submitted load is in place."""
         if not 0 <= layer < self.num_layers:
             return
-        if self._stream is None:
+        if self._streams is None:
             self._issue(self._loads, layer)
             self._loads = [t for t in self._loads if t.next_layer < self.num_layers]
             self._run_replacements(layer)
             return
-        if torch.cuda.is_current_stream_capturing():
+        if self._streams.is_capturing():
             return
-        current = torch.cuda.current_stream(self.device)
+        current = self._streams.current_stream()
         event = self._layer_events[layer]
         if event is not None:
-            current.wait_event(event)
+            self._streams.wait_event(current, event)
             self._layer_events[layer] = None
         event = self._replace_layer_events[layer]
         if event is not None:
-            current.wait_event(event)
+            self._streams.wait_event(current, event)
             self._replace_layer_events[layer] = None
 
     # ------------------------------------------------------------------ re-placements
@@ -291,38 +310,43 @@ class TransferEngine:
         if not len(layers):
             return
         job = _Replacement(src, dst, delta, rope, layers.start, layers.stop)
-        if self._stream is None:
+        if self._streams is None:
             if self.mode.loads:
                 self._replacements.append(job)
             else:  # loads ran at submission: nothing to wait for
                 self._run_replacement(job, self.num_layers - 1)
             return
+        streams = self._streams
         if self._replace_stream is None:
-            self._replace_stream = torch.cuda.Stream(self.device)
+            self._replace_stream = streams.new_stream("pcr-replace")
         stream = self._replace_stream
         for compute in self._compute_streams():  # sources written, or targets last read, by a forward
-            stream.wait_stream(compute)
+            streams.wait_stream(stream, compute)
         if not self.mode.loads:
-            stream.wait_stream(self._stream)  # whole loads, submitted before
-        with torch.cuda.stream(stream):
+            # Whole loads, submitted before. (Also implied: load() made the compute streams
+            # wait for them, and this stream waited for those just above.)
+            streams.wait_stream(stream, self._stream)
+        with streams.use(stream):
             for tensor in (src, dst, delta):
-                tensor.record_stream(stream)
+                streams.keep_alive(tensor, stream)
             event = None
             for layer in layers:
                 load_event = self._layer_events[layer]
                 if load_event is not None:
-                    stream.wait_event(load_event)
+                    streams.wait_event(stream, load_event)
                 k_buffer, v_buffer = self._kv_layers[layer]
                 replace_layer(k_buffer, v_buffer, src, dst, delta, rope, verify_slots=False)
-                event = torch.cuda.Event()
-                event.record(stream)
+                if streams.records_accesses:
+                    streams.accesses(stream, [Region(DEVICE_KV, layer, src)], [Region(DEVICE_KV, layer, dst)],
+                                     "re-placement")
+                event = streams.record_event(stream)
                 if self.mode.loads:
                     self._replace_layer_events[layer] = event
         job.next_layer = job.end_layer
         self._replace_tail = event
         if not self.mode.loads:  # the next kernel waits for the whole re-placement
             for compute in self._compute_streams():
-                compute.wait_event(event)
+                streams.wait_event(compute, event)
 
     def _run_replacement(self, job: _Replacement, up_to: int) -> None:
         """CPU: layers ``[job.next_layer, up_to]`` of ``job``, now."""
@@ -339,7 +363,7 @@ class TransferEngine:
         self._replacements = [j for j in self._replacements if j.next_layer < j.end_layer]
 
     def _replacements_in_flight(self) -> bool:
-        """CUDA: whether the newest re-placement (so any) is still running."""
+        """Streams: whether the newest re-placement (so any) is still running."""
         if self._replace_tail is not None and self._replace_tail.query():
             self._replace_tail = None
         return self._replace_tail is not None
@@ -379,16 +403,16 @@ class TransferEngine:
         """Called right after the forward wrote layer ``layer``'s new KV."""
         if not self._active:
             return
-        if self._stream is not None:
-            if torch.cuda.is_current_stream_capturing():
+        if self._streams is not None:
+            if self._streams.is_capturing():
                 return  # a graph replay would skip this: end_batch issues what is left
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._streams.wait_stream(self._stream, self._streams.current_stream())
         self._issue([t for t in self._active if t.next_layer == layer], layer)
 
     def end_batch(self) -> None:
         """``run_batch`` returned: issue what its forward left (layers written outside
         ``set_kv_buffer``, loads no layer read), so every ticket of the batch completes."""
-        if self._stream is not None and self._active:
+        if self._streams is not None and self._active:
             self._side_waits_for_compute()
         self._issue(self._active + self._loads, self.num_layers - 1)
         self._active, self._loads = [], []
@@ -402,12 +426,12 @@ class TransferEngine:
         """Copy whole chunks to host memory now (eviction): the device slots may be reused
         right after this call (on CUDA, later kernels are ordered after the copy)."""
         transfer = self._make(Direction.DEVICE_TO_HOST, device_slots, host_slots)
-        if self._stream is not None:
+        if self._streams is not None:
             self._side_waits_for_compute()
         self._issue((transfer,), self.num_layers - 1)
-        if self._stream is not None:
+        if self._streams is not None:
             for stream in self._compute_streams():
-                stream.wait_event(transfer.event)
+                self._streams.wait_event(stream, transfer.event)
 
     # ------------------------------------------------------------------ readiness
     def host_slot_ready(self, slot: int) -> bool:
@@ -429,7 +453,7 @@ class TransferEngine:
         """Device slots are about to be freed: no copy still in progress may touch them
         after a later kernel does (CPU: finish pending loads and re-placements; CUDA: a
         GPU-side wait)."""
-        if self._stream is None:
+        if self._streams is None:
             self._issue(self._loads, self.num_layers - 1)
             self._loads = []
             self._run_replacements(self.num_layers - 1)
@@ -437,10 +461,10 @@ class TransferEngine:
         self._in_flight = [t for t in self._in_flight if not t.complete(self.num_layers)]
         if self._in_flight:
             for stream in self._compute_streams():
-                stream.wait_stream(self._stream)
+                self._streams.wait_stream(stream, self._stream)
         if self._replacements_in_flight():
             for stream in self._compute_streams():
-                stream.wait_stream(self._replace_stream)
+                self._streams.wait_stream(stream, self._replace_stream)
 
     @property
     def pending_loads(self) -> int:

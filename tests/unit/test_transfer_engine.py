@@ -1,5 +1,6 @@
 """The transfer engine on CPU: when each layer of a load or offload lands, which batch runs
-an offload, and when a host slot may be handed to the I/O process."""
+an offload, and when a host slot may be handed to the I/O process. (The stream algorithm a
+CUDA pool runs is checked on the CPU ordering model in test_transfer_ordering.py.)"""
 
 from __future__ import annotations
 
@@ -196,6 +197,24 @@ def test_copy_to_host_then_load_round_trips():
     engine.load(dst, [5])
     for k, v in kv:
         assert torch.equal(k[dst], k[src]) and torch.equal(v[dst], v[src])
+
+
+def test_a_cpu_pool_runs_the_inline_algorithm_unless_given_streams():
+    """No streams on a CPU pool: a layer-wise load waits for the layer hook. Given streams
+    (the ordering model), the CUDA algorithm runs instead: every layer issued at once."""
+    from pcr_sglang.transfer.streams import OrderingModel
+
+    engine, kv, host = make_engine("load")
+    engine.load(torch.tensor([1, 2, 3, 4]), [0])
+    assert engine.pending_loads == 1
+    _, kv, _ = make_engine()
+    layout = HostChunkLayout(SLOTS, LAYERS, CHUNK, HEADS * DIM * 4)
+    host = torch.randn(layout.total_bytes // 4).view(torch.uint8)
+    streamed = TransferEngine(kv, host, layout, LayerwiseMode.LOAD, streams=OrderingModel())
+    streamed.load(torch.tensor([1, 2, 3, 4]), [0])
+    assert streamed.pending_loads == 0 and not streamed.host_slot_ready(0)  # issued, not complete
+    assert torch.equal(kv[LAYERS - 1][0][torch.tensor([1, 2, 3, 4])],
+                       host.view(layout.shape)[0, LAYERS - 1, 0].view(torch.float32).view(CHUNK, HEADS, DIM))
 
 
 def test_layer_count_must_match_the_host_layout():
