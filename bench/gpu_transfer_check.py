@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -126,7 +127,7 @@ class AttentionLayer(torch.nn.Module):
         return x + self.out(o.transpose(0, 1).reshape(t, HEADS * HEAD_DIM)), k_new, v_new
 
 
-def pipeline(args, device: str, timer: Timer) -> None:
+def pipeline(args, device: str, timer: Timer) -> bool:
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     layers = [AttentionLayer(device, dtype) for _ in range(args.layers)]
@@ -258,9 +259,10 @@ def pipeline(args, device: str, timer: Timer) -> None:
           f"read: {correct}; synchronous re-placement right: {sync_correct}")
     print(f"  host slots ready {t_ready * 1000:.2f} ms after the run was launched ({polls} event polls)")
     pool.close()
+    return correct and sync_correct
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--prefix", type=int, default=4096, help="cached tokens loaded from host")
@@ -283,8 +285,11 @@ def main() -> None:
         args.chunk = min(args.chunk, 64)
     timer = Timer(cuda)
     bandwidth(args, device, timer)
-    pipeline(args, device, timer)
+    if not pipeline(args, device, timer):
+        print("WRONG DATA: a layer-wise copy or a re-placement did not land as expected")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
