@@ -1,0 +1,387 @@
+"""The negative controls the README claims, as mutants anyone can rerun.
+
+Each entry breaks, in a copy of the tree, the code a claimed test guards (one exact text
+replaced by another) and names the tests that must then fail. ``python -m tests.mutations``
+applies them one at a time and reports which were killed. An entry whose original text no
+longer occurs exactly once is reported as stale (an error), never skipped: when the guarded
+code changes, update the entry with it.
+
+Adding a control: append a :class:`Mutant` to the section of the claim it backs (or a new
+section), with the smallest replacement that breaks the behaviour the claim names, and the
+narrowest tests that should catch it (a node id, or a file with ``k``). ``kind`` decides how
+it runs: ``unit`` (fast, no server), ``kernel`` (Triton, under ``TRITON_INTERPRET=1`` unless
+set otherwise) or ``e2e`` (starts real servers: minutes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+KINDS = ("unit", "kernel", "e2e")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    kind: str  # one of KINDS
+    file: str  # relative to the repository root
+    original: str  # must occur exactly once in ``file``
+    replacement: str
+    tests: tuple[str, ...]  # pytest node ids or paths, relative to the repository root
+    k: Optional[str] = None  # a pytest -k expression narrowing ``tests``
+    claim: str = ""  # where the control is claimed (README section, or commit)
+    breaks: str = ""  # what the mutant breaks, in words
+
+
+UNIT = "tests/unit/"
+E2E = "tests/e2e/"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # ---------------------------------------------------------------- README: "What the tests prove", the main oracle
+    Mutant(
+        name="oracle-host-load-shifts-tokens",
+        kind="e2e",
+        file="pcr_sglang/transfer/copy_kv.py",
+        original="dev_rows[rows] = words[slots, layer, kv].reshape(chunks * chunk, -1).to(device.device)",
+        replacement="dev_rows[rows] = words[slots, layer, kv].roll(1, dims=1).reshape(chunks * chunk, -1)"
+                    ".to(device.device)",
+        tests=(E2E + "test_http_server.py::test_every_layerwise_setting_serves_host_hits_token_for_token",
+               E2E + "test_http_server.py::test_host_tier_serves_evicted_chunks_back_without_recomputing"),
+        claim="README, What the tests prove: token-for-token equality with --disable-radix-cache",
+        breaks="every chunk loaded from host memory lands one token off (the CPU copy path)",
+    ),
+    # ---------------------------------------------------------------- README: "Watched go red" (retrieval, hints, warm-up)
+    Mutant(
+        name="rag-exact-mode-searches-every-landed-cluster",
+        kind="unit",
+        file="pcr_sglang/rag/lookahead.py",
+        original='if self.mode == "exact":\n                mine = [[int(c) for c in row[h]] for row, h in zip(probe, hit)]',
+        replacement='if False:\n                mine = [[int(c) for c in row[h]] for row, h in zip(probe, hit)]',
+        tests=(UNIT + "test_rag_retriever.py::test_merged_search_equals_faiss_ivf_whatever_the_fast_tier_holds",),
+        claim="README, Watched go red: the merged search's identity with faiss",
+        breaks="exact mode searches every landed cluster, not only each query's probed ones",
+    ),
+    Mutant(
+        name="rag-unlanded-clusters-searched",
+        kind="unit",
+        file="pcr_sglang/rag/host_tier.py",
+        original='if c in self._clusters and self._clusters[c].state == "landed"]',
+        replacement="if c in self._clusters]",
+        tests=(UNIT + "test_rag_retriever.py::test_a_cluster_still_copying_is_a_miss_searched_by_faiss",),
+        claim="README, Watched go red: a cluster still copying counted as a miss",
+        breaks="a search reads clusters still being copied into the fast tier",
+    ),
+    Mutant(
+        name="hint-budget-counts-only-reads-in-flight",
+        kind="unit",
+        file="pcr_sglang/core/residency.py",
+        original="hinted_held = len(self._hinted)",
+        replacement="hinted_held = sum(1 for n in self._hinted if n in self._reading)",
+        tests=(UNIT + "test_kv_hints.py::test_landed_hinted_chunks_count_against_the_hint_budget_and_never_take_the_queues",),
+        claim="README, Watched go red: the hint budget holding landed hinted chunks too",
+        breaks="landed hinted chunks no longer count against the hint budget",
+    ),
+    Mutant(
+        name="warmup-ignores-the-sighting-count",
+        kind="unit",
+        file="pcr_sglang/core/doc_warmup.py",
+        original="if count < self.policy.after and not now:",
+        replacement="if count < 1 and not now:",
+        tests=(UNIT + "test_doc_warmup.py::test_a_document_is_due_from_its_after_th_sighting",
+               UNIT + "test_doc_warmup.py::test_request_mode_after_two_warms_only_recurring_documents_and_waits_for_them"),
+        claim="README, Watched go red: the warm-up policy's sighting count",
+        breaks="every document is warmed at its first sighting, whatever --pcr-doc-warmup-after says",
+    ),
+    Mutant(
+        name="warmup-idle-drain-ignores-requests-in-flight",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/doc_warmer.py",
+        original='if getattr(manager, "rid_to_state", None):',
+        replacement="if False:",
+        tests=(UNIT + "test_doc_warmup.py::"
+               "test_idle_mode_sends_the_request_at_once_and_warms_one_at_a_time_when_nothing_is_in_flight",),
+        claim="README, Watched go red: the idle drain waiting for an empty server",
+        breaks="idle warm-ups run while requests are in flight",
+    ),
+    # ---------------------------------------------------------------- README: Look-ahead retrieval and KV hints
+    Mutant(
+        name="hint-only-request-skips-document-chains",
+        kind="e2e",
+        file="pcr_sglang/sglang_adapter/scheduler_side.py",
+        original="self.docs.canonical_chain_keys(req), doc_payload",
+        replacement="[], doc_payload",
+        tests=(E2E + "test_doc_reuse.py::test_precomputed_documents_are_served_from_ssd_after_a_restart",),
+        claim="README, KV hints: a hint-only request marking documents reads their canonical chains (red without it)",
+        breaks="a hint marking documents reads only the prompt's own chain",
+    ),
+    Mutant(
+        name="flush-keeps-live-hints",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/scheduler_side.py",
+        original="        self.requests.clear()\n        self.hints.clear()\n",
+        replacement="        self.requests.clear()\n",
+        tests=(UNIT + "test_prefix_cache_adapter.py::test_a_flush_ends_the_live_hints_so_nothing_is_read_back",),
+        claim="README, KV hints: /flush_cache ends every live hint (commit f033188: test seen red)",
+        breaks="a hint registered before /flush_cache reads its chain back into the emptied cache",
+    ),
+    Mutant(
+        name="hint-clock-is-each-ranks-own",
+        kind="unit",
+        file="pcr_sglang/core/agreement.py",
+        original="agreed = Agreed(bool(header[4]), bool(header[5]), digests_match=digests_match, hint_clock_ms=header[8])",
+        replacement="agreed = Agreed(bool(header[4]), bool(header[5]), digests_match=digests_match, "
+                    "hint_clock_ms=view.hint_clock_ms)",
+        tests=(UNIT + "test_agreement.py::test_a_kv_hint_lives_by_the_clock_the_ranks_agree_on",),
+        claim="README, Tensor parallelism: hints live by the earliest rank's clock (commit c169870: red with "
+              "each rank's own clock)",
+        breaks="each TP rank expires hints by its own clock",
+    ),
+    # ---------------------------------------------------------------- README: Document reuse (negative controls)
+    Mutant(
+        name="doc-reuse-concat-without-rotation",
+        kind="e2e",
+        file="pcr_sglang/sglang_adapter/doc_reuse.py",
+        original="deltas.append(torch.full((source.numel(),), segment.delta, dtype=torch.int64))",
+        replacement="deltas.append(torch.full((source.numel(),), 0, dtype=torch.int64))",
+        tests=(E2E + "test_doc_reuse.py::test_concat_outputs_equal_an_independent_reference",),
+        claim="README, Document reuse: against an independent transformers implementation (negative controls)",
+        breaks="re-placed documents keep the RoPE phase of their canonical position",
+    ),
+    Mutant(
+        name="doc-reuse-recompute-without-position-mask",
+        kind="e2e",
+        file="pcr_sglang/sglang_adapter/permuted_rows.py",
+        original='rows = current.for_attention(a["req_pool_indices"])',
+        replacement="rows = {}",
+        tests=(E2E + "test_doc_reuse.py::test_recompute_outputs_equal_an_independent_reference",),
+        k="lego",
+        claim="README, Document reuse: lego/blend against transformers ('Without the mask applied in the "
+              "server, lego failed here')",
+        breaks="torch_native's extend runs plain causal attention over a permuted row",
+    ),
+    Mutant(
+        name="doc-reuse-replacement-after-the-forwards-read",
+        kind="unit",
+        file="pcr_sglang/transfer/engine.py",
+        original="self._run_replacements(layer)\n            return",
+        replacement="self._run_replacements(layer - 1)\n            return",
+        tests=(UNIT + "test_transfer_engine.py::test_a_replacement_runs_layer_by_layer_after_that_layer_of_the_loads_it_reads",),
+        claim="commit a3673a4: engine tests red with the rotation after the forward's read",
+        breaks="layer i is re-placed only after the forward has read layer i",
+    ),
+    Mutant(
+        name="queue-prefetch-skips-document-chains",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/scheduler_side.py",
+        original="return [own, *self.docs.canonical_chain_nodes(req)] if self.docs is not None else [own]",
+        replacement="return [own]",
+        tests=(UNIT + "test_prefix_cache_adapter.py::test_prefetch_reads_a_waiting_requests_document_chains_from_ssd",),
+        claim="commit 39f4168: the queue prefetcher reads a waiting request's documents' chains (fails without it)",
+        breaks="the queue prefetch reads only a waiting request's own prefix",
+    ),
+    Mutant(
+        name="accuracy-bench-warm-up-without-the-modes-key",
+        kind="unit",
+        file="bench/doc_reuse_accuracy.py",
+        original="warm = server.generate(mode_request(prompt, spec, **greedy(1)))",
+        replacement="warm = server.generate(mode_request(prompt, None, **greedy(1)))",
+        tests=(UNIT + "test_doc_reuse_accuracy.py::test_every_request_of_a_mode_measurement_carries_the_modes_key",),
+        claim="commit c3b5251: every request of a measurement carries the mode's key (red with a raw body)",
+        breaks="the accuracy bench's warm-up request goes without the mode's key",
+    ),
+    # ---------------------------------------------------------------- README: the Triton position mask
+    Mutant(
+        name="position-mask-excludes-the-query-itself",
+        kind="kernel",
+        file="pcr_sglang/sglang_adapter/permuted_rows.py",
+        original="mask = positions.unsqueeze(0) <= positions[prefix:seq_len].unsqueeze(1)\n        masks.append(",
+        replacement="mask = positions.unsqueeze(0) < positions[prefix:seq_len].unsqueeze(1)\n        masks.append(",
+        tests=("tests/kernels/test_position_mask_triton.py",),
+        claim="README, Document reuse: the Triton mask under TRITON_INTERPRET=1 against the torch path",
+        breaks="the Triton custom mask hides each query's own key",
+    ),
+    # ---------------------------------------------------------------- README: Several servers (remote tier)
+    Mutant(
+        name="remote-idle-thread-never-asks-the-store",
+        kind="unit",
+        file="pcr_sglang/io/remote_thread.py",
+        original="if not self.healthy and time.monotonic() >= self._retry_at:",
+        replacement="if False:",
+        tests=(UNIT + "test_remote_store.py::test_an_idle_thread_notices_the_store_coming_back",),
+        claim="README, Several servers: watched go red, the recovery of an idle server (without the health query)",
+        breaks="a down remote tier is retried only when work arrives",
+    ),
+    Mutant(
+        name="remote-adopted-chunks-not-made-recent",
+        kind="unit",
+        file="pcr_sglang/core/residency.py",
+        original="self.tree.match(iter(keys[:end]))  # the most recent now",
+        replacement="pass  # mutant: adopted chunks left least recent",
+        tests=(UNIT + "test_cache_state.py::test_chunks_a_remote_probe_found_enter_the_ssd_level_past_the_match_only",),
+        claim="README, Several servers: watched go red, the adopted chunks' recency (without it they evicted "
+              "themselves)",
+        breaks="chunks adopted from a remote probe are the first the SSD level evicts",
+    ),
+    # ---------------------------------------------------------------- README: KV cache events
+    Mutant(
+        name="kv-events-host-removal-left-out",
+        kind="unit",
+        file="pcr_sglang/core/chunk_tree.py",
+        original="self._log(TierEventKind.REMOVED, node, Tier.HOST)",
+        replacement="pass  # mutant: no host removal logged",
+        tests=(UNIT + "test_kv_events.py::test_a_subscriber_mirrors_every_tier_through_500_requests",),
+        claim="README, KV cache events: watched go red with a host removal left out",
+        breaks="a chunk leaving host memory publishes no BlockRemoved",
+    ),
+    Mutant(
+        name="kv-events-reset-remembers-what-it-announced",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/kv_events.py",
+        original="chunk.held = chunk.announced = Tier(0)",
+        replacement="chunk.held = Tier(0)",
+        tests=(UNIT + "test_kv_events.py::test_a_reset_clears_then_stores_the_persisted_chunks_again",),
+        claim="README, KV cache events: watched go red with a reset that forgot what it had announced",
+        breaks="after AllBlocksCleared the persisted chunks are not stored again",
+    ),
+    Mutant(
+        name="kv-events-parent-removed-before-children",
+        kind="unit",
+        file="pcr_sglang/core/chunk_tree.py",
+        original="for n in reversed(order):  # children before parents",
+        replacement="for n in order:  # mutant: parents first",
+        tests=(UNIT + "test_kv_events.py::test_a_subscriber_mirrors_every_tier_through_500_requests",),
+        claim="README, KV cache events: watched go red with a parent removed before its children",
+        breaks="a dropped subtree is removed parent first",
+    ),
+    # ---------------------------------------------------------------- README: fault table (crash states)
+    Mutant(
+        name="store-record-write-without-fsync",
+        kind="unit",
+        file="pcr_sglang/tiers/ssd_store.py",
+        original='            if self.durability == "record":\n                self.ops.fsync(fd)\n            self.ops.close(fd)',
+        replacement="            self.ops.close(fd)",
+        tests=(UNIT + "test_store_crash_states.py::"
+               "test_every_crash_state_recovers_without_serving_bad_records_or_losing_completed_ones",),
+        k="record",
+        claim="README, faults: a power cut after any operation of the store's writes (commit d8b78bf: "
+              "fsync-removal negative controls)",
+        breaks="--pcr-ssd-durability record renames a record into place before its data is durable",
+    ),
+    # ---------------------------------------------------------------- README: "Weight updates in place" (issue 26, item 1)
+    Mutant(
+        name="weight-update-flush-restores-the-old-weights-records",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/prefix_cache.py",
+        original="if pending is not None and self.namespace_mover is not None:",
+        replacement="if False:",
+        tests=(UNIT + "test_weight_updates.py::test_a_flush_after_a_weight_update_restores_nothing_of_the_old_weights",
+               UNIT + "test_weight_updates.py::test_leaving_an_in_memory_namespace_purges_its_directory"),
+        claim="README, Weight updates in place: the flush after an update restores no SSD record",
+        breaks="the flush after a weight update restores every SSD record of the old weights",
+    ),
+    Mutant(
+        name="weight-update-hook-does-nothing",
+        kind="e2e",
+        file="pcr_sglang/sglang_adapter/weight_updates.py",
+        original='if getattr(cache, "namespace_mover", None) is None or getattr(cache, "namespace", None) is None:',
+        replacement="if True:",
+        tests=(E2E + "test_fingerprint.py::test_a_weight_update_in_place_never_serves_the_old_weights_kv",),
+        claim="README, Weight updates in place: /update_weights_from_disk to B gets no hit of any tier",
+        breaks="the namespace stays the startup one after an update (seen red: cached tokens [704, 464, 704, "
+               "736, 592, 720] from A's SSD records where a fresh server on B has none)",
+    ),
+    Mutant(
+        name="lora-adapter-files-not-in-the-namespace",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/fingerprint.py",
+        original="                                            adapters=adapters_text(server_args)),",
+        replacement="                                            adapters=\"\"),",
+        tests=(UNIT + "test_fingerprint.py::test_a_retrained_adapter_at_the_same_path_changes_the_server_namespace",),
+        claim="README, cache namespace: the files of every startup LoRA adapter",
+        breaks="a retrained adapter saved at the same path keeps the old adapter's namespace",
+    ),
+    Mutant(
+        name="pipeline-parallelism-accepted",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/support_check.py",
+        original='    if int(getattr(x.cfg, "pp_size", 1) or 1) > 1:',
+        replacement="    if False:",
+        tests=(UNIT + "test_support_check.py::test_pipeline_parallelism_is_refused",),
+        claim="README, What --enable-pcr refuses: --pp-size > 1",
+        breaks="--pp-size 2 is served with one namespace for every stage",
+    ),
+    # ---------------------------------------------------------------- README: "Trust model of the remote tier" (item 7)
+    Mutant(
+        name="remote-bad-object-blocks-good-writes",
+        kind="unit",
+        file="pcr_sglang/tiers/remote_store.py",
+        original="        if self.exists(key) and not self._replace_if_bad(key):",
+        replacement="        if self.exists(key):",
+        tests=(UNIT + "test_remote_store.py::test_a_bad_object_under_a_good_name_does_not_block_a_good_write",),
+        claim="README, Trust model of the remote tier: a garbage object cannot block good writes",
+        breaks="an object put first under a chunk's name keeps every good write out",
+    ),
+    # ---------------------------------------------------------------- README: the CUDA ordering model (issue 26, item 9)
+    Mutant(
+        name="ordering-side-stream-skips-the-compute-streams",
+        kind="unit",
+        file="pcr_sglang/transfer/engine.py",
+        original="            self._streams.wait_stream(self._stream, stream)",
+        replacement="            pass",
+        tests=(UNIT + "test_transfer_ordering.py",),
+        k="a_load_into_slots_the_last_forward_read",
+        claim="README, CUDA path: every wait of the engine's CUDA branch is checked by the ordering model",
+        breaks="the copy stream writes slots the forward may still be reading",
+    ),
+    Mutant(
+        name="ordering-replacement-before-its-layers-load",
+        kind="unit",
+        file="pcr_sglang/transfer/engine.py",
+        original="                    streams.wait_event(stream, load_event)",
+        replacement="                    pass",
+        tests=(UNIT + "test_transfer_ordering.py",),
+        k="a_replacement_reads_a_loaded_chain",
+        claim="README, CUDA path: every wait of the engine's CUDA branch is checked by the ordering model",
+        breaks="a document's layer is re-placed before that layer's load wrote it",
+    ),
+    Mutant(
+        name="ordering-offload-before-the-forward-wrote-the-layer",
+        kind="unit",
+        file="pcr_sglang/transfer/engine.py",
+        original="            self._streams.wait_stream(self._stream, self._streams.current_stream())",
+        replacement="            pass",
+        tests=(UNIT + "test_transfer_ordering.py",),
+        k="an_offload_reads_each_layer",
+        claim="README, CUDA path: every wait of the engine's CUDA branch is checked by the ordering model",
+        breaks="layer i's offload may run before the forward wrote layer i",
+    ),
+    Mutant(
+        name="ordering-slots-reused-before-the-replacement-read-them",
+        kind="unit",
+        file="pcr_sglang/transfer/engine.py",
+        original="                self._streams.wait_stream(stream, self._replace_stream)",
+        replacement="                pass",
+        tests=(UNIT + "test_transfer_ordering.py",),
+        k="a_replacement_no_forward_read_is_finished",
+        claim="README, CUDA path: every wait of the engine's CUDA branch is checked by the ordering model",
+        breaks="freed slots are rewritten while a re-placement still reads them",
+    ),
+    # ---------------------------------------------------------------- README: KV hints per tenant (issue 26, item 5)
+    Mutant(
+        name="hint-groups-shared-by-all-tenants",
+        kind="unit",
+        file="pcr_sglang/core/hints.py",
+        original="    return (hint.tenant, 0, hint.group) if hint.group is not None else (hint.tenant, 1, hint.hint_id)",
+        replacement="    return (None, 0, hint.group) if hint.group is not None else (None, 1, hint.hint_id)",
+        tests=(UNIT + "test_hint_tenants.py::"
+               "test_a_tenants_group_consumed_leaves_another_tenants_group_of_the_same_name_alive",),
+        claim="README, KV hints: limits and groups per tenant",
+        breaks="tenant A's group 'g' consumed drops tenant B's group 'g'",
+    ),
+    # ---------------------------------------------------------------- to add: remote watchdog
+)
+
+
+def by_name() -> dict[str, Mutant]:
+    return {m.name: m for m in MUTANTS}
