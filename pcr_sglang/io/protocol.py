@@ -140,3 +140,7 @@ class WorkerConfig(msgspec.Struct):
     # supervisor's own stall timeout, which sees only a process that answers nothing).
     stall_timeout_s: float = 30.0
     remote_config: str = ""  # --pcr-remote-config as JSON (RemoteConfig); "": no remote tier
+    # A remote-tier call running longer than this is given up on and its client restarted
+    # (io.remote_thread). Above the about 4 s a call to an unreachable master takes to fail
+    # (that case is the breaker's) and far above a chunk's transfer; below the stall timeout.
+    remote_call_timeout_s: float = 10.0

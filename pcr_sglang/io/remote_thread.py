@@ -17,6 +17,18 @@ Order of work: probes, then reads a request waits for, then prefetch reads, then
 Write-through records wait in a bounded queue (``write_queue_records``): when it is full
 a record is dropped and counted (the chunk stays on the local SSD; a peer recomputes it).
 Reads handed here cannot be cancelled or expedited any more: they complete normally.
+
+A call that never returns (a network partition without a reset, a store that stops
+answering) is caught by a watchdog: the I/O process's main loop asks
+:meth:`RemoteThread.overdue_s` about once a second, and a call running past its deadline
+(``WorkerConfig.remote_call_timeout_s``) gets the thread replaced
+(:meth:`RemoteThread.replace`): the stuck call's order is answered as failed (a read BAD, so
+the scheduler frees its host slot and recomputes the chunk; a probe as finding nothing),
+the breaker trips, and a successor with a new Mooncake client takes the queued work
+(answered as failed at once while the breaker is down). The stuck thread is left behind
+(a daemon): it never sends, counts, or writes a host slot again, whenever its call returns,
+because a remote read lands in a buffer of the thread's own and is copied into its host
+slot under the lock that the replacement takes.
 """
 
 from __future__ import annotations
@@ -60,13 +72,24 @@ class RemoteCounters:
     write_bytes: int = 0
     errors: int = 0  # calls that failed (each one trips the breaker)
     outages: int = 0  # times the tier went down
+    calls_timed_out: int = 0  # calls given up on past their deadline (each restarts the client)
+
+
+@dataclass(frozen=True)
+class _Running:
+    """The call the thread is in: its order (None: a connect or a health query; a
+    ``(key, record)`` pair: a write) and when it began."""
+
+    item: Any
+    started: float
 
 
 @dataclass(frozen=True)
 class RemoteFaults:
     """Test knob (``PCR_IO_TEST_FAULTS``: ``remote_delay_s``, ``remote_read_delay_s``,
-    ``remote_fail``): every remote call (or every read) waits, or every call fails as an
-    unreachable master would."""
+    ``remote_fail``): every remote call (or every read sent to the store) waits, or every
+    call fails as an unreachable master would. A read the breaker refuses is not sent, so
+    it fails at once, as it would against a store that hangs."""
 
     delay_s: float = 0.0
     fail: bool = False
@@ -76,11 +99,14 @@ class RemoteFaults:
 class RemoteThread:
     def __init__(self, store: RemoteChunkStore, ctx: zmq.Context, replies_endpoint: str,
                  slot: Callable[[int], memoryview], faults: Optional[RemoteFaults] = None,
-                 on_read: Optional[Callable[[bytes, Any, bytes], None]] = None):
+                 on_read: Optional[Callable[[bytes, Any, bytes], None]] = None, deadline_s: float = 10.0,
+                 new_store: Optional[Callable[[], RemoteChunkStore]] = None):
         self.store = store
+        self.new_store = new_store  # a fresh client of the same store, for a successor (replace)
         self.slot = slot
         self.on_read = on_read  # (key, verified header, payload copy): the main loop caches it locally
         self.faults = faults
+        self.deadline_s = deadline_s  # a call running longer is given up on (see overdue_s)
         self.counters = RemoteCounters()
         self.healthy = False
         self.error = "not connected yet"
@@ -92,6 +118,13 @@ class RemoteThread:
         self._reads: collections.deque = collections.deque()
         self._writes: collections.deque = collections.deque()
         self._cv = threading.Condition()
+        # Where a read lands before it is copied into its host slot (under _cv, and only
+        # while the thread has not been replaced: a late read never writes a reused slot).
+        self._scratch = bytearray(store.codec.layout.slot_bytes)
+        self._running: Optional[_Running] = None
+        self._replaced = False  # given up on: it never sends, counts or writes a slot again
+        self._failed: list[tuple[Any, str]] = []  # a predecessor's hung order, answered first as failed
+        self._ctx = ctx
         self._socket = ctx.socket(zmq.PUSH)  # this thread's own (ZMQ sockets are per thread)
         self._socket.setsockopt(zmq.LINGER, 1000)
         self._replies_endpoint = replies_endpoint
@@ -113,6 +146,47 @@ class RemoteThread:
                 return True
             self.counters.writes_dropped += 1
             return False
+
+    # ------------------------------------------------------------------ the watchdog (main loop)
+    def overdue_s(self, now: Optional[float] = None) -> float:
+        """How long the call in progress has run, if longer than ``deadline_s`` (0: none
+        is, or the thread is idle). ``now``: time.monotonic() unless given."""
+        now = time.monotonic() if now is None else now
+        with self._cv:
+            running = self._running
+            if running is None or self._replaced:
+                return 0.0
+            elapsed = now - running.started
+            return elapsed if elapsed > self.deadline_s else 0.0
+
+    def replace(self, why: str) -> RemoteThread:
+        """Give this thread up (its call hangs) and return its successor, not started yet: a
+        new client of the same store, this thread's counters and breaker state with the
+        breaker tripped, its queued work, and the hung order to answer first as failed.
+        From here on this thread answers nothing, counts nothing and writes no host slot."""
+        if self.new_store is None:
+            raise ValueError("RemoteThread.replace needs the new_store factory it was built with")
+        with self._cv:
+            self._replaced = True
+            running, self._running = self._running, None
+            queues = (self._probes, self._urgent, self._reads, self._writes)
+            self._probes, self._urgent, self._reads, self._writes = (collections.deque() for _ in range(4))
+            counters, self.counters = self.counters, RemoteCounters()  # its late counts go nowhere
+            on_read, self.on_read = self.on_read, None
+        successor = RemoteThread(self.new_store(), self._ctx, self._replies_endpoint, self.slot, self.faults,
+                                 on_read, self.deadline_s, self.new_store)
+        successor.counters = counters
+        successor._probes, successor._urgent, successor._reads, successor._writes = queues
+        successor.healthy, successor._backoff_s = self.healthy, self._backoff_s
+        counters.calls_timed_out += 1
+        counters.errors += 1
+        item = running.item if running is not None else None
+        if isinstance(item, (ReadChunk, ProbeRemote)):
+            successor._failed.append((item, why))
+        elif isinstance(item, tuple):
+            counters.writes_failed += 1
+        successor._down(why)
+        return successor
 
     # ------------------------------------------------------------------ from the main loop
     def probe(self, order: ProbeRemote) -> None:
@@ -137,44 +211,81 @@ class RemoteThread:
     def _run(self) -> None:
         self._socket.connect(self._replies_endpoint)
         try:
-            self._call(lambda: None)  # connect at start, not at the first request
-        except RemoteError:
-            pass  # down: retried after the back-off
-        self._send_status(force=True)
-        while True:
-            item = queue = None
-            with self._cv:
-                while not (self._probes or self._urgent or self._reads or self._writes):
-                    if not self.healthy and time.monotonic() >= self._retry_at:
-                        break  # down, back-off over, nothing to do: ask the store itself
-                    wait = STATUS_INTERVAL_S if self.healthy else max(min(self._retry_at - time.monotonic(),
-                                                                          STATUS_INTERVAL_S), 0.01)
-                    self._cv.wait(wait)
-                    self._send_status()
-                else:
-                    queue = next(q for q in (self._probes, self._urgent, self._reads, self._writes) if q)
-                    item = queue.popleft()
-            try:
-                if queue is None:
-                    try:
-                        self._call(self.store.ping)
-                    except RemoteError:
-                        pass
-                elif queue is self._probes:
-                    self._probe(item)
-                elif queue is self._writes:
-                    self._write(*item)
-                else:
-                    self._read(item)
+            for item, why in self._failed:  # a predecessor's hung order: failed, whatever the breaker says
+                self._fail(item, f"remote tier: {why}")
+            self._failed = []
+            if self._begin(None):
+                try:
+                    self._call(lambda: None)  # connect at start, not at the first request
+                except RemoteError:
+                    pass  # down: retried after the back-off
+            if not self._end():
+                return
+            self._send_status(force=True)
+            while True:
+                item = queue = None
+                with self._cv:
+                    while not (self._probes or self._urgent or self._reads or self._writes):
+                        if self._replaced:
+                            return
+                        if not self.healthy and time.monotonic() >= self._retry_at:
+                            break  # down, back-off over, nothing to do: ask the store itself
+                        wait = STATUS_INTERVAL_S if self.healthy else max(min(self._retry_at - time.monotonic(),
+                                                                              STATUS_INTERVAL_S), 0.01)
+                        self._cv.wait(wait)
+                        self._send_status()
+                    else:
+                        queue = next(q for q in (self._probes, self._urgent, self._reads, self._writes) if q)
+                        item = queue.popleft()
+                    if not self._begin(item):
+                        return
+                try:
+                    if queue is None:
+                        try:
+                            self._call(self.store.ping)
+                        except RemoteError:
+                            pass
+                    elif queue is self._probes:
+                        self._probe(item)
+                    elif queue is self._writes:
+                        self._write(*item)
+                    else:
+                        self._read(item)
+                except zmq.ZMQError:
+                    raise  # the replies socket is gone: the process is ending
+                except Exception:  # noqa: BLE001 - a bug here must not leave orders unanswered forever
+                    logger.exception("PCR remote tier: unexpected error (the order is answered as failed)")
+                    self._fail(item, "remote tier: internal error")
+                if not self._end():
+                    return
                 self._send_status()
-            except zmq.ZMQError:
-                raise  # the replies socket is gone: the process is ending
-            except Exception:  # noqa: BLE001 - a bug here must not leave orders unanswered forever
-                logger.exception("PCR remote tier: unexpected error (the order is answered as failed)")
-                if isinstance(item, ReadChunk):
-                    self._reply(Done(item.seq, IoOutcome.BAD, "remote tier: internal error", source=SOURCE_REMOTE))
-                elif isinstance(item, ProbeRemote):
-                    self._reply(Probed(item.seq, [0] * len(item.chains), "remote tier: internal error"))
+        finally:
+            if self._replaced:  # given up on: whatever its late call brought was dropped
+                logger.warning("PCR remote tier: a replaced remote thread ends (a call given up on returned)")
+                self._socket.close(linger=0)
+
+    def _begin(self, item: Any) -> bool:
+        """A call starts (the watchdog times it); False: the thread was replaced."""
+        with self._cv:
+            if self._replaced:
+                return False
+            self._running = _Running(item, time.monotonic())
+            return True
+
+    def _end(self) -> bool:
+        """The call is over; False: the thread was replaced meanwhile (it stops)."""
+        with self._cv:
+            self._running = None
+            return not self._replaced
+
+    def _fail(self, item: Any, error: str) -> None:
+        """Answer an order as failed (a read BAD: its slot is freed and the chunk
+        recomputed; a probe as finding nothing)."""
+        if isinstance(item, ReadChunk):
+            self._answer(Done(item.seq, IoOutcome.BAD, error, source=SOURCE_REMOTE), final=True,
+                         counts={"read_failed": 1})
+        elif isinstance(item, ProbeRemote):
+            self._answer(Probed(item.seq, [0] * len(item.chains), error), final=True)
 
     def _call(self, fn: Callable):
         """Run ``fn`` against the store, or raise RemoteError at once while the tier is
@@ -192,9 +303,13 @@ class RemoteThread:
                 self._opened = True
             result = fn()
         except (RemoteError, RemoteConfigError) as e:
+            if self._replaced:  # given up on already: the successor keeps the breaker
+                raise RemoteError("the call was given up on") from None
             self.counters.errors += 1
             self._down(str(e))
             raise RemoteError(self.error) from None
+        if self._replaced:  # it returned after all, too late: what it brought is not used
+            raise RemoteError("the call was given up on")
         if not self.healthy:
             logger.warning("PCR remote tier: reachable%s", " again" if self.counters.outages else "")
         self.healthy, self.error, self._backoff_s = True, "", 1.0
@@ -218,40 +333,43 @@ class RemoteThread:
             error = ""
         except RemoteError as e:
             present, error = [0] * len(order.chains), str(e)
-        self.counters.found_chunks += sum(present)
-        self._reply(Probed(order.seq, present, error, time.perf_counter() - start))
+        self._answer(Probed(order.seq, present, error, time.perf_counter() - start), final=True,
+                     counts={"found_chunks": sum(present)})
 
     def _read(self, order: ReadChunk) -> None:
         start = time.perf_counter()
         self.counters.reads += 1
-        if self.faults is not None and self.faults.read_delay_s:
-            time.sleep(self.faults.read_delay_s)
+        delay_s = self.faults.read_delay_s if self.faults is not None else 0.0
+
+        def read() -> ReadResult:
+            time.sleep(delay_s)  # the test fault: in the call, so a read the breaker refuses is not slowed
+            # Into the thread's own buffer: copied into the host slot only by _answer.
+            return self.store.read_into(order.key, memoryview(self._scratch))
+
         try:
-            result = self._call(lambda: self.store.read_into(order.key, self.slot(order.host_slot)))
+            result = self._call(read)
         except RemoteError as e:
-            self.counters.read_failed += 1
-            self._reply(Done(order.seq, IoOutcome.BAD, f"not on the local SSD; remote tier: {e}",
-                             seconds=time.perf_counter() - start, source=SOURCE_REMOTE))
+            self._answer(Done(order.seq, IoOutcome.BAD, f"not on the local SSD; remote tier: {e}",
+                              seconds=time.perf_counter() - start, source=SOURCE_REMOTE), final=True,
+                         counts={"read_failed": 1})
             return
         seconds = time.perf_counter() - start
         if result is ReadResult.OK:
-            self.counters.read_ok += 1
-            self.counters.read_bytes += self.store.codec.record_bytes
-            self.counters.read_seconds += seconds
-            # Copied while the slot is still this read's (the scheduler reuses it only after the reply).
-            payload = bytes(self.slot(order.host_slot)) if self.on_read is not None else b""
-            self._reply(Done(order.seq, IoOutcome.OK, seconds=seconds, source=SOURCE_REMOTE))
-            if self.on_read is not None and self.store.last_record is not None:
-                self.on_read(order.key, self.store.last_record, payload)
+            record = self.store.last_record
+            counts = {"read_ok": 1, "read_bytes": self.store.codec.record_bytes, "read_seconds": seconds}
+            if not self._answer(Done(order.seq, IoOutcome.OK, seconds=seconds, source=SOURCE_REMOTE),
+                                final=True, into_slot=order.host_slot, counts=counts):
+                return  # replaced meanwhile: its order was answered as failed, the slot is not ours
+            on_read = self.on_read
+            if on_read is not None and record is not None:
+                on_read(order.key, record, bytes(self._scratch))
             return
         if result is ReadResult.CORRUPT:
-            self.counters.read_corrupt += 1
             logger.warning("PCR remote tier: chunk %s failed verification; removed, it will be recomputed",
                            order.key.hex())
-        else:
-            self.counters.read_missing += 1
-        self._reply(Done(order.seq, IoOutcome.BAD, f"remote tier: {result.value}", seconds=seconds,
-                         source=SOURCE_REMOTE))
+        self._answer(Done(order.seq, IoOutcome.BAD, f"remote tier: {result.value}", seconds=seconds,
+                          source=SOURCE_REMOTE), final=True,
+                     counts={"read_corrupt" if result is ReadResult.CORRUPT else "read_missing": 1})
 
     def _write(self, key: bytes, record: bytes) -> None:
         try:
@@ -265,8 +383,22 @@ class RemoteThread:
         else:
             self.counters.writes_present += 1
 
-    def _reply(self, reply) -> None:
-        self._socket.send(reply_encoder.encode(reply))
+    def _answer(self, reply, final: bool = False, into_slot: Optional[int] = None,
+                counts: Optional[dict[str, float]] = None) -> bool:
+        """Add ``counts`` to the counters, copy the read into host slot ``into_slot`` and send
+        ``reply``, unless the thread was replaced: then none of it happens, and False is
+        returned. ``final``: it answers the call in progress, which the watchdog stops timing."""
+        with self._cv:
+            if self._replaced:
+                return False
+            for name, value in (counts or {}).items():
+                setattr(self.counters, name, getattr(self.counters, name) + value)
+            if into_slot is not None:
+                memoryview(self.slot(into_slot)).cast("B")[:] = self._scratch
+            if final:
+                self._running = None
+            self._socket.send(reply_encoder.encode(reply))
+            return True
 
     def _send_status(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -280,4 +412,4 @@ class RemoteThread:
         if not force and state == self._last_status:
             return
         self._last_status, self._last_status_at = state, now
-        self._reply(RemoteStatus(self.healthy, self.error, counters, os.getpid()))
+        self._answer(RemoteStatus(self.healthy, self.error, counters, os.getpid()))

@@ -15,6 +15,11 @@ of a chunk being read waits for that read. A read the threads have not started y
 still be expedited or cancelled. With a remote tier
 (``--pcr-remote``), a read the local SSD misses, every probe, and a copy of every record
 written go to the remote thread (:mod:`pcr_sglang.io.remote_thread`), which answers them.
+A remote call that runs past ``remote_call_timeout_s`` gets the remote thread replaced
+(its order answered as failed, the breaker tripped, a new client; the stuck thread is left
+behind and never touches a slot again); while ``MAX_HUNG_REMOTE_THREADS`` of those are
+still stuck, the next hung call makes the process exit instead, to be restarted with
+nothing left behind.
 
 It dies with its scheduler: it checks its parent pid at least once a second and exits
 when the parent is gone (even after kill -9). It also exits, to be restarted by its
@@ -86,6 +91,9 @@ BATCH_RECORDS = 16
 # Deletes run on the main thread and are not acknowledged; at most this many run before
 # the loop reads new orders again (a reset or a large eviction orders thousands).
 DELETES_PER_TURN = 32
+# Remote threads given up on (a call that never returned) and still stuck: each holds a
+# Mooncake client. With this many, the next hung call makes the process exit instead.
+MAX_HUNG_REMOTE_THREADS = 3
 
 
 @dataclass(frozen=True)
@@ -275,6 +283,7 @@ class Worker:
         self.readers = _ReaderThreads(max(1, config.read_threads), self.ctx, config.replies_endpoint, self.read)
         self.remote: Optional[RemoteThread] = None
         self.remote_error = ""  # why there is no remote tier although one was configured
+        self._hung_remote: list[RemoteThread] = []  # replaced by the watchdog, their call still running
         # Records the remote thread read, to keep on the local SSD too (the tree counts them
         # there): (key, verified header, payload), written when no order waits.
         self._to_cache: collections.deque = collections.deque(maxlen=64)
@@ -291,7 +300,9 @@ class Worker:
                 faults = (RemoteFaults(self.faults.remote_delay_s, self.faults.remote_fail,
                                        self.faults.remote_read_delay_s) if self.faults is not None else None)
                 self.remote = RemoteThread(RemoteChunkStore(remote, codec), self.ctx, config.replies_endpoint,
-                                           self.slot, faults, on_read=lambda *r: self._to_cache.append(r))
+                                           self.slot, faults, on_read=lambda *r: self._to_cache.append(r),
+                                           deadline_s=config.remote_call_timeout_s,
+                                           new_store=lambda: RemoteChunkStore(remote, codec))
 
     def slot(self, index: int) -> memoryview:
         start = index * self.slot_bytes
@@ -421,6 +432,27 @@ class Worker:
         else:
             self.remote.probe(order)
 
+    def check_remote(self, now: Optional[float] = None) -> bool:
+        """The remote thread's watchdog, run from the main loop: a call past its deadline
+        gets the thread replaced (see :meth:`RemoteThread.replace`). False: too many
+        replaced threads are still stuck, and the process should exit."""
+        hung_s = self.remote.overdue_s(now) if self.remote is not None else 0.0
+        if not hung_s:
+            return True
+        self._hung_remote = [t for t in self._hung_remote if t.alive]
+        if len(self._hung_remote) >= MAX_HUNG_REMOTE_THREADS:
+            logger.error("PCR I/O process: a remote-tier call has not returned for %.0f s, and %d replaced remote "
+                         "threads are still stuck; exiting so that the supervisor restarts it", hung_s,
+                         len(self._hung_remote))
+            return False
+        why = f"a call did not return in {self.remote.deadline_s:g} s"
+        logger.error("PCR I/O process: a remote-tier call has not returned for %.0f s: its order fails, the "
+                     "remote client is restarted and the stuck call left behind", hung_s)
+        hung, self.remote = self.remote, self.remote.replace(why)
+        self._hung_remote.append(hung)
+        self.remote.start()
+        return True
+
     def cache_remote_read(self) -> None:
         """Keep a record read from the remote tier on the local SSD as well (the tree has
         it at the SSD level, so its next read is local). Best effort: nothing waits for it."""
@@ -479,6 +511,8 @@ class Worker:
             if now - last_parent_check > 1.0:
                 last_parent_check = now
                 if os.getppid() != self.config.parent_pid:
+                    return
+                if not self.check_remote(now):
                     return
                 if self.remote is not None and not self.remote.alive:
                     logger.error("PCR I/O process: the remote thread died; exiting so that the supervisor restarts it")

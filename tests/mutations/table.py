@@ -379,7 +379,17 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="README, KV hints: limits and groups per tenant",
         breaks="tenant A's group 'g' consumed drops tenant B's group 'g'",
     ),
-    # ---------------------------------------------------------------- to add: remote watchdog
+    # ---------------------------------------------------------------- README: a hung remote call (issue 26, item 6)
+    Mutant(
+        name="remote-watchdog-never-gives-up-on-a-hung-call",
+        kind="unit",
+        file="pcr_sglang/io/worker.py",
+        original="        hung_s = self.remote.overdue_s(now) if self.remote is not None else 0.0",
+        replacement="        hung_s = 0.0",
+        tests=(UNIT + "test_remote_watchdog.py::test_a_hung_remote_read_is_failed_while_local_reads_keep_completing",),
+        claim="README, remote tier: a call past its deadline fails its orders and the client is restarted",
+        breaks="a remote read that never returns keeps its host slot filling forever",
+    ),
 )
 
 
