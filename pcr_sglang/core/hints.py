@@ -8,12 +8,17 @@ and within the hint budget, so the final request finds them in DRAM.
 
 A hint lives until its TTL (capped by the server), or until a request whose chain covers
 the hint's is admitted (its whole group, the other candidates for the same final prompt,
-is dropped then), or when more than ``max_live`` hints are live (the oldest go).
-Registrations are rate-limited (a token bucket); hinted reads have a budget of their own,
+is dropped then), or when more than ``max_live`` hints are live on the server (the
+tenant holding the most loses its oldest). Hints belong to a tenant (the request's
+``cache_salt``, else its ``extra_key``, else the default tenant): each tenant has its own
+rate bucket and its own group names: one tenant never rate-limits or consumes another's
+hints, and pushes out another's only while that one holds more live hints than it does (a
+tenant registering on and on at the limit pushes out its own). Hinted reads have a budget of their own,
 in flight and landed, and at most a quarter of the host tier, so hints can neither crowd
 out the waiting queue's prefetch nor grow without bound. The
 keys fold in the namespace, ``extra_key`` and ``cache_salt``: a hint can only reach chains
-of its own tenant.
+of its own tenant. ``cache_salt`` is the client's word: a client inventing a new salt per
+request is a new tenant each time, bounded only by the server-wide ``max_live``.
 
 SGLang-agnostic: the adapter parses the request's ``kv_hints`` and feeds this book.
 """
@@ -73,11 +78,36 @@ class HintPayload:
         return cls(hint_only, float(ttl), group, rank)
 
 
+DEFAULT_TENANT = "default"
+# A hint-only request marking documents also hints each one's canonical chain. Those hints
+# count against its tenant's live hints; the request's own rate token covers this many of
+# them, and each further this many take one more of the tenant's tokens (documents the
+# bucket cannot pay for are not hinted): a token buys a bounded number of hints.
+DOC_HINTS_PER_TOKEN = 16
+# Token buckets are kept for this many tenants before the refilled ones (the same as a new
+# bucket) are forgotten: a client naming a new cache_salt per request costs no memory.
+_BUCKETS_KEPT = 1024
+
+
+def hint_tenant(cache_salt: Optional[str], extra_key: Optional[str]) -> str:
+    """The tenant whose limits and groups a hint counts against: the request's
+    ``cache_salt``, else its ``extra_key``, else the default tenant (the same namespaces the
+    chunk keys fold in, so a hint only ever covers chains of its own tenant)."""
+    if cache_salt is not None:
+        return "salt:" + cache_salt
+    if extra_key is not None:
+        return "extra:" + extra_key
+    return DEFAULT_TENANT
+
+
 @dataclass(frozen=True)
 class HintLimits:
     max_ttl_s: float = 30.0
-    rate_per_s: float = 20.0  # registrations per second (bucket of ``burst``)
+    rate_per_s: float = 20.0  # registrations per second per tenant (a bucket of ``burst``)
     burst: int = 40
+    # Live hints on the server (what bounds the scheduler's per-step hint work). Over it,
+    # the tenant holding the most live hints loses its oldest: a tenant registering on and
+    # on pushes out its own hints once it holds the most, never those of a tenant with fewer.
     max_live: int = 256
 
 
@@ -87,6 +117,7 @@ class HintStats:
     rate_limited: int = 0
     expired: int = 0
     consumed: int = 0  # a request covering the hint's chain was admitted
+    documents_unhinted: int = 0  # marked documents of hint-only requests over the rate
     # What hinted reads achieved is counted with the other reads (SSDStats.hint_*).
 
 
@@ -98,81 +129,150 @@ class Hint:
     rank: int
     deadline: float
     seq: int = 0  # registration order (newest first when ordering reads)
+    tenant: str = DEFAULT_TENANT
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    last: float
 
 
 @dataclass
 class HintBook:
+    """The live hints, per tenant: each tenant has its own rate bucket and group names,
+    and the server's ``max_live`` is shared fairly among them."""
+
     limits: HintLimits = field(default_factory=HintLimits)
     stats: HintStats = field(default_factory=HintStats)
-    _hints: OrderedDict[str, Hint] = field(default_factory=OrderedDict)
-    _tokens: float = -1.0
-    _last_refill: Optional[float] = None
+    _hints: OrderedDict[str, Hint] = field(default_factory=OrderedDict)  # registration order
+    _by_tenant: dict[str, OrderedDict[str, Hint]] = field(default_factory=dict)
+    _buckets: dict[str, _Bucket] = field(default_factory=dict)
     _seq: int = 0
+    _live: Optional[tuple[Hint, ...]] = None  # live()'s order, until the book changes
 
     def register(self, hint_id: str, keys: Sequence[ChunkKey], payload: HintPayload, now: float,
-                 charge: bool = True) -> bool:
-        """False when rate-limited (the hint is dropped, the request still answered).
-        ``charge=False``: part of a hint already charged (its documents' chains)."""
-        if charge and not self._take_token(now):
+                 charge: bool = True, tenant: str = DEFAULT_TENANT) -> bool:
+        """False when ``tenant``'s bucket is empty (the hint is dropped, the request still
+        answered). ``charge=False``: part of a hint already charged (its documents' chains),
+        which still counts against the tenant's live hints."""
+        if charge and not self._take_token(tenant, now):
             self.stats.rate_limited += 1
             return False
         if not keys:
             return True  # nothing a chunk could hold (a prompt under one chunk): registered, empty
         ttl = min(payload.ttl_s, self.limits.max_ttl_s)
         self._seq += 1
-        self._hints.pop(hint_id, None)
-        self._hints[hint_id] = Hint(hint_id, list(keys), payload.group, payload.rank, now + ttl, self._seq)
+        self._remove(hint_id)
+        hint = Hint(hint_id, list(keys), payload.group, payload.rank, now + ttl, self._seq, tenant)
+        self._hints[hint_id] = hint
+        self._by_tenant.setdefault(tenant, OrderedDict())[hint_id] = hint
+        self._live = None
         self.stats.registered += charge  # hints asked for, not the chains they cover
         while len(self._hints) > self.limits.max_live:
-            self._hints.popitem(last=False)
+            self._remove(next(iter(self._by_tenant[self._fullest_tenant()])))
             self.stats.expired += 1
         return True
 
-    def _take_token(self, now: float) -> bool:
-        if self._last_refill is None:
-            self._tokens, self._last_refill = float(self.limits.burst), now
-        self._tokens = min(float(self.limits.burst), self._tokens + (now - self._last_refill) * self.limits.rate_per_s)
-        self._last_refill = now
-        if self._tokens < 1.0:
+    def register_documents(self, hint_id: str, chains: Sequence[Sequence[ChunkKey]], payload: HintPayload,
+                           now: float, tenant: str = DEFAULT_TENANT) -> int:
+        """The per-document hints of hint-only request ``hint_id`` (registered, and
+        charged, just before): ``{hint_id}#doc{n}``, one per marked document's canonical
+        chain. The request's token covers the first ``DOC_HINTS_PER_TOKEN``; each further
+        ``DOC_HINTS_PER_TOKEN`` take one more of ``tenant``'s tokens, and those the bucket
+        cannot pay for are not hinted. Returns how many were registered."""
+        paid = DOC_HINTS_PER_TOKEN
+        for n, chain in enumerate(chains):
+            if n == paid:
+                if not self._take_token(tenant, now):
+                    self.stats.documents_unhinted += len(chains) - n
+                    return n
+                paid += DOC_HINTS_PER_TOKEN
+            self.register(f"{hint_id}#doc{n}", chain, payload, now, charge=False, tenant=tenant)
+        return len(chains)
+
+    def _fullest_tenant(self) -> str:
+        """The tenant holding the most live hints (of equals, the one with the oldest)."""
+        return max(self._by_tenant, key=lambda t: (len(self._by_tenant[t]),
+                                                   -next(iter(self._by_tenant[t].values())).seq))
+
+    def _remove(self, hint_id: str) -> Optional[Hint]:
+        hint = self._hints.pop(hint_id, None)
+        if hint is not None:
+            own = self._by_tenant[hint.tenant]
+            del own[hint_id]
+            if not own:
+                del self._by_tenant[hint.tenant]
+            self._live = None
+        return hint
+
+    def _take_token(self, tenant: str, now: float) -> bool:
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            if len(self._buckets) >= _BUCKETS_KEPT:
+                self._forget_full_buckets(now)
+            bucket = self._buckets[tenant] = _Bucket(float(self.limits.burst), now)
+        bucket.tokens = min(float(self.limits.burst), bucket.tokens + (now - bucket.last) * self.limits.rate_per_s)
+        bucket.last = now
+        if bucket.tokens < 1.0:
             return False
-        self._tokens -= 1.0
+        bucket.tokens -= 1.0
         return True
+
+    def _forget_full_buckets(self, now: float) -> None:
+        burst, rate = float(self.limits.burst), self.limits.rate_per_s
+        self._buckets = {t: b for t, b in self._buckets.items() if b.tokens + (now - b.last) * rate < burst}
 
     def expire(self, now: float) -> list[Hint]:
         """Drop and return the hints past their deadline."""
         gone = [h for h in self._hints.values() if h.deadline <= now]
         for hint in gone:
-            del self._hints[hint.hint_id]
+            self._remove(hint.hint_id)
         self.stats.expired += len(gone)
         return gone
 
-    def live(self) -> list[Hint]:
+    def live(self) -> tuple[Hint, ...]:
         """Newest group first (a group is as new as its newest candidate); within a group,
-        by rank."""
-        newest: dict[object, int] = {}
-        for hint in self._hints.values():
-            group = hint.group if hint.group is not None else ("", hint.hint_id)
-            newest[group] = max(newest.get(group, 0), hint.seq)
-        return sorted(self._hints.values(), key=lambda h: (
-            -newest[h.group if h.group is not None else ("", h.hint_id)], h.rank, -h.seq))
+        by rank. Groups are per tenant. Sorted again only after the book changed (the same
+        tuple until then)."""
+        if self._live is None:
+            newest: dict[tuple, int] = {}
+            for hint in self._hints.values():
+                group = _group_of(hint)
+                newest[group] = max(newest.get(group, 0), hint.seq)
+            self._live = tuple(sorted(self._hints.values(), key=lambda h: (-newest[_group_of(h)], h.rank, -h.seq)))
+        return self._live
 
     def consume(self, request_keys: Sequence[ChunkKey]) -> list[Hint]:
         """A request with chain ``request_keys`` was admitted: the hints whose whole chain
         it covers (their last chunk is in it) end, with every other candidate of their
-        groups. A shared prefix alone (the system prompt) consumes nothing."""
+        groups, in their own tenant (another tenant's group of the same name stays). A
+        shared prefix alone (the system prompt) consumes nothing."""
         covered = set(request_keys)
-        matched = [h for h in self._hints.values() if h.keys[-1] in covered]
-        groups = {h.group for h in matched if h.group is not None}
-        gone = [h for h in self._hints.values() if h in matched or (h.group is not None and h.group in groups)]
+        matched = {h.hint_id for h in self._hints.values() if h.keys[-1] in covered}
+        if not matched:
+            return []
+        groups = {_group_of(self._hints[i]) for i in matched if self._hints[i].group is not None}
+        gone = [h for h in self._hints.values() if h.hint_id in matched or _group_of(h) in groups]
         for hint in gone:
-            del self._hints[hint.hint_id]
+            self._remove(hint.hint_id)
         self.stats.consumed += len(matched)
         return gone
 
     def clear(self) -> None:
-        """Drop every live hint (``/flush_cache``), counted as expired; the rate bucket stays."""
+        """Drop every live hint (``/flush_cache``), counted as expired; the rate buckets stay."""
         self.stats.expired += len(self._hints)
         self._hints.clear()
+        self._by_tenant.clear()
+        self._live = None
+
+    def live_of(self, tenant: str) -> int:
+        return len(self._by_tenant.get(tenant, ()))
 
     def __len__(self) -> int:
         return len(self._hints)
+
+
+def _group_of(hint: Hint) -> tuple:
+    """A hint's group, in its tenant's namespace (a hint without one is a group of its own)."""
+    return (hint.tenant, 0, hint.group) if hint.group is not None else (hint.tenant, 1, hint.hint_id)

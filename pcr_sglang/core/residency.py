@@ -30,6 +30,7 @@ from typing import Any, Iterable, Optional, Sequence
 from pcr_sglang.core.chunk_tree import ChunkNode, ChunkTree, InsertOutcome
 from pcr_sglang.core.cost_model import LoadOrRecompute
 from pcr_sglang.core.effects import CacheStats, ChainMatch, Effects, IoOutcome, SSDStats
+from pcr_sglang.core.hint_chains import HintedChain, HintedChains, LiveHint
 from pcr_sglang.core.host_slots import HostSlots, SlotState
 from pcr_sglang.core.keys import ChunkKey
 from pcr_sglang.core.lookahead import LookaheadProtection
@@ -103,6 +104,7 @@ class CacheState:
         self._hinted: set[ChunkNode] = set()  # of those read or reading, ordered for a KV hint
         # Hinted chunks that landed, then went on into free device slots before their request.
         self._promoted: set[ChunkNode] = set()
+        self.hint_chains = HintedChains(self.tree)  # the live KV hints' matched chains
         self._bad: list[ChunkNode] = []  # SSD records found bad while their chain was locked
         self._decode_reserved: set[int] = set()  # host slots reserved by decode-time offloads
         self.decode_offload_limit = int(config.host_slots * config.decode_offload_share)
@@ -158,6 +160,7 @@ class CacheState:
         return len(evicted)
 
     def _leave_device(self, node: ChunkNode, effects: Effects) -> None:
+        self.hint_chains.residency_changed(node)
         if self.slots is not None and not node.on_host:
             slot = self._take_slot(SlotState.RESIDENT, node, effects)
             if slot is None:
@@ -212,6 +215,7 @@ class CacheState:
         """``node`` is leaving host memory (the tree clears ``host_slot`` right after). If
         this decision demoted it, that copy is not made: the slot may go to another chunk."""
         assert self.slots is not None and node.host_slot is not None
+        self.hint_chains.residency_changed(node)
         if effects.demotions.pop(node, None) is not None:
             self.stats.demoted_chunks -= 1
             self.stats.bytes_device_to_host -= self.config.chunk_bytes
@@ -333,6 +337,8 @@ class CacheState:
                         op.urgent = True
                         effects.orders.append(Reorder(seq, cancel=False))
                     continue
+                if ordered >= limit and not urgent:
+                    break  # nothing further to order, nor to move ahead
                 if node.on_host or node.on_device or not node.on_ssd or ordered >= limit:
                     continue
                 slot = self._take_slot(SlotState.FILLING, node, effects)
@@ -344,6 +350,8 @@ class CacheState:
                 self._reading[node] = seq
                 effects.orders.append(ReadChunk(seq, node.key, slot, urgent))
                 ordered += 1
+                if hint:
+                    self._hinted.add(node)
         finally:
             self.tree.unlock(nodes[-1])
         if not urgent and not hint:  # a hint's reads are counted as hint_issued
@@ -376,16 +384,18 @@ class CacheState:
         return node in self._landed
 
     def plan_prefetch(self, chains: Sequence[Sequence[ChunkNode]], keep: Iterable[ChunkNode],
-                      effects: Effects, queue_depth: int, hinted: Sequence[Sequence[ChunkNode]] = ()) -> None:
+                      effects: Effects, queue_depth: int, hinted: Sequence[LiveHint] = ()) -> None:
         """Each scheduler step: order the SSD-only chunks of the waiting requests' chains
         (earliest request first) within the prefetch budget and half the host tier, then
-        those of ``hinted`` chains (KV hints, newest first) with what is left, holding at
-        most ``hint_budget_chunks`` hinted chunks (in flight or landed, at most a quarter of
-        the host tier); and stop protecting (and cancel the reads
-        of) chunks neither needs now. ``keep`` are other chunks still wanted (those of
-        requests waiting for reads)."""
+        those of the ``hinted`` hints' chains (the live KV hints, in reading order) with
+        what is left, holding at most ``hint_budget_chunks`` hinted chunks (in flight or
+        landed, at most a quarter of the host tier); and stop protecting (and cancel the
+        reads of) chunks neither needs now. ``keep`` are other chunks still wanted (those of
+        requests waiting for reads). The hints' chains are kept matched across steps
+        (:mod:`pcr_sglang.core.hint_chains`): O(1) per hint while its chain is unchanged."""
         if not self.ssd_enabled:
             return
+        tracked = self.hint_chains.sync(hinted)
         self.ssd_stats.max_queue_depth = max(self.ssd_stats.max_queue_depth, queue_depth)
         needed = set(keep)
         # Hinted reads, in flight or landed, have their own budget and never take the
@@ -400,16 +410,19 @@ class CacheState:
             if budget > 0:
                 budget -= self.order_reads(chain, effects, urgent=False, limit=budget)
         hint_room = min(budget, self.config.hint_budget_chunks - hinted_held, self.config.host_slots // 4 - hinted_held)
-        for chain in hinted:
-            needed.update(chain)
-            if hint_room > 0:
-                before = {n for n in chain if n in self._reading}
-                ordered = self.order_reads(chain, effects, urgent=False, limit=hint_room, hint=True)
-                hint_room -= ordered
-                if ordered:
-                    self.ssd_stats.hint_issued += ordered
-                    self._hinted.update(n for n in chain if n in self._reading and n not in before)
-        for node in [n for n in self._landed if n not in needed]:
+        for chain in tracked:
+            if hint_room <= 0:
+                break
+            start = self.hint_chains.first_readable(chain, self._needs_read)
+            if start is None:
+                continue
+            # From the first chunk to read (none before it is): the chain's tail is locked
+            # meanwhile, as for any read, so making room never evicts the chain itself.
+            ordered = self.order_reads(chain.nodes[start:], effects, urgent=False, limit=hint_room, hint=True)
+            hint_room -= ordered
+            self.ssd_stats.hint_issued += ordered
+        hinted_chain = self.hint_chains.covers  # an index of the hinted chains, not a walk of them
+        for node in [n for n in self._landed if n not in needed and not hinted_chain(n)]:
             self._landed.discard(node)
             if node in self._hinted:  # counted as a hint's, never also as the queue's
                 self._hinted.discard(node)
@@ -418,14 +431,35 @@ class CacheState:
                 self.ssd_stats.prefetch_unused += 1
         for node, seq in self._reading.items():
             op = self._pending[seq]
-            if not op.urgent and node not in needed and seq not in self._cancelling:
+            if not op.urgent and node not in needed and not hinted_chain(node) and seq not in self._cancelling:
                 self._cancelling.add(seq)
                 effects.orders.append(Reorder(seq, cancel=True))
-        for node in [n for n in self._promoted if n not in needed]:
+        for node in [n for n in self._promoted if n not in needed and not hinted_chain(n)]:
             self._promoted.discard(node)
             self._hinted.discard(node)
             self.ssd_stats.hint_wasted += 1
         self._hinted = {n for n in self._hinted if n in self._reading or n in self._landed or n in self._promoted}
+
+    def _needs_read(self, node: ChunkNode) -> bool:
+        return node.on_ssd and not node.on_host and not node.on_device and node not in self._reading
+
+    def hint_promotable(self, chain: HintedChain, most: int) -> list[ChunkNode]:
+        """``--pcr-hint-to-device``: what a live hint's chain would load on to the device
+        now, the host-resident run right after its device prefix (:meth:`promotable`
+        cuts it), or nothing when that is more than ``most`` chunks. Costs the run's
+        length, never the chain's."""
+        nodes, start = chain.nodes, self.hint_chains.device_end(chain)
+        if start == len(nodes) or nodes[start].host_slot is None:
+            return []  # no host-resident run (the usual case)
+        run: list[ChunkNode] = []
+        for i in range(start, len(nodes)):
+            node = nodes[i]
+            if not self._loadable(node) or (node in self._landed and node not in self._hinted):
+                break
+            if len(run) >= most:
+                return []
+            run.append(node)
+        return run
 
     def promotable(self, nodes: Sequence[ChunkNode]) -> Sequence[ChunkNode]:
         """The leading run of host-resident ``nodes`` a hint may load on to the device: up
@@ -519,6 +553,7 @@ class CacheState:
             self._landed.add(node)
             return
         self.slots.release(slot)
+        self.hint_chains.residency_changed(node)  # not read after all: a hint may read it again
         if outcome is IoOutcome.BAD:
             self.ssd_stats.read_failures += 1
             if node.parent is not None and node.on_ssd:
@@ -621,6 +656,7 @@ class CacheState:
         self._reading, self._writing, self._landed, self._bad = {}, {}, set(), []
         self._hinted = set()
         self._promoted = set()
+        self.hint_chains.reset()
         self._cancelling = set()
         self._decode_reserved = set()  # the slot table frees every reservation
         self.tree.reset()
@@ -683,3 +719,4 @@ class CacheState:
             state = self.slots.state(slot)
             if state is not SlotState.RESERVED:
                 raise AssertionError(f"host slot {slot} counts as a decode offload but is {state.value}")
+

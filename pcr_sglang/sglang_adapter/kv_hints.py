@@ -15,7 +15,8 @@ look-ahead retrieval predicted) as an ordinary ``/generate`` request carrying::
   are registered with the scheduler side's :class:`~pcr_sglang.core.hints.HintBook`; a
   ``hint_only`` request then finishes at once, with no forward: its ``finish_reason`` is
   ``{"type": "length", "length": 0, "pcr_hint": "registered"}`` (``"ignored"`` without an
-  SSD tier, with ``--pcr-hint-budget-mb 0``, or over ``--pcr-hint-rate``). Under TP every rank
+  SSD tier, with ``--pcr-hint-budget-mb 0``, or over ``--pcr-hint-rate``, which each tenant
+  has to itself: the request's ``cache_salt``, else its ``extra_key``). Under TP every rank
   registers it at the clock the ranks agree on. Retracted re-queues and
   requests already finishing pass through untouched.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pcr_sglang.core import Effects
-from pcr_sglang.core.hints import HintBook, HintError, HintLimits, HintPayload
+from pcr_sglang.core.hints import Hint, HintBook, HintError, HintLimits, HintPayload
 from pcr_sglang.io.protocol import ReadChunk, Reorder
 from pcr_sglang.sglang_adapter.kv_hints import hint_payload
 from tests.unit.test_cache_state import Driver
@@ -100,6 +100,11 @@ def _ssd_only(d: Driver, tokens: list[int]) -> list:
     return d.state.match(iter(keys(tokens)), touch=False).nodes
 
 
+def _as_hint(nodes: list) -> Hint:
+    """A live hint whose chain is ``nodes`` (the same hint at every step it is passed)."""
+    return Hint(nodes[-1].key.hex(), [n.key for n in nodes], None, 0, float("inf"), seq=1)
+
+
 def _pushed_out(d: Driver, chunks: int = 8) -> None:
     for start in range(0, chunks, 8):  # 8 chunks per sequence
         d.serve(list(range(10_000 + start * CHUNK, 10_000 + (start + 8) * CHUNK)))
@@ -117,7 +122,7 @@ def test_hinted_chains_are_read_after_the_queue_and_within_the_hint_budget():
     _pushed_out(d, 24)
     assert not any(n.on_host or n.on_device for n in queued + hinted)
     plan = Effects()
-    d.state.plan_prefetch([queued], [], plan, queue_depth=1, hinted=[hinted])
+    d.state.plan_prefetch([queued], [], plan, queue_depth=1, hinted=[_as_hint(hinted)])
     reads = [o for o in plan.orders if isinstance(o, ReadChunk)]
     assert [o.key for o in reads] == [n.key for n in queued] + [n.key for n in hinted[:2]]  # queue first
     assert d.state.ssd_stats.hint_issued == 2
@@ -135,7 +140,7 @@ def test_a_hinted_chunk_landed_and_left_unused_counts_wasted_and_its_reads_are_c
     hinted = _ssd_only(d, list(range(300, 300 + 3 * CHUNK)))
     _pushed_out(d, 24)
     plan = Effects()
-    d.state.plan_prefetch([], [], plan, queue_depth=0, hinted=[hinted])
+    d.state.plan_prefetch([], [], plan, queue_depth=0, hinted=[_as_hint(hinted)])
     d.run(plan)
     d.answer(only=ReadChunk)
     # The hint ends (no hinted chain any more): its landed chunks were never used.
@@ -154,12 +159,12 @@ def test_landed_hinted_chunks_count_against_the_hint_budget_and_never_take_the_q
     _pushed_out(d, 24)
     for _ in range(4):  # several steps; each lands what it ordered
         plan = Effects()
-        d.state.plan_prefetch([], [], plan, queue_depth=0, hinted=[hinted])
+        d.state.plan_prefetch([], [], plan, queue_depth=0, hinted=[_as_hint(hinted)])
         d.run(plan)
         d.answer(only=ReadChunk)
     assert d.state.ssd_stats.hint_issued == 2  # the budget holds landed chunks too
     plan = Effects()
-    d.state.plan_prefetch([queued], [], plan, queue_depth=1, hinted=[hinted])
+    d.state.plan_prefetch([queued], [], plan, queue_depth=1, hinted=[_as_hint(hinted)])
     assert [o.key for o in plan.orders if isinstance(o, ReadChunk)] == [n.key for n in queued]
     assert d.state.ssd_stats.prefetch_issued == 3  # the queue's own, hints not counted there
 
@@ -169,7 +174,7 @@ def test_hinted_reads_in_flight_count_late_and_are_cancelled_when_the_hint_ends(
     hinted = _ssd_only(d, list(range(300, 300 + 3 * CHUNK)))
     _pushed_out(d, 24)
     plan = Effects()
-    d.state.plan_prefetch([], [], plan, queue_depth=0, hinted=[hinted])
+    d.state.plan_prefetch([], [], plan, queue_depth=0, hinted=[_as_hint(hinted)])
     d.run(plan)  # ordered, not answered: in flight
     d.state.count_hinted(hinted[:1])
     assert d.state.ssd_stats.hint_late == 1
@@ -186,7 +191,7 @@ def test_a_hint_promotes_nothing_the_queue_prefetch_read_for_a_waiting_request()
     chain = _ssd_only(d, list(range(3 * CHUNK)))
     _pushed_out(d, 24)
     plan = Effects()
-    d.state.plan_prefetch([chain[:2]], [], plan, queue_depth=1, hinted=[chain])  # the queue reads 0-1
+    d.state.plan_prefetch([chain[:2]], [], plan, queue_depth=1, hinted=[_as_hint(chain)])  # the queue reads 0-1
     d.run(plan)
     d.answer()
     assert all(n.on_host for n in chain)
