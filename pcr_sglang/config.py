@@ -11,12 +11,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pcr_sglang.core.doc_reuse import Recompute
+from pcr_sglang.core.doc_reuse import DocLimits, Recompute
 from pcr_sglang.core.doc_warmup import WarmupPolicy
 from pcr_sglang.core.hints import HintLimits
 from pcr_sglang.tiers.remote_store import RemoteConfig, RemoteConfigError, load_fleet_key
 from pcr_sglang.server_args_fields import (
     DEFAULT_CHUNK_SIZE,
+    DEFAULT_DOC_MAX_DOCUMENTS,
+    DEFAULT_DOC_MIN_TOKENS,
     DEFAULT_DOC_RECOMPUTE_RATIO,
     DEFAULT_DOC_RECOMPUTE_TOKENS,
     DEFAULT_DOC_REUSE,
@@ -71,6 +73,8 @@ class PCRConfig:
     doc_recompute_ratio: float = DEFAULT_DOC_RECOMPUTE_RATIO
     doc_warmup: str = DEFAULT_DOC_WARMUP
     doc_warmup_after: int = DEFAULT_DOC_WARMUP_AFTER
+    doc_max_documents: int = DEFAULT_DOC_MAX_DOCUMENTS
+    doc_min_tokens: int = DEFAULT_DOC_MIN_TOKENS
     hint_budget_mb: int = DEFAULT_HINT_BUDGET_MB
     hint_max_ttl_s: float = DEFAULT_HINT_MAX_TTL_S
     hint_rate: float = DEFAULT_HINT_RATE
@@ -99,6 +103,8 @@ class PCRConfig:
             doc_recompute_ratio=getattr(args, "pcr_doc_recompute_ratio", DEFAULT_DOC_RECOMPUTE_RATIO),
             doc_warmup=getattr(args, "pcr_doc_warmup", DEFAULT_DOC_WARMUP),
             doc_warmup_after=getattr(args, "pcr_doc_warmup_after", DEFAULT_DOC_WARMUP_AFTER),
+            doc_max_documents=getattr(args, "pcr_doc_max_documents", DEFAULT_DOC_MAX_DOCUMENTS),
+            doc_min_tokens=getattr(args, "pcr_doc_min_tokens", DEFAULT_DOC_MIN_TOKENS),
             hint_budget_mb=getattr(args, "pcr_hint_budget_mb", DEFAULT_HINT_BUDGET_MB),
             hint_max_ttl_s=getattr(args, "pcr_hint_max_ttl_s", DEFAULT_HINT_MAX_TTL_S),
             hint_rate=getattr(args, "pcr_hint_rate", DEFAULT_HINT_RATE),
@@ -114,6 +120,10 @@ class PCRConfig:
     def hint_limits(self) -> HintLimits:
         return HintLimits(max_ttl_s=float(self.hint_max_ttl_s), rate_per_s=float(self.hint_rate),
                           burst=max(1, int(2 * self.hint_rate)))
+
+    def doc_limits(self) -> DocLimits:
+        """What one request may mark (``--pcr-doc-max-documents``, ``--pcr-doc-min-tokens``)."""
+        return DocLimits(self.doc_max_documents, self.doc_min_tokens)
 
     def doc_warmup_policy(self) -> WarmupPolicy:
         """When a marked document's canonical KV is computed (``core.doc_warmup``)."""
@@ -219,6 +229,10 @@ class PCRConfig:
         after = self.doc_warmup_after
         if isinstance(after, bool) or not isinstance(after, int) or after < 1:
             raise PCRConfigError(f"--pcr-doc-warmup-after must be an integer >= 1, got {after!r}")
+        for flag, value in (("--pcr-doc-max-documents", self.doc_max_documents),
+                            ("--pcr-doc-min-tokens", self.doc_min_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PCRConfigError(f"{flag} must be an integer >= 1, got {value!r}")
         if self.remote not in REMOTE_CHOICES:
             raise PCRConfigError(f"--pcr-remote must be one of {', '.join(REMOTE_CHOICES)}, got {self.remote!r}")
         if self.remote != "off":

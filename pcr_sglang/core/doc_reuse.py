@@ -34,8 +34,11 @@ This module only parses and plans; the adapter copies (``sglang_adapter/doc_reus
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
+from pcr_sglang.core.keys import ChunkKey, chunk_keys
+
+CUSTOM_PARAMS_FIELD = "sampling_params.custom_params"
 DOC_BOUNDS_PARAM = "pcr_doc_bounds"
 DOC_MODE_PARAM = "pcr_doc_reuse"
 RECOMPUTE_TOKENS_PARAM = "pcr_doc_recompute_tokens"
@@ -56,6 +59,31 @@ class DocBoundsError(ValueError):
 
 
 @dataclass(frozen=True)
+class DocLimits:
+    """What one request may ask of document reuse (``--pcr-doc-max-documents``,
+    ``--pcr-doc-min-tokens``). Every marked document costs work whatever its length: its
+    canonical chain is hashed and matched (every scheduler step while the request waits),
+    stored padded to whole chunks, and warmed by a prefill of the leading tokens plus
+    itself. So both the count and a floor on the length are bounded."""
+
+    max_documents: int
+    min_tokens: int
+
+
+def doc_params(custom_params: Any) -> Optional[dict]:
+    """A request's ``custom_params`` as the dict PCR reads (None when absent or empty).
+    SGLang declares it a dict but does not check; anything else is refused, naming the
+    field, before a ``pcr_*`` key is looked up in it (``"pcr_doc_bounds" in "xpcr_doc_boundsx"``
+    is a substring test, not a key lookup)."""
+    if custom_params is None:
+        return None
+    if not isinstance(custom_params, dict):
+        raise DocBoundsError(f"{CUSTOM_PARAMS_FIELD} must be an object of named parameters, "
+                             f"got {type(custom_params).__name__}")
+    return custom_params or None
+
+
+@dataclass(frozen=True)
 class Recompute:
     """How a request's re-placed documents are repaired: ``concat`` not at all, ``lego`` the
     first ``tokens`` of each document, ``blend`` a ``ratio`` share of their tokens."""
@@ -72,6 +100,7 @@ class Recompute:
 def request_mode(custom_params: dict, server_mode: str = "concat") -> str:
     """The document-reuse mode a request's ``custom_params`` ask for (default: the server's).
     Recompute modes need a server started in one (its attention computes permuted rows)."""
+    custom_params = doc_params(custom_params) or {}
     mode = custom_params.get(DOC_MODE_PARAM, server_mode)
     if mode not in REQUEST_MODES:
         raise DocBoundsError(f"{DOC_MODE_PARAM} must be one of {', '.join(map(repr, REQUEST_MODES))}, got {mode!r}")
@@ -84,6 +113,7 @@ def request_mode(custom_params: dict, server_mode: str = "concat") -> str:
 def request_recompute(custom_params: dict, server: Recompute) -> Optional[Recompute]:
     """The request's mode and its K or R (``pcr_doc_recompute_tokens`` / ``_ratio`` override
     the server's), or None for ``off``. Raises :class:`DocBoundsError` for bad values."""
+    custom_params = doc_params(custom_params) or {}
     mode = request_mode(custom_params, server.mode)
     if mode == "off":
         return None
@@ -98,7 +128,7 @@ def request_recompute(custom_params: dict, server: Recompute) -> Optional[Recomp
 
 def request_warm_now(custom_params: dict) -> bool:
     """Whether the request asks for its documents to be warmed now (``pcr_doc_warm``)."""
-    value = custom_params.get(WARM_NOW_PARAM, False)
+    value = (doc_params(custom_params) or {}).get(WARM_NOW_PARAM, False)
     if not isinstance(value, bool):
         raise DocBoundsError(f"{WARM_NOW_PARAM} must be true or false, got {value!r}")
     return value
@@ -117,19 +147,24 @@ class DocSpan:
         return self.end - self.start
 
 
-def parse_doc_bounds(raw: object, num_tokens: int) -> tuple[DocSpan, ...]:
+def parse_doc_bounds(raw: object, num_tokens: int, limits: Optional[DocLimits] = None) -> tuple[DocSpan, ...]:
     """Validate ``[s0, e0, s1, e1, ...]`` (flat token offsets into the prompt).
 
     Documents must be non-empty, sorted, non-overlapping, inside the prompt, and the first
     must not start at 0 (there is always a BOS or template before it; ``S`` may be empty
-    only if the model has no BOS, which we do not assume). Raises :class:`DocBoundsError`
-    naming the problem, which the server returns as HTTP 400.
+    only if the model has no BOS, which we do not assume); with ``limits`` (the server's),
+    at most ``max_documents`` of them, each of at least ``min_tokens``. Raises
+    :class:`DocBoundsError` naming the problem (and the flag of a limit), which the server
+    returns as HTTP 400.
     """
     if not isinstance(raw, (list, tuple)):
         raise DocBoundsError(f"{DOC_BOUNDS_PARAM} must be a flat list of token offsets [s0, e0, s1, e1, ...], "
                              f"got {type(raw).__name__}")
     if len(raw) == 0 or len(raw) % 2:
         raise DocBoundsError(f"{DOC_BOUNDS_PARAM} must hold pairs of offsets [start, end), got {len(raw)} values")
+    if limits is not None and len(raw) // 2 > limits.max_documents:
+        raise DocBoundsError(f"{DOC_BOUNDS_PARAM} marks {len(raw) // 2} documents; this server takes at most "
+                             f"{limits.max_documents} per request (--pcr-doc-max-documents)")
     values: list[int] = []
     for value in raw:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -153,6 +188,11 @@ def parse_doc_bounds(raw: object, num_tokens: int) -> tuple[DocSpan, ...]:
                                  "it (BOS, system prompt) are what every document's KV is computed behind")
         spans.append(DocSpan(doc, start, end))
         previous_end = end
+    short = next((span for span in spans if span.length < limits.min_tokens), None) if limits is not None else None
+    if short is not None:  # after the format: a malformed list is named as such first
+        raise DocBoundsError(f"{DOC_BOUNDS_PARAM}: document {short.index} [{short.start}, {short.end}) has "
+                             f"{short.length} tokens; this server takes documents of at least {limits.min_tokens} "
+                             "(--pcr-doc-min-tokens)")
     return tuple(spans)
 
 
@@ -161,6 +201,28 @@ def canonical_tokens(tokens: Sequence[int], span: DocSpan, leading_len: int, chu
     """``S ‖ d ‖ pad``: the sequence whose chain holds document ``span``'s canonical KV."""
     body = list(tokens[:leading_len]) + list(tokens[span.start:span.end])
     return body + [pad_token_id] * (-len(body) % chunk_size)
+
+
+def canonical_chain_keys(root: ChunkKey, tokens: Sequence[int], spans: Sequence[DocSpan], chunk_size: int,
+                         pad_token_id: int) -> list[list[ChunkKey]]:
+    """Each document's canonical chain keys (``chunk_keys`` of :func:`canonical_tokens`),
+    with ``S`` hashed once for all of them: every chain starts with the keys of ``S``'s
+    whole chunks, and only the chunk straddling the seam needs ``S``'s last tokens again.
+    So a request costs ``O(|S| + documents x (chunk + document))`` hashing, not
+    ``O(documents x |S|)``."""
+    if not spans:
+        return []
+    leading = spans[0].start
+    whole = leading - leading % chunk_size
+    shared = chunk_keys(root, tokens[:whole], chunk_size)
+    parent = shared[-1] if shared else root
+    tail = list(tokens[whole:leading])
+    chains = []
+    for span in spans:
+        body = tail + list(tokens[span.start:span.end])
+        body += [pad_token_id] * (-len(body) % chunk_size)
+        chains.append(shared + chunk_keys(parent, body, chunk_size))
+    return chains
 
 
 @dataclass(frozen=True)

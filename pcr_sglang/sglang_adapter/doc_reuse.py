@@ -46,18 +46,19 @@ from pcr_sglang.core.doc_reuse import (
     DOC_BOUNDS_PARAM,
     RECOMPUTE_MODES,
     DocBoundsError,
+    DocLimits,
     DocSpan,
     Recompute,
     ReusePlan,
     RowOrder,
-    canonical_tokens,
+    canonical_chain_keys,
+    doc_params,
     parse_doc_bounds,
     plan_reuse,
     request_recompute,
     row_order,
     with_recompute,
 )
-from pcr_sglang.core.keys import chunk_keys
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.sglang_adapter.blend_probe import Layer1Probe
 from pcr_sglang.transfer.engine import TransferEngine
@@ -90,27 +91,29 @@ class _Planned:
     in_row: bool = False  # written into the request's row: the row frees them
     counted: bool = False
     chains: dict[int, list[ChunkNode]] = field(default_factory=dict)  # of the documents in ``plan``
-    # Each document's canonical chain keys, hashed once per request (it is matched every pass).
-    chain_keys: dict[int, list[Any]] = field(default_factory=dict)
+    # Each document's canonical chain keys, by document index: hashed once per request,
+    # all together (``S`` once), the first time any is needed; matched every pass.
+    chain_keys: Optional[dict[int, list[Any]]] = None
 
 
-def request_doc_reuse(req: Any, num_tokens: int,
-                      server: Recompute) -> Optional[tuple[tuple[DocSpan, ...], Recompute]]:
+def request_doc_reuse(req: Any, num_tokens: int, server: Recompute, limits: Optional[DocLimits] = None
+                      ) -> Optional[tuple[tuple[DocSpan, ...], Recompute]]:
     """The documents ``req`` marked and how it wants them repaired, or None (not asking,
     or asking for ``off``). Raises :class:`DocBoundsError` for bounds that do not fit its
-    tokens or a mode or K/R the server cannot serve."""
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    tokens or the server's ``limits``, a mode or K/R the server cannot serve, or
+    ``custom_params`` that are not a dict (the tokenizer refuses all of these first)."""
+    params = doc_params(getattr(getattr(req, "sampling_params", None), "custom_params", None))
     if not params or DOC_BOUNDS_PARAM not in params:
         return None
     recompute = request_recompute(params, server)
     if recompute is None:
         return None
-    return parse_doc_bounds(params[DOC_BOUNDS_PARAM], num_tokens), recompute
+    return parse_doc_bounds(params[DOC_BOUNDS_PARAM], num_tokens, limits), recompute
 
 
 def is_canonical_request(req: Any) -> bool:
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return bool(params) and bool(params.get(CANONICAL_PARAM))
+    return isinstance(params, dict) and bool(params.get(CANONICAL_PARAM))
 
 
 class DocReuse:
@@ -118,7 +121,8 @@ class DocReuse:
                  rope: RopeSpec, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], allocator: Any,
                  root_key: Callable[[Optional[str], Optional[str]], bytes],
                  free_slots: Callable[[torch.Tensor], None], probe: Optional[Layer1Probe] = None,
-                 fill_gaps: bool = False, engine: Optional[TransferEngine] = None):
+                 fill_gaps: bool = False, engine: Optional[TransferEngine] = None,
+                 limits: Optional[DocLimits] = None, forward_stream: Any = None):
         self.state = state
         self.server = recompute
         self.mode = recompute.mode
@@ -136,6 +140,10 @@ class DocReuse:
         # Re-placements go through the transfer engine where there is one (layer by layer
         # with the loads); without one (no host tier) they run at admission.
         self.engine = engine
+        self.limits = limits  # the server's --pcr-doc-max-documents / --pcr-doc-min-tokens
+        # SGLang's forward stream (CUDA): without an engine, a copy is ordered after the
+        # forward in flight by a GPU-side wait on it (``order_after_forward``).
+        self.forward_stream = forward_stream
         self.stats = DocReuseStats()
         self._requests: dict[str, _Planned] = {}
         self._warned_malformed = False
@@ -154,7 +162,7 @@ class DocReuse:
             entry.row = None
         if entry is None:
             try:
-                asked = request_doc_reuse(req, len(req.origin_input_ids), self.server)
+                asked = request_doc_reuse(req, len(req.origin_input_ids), self.server, self.limits)
             except DocBoundsError as e:
                 self.stats.malformed += 1  # once: the empty entry below answers later matches
                 if not self._warned_malformed:
@@ -166,12 +174,11 @@ class DocReuse:
             entry = self._requests.setdefault(req.rid, _Planned(*asked))
         if entry.slots is not None or not entry.spans:  # loaded already (a later chunk), or malformed
             return None
-        origin = req.origin_input_ids
-        root = self.root_key(req.extra_key, req.cache_salt)  # fixed for a request, like its tokens
+        chain_keys = self._chain_keys(req, entry)
         chains: dict[int, list[ChunkNode]] = {}
 
         def cached(span: DocSpan) -> bool:
-            keys = self._chain_keys(entry, origin, span, root)
+            keys = chain_keys[span.index]
             match = self.state.match(iter(keys), touch=False)
             if match.device + match.host < len(keys):
                 return False
@@ -192,7 +199,7 @@ class DocReuse:
         entry = self._requests.get(req.rid)
         if entry is None:
             try:
-                asked = request_doc_reuse(req, len(req.origin_input_ids), self.server)
+                asked = request_doc_reuse(req, len(req.origin_input_ids), self.server, self.limits)
             except DocBoundsError:
                 return []
             if asked is None:
@@ -200,16 +207,41 @@ class DocReuse:
             entry = self._requests.setdefault(req.rid, _Planned(*asked))
         if not entry.spans:
             return []
-        root = self.root_key(req.extra_key, req.cache_salt)
-        return [self._chain_keys(entry, req.origin_input_ids, span, root) for span in entry.spans]
+        return list(self._chain_keys(req, entry).values())
 
-    def _chain_keys(self, entry: _Planned, origin: Sequence[int], span: DocSpan, root: bytes) -> list[Any]:
-        """Document ``span``'s canonical chain keys, hashed once per request."""
-        keys = entry.chain_keys.get(span.index)
-        if keys is None:
-            canonical = canonical_tokens(origin, span, entry.spans[0].start, self.chunk, self.pad_token_id)
-            keys = entry.chain_keys[span.index] = chunk_keys(root, canonical, self.chunk)
-        return keys
+    def canonical_chain_nodes(self, req: Any) -> list[list[ChunkNode]]:
+        """The cached part of each canonical chain of :meth:`canonical_chain_keys` (what
+        ``state.match(keys, touch=False).nodes`` gives for each), walking the chunks all
+        chains share (``S``'s whole chunks) once: a step's window costs
+        ``O(|S| + documents x (chunk + document))`` lookups, not ``O(documents x |S|)``."""
+        chains = self.canonical_chain_keys(req)
+        if not chains:
+            return []
+        shared = self._requests[req.rid].spans[0].start // self.chunk
+        head = self.state.match(iter(chains[0][:shared]), touch=False).nodes
+        if len(head) < shared:  # a miss inside S: every chain ends there
+            return [list(head) for _ in chains]
+        start = head[-1] if head else self.state.tree.root
+        matched = []
+        for keys in chains:
+            nodes, node = list(head), start
+            for key in keys[shared:]:  # as the tree's match walks, from S's last chunk on
+                node = node.children.get(key)
+                if node is None:
+                    break
+                nodes.append(node)
+            matched.append(nodes)
+        return matched
+
+    def _chain_keys(self, req: Any, entry: _Planned) -> dict[int, list[Any]]:
+        """Every marked document's canonical chain keys, hashed once per request (``S``
+        once for all of them) and kept in its entry: the window, ``consider`` and every
+        match read them from there, never hashing again."""
+        if entry.chain_keys is None:
+            root = self.root_key(req.extra_key, req.cache_salt)  # fixed for a request, like its tokens
+            chains = canonical_chain_keys(root, req.origin_input_ids, entry.spans, self.chunk, self.pad_token_id)
+            entry.chain_keys = {span.index: keys for span, keys in zip(entry.spans, chains)}
+        return entry.chain_keys
 
     def planned(self, rid: str) -> Optional[ReusePlan]:
         entry = self._requests.get(rid)
@@ -289,8 +321,10 @@ class DocReuse:
         # the ordering a free of pending slots needs, which would make the next forward
         # wait for every pending copy. Nothing after this can fail: the caller frees all
         # of ``slots`` on an exception.
-        self.allocator.free(slots[(~keep).nonzero().squeeze(1).to(slots.device)])
-        return slots[keep.nonzero().squeeze(1).to(slots.device)]
+        kept = keep.nonzero().squeeze(1)
+        both = _to_device(torch.cat((kept, (~keep).nonzero().squeeze(1))), slots.device)  # one host-to-device copy
+        self.allocator.free(slots[both[len(kept):]])
+        return slots[both[:len(kept)]]
 
     def _blend_selection(self, req: Any, plan: ReusePlan, prefix_node: ChunkNode,
                          slots: torch.Tensor) -> tuple[int, ...]:
@@ -303,15 +337,18 @@ class DocReuse:
         path = [n.device_value for n in prefix_node.path_from_root()]
         device = slots.device
         prefix = torch.cat(path).to(device) if path else torch.empty(0, dtype=torch.int64, device=device)
-        ids = torch.tensor(req.origin_input_ids[plan.start:plan.end], dtype=torch.int64, device=device)
+        candidates = torch.tensor(plan.rotated_positions(), dtype=torch.int64)
+        ids_and_offsets = _to_device(torch.cat((torch.tensor(req.origin_input_ids[plan.start:plan.end],
+                                                             dtype=torch.int64), candidates - plan.start)), device)
+        ids, offsets = ids_and_offsets[:plan.tokens], ids_and_offsets[plan.tokens:]
         positions = torch.arange(plan.start, plan.end, dtype=torch.int64, device=device)
         result = self.probe.run(ids, positions, prefix[:plan.start], slots)
-        candidates = torch.tensor(plan.rotated_positions(), dtype=torch.int64)
-        offsets = (candidates - plan.start).to(device)
         k1, v1 = self.kv_layers[1]  # only re-placed tokens: delta-0 slots may enter the tree
         k1[slots[offsets]] = result.k1[offsets]
         v1[slots[offsets]] = result.v1[offsets]
-        scores = result.deviation.cpu()[candidates - plan.start]
+        # The one wait of a blend admission: the row's layout is chosen on the host from
+        # the probe's deviations, so the scheduler waits for the probe (README "Document reuse").
+        scores = result.deviation[offsets].cpu()
         top = torch.topk(scores, plan.recompute_count).indices
         return tuple(sorted(int(p) for p in candidates[top]))
 
@@ -326,25 +363,39 @@ class DocReuse:
         ``layers`` (default all) and, with ``keep`` (a mask over the plan's tokens), only
         the kept tokens."""
         layers = layers if layers is not None else range(len(self.kv_layers))
+        # Indices are built on the host (a mask on the GPU would sync) and cross to the
+        # device in one pinned, non-blocking copy: positions in the documents' chains
+        # (concatenated), offsets into ``slots`` and deltas. Chain slots stay on the device.
+        docs = list(dict.fromkeys(s.doc for s in plan.segments))
+        chain_slots = [torch.cat([n.device_value for n in chains[doc]]) for doc in docs]
+        base, total = {}, 0
+        for doc, values in zip(docs, chain_slots):
+            base[doc], total = total, total + values.shape[0]  # shapes are host metadata: no sync
         sources, targets, deltas = [], [], []
         for segment in plan.segments:
-            chain_slots = torch.cat([n.device_value for n in chains[segment.doc]])
             offset = segment.start - plan.start
-            source = chain_slots[segment.source_start: segment.source_start + segment.length]
-            target = slots[offset: offset + segment.length]
-            delta = torch.full((segment.length,), segment.delta, dtype=torch.int64)
-            if keep is not None:  # indices built on the host: a mask on the GPU would sync
-                kept = keep[offset: offset + segment.length].nonzero().squeeze(1)
-                source, target, delta = source[kept.to(source.device)], target[kept.to(target.device)], delta[kept]
+            start = base[segment.doc] + segment.source_start
+            source = torch.arange(start, start + segment.length, dtype=torch.int64)
+            target = torch.arange(offset, offset + segment.length, dtype=torch.int64)
+            if keep is not None:
+                kept = keep[offset: offset + segment.length]
+                source, target = source[kept], target[kept]
             sources.append(source)
             targets.append(target)
-            deltas.append(delta)
-        src = torch.cat(sources).to(slots.device)
-        dst = torch.cat(targets).to(slots.device)
-        delta = torch.cat(deltas).to(slots.device)
-        if src.numel() == 0 or not len(layers):
+            deltas.append(torch.full((source.numel(),), segment.delta, dtype=torch.int64))
+        index = torch.stack((torch.cat(sources), torch.cat(targets), torch.cat(deltas)))
+        if index.shape[1] == 0 or not len(layers):
             return
-        check_slots(src, dst, self.kv_layers[0][0].shape[0])  # once, not per layer (a device sync)
+        index = _to_device(index, slots.device)
+        src = torch.cat(chain_slots).to(torch.int64)[index[0]]
+        dst = slots[index[1]]
+        delta = index[2]
+        if src.device.type == "cpu":
+            # Once, not per layer. On CUDA it is left out: its verdicts would cost a
+            # device-to-host sync in the scheduler thread (waiting for the forward in
+            # flight); the slots are the allocator's fresh ones and locked tree chains', and
+            # every CPU test checks them here (README "Document reuse").
+            check_slots(src, dst, self.kv_layers[0][0].shape[0])
         if self.engine is not None:
             self.engine.replace(src, dst, delta, self.rope, layers)
             return
@@ -406,5 +457,25 @@ class DocReuse:
     def reset(self) -> None:
         self._requests.clear()
 
+    def order_after_forward(self) -> bool:
+        """Order a copy on the current stream after the forward in flight (CUDA), by a
+        GPU-side wait on SGLang's forward stream: the scheduler thread does not wait.
+        False when that stream is not known (the caller must wait for the device)."""
+        if self.forward_stream is None:
+            return False
+        current = torch.cuda.current_stream()
+        if self.forward_stream != current:
+            current.wait_stream(self.forward_stream)
+        return True
+
     def count_canonical(self) -> None:
         self.stats.canonical_requests += 1
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: on CUDA through pinned memory, non-blocking (a
+    pageable copy would make the scheduler thread wait for the stream, i.e. for the
+    forward in flight); PyTorch keeps the pinned block until the copy has run."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

@@ -153,9 +153,13 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
     pad = doc_pad_token_id(hf_config)
     logger.info("PCR document reuse: mode %s, RoPE %s, layer-0 self-test passed, pad token %d",
                 config.doc_reuse, spec.signature(), pad)
+    # Without an engine, a copy is ordered after the forward in flight on this stream (a
+    # GPU-side wait; HiCache fences on the same one).
+    forward_stream = getattr(getattr(tp_worker, "model_runner", None), "forward_stream", None)
     return DocReuse(state, config.doc_recompute(), config.chunk_size, pad, spec, kv_layers, allocator,
                     scheduler.root_key, scheduler.free_private, probe=probe, fill_gaps=fill_gaps,
-                    engine=scheduler.engine)
+                    engine=scheduler.engine, limits=config.doc_limits(),
+                    forward_stream=forward_stream if kv_layers[0][0].is_cuda else None)
 
 
 def permuted_row_support(tp_worker: Any, tp_size: int) -> Optional[str]:

@@ -1,9 +1,11 @@
 """The tokenizer manager's side of document reuse: bounds checked at the door, documents
 warmed before the request that needs them.
 
-* ``_validate_one_request`` (AFTER): ``custom_params["pcr_doc_bounds"]`` must describe the
-  prompt's tokens; bad bounds raise ``ValueError``, which SGLang's HTTP server returns as
-  400 naming the problem. Checked whether or not the server has document reuse on.
+* ``_validate_one_request`` (AFTER): ``custom_params`` must be a dict, and
+  ``custom_params["pcr_doc_bounds"]`` must describe the prompt's tokens within the
+  server's ``--pcr-doc-max-documents`` and ``--pcr-doc-min-tokens``; anything else raises
+  ``ValueError``, which SGLang's HTTP server returns as 400 naming the problem. Checked
+  whether or not the server has document reuse on.
 * ``_send_one_request`` and ``_send_batch_request`` (AROUND): with ``--pcr-doc-reuse`` on,
   the canonical sequence ``S ‖ d ‖ pad`` of a marked request's documents is prefilled
   (one ``max_new_tokens=0`` request each, under the request's ``extra_key`` and
@@ -13,7 +15,10 @@ warmed before the request that needs them.
   before it is sent, so it reuses them itself; ``idle``: queued, one at a time while no
   request is in flight, and the request is sent at once. One being warmed is waited for
   (``request``), not sent twice. A failed warm-up only costs reuse: the request is served
-  either way.
+  either way. Warm-ups in flight are capped per request and per server
+  (:class:`WarmupCaps`; ``pcr_doc_warm: true`` obeys the same caps): the rest wait in this
+  process for a free place, so one request marking many documents cannot flood the
+  scheduler with prefills.
 
 The warm-up requests are sent below ``generate_request``: the marked request already holds
 the tokenizer manager's pause condition and model-update reader lock, and taking them
@@ -33,15 +38,20 @@ import asyncio
 import hashlib
 import logging
 import time
+from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pcr_sglang.core.doc_reuse import (
     CANONICAL_PARAM,
     DOC_BOUNDS_PARAM,
     DocBoundsError,
+    DocLimits,
+    DocSpan,
     Recompute,
     canonical_tokens,
+    doc_params,
     parse_doc_bounds,
     request_recompute,
     request_warm_now,
@@ -55,9 +65,22 @@ IDLE_POLL_S = 0.05
 # A request waits at most this long for its documents' warm-ups (then goes without them);
 # the idle drain moves on after it too. A warm-up is a prefill: far less on a live server.
 WARM_TIMEOUT_S = 120.0
+_TOKEN_TYPECODE = "q"  # canonical sequences hashed as int64, as chunk keys hash tokens
 
 
-def _custom_params(obj: Any) -> Optional[dict]:
+@dataclass(frozen=True)
+class WarmupCaps:
+    """Warm-up prefills in flight at once: for one request, and for the whole server (all
+    requests, and the ``idle`` drain). A request's further due documents wait here for a
+    place, within its ``WARM_TIMEOUT_S``; the scheduler never holds more than
+    ``per_server`` of them. One request's warm-ups are still one batch of prefills at the
+    default (``per_request`` is above what most requests mark)."""
+
+    per_request: int = 8
+    per_server: int = 16
+
+
+def _custom_params(obj: Any) -> Any:
     params = getattr(obj, "sampling_params", None)
     if isinstance(params, dict):
         return params.get("custom_params")
@@ -66,18 +89,29 @@ def _custom_params(obj: Any) -> Optional[dict]:
 
 def validate_doc_bounds(result: Any, manager: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``TokenizerManager._validate_one_request``."""
-    custom = _custom_params(obj)
+    try:
+        custom = doc_params(_custom_params(obj))
+    except DocBoundsError as e:
+        raise ValueError(str(e)) from None
     if not custom or DOC_BOUNDS_PARAM not in custom:
         return None
     if input_ids is None:
         raise ValueError(f"{DOC_BOUNDS_PARAM} needs a token prompt (input_ids or text)")
+    args = getattr(manager, "server_args", None)
     try:
-        request_recompute(custom, server_recompute(getattr(manager, "server_args", None)))
+        request_recompute(custom, server_recompute(args))
         request_warm_now(custom)
-        parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(input_ids))
+        parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(input_ids), server_limits(args))
     except DocBoundsError as e:
         raise ValueError(str(e)) from None
     return None
+
+
+def server_limits(args: Any) -> DocLimits:
+    """What one request may mark on this server (the flags' defaults without server args)."""
+    from pcr_sglang.config import PCRConfig
+
+    return PCRConfig.from_server_args(args).doc_limits()
 
 
 def server_recompute(args: Any) -> Recompute:
@@ -94,13 +128,17 @@ class DocWarmer:
     document (a request that needs one being warmed waits for it)."""
 
     def __init__(self, chunk_size: int, pad_token_id: int, server: Recompute = Recompute(),
-                 policy: WarmupPolicy = WarmupPolicy(), clock: Callable[[], float] = time.monotonic):
+                 policy: WarmupPolicy = WarmupPolicy(), clock: Callable[[], float] = time.monotonic,
+                 limits: Optional[DocLimits] = None, caps: WarmupCaps = WarmupCaps()):
         self.server = server
         self.chunk = chunk_size
         self.pad_token_id = pad_token_id
         self.policy = policy
+        self.limits = limits
+        self.caps = caps
         self.ledger = WarmupLedger(policy, clock)
         self._in_flight: dict[bytes, asyncio.Future] = {}
+        self._server_slots: Optional[asyncio.Semaphore] = None  # made in the event loop, on first use
         # ``idle``: documents waiting for a moment with no request in flight, oldest first.
         self._idle_queue: OrderedDict[bytes, tuple[list[int], Optional[str], Optional[str]]] = OrderedDict()
         self._idle_task: Optional[asyncio.Task] = None
@@ -109,30 +147,41 @@ class DocWarmer:
     def stats(self) -> WarmupStats:
         return self.ledger.stats
 
-    def _key(self, tokens: list[int], extra_key: Optional[str], cache_salt: Optional[str]) -> bytes:
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(repr((extra_key, cache_salt)).encode())
-        digest.update(b"|")
-        digest.update(",".join(map(str, tokens)).encode())
-        return digest.digest()
+    def _keys(self, tokens: Any, spans: tuple[DocSpan, ...], extra_key: Optional[str],
+              cache_salt: Optional[str]) -> list[bytes]:
+        """Each document's ledger key: a digest of its canonical sequence ``S ‖ d ‖ pad``
+        under the tenant, with ``S`` hashed once for all documents (the digest of ``S`` is
+        copied and continued with each document)."""
+        prefix = hashlib.blake2b(digest_size=16)
+        prefix.update(repr((extra_key, cache_salt)).encode())
+        prefix.update(b"|")
+        leading = spans[0].start
+        prefix.update(array(_TOKEN_TYPECODE, tokens[:leading]).tobytes())
+        keys = []
+        for span in spans:
+            digest = prefix.copy()
+            digest.update(array(_TOKEN_TYPECODE, tokens[span.start:span.end]).tobytes())
+            digest.update(array(_TOKEN_TYPECODE, [self.pad_token_id] * (-(leading + span.length) % self.chunk)).tobytes())
+            keys.append(digest.digest())
+        return keys
 
     async def warm(self, manager: Any, tokenized: Any, send: Callable[..., Any]) -> None:
         """Warm the documents ``tokenized`` marks that are due (``request``, or asked for with
-        ``pcr_doc_warm``: and wait for them; ``idle``: queue them and return at once)."""
-        custom = _custom_params(tokenized) or {}
-        tokens = list(tokenized.input_ids)
+        ``pcr_doc_warm``: and wait for them; ``idle``: queue them and return at once), at
+        most ``caps.per_request`` of its warm-ups in flight at once."""
+        tokens = tokenized.input_ids
         try:
+            custom = doc_params(_custom_params(tokenized)) or {}
             if request_recompute(custom, self.server) is None or getattr(tokenized, "lora_id", None):
                 return
-            spans = parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(tokens))
+            spans = parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(tokens), self.limits)
             now = request_warm_now(custom)
         except DocBoundsError:
             return  # checked at validation; the scheduler serves it without reuse
         extra_key, salt = getattr(tokenized, "extra_key", None), getattr(tokenized, "cache_salt", None)
+        request_slots = asyncio.Semaphore(self.caps.per_request)
         waits = []
-        for span in spans:
-            canonical = canonical_tokens(tokens, span, spans[0].start, self.chunk, self.pad_token_id)
-            key = self._key(canonical, extra_key, salt)
+        for span, key in zip(spans, self._keys(tokens, spans, extra_key, salt)):
             if key in self._in_flight:
                 waits.append(self._in_flight[key])
                 continue
@@ -140,12 +189,13 @@ class DocWarmer:
                 continue  # queued already
             if not self.ledger.should_warm(key, now):
                 continue
+            canonical = canonical_tokens(tokens, span, spans[0].start, self.chunk, self.pad_token_id)
             if self.policy.when == "idle" and not now:
                 self._queue_for_idle(manager, send, key, (canonical, extra_key, salt))
                 continue
             self._idle_queue.pop(key, None)
             waits.append(self._start(manager, send, key, canonical, extra_key, salt,
-                                     getattr(tokenized, "priority", None)))
+                                     getattr(tokenized, "priority", None), request_slots))
         if waits and (self.policy.when == "request" or now):
             # Shielded: a waiter cancelled (its client gone) must not cancel another's warm-up.
             try:
@@ -156,11 +206,31 @@ class DocWarmer:
                                WARM_TIMEOUT_S)
 
     def _start(self, manager: Any, send: Callable[..., Any], key: bytes, canonical: list[int],
-               extra_key: Optional[str], salt: Optional[str], priority: Optional[int]) -> asyncio.Future:
-        future = asyncio.ensure_future(self._prefill(manager, send, canonical, extra_key, salt, priority))
+               extra_key: Optional[str], salt: Optional[str], priority: Optional[int],
+               request_slots: Optional[asyncio.Semaphore] = None) -> asyncio.Future:
+        """Order one warm-up: registered at once (a request needing the same document
+        waits for this one), sent once it has a place under both caps."""
+        future = asyncio.ensure_future(self._capped(request_slots, self._prefill(manager, send, canonical,
+                                                                                 extra_key, salt, priority)))
         self._in_flight[key] = future
         future.add_done_callback(lambda f, key=key: self._done(key, f))
         return future
+
+    async def _capped(self, request_slots: Optional[asyncio.Semaphore], prefill: Any) -> None:
+        """Run ``prefill`` (a coroutine) holding a place of the request's and the server's caps."""
+        if self._server_slots is None:
+            self._server_slots = asyncio.Semaphore(self.caps.per_server)
+        held = False
+        try:
+            if request_slots is not None:
+                await request_slots.acquire()
+                held = True
+            async with self._server_slots:
+                await prefill
+        finally:
+            if held:
+                request_slots.release()
+            prefill.close()  # never awaited when cancelled while waiting for a place
 
     def _done(self, key: bytes, future: asyncio.Future) -> None:
         """Remember a warm-up that completed; a failed or aborted one is tried again next time."""
@@ -240,7 +310,7 @@ def _warmer_for(manager: Any) -> Optional[DocWarmer]:
     hf_config = getattr(getattr(manager, "model_config", None), "hf_config", None)
     config = PCRConfig.from_server_args(args)
     warmer = DocWarmer(int(config.chunk_size), doc_pad_token_id(hf_config), config.doc_recompute(),
-                       config.doc_warmup_policy())
+                       config.doc_warmup_policy(), limits=config.doc_limits())
     manager._pcr_doc_warmer = warmer
     return warmer
 
@@ -249,7 +319,8 @@ def _marked(tokenized: Any) -> bool:
     """A request whose documents may need warming: it marks them, and it will be computed
     (a hint-only KV hint is not: its documents' chains are read by the hint itself)."""
     custom = _custom_params(tokenized)
-    if not (bool(custom) and DOC_BOUNDS_PARAM in custom and getattr(tokenized, "input_ids", None) is not None):
+    if not (isinstance(custom, dict) and DOC_BOUNDS_PARAM in custom
+            and getattr(tokenized, "input_ids", None) is not None):
         return False
     return not _hint_only(tokenized)
 

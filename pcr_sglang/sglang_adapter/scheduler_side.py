@@ -17,7 +17,8 @@ holds a request back while its SSD chunks are read (ordered together, urgently, 
 waited for at most about what recomputing them costs, in the queue, never in the
 scheduler); :meth:`SchedulerSide.load_back` (``init_load_back``) copies the host part
 of an admitted request's chain to the device; :meth:`SchedulerSide.admitted` counts
-its hits, once. The scheduler never waits on a disk, a peer or a whole CUDA stream.
+its hits, once. The scheduler never waits on a disk, a peer or a whole CUDA stream (but
+for a ``blend`` admission, which reads its probe's scores back: README "Document reuse").
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pcr_sglang.config import PCRConfig
 from pcr_sglang.core.agreement import LocalView, agree
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.effects import Effects, IoOutcome
-from pcr_sglang.core.hints import HintBook, HintPayload
+from pcr_sglang.core.hints import Hint, HintBook, HintPayload, hint_tenant
 from pcr_sglang.core.keys import ChunkKey, chunk_keys, root_key
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.io.protocol import ProbeRemote, ReadChunk, Reorder, WriteChunk
@@ -232,8 +233,7 @@ class SchedulerSide:
         window = list(waiting_queue[:depth])
         self._window_keys = {req.rid: self._keys(req) for req in window}
         # Per request: its own prefix, then (document reuse) its documents' canonical chains.
-        chains = [[self.state.match(iter(keys), touch=False).nodes for keys in self._needed_keys(req)]
-                  for req in window]
+        chains = [self._needed_chains(req) for req in window]
         if lookahead:  # one entry per request: the window counts requests
             self.state.protect([[n for chain in per_req for n in chain] for per_req in chains[:lookahead]])
         if self.remote and self.state.io_healthy:
@@ -270,29 +270,26 @@ class SchedulerSide:
         if self.tp is not None:
             clock_ms = self.tp.reduce_min([clock_ms])[0]
         now = self._hint_now = max(self._hint_now, clock_ms / 1000)
-        if not self.hints.register(req.rid, keys, payload, now):
+        tenant = hint_tenant(req.cache_salt, req.extra_key)
+        if not self.hints.register(req.rid, keys, payload, now, tenant=tenant):
             return False
         if self.docs is not None and payload.hint_only:
             # A hint marking documents also reads each one's canonical chain: the final
             # request reuses them in whatever order it puts them. One group with the
-            # prompt's own hint, so they end together; they cost no extra rate token.
+            # prompt's own hint, so they end together. They count against the tenant's live
+            # hints (never another tenant's), and past the first 16 they take rate tokens.
             doc_payload = replace(payload, group=payload.group or f"pcr-hint:{req.rid}")
-            for n, chain in enumerate(self.docs.canonical_chain_keys(req)):
-                self.hints.register(f"{req.rid}#doc{n}", chain, doc_payload, now, charge=False)
+            self.hints.register_documents(req.rid, self.docs.canonical_chain_keys(req), doc_payload, now, tenant)
             self.docs.release(req.rid)  # the hint-only request never reaches admission
         return True
 
     def _hint_clock_ms(self) -> int:
         return int(self.hint_clock() * 1000)
 
-    def _hinted_chains(self) -> list[list[ChunkNode]]:
-        """The live hints' cached chains (this step's agreement expired the old ones)."""
-        chains = []
-        for hint in self.hints.live():
-            nodes = self.state.match(iter(hint.keys), touch=False).nodes
-            if nodes:
-                chains.append(nodes)
-        return chains
+    def _hinted_chains(self) -> tuple[Hint, ...]:
+        """The live hints, in reading order (this step's agreement expired the old ones):
+        the cache state keeps their chains matched from step to step."""
+        return self.hints.live()
 
     def _promote_hinted(self) -> None:
         """``--pcr-hint-to-device``: the host-resident run that continues each live hint's
@@ -300,11 +297,13 @@ class SchedulerSide:
         stays free, newest hint first; never by evicting anything. The final request then
         finds it on the device (on a GPU its PCIe copy is meant to have left the request's
         path: not measured yet)."""
-        if self.engine is None:
+        chains = self.state.hint_chains.tracked()  # the live hints', synced by this step's plan
+        if self.engine is None or not any(chain.nodes for chain in chains):
             return
-        for hint in self.hints.live():
-            nodes = self.state.promotable(self.state.match(iter(hint.keys), touch=False).host_nodes)
-            if not nodes or self.allocator.available_size() - len(nodes) * self.chunk < self._promote_free_floor:
+        for chain in chains:
+            fits = (self.allocator.available_size() - self._promote_free_floor) // self.chunk
+            nodes = self.state.hint_promotable(chain, fits)
+            if not nodes:
                 continue
             slots = self._load_into_free_slots(nodes)
             if slots is not None:
@@ -313,6 +312,12 @@ class SchedulerSide:
             # CPU: copies wait for the next forward's layer hooks; there may be none for a
             # while, and an I/O order for these host slots waits for them: copy now.
             self.engine.order_before_reuse()
+
+    def _needed_chains(self, req: Any) -> list[list[ChunkNode]]:
+        """The cached part of each chain of :meth:`_needed_keys` (document chains share
+        their leading chunks: :meth:`DocReuse.canonical_chain_nodes` walks those once)."""
+        own = self.state.match(iter(self._keys(req)), touch=False).nodes
+        return [own, *self.docs.canonical_chain_nodes(req)] if self.docs is not None else [own]
 
     def _needed_keys(self, req: Any) -> list[list[ChunkKey]]:
         """The chains a waiting request will reuse: its prefix, and with document reuse
@@ -546,7 +551,10 @@ class SchedulerSide:
             self.engine.order_before_reuse()
             self.engine.order_after_forward()
         elif torch.cuda.is_available() and getattr(self.allocator, "device", "cpu") != "cpu":
-            torch.cuda.synchronize()  # no engine tracks the forward's stream: wait for the device
+            # No engine: a GPU-side wait on SGLang's forward stream (the scheduler thread
+            # goes on); only where that stream is unknown, a wait for the whole device.
+            if self.docs is None or not self.docs.order_after_forward():
+                torch.cuda.synchronize()
 
     def rows_written(self, reqs: Sequence[Any]) -> None:
         """``prepare_for_extend`` wrote these requests' rows: private document slots in

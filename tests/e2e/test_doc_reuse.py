@@ -26,7 +26,7 @@ from pcr_sglang.data import load_wiki_articles
 from pcr_sglang.doc_prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
 from pcr_sglang.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
-from tests.e2e.helpers import serving, ssd_server
+from tests.e2e.helpers import TIERED_ARGS, serving, ssd_server
 
 pytestmark = pytest.mark.e2e
 
@@ -90,6 +90,33 @@ def test_bad_bounds_get_http_400_naming_the_problem(servers, tokenizer, bounds, 
         "input_ids": ids, "sampling_params": {**SAMPLING, "custom_params": {"pcr_doc_bounds": bounds}}})
     assert response.status_code == 400, response.text
     assert message in response.text
+
+
+def _bounds(count: int, length: int, start: int = 2) -> list[int]:
+    return [b for i in range(count) for b in (start + i * length, start + (i + 1) * length)]
+
+
+@pytest.mark.parametrize("ids, custom, message", [
+    ([1] + [42] * (65 * 16) + [2], {"pcr_doc_bounds": _bounds(65, 16, 1)},
+     r"marks 65 documents; this server takes at most 64 per request \(--pcr-doc-max-documents\)"),
+    ([1] + [42] * 40, {"pcr_doc_bounds": [1, 20, 20, 35, 35, 40]},
+     r"document 1 \[20, 35\) has 15 tokens; this server takes documents of at least 16 \(--pcr-doc-min-tokens\)"),
+    ([1] + [42] * 40, "xpcr_doc_boundsx", "sampling_params.custom_params must be an object of named parameters, got str"),
+    ([1] + [42] * 40, ["pcr_doc_bounds"], "sampling_params.custom_params must be an object of named parameters, got list"),
+], ids=["too-many-documents", "too-short", "string-custom-params", "list-custom-params"])
+def test_requests_past_the_document_limits_or_with_non_dict_custom_params_get_http_400(servers, ids, custom, message):
+    """Review findings 4 and 14: any number of documents of any length was accepted (one
+    warm-up prefill each, hashing in the scheduler thread), and a string ``custom_params``
+    containing the parameter's name got an AttributeError instead of a 400. The server goes
+    on serving marked requests afterwards."""
+    docs = servers["docs"]
+    response = requests.post(docs.base_url + "/generate", timeout=60, json={
+        "input_ids": ids, "sampling_params": {**SAMPLING, "custom_params": custom}})
+    assert response.status_code == 400, response.text
+    assert re.search(message, response.text), response.text
+    fine = docs.generate({"input_ids": [1] + [42] * 40, "sampling_params": {
+        **SAMPLING, "ignore_eos": True, "custom_params": {"pcr_doc_bounds": _bounds(2, 16, 1)}}})
+    assert len(fine["output_ids"]) == SAMPLING["max_new_tokens"]
 
 
 def test_unknown_mode_gets_http_400(servers, tokenizer):
@@ -251,7 +278,7 @@ def test_concat_outputs_equal_an_independent_reference(servers, tokenizer, passa
 
 
 def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: int = 0, ratio: float = 0.0,
-                            positions: bool = True, gaps=()) -> tuple[list[int], list[int]]:
+                            positions: bool = True, gaps=(), largest: bool = True) -> tuple[list[int], list[int]]:
     """What lego and blend must compute, built with Hugging Face transformers: the concat
     KV (as in :func:`_hf_concat_reference`), then the recomputed tokens, lego's first ``k``
     of each re-placed document or blend's ``ratio`` of them whose layer-1 V deviates most
@@ -261,7 +288,8 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
     the recomputed positions. ``positions=False`` runs them at the positions their row slots
     would have (the negative control: a missing position override). ``gaps``: unmarked
     token ranges between marked documents, computed in place with the recomputed tokens
-    (their KV here is a placeholder the cache drops)."""
+    (their KV here is a placeholder the cache drops). ``largest=False``: blend picks the
+    least deviating tokens instead (the negative control of its pick)."""
     import torch
     from transformers import DynamicCache
 
@@ -287,7 +315,7 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
             index = torch.tensor(rotated)
             deviation = (full.values[0][:, index] - layers[1][1][0][:, index]).square().sum(dim=(0, 2))
             count = min(len(rotated), int(round(ratio * len(rotated))))
-            chosen = sorted(index[torch.topk(deviation, count).indices].tolist())
+            chosen = sorted(index[torch.topk(deviation, count, largest=largest).indices].tolist())
             layers[1][0][:, :, index] = full.keys[:, :, index]
             layers[1][1][:, :, index] = full.values[:, :, index]
         chosen = sorted({*chosen, *gap_positions})
@@ -327,7 +355,8 @@ def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, pa
     from the recompute output for most prompts, so the comparison can tell. (Without the
     mask applied in the server, lego failed here.) The tiny model has two layers, so blend's
     probe makes every re-placed token exact at both and which tokens it picks cannot move
-    the answer: the pick is checked in tests/unit/test_doc_reuse_setup.py."""
+    the answer: the pick is checked in tests/unit/test_doc_reuse_setup.py, and on four
+    layers by the next test."""
     model = hf_model
     docs = servers["docs"]
     pool = passages[50:56]
@@ -349,6 +378,52 @@ def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, pa
         differs_concat += _generate(docs, prompt, marked=True, mode="concat")["output_ids"] != expected
     assert _doc_counters(docs)["tokens_recomputed"] - before["tokens_recomputed"] == recomputed
     assert differs_unplaced >= 3 and differs_concat >= 2, (differs_unplaced, differs_concat)
+
+
+@pytest.fixture(scope="module")
+def deep_model():
+    """The tiny model with four layers (its own folder): past blend's layer-1 probe."""
+    from pcr_sglang.models.tiny_llama import build_tiny_llama
+
+    return str(build_tiny_llama(num_layers=4))
+
+
+@pytest.fixture(scope="module")
+def deep_server(deep_model):
+    """A document-reuse server of the four-layer model, device and host tiers."""
+    server = {"deep": ServerProcess(deep_model, (*TIERED_ARGS, *DOC_REUSE))}
+    with serving(server):
+        yield server["deep"]
+
+
+def test_blend_on_four_layers_equals_an_independent_reference(deep_server, deep_model, passages):
+    """On two layers blend's probe makes every kept token exact (layer 0 is, layer 1 comes
+    from the probe), so neither its pick nor its copy of the kept tokens' other layers can
+    move an answer. On four layers the kept tokens' layers 2-3 are their re-placed KV,
+    copied under blend's keep mask after the probe: checked against transformers (as
+    above). Negative control: the reference picking the least deviating tokens instead
+    gives other tokens for some prompts, so the pick is what is compared. (A permuted
+    keep mask, or the kept tokens' copy starting at layer 3, failed here.)"""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(deep_model)
+    model = AutoModelForCausalLM.from_pretrained(deep_model, dtype=torch.float32).eval()
+    assert model.config.num_hidden_layers == 4
+    pool = passages[50:56]
+    rng = random.Random(11)
+    differs_pick = 0
+    for i in range(4):
+        prompt = build_doc_prompt(tokenizer, "Deep check.", rng.sample(pool, 3), f"Point {i}?")
+        _generate(deep_server, prompt, marked=True, mode="concat")  # warm: every document cached
+        out = _generate(deep_server, prompt, marked=True, mode="blend", pcr_doc_recompute_ratio=0.3)
+        expected, chosen = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3)
+        assert out["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1] - len(chosen), i
+        assert out["output_ids"] == expected, i
+        other_pick, _ = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3,
+                                                largest=False)
+        differs_pick += other_pick != expected
+    assert differs_pick >= 3, differs_pick  # 4 of 4 when written (on two layers: 0 of 4)
 
 
 @pytest.mark.parametrize("mode, custom, reference", [

@@ -9,12 +9,15 @@ from dataclasses import replace
 from pcr_sglang.core.doc_reuse import (
     CopySegment,
     DocBoundsError,
+    DocLimits,
     DocSpan,
     Recompute,
+    canonical_chain_keys,
     canonical_tokens,
     parse_doc_bounds,
     plan_reuse,
     request_recompute,
+    request_warm_now,
     row_order,
     with_recompute,
 )
@@ -41,6 +44,54 @@ def test_bad_bounds_are_refused_naming_the_problem(raw, message):
 
 def test_bounds_parse_to_spans():
     assert parse_doc_bounds([2, 5, 5, 9, 12, 20], 20) == (DocSpan(0, 2, 5), DocSpan(1, 5, 9), DocSpan(2, 12, 20))
+
+
+LIMITS = DocLimits(max_documents=3, min_tokens=2)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ([2, 4, 4, 6, 6, 8, 8, 10], r"marks 4 documents; this server takes at most 3 per request \(--pcr-doc-max-documents\)"),
+    ([2, 4, 4, 5], r"document 1 \[4, 5\) has 1 tokens; this server takes documents of at least 2 "
+                   r"\(--pcr-doc-min-tokens\)"),
+])
+def test_bounds_past_the_servers_limits_are_refused_naming_the_flag(raw, message):
+    """Review finding 4: any number of documents, of any length, was accepted (2,000
+    two-token documents cost 1.44 s of hashing in the scheduler thread)."""
+    with pytest.raises(DocBoundsError, match=message):
+        parse_doc_bounds(raw, 20, LIMITS)
+    assert len(parse_doc_bounds(raw, 20)) == len(raw) // 2  # the format alone is fine
+
+
+def test_malformed_bounds_are_named_as_such_before_any_limit():
+    with pytest.raises(DocBoundsError, match="before the previous document ends"):
+        parse_doc_bounds([2, 9, 7, 12], 20, DocLimits(max_documents=3, min_tokens=16))
+
+
+def test_bounds_within_the_limits_parse():
+    assert parse_doc_bounds([2, 4, 4, 6, 8, 20], 20, LIMITS) == (DocSpan(0, 2, 4), DocSpan(1, 4, 6),
+                                                                DocSpan(2, 8, 20))
+
+
+@pytest.mark.parametrize("custom", ["xpcr_doc_boundsx", ["pcr_doc_bounds"], 3])
+def test_custom_params_that_are_not_a_dict_are_refused_naming_the_field(custom):
+    """Review finding 14: ``"pcr_doc_bounds" in "xpcr_doc_boundsx"`` is true, and ``.get``
+    then raised AttributeError (an error response, and in the scheduler an uncaught one)."""
+    with pytest.raises(DocBoundsError, match="sampling_params.custom_params must be an object"):
+        request_recompute(custom, Recompute("concat"))
+    with pytest.raises(DocBoundsError, match="sampling_params.custom_params must be an object"):
+        request_warm_now(custom)
+
+
+@pytest.mark.parametrize("leading", [1, 3, 4, 5, 9])
+def test_canonical_chain_keys_hash_the_leading_tokens_once_and_equal_each_chains_own(leading):
+    """The keys of ``S ‖ d ‖ pad`` with ``S``'s whole chunks shared are those of hashing
+    each canonical sequence on its own, wherever ``S`` ends on the chunk grid."""
+    from pcr_sglang.core.keys import chunk_keys
+
+    tokens = list(range(100, 140))
+    spans = parse_doc_bounds([leading, leading + 3, leading + 3, leading + 9, leading + 12, leading + 13], 40)
+    chains = canonical_chain_keys(b"root", tokens, spans, 4, 0)
+    assert chains == [chunk_keys(b"root", canonical_tokens(tokens, span, leading, 4, 0), 4) for span in spans]
 
 
 def test_canonical_sequence_is_leading_tokens_document_and_padding_to_the_grid():

@@ -58,6 +58,8 @@ def test_the_ledger_forgets_the_oldest_sightings_first():
     ({"doc_warmup": "later"}, "--pcr-doc-warmup must be one of request, idle"),
     ({"doc_warmup_after": 0}, "--pcr-doc-warmup-after must be an integer >= 1"),
     ({"doc_warmup_after": True}, "--pcr-doc-warmup-after must be an integer >= 1"),
+    ({"doc_max_documents": 0}, "--pcr-doc-max-documents must be an integer >= 1"),
+    ({"doc_min_tokens": 0}, "--pcr-doc-min-tokens must be an integer >= 1"),
 ])
 def test_bad_warmup_flags_name_the_flag(fields, message):
     with pytest.raises(PCRConfigError, match=message):
@@ -67,6 +69,14 @@ def test_bad_warmup_flags_name_the_flag(fields, message):
 def test_the_flags_reach_the_policy():
     args = SimpleNamespace(enable_pcr=True, pcr_doc_warmup="idle", pcr_doc_warmup_after=3)
     assert PCRConfig.from_server_args(args).doc_warmup_policy() == WarmupPolicy("idle", 3)
+
+
+def test_the_document_limit_flags_reach_the_limits():
+    from pcr_sglang.core.doc_reuse import DocLimits
+
+    args = SimpleNamespace(enable_pcr=True, pcr_doc_max_documents=5, pcr_doc_min_tokens=3)
+    assert PCRConfig.from_server_args(args).doc_limits() == DocLimits(5, 3)
+    assert PCRConfig().doc_limits() == DocLimits(64, 16)
 
 
 # ---------------------------------------------------------------- the warmer
@@ -205,3 +215,60 @@ def test_a_hint_only_request_marking_documents_warms_nothing():
     assert not needs_warming(request)
     request.kv_hints = SimpleNamespace(actions=[action(False)])  # rides on a real request: warmed as usual
     assert needs_warming(request)
+
+
+def _many(first_token: int, count: int, warm_now: bool = False) -> SimpleNamespace:
+    """A request marking ``count`` two-token documents behind S = [1, 2]."""
+    tokens, bounds = [1, 2], []
+    for i in range(count):
+        bounds += [len(tokens), len(tokens) + 2]
+        tokens += [first_token + 2 * i, first_token + 2 * i + 1]
+    request = _marked(tokens + [30], bounds)
+    if warm_now:
+        request.sampling_params["custom_params"]["pcr_doc_warm"] = True
+    return request
+
+
+@pytest.mark.parametrize("policy, warm_now", [(WarmupPolicy("request", after=1), False),
+                                              (WarmupPolicy("request", after=2), True),
+                                              (WarmupPolicy("idle", after=2), True)],
+                         ids=["due", "pcr_doc_warm", "pcr_doc_warm-idle"])
+def test_warm_ups_in_flight_are_capped_per_request_and_per_server(policy, warm_now):
+    """Review finding 4: one request started one warm-up prefill per due document, all at
+    once, and ``pcr_doc_warm: true`` made every document due. Now at most
+    ``per_request`` of one request's are in flight, ``per_server`` of everyone's; the rest
+    wait for a place and all run in the end."""
+    from pcr_sglang.sglang_adapter.doc_warmer import WarmupCaps
+
+    async def run():
+        manager = SimpleNamespace(rid_to_state={})
+        warmer = DocWarmer(CHUNK, PAD, Recompute("concat"), policy, caps=WarmupCaps(per_request=3, per_server=4))
+        recorder = Recorder(manager)
+        warmer._prefill = recorder  # type: ignore[method-assign]
+        recorder.hold = True
+        first = asyncio.ensure_future(warmer.warm(manager, _many(100, 12, warm_now), send=None))
+        await asyncio.sleep(0.05)
+        assert recorder.concurrent == 3 and len(warmer._in_flight) == 12  # the rest wait for a place
+        second = asyncio.ensure_future(warmer.warm(manager, _many(500, 12, warm_now), send=None))
+        await asyncio.sleep(0.05)
+        assert recorder.concurrent == 4  # the server's cap: the second request got one place
+        recorder.release.set()
+        await asyncio.wait_for(asyncio.gather(first, second), timeout=5)
+        assert len(recorder.sent) == 24 and recorder.most_concurrent == 4
+        assert warmer.stats.completed == 24 and not warmer._in_flight
+    asyncio.run(run())
+
+
+def test_the_warmers_keys_hash_the_leading_tokens_once_and_tell_documents_and_tenants_apart():
+    """The ledger key of each document is its canonical sequence's digest (``S`` hashed
+    once per request): equal for the same document in another request, different for
+    another document or tenant."""
+    from pcr_sglang.core.doc_reuse import parse_doc_bounds
+
+    warmer = DocWarmer(CHUNK, PAD)
+    spans = parse_doc_bounds(BOUNDS, len(PROMPT))
+    keys = warmer._keys(PROMPT, spans, None, None)
+    moved = [1, 2, 20, 21, 10, 11, 12, 30]  # the same documents, the other way round
+    assert warmer._keys(moved, parse_doc_bounds([2, 4, 4, 7], 8), None, None) == keys[::-1]
+    assert len(set(keys)) == 2
+    assert warmer._keys(PROMPT, spans, None, "other") != keys
