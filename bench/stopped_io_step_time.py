@@ -96,7 +96,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pcr-stopped-io-") as work:
         server = ServerProcess(args.model_path, (
             "--max-total-tokens", "2600", "--context-length", "2048", "--log-level", "warning",
-            "--enable-pcr", "--pcr-chunk-size", "16", "--pcr-dram-gb", "0.003",
+            "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", "16", "--pcr-dram-gb", "0.003",
             "--pcr-ssd-path", str(Path(work) / "store"), "--pcr-ssd-gb", "0.5", "--pcr-ssd-reserve-gb", "0"),
             env={"PYTHONPATH": args.server_pythonpath} if args.server_pythonpath else {},
             cwd=args.server_pythonpath)

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         RagWorkloadParams(num_requests=args.requests, doc_pool_size=12, min_docs=3, max_docs=5,
                           zipf_exponent=1.1, max_doc_chars=600, seed=args.seed)
     )
-    server_args = ("--enable-pcr", "--pcr-chunk-size", str(args.chunk_size),
+    server_args = ("--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(args.chunk_size),
                    "--max-total-tokens", "16384", "--context-length", "4096", "--log-level", "warning",
                    # Every document of the second pass was seen in the first (unmarked, so not
                    # counted): warm each at its first marked sighting.

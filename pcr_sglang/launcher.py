@@ -324,9 +324,19 @@ class ServerProcess:
         if r.status_code != 200:
             raise RuntimeError(f"flush_cache failed ({r.status_code}): {r.text.strip()}")
 
+    @property
+    def admin_api_key(self) -> Optional[str]:
+        """The server's ``--admin-api-key``, if it was started with one."""
+        args = list(self.extra_args)
+        return args[args.index("--admin-api-key") + 1] if "--admin-api-key" in args[:-1] else None
+
     def server_info(self, *, check_invariants: bool = False) -> dict:
+        """SGLang's ``/server_info``; ``check_invariants`` asks for PCR's O(tree) check, which
+        needs ``--pcr-debug-checks`` or the admin key (sent when the server has one)."""
         params = {"pcr_check_invariants": "1"} if check_invariants else None
-        r = requests.get(f"{self.base_url}/server_info", params=params, timeout=30)
+        key = self.admin_api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        r = requests.get(f"{self.base_url}/server_info", params=params, headers=headers, timeout=30)
         r.raise_for_status()
         return r.json()
 

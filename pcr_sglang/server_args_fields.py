@@ -63,6 +63,9 @@ DEFAULT_DOC_RECOMPUTE_RATIO = 0.15
 DOC_WARMUP_CHOICES = ["request", "idle"]
 DEFAULT_DOC_WARMUP = "request"
 DEFAULT_DOC_WARMUP_AFTER = 2
+# What one request may mark (bench/doc_bounds_step.py measures the worst allowed request).
+DEFAULT_DOC_MAX_DOCUMENTS = 64
+DEFAULT_DOC_MIN_TOKENS = 16
 
 
 class Pcr(msgspec.Struct):
@@ -202,8 +205,10 @@ class Pcr(msgspec.Struct):
         Arg(
             help=(
                 "KV hints: a hint is dropped after its payload's ttl_s, at most this many seconds; "
-                "earlier when a request covering it (or another candidate of its group) is admitted, "
-                f"or when over 256 hints are live (the oldest). Default: {DEFAULT_HINT_MAX_TTL_S:g}."
+                "earlier when a request covering it (or another candidate of its group, in its "
+                "tenant: the request's cache_salt, else its extra_key) is admitted, or when over "
+                "256 hints are live on the server (the oldest of the tenant holding the most). "
+                f"Default: {DEFAULT_HINT_MAX_TTL_S:g}."
             )
         ),
     ] = DEFAULT_HINT_MAX_TTL_S
@@ -211,8 +216,9 @@ class Pcr(msgspec.Struct):
         float,
         Arg(
             help=(
-                "KV hints: most hints registered per second (a token bucket of twice as many); "
-                f"hints over it are answered and dropped. Default: {DEFAULT_HINT_RATE:g}."
+                "KV hints: most hints registered per second per tenant (the request's cache_salt, "
+                "else its extra_key; a token bucket of twice as many each); hints over it are "
+                f"answered and dropped. Default: {DEFAULT_HINT_RATE:g}."
             )
         ),
     ] = DEFAULT_HINT_RATE
@@ -345,6 +351,32 @@ class Pcr(msgspec.Struct):
             )
         ),
     ] = DEFAULT_DOC_WARMUP_AFTER
+    pcr_doc_max_documents: A[
+        int,
+        Arg(
+            help=(
+                "The most documents one request may mark in custom_params['pcr_doc_bounds']; "
+                "a request marking more gets HTTP 400 naming this flag. Each marked document "
+                "costs its own canonical chain (hashed, matched every scheduler step while the "
+                "request waits, stored, and warmed by a prefill of the leading tokens plus the "
+                f"document). Checked with or without --pcr-doc-reuse. Default: {DEFAULT_DOC_MAX_DOCUMENTS}."
+            )
+        ),
+    ] = DEFAULT_DOC_MAX_DOCUMENTS
+    pcr_doc_min_tokens: A[
+        int,
+        Arg(
+            help=(
+                "The fewest tokens a marked document may have; a request marking a shorter one "
+                "gets HTTP 400 naming this flag. A document's fixed costs do not shrink with it "
+                "(a warm-up prefill of the leading tokens, a canonical chain padded to whole "
+                "--pcr-chunk-size chunks, a match every scheduler step while the request waits), "
+                "while what reusing it saves is its own length: one of a few tokens saves almost "
+                f"nothing for that price. Default: {DEFAULT_DOC_MIN_TOKENS} (a short sentence; "
+                "lower it for shorter documents)."
+            )
+        ),
+    ] = DEFAULT_DOC_MIN_TOKENS
     pcr_remote: A[
         str,
         Arg(
@@ -360,6 +392,17 @@ class Pcr(msgspec.Struct):
             choices=REMOTE_CHOICES,
         ),
     ] = DEFAULT_REMOTE
+    pcr_debug_checks: A[
+        bool,
+        Arg(
+            help=(
+                "Let any client ask /server_info?pcr_check_invariants=1 for PCR's full bookkeeping "
+                "check, a walk of the whole chunk tree in the scheduler thread (tests and "
+                "debugging). Without this flag only a caller with SGLang's --admin-api-key (as a "
+                "Bearer token) may ask; others get HTTP 403."
+            )
+        ),
+    ] = False
     pcr_remote_config: A[
         Optional[str],
         Arg(

@@ -3,7 +3,10 @@
 ``/server_info`` reports PCR's counters on every call, which costs O(1) beyond a pass over
 the host-slot table. Verifying the tree and slot table against each other walks every
 chunk (O(tree)) in the scheduler thread, so it runs only when a caller asks for it with
-the query parameter: tests and debugging, never a scraper.
+the query parameter, and only a caller allowed to: any caller on a server started with
+``--pcr-debug-checks`` (tests and debugging), otherwise one holding SGLang's
+``--admin-api-key`` as a Bearer token. Anyone else gets HTTP 403: ``/server_info`` itself
+has no authentication, and a loop of such asks would slow every request's steps.
 
 SGLang's ``/server_info`` takes no parameters and its request to the schedulers
 (``GetInternalStateReq``) carries none, so the ask travels in the request's ``rid``:
@@ -18,9 +21,10 @@ SGLang's ``/server_info`` takes no parameters and its request to the schedulers
 from __future__ import annotations
 
 import logging
+import secrets
 import sys
 from contextvars import ContextVar
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,31 @@ def _truthy(value: str | None) -> bool:
     return value is not None and value.strip().lower() not in ("", "0", "false", "no")
 
 
+def may_check(debug_checks: bool, admin_api_key: Optional[str], authorization: Optional[str]) -> bool:
+    """Whether a caller may ask for the O(tree) check: with ``--pcr-debug-checks`` anyone,
+    otherwise only a holder of the admin API key (compared in constant time)."""
+    if debug_checks:
+        return True
+    if not admin_api_key or not authorization:
+        return False
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), admin_api_key)
+
+
+def _may_check(http_server: Any, authorization: Optional[str]) -> bool:
+    server_args = getattr(getattr(http_server, "_global_state", None), "tokenizer_manager", None)
+    server_args = getattr(server_args, "server_args", None)
+    admin_api_key = getattr(server_args, "admin_api_key", None)
+    if admin_api_key is None:
+        try:
+            from sglang.srt.runtime_context import get_serving
+
+            admin_api_key = get_serving().admin_api_key
+        except Exception:  # no serving config published in this process: no key
+            admin_api_key = None
+    return may_check(bool(getattr(server_args, "pcr_debug_checks", False)), admin_api_key, authorization)
+
+
 def add_server_info_route(result: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER ``TokenizerControlMixin.init_communicators``: in the HTTP server's process,
     put PCR's ``/server_info`` route before SGLang's (once). Other processes that build a
@@ -52,7 +81,14 @@ def add_server_info_route(result: Any, *args: Any, **kwargs: Any) -> Any:
     sglang_server_info = http_server.server_info
 
     async def pcr_server_info(request: Request) -> Any:
-        token = _check_requested.set(_truthy(request.query_params.get(QUERY_PARAMETER)))
+        asked = _truthy(request.query_params.get(QUERY_PARAMETER))
+        if asked and not _may_check(http_server, request.headers.get("authorization")):
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse(status_code=403, content={"error": (
+                f"{QUERY_PARAMETER} walks the whole cache in the scheduler thread: start the server with "
+                f"--pcr-debug-checks, or send SGLang's --admin-api-key as 'Authorization: Bearer <key>'")})
+        token = _check_requested.set(asked)
         try:
             return await sglang_server_info()
         finally:

@@ -85,7 +85,7 @@ def generate_greedy(server: ServerProcess, prompts: Sequence[list[int]], concurr
 # Device pool ~2.6k tokens and host memory ~5k tokens, for a ~26k-token working set.
 TIERED_ARGS = (
     "--max-total-tokens", "2600", "--context-length", "2048", "--log-level", "warning", "--sleep-on-idle",
-    "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.01",
+    "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.01",
 )
 
 

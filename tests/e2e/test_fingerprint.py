@@ -109,10 +109,8 @@ def test_a_weight_update_in_place_never_serves_the_old_weights_kv(tiny_model, mo
         assert written >= len(prompts) * 4
         before = server.pcr_state()["namespace"]["model_fingerprint"]
 
+        hits_before = server.pcr_state()["ssd"]["counters"]["hit_chunks"]
         _update_weights(server, model_b)
-        state = server.pcr_state()
-        assert state["namespace"]["model_fingerprint"] != before
-        hits_before = state["ssd"]["counters"]["hit_chunks"]
         outputs_b, cached_b = _run(server, prompts)
         state = server.pcr_state(check_invariants=True)
         assert cached_b == [0] * len(prompts)
@@ -120,6 +118,7 @@ def test_a_weight_update_in_place_never_serves_the_old_weights_kv(tiny_model, mo
         assert state["ssd"]["counters"]["on_demand_reads"] == 0
         assert state["invariants"]["ok"]
         assert outputs_b == baseline_b
+        assert state["namespace"]["model_fingerprint"] != before
 
         wait_for_write_back(server)
         _update_weights(server, tiny_model)

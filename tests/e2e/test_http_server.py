@@ -22,12 +22,15 @@ SMALL_POOL_ARGS = (
 )
 
 
+ADMIN_KEY = "pcr-test-admin-key"
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_model, baseline_server):
-    pcr = ServerProcess(tiny_model, (*COMMON_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE)))
+    pcr = ServerProcess(tiny_model, (*COMMON_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE)))
     # A KV pool of ~3 prompts for a working set of ~40 documents: eviction all the time.
     pcr_small = ServerProcess(
-        tiny_model, (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE))
+        tiny_model, (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE))
     )
     # SGLang's own HiCache on CPU (our host-pool patch and kvcacheio stand-in): the
     # benchmarks' baseline, checked here for correctness under the same small pool.
@@ -38,23 +41,26 @@ def servers(tiny_model, baseline_server):
     # The same small device pool with PCR's host tier behind it.
     pcr_dram = ServerProcess(
         tiny_model,
-        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
+        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
          "--enable-metrics"),
     )
     # A cache-aware policy: every pass matches the whole waiting queue (up to 128 requests).
     pcr_lpm = ServerProcess(
         tiny_model,
-        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
+        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
          "--schedule-policy", "lpm", "--enable-metrics"),
     )
     everything = {"pcr": pcr, "pcr_small": pcr_small, "hicache": hicache,
                   "pcr_dram": pcr_dram, "pcr_lpm": pcr_lpm}
     # The other --pcr-layerwise settings (pcr_dram runs the default, both).
+    # The 'off' one without --pcr-debug-checks and with an admin key: the tree check is
+    # for the admin only there.
     for mode in ("off", "load", "offload"):
+        checks = ("--admin-api-key", ADMIN_KEY) if mode == "off" else ("--pcr-debug-checks",)
         everything[f"pcr_dram_{mode}"] = ServerProcess(
             tiny_model,
-            (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
-             "--pcr-layerwise", mode),
+            (*SMALL_POOL_ARGS, "--enable-pcr", *checks, "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb",
+             "0.25", "--pcr-layerwise", mode),
         )
     with serving(everything, start_first=("hicache",), shared={"baseline": baseline_server}):
         yield everything
@@ -79,6 +85,23 @@ def test_server_info_checks_the_tree_only_when_asked(servers):
     assert asked == {"checked": True, "ok": True, "error": None}
     info = server.server_info(check_invariants=True)  # PCR's route still serves SGLang's fields
     assert info["version"] and info["internal_states"] and "model_path" in info
+
+
+def test_the_tree_check_needs_the_debug_flag_or_the_admin_key(servers):
+    """Any client could ask for the O(tree) walk in the scheduler thread (``/server_info`` has
+    no authentication): without ``--pcr-debug-checks`` only the admin key may."""
+    import requests
+
+    server = servers["pcr_dram_off"]
+    url = f"{server.base_url}/server_info"
+    refused = requests.get(url, params={"pcr_check_invariants": "1"}, timeout=30)
+    assert refused.status_code == 403 and "--pcr-debug-checks" in refused.json()["error"]
+    wrong = requests.get(url, params={"pcr_check_invariants": "1"}, headers={"Authorization": "Bearer nope"},
+                         timeout=30)
+    assert wrong.status_code == 403
+    assert requests.get(url, timeout=30).status_code == 200  # the counters stay open to all
+    asked = server.pcr_state(check_invariants=True)["invariants"]  # sends the admin key
+    assert asked == {"checked": True, "ok": True, "error": None}
 
 
 def test_concurrent_requests_keep_outputs_and_locks(servers, rag_prompt_ids, baseline_outputs):

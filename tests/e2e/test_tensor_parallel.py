@@ -35,7 +35,7 @@ def servers(tiny_model, tmp_path_factory):
     # Host memory of ~100 chunks per rank for a working set of ~500: most reuse is from SSD.
     pcr = ServerProcess(
         tiny_model,
-        (*TP_ARGS, "--enable-pcr", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.003",
+        (*TP_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.003",
          "--pcr-ssd-path", str(tmp_path_factory.mktemp("pcr-tp") / "store"), "--pcr-ssd-gb", "0.5",
          "--pcr-ssd-reserve-gb", "0", "--enable-metrics"),
         env={**TP_ENV, "PCR_IO_TEST_FAULTS": '{"tp_ranks": [1], "read_delay_s": 0.002}'},

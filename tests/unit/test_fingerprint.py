@@ -269,3 +269,15 @@ def test_a_disk_update_gets_the_fresh_servers_fingerprint(tiny_model, model_copy
     assert model_fingerprint(mc, str(tiny_model)) != started_on_other
     one, two = (fingerprint.in_memory_update_fingerprint(started_on_other, n) for n in (1, 2))
     assert one != two and one.startswith(fingerprint.IN_MEMORY_UPDATE_TAG)
+
+
+def test_a_retrained_adapter_at_the_same_path_changes_the_server_namespace(namespace_of, tmp_path):
+    """Through SGLang's real flag resolution: the server's namespace follows the files of a
+    --lora-paths adapter, not its name and path (SGLang's id for it)."""
+    path = _write_adapter(tmp_path / "adapter", seed=1)
+    lora = ("--enable-lora", "--lora-paths", f"a={path}", "--max-lora-rank", "4",
+            "--lora-target-modules", "q_proj", "v_proj")
+    first = namespace_of(*lora).chain_digest()
+    assert namespace_of(*lora).chain_digest() == first
+    _write_adapter(path, seed=2)
+    assert namespace_of(*lora).chain_digest() != first

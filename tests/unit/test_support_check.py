@@ -301,3 +301,14 @@ def test_an_adapter_without_local_files_is_refused_with_persistent_tiers(tmp_pat
         assert "a=org/adapter-on-the-hub" in reason
     local = SupportInputs(SimpleNamespace(lora_paths=[f"a={tmp_path}"]), pcr)
     assert support_check.check_lora_persistent_tiers(local) is None
+
+
+def test_only_the_debug_flag_or_the_admin_key_may_ask_for_the_tree_check():
+    from pcr_sglang.sglang_adapter.server_info_check import may_check
+
+    assert may_check(True, None, None)
+    assert not may_check(False, None, None)
+    assert not may_check(False, None, "Bearer anything")  # no admin key configured: nobody
+    assert not may_check(False, "k3y", None) and not may_check(False, "k3y", "Bearer wrong")
+    assert not may_check(False, "k3y", "Basic k3y")
+    assert may_check(False, "k3y", "Bearer k3y") and may_check(False, "k3y", "bearer k3y")
