@@ -41,9 +41,9 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
   ``--kv-events-config``, ``/server_info``'s ``kv_events.block_size`` and the event sources
   advertised to gRPC routers say PCR's chunk size, the size of the blocks its events carry
   (SGLang's say the page size; ``sglang_adapter/kv_events``);
-* SGLang's four ``update_weights_from_*`` calls (AROUND): the cache namespace moves to the
-  new weights', so no KV computed with the old ones is served again from any tier
-  (``sglang_adapter/weight_updates``);
+* SGLang's four ``update_weights_from_*`` calls and ``end_weight_update`` (AROUND): the
+  cache namespace moves to the new weights', so no KV computed with the old ones is served
+  again from any tier (``sglang_adapter/weight_updates``);
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state;
   the tokenizer manager's ``init_communicators`` (AFTER) and ``get_internal_state``
   (AROUND): ``/server_info?pcr_check_invariants=1`` asks for the O(tree) bookkeeping
@@ -148,7 +148,7 @@ def register() -> None:
     )
     from pcr_sglang.sglang_adapter import doc_warmer, kv_hints, server_info_check, weight_updates
 
-    for method in weight_updates.UPDATE_METHODS:
+    for method in (*weight_updates.UPDATE_METHODS, weight_updates.SESSION_END):
         HookRegistry.register(
             f"sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.{method}",
             functools.partial(weight_updates.around_weight_update, method),

@@ -114,26 +114,24 @@ class IOSupervisor:
         return self.healthy
 
     def close(self) -> None:
+        self._kill_and_wait()
+        self._proc = None
+        self._channel.close()
+
+    def _kill_and_wait(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 logger.error("PCR I/O process %d does not exit after SIGKILL", self._proc.pid)
-        self._proc = None
-        self._channel.close()
 
     def restart(self, config: WorkerConfig) -> bool:
         """Serve another store (the weights changed, and with them the SSD namespace): the
         running process is killed and waited for (nothing it was doing can land in a host
         slot after this returns), its orders come back cancelled at the next :meth:`poll`,
         and a process on ``config``'s store is started. True once it is ready."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                logger.error("PCR I/O process %d does not exit after SIGKILL", self._proc.pid)
+        self._kill_and_wait()
         self._finished.extend((seq, IoOutcome.CANCELLED, 0.0) for seq in self._outstanding)
         self._outstanding = {}
         self._probed = {}

@@ -457,6 +457,12 @@ class DocReuse:
     def reset(self) -> None:
         self._requests.clear()
 
+    def forget_keys(self) -> None:
+        """The namespace moved (the weights changed): every waiting request's canonical
+        chain keys are derived again, under the new namespace, when next needed."""
+        for entry in self._requests.values():
+            entry.chain_keys = None
+
     def order_after_forward(self) -> bool:
         """Order a copy on the current stream after the forward in flight (CUDA), by a
         GPU-side wait on SGLang's forward stream: the scheduler thread does not wait.

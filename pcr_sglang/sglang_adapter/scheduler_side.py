@@ -755,9 +755,15 @@ class SchedulerSide:
 
     def rekey(self, chain_digest: bytes) -> None:
         """Name chunks under another namespace from now on (the weights changed in place):
-        no key derived before matches one derived after, on any tier."""
+        no key derived after this matches one derived before, on any tier. Keys derived
+        before and kept (live hints, remote probes in flight, waiting requests' document
+        chains) are dropped or derived again."""
         self._chain_digest = chain_digest
         self._window_keys = {}
+        self.hints.clear()
+        self._probes = {}
+        if self.docs is not None:
+            self.docs.forget_keys()
 
     def close(self) -> None:
         if self.io is not None:

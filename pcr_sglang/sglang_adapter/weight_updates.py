@@ -9,17 +9,21 @@ a new namespace:
 
 * a disk update to the new checkpoint's fingerprint (the same one a fresh server on that
   checkpoint has, so a rollback to weights served before finds their records again);
-* an in-memory update (tensor, distributed, IPC) to a fingerprint made of a nonce the TP
-  ranks agree on: nothing can ever be shared with it, and its SSD directory is purged
-  when the server leaves it.
+* an in-memory update (tensor, distributed, IPC, or a ``begin_weight_update`` session whose
+  weights were written into device memory directly: every session end moves too) to a
+  fingerprint made of a nonce the TP ranks agree on: nothing can ever be shared with it,
+  and its SSD directory is purged when the server leaves it.
 
 The new chunk keys apply as soon as the update call starts (nothing derived after it
 matches anything derived before); the tiers move at the cache's reset, which SGLang's
 flush after the update runs (``factory.move_namespace``). An update that fails, or whose
 outcome is unknown, moves to a nonce namespace too: the weights may be partly new. An
 update with ``flush_cache: false`` keeps the old weights' KV on the device, as SGLang's
-own radix cache does, but none of it matches a new request's keys; the SSD tier moves at
-the next ``/flush_cache``.
+own radix cache does, and none of what is cached matches a new request's keys; but a
+request already running across such an update inserts its KV (computed partly with the old
+weights) under the new keys when it finishes, as SGLang's radix cache would serve it too.
+A flushing update (the default) needs an idle server, where that cannot happen. The SSD
+tier moves at the next ``/flush_cache``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ logger = logging.getLogger(__name__)
 # SGLang's SchedulerWeightUpdaterManager methods that change the served weights.
 UPDATE_METHODS = ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed",
                   "update_weights_from_ipc")
+# These two run only inside a begin_weight_update()/end_weight_update() session: outside
+# one SGLang refuses them before touching any weight.
+SESSION_METHODS = ("update_weights_from_tensor", "update_weights_from_distributed")
+SESSION_END = "end_weight_update"
 
 
 @dataclass(frozen=True)
@@ -77,15 +85,32 @@ def in_memory_namespace(cache: Any) -> CacheNamespace:
     return replace(current, model_fingerprint=in_memory_update_fingerprint(current.model_fingerprint, nonce))
 
 
+UNREADABLE = "0" * 32  # the fingerprint of a checkpoint that could not be read (never used as one)
+
+
 def next_namespace(cache: Any, method: str, recv_req: Any) -> CacheNamespace:
-    """The namespace of the weights ``recv_req`` loads (collective under TP)."""
+    """The namespace of the weights ``recv_req`` loads (collective under TP: every rank
+    takes part in the same collectives whatever it found).
+
+    A disk update gets the new checkpoint's fingerprint, unless that equals the current
+    one: the fingerprint samples each tensor (``fingerprint.py``), so an update that edits
+    a few rows in place could not be told from a reload of the same files, and reusing the
+    current namespace would serve the old weights' KV; such an update gets a namespace of
+    its own, like one whose files cannot be read (SGLang then reports the load's error)."""
     identity: Optional[WeightsIdentity] = getattr(cache, "weights_identity", None)
     path = getattr(recv_req, "model_path", None) if method == "update_weights_from_disk" else None
     if path and identity is not None:
-        fingerprint = identity.of_checkpoint(str(path))
-        if _agreed(cache.scheduler.tp, fingerprint):
+        try:
+            fingerprint = identity.of_checkpoint(str(path))
+        except Exception as e:  # a path SGLang will refuse too: never an error in the scheduler loop
+            logger.warning("PCR: cannot fingerprint %s (%s); its KV gets a namespace of its own", path, e)
+            fingerprint = UNREADABLE
+        agreed = _agreed(cache.scheduler.tp, fingerprint)
+        current = (cache.pending_namespace or cache.namespace).model_fingerprint
+        if agreed and fingerprint not in (UNREADABLE, current):
             return replace(cache.namespace, model_fingerprint=fingerprint)
-        logger.warning("PCR: the TP ranks fingerprint %s differently; its KV gets a namespace of its own", path)
+        if not agreed:
+            logger.warning("PCR: the TP ranks fingerprint %s differently; its KV gets a namespace of its own", path)
     return in_memory_namespace(cache)
 
 
@@ -95,6 +120,10 @@ def around_weight_update(method: str, original: Callable, manager: Any, recv_req
     cache = getattr(getattr(manager, "scheduler", None), "tree_cache", None)
     if getattr(cache, "namespace_mover", None) is None or getattr(cache, "namespace", None) is None:
         return original(manager, recv_req, *args, **kwargs)
+    if method in SESSION_METHODS and getattr(manager, "_session", True) is None:
+        return original(manager, recv_req, *args, **kwargs)  # refused by SGLang: no weight changes
+    if method == SESSION_END:
+        return _around_session_end(cache, original, manager, recv_req, *args, **kwargs)
     target = next_namespace(cache, method, recv_req)
     # Agreed before the call: what follows it must not be a collective, since whether an
     # update failed need not be the same on every rank.
@@ -111,6 +140,23 @@ def around_weight_update(method: str, original: Callable, manager: Any, recv_req
         else:
             logger.warning("PCR: %s without a cache flush: new requests' chunk keys follow the new weights now; "
                            "the SSD tier moves to them at the next /flush_cache", method)
+    return out
+
+
+def _around_session_end(cache: Any, original: Callable, manager: Any, recv_req: Any, *args: Any,
+                        **kwargs: Any) -> Any:
+    """``end_weight_update``: a session may have changed the weights without any of the
+    update calls (written into device memory directly, over P2P or RDMA, between
+    ``begin_weight_update`` and this). So every session that ends moves the cache to a
+    namespace of its own; the tiers follow at the next flush. (Agreed before the call, which
+    ends in a barrier of SGLang's on every rank.)"""
+    session = getattr(manager, "_session", None)
+    namespace = in_memory_namespace(cache) if session is not None else None
+    out = original(manager, recv_req, *args, **kwargs)
+    if namespace is not None:
+        begin(cache, namespace)
+        logger.info("PCR: a weight-update session ended; chunk keys now follow its weights, and the SSD tier "
+                    "moves to them at the next /flush_cache")
     return out
 
 

@@ -106,11 +106,10 @@ def test_a_disk_update_moves_to_the_checkpoints_namespace_and_a_rollback_finds_i
         (folder / "model.safetensors").write_bytes(byte * 4096)  # not safetensors: sampled as opaque bytes
     identity = WeightsIdentity(SimpleNamespace(hf_config=None), str(model_a))
     h.cache.weights_identity = identity
-    start = h.cache.namespace
-    h.cache.namespace = replace(start, model_fingerprint=identity.of_checkpoint(str(model_a)))
     tokens = prompt(100)
     around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h),
                          SimpleNamespace(model_path=str(model_a)))  # to the checkpoint's own namespace
+    assert h.cache.namespace.model_fingerprint == identity.of_checkpoint(str(model_a))
     persisted(h, tokens)
     namespace_a = h.cache.namespace
 
@@ -186,3 +185,86 @@ def test_the_hook_leaves_other_caches_alone():
     assert around_weight_update("update_weights_from_disk", original, manager, "req") == "out"
     assert calls == ["req"]
     assert weight_updates.UPDATE_METHODS[0] == "update_weights_from_disk"
+
+
+def test_a_session_that_wrote_the_weights_directly_moves_the_namespace(make, tmp_path):
+    """``begin_weight_update``, weights written into device memory over P2P or RDMA (no
+    update call runs), ``end_weight_update``, ``/flush_cache``: the flush used to restore
+    every SSD record of the old weights."""
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    tokens = prompt(100)
+    persisted(h, tokens)
+    manager = SimpleNamespace(scheduler=SimpleNamespace(tree_cache=h.cache), _session=object())
+
+    def end(manager, recv_req):
+        manager._session = None
+        return SimpleNamespace(success=True)
+
+    around_weight_update(weight_updates.SESSION_END, end, manager, SimpleNamespace())
+    assert reusable_chunks(h, tokens) == 0
+    flush(h.cache)
+    assert h.cache.namespace.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
+    assert reusable_chunks(h, tokens) == 0 and h.state.tree.ssd_chunks == 0
+    h.check()
+
+
+def test_calls_sglang_refuses_before_touching_the_weights_keep_the_cache(make, tmp_path):
+    """An update from tensors outside a session, or the end of no session, changes no weight."""
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    tokens = prompt(100)
+    persisted(h, tokens)
+    start = h.cache.namespace
+    manager = SimpleNamespace(scheduler=SimpleNamespace(tree_cache=h.cache), _session=None)
+    refused = lambda manager, recv_req: SimpleNamespace(success=False)  # noqa: E731
+    for method in (*weight_updates.SESSION_METHODS, weight_updates.SESSION_END):
+        around_weight_update(method, refused, manager, SimpleNamespace())
+    assert h.cache.pending_namespace is None and h.cache.namespace == start
+    assert reusable_chunks(h, tokens) == 3
+
+
+def test_a_disk_update_to_files_that_look_the_same_or_cannot_be_read_gets_a_namespace_of_its_own(make, tmp_path):
+    """The fingerprint samples each tensor: a checkpoint edited in a few rows can look like
+    the one served. Reusing the current namespace would serve the old weights' KV; and a
+    path that cannot be read must not raise in the scheduler loop."""
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    model_a = tmp_path / "a"
+    model_a.mkdir()
+    (model_a / "model.safetensors").write_bytes(b"A" * 4096)
+    identity = WeightsIdentity(SimpleNamespace(hf_config=None), str(model_a))
+    h.cache.weights_identity = identity
+    h.cache.namespace = replace(h.cache.namespace, model_fingerprint=identity.of_checkpoint(str(model_a)))
+    tokens = prompt(100)
+    persisted(h, tokens)
+    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h),
+                         SimpleNamespace(model_path=str(model_a)))
+    assert h.cache.namespace.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
+    assert reusable_chunks(h, tokens) == 0
+
+    unreadable = tmp_path / "x.index.json"
+    unreadable.mkdir()  # a folder where the fingerprint reads a file
+    with pytest.raises(OSError):
+        identity.of_checkpoint(str(tmp_path))
+    around_weight_update("update_weights_from_disk", flushing_update(h.cache, success=False), manager_of(h),
+                         SimpleNamespace(model_path=str(tmp_path)))
+    assert h.cache.pending_namespace.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
+    h.check()
+
+
+def test_a_rekey_drops_what_was_derived_under_the_old_namespace(make, tmp_path):
+    """Live hints and remote probes hold keys of the old namespace: they would read the old
+    weights' chunks back from the SSD for the next requests."""
+    from pcr_sglang.core.hints import HintPayload
+
+    tokens = prompt(100)
+    persisted(make(host_slots=3, ssd_path=tmp_path / "ssd"), tokens)
+    h = make(host_slots=12, ssd_path=tmp_path / "ssd")  # the chain only on SSD
+    req = h.request(tokens + [0], "hinted")
+    assert h.scheduler.add_hint(req, HintPayload(hint_only=True, ttl_s=30.0, group=None, rank=0))
+    assert len(h.scheduler.hints) == 1
+    around_weight_update("update_weights_from_tensor", lambda m, r: SimpleNamespace(success=True), manager_of(h),
+                         SimpleNamespace())
+    assert len(h.scheduler.hints) == 0
+    h.step()
+    h.drain_io()
+    assert h.state.tree.host_chunks == 0 and h.state.ssd_stats.hint_issued == 0
+    h.check()
