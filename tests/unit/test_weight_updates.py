@@ -268,3 +268,20 @@ def test_a_rekey_drops_what_was_derived_under_the_old_namespace(make, tmp_path):
     h.drain_io()
     assert h.state.tree.host_chunks == 0 and h.state.ssd_stats.hint_issued == 0
     h.check()
+
+
+def test_the_plugin_wraps_every_call_that_changes_the_weights():
+    """Each of SGLang's calls that can change the served weights is wrapped by the plugin
+    (a hook on a name SGLang does not have would never run)."""
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from pcr_sglang import plugin
+
+    if not plugin._registered:
+        plugin.register()
+    prefix = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager."
+    for method in (*weight_updates.UPDATE_METHODS, weight_updates.SESSION_END):
+        assert callable(getattr(SchedulerWeightUpdaterManager, method))
+        hooks = HookRegistry._hooks.get(prefix + method, [])
+        assert any(kind is HookType.AROUND and getattr(hook, "args", ()) == (method,) for kind, hook, _ in hooks), method
