@@ -21,7 +21,7 @@ from pcr_sglang.sglang_adapter.kv_events import PCRKvEvents
 from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
 from pcr_sglang.sglang_adapter.scheduler_side import SchedulerSide
 from pcr_sglang.sglang_adapter.support_check import collect_inputs, permuted_row_flags, unsupported_reasons
-from pcr_sglang.sglang_adapter.tp_group import TpGroup
+from pcr_sglang.sglang_adapter.tp_group import TpGroup, min_max
 from pcr_sglang.sglang_adapter.weight_updates import WeightsIdentity
 from pcr_sglang.sglang_adapter.worker_side import attach_worker_side
 from pcr_sglang.tiers.host_pool import HostChunkPool, HostPoolError
@@ -171,9 +171,7 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
     if config.ssd_bytes > 0:
         assert host_pool is not None  # validate() requires the host tier
         store = _on_every_rank(tp, lambda: build_ssd_store(config, namespace, host_pool))
-        capacity = store.capacity_chunks
-        if tp is not None:  # free disk space may differ between the ranks' disks
-            capacity = tp.reduce_min([capacity])[0]
+        capacity = _agreed_capacity(store, tp)
     state = CacheState(CacheStateConfig(
         chunk_size=config.chunk_size,
         lookahead_window=config.lookahead_window,
@@ -225,9 +223,22 @@ def _on_every_rank(tp: Optional[TpGroup], build: Any) -> Any:
 def _check_same_on_every_rank(tp: Optional[TpGroup], what: str, value: int) -> None:
     if tp is None:
         return
-    low, high = tp.reduce_min([value, -value])
-    if low != -high:
-        raise PCRConfigError(f"PCR: the TP ranks disagree on {what}: {low} to {-high}; they must be equal")
+    low, high = min_max(tp, value)
+    if low != high:
+        raise PCRConfigError(f"PCR: the TP ranks disagree on {what}: {low} to {high}; they must be equal")
+
+
+def _agreed_capacity(store: ChunkFileStore, tp: Optional[TpGroup]) -> int:
+    """The SSD tier's capacity in chunks, the smallest rank's (free disk space may differ
+    between the ranks' disks)."""
+    return tp.reduce_min([store.capacity_chunks])[0] if tp is not None else store.capacity_chunks
+
+
+def _store_fields(store: ChunkFileStore) -> dict[str, Any]:
+    """What the I/O process's config says about the store it serves."""
+    return dict(store_root=str(store.root), namespace_hex=store.namespace.hex(), dtype=store.dtype,
+                reserve_bytes=store.low_watermark_bytes, writer_slot=store.slot or "", lease_fd=store.lease_fd,
+                durability=store.durability)
 
 
 def _restore(state: CacheState, store: ChunkFileStore, tp: Optional[TpGroup]) -> None:
@@ -238,7 +249,7 @@ def _restore(state: CacheState, store: ChunkFileStore, tp: Optional[TpGroup]) ->
     common = tp.intersect(keys) if tp is not None else keys
     unreachable = state.restore(PersistedChunk(r.key, r.parent_key, r.depth) for r in records if r.key in common)
     for key in unreachable + [k for k in keys if k not in common]:
-        store.delete(key)  # startup: the scheduler's only own disk work besides the scan
+        store.delete(key)  # at startup or a namespace move: the scheduler's only own disk work besides the scan
     restored = state.ssd_stats.restored_chunks
     if restored or unreachable or len(common) < len(keys):
         logger.info("PCR SSD tier: restored %d chunks from %s (%d unreachable records and %d not on every "
@@ -249,12 +260,10 @@ def start_io_process(store: ChunkFileStore, host_pool: HostChunkPool, tp_rank: i
                      remote_config: str, read_threads: int) -> IOSupervisor:
     layout = host_pool.layout
     io = IOSupervisor(WorkerConfig(
-        store_root=str(store.root), namespace_hex=store.namespace.hex(), dtype=store.dtype,
+        **_store_fields(store),
         num_slots=layout.num_slots, num_layers=layout.num_layers, chunk_size=layout.chunk_size,
-        row_bytes=layout.row_bytes, reserve_bytes=store.low_watermark_bytes,
-        shm_name=host_pool.info().shm_name, orders_endpoint="", replies_endpoint="", parent_pid=0,
-        tp_rank=tp_rank, writer_slot=store.slot or "", lease_fd=store.lease_fd, durability=store.durability,
-        remote_config=remote_config, read_threads=read_threads,
+        row_bytes=layout.row_bytes, shm_name=host_pool.info().shm_name, orders_endpoint="",
+        replies_endpoint="", parent_pid=0, tp_rank=tp_rank, remote_config=remote_config, read_threads=read_threads,
     ))
     if not io.wait_ready():
         logger.warning("PCR I/O process did not start; the SSD tier waits for its restart")
@@ -290,16 +299,9 @@ def move_namespace(cache: PCRPrefixCache, namespace: CacheNamespace) -> None:
                      "serving on with SSD writes off (nothing of the old weights is read)", e)
         scheduler.state.writes_enabled = False
         return
-    capacity = store.capacity_chunks
-    if tp is not None:
-        capacity = tp.reduce_min([capacity])[0]
-    scheduler.state.resize_ssd(capacity)
+    scheduler.state.resize_ssd(_agreed_capacity(store, tp))
     _restore(scheduler.state, store, tp)
-    config = msgspec.structs.replace(
-        scheduler.io.config, store_root=str(store.root), namespace_hex=store.namespace.hex(),
-        writer_slot=store.slot or "", lease_fd=store.lease_fd, reserve_bytes=store.low_watermark_bytes,
-    )
-    if not scheduler.io.restart(config):
+    if not scheduler.io.restart(msgspec.structs.replace(scheduler.io.config, **_store_fields(store))):
         logger.warning("PCR I/O process did not start on the new namespace; the SSD tier waits for its restart")
     cache.store = store
     old_store.close()

@@ -54,3 +54,10 @@ class TpGroup:
             for other in gathered:
                 common &= set(other)
         return common
+
+
+def min_max(tp: TpGroup, value: int) -> tuple[int, int]:
+    """The smallest and the largest ``value`` the ranks passed (one collective over
+    ``tp.reduce_min``: a MIN of it and of its negation); equal when every rank passed the same."""
+    low, negated_high = tp.reduce_min([value, -value])
+    return low, -negated_high

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 from pcr_sglang.core.keys import CacheNamespace
 from pcr_sglang.sglang_adapter.fingerprint import in_memory_update_fingerprint, model_fingerprint
-from pcr_sglang.sglang_adapter.tp_group import TpGroup
+from pcr_sglang.sglang_adapter.tp_group import TpGroup, min_max
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +73,8 @@ def _agreed(tp: Optional[TpGroup], fingerprint: str) -> bool:
     """Whether every TP rank computed this fingerprint (each reads the files itself)."""
     if tp is None:
         return True
-    value = int.from_bytes(bytes.fromhex(fingerprint[:14]), "big")  # a hex digest's first 56 bits
-    low, high = tp.reduce_min([value, -value])
-    return low == -high
+    low, high = min_max(tp, int(fingerprint[:14], 16))  # a hex digest's first 56 bits
+    return low == high
 
 
 def in_memory_namespace(cache: Any) -> CacheNamespace:
