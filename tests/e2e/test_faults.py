@@ -16,6 +16,7 @@ servers on one store directory (``test_store_sharing``), kill -9 during write-ba
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -78,6 +79,32 @@ def assert_no_slot_leaks(state: dict) -> None:
     assert slots["reserved"] == slots["filling"] == slots["releasing"] == 0, slots
     assert state["host_pool_slots"] - state["host_pool_free_slots"] == state["tree"]["host_chunks"]
     assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"]
+
+
+def fill_to_the_last_byte(path: Path) -> None:
+    """Write ``path`` until the file system refuses (ENOSPC). Unbuffered: a buffered file
+    keeps the bytes a short write left over and raises ENOSPC again when it is closed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        block = b"\xa5" * (1 << 16)
+        while True:
+            try:
+                if os.write(fd, block) == 0:
+                    break
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                break
+        # The last few bytes may still fit where a whole block did not.
+        for size in (4096, 1):
+            try:
+                while os.write(fd, block[:size]) == size:
+                    pass
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+    finally:
+        os.close(fd)
 
 
 @contextmanager
@@ -161,13 +188,7 @@ def test_the_disk_filling_during_a_warm_restart(servers, tiny_model, mounts, rag
     server.stop()
     # While it is down, another tenant fills the file system to the last byte.
     filler = mounts["filling"] / "filler"
-    with open(filler, "wb") as f:
-        while True:
-            try:
-                f.write(b"\xa5" * (1 << 16))
-                f.flush()
-            except OSError:
-                break
+    fill_to_the_last_byte(filler)
     restarted = ssd_server(tiny_model, mounts["filling"] / "store")
     servers["filling"] = restarted
     try:
