@@ -168,7 +168,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in rows:
         if single is not None:
             r["outputs_match_single"] = r["outputs"] == single["outputs"]
-    meta = {"date": time.strftime("%Y-%m-%d"), "command": "python -m bench.fleet_bench " + " ".join(argv or sys.argv[1:]),
+    meta = {"date": time.strftime("%Y-%m-%d"),
+            "command": "python -m bench.fleet_bench " + " ".join(argv or sys.argv[1:]),
             "trace": f"{len(trace.requests)} requests, {shape['working_set']} working-set tokens, "
                      f"longest prompt {shape['longest']}",
             "budgets": f"device pool {base.device_pool_tokens} tokens, host {base.host_gb:.3f} GB, "

@@ -222,8 +222,8 @@ def scenario_steps(run: Run, s: Shape) -> None:
     c, e = s.chunk, run.engine
     dev = run.kv[0][0].device
     e.load(run.slots(range(0, 2 * c)), [0, 1])
-    e.replace(run.slots(range(0, c)), run.slots(range(4 * c, 5 * c)), torch.full((c,), 2, dtype=torch.int64, device=dev),
-              s.rope)
+    e.replace(run.slots(range(0, c)), run.slots(range(4 * c, 5 * c)),
+              torch.full((c,), 2, dtype=torch.int64, device=dev), s.rope)
     e.plan_offload("a", run.slots(range(5 * c, 6 * c)), 2)
     run.forward("step 1", reads=[*range(0, 2 * c), *range(4 * c, 5 * c)], writes=range(5 * c, 6 * c), owners=["a"])
     e.copy_to_host(run.slots(range(5 * c, 6 * c)), [3])

@@ -180,7 +180,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--queries", type=int, default=50)
     parser.add_argument("--copy-gb", type=float, default=2.0, help="clusters copied for the bandwidth figure")
-    parser.add_argument("--hidden", type=int, default=None, help="decode stand-in width (4096 on a GPU, 256 on the CPU)")
+    parser.add_argument("--hidden", type=int, default=None,
+                        help="decode stand-in width (4096 on a GPU, 256 on the CPU)")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=50)

@@ -56,8 +56,8 @@ from pcr_sglang.data import load_wiki_articles
 from pcr_sglang.launcher import ServerProcess
 from pcr_sglang.models import cache_root
 from pcr_sglang.rag.budget import BudgetModel, measure_read_bandwidth
-from pcr_sglang.rag.embedder import embed_texts, load_embedder
 from pcr_sglang.rag.device_tier import FAST_TIERS, make_fast_tier
+from pcr_sglang.rag.embedder import embed_texts, load_embedder
 from pcr_sglang.rag.ivf import IVFDatastore
 from pcr_sglang.rag.lookahead import LookaheadRetriever
 from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, run_batch
@@ -111,8 +111,9 @@ def main(argv=None) -> int:
     if args.repeats < 1 or args.concurrency < 1:
         raise SystemExit("--repeats and --concurrency must be >= 1")
 
-    from pcr_sglang.models.smollm2 import build_smollm2
     from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+
+    from pcr_sglang.models.smollm2 import build_smollm2
 
     model = args.model_path or str(build_smollm2())
     articles = list(load_wiki_articles())[: args.docs]
@@ -210,8 +211,9 @@ def main(argv=None) -> int:
     med = lambda xs: statistics.median(xs) * 1000  # noqa: E731
     at_once = "one at a time" if args.concurrency == 1 else f"{args.concurrency} at a time"
     print(f"\nHyDE on SmolLM2-135M, {len(questions)} questions {at_once} x {args.repeats} repeats, "
-          f"{len(texts)} {'vectors (jittered copies of ' + str(args.docs) + ' documents, cold page cache)' if cold else 'documents'} "
-          f"(IVF{nlist}, nprobe {args.nprobe}, memory-mapped), SSD reads +{args.read_delay_ms:g} ms each")
+          f"{len(texts)} "
+          f"{'vectors (jittered copies of ' + str(args.docs) + ' documents, cold page cache)' if cold else 'documents'}"
+          f" (IVF{nlist}, nprobe {args.nprobe}, memory-mapped), SSD reads +{args.read_delay_ms:g} ms each")
     print("| config | read threads | pipeline | generation | retrieval | search | search hidden | final request | "
           "cached host / storage (tokens) | cluster hits | same as faiss | hint chunks in time / late / issued |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -220,7 +222,8 @@ def main(argv=None) -> int:
         search = med([search_s(r) for r in results])
         plain = rows.get(("none", threads))
         hidden = f"{1 - search / med([search_s(r) for r in plain[0]]):.0%}" if plain and name != "none" else "-"
-        print(f"| {name} | {threads} | {med([r.total_s for r in results]):.0f} ms | {med([r.generation_s for r in results]):.0f} ms | "
+        print(f"| {name} | {threads} | {med([r.total_s for r in results]):.0f} ms | "
+              f"{med([r.generation_s for r in results]):.0f} ms | "
               f"{med([r.retrieval_s for r in results]):.1f} ms | {search:.1f} ms | {hidden} | "
               f"{med([r.answer_s for r in results]):.0f} ms | "
               f"{tiers['host']} / {tiers['storage']} | {statistics.mean(r.cluster_hit_rate for r in results):.0%} | "

@@ -41,8 +41,8 @@ import numpy as np
 from pcr_sglang.data import load_wiki_articles
 from pcr_sglang.models import cache_root
 from pcr_sglang.rag.budget import BudgetModel, measure_read_bandwidth
-from pcr_sglang.rag.embedder import embed_texts, load_embedder
 from pcr_sglang.rag.device_tier import FAST_TIERS, make_fast_tier
+from pcr_sglang.rag.embedder import embed_texts, load_embedder
 from pcr_sglang.rag.ivf import IVFDatastore, normalized
 from pcr_sglang.rag.lookahead import LookaheadRetriever
 
@@ -168,7 +168,8 @@ def main(argv=None) -> int:
         budget.observe_bandwidth(bandwidth)
         cold = open_cold(directory)
         retriever = LookaheadRetriever(cold, embed=None, nprobe=args.nprobe, k=args.k,
-                                       tier=make_fast_tier(cold.table, args.tier_mb << 20, args.fast_tier), budget=budget)
+                                       tier=make_fast_tier(cold.table, args.tier_mb << 20, args.fast_tier),
+                                       budget=budget)
         del cold
         try:
             ticket = retriever.lookahead_vectors(q_in[n:n + 1], stage="bench", predict=not args.no_predict)

@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  round {index + 1} {config}: median TTFT {results[config].median_s * 1000:.0f} ms", flush=True)
         rounds.append(results)
 
-    print(f"\n| config | TTFT median (median of rounds) | vs radix (median of rounds' ratios) | per-round ratios "
-          f"| CPU s per request: scheduler / I/O process / other |")
+    print("\n| config | TTFT median (median of rounds) | vs radix (median of rounds' ratios) | per-round ratios "
+          "| CPU s per request: scheduler / I/O process / other |")
     print("| --- | --- | --- | --- | --- |")
     for config in configs:
         medians = [r[config].median_s for r in rounds]

@@ -5,8 +5,9 @@ Then, for each configuration, a fresh server starts on a copy of that store: its
 and host tiers are empty, so every hit is SSD-resident, and the same trace is replayed
 with seeded Poisson arrivals at ``--rate`` requests/s, above what the server completes
 per second, so the waiting queue builds up (``--rate 0``: all at once, the worst case
-for prefetch, since the first batch is scheduled before anything could be read). ``off`` is ``--pcr-prefetch-window 0`` (SSD chunks are read
-when their request is scheduled); the others prefetch for the first W waiting requests.
+for prefetch, since the first batch is scheduled before anything could be read). ``off`` is
+``--pcr-prefetch-window 0`` (SSD chunks are read when their request is scheduled); the others
+prefetch for the first W waiting requests.
 
 Prints, per configuration: mean and P99 TTFT, prefetch timeliness (share of SSD chunks
 needed by scheduled requests already in host memory when their request was scheduled),
@@ -88,7 +89,8 @@ def main() -> None:
     # Device pool of a few prompts and a small host tier: the trace lives on SSD.
     common = ("--max-total-tokens", str(4 * longest + 256), "--context-length", str(longest + 256),
               "--log-level", "warning", "--sleep-on-idle", "--enable-pcr", "--pcr-chunk-size",
-              str(args.chunk_size), "--pcr-dram-gb", str(args.dram_gb), "--pcr-ssd-gb", "2", "--pcr-ssd-reserve-gb", "0")
+              str(args.chunk_size), "--pcr-dram-gb", str(args.dram_gb), "--pcr-ssd-gb", "2",
+              "--pcr-ssd-reserve-gb", "0")
     print(f"trace: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, working set "
           f"{working_set} tokens; arrivals: " + (f"Poisson, {args.rate}/s" if args.rate > 0 else "all at once"))
     try:

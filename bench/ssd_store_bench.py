@@ -128,7 +128,8 @@ def run_shape(label: str, layout: HostChunkLayout, root: Path, chunks: int, cold
         r = timed(lambda i: store.read_into(keys[i], out), chunks)
         assert store.stats.read_chunks == chunks
         store.close()
-        print(f"  file-per-chunk, durability {durability:6}  write {total / w:8.1f} MiB/s   read {total / r:8.1f} MiB/s")
+        print(f"  file-per-chunk, durability {durability:6}  write {total / w:8.1f} MiB/s   "
+              f"read {total / r:8.1f} MiB/s")
     slab_dir = root / "slab"
     slab_dir.mkdir()
     slab = Slab(slab_dir, layout.slot_bytes, chunks)
@@ -138,7 +139,7 @@ def run_shape(label: str, layout: HostChunkLayout, root: Path, chunks: int, cold
     r = timed(lambda i: slab.read(i, out), chunks)
     print(f"  slab (pwrite+fsync, index+fsync)  write {total / w:8.1f} MiB/s   read {total / r:8.1f} MiB/s")
     d = dd_direct(root / "dd.bin", layout.slot_bytes, chunks)
-    print(f"  dd oflag=direct conv=fsync        write " + (f"{total / d:8.1f} MiB/s" if d else "  (no direct I/O here)"))
+    print("  dd oflag=direct conv=fsync        write " + (f"{total / d:8.1f} MiB/s" if d else "  (no direct I/O here)"))
     for name, rate in hash_rates(payload).items():
         print(f"  hash {name:32} {rate:9.1f} MiB/s on one core")
 

@@ -34,8 +34,14 @@ from typing import Optional, Sequence
 import requests
 
 from pcr_sglang.launcher import ServerProcess, cpu_only, free_port
-from pcr_sglang.mooncake_services import (MooncakeError, MooncakeMaster, MooncakeStoreProcess, ServiceProcess,
-                                          client_config, keygen)
+from pcr_sglang.mooncake_services import (
+    MooncakeError,
+    MooncakeMaster,
+    MooncakeStoreProcess,
+    ServiceProcess,
+    client_config,
+    keygen,
+)
 
 logger = logging.getLogger(__name__)
 

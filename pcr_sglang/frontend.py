@@ -28,10 +28,10 @@ import logging
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
+import requests
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.lang.interpreter import StreamExecutor
 from sglang.lang.ir import SglSamplingParams
-import requests
 
 from pcr_sglang.core.doc_reuse import DOC_BOUNDS_PARAM
 

@@ -1,17 +1,40 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite: unit tests, then end-to-end tests that
-# start real SGLang servers and Engines on the tiny model. Extra arguments go to pytest.
+# Set up (if needed) and run the whole test suite in stages: lint, unit tests, the Triton
+# kernels, then end-to-end tests that start real SGLang servers and Engines on the tiny
+# model. Extra arguments go to one pytest run instead (`bash scripts/test.sh tests/unit -k hint`).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$REPO/scripts/install.sh"
+# Stages, fastest first, each printing its time: a lint error fails in seconds, a unit
+# failure in minutes, before any server starts.
+stage() {
+  local name="$1"; shift
+  local start=$SECONDS
+  echo "[test] stage $name"
+  if "$@"; then
+    echo "[test] stage $name passed in $((SECONDS - start)) s"
+  else
+    local rc=$?
+    echo "[test] stage $name FAILED after $((SECONDS - start)) s" >&2
+    exit "$rc"
+  fi
+}
+stage install bash "$REPO/scripts/install.sh"
 VENV="${PCR_VENV:-$REPO/.venv}"
 cd "$REPO"
 "$VENV/bin/python" -m pcr_sglang.models.tiny_llama >/dev/null
+export PCR_SERVER_START_SLOTS="${PCR_SERVER_START_SLOTS:-2}"
+export PCR_TEST_SERVER_SLOTS="${PCR_TEST_SERVER_SLOTS:-10}"
+PYTEST=("$VENV/bin/python" -m pytest -q -p no:cacheprovider)
+if [[ $# -gt 0 ]]; then  # extra arguments: one pytest run over them (kernels need TRITON_INTERPRET=1)
+  exec "${PYTEST[@]}" "$@"
+fi
+
+echo "[test] stages: lint, unit, kernels, e2e"
+stage lint "$VENV/bin/ruff" check .
+stage unit "${PYTEST[@]}" --durations=10 tests/unit
 # Triton kernels are checked by Triton's interpreter on CPU (natively on a CUDA machine).
 # The variable must be set before Triton is imported, so they run in their own session.
-if [[ $# -eq 0 ]]; then
-  TRITON_INTERPRET=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/kernels
-fi
+stage kernels env TRITON_INTERPRET=1 "${PYTEST[@]}" tests/kernels
 # One file after another by default. PCR_TEST_WORKERS=2 runs two files at a time on
 # pytest-xdist workers (module fixtures stay in one process): most of an e2e module's time
 # is its servers starting or one request at a time on the tiny model, so two side by side
@@ -21,7 +44,4 @@ fi
 # start is CPU-bound imports: too many at once run past their startup timeout on two
 # cores), PCR_TEST_SERVER_SLOTS the servers the modules hold at once (about 1.3 GB each:
 # see tests/e2e/helpers.py).
-export PCR_SERVER_START_SLOTS="${PCR_SERVER_START_SLOTS:-2}"
-export PCR_TEST_SERVER_SLOTS="${PCR_TEST_SERVER_SLOTS:-10}"
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 -n "${PCR_TEST_WORKERS:-0}" \
-  --dist loadfile tests --ignore=tests/kernels "$@"
+stage e2e "${PYTEST[@]}" --durations=25 -n "${PCR_TEST_WORKERS:-0}" --dist loadfile tests/e2e

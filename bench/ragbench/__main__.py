@@ -32,11 +32,26 @@ from typing import Optional
 
 import requests
 
-from bench.ragbench.common import (Model, budgets_for, config_list, float_list, trace_shape, workload_args,
-                                   workload_params)
+from bench.ragbench.common import (
+    Model,
+    budgets_for,
+    config_list,
+    float_list,
+    trace_shape,
+    workload_args,
+    workload_params,
+)
 from bench.ragbench.report import build_report, write_report
-from bench.ragbench.runner import (CONFIG_NAMES, DEFAULT_CONFIGS, DOC_REUSE_CONFIGS, RunResult, ServerPool,
-                                   build_hicache_extension, plan_run, run_planned)
+from bench.ragbench.runner import (
+    CONFIG_NAMES,
+    DEFAULT_CONFIGS,
+    DOC_REUSE_CONFIGS,
+    RunResult,
+    ServerPool,
+    build_hicache_extension,
+    plan_run,
+    run_planned,
+)
 from bench.ragbench.workload import Trace, calibrated_exponent, load_trace, make_trace, save_trace
 from pcr_sglang.launcher import cpu_only
 

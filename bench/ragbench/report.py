@@ -182,12 +182,13 @@ def markdown(report: dict[str, Any]) -> str:
     for label, trace in meta.get("traces", {}).items():
         lines.append(f"- trace `{label}`: {trace}")
     lines += ["", "## Headline: PCR against the baselines", "",
-              "| trace | pool | rate (req/s) | queue | PCR TTFT mean | P99 | reuse vs potential | vs oracle run | mean vs radix | "
-              "P99 vs radix | mean vs hicache | P99 vs hicache | mean vs oracle | P99 vs oracle |",
+              "| trace | pool | rate (req/s) | queue | PCR TTFT mean | P99 | reuse vs potential | vs oracle run | "
+              "mean vs radix | P99 vs radix | mean vs hicache | P99 vs hicache | mean vs oracle | P99 vs oracle |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for h in report["headline"]:
         lines.append(
-            f"| {h['label']} | {h['pool_fraction']:.0%} | {h['rate']:g} | {h['queue_depth_mean']:.1f} | {_fmt(h['pcr_ttft_mean_ms'])} ms | "
+            f"| {h['label']} | {h['pool_fraction']:.0%} | {h['rate']:g} | {h['queue_depth_mean']:.1f} | "
+            f"{_fmt(h['pcr_ttft_mean_ms'])} ms | "
             f"{_fmt(h['pcr_ttft_p99_ms'])} ms | {_fmt(h['reuse_vs_potential'], '{:.1%}')} | "
             f"{_fmt(h.get('reuse_vs_oracle'), '{:.1%}')} | "
             + " | ".join(f"{_fmt(h.get(f'{k}_vs_{b}'), '{:.2f}x')}" for b in BASELINES for k in ("mean", "p99"))
@@ -199,15 +200,16 @@ def markdown(report: dict[str, Any]) -> str:
               "batch, so under load it can reuse less than a small pool that serialises them).", "",
               *_doc_section(report),
               "## All runs", "",
-              "| trace | pool (tokens) | config | rate | TTFT mean | P50 | P95 | P99 | E2E mean | P50 | P95 | P99 | ITL | "
-              "hit ratio (by tier) | reuse vs potential | vs oracle run | req/s | queue | timeliness | errors |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-              "| --- | --- |"]
+              "| trace | pool (tokens) | config | rate | TTFT mean | P50 | P95 | P99 | E2E mean | P50 | P95 | P99 | "
+              "ITL | hit ratio (by tier) | reuse vs potential | vs oracle run | req/s | queue | timeliness | errors |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+              "| --- | --- | --- | --- |"]
     for s in report["runs"]:
         t, e = s["ttft_ms"], s["e2e_ms"]
         tiers = ", ".join(f"{k} {v:.0%}" for k, v in s["hit_ratio_by_tier"].items())
         lines.append(
-            f"| {s['label']} | {s['pool_fraction']:.0%} ({_fmt(s['device_pool_tokens'])}) | {s['config']} | {s['rate']:g} | {_fmt(t['mean'])} | {_fmt(t['p50'])} | "
+            f"| {s['label']} | {s['pool_fraction']:.0%} ({_fmt(s['device_pool_tokens'])}) | {s['config']} | "
+            f"{s['rate']:g} | {_fmt(t['mean'])} | {_fmt(t['p50'])} | "
             f"{_fmt(t['p95'])} | {_fmt(t['p99'])} | {_fmt(e['mean'])} | {_fmt(e['p50'])} | {_fmt(e['p95'])} | "
             f"{_fmt(e['p99'])} | {_fmt(s['itl_ms_mean'])} | {s['hit_ratio']:.0%} ({tiers or '-'}) | "
             f"{_fmt(s['reuse_vs_potential'], '{:.1%}')} | {_fmt(s.get('reuse_vs_oracle'), '{:.1%}')} | "
@@ -226,7 +228,8 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{w['prompts']} prompts ({w['system_prompt_len']}-token shared prefix + {w['question_len']}-token "
                   f"question, {w['output_len']} output tokens) at {cross['rate']:g} req/s; device pool "
                   f"{cross['budgets']['device_pool_tokens']} tokens. Figures from SGLang's client.", "",
-                  "| config | TTFT mean | P50 | P99 | E2E mean | P99 | req/s | completed | hit rate (device / host / storage tokens) |",
+                  "| config | TTFT mean | P50 | P99 | E2E mean | P99 | req/s | completed | "
+                  "hit rate (device / host / storage tokens) |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, r in cross["configs"].items():
             if "error" in r:
@@ -257,7 +260,8 @@ def _doc_section(report: dict[str, Any]) -> list[str]:
     for h in rows:
         lines.append(
             f"| {h['label']} | {h['pool_fraction']:.0%} | {h['rate']:g} | {h['config']} | {h['hit_ratio']:.0%} | "
-            f"{_fmt(h.get('reuse_vs_oracle'), '{:.2f}x')} | {_fmt(h['ttft_mean_ms'])} ms | {_fmt(h['ttft_p99_ms'])} ms | "
+            f"{_fmt(h.get('reuse_vs_oracle'), '{:.2f}x')} | {_fmt(h['ttft_mean_ms'])} ms | "
+            f"{_fmt(h['ttft_p99_ms'])} ms | "
             + " | ".join(_fmt(h.get(f"mean_vs_{b}"), "{:.2f}x") for b in ("radix", "pcr", "oracle"))
             + f" | {_fmt(h.get('answers_match_oracle_share'), '{:.0%}')} |")
     lines += ["", "Reuse vs oracle run: prompt tokens reused over what the oracle (a prefix cache that never "
@@ -265,7 +269,8 @@ def _doc_section(report: dict[str, Any]) -> list[str]:
               "configurations start on a store filled with every trace document's canonical KV (then "
               "restarted). `pcr-docs` is concat (no recompute), `pcr-blend` recomputes 15% of re-placed "
               "tokens; both warm a document when it recurs (`-eager`: at its first sighting, before its "
-              "request; `-idle`: at its first sighting, after its request, when nothing else runs); answers differ from full prefill's (see bench/README's accuracy table) and are not "
+              "request; `-idle`: at its first sighting, after its request, when nothing else runs); answers "
+              "differ from full prefill's (see bench/README's accuracy table) and are not "
               "part of the outputs check below.", ""]
     return lines
 

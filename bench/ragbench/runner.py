@@ -44,8 +44,8 @@ from pcr_sglang.launcher import ServerProcess
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAMES = ("radix", "nocache", "hicache", "oracle", "pcr", "pcr-docs", "pcr-docs-pre", "pcr-blend", "pcr-blend-pre",
-                "pcr-docs-eager", "pcr-docs-idle", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead")
+CONFIG_NAMES = ("radix", "nocache", "hicache", "oracle", "pcr", "pcr-docs", "pcr-docs-pre", "pcr-blend",
+                "pcr-blend-pre", "pcr-docs-eager", "pcr-docs-idle", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead")
 # PCR with document reuse in any order: requests mark their documents; "docs" is concat
 # (no recompute), "blend" recomputes the default 15% of re-placed tokens (CacheBlend);
 # "-pre" first fills the store with every trace document's canonical KV (TurboRAG's

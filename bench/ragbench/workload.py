@@ -316,7 +316,8 @@ def make_trace(params: WorkloadParams, retriever: Optional[Callable[[list[str], 
             rid = f"{session}-t{turn}"
             requests.append(TraceRequest(rid=rid, doc_ids=doc_ids, question=followup,
                                          max_new_tokens=params.max_new_tokens, parent=parent,
-                                         think_s=rng.expovariate(1 / params.think_time_s) if params.think_time_s else 0.0,
+                                         think_s=(rng.expovariate(1 / params.think_time_s)
+                                                  if params.think_time_s else 0.0),
                                          session=session, turn=turn))
             parent = rid
     trace = Trace(params=params, documents={d.doc_id: d for d in documents}, requests=requests)

@@ -43,8 +43,16 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from pcr_sglang.io.protocol import (SOURCE_REMOTE, Done, IoOutcome, Probed, ProbeRemote, ReadChunk,
-                                    RemoteStatus, reply_encoder)
+from pcr_sglang.io.protocol import (
+    SOURCE_REMOTE,
+    Done,
+    IoOutcome,
+    Probed,
+    ProbeRemote,
+    ReadChunk,
+    RemoteStatus,
+    reply_encoder,
+)
 from pcr_sglang.tiers.remote_store import ReadResult, RemoteChunkStore, RemoteConfigError, RemoteError
 
 logger = logging.getLogger(__name__)

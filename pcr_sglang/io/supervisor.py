@@ -28,8 +28,18 @@ from typing import Optional
 import msgspec
 
 from pcr_sglang.io.client import IOChannel
-from pcr_sglang.io.protocol import (SOURCE_REMOTE, Done, Hello, IoOutcome, Order, Probed, ReadChunk, RemoteStatus,
-                                    WorkerConfig, WriteChunk)
+from pcr_sglang.io.protocol import (
+    SOURCE_REMOTE,
+    Done,
+    Hello,
+    IoOutcome,
+    Order,
+    Probed,
+    ReadChunk,
+    RemoteStatus,
+    WorkerConfig,
+    WriteChunk,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ broken, so a test sends reads in multiples of it),
 ``{"remote_delay_s": 0.5}``, ``{"remote_read_delay_s": 2}`` or ``{"remote_fail": true}``)
 makes the processes of the listed TP ranks (all ranks when absent) delay or fail their
 reads, fail their writes as a full disk would, hold each record in its temp file before
-the rename, or delay every remote call (or read), or fail every one, so tests can make one rank's reads arrive late or fail, kill mid-write, or
-make the remote store slow or unreachable. It is read once
-at start and logged; never set it in production.
+the rename, or delay every remote call (or read), or fail every one, so tests can make one
+rank's reads arrive late or fail, kill mid-write, or make the remote store slow or
+unreachable. It is read once at start and logged; never set it in production.
 """
 
 from __future__ import annotations
@@ -339,7 +339,8 @@ class Worker:
                 self._supersede(order.key, "rewritten before its fsync")  # the store drops the older one
                 payload = self.slot(order.host_slot)
                 self.store.write(order.key, order.parent_key, order.depth, order.num_tokens, payload)
-                if self.remote is not None and self.remote.has_room():  # from a copy: the slot is reused after the reply
+                # from a copy: the slot is reused after the reply
+                if self.remote is not None and self.remote.has_room():
                     self.remote.write(order.key, self.remote.store.build_record(
                         order.key, order.parent_key, order.depth, order.num_tokens, payload))
                 done = Done(order.seq, IoOutcome.OK, seconds=time.perf_counter() - start)

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-
 from pcr_sglang.rag.device_tier import FAST_TIERS
 from pcr_sglang.rag.pipelines import PIPELINES
 
@@ -77,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
     from pcr_sglang.rag.budget import BudgetModel, measure_read_bandwidth
-    from pcr_sglang.rag.embedder import load_embedder
     from pcr_sglang.rag.device_tier import make_fast_tier
+    from pcr_sglang.rag.embedder import load_embedder
     from pcr_sglang.rag.ivf import IVFDatastore
     from pcr_sglang.rag.lookahead import LookaheadRetriever
     from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, run_batch
@@ -115,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
               f"{r.retrieval_s * 1000:.1f} ms, answer {r.answer_s * 1000:.0f} ms (cached {r.cached_tokens}, "
               f"{r.cached_details}), total {r.total_s * 1000:.0f} ms")
     if results:
-        print(f"\n{len(results)} {args.pipeline} pipelines: mean total {statistics.mean(r.total_s for r in results):.2f} s, "
+        print(f"\n{len(results)} {args.pipeline} pipelines: "
+              f"mean total {statistics.mean(r.total_s for r in results):.2f} s, "
               f"mean retrieval {statistics.mean(r.retrieval_s for r in results) * 1000:.1f} ms, mean cluster hit rate "
               f"{statistics.mean(r.cluster_hit_rate for r in results):.0%}"
               + (f", hints sent {hinter.stats.sent} (registered {hinter.stats.registered})" if hinter else ""))
@@ -136,7 +136,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     r.add_argument("--datastore", type=Path, required=True, help="built by `build` (memory-mapped)")
     r.add_argument("--pipeline", choices=PIPELINES, default="hyde")
     r.add_argument("--questions", type=int, default=8, help="how many questions")
-    r.add_argument("--questions-file", type=Path, default=None, help="one question per line (default: about corpus titles)")
+    r.add_argument("--questions-file", type=Path, default=None,
+                   help="one question per line (default: about corpus titles)")
     r.add_argument("--k", type=int, default=3, help="documents per final prompt")
     r.add_argument("--nprobe", type=int, default=8, help="IVF clusters each search probes")
     r.add_argument("--tier-mb", type=int, default=64, help="the fast tier's size (MB)")

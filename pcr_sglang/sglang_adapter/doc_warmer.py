@@ -161,7 +161,8 @@ class DocWarmer:
         for span in spans:
             digest = prefix.copy()
             digest.update(array(_TOKEN_TYPECODE, tokens[span.start:span.end]).tobytes())
-            digest.update(array(_TOKEN_TYPECODE, [self.pad_token_id] * (-(leading + span.length) % self.chunk)).tobytes())
+            digest.update(array(_TOKEN_TYPECODE,
+                                [self.pad_token_id] * (-(leading + span.length) % self.chunk)).tobytes())
             keys.append(digest.digest())
         return keys
 

@@ -19,7 +19,6 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
-
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     CacheRequestHandle,
@@ -233,7 +232,8 @@ class PCRPrefixCache(BasePrefixCache):
         assert len(tree_indices) == aligned_len, (len(tree_indices), aligned_len)
         self.req_to_token_pool.write((kv.req_pool_idx, slice(kv.cache_protected_len, aligned_len)),
                                      tree_indices[kv.cache_protected_len:].to(row.dtype))
-        self.scheduler.adopt_offloads(req.rid, new_last_node.path_from_root(), kv.cache_protected_len // self.chunk_size,
+        self.scheduler.adopt_offloads(req.rid, new_last_node.path_from_root(),
+                                      kv.cache_protected_len // self.chunk_size,
                                       result.prefix_len // self.chunk_size, aligned_len // self.chunk_size)
         kv.cache_protected_len = aligned_len
         self.unlock(req.lock)

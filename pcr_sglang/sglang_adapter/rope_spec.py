@@ -39,7 +39,6 @@ import re
 from typing import Any
 
 import torch
-
 from sglang.srt.layers.rotary_embedding.base import LinearScalingRotaryEmbedding, RotaryEmbedding
 from sglang.srt.layers.rotary_embedding.mrope import MRotaryEmbedding
 from sglang.srt.layers.rotary_embedding.rope_variant import (

@@ -136,7 +136,8 @@ class SchedulerSide:
         tokens = self._tokens(req)
         return chunk_keys(root, tokens, self.chunk)
 
-    def _keys_of(self, tokens: Any, extra_key: Optional[str] = None, cache_salt: Optional[str] = None) -> list[ChunkKey]:
+    def _keys_of(self, tokens: Any, extra_key: Optional[str] = None,
+                 cache_salt: Optional[str] = None) -> list[ChunkKey]:
         """The chunk keys of ``tokens`` (whole chunks only)."""
         return chunk_keys(self.root_key(extra_key, cache_salt), tokens, self.chunk)
 

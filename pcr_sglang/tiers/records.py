@@ -85,7 +85,8 @@ class RecordCodec:
 
     def parse_header(self, raw: bytes) -> Optional[ChunkRecord]:
         """The record's header if its MAC verifies and it belongs to this namespace and layout."""
-        if len(raw) < HEADER_BYTES or self._mac(self._header_key, raw[: _FIELDS.size]) != raw[_FIELDS.size:HEADER_BYTES]:
+        if (len(raw) < HEADER_BYTES
+                or self._mac(self._header_key, raw[: _FIELDS.size]) != raw[_FIELDS.size:HEADER_BYTES]):
             return None
         (magic, version, header_bytes, _flags, key, parent_key, namespace, depth, num_tokens, num_layers,
          chunk_size, row_bytes, dtype, payload_bytes, payload_mac) = _FIELDS.unpack_from(raw)

@@ -65,24 +65,28 @@ from typing import Iterator, Optional
 
 from pcr_sglang.tiers.fileops import FileOps
 from pcr_sglang.tiers.records import FORMAT_VERSION, HEADER_BYTES, ChunkRecord, RecordCodec  # noqa: F401
-from pcr_sglang.tiers.store_dir import (
+
+# The CLI's directory tools live beside the access rules; re-exported for pcr_sglang.store.
+from pcr_sglang.tiers.store_dir import (  # noqa: F401
+    KEY_FILE,
     NAMESPACE_FILE,
     SLOT_RE,
     SUFFIX,
     TMP_SUFFIX,
+    NamespaceUsage,
     SSDStoreError,
     check_store_root,
+    list_namespaces,
     load_key,
     namespace_dir,
     owned_private_dir,
+    purge_namespace,
     slot_dirs,
     subdirs,
     take_slot,
     try_lease,
     unlink_quiet,
 )
-# The CLI's directory tools live beside the access rules; re-exported for pcr_sglang.store.
-from pcr_sglang.tiers.store_dir import KEY_FILE, NamespaceUsage, list_namespaces, purge_namespace  # noqa: F401
 from pcr_sglang.transfer.layout import HostChunkLayout
 
 logger = logging.getLogger(__name__)

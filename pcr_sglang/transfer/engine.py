@@ -29,8 +29,9 @@ records an event when it is complete: its ticket. Nothing here blocks the CPU on
 ticket of the last one issued on that slot: all copies go on one side stream, in issue
 order, so the last one completes after every earlier one), which the scheduler checks
 before it hands the slot to the I/O process; :meth:`order_before_reuse` makes the
-compute stream wait (on the GPU) for the copies before device slots are reused. On CPU there is no copy engine to overlap
-with, so the same protocol runs each copy inline where CUDA would wait for it: a load's
+compute stream wait (on the GPU) for the copies before device slots are reused. On CPU
+there is no copy engine to overlap with, so the same protocol runs each copy inline where
+CUDA would wait for it: a load's
 layer ``i`` when layer ``i`` is first read, an offload's layer ``i`` right after it is
 written, and whatever is left at the end of the batch. Re-placements run on a second
 side stream on CUDA (a load's layers are all queued on the first when it is submitted, so

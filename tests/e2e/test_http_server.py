@@ -27,7 +27,9 @@ ADMIN_KEY = "pcr-test-admin-key"
 
 @pytest.fixture(scope="module")
 def servers(tiny_model, baseline_server):
-    pcr = ServerProcess(tiny_model, (*COMMON_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE)))
+    pcr = ServerProcess(
+        tiny_model, (*COMMON_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE))
+    )
     # A KV pool of ~3 prompts for a working set of ~40 documents: eviction all the time.
     pcr_small = ServerProcess(
         tiny_model, (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE))
@@ -41,14 +43,14 @@ def servers(tiny_model, baseline_server):
     # The same small device pool with PCR's host tier behind it.
     pcr_dram = ServerProcess(
         tiny_model,
-        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
-         "--enable-metrics"),
+        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE),
+         "--pcr-dram-gb", "0.25", "--enable-metrics"),
     )
     # A cache-aware policy: every pass matches the whole waiting queue (up to 128 requests).
     pcr_lpm = ServerProcess(
         tiny_model,
-        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.25",
-         "--schedule-policy", "lpm", "--enable-metrics"),
+        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE),
+         "--pcr-dram-gb", "0.25", "--schedule-policy", "lpm", "--enable-metrics"),
     )
     everything = {"pcr": pcr, "pcr_small": pcr_small, "hicache": hicache,
                   "pcr_dram": pcr_dram, "pcr_lpm": pcr_lpm}

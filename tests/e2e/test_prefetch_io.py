@@ -20,9 +20,15 @@ from pcr_sglang.core.keys import CacheNamespace, chunk_keys, root_key
 from pcr_sglang.launcher import free_port
 from pcr_sglang.sglang_adapter.kv_events import block_hash
 from tests.conftest import CHUNK_SIZE
-
-from tests.e2e.helpers import (GREEDY, TIERED_ARGS, generate_greedy, prometheus_counts, serving,
-                               ssd_server, wait_for_write_back)
+from tests.e2e.helpers import (
+    GREEDY,
+    TIERED_ARGS,
+    generate_greedy,
+    prometheus_counts,
+    serving,
+    ssd_server,
+    wait_for_write_back,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -261,7 +267,8 @@ def test_kv_cache_events_replayed_hold_what_the_tree_holds(servers, rag_prompt_i
     assert info["kv_events"]["block_size"] == CHUNK_SIZE  # PCR's chunks, not SGLang's page size
     driving = [7] * 40  # the supervisor test's prompt
     served = [p + out for p, out in zip(rag_prompt_ids, baseline_outputs)]
-    served.append(driving + servers["baseline"].generate({"input_ids": driving, "sampling_params": GREEDY})["output_ids"])
+    served.append(driving
+                  + servers["baseline"].generate({"input_ids": driving, "sampling_params": GREEDY})["output_ids"])
     expected = expected_blocks(server, served)
     deadline = time.monotonic() + 60
     while True:

@@ -192,7 +192,8 @@ def test_a_kv_hint_under_another_tenants_salt_prefetches_nothing(servers, rag_pr
     final = server.generate({"input_ids": prompt, "sampling_params": GREEDY})
     assert final["output_ids"] == baseline_outputs[HINTED][2]
     ssd = server.pcr_state()["ssd"]
-    assert final["meta_info"]["cached_tokens_details"].get("storage", 0) > 0, json.dumps([ssd["cost_model"], ssd["counters"], ssd["prefetch_timeliness"]])
+    assert final["meta_info"]["cached_tokens_details"].get("storage", 0) > 0, json.dumps(
+        [ssd["cost_model"], ssd["counters"], ssd["prefetch_timeliness"]])
 
 
 def test_a_hyde_pipeline_on_the_frontend_sends_its_hint_and_searches_exactly(servers):
@@ -312,7 +313,8 @@ def test_kill_9_during_write_back_then_restart(servers, tiny_model, store_dir, d
     assert state["ssd"]["store"]["corrupt_chunks"] == 0
     assert state["ssd"]["store"]["discarded_tmp_files"] >= len(cut_off) and not list(store_dir.rglob("*.tmp"))
     outputs, _ = replay_with_details(restarted, [[7, *ids] for ids in rag_prompt_ids[:8]])
-    assert outputs == [ids for ids, _ in generate_greedy(servers["baseline"], [[7, *ids] for ids in rag_prompt_ids[:8]])]
+    assert outputs == [ids for ids, _ in generate_greedy(servers["baseline"],
+                                                         [[7, *ids] for ids in rag_prompt_ids[:8]])]
     outputs, _ = replay_with_details(restarted, rag_prompt_ids[:10])
     assert outputs == baseline_outputs[:10]
 

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-from tests.mutations.runner import KILLED, Runner, MutantResult, describe_tests, stale_reason
+from tests.mutations.runner import KILLED, MutantResult, Runner, describe_tests, stale_reason
 from tests.mutations.table import KINDS, MUTANTS, Mutant
 
 REPO = Path(__file__).resolve().parents[2]

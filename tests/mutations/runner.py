@@ -212,7 +212,8 @@ def _read_junit(report: Path, outcome: PytestOutcome) -> None:
     for case in root.iter("testcase"):
         tags = {child.tag for child in case}
         node = f"{case.get('classname', '')}::{case.get('name', '')}"
-        if tags & {"failure", "error"} and not case.get("classname"):  # pytest's entry for a module it could not collect
+        # pytest's entry for a module it could not collect
+        if tags & {"failure", "error"} and not case.get("classname"):
             outcome.collection_errors.append(case.get("name", ""))
         elif "error" in tags:  # a fixture raised (a server that did not start, say), not the test
             outcome.errored.append(node)
@@ -280,7 +281,8 @@ class Runner:
                     result.detail = _failure_detail("unmutated", base)
                     return
                 if base.passed == 0:
-                    result.status, result.detail = NOT_RUN, f"unmutated: no test ran ({base.skipped} skipped)\n{base.tail}"
+                    result.status, result.detail = (
+                        NOT_RUN, f"unmutated: no test ran ({base.skipped} skipped)\n{base.tail}")
                     return
             unusable = apply_mutant(mutant, copy)
             if unusable:
@@ -300,7 +302,8 @@ def _classify(outcome: PytestOutcome, result: MutantResult) -> None:
         result.status, result.detail = TIMEOUT, _failure_detail("mutated", outcome)
     elif outcome.collection_errors:  # an import error proves nothing about the behaviour under test
         result.status = ERROR
-        result.detail = f"test modules failed to import with the mutant: {', '.join(outcome.collection_errors)}\n{outcome.tail}"
+        result.detail = (f"test modules failed to import with the mutant: {', '.join(outcome.collection_errors)}\n"
+                         f"{outcome.tail}")
     elif outcome.errored and not outcome.failed:  # nothing failed: the tests never ran as written
         result.status = ERROR
         result.detail = f"setup or teardown errors, no test failed: {', '.join(outcome.errored[:3])}\n{outcome.tail}"

@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from sglang.srt.layers.rotary_embedding import get_rope
 
 from pcr_sglang.sglang_adapter.doc_reuse_setup import doc_pad_token_id, layer0_self_test
@@ -199,13 +198,15 @@ def test_the_blend_probe_gives_the_same_kv_in_any_query_blocks(monkeypatch):
         return q * positions[:, None].cos(), k * positions[:, None].sin()
 
     def layer():
-        attn = SimpleNamespace(qkv_proj=linear(hidden, (heads + 2 * kv_heads) * dim), o_proj=linear(heads * dim, hidden),
-                               rotary_emb=rope, q_size=heads * dim, kv_size=kv_heads * dim, head_dim=dim, scaling=0.5)
+        attn = SimpleNamespace(qkv_proj=linear(hidden, (heads + 2 * kv_heads) * dim),
+                               o_proj=linear(heads * dim, hidden), rotary_emb=rope, q_size=heads * dim,
+                               kv_size=kv_heads * dim, head_dim=dim, scaling=0.5)
         return SimpleNamespace(self_attn=attn, input_layernorm=torch.nn.LayerNorm(hidden),
                                post_attention_layernorm=torch.nn.LayerNorm(hidden),
                                mlp=torch.nn.Linear(hidden, hidden))
 
-    model = SimpleNamespace(model=SimpleNamespace(embed_tokens=torch.nn.Embedding(50, hidden), layers=[layer(), layer()]))
+    model = SimpleNamespace(model=SimpleNamespace(embed_tokens=torch.nn.Embedding(50, hidden),
+                                                  layers=[layer(), layer()]))
     pools = [(torch.randn(40, kv_heads, dim), torch.randn(40, kv_heads, dim)) for _ in range(2)]
     probe = blend_probe.Layer1Probe(model, pools)
     args = (torch.tensor([3, 9, 4, 7, 1, 8]), torch.arange(5, 11), torch.arange(20, 25), torch.arange(30, 36))

@@ -81,7 +81,8 @@ def test_every_python_file_a_step_runs_imports_without_sglang():
 def test_the_blocker_does_block():
     """The import check can fail: importing SGLang itself is refused."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", IMPORT_ALL.replace("import_module(module)", "import_module('sglang')"),
+    result = subprocess.run([sys.executable, "-c",
+                             IMPORT_ALL.replace("import_module(module)", "import_module('sglang')"),
                              ",".join(BLOCKED), "bench/gpu_ordering_check.py"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "blocked on purpose: sglang" in result.stderr

@@ -10,8 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.mutations.runner import BASELINE_FAILED, ERROR, KILLED, STALE, SURVIVED, Runner, apply_mutant, \
-    check_isolation, copy_environment, copy_tree, stale_reason
+from tests.mutations.runner import (
+    BASELINE_FAILED,
+    ERROR,
+    KILLED,
+    STALE,
+    SURVIVED,
+    Runner,
+    apply_mutant,
+    check_isolation,
+    copy_environment,
+    copy_tree,
+    stale_reason,
+)
 from tests.mutations.table import KINDS, MUTANTS, Mutant
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from bench.ragbench.report import build_report, markdown, percentile, reuse_potential, write_report
-from bench.ragbench.runner import RequestRecord, RunResult, _cached_by_tier, server_config, Budgets
+from bench.ragbench.runner import Budgets, RequestRecord, RunResult, _cached_by_tier, server_config
 from bench.ragbench.workload import (
     HOT_FRACTION,
     HOT_SHARE,

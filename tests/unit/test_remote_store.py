@@ -10,13 +10,27 @@ import time
 import pytest
 import zmq
 
-from pcr_sglang.io.protocol import (SOURCE_REMOTE, Done, IoOutcome, Probed, ProbeRemote, ReadChunk, RemoteStatus,
-                                    reply_decoder)
+from pcr_sglang.io.protocol import (
+    SOURCE_REMOTE,
+    Done,
+    IoOutcome,
+    Probed,
+    ProbeRemote,
+    ReadChunk,
+    RemoteStatus,
+    reply_decoder,
+)
 from pcr_sglang.io.remote_thread import RemoteFaults, RemoteThread
 from pcr_sglang.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
 from pcr_sglang.tiers.records import RecordCodec
-from pcr_sglang.tiers.remote_store import (ReadResult, RemoteChunkStore, RemoteConfig, RemoteConfigError,
-                                           RemoteError, load_fleet_key)
+from pcr_sglang.tiers.remote_store import (
+    ReadResult,
+    RemoteChunkStore,
+    RemoteConfig,
+    RemoteConfigError,
+    RemoteError,
+    load_fleet_key,
+)
 from pcr_sglang.transfer.layout import HostChunkLayout
 
 LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=32)

@@ -18,8 +18,17 @@ import time
 import pytest
 import zmq
 
-from pcr_sglang.io.protocol import (Done, IoOutcome, Probed, ProbeRemote, ReadChunk, RemoteStatus, WorkerConfig,
-                                    WriteChunk, reply_decoder)
+from pcr_sglang.io.protocol import (
+    Done,
+    IoOutcome,
+    Probed,
+    ProbeRemote,
+    ReadChunk,
+    RemoteStatus,
+    WorkerConfig,
+    WriteChunk,
+    reply_decoder,
+)
 from pcr_sglang.io.remote_thread import RemoteThread
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.io.worker import MAX_HUNG_REMOTE_THREADS

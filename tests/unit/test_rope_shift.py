@@ -36,7 +36,6 @@ import math
 
 import pytest
 import torch
-
 from sglang.srt.layers.rotary_embedding import get_rope
 from sglang.srt.layers.rotary_embedding.base import LinearScalingRotaryEmbedding, RotaryEmbedding
 from sglang.srt.layers.rotary_embedding.mrope import MRotaryEmbedding, YaRNScalingMRotaryEmbedding

@@ -1,9 +1,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
 import sgl_kernel
+import torch
 from sgl_kernel import assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu
 
 pytestmark = pytest.mark.skipif(

@@ -17,7 +17,7 @@ import torch
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core import CacheNamespace
-from pcr_sglang.io.protocol import IoOutcome, ReadChunk, WorkerConfig, WriteChunk
+from pcr_sglang.io.protocol import IoOutcome, WorkerConfig, WriteChunk
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.sglang_adapter.factory import build_ssd_store
 from pcr_sglang.tiers.host_pool import HostChunkPool

@@ -22,10 +22,9 @@ from typing import Optional
 
 import pytest
 import torch
-from torch.nn.functional import scaled_dot_product_attention
-
 from sglang.srt.layers.attention import torch_native_backend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from torch.nn.functional import scaled_dot_product_attention
 
 PADDED_ENV = "SGLANG_TORCH_NATIVE_PADDED_EXTEND"
 TOLERANCES = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=1e-5)}

@@ -10,7 +10,6 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from pcr_sglang.sglang_adapter import weight_updates
@@ -284,4 +283,5 @@ def test_the_plugin_wraps_every_call_that_changes_the_weights():
     for method in (*weight_updates.UPDATE_METHODS, weight_updates.SESSION_END):
         assert callable(getattr(SchedulerWeightUpdaterManager, method))
         hooks = HookRegistry._hooks.get(prefix + method, [])
-        assert any(kind is HookType.AROUND and getattr(hook, "args", ()) == (method,) for kind, hook, _ in hooks), method
+        assert any(kind is HookType.AROUND and getattr(hook, "args", ()) == (method,)
+                   for kind, hook, _ in hooks), method
