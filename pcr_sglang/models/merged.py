@@ -1,0 +1,62 @@
+"""A base checkpoint with a committed LoRA adapter merged in: a plain safetensors folder
+SGLang serves like any model (no adapter at serving time, and new weights, so a cache
+namespace of its own).
+
+The adapter folder holds PEFT's ``adapter_config.json``, ``adapter_model.safetensors`` and
+the tuning's ``recipe.json`` (:mod:`pcr_sglang.tune.train`), whose ``adapter_sha256`` the
+adapter file must match: a changed or truncated adapter is refused, never merged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from pcr_sglang.models import build_cached
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_FILE = "adapter_model.safetensors"
+RECIPE_FILE = "recipe.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "vocab.json", "merges.txt", "generation_config.json")
+
+
+def adapter_checksum(adapter_dir: Path) -> str:
+    """The adapter file's SHA-256, after checking it against the recipe's."""
+    adapter_dir = Path(adapter_dir)
+    path, recipe_path = adapter_dir / ADAPTER_FILE, adapter_dir / RECIPE_FILE
+    if not path.is_file() or not recipe_path.is_file():
+        raise FileNotFoundError(f"{adapter_dir} has no {ADAPTER_FILE} and {RECIPE_FILE}")
+    actual = hashlib.sha256(path.read_bytes()).hexdigest()
+    expected = json.loads(recipe_path.read_text())["result"]["adapter_sha256"]
+    if actual != expected:
+        raise ValueError(f"{path} has SHA-256 {actual}, its recipe says {expected}: refusing to merge it")
+    return actual
+
+
+def build_merged(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
+    """``out_dir`` holding ``base_dir``'s model with ``adapter_dir`` merged (built once, cached)."""
+    base_dir, adapter_dir = Path(base_dir), Path(adapter_dir)
+    stamp = base_dir / "pcr_recipe.json"
+    base_stamp = json.loads(stamp.read_text()) if stamp.is_file() else None
+    recipe = {"base": base_stamp, "base_dir": base_dir.name, "adapter_sha256": adapter_checksum(adapter_dir),
+              "merge": "peft merge_and_unload, float32", "version": 1}
+
+    def merge(folder: Path) -> None:
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        logger.info("Merging %s into %s (once)", adapter_dir, base_dir)
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+        merged.save_pretrained(folder, safe_serialization=True)
+        for name in _TOKENIZER_FILES:
+            if (base_dir / name).is_file():
+                shutil.copy2(base_dir / name, folder / name)
+
+    return build_cached(Path(out_dir), recipe, merge)

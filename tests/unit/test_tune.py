@@ -1,0 +1,195 @@
+"""The document-reuse tuning: the served forward, the question set and its split, the
+distillation loop, the merged checkpoint (all on the tiny model; the e2e check of the
+forward against a live server is in tests/e2e/test_doc_reuse.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pcr_sglang.doc_prompt import build_doc_prompt
+from pcr_sglang.tune import questions, scores
+from pcr_sglang.tune.served_pattern import MarkedPrompt, rotate_keys, served_generate, served_logits
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def _prompt(tokenizer, docs: int, seed: int = 0) -> MarkedPrompt:
+    rng = random.Random(seed)
+    texts = [f"Passage {rng.randrange(1000)} about {word} and more words here." for word in
+             rng.sample(["rivers", "stars", "trains", "music", "salt", "glass"], docs)]
+    prompt = build_doc_prompt(tokenizer, "Answer briefly.", texts, "What is it?")
+    return MarkedPrompt(tuple(prompt.input_ids), tuple(prompt.doc_bounds))
+
+
+def test_one_document_right_after_s_is_exact(hf_model, tokenizer):
+    prompt = _prompt(tokenizer, 1)
+    with torch.no_grad():
+        concat = served_logits(hf_model, prompt, [5, 6], mode="concat")
+        full = served_logits(hf_model, prompt, [5, 6], mode="full")
+    assert concat.shape == full.shape
+    assert torch.allclose(concat, full, atol=1e-4), (concat - full).abs().max()
+
+
+def test_later_documents_are_blended_not_full_prefill(hf_model, tokenizer):
+    prompt = _prompt(tokenizer, 3)
+    with torch.no_grad():
+        concat = served_logits(hf_model, prompt, mode="concat")
+        full = served_logits(hf_model, prompt, mode="full")
+    assert (concat - full).abs().max() > 1e-2
+
+
+def test_rotating_keys_composes_with_the_models_rope(hf_model):
+    """K computed at position p and moved by δ equals K computed at p + δ."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rotary = hf_model.model.rotary_emb
+    head_dim = hf_model.config.hidden_size // hf_model.config.num_attention_heads
+    k = torch.randn(1, 2, 5, head_dim)
+    positions = torch.arange(3, 8)[None]
+    cos, sin = rotary(k, positions)
+    _, at_p = apply_rotary_pos_emb(k, k, cos, sin)
+    cos, sin = rotary(k, positions + 11)
+    _, at_p_plus = apply_rotary_pos_emb(k, k, cos, sin)
+    assert torch.allclose(rotate_keys(hf_model, at_p, 11), at_p_plus, atol=1e-5)
+    assert not torch.allclose(rotate_keys(hf_model, at_p, 10), at_p_plus, atol=1e-3)
+
+
+def test_greedy_generation_agrees_with_the_logits(hf_model, tokenizer):
+    prompt = _prompt(tokenizer, 3, seed=1)
+    answer = served_generate(hf_model, prompt, 5, mode="concat")
+    with torch.no_grad():
+        logits = served_logits(hf_model, prompt, answer, mode="concat")
+    first = len(prompt.input_ids) - 1 - prompt.doc_bounds[-1]
+    assert logits[first: first + len(answer)].argmax(-1).tolist() == answer
+
+
+@pytest.mark.parametrize("bounds, message", [((), "non-empty"), ((0, 3), "before its first document"),
+                                             ((2, 9, 5, 12), "out of order"), ((2, 99), "past the prompt")])
+def test_bad_marks_are_refused(bounds, message):
+    with pytest.raises(ValueError, match=message):
+        MarkedPrompt(tuple(range(20)), bounds)
+
+
+def test_the_split_is_by_article_stable_and_disjoint():
+    train, test = questions.split_articles("train"), questions.split_articles("test")
+    train_titles, test_titles = {a.title for a in train}, {a.title for a in test}
+    assert train_titles and test_titles and not train_titles & test_titles
+    assert 0.12 < len(test) / (len(train) + len(test)) < 0.28
+    assert all(questions.article_split(t) == "test" for t in test_titles)
+    for q in questions.question_set("test", 30, seed=4):
+        assert set(q.titles) <= test_titles
+
+
+def test_questions_ask_about_re_placed_documents_and_plant_what_they_ask():
+    qs = questions.question_set("test", 30, seed=2)
+    assert {q.kind for q in qs} == set(questions.KINDS)
+    for q in qs:
+        assert 0 not in q.targets
+        if q.kind == "needle":
+            assert q.gold in q.documents[q.targets[0]]
+        elif q.kind == "two_hop":
+            founder, birth = (q.documents[t] for t in q.targets)
+            person = founder.split("was founded by ")[1].split(".")[0]
+            assert f"{person} was born in {q.gold}." in birth
+        else:
+            assert q.documents[q.targets[0]].split(":\n", 1)[1].startswith(q.gold)
+        moved = q.shuffled(random.Random(0))
+        assert 0 not in moved.targets and sorted(moved.documents) == sorted(q.documents)
+        assert [moved.documents[t] for t in moved.targets] == [q.documents[t] for t in q.targets]
+    assert questions.question_set("test", 5, seed=2) == qs[:5]
+
+
+def test_scores():
+    assert scores.rouge_l("the cat sat on the mat", "cat sat mat") == pytest.approx(6 / 7)  # LCS 3 of 4 and 3
+    assert scores.rouge_l("The cat, sat mat.", "cat sat mat") == pytest.approx(1.0)
+    assert scores.rouge_l("mat sat cat", "cat sat mat") == pytest.approx(1 / 3)
+    assert scores.contains_answer("The number is 48213.", "48213")
+    assert not scores.contains_answer("The number is 482130.", "48213")
+    assert scores.contains_answer("It was Priya Abernathy, I think", "priya abernathy")
+    assert not scores.contains_answer("Abernathy Priya", "Priya Abernathy")
+
+
+def test_a_few_steps_lower_the_distillation_loss(tiny_model, tokenizer):
+    """The gradient reaches the adapter through the served pattern (canonical KV, rotated
+    keys, the cache): steps on one question bring its concat loss down (a detached
+    canonical KV or a frozen adapter would leave it where it was)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pcr_sglang.tune.train import TARGET_MODULES, sample_loss
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=list(TARGET_MODULES)))
+    question = questions.question_set("train", 1, seed=5)[0]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = float(sample_loss(model, tokenizer, question, "concat", 8))
+    for _ in range(25):  # Adam's first steps overshoot at this rate; 25 settle well below
+        optimizer.zero_grad()
+        sample_loss(model, tokenizer, question, "concat", 8).backward()
+        optimizer.step()
+    after = float(sample_loss(model, tokenizer, question, "concat", 8))
+    assert before > 1e-3 and after < 0.5 * before, (before, after)
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter(tiny_model, tmp_path_factory):
+    from pcr_sglang.tune.train import TuneParams, train
+
+    out = tmp_path_factory.mktemp("tiny-adapter")
+    result = train(TuneParams(base_model=tiny_model, out_dir=str(out), samples=8, grad_accum=2, lr=3e-3,
+                              warmup_steps=1, answer_tokens=6, validation_questions=2, max_documents=3,
+                              log_every=2))
+    return out, result
+
+
+def test_the_tuning_run_writes_the_adapter_and_its_recipe(tiny_adapter):
+    out, result = tiny_adapter
+    assert result.samples == 8 and result.optimizer_steps == 4
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["result"]["adapter_sha256"] == result.adapter_sha256
+    assert [n for n, _ in recipe["result"]["loss_curve"]] == [2, 4, 6, 8]
+    assert recipe["params"]["samples"] == 8 and (out / "adapter_config.json").is_file()
+
+
+def test_the_merged_checkpoint_has_new_weights_and_its_own_namespace(tiny_model, tiny_adapter, tmp_path):
+    from safetensors.torch import load_file
+
+    from pcr_sglang.models.merged import build_merged
+    from pcr_sglang.sglang_adapter.fingerprint import model_fingerprint
+
+    adapter, _ = tiny_adapter
+    merged = build_merged(tiny_model, adapter, tmp_path / "merged")
+    base_w = load_file(str(sorted(Path(tiny_model).glob("*.safetensors"))[0]))
+    merged_w = load_file(str(sorted(merged.glob("*.safetensors"))[0]))
+    changed = [k for k in base_w if "q_proj" in k and not torch.equal(base_w[k], merged_w[k])]
+    assert changed
+    config = SimpleNamespace(hf_config=None)
+    assert model_fingerprint(config, str(merged)) != model_fingerprint(config, tiny_model)
+    assert build_merged(tiny_model, adapter, tmp_path / "merged") == merged  # cached
+
+
+def test_a_changed_adapter_is_refused(tiny_model, tiny_adapter, tmp_path):
+    import shutil
+
+    from pcr_sglang.models.merged import build_merged
+
+    adapter, _ = tiny_adapter
+    copy = tmp_path / "adapter"
+    shutil.copytree(adapter, copy)
+    data = bytearray((copy / "adapter_model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (copy / "adapter_model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="refusing to merge"):
+        build_merged(tiny_model, copy, tmp_path / "merged")
