@@ -1,12 +1,20 @@
-"""Answer accuracy of document KV reuse, against full prefill, on the benchmark's RAG trace.
+"""Answer accuracy of document KV reuse: gold answers and fidelity to full prefill.
 
-    python -m bench.doc_reuse_accuracy                # 40 first turns of the retrieval trace
-    python -m bench.doc_reuse_accuracy --quick        # 12 first turns
-    python -m bench.doc_reuse_accuracy --requests 80 --max-new-tokens 48
+    python -m bench.doc_reuse_accuracy                # questions about re-placed documents, base and tuned
+    python -m bench.doc_reuse_accuracy --quick        # 12 questions
+    python -m bench.doc_reuse_accuracy --models base --modes concat,blend,blend:0.15:16,lego:16
+    python -m bench.doc_reuse_accuracy --workload trace --requests 80   # the ragbench trace (below)
 
-The first turns of ``bench.ragbench``'s retrieval trace (Wikipedia extracts chosen by the
-embedding retriever, Zipf-popular topics), as document-marked token prompts
-(``Trace.doc_prompt``), served by SmolLM2-135M-Instruct:
+Two workloads. ``questions`` (the default, ``bench/reuse_questions.py``): test-split
+questions about documents that are never first in their prompt, scored against gold
+answers and against full prefill, per model (the base SmolLM2 and the document-reuse tuned
+one), with bootstrap intervals and the noise floor; its docstring says what is measured.
+
+``trace``: the first turns of ``bench.ragbench``'s retrieval trace, scored against full
+prefill only (in every one of its prompts the asked-about document is the first, whose KV
+is exact in every mode, so it does not test re-placed documents). Its prompts are
+Wikipedia extracts chosen by the embedding retriever, Zipf-popular topics, as
+document-marked token prompts (``Trace.doc_prompt``), served by SmolLM2-135M-Instruct:
 
 1. **full prefill** (``--disable-radix-cache``): the reference. Each prompt's greedy answer
    (temperature 0), and the teacher-forced NLL of that answer under full prefill.
@@ -48,27 +56,27 @@ import json
 import logging
 import math
 import platform
-import re
 import shlex
 import statistics
-import string
 import sys
 import threading
 import time
-import unicodedata
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from pcr_sglang.tune.measure import MODES, ModeSpec, parse_mode, parse_modes  # noqa: F401 - re-exported
+from pcr_sglang.tune.scores import normalize_answer, token_f1  # noqa: F401 - re-exported
+
 logger = logging.getLogger("bench.doc_reuse_accuracy")
 
 DEFAULT_REQUESTS = 40
 QUICK_REQUESTS = 12
+DEFAULT_QUESTIONS = 36
+QUICK_QUESTIONS = 12
 FULL = "full prefill"
 EXACT = "exact prefix cache"
-MODES = ("concat", "lego", "blend")
 # What the modes are measured against (reported, never assumed met).
 TARGETS = {
     "blend": {"recompute_ratio": 0.15, "mean_f1_min": 0.90, "nll_ratio_max": 1.05,
@@ -78,36 +86,6 @@ COMMON_SERVER_ARGS = ("--context-length", "4096", "--log-level", "warning", "--s
 
 
 # ---------------------------------------------------------------------------- metrics
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_ASCII_PUNCTUATION = frozenset(string.punctuation)
-
-
-def normalize_answer(text: str) -> list[str]:
-    """SQuAD's answer normalization, as tokens: lowercase, punctuation removed (ASCII, as
-    SQuAD, and any Unicode punctuation), the articles a/an/the removed, split on
-    whitespace."""
-    text = text.lower()
-    text = "".join(" " if ch in _ASCII_PUNCTUATION or unicodedata.category(ch).startswith("P") else ch
-                   for ch in text)
-    return _ARTICLES.sub(" ", text).split()
-
-
-def token_f1(prediction: str, reference: str) -> float:
-    """SQuAD-style bag-of-tokens F1 of ``prediction`` against ``reference``. Two answers
-    that normalize to nothing agree (1.0); one empty answer against a non-empty one
-    scores 0.0."""
-    pred, ref = normalize_answer(prediction), normalize_answer(reference)
-    if not pred and not ref:
-        return 1.0
-    if not pred or not ref:
-        return 0.0
-    same = sum((Counter(pred) & Counter(ref)).values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(pred), same / len(ref)
-    return 2 * precision * recall / (precision + recall)
-
-
 def answer_nll(input_token_logprobs: Sequence[Sequence[Any]], answer_ids: Sequence[int]) -> float:
     """Mean negative log-likelihood per token of ``answer_ids``, from the
     ``meta_info.input_token_logprobs`` of a request of ``prompt + answer_ids`` sent with
@@ -127,75 +105,6 @@ def answer_nll(input_token_logprobs: Sequence[Sequence[Any]], answer_ids: Sequen
     if any(v is None for v in values):
         raise ValueError("an answer token has no logprob")
     return -sum(float(v) for v in values) / len(values)
-
-
-# ---------------------------------------------------------------------------- modes
-@dataclass(frozen=True)
-class ModeSpec:
-    """One measured configuration: a mode and, for the recompute modes, its K or R
-    (None: the server's default, ``--pcr-doc-recompute-tokens`` / ``-ratio``)."""
-
-    mode: str
-    value: Optional[float] = None
-
-    @property
-    def name(self) -> str:
-        if self.value is None:
-            return self.mode
-        return f"{self.mode}:{int(self.value) if self.mode == 'lego' else self.value:g}"
-
-    def recomputed_if_all_reused(self, doc_bounds: Sequence[int]) -> int:
-        """Tokens this spec recomputes in a prompt whose documents are all reused: every
-        document but the first is re-placed (the first sits where its canonical KV was
-        computed); the server's rule (``core.doc_reuse.with_recompute``)."""
-        from pcr_sglang.server_args_fields import DEFAULT_DOC_RECOMPUTE_RATIO, DEFAULT_DOC_RECOMPUTE_TOKENS
-
-        lengths = [end - start for start, end in zip(doc_bounds[2::2], doc_bounds[3::2])]
-        if self.mode == "lego":
-            k = int(self.value if self.value is not None else DEFAULT_DOC_RECOMPUTE_TOKENS)
-            return sum(min(k, n) for n in lengths)
-        if self.mode == "blend":
-            r = float(self.value if self.value is not None else DEFAULT_DOC_RECOMPUTE_RATIO)
-            return min(sum(lengths), int(round(r * sum(lengths))))
-        return 0
-
-    def custom_params(self) -> dict[str, Any]:
-        from pcr_sglang.core.doc_reuse import DOC_MODE_PARAM, RECOMPUTE_RATIO_PARAM, RECOMPUTE_TOKENS_PARAM
-
-        params: dict[str, Any] = {DOC_MODE_PARAM: self.mode}
-        if self.value is not None:
-            if self.mode == "lego":
-                params[RECOMPUTE_TOKENS_PARAM] = int(self.value)
-            else:
-                params[RECOMPUTE_RATIO_PARAM] = float(self.value)
-        return params
-
-
-def parse_mode(text: str) -> ModeSpec:
-    name, _, value = text.strip().partition(":")
-    if name not in MODES:
-        raise argparse.ArgumentTypeError(f"unknown mode {name!r}; known: {', '.join(MODES)} "
-                                         "(lego:K and blend:R set the recompute)")
-    if not value:
-        return ModeSpec(name)
-    if name == "concat":
-        raise argparse.ArgumentTypeError("concat recomputes nothing: it takes no :value")
-    try:
-        number = int(value) if name == "lego" else float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{name}:{value}: expected {'an integer K' if name == 'lego' else 'a ratio R'}") \
-            from None
-    if (name == "lego" and number < 0) or (name == "blend" and not 0.0 <= number <= 1.0):
-        raise argparse.ArgumentTypeError(f"{name}:{value}: {'K must be >= 0' if name == 'lego' else 'R must be in [0, 1]'}")
-    return ModeSpec(name, number)
-
-
-def parse_modes(text: str) -> tuple[ModeSpec, ...]:
-    """``--modes``: comma-separated ``concat``, ``lego[:K]``, ``blend[:R]``."""
-    specs = tuple(dict.fromkeys(parse_mode(n) for n in text.split(",") if n.strip()))
-    if not specs:
-        raise argparse.ArgumentTypeError(f"expected at least one mode; known: {', '.join(MODES)}")
-    return specs
 
 
 def server_mode(specs: Sequence[ModeSpec]) -> str:
@@ -404,7 +313,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.doc_reuse_accuracy", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--modes", type=parse_modes, default=parse_modes("concat,lego,blend"),
-                        help="comma-separated configurations to measure: concat, lego[:K], blend[:R] "
+                        help="comma-separated configurations to measure: concat, lego[:K], blend[:R[:A][:S]] "
+                             "(A: anchor tokens, S: deviation or query) "
                              "(default: concat,lego,blend at the server's K and R)")
     parser.add_argument("--requests", type=int, default=None,
                         help=f"first turns of the trace (default {DEFAULT_REQUESTS}; --quick: {QUICK_REQUESTS})")
@@ -421,11 +331,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (built offline)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/doc_reuse_accuracy"),
                         help="where the JSON result and the server logs go")
+    parser.add_argument("--workload", choices=("questions", "trace"), default="questions",
+                        help="questions (default): test-split questions about re-placed documents, gold-scored "
+                             "(bench/reuse_questions.py); trace: the first turns of the ragbench trace, "
+                             "scored against full prefill only (the asked-about document is always first there)")
+    parser.add_argument("--models", default="base,tuned",
+                        help="questions workload: comma-separated base (SmolLM2-135M-Instruct) and tuned (the same "
+                             "with the committed document-reuse adapter merged); ignored with --model-path")
+    parser.add_argument("--questions", type=int, default=None,
+                        help=f"questions workload: questions per seed, the kinds in turn (default {DEFAULT_QUESTIONS}; "
+                             f"--quick: {QUICK_QUESTIONS})")
+    parser.add_argument("--seeds", default="0", help="questions workload: comma-separated seeds (repeats)")
+    parser.add_argument("--top-k", type=int, default=10,
+                        help="questions workload: full prefill's top-k tokens per position for the KL (default 10)")
     args = parser.parse_args(argv)
     requests_n = args.requests if args.requests is not None else (QUICK_REQUESTS if args.quick else DEFAULT_REQUESTS)
     if requests_n < 1 or args.max_new_tokens < 1 or args.concurrency < 1:
         parser.error("--requests, --max-new-tokens and --concurrency must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.workload == "questions":
+        from bench.reuse_questions import run_questions
+
+        return run_questions(args, argv)
 
     from transformers import AutoTokenizer
 

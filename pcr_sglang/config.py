@@ -6,15 +6,16 @@ resolved ``ServerArgs`` in a server, a plain namespace in tests and benchmarks).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pcr_sglang.core.doc_reuse import DocLimits, Recompute
+from pcr_sglang.core.doc_calibration import CalibrationError, DocReuseCalibration, ModeCalibration
+from pcr_sglang.core.doc_reuse import SELECTORS, DocLimits, Recompute
 from pcr_sglang.core.doc_warmup import WarmupPolicy
 from pcr_sglang.core.hints import HintLimits
-from pcr_sglang.tiers.remote_store import RemoteConfig, RemoteConfigError, load_fleet_key
 from pcr_sglang.server_args_fields import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_DOC_MAX_DOCUMENTS,
@@ -45,6 +46,7 @@ from pcr_sglang.server_args_fields import (
     SSD_DURABILITY_CHOICES,
     SSD_WRITE_CHOICES,
 )
+from pcr_sglang.tiers.remote_store import RemoteConfig, RemoteConfigError, load_fleet_key
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,10 @@ class PCRConfig:
     doc_reuse: str = DEFAULT_DOC_REUSE
     doc_recompute_tokens: int = DEFAULT_DOC_RECOMPUTE_TOKENS
     doc_recompute_ratio: float = DEFAULT_DOC_RECOMPUTE_RATIO
+    doc_anchor_tokens: int = 0
+    doc_selector: str = "deviation"
+    doc_reuse_calibration: Optional[str] = None  # a pcr_sglang.calibrate file
+    doc_reuse_calibration_warn: bool = False
     doc_warmup: str = DEFAULT_DOC_WARMUP
     doc_warmup_after: int = DEFAULT_DOC_WARMUP_AFTER
     doc_max_documents: int = DEFAULT_DOC_MAX_DOCUMENTS
@@ -101,6 +107,10 @@ class PCRConfig:
             doc_reuse=getattr(args, "pcr_doc_reuse", DEFAULT_DOC_REUSE),
             doc_recompute_tokens=getattr(args, "pcr_doc_recompute_tokens", DEFAULT_DOC_RECOMPUTE_TOKENS),
             doc_recompute_ratio=getattr(args, "pcr_doc_recompute_ratio", DEFAULT_DOC_RECOMPUTE_RATIO),
+            doc_anchor_tokens=getattr(args, "pcr_doc_anchor_tokens", 0),
+            doc_selector=getattr(args, "pcr_doc_selector", "deviation"),
+            doc_reuse_calibration=getattr(args, "pcr_doc_reuse_calibration", None) or None,
+            doc_reuse_calibration_warn=bool(getattr(args, "pcr_doc_reuse_calibration_warn", False)),
             doc_warmup=getattr(args, "pcr_doc_warmup", DEFAULT_DOC_WARMUP),
             doc_warmup_after=getattr(args, "pcr_doc_warmup_after", DEFAULT_DOC_WARMUP_AFTER),
             doc_max_documents=getattr(args, "pcr_doc_max_documents", DEFAULT_DOC_MAX_DOCUMENTS),
@@ -114,8 +124,36 @@ class PCRConfig:
         )
 
     def doc_recompute(self) -> Recompute:
-        """The server's document-reuse mode with its K and R (requests may override them)."""
-        return Recompute(self.doc_reuse, self.doc_recompute_tokens, float(self.doc_recompute_ratio))
+        """The server's document-reuse mode with its K and R (requests may override them);
+        with a calibration, the K or R it found for the mode."""
+        tokens, ratio = self.doc_recompute_tokens, float(self.doc_recompute_ratio)
+        verdict = self.doc_calibration_verdict()
+        if verdict is not None and verdict.value is not None:
+            if self.doc_reuse == "lego":
+                tokens = int(verdict.value)
+            elif self.doc_reuse == "blend":
+                ratio = float(verdict.value)
+        return Recompute(self.doc_reuse, tokens, ratio, self.doc_anchor_tokens, self.doc_selector)
+
+    def doc_calibration(self) -> Optional[DocReuseCalibration]:
+        """The ``--pcr-doc-reuse-calibration`` file, read once per process (None without it)."""
+        if not self.doc_reuse_calibration:
+            return None
+        try:
+            return _load_calibration(self.doc_reuse_calibration)
+        except CalibrationError as e:
+            raise PCRConfigError(f"--pcr-doc-reuse-calibration: {e}") from None
+
+    def doc_calibration_verdict(self) -> Optional[ModeCalibration]:
+        """The calibration's verdict for the server's mode (None without a calibration)."""
+        calibration = self.doc_calibration()
+        if calibration is None or self.doc_reuse == "off":
+            return None
+        verdict = calibration.modes.get(self.doc_reuse)
+        if verdict is None:
+            raise PCRConfigError(f"--pcr-doc-reuse-calibration {self.doc_reuse_calibration} has no measurement of "
+                                 f"--pcr-doc-reuse {self.doc_reuse} (it has {', '.join(calibration.modes) or 'none'})")
+        return verdict
 
     def hint_limits(self) -> HintLimits:
         return HintLimits(max_ttl_s=float(self.hint_max_ttl_s), rate_per_s=float(self.hint_rate),
@@ -216,6 +254,14 @@ class PCRConfig:
         tokens = self.doc_recompute_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise PCRConfigError(f"--pcr-doc-recompute-tokens must be an integer >= 0, got {tokens!r}")
+        anchors = self.doc_anchor_tokens
+        if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 0:
+            raise PCRConfigError(f"--pcr-doc-anchor-tokens must be an integer >= 0, got {anchors!r}")
+        if self.doc_selector not in SELECTORS:
+            raise PCRConfigError(f"--pcr-doc-selector must be one of {', '.join(SELECTORS)}, got {self.doc_selector!r}")
+        if self.doc_reuse_calibration and self.doc_reuse == "off":
+            raise PCRConfigError("--pcr-doc-reuse-calibration needs --pcr-doc-reuse")
+        self.doc_calibration_verdict()  # a file that cannot be read, or lacks the mode, fails here
         ratio = self.doc_recompute_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
             raise PCRConfigError(f"--pcr-doc-recompute-ratio must be a number in [0, 1], got {ratio!r}")
@@ -254,3 +300,8 @@ class PCRConfig:
                 f"--pcr-chunk-size ({self.chunk_size}) must be a multiple of "
                 f"--page-size ({page_size}): a chunk is a whole number of KV pages"
             )
+
+
+@functools.lru_cache(maxsize=4)
+def _load_calibration(path: str) -> DocReuseCalibration:
+    return DocReuseCalibration.load(path)

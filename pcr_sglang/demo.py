@@ -1,15 +1,18 @@
 """Demo: serve a RAG workload over real Wikipedia documents with PCR on SmolLM2-135M.
 
-Prepares the model (once), launches ``python -m sglang.launch_server --enable-pcr
---pcr-doc-reuse concat --pcr-doc-warmup-after 1`` (on the CPU when there is no GPU), sends a seeded stream of RAG
-requests one after another, and prints each request's time to first token, its cached
-(reused) tokens and the model's answer, then the hit ratio and cold-vs-cached TTFT.
+Prepares the model (once), launches ``python -m sglang.launch_server --enable-pcr``
+(on the CPU when there is no GPU), sends a seeded stream of RAG requests one after
+another, and prints each request's time to first token, its cached (reused) tokens and
+the model's answer, then the hit ratio and cold-vs-cached TTFT. Prefix caching is exact:
+these answers are full prefill's.
 
-Then a second pass asks the same questions with each request's documents in another
-order, marking the documents (``custom_params["pcr_doc_bounds"]``): a prefix cache can
-reuse little of a reordered prompt, document reuse reuses every document already seen.
-Each answer is compared with full prefill's (concat mode recomputes nothing, so some
-differ: see the README's accuracy table). ``--no-doc-reuse`` skips that pass.
+Then a second pass, on a server with ``--pcr-doc-reuse`` (default ``blend``) and the
+document-reuse tuned SmolLM2 (``pcr_sglang.tune``), asks questions about documents that
+are never first in their prompt, marking the documents (``custom_params["pcr_doc_bounds"]``):
+a prefix cache reuses only up to the first document, document reuse reuses them all.
+**Document reuse changes answers**: the pass prints, per question, the gold answer, the
+answer with reuse and the full-prefill answer, each gold score, and whether they are
+equal. ``--no-doc-reuse`` skips that pass.
 
 Usage: ``python -m pcr_sglang.demo [--requests N] [--chunk-size N] [--seed N]``
 """
@@ -17,15 +20,14 @@ Usage: ``python -m pcr_sglang.demo [--requests N] [--chunk-size N] [--seed N]``
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-from pcr_sglang.doc_prompt import DocPrompt, build_doc_prompt
+from pcr_sglang.doc_prompt import DocPrompt
 from pcr_sglang.launcher import ServerProcess
-from pcr_sglang.workload import RagRequest, RagWorkloadParams, chat_prompt, make_rag_workload
+from pcr_sglang.workload import RagWorkloadParams, chat_prompt, make_rag_workload
 
 
 @dataclass
@@ -63,30 +65,61 @@ def generate_ids(server: ServerProcess, prompt: DocPrompt, max_new_tokens: int, 
                       latency_s=response.latency_s, answer=response.final.get("text", "").strip())
 
 
-def reordered_prompt(tokenizer: Any, request: RagRequest, rng: random.Random) -> DocPrompt:
-    documents = list(request.documents)
-    while len(documents) > 1 and tuple(documents) == request.documents:
-        rng.shuffle(documents)
-    return build_doc_prompt(tokenizer, request.system, [f"{d.title}:\n{d.text}" for d in documents],
-                            request.question)
+@dataclass
+class ReuseAnswer:
+    """One question of the document-reuse pass: the answer with the documents reused and
+    the same model's full-prefill answer, each with its gold score."""
+
+    kind: str
+    question: str
+    gold: str
+    reused: DemoResult
+    full: DemoResult
+
+    def score(self, answer: str) -> float:
+        from pcr_sglang.tune.scores import contains_answer, token_f1
+
+        return token_f1(answer, self.gold) if self.kind == "lead" else float(contains_answer(answer, self.gold))
 
 
-def doc_reuse_pass(server: ServerProcess, tokenizer: Any, workload: list[RagRequest], max_new_tokens: int,
-                   seed: int) -> Optional[dict[str, Any]]:
-    """The same questions, documents reordered and marked; then each prompt without marks
-    (full prefill's answer, from the exact prefix cache) to compare the answers."""
-    rng = random.Random(seed)
-    prompts = [reordered_prompt(tokenizer, request, rng) for request in workload]
-    print("\n[demo] second pass: the same questions, documents reordered and marked for document reuse")
-    reused = []
-    for i, (request, prompt) in enumerate(zip(workload, prompts)):
-        result = generate_ids(server, prompt, max_new_tokens, marked=True)
-        reused.append(result)
-        print(f"[{i + 1:2d}] prompt {result.prompt_tokens} tokens, documents end at {prompt.doc_bounds[-1]}, "
-              f"cached {result.cached_tokens}, TTFT {result.ttft_s * 1000:.0f} ms")
-        print(f"     A: {result.answer.splitlines()[0] if result.answer else '(empty)'}")
-    exact = [generate_ids(server, prompt, max_new_tokens, marked=False) for prompt in prompts]
-    return {"reused": reused, "exact": exact, "prompts": prompts}
+def doc_reuse_pass(model_path: str, tokenizer: Any, questions: int, mode: str, max_new_tokens: int, chunk_size: int,
+                   seed: int) -> list[ReuseAnswer]:
+    """Questions about documents that are never first in their prompt (test-split articles,
+    ``pcr_sglang.tune.questions``), on ``model_path`` with ``--pcr-doc-reuse``: each prompt's
+    documents are warmed (their canonical KV computed, as a precomputed corpus would have
+    it), then the question is answered with them reused, then without marks (full prefill
+    and exact prefix caching: the answer to compare with)."""
+    from pcr_sglang.tune.questions import question_set
+
+    flags = ("--enable-pcr", "--pcr-chunk-size", str(chunk_size), "--pcr-doc-reuse", mode,
+             "--pcr-doc-warmup-after", "1", "--max-total-tokens", "16384", "--context-length", "4096",
+             "--log-level", "warning")
+    print(f"\n[demo] document reuse: {questions} questions about re-placed documents, on {model_path}")
+    print(f"[demo] starting SGLang with: {' '.join(flags)}")
+    answers = []
+    with ServerProcess(model_path, flags) as server:
+        for i, q in enumerate(question_set("test", questions, seed)):
+            prompt = q.prompt(tokenizer)
+            generate_ids(server, prompt, 1, marked=True)  # warm: the documents' canonical KV
+            reused = generate_ids(server, prompt, max_new_tokens, marked=True)
+            full = generate_ids(server, prompt, max_new_tokens, marked=False)
+            answer = ReuseAnswer(q.kind, q.question, q.gold, reused, full)
+            answers.append(answer)
+            print(f"\n[{i + 1:2d}] {q.kind}: {q.question}  (asked-about document at position "
+                  f"{', '.join(str(t + 1) for t in q.targets)} of {len(q.documents)})")
+            print(f"     gold: {q.gold}")
+            print(f"     reused       ({reused.cached_tokens} of {reused.prompt_tokens} tokens cached, TTFT "
+                  f"{reused.ttft_s * 1000:.0f} ms, gold score {answer.score(reused.answer):.2f}): "
+                  f"{_first_line(reused.answer)}")
+            print(f"     full prefill ({full.cached_tokens} cached by the exact prefix cache, "
+                  f"TTFT {full.ttft_s * 1000:.0f} ms, gold score "
+                  f"{answer.score(full.answer):.2f}): {_first_line(full.answer)}")
+            print(f"     same answer as full prefill: {reused.answer == full.answer}")
+    return answers
+
+
+def _first_line(answer: str) -> str:
+    return answer.splitlines()[0] if answer else "(empty)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="Workload seed (default 0).")
     parser.add_argument("--model-path", default=None, help="Serve this model instead of SmolLM2-135M.")
     parser.add_argument("--no-doc-reuse", action="store_true",
-                        help="Skip the second pass (documents reordered, reused with --pcr-doc-reuse concat).")
+                        help="Skip the second pass (questions about re-placed documents with --pcr-doc-reuse).")
+    parser.add_argument("--doc-reuse-mode", default="blend", choices=("concat", "lego", "blend"),
+                        help="--pcr-doc-reuse of the second pass (default blend: CacheBlend, 15%% of moved tokens "
+                             "recomputed). Document reuse changes answers: the pass prints how much.")
+    parser.add_argument("--doc-reuse-questions", type=int, default=6, help="Questions of the second pass (default 6).")
+    parser.add_argument("--base-model-for-reuse", action="store_true",
+                        help="Run the second pass on the base SmolLM2 instead of the document-reuse tuned one.")
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -113,10 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                           zipf_exponent=1.1, max_doc_chars=600, seed=args.seed)
     )
     server_args = ("--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(args.chunk_size),
-                   "--max-total-tokens", "16384", "--context-length", "4096", "--log-level", "warning",
-                   # Every document of the second pass was seen in the first (unmarked, so not
-                   # counted): warm each at its first marked sighting.
-                   *(() if args.no_doc_reuse else ("--pcr-doc-reuse", "concat", "--pcr-doc-warmup-after", "1")))
+                   "--max-total-tokens", "16384", "--context-length", "4096", "--log-level", "warning")
     print(f"[demo] model: {model_path}")
     print(f"[demo] starting SGLang with: {' '.join(server_args)}")
     results: list[DemoResult] = []
@@ -133,9 +169,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"TTFT {result.ttft_s * 1000:.0f} ms")
         # The cleanest cold-vs-cached comparison: the first prompt again, now cached.
         replay = stream_generate(server, chat_prompt(tokenizer, workload[0]), args.max_new_tokens)
-        second = None if args.no_doc_reuse else doc_reuse_pass(server, tokenizer, workload, args.max_new_tokens,
-                                                                args.seed)
         state = server.pcr_state(check_invariants=True)
+    second = None
+    if not args.no_doc_reuse:
+        # The tuned model (pcr_sglang.tune: trained on the pattern document reuse serves) unless
+        # another model was asked for.
+        reuse_model = model_path if (args.model_path or args.base_model_for_reuse) else \
+            str(build_smollm2(doc_reuse_tuned=True))
+        second = doc_reuse_pass(reuse_model, tokenizer, args.doc_reuse_questions, args.doc_reuse_mode,
+                                args.max_new_tokens, args.chunk_size, args.seed)
     prompt_total = sum(r.prompt_tokens for r in results)
     cached_total = sum(r.cached_tokens for r in results)
     cold = [r.ttft_s for r in results if r.cached_tokens == 0]
@@ -151,20 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  request 1 replayed: TTFT {replay.ttft_s * 1000:.0f} ms with {replay.cached_tokens} of "
           f"{replay.prompt_tokens} tokens cached, vs {results[0].ttft_s * 1000:.0f} ms cold; "
           f"same answer: {replay.answer == results[0].answer}")
-    if second is not None:
-        reused, exact = second["reused"], second["exact"]
-        doc_tokens = sum(p.doc_bounds[-1] for p in second["prompts"])
-        same = sum(r.answer == e.answer for r, e in zip(reused, exact))
-        print("  second pass (documents reordered): "
-              f"document reuse {sum(r.cached_tokens for r in reused)}/{sum(r.prompt_tokens for r in reused)} "
-              f"prompt tokens reused ({doc_tokens} tokens before the questions), "
-              f"TTFT median {statistics.median(r.ttft_s for r in reused) * 1000:.0f} ms; "
-              f"answers equal to full prefill's: {same}/{len(reused)}")
-        counters = state["doc_reuse"]["counters"]
-        print(f"  document reuse: {counters['docs_reused']} documents reused, {counters['tokens_rotated']} tokens "
-              f"moved to another position, {counters['canonical_requests']} documents computed on first sight")
     print(f"  PCR tree: {state['tree']['num_chunks']} chunks of {state['chunk_size']} tokens cached, "
           f"{state['tree']['locked_chunks']} locked, invariants ok: {state['invariants']['ok']}")
+    if second:
+        same = sum(a.reused.answer == a.full.answer for a in second)
+        gold_reused = statistics.fmean(a.score(a.reused.answer) for a in second)
+        gold_full = statistics.fmean(a.score(a.full.answer) for a in second)
+        print(f"  document reuse ({args.doc_reuse_mode}, questions about re-placed documents): "
+              f"{sum(a.reused.cached_tokens for a in second)}/{sum(a.reused.prompt_tokens for a in second)} prompt "
+              f"tokens reused vs {sum(a.full.cached_tokens for a in second)} by the prefix cache; TTFT median "
+              f"{statistics.median(a.reused.ttft_s for a in second) * 1000:.0f} ms reused vs "
+              f"{statistics.median(a.full.ttft_s for a in second) * 1000:.0f} ms with the prefix cache alone")
+        print(f"  accuracy: mean gold score {gold_reused:.2f} reused vs {gold_full:.2f} full prefill (F1 against "
+              f"the lead sentence, exact match for planted facts); answers equal to full prefill's: "
+              f"{same}/{len(second)}. Document reuse changes answers: bench/doc_reuse_accuracy.py measures how much.")
     return 0
 
 

@@ -142,8 +142,85 @@ class StreamedResponse:
     final: dict
 
 
+class ServerRequests:
+    """The HTTP calls the tools make to a server (``base_url``, ``admin_api_key``)."""
+
+    base_url: str
+    admin_api_key: Optional[str]
+
+    def generate(self, payload: dict, timeout_s: float = 300.0) -> dict:
+        r = requests.post(f"{self.base_url}/generate", json=payload, timeout=timeout_s)
+        r.raise_for_status()
+        return r.json()
+
+    def generate_stream(self, payload: dict, timeout_s: float = 600.0) -> StreamedResponse:
+        """POST ``payload`` with ``stream: true``; measures TTFT at the first data chunk."""
+        start = time.perf_counter()
+        ttft, final = None, {}
+        with requests.post(f"{self.base_url}/generate", json={**payload, "stream": True},
+                           stream=True, timeout=timeout_s) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                final = json.loads(data)
+        return StreamedResponse(
+            ttft_s=ttft if ttft is not None else float("nan"),
+            latency_s=time.perf_counter() - start,
+            final=final,
+        )
+
+    def flush_cache(self, timeout_s: float = 30.0) -> None:
+        """Empty the server's prefix cache (SGLang's ``/flush_cache``). SGLang flushes only
+        an idle server: it waits up to ``timeout_s`` for running requests to finish."""
+        r = requests.post(f"{self.base_url}/flush_cache", params={"timeout": timeout_s},
+                          timeout=timeout_s + 30)
+        if r.status_code != 200:
+            raise RuntimeError(f"flush_cache failed ({r.status_code}): {r.text.strip()}")
+
+    def server_info(self, *, check_invariants: bool = False) -> dict:
+        """SGLang's ``/server_info``; ``check_invariants`` asks for PCR's O(tree) check, which
+        needs ``--pcr-debug-checks`` or the admin key (sent when the server has one)."""
+        params = {"pcr_check_invariants": "1"} if check_invariants else None
+        key = self.admin_api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        r = requests.get(f"{self.base_url}/server_info", params=params, headers=headers, timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def pcr_state(self, *, check_invariants: bool = False) -> dict:
+        """PCR's ``/server_info`` state; ``check_invariants`` also runs the O(tree)
+        bookkeeping check (``state["invariants"]["ok"]`` is None without it)."""
+        states = self.server_info(check_invariants=check_invariants).get("internal_states") or []
+        for state in states:
+            if "pcr" in state:
+                return state["pcr"]
+        raise KeyError("the server reports no PCR state (is --enable-pcr set?)")
+
+
 @dataclass
-class ServerProcess:
+class ServerClient(ServerRequests):
+    """A server someone else started, at ``url`` (``python -m pcr_sglang.calibrate --url``)."""
+
+    url: str
+    api_key: Optional[str] = None
+
+    @property
+    def base_url(self) -> str:  # type: ignore[override]
+        return self.url.rstrip("/")
+
+    @property
+    def admin_api_key(self) -> Optional[str]:  # type: ignore[override]
+        return self.api_key
+
+
+@dataclass
+class ServerProcess(ServerRequests):
     """A server subprocess; use as a context manager or call ``start``/``stop``."""
 
     model_path: str
@@ -288,63 +365,8 @@ class ServerProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # ------------------------------------------------------------ requests
-    def generate(self, payload: dict, timeout_s: float = 300.0) -> dict:
-        r = requests.post(f"{self.base_url}/generate", json=payload, timeout=timeout_s)
-        r.raise_for_status()
-        return r.json()
-
-    def generate_stream(self, payload: dict, timeout_s: float = 600.0) -> StreamedResponse:
-        """POST ``payload`` with ``stream: true``; measures TTFT at the first data chunk."""
-        start = time.perf_counter()
-        ttft, final = None, {}
-        with requests.post(f"{self.base_url}/generate", json={**payload, "stream": True},
-                           stream=True, timeout=timeout_s) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                final = json.loads(data)
-        return StreamedResponse(
-            ttft_s=ttft if ttft is not None else float("nan"),
-            latency_s=time.perf_counter() - start,
-            final=final,
-        )
-
-    def flush_cache(self, timeout_s: float = 30.0) -> None:
-        """Empty the server's prefix cache (SGLang's ``/flush_cache``). SGLang flushes only
-        an idle server: it waits up to ``timeout_s`` for running requests to finish."""
-        r = requests.post(f"{self.base_url}/flush_cache", params={"timeout": timeout_s},
-                          timeout=timeout_s + 30)
-        if r.status_code != 200:
-            raise RuntimeError(f"flush_cache failed ({r.status_code}): {r.text.strip()}")
-
     @property
     def admin_api_key(self) -> Optional[str]:
         """The server's ``--admin-api-key``, if it was started with one."""
         args = list(self.extra_args)
         return args[args.index("--admin-api-key") + 1] if "--admin-api-key" in args[:-1] else None
-
-    def server_info(self, *, check_invariants: bool = False) -> dict:
-        """SGLang's ``/server_info``; ``check_invariants`` asks for PCR's O(tree) check, which
-        needs ``--pcr-debug-checks`` or the admin key (sent when the server has one)."""
-        params = {"pcr_check_invariants": "1"} if check_invariants else None
-        key = self.admin_api_key
-        headers = {"Authorization": f"Bearer {key}"} if key else None
-        r = requests.get(f"{self.base_url}/server_info", params=params, headers=headers, timeout=30)
-        r.raise_for_status()
-        return r.json()
-
-    def pcr_state(self, *, check_invariants: bool = False) -> dict:
-        """PCR's ``/server_info`` state; ``check_invariants`` also runs the O(tree)
-        bookkeeping check (``state["invariants"]["ok"]`` is None without it)."""
-        states = self.server_info(check_invariants=check_invariants).get("internal_states") or []
-        for state in states:
-            if "pcr" in state:
-                return state["pcr"]
-        raise KeyError("the server reports no PCR state (is --enable-pcr set?)")

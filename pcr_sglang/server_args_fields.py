@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Optional
 
 import msgspec
-
 from sglang.srt.arg_groups.arg_utils import A, Arg
 
 DEFAULT_CHUNK_SIZE = 64
@@ -323,6 +322,29 @@ class Pcr(msgspec.Struct):
             )
         ),
     ] = DEFAULT_DOC_RECOMPUTE_RATIO
+    pcr_doc_anchor_tokens: A[
+        int,
+        Arg(
+            help=(
+                "--pcr-doc-reuse blend: the first N tokens of each re-placed document are "
+                "always among the recomputed ones (inside the --pcr-doc-recompute-ratio budget), "
+                "the rest picked by deviation; 0 picks all by deviation (a request may override "
+                "it with custom_params['pcr_doc_anchor_tokens']). Default: 0."
+            )
+        ),
+    ] = 0
+    pcr_doc_selector: A[
+        str,
+        Arg(
+            help=(
+                "--pcr-doc-reuse blend: what picks the recomputed tokens: 'deviation' (CacheBlend: "
+                "layer-1 V deviating most from full prefill's) or 'query' (the tokens the question "
+                "attends most at layer 1, from the same probe). A request may override it with "
+                "custom_params['pcr_doc_selector']. Default: deviation."
+            ),
+            choices=("deviation", "query"),
+        ),
+    ] = "deviation"
     pcr_doc_warmup: A[
         str,
         Arg(
@@ -392,6 +414,27 @@ class Pcr(msgspec.Struct):
             choices=REMOTE_CHOICES,
         ),
     ] = DEFAULT_REMOTE
+    pcr_doc_reuse_calibration: A[
+        Optional[str],
+        Arg(
+            help=(
+                "--pcr-doc-reuse: a calibration file written by `python -m pcr_sglang.calibrate` for "
+                "this model. The server uses its K or R for the mode, refuses to start when the "
+                "file was measured on other weights, and refuses a mode that missed the file's "
+                "accuracy target (see --pcr-doc-reuse-calibration-warn). Without it the startup "
+                "log says the mode's accuracy on this model is unmeasured."
+            )
+        ),
+    ] = None
+    pcr_doc_reuse_calibration_warn: A[
+        bool,
+        Arg(
+            help=(
+                "With --pcr-doc-reuse-calibration: serve a mode that missed the calibration's "
+                "target anyway, with a warning in the startup log and /server_info."
+            )
+        ),
+    ] = False
     pcr_debug_checks: A[
         bool,
         Arg(

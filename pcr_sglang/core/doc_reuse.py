@@ -43,6 +43,13 @@ DOC_BOUNDS_PARAM = "pcr_doc_bounds"
 DOC_MODE_PARAM = "pcr_doc_reuse"
 RECOMPUTE_TOKENS_PARAM = "pcr_doc_recompute_tokens"
 RECOMPUTE_RATIO_PARAM = "pcr_doc_recompute_ratio"
+# ``blend``: the first N tokens of each re-placed document always recomputed, inside the R
+# budget; the rest of the budget by deviation (the "hybrid" selector).
+ANCHOR_TOKENS_PARAM = "pcr_doc_anchor_tokens"
+# ``blend``: what ranks the re-placed tokens: ``deviation`` (CacheBlend: layer-1 V against
+# full prefill's) or ``query`` (the question's layer-1 attention on each token).
+SELECTOR_PARAM = "pcr_doc_selector"
+SELECTORS = ("deviation", "query")
 CANONICAL_PARAM = "pcr_canonical_doc"
 # ``True``: warm this request's documents before it, whatever the server's warm-up policy
 # (what ``python -m pcr_sglang.precompute`` sends: a precomputed document is seen once).
@@ -86,11 +93,14 @@ def doc_params(custom_params: Any) -> Optional[dict]:
 @dataclass(frozen=True)
 class Recompute:
     """How a request's re-placed documents are repaired: ``concat`` not at all, ``lego`` the
-    first ``tokens`` of each document, ``blend`` a ``ratio`` share of their tokens."""
+    first ``tokens`` of each document, ``blend`` a ``ratio`` share of their tokens (with
+    ``anchor_tokens``: each document's first ones among them, the rest by deviation)."""
 
     mode: str = "concat"
     tokens: int = 0
     ratio: float = 0.0
+    anchor_tokens: int = 0
+    selector: str = "deviation"
 
     @property
     def recomputes(self) -> bool:
@@ -123,7 +133,13 @@ def request_recompute(custom_params: dict, server: Recompute) -> Optional[Recomp
     ratio = custom_params.get(RECOMPUTE_RATIO_PARAM, server.ratio)
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
         raise DocBoundsError(f"{RECOMPUTE_RATIO_PARAM} must be a number in [0, 1], got {ratio!r}")
-    return Recompute(mode, int(tokens), float(ratio))
+    anchors = custom_params.get(ANCHOR_TOKENS_PARAM, server.anchor_tokens)
+    if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 0:
+        raise DocBoundsError(f"{ANCHOR_TOKENS_PARAM} must be an integer >= 0, got {anchors!r}")
+    selector = custom_params.get(SELECTOR_PARAM, server.selector)
+    if selector not in SELECTORS:
+        raise DocBoundsError(f"{SELECTOR_PARAM} must be one of {', '.join(map(repr, SELECTORS))}, got {selector!r}")
+    return Recompute(mode, int(tokens), float(ratio), int(anchors), selector)
 
 
 def request_warm_now(custom_params: dict) -> bool:
@@ -259,6 +275,10 @@ class ReusePlan:
     recompute_count: int = 0
     recompute: tuple[int, ...] = ()
     gaps: tuple[tuple[int, int], ...] = ()  # request ranges [start, end) with no cached KV
+    # ``blend`` with anchor tokens: positions recomputed whatever their deviation (part of
+    # ``recompute_count``; the adapter picks the rest).
+    anchors: tuple[int, ...] = ()
+    selector: str = "deviation"  # blend: what ranks the rest (SELECTORS)
 
     @property
     def tokens(self) -> int:
@@ -371,19 +391,26 @@ def with_recompute(plan: ReusePlan, spans: Sequence[DocSpan], recompute: Recompu
     None when nothing would be left to reuse (everything reused would be recomputed)."""
     if not recompute.recomputes:
         return plan
+    firsts = {span.index: span.start for span in spans}
+
+    def leading(tokens: int) -> tuple[int, ...]:
+        return tuple(p for s in plan.segments if s.delta != 0
+                     for p in range(s.start, min(s.end, firsts[s.doc] + tokens)))
+
+    anchors: tuple[int, ...] = ()
     if recompute.mode == "lego":
-        firsts = {span.index: span.start for span in spans}
-        chosen = tuple(p for s in plan.segments if s.delta != 0
-                       for p in range(s.start, min(s.end, firsts[s.doc] + recompute.tokens)))
+        chosen = leading(recompute.tokens)
         count = len(chosen)
     else:
         rotated = plan.rotated_tokens
         chosen, count = (), min(rotated, int(round(recompute.ratio * rotated)))
+        # Anchors fill the budget in document order; the budget never grows for them.
+        anchors = leading(recompute.anchor_tokens)[:count] if recompute.anchor_tokens else ()
     if count == 0:
         return plan
     if count >= plan.reused_tokens:
         return None
-    return replace(plan, recompute_count=count, recompute=chosen)
+    return replace(plan, recompute_count=count, recompute=chosen, anchors=anchors, selector=recompute.selector)
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,9 @@ class ProbeResult:
     deviation: torch.Tensor  # [tokens] float32, squared layer-1 V difference per reused token
     k1: torch.Tensor  # [tokens, kv_heads, head_dim] full-context layer-1 K, in the KV dtype
     v1: torch.Tensor
+    # [tokens] float32: the attention the question's layer-1 queries give each reused token
+    # (summed over the question's tokens and heads); None without a question.
+    attention: Optional[torch.Tensor] = None
 
 
 def _first(output: Any) -> torch.Tensor:
@@ -81,11 +84,17 @@ class Layer1Probe:
 
     @torch.no_grad()
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, prefix_slots: torch.Tensor,
-            reused_slots: torch.Tensor) -> ProbeResult:
+            reused_slots: torch.Tensor, query_ids: Optional[torch.Tensor] = None) -> ProbeResult:
         """Full-context layer-1 KV for the reused tokens ``token_ids`` at ``positions``
         (ascending; the exact prefix's slots ``prefix_slots`` hold positions 0..), whose
         re-placed KV sits in ``reused_slots``, and its deviation from that KV. Queries run
-        in blocks, so the attention scores of one block stay within ``SCORE_ELEMENTS``."""
+        in blocks, so the attention scores of one block stay within ``SCORE_ELEMENTS``.
+
+        ``query_ids``: the tokens right after the reused ones (the question). Their layer-1
+        queries' attention over the reused tokens' full-context layer-1 keys is the
+        query-aware selector's score (ProphetKV's idea, at the probe's one layer): layer 0
+        is exact for every token and the reused tokens' layer-1 K is full prefill's here, so
+        this is the attention full prefill's question gives each document token at layer 1."""
         layer0, layer1 = self.layers
         attn0, attn1 = layer0.self_attn, layer1.self_attn
         k0_pool, v0_pool = self.kv_layers[0]
@@ -119,4 +128,57 @@ class Layer1Probe:
             v1_parts.append(v1.reshape(end - begin, -1, attn1.head_dim).to(v1_pool.dtype))
         k1, v1 = torch.cat(k1_parts), torch.cat(v1_parts)
         deviation = (v1.float() - v1_pool[reused_slots].float()).square().sum(dim=(1, 2))
-        return ProbeResult(deviation, k1, v1)
+        attention = None
+        if query_ids is not None and query_ids.shape[0] > 0:
+            attention = self._question_attention(query_ids, positions, prefix_slots, keys, values, key_positions, k1)
+        return ProbeResult(deviation, k1, v1, attention)
+
+    def _question_attention(self, query_ids: torch.Tensor, positions: torch.Tensor, prefix_slots: torch.Tensor,
+                            keys0: torch.Tensor, values0: torch.Tensor, key_positions0: torch.Tensor,
+                            reused_k1: torch.Tensor) -> torch.Tensor:
+        """Layer-1 attention of the question (``query_ids``, right after ``positions``) on
+        each reused token, summed over the question's tokens and heads."""
+        layer0, layer1 = self.layers
+        attn0, attn1 = layer0.self_attn, layer1.self_attn
+        k1_pool = self.kv_layers[1][0]
+        d = attn0.head_dim
+        m = query_ids.shape[0]
+        q_positions = torch.arange(int(positions[-1]) + 1, int(positions[-1]) + 1 + m, device=positions.device)
+        hidden = self.embed(query_ids)
+        q, k, v = _first(attn0.qkv_proj(_first(layer0.input_layernorm(hidden)))).split(
+            [attn0.q_size, attn0.kv_size, attn0.kv_size], dim=-1)
+        q, k = attn0.rotary_emb(q_positions, q, k)
+        q = q.reshape(m, -1, d)
+        keys = torch.cat([keys0, k.reshape(m, -1, d).transpose(0, 1).unsqueeze(0)], dim=2)
+        values = torch.cat([values0, v.reshape(m, -1, d).transpose(0, 1).unsqueeze(0)], dim=2)
+        all_positions = torch.cat([key_positions0, q_positions])
+        # Blocks of question tokens, as for the reused ones: scores stay within SCORE_ELEMENTS.
+        block = max(1, SCORE_ELEMENTS // (q.shape[1] * all_positions.shape[0]))
+        q1_parts, k1_parts = [], []
+        for begin in range(0, m, block):  # layer 0 in full context, then layer 1's projections
+            end = min(begin + block, m)
+            mask = all_positions.unsqueeze(0) <= q_positions[begin:end].unsqueeze(1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q[begin:end].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask, scale=attn0.scaling,
+                enable_gqa=q.shape[1] != keys.shape[1])
+            residual = hidden[begin:end] + _first(attn0.o_proj(out.squeeze(0).transpose(0, 1).reshape(end - begin, -1)))
+            residual = residual + layer0.mlp(_first(layer0.post_attention_layernorm(residual)))
+            q1, k1, _ = _first(attn1.qkv_proj(_first(layer1.input_layernorm(residual)))).split(
+                [attn1.q_size, attn1.kv_size, attn1.kv_size], dim=-1)
+            q1, k1 = attn1.rotary_emb(q_positions[begin:end], q1, k1)
+            q1_parts.append(q1)
+            k1_parts.append(k1)
+        d1 = attn1.head_dim
+        question_k1 = torch.cat(k1_parts).reshape(m, -1, d1)
+        keys1 = torch.cat([k1_pool[prefix_slots].float(), reused_k1.float(), question_k1.float()])
+        kv_heads = keys1.shape[1]
+        queries = torch.cat(q1_parts).reshape(m, kv_heads, -1, d1).float()  # [questions, kv heads, group, dim]
+        weights = torch.zeros(keys1.shape[0], dtype=torch.float32, device=keys1.device)
+        for begin in range(0, m, block):
+            end = min(begin + block, m)
+            mask = all_positions.unsqueeze(0) <= q_positions[begin:end].unsqueeze(1)
+            logits = torch.einsum("mkgd,lkd->mkgl", queries[begin:end], keys1) * attn1.scaling
+            logits = logits.masked_fill(~mask[:, None, None, :], float("-inf"))
+            weights += torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2))
+        start = prefix_slots.shape[0]
+        return weights[start:start + reused_k1.shape[0]]

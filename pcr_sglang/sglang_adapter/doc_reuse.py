@@ -126,6 +126,8 @@ class DocReuse:
         self.state = state
         self.server = recompute
         self.mode = recompute.mode
+        # What is known of the mode's accuracy on this model (doc_reuse_setup.calibration_status).
+        self.calibration: dict[str, Any] = {"file": None, "measured": False}
         # Compute a document that is not cached in place and go on reusing the ones after
         # it (a permuted row, as recompute has): needs the position-causal attention.
         self.fill_gaps = fill_gaps or recompute.mode in RECOMPUTE_MODES
@@ -329,7 +331,9 @@ class DocReuse:
     def _blend_selection(self, req: Any, plan: ReusePlan, prefix_node: ChunkNode,
                          slots: torch.Tensor) -> tuple[int, ...]:
         """The ``plan.recompute_count`` re-placed tokens whose layer-1 V deviates most from
-        full prefill's; the probe's full-context layer-1 KV replaces the reused one."""
+        full prefill's, or (selector ``query``) that the question attends most at layer 1;
+        the plan's anchors first, whatever their score. The probe's full-context layer-1 KV
+        replaces the reused one."""
         assert self.probe is not None, "blend needs the layer-1 probe (built at startup)"
         if self.engine is not None:  # the probe reads layers 0-1 of the prefix and the re-placed KV
             self.engine.wait_until(0)
@@ -342,13 +346,21 @@ class DocReuse:
                                                              dtype=torch.int64), candidates - plan.start)), device)
         ids, offsets = ids_and_offsets[:plan.tokens], ids_and_offsets[plan.tokens:]
         positions = torch.arange(plan.start, plan.end, dtype=torch.int64, device=device)
-        result = self.probe.run(ids, positions, prefix[:plan.start], slots)
+        question = None
+        if plan.selector == "query" and len(req.origin_input_ids) > plan.end:
+            question = _to_device(torch.tensor(req.origin_input_ids[plan.end:], dtype=torch.int64), device)
+        result = self.probe.run(ids, positions, prefix[:plan.start], slots, query_ids=question)
         k1, v1 = self.kv_layers[1]  # only re-placed tokens: delta-0 slots may enter the tree
         k1[slots[offsets]] = result.k1[offsets]
         v1[slots[offsets]] = result.v1[offsets]
         # The one wait of a blend admission: the row's layout is chosen on the host from
         # the probe's deviations, so the scheduler waits for the probe (README "Document reuse").
-        scores = result.deviation[offsets].cpu()
+        # The question's attention where there is a question (query), else the deviation.
+        ranked = result.attention if result.attention is not None else result.deviation
+        scores = ranked[offsets].float().cpu()
+        if plan.anchors:
+            anchored = torch.isin(candidates, torch.tensor(plan.anchors, dtype=torch.int64))
+            scores = scores.masked_fill(anchored, float("inf"))
         top = torch.topk(scores, plan.recompute_count).indices
         return tuple(sorted(int(p) for p in candidates[top]))
 

@@ -106,7 +106,8 @@ def layer0_self_test(model: Any, spec: RopeSpec, kv_dtype: torch.dtype) -> Optio
 
 
 def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, allocator: Any, tp_worker: Any,
-                     hf_config: Any, tp_size: int = 1, row_flags_problem: Optional[str] = None) -> Optional[DocReuse]:
+                     hf_config: Any, tp_size: int = 1, row_flags_problem: Optional[str] = None,
+                     model_fingerprint: str = "") -> Optional[DocReuse]:
     """The document-reuse side for ``--pcr-doc-reuse`` (None when off). Raises
     :class:`PCRConfigError` naming the flag when the model cannot support it.
     ``row_flags_problem``: why the server's flags cannot run a permuted row
@@ -151,15 +152,56 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
             logger.info("PCR document reuse (concat): a request's reuse stops at its first document that is not "
                         "cached; computing that document in place needs a permuted row (%s)", gap_problem)
     pad = doc_pad_token_id(hf_config)
+    calibration = calibration_status(config, model_fingerprint)
     logger.info("PCR document reuse: mode %s, RoPE %s, layer-0 self-test passed, pad token %d",
                 config.doc_reuse, spec.signature(), pad)
     # Without an engine, a copy is ordered after the forward in flight on this stream (a
     # GPU-side wait; HiCache fences on the same one).
     forward_stream = getattr(getattr(tp_worker, "model_runner", None), "forward_stream", None)
-    return DocReuse(state, config.doc_recompute(), config.chunk_size, pad, spec, kv_layers, allocator,
+    docs = DocReuse(state, config.doc_recompute(), config.chunk_size, pad, spec, kv_layers, allocator,
                     scheduler.root_key, scheduler.free_private, probe=probe, fill_gaps=fill_gaps,
                     engine=scheduler.engine, limits=config.doc_limits(),
                     forward_stream=forward_stream if kv_layers[0][0].is_cuda else None)
+    docs.calibration = calibration
+    return docs
+
+
+def calibration_status(config: PCRConfig, model_fingerprint: str) -> dict[str, Any]:
+    """What is known of the mode's accuracy on this model, for the startup log and
+    ``/server_info``; raises :class:`PCRConfigError` for a calibration of other weights, or
+    of a mode that missed its target (unless ``--pcr-doc-reuse-calibration-warn``)."""
+    flag = f"--pcr-doc-reuse {config.doc_reuse}"
+    calibration = config.doc_calibration()
+    if calibration is None:
+        logger.warning("PCR document reuse: %s changes answers, by an amount that depends on the model, and its "
+                       "accuracy on this model is unmeasured: measure it with `python -m pcr_sglang.calibrate --url "
+                       "URL` and start with --pcr-doc-reuse-calibration FILE", flag)
+        return {"file": None, "measured": False}
+    if model_fingerprint and calibration.model_fingerprint != model_fingerprint:
+        raise PCRConfigError(f"--pcr-doc-reuse-calibration {config.doc_reuse_calibration} was measured on other "
+                             f"weights ({calibration.model or 'a model'} with fingerprint "
+                             f"{calibration.model_fingerprint[:16]}..., this server's is {model_fingerprint[:16]}...): "
+                             f"calibrate this model")
+    verdict = config.doc_calibration_verdict()
+    assert verdict is not None
+    target = calibration.target
+    status = {"file": config.doc_reuse_calibration, "measured": True, "meets_target": verdict.meets,
+              "value": verdict.value, "target": {"top1_min": target.top1_min, "gold_ratio_min": target.gold_ratio_min},
+              "questions": calibration.questions, "created": calibration.created}
+    what = (f"top-1 agreement >= {target.top1_min:.0%} and gold answers >= {target.gold_ratio_min:.0%} of full "
+            f"prefill's on {calibration.questions} questions")
+    if not verdict.meets:
+        if not config.doc_reuse_calibration_warn:
+            raise PCRConfigError(f"{flag} missed its accuracy target on this model ({what}) in "
+                                 f"{config.doc_reuse_calibration}; pass --pcr-doc-reuse-calibration-warn to serve it "
+                                 f"anyway, or choose another mode")
+        logger.warning("PCR document reuse: %s MISSED its accuracy target on this model (%s); served anyway "
+                       "(--pcr-doc-reuse-calibration-warn)", flag, what)
+    else:
+        setting = "" if verdict.value is None else (f", K={int(verdict.value)}" if config.doc_reuse == "lego"
+                                                     else f", R={verdict.value:g}")
+        logger.info("PCR document reuse: %s meets its accuracy target on this model (%s%s)", flag, what, setting)
+    return status
 
 
 def permuted_row_support(tp_worker: Any, tp_size: int) -> Optional[str]:
@@ -174,8 +216,8 @@ def permuted_row_support(tp_worker: Any, tp_size: int) -> Optional[str]:
             names.add(type(inner).__name__)
     allowed = {"TorchNativeAttnBackend", "TritonAttnBackend"}
     if not names & allowed or any(n not in allowed and n != "HybridAttnBackend" for n in names):
-        return (f"a permuted row needs --attention-backend {' or '.join(RECOMPUTE_ATTENTION_BACKENDS)} (a position-causal "
-                f"mask over a permuted row); this server's is {', '.join(sorted(names))}")
+        return (f"a permuted row needs --attention-backend {' or '.join(RECOMPUTE_ATTENTION_BACKENDS)} "
+                f"(a position-causal mask over a permuted row); this server's is {', '.join(sorted(names))}")
     if tp_size > 1:
         return "runs permuted rows on one rank only; --tp-size > 1 is not supported"
     return None

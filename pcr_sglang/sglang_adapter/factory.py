@@ -147,7 +147,8 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
         cache.scheduler.docs = attach_doc_reuse(config, cache.state, cache.scheduler,
                                                 ctx.params.token_to_kv_pool_allocator, ctx.tp_worker,
                                                 ctx.model_config.hf_config, tp_size=ctx.tp_size,
-                                                row_flags_problem=permuted_row_flags(resolved))
+                                                row_flags_problem=permuted_row_flags(resolved),
+                                                model_fingerprint=namespace.model_fingerprint)
     except BaseException:
         cache.scheduler.close()
         raise

@@ -101,8 +101,8 @@ def _bounds(count: int, length: int, start: int = 2) -> list[int]:
      r"marks 65 documents; this server takes at most 64 per request \(--pcr-doc-max-documents\)"),
     ([1] + [42] * 40, {"pcr_doc_bounds": [1, 20, 20, 35, 35, 40]},
      r"document 1 \[20, 35\) has 15 tokens; this server takes documents of at least 16 \(--pcr-doc-min-tokens\)"),
-    ([1] + [42] * 40, "xpcr_doc_boundsx", "sampling_params.custom_params must be an object of named parameters, got str"),
-    ([1] + [42] * 40, ["pcr_doc_bounds"], "sampling_params.custom_params must be an object of named parameters, got list"),
+    ([1] + [42] * 40, "xpcr_doc_boundsx", "custom_params must be an object of named parameters, got str"),
+    ([1] + [42] * 40, ["pcr_doc_bounds"], "custom_params must be an object of named parameters, got list"),
 ], ids=["too-many-documents", "too-short", "string-custom-params", "list-custom-params"])
 def test_requests_past_the_document_limits_or_with_non_dict_custom_params_get_http_400(servers, ids, custom, message):
     """Review findings 4 and 14: any number of documents of any length was accepted (one
@@ -277,8 +277,76 @@ def test_concat_outputs_equal_an_independent_reference(servers, tokenizer, passa
     assert unshifted_differs >= 3
 
 
+def test_the_tuning_trains_on_what_the_server_serves(servers, tokenizer, passages, hf_model, monkeypatch):
+    """``pcr_sglang.tune``'s forward gives, for a marked prompt and an answer, the
+    log-probabilities a concat server gives the same tokens (teacher-forced); with the
+    documents attending to each other (full prefill) or left at their canonical positions
+    (no re-rotation) it does not, so the comparison can tell."""
+    import torch
+
+    from pcr_sglang.tune import served_pattern
+    from pcr_sglang.tune.served_pattern import MarkedPrompt, served_logits
+
+    docs = servers["docs"]
+    pool = passages[56:60]
+    rng = random.Random(5)
+    off_full = off_unrotated = 0.0
+    for i in range(3):
+        prompt = build_doc_prompt(tokenizer, "Tuning check.", rng.sample(pool, 3), f"Which {i}?")
+        answer = tokenizer.encode(" It is the first one, then the second.", add_special_tokens=False)
+        _generate(docs, prompt, marked=True, mode="concat")  # warm its documents
+        reply = docs.generate({"input_ids": prompt.input_ids + answer,
+                               "sampling_params": prompt.sampling_params(mode="concat", temperature=0.0,
+                                                                         max_new_tokens=0),
+                               "return_logprob": True, "logprob_start_len": len(prompt.input_ids) - 1})
+        meta = reply["meta_info"]
+        assert meta["cached_tokens"] == prompt.doc_bounds[-1]  # every document reused
+        served = torch.tensor([e[0] for e in meta["input_token_logprobs"][1:]])
+        marked = MarkedPrompt(tuple(prompt.input_ids), tuple(prompt.doc_bounds))
+        first = len(prompt.input_ids) - 1 - prompt.doc_bounds[-1]
+
+        def logprobs(mode: str) -> torch.Tensor:
+            with torch.no_grad():
+                rows = served_logits(hf_model, marked, answer, mode=mode)[first: first + len(answer)]
+            return rows.log_softmax(-1).gather(1, torch.tensor(answer)[:, None])[:, 0]
+
+        assert torch.allclose(logprobs("concat"), served, atol=2e-3), (logprobs("concat") - served).abs().max()
+        off_full = max(off_full, float((logprobs("full") - served).abs().max()))
+        with monkeypatch.context() as m:
+            m.setattr(served_pattern, "rotate_keys", lambda model, keys, delta: keys)
+            off_unrotated = max(off_unrotated, float((logprobs("concat") - served).abs().max()))
+    assert off_full > 2e-2 and off_unrotated > 2e-2, (off_full, off_unrotated)
+
+
+def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(servers, tmp_path):
+    """``python -m pcr_sglang.calibrate`` against a live blend server: every mode measured
+    (concat, lego and blend at the settings asked), the weights' fingerprint recorded, and
+    the file accepted at startup for those weights (and refused for others)."""
+    from pcr_sglang.calibrate import main
+    from pcr_sglang.config import PCRConfig, PCRConfigError
+    from pcr_sglang.core.doc_calibration import DocReuseCalibration
+    from pcr_sglang.sglang_adapter.doc_reuse_setup import calibration_status
+
+    docs = servers["docs"]
+    out = tmp_path / "calibration.json"
+    assert main(["--url", docs.base_url, "--out", str(out), "--questions", "2", "--lego-tokens", "4",
+                 "--blend-ratios", "0.3", "--max-new-tokens", "4", "--top1-min", "0", "--gold-ratio-min", "0"]) == 0
+    calibration = DocReuseCalibration.load(out)
+    fingerprint = docs.pcr_state()["namespace"]["model_fingerprint"]
+    assert calibration.model_fingerprint == fingerprint and calibration.questions == 2
+    assert set(calibration.modes) == {"concat", "lego", "blend"}
+    assert calibration.modes["lego"].value == 4 and calibration.modes["blend"].value == 0.3
+    for verdict in calibration.modes.values():
+        assert verdict.meets and all(0 <= m.top1 <= 1 for m in verdict.measured)
+    config = PCRConfig(enabled=True, doc_reuse="blend", doc_reuse_calibration=str(out))
+    assert calibration_status(config, fingerprint)["meets_target"] and config.doc_recompute().ratio == 0.3
+    with pytest.raises(PCRConfigError, match="other weights"):
+        calibration_status(config, "0" * 32)
+
+
 def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: int = 0, ratio: float = 0.0,
-                            positions: bool = True, gaps=(), largest: bool = True) -> tuple[list[int], list[int]]:
+                            positions: bool = True, gaps=(), largest: bool = True,
+                            anchors: int = 0, attention_model=None) -> tuple[list[int], list[int]]:
     """What lego and blend must compute, built with Hugging Face transformers: the concat
     KV (as in :func:`_hf_concat_reference`), then the recomputed tokens, lego's first ``k``
     of each re-placed document or blend's ``ratio`` of them whose layer-1 V deviates most
@@ -289,7 +357,11 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
     would have (the negative control: a missing position override). ``gaps``: unmarked
     token ranges between marked documents, computed in place with the recomputed tokens
     (their KV here is a placeholder the cache drops). ``largest=False``: blend picks the
-    least deviating tokens instead (the negative control of its pick)."""
+    least deviating tokens instead (the negative control of its pick). ``anchors``: blend's
+    first ``anchors`` tokens of each re-placed document come first (in document order,
+    within the count), the rest by deviation. ``attention_model`` (the same weights with eager
+    attention): blend ranks by the question's layer-1 attention under full prefill instead
+    (the query selector), summed over heads and question tokens."""
     import torch
     from transformers import DynamicCache
 
@@ -314,8 +386,14 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
             full = model(torch.tensor([ids[:end]]), use_cache=True).past_key_values.layers[1]
             index = torch.tensor(rotated)
             deviation = (full.values[0][:, index] - layers[1][1][0][:, index]).square().sum(dim=(0, 2))
+            if attention_model is not None:
+                weights = attention_model(torch.tensor([ids]), output_attentions=True).attentions[1][0]
+                deviation = weights[:, end:, :].sum(dim=(0, 1))[index]  # [heads, question, keys]
             count = min(len(rotated), int(round(ratio * len(rotated))))
-            chosen = sorted(index[torch.topk(deviation, count, largest=largest).indices].tolist())
+            first = [p for start, stop in spans[1:] for p in range(start, min(stop, start + anchors))][:count]
+            rest = torch.tensor([p not in set(first) for p in rotated])
+            picked = torch.topk(deviation[rest], count - len(first), largest=largest).indices
+            chosen = sorted(first + index[rest][picked].tolist())
             layers[1][0][:, :, index] = full.keys[:, :, index]
             layers[1][1][:, :, index] = full.values[:, :, index]
         chosen = sorted({*chosen, *gap_positions})
@@ -396,34 +474,49 @@ def deep_server(deep_model):
         yield server["deep"]
 
 
-def test_blend_on_four_layers_equals_an_independent_reference(deep_server, deep_model, passages):
+@pytest.mark.parametrize("anchors, selector", [(0, "deviation"), (16, "deviation"), (0, "query")],
+                         ids=["deviation", "anchors-then-deviation", "query"])
+def test_blend_on_four_layers_equals_an_independent_reference(deep_server, deep_model, passages, anchors, selector):
     """On two layers blend's probe makes every kept token exact (layer 0 is, layer 1 comes
     from the probe), so neither its pick nor its copy of the kept tokens' other layers can
     move an answer. On four layers the kept tokens' layers 2-3 are their re-placed KV,
     copied under blend's keep mask after the probe: checked against transformers (as
     above). Negative control: the reference picking the least deviating tokens instead
     gives other tokens for some prompts, so the pick is what is compared. (A permuted
-    keep mask, or the kept tokens' copy starting at layer 3, failed here.)"""
+    keep mask, or the kept tokens' copy starting at layer 3, failed here.) With anchors, each
+    re-placed document's first tokens are recomputed whatever their deviation. The query
+    selector ranks by the question's layer-1 attention, taken here from transformers' own
+    eager attention weights under full prefill."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(deep_model)
     model = AutoModelForCausalLM.from_pretrained(deep_model, dtype=torch.float32).eval()
     assert model.config.num_hidden_layers == 4
+    eager = None
+    if selector == "query":
+        eager = AutoModelForCausalLM.from_pretrained(deep_model, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
     pool = passages[50:56]
     rng = random.Random(11)
-    differs_pick = 0
+    differs_pick = differs_from_deviation = 0
     for i in range(4):
         prompt = build_doc_prompt(tokenizer, "Deep check.", rng.sample(pool, 3), f"Point {i}?")
         _generate(deep_server, prompt, marked=True, mode="concat")  # warm: every document cached
-        out = _generate(deep_server, prompt, marked=True, mode="blend", pcr_doc_recompute_ratio=0.3)
-        expected, chosen = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3)
+        out = _generate(deep_server, prompt, marked=True, mode="blend", pcr_doc_recompute_ratio=0.3,
+                        pcr_doc_anchor_tokens=anchors, pcr_doc_selector=selector)
+        expected, chosen = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3,
+                                                   anchors=anchors, attention_model=eager)
         assert out["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1] - len(chosen), i
         assert out["output_ids"] == expected, i
         other_pick, _ = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3,
-                                                largest=False)
+                                                largest=False, anchors=anchors, attention_model=eager)
         differs_pick += other_pick != expected
+        if anchors or eager is not None:  # the pick moved: the server's output is not deviation's alone
+            by_deviation, _ = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3)
+            differs_from_deviation += by_deviation != expected
     assert differs_pick >= 3, differs_pick  # 4 of 4 when written (on two layers: 0 of 4)
+    assert (not anchors and eager is None) or differs_from_deviation >= 1, differs_from_deviation
 
 
 @pytest.mark.parametrize("mode, custom, reference", [

@@ -410,6 +410,38 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="README, remote tier: a call past its deadline fails its orders and the client is restarted",
         breaks="a remote read that never returns keeps its host slot filling forever",
     ),
+    # ---------------------------------------------------------------- README: Fine-tuning for reuse, selectors
+    Mutant(
+        name="tune-forward-without-rotation",
+        kind="unit",
+        file="pcr_sglang/tune/served_pattern.py",
+        original="return keys * cos + rotated_half * sin",
+        replacement="return keys",
+        tests=(UNIT + "test_tune.py::test_rotating_keys_composes_with_the_models_rope",),
+        claim="README, Fine-tuning for reuse: the training forward re-places keys with the model's RoPE",
+        breaks="the training forward leaves documents at their canonical positions",
+    ),
+    Mutant(
+        name="blend-anchors-overrun-the-budget",
+        kind="unit",
+        file="pcr_sglang/core/doc_reuse.py",
+        original="anchors = leading(recompute.anchor_tokens)[:count] if recompute.anchor_tokens else ()",
+        replacement="anchors = leading(recompute.anchor_tokens) if recompute.anchor_tokens else ()",
+        tests=(UNIT + "test_doc_reuse_plan.py::test_blend_anchors_fill_its_budget_in_document_order_and_never_grow_it",),
+        claim="README, Flags: anchors are inside the R budget",
+        breaks="anchors recompute more than R",
+    ),
+    Mutant(
+        name="blend-anchors-ignored-at-admission",
+        kind="e2e",
+        file="pcr_sglang/sglang_adapter/doc_reuse.py",
+        original='scores = scores.masked_fill(anchored, float("inf"))',
+        replacement="scores = scores",
+        tests=(E2E + "test_doc_reuse.py::test_blend_on_four_layers_equals_an_independent_reference",),
+        k="anchors",
+        claim="README, Choosing the recomputed tokens: anchors checked against transformers",
+        breaks="the anchors are planned but the pick ranks every token by deviation",
+    ),
 )
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from dataclasses import replace
+
+import pytest
 
 from pcr_sglang.core.doc_reuse import (
     CopySegment,
@@ -50,7 +50,8 @@ LIMITS = DocLimits(max_documents=3, min_tokens=2)
 
 
 @pytest.mark.parametrize("raw, message", [
-    ([2, 4, 4, 6, 6, 8, 8, 10], r"marks 4 documents; this server takes at most 3 per request \(--pcr-doc-max-documents\)"),
+    ([2, 4, 4, 6, 6, 8, 8, 10], r"marks 4 documents; this server takes at most 3 per request "
+                                r"\(--pcr-doc-max-documents\)"),
     ([2, 4, 4, 5], r"document 1 \[4, 5\) has 1 tokens; this server takes documents of at least 2 "
                    r"\(--pcr-doc-min-tokens\)"),
 ])
@@ -230,6 +231,24 @@ def test_lego_recomputes_the_first_tokens_of_each_re_placed_document():
     # The exact prefix covers document 1's first 4 tokens: the rest of its first 6 are recomputed.
     inside = with_recompute(_plan(SPANS, exact_len=24, limit=45), SPANS, Recompute("lego", tokens=6))
     assert inside.recompute == (24, 25, 31, 32, 33, 34, 35, 36)
+
+
+def test_blend_anchors_fill_its_budget_in_document_order_and_never_grow_it():
+    plan = _plan(SPANS, exact_len=0, limit=45)  # re-placed: document 1 at [20, 31), 2 at [31, 40)
+    hybrid = with_recompute(plan, SPANS, Recompute("blend", ratio=0.5, anchor_tokens=3))
+    assert hybrid.recompute_count == 10 and hybrid.recompute == ()  # the rest is picked at admission
+    assert hybrid.anchors == (20, 21, 22, 31, 32, 33)
+    tight = with_recompute(plan, SPANS, Recompute("blend", ratio=0.25, anchor_tokens=4))
+    assert tight.recompute_count == 5 and tight.anchors == (20, 21, 22, 23, 31)
+    assert with_recompute(plan, SPANS, Recompute("blend", ratio=0.25)).anchors == ()
+    assert request_recompute({"pcr_doc_anchor_tokens": 7}, SERVER) == Recompute("blend", 4, 0.25, 7)
+    with pytest.raises(DocBoundsError, match="pcr_doc_anchor_tokens must be an integer >= 0"):
+        request_recompute({"pcr_doc_anchor_tokens": -2}, SERVER)
+    asked = request_recompute({"pcr_doc_selector": "query"}, SERVER)
+    assert asked.selector == "query" and with_recompute(plan, SPANS, asked).selector == "query"
+    assert request_recompute({}, SERVER).selector == "deviation"
+    with pytest.raises(DocBoundsError, match="pcr_doc_selector must be one of 'deviation', 'query'"):
+        request_recompute({"pcr_doc_selector": "oracle"}, SERVER)
 
 
 def test_blend_counts_its_share_of_re_placed_tokens_and_chooses_at_admission():

@@ -160,11 +160,13 @@ def test_blend_picks_the_most_deviating_re_placed_tokens_and_refreshes_only_thos
     deviation = torch.tensor([9.0, 9.0, 9.0, 9.0, 0.1, 5.0, 0.2, 0.3, 7.0, 0.4])  # exact ones score highest
     k1 = torch.full((10, 1, 2), 1.0)
     layers = [(torch.zeros(40, 1, 2), torch.zeros(40, 1, 2)), (torch.zeros(40, 1, 2), torch.zeros(40, 1, 2))]
-    calls = []
+    calls, questions = [], []
 
-    def run(ids, positions, prefix_slots, reused_slots):
+    def run(ids, positions, prefix_slots, reused_slots, query_ids=None):
         calls.append((ids.tolist(), positions.tolist(), prefix_slots.tolist(), reused_slots.tolist()))
-        return ProbeResult(deviation, k1, k1 * 2)
+        questions.append(None if query_ids is None else query_ids.tolist())
+        attention = None if query_ids is None else torch.tensor([9.0] * 4 + [3.0, 0.0, 0.0, 4.0, 0.0, 0.0])
+        return ProbeResult(deviation, k1, k1 * 2, attention)
 
     node = SimpleNamespace(path_from_root=lambda: [SimpleNamespace(device_value=torch.tensor([0, 1, 2, 3]))])
     this = SimpleNamespace(probe=SimpleNamespace(run=run), kv_layers=layers, engine=None)
@@ -176,6 +178,14 @@ def test_blend_picks_the_most_deviating_re_placed_tokens_and_refreshes_only_thos
     assert k[24:30].eq(1.0).all() and v[24:30].eq(2.0).all()
     assert k[20:24].eq(0).all() and v[20:24].eq(0).all()  # the exact tokens' slots untouched
     assert layers[0][0].eq(0).all()
+    assert questions == [None]  # the deviation selector runs no question
+    # Anchors come first whatever their score; the query selector ranks the rest by the
+    # question's attention (the tokens after the reused ones).
+    from dataclasses import replace
+
+    assert DocReuse._blend_selection(this, req, replace(plan, anchors=(8,)), node, slots) == (8, 12)
+    assert DocReuse._blend_selection(this, req, replace(plan, selector="query"), node, slots) == (8, 11)
+    assert questions[-1] == list(range(114, 120))
 
 
 def test_the_blend_probe_gives_the_same_kv_in_any_query_blocks(monkeypatch):

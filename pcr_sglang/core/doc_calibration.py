@@ -1,0 +1,110 @@
+"""A per-model accuracy gate for document reuse: what ``python -m pcr_sglang.calibrate``
+measured on one model, and what the server does with it (``--pcr-doc-reuse-calibration``).
+
+Document reuse changes answers, by an amount that depends on the model (a fine-tuned one
+loses little, a small general one a lot). The calibration file records, for the weights it
+was measured on (their fingerprint), each mode's fidelity and gold-answer ratio against
+full prefill on a question sample, the target it was held to, and the smallest K (``lego``)
+or R (``blend``) that met it. A server started with the file uses that K or R and refuses
+a mode that missed the target (or, with ``--pcr-doc-reuse-calibration-warn``, serves it and
+says so in its startup log and ``/server_info``). The file is plain JSON, written once per
+model, reviewed like any config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+CALIBRATION_VERSION = 1
+CALIBRATED_MODES = ("concat", "lego", "blend")
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used (missing, malformed, another version)."""
+
+
+@dataclass(frozen=True)
+class CalibrationTarget:
+    """What a mode must reach against full prefill: teacher-forced top-1 agreement along
+    full prefill's answers, and the gold-answer score as a share of full prefill's."""
+
+    top1_min: float = 0.90
+    gold_ratio_min: float = 0.95
+
+
+@dataclass(frozen=True)
+class SettingResult:
+    setting: Optional[float]  # K for lego, R for blend, None for concat
+    top1: Optional[float]
+    gold_ratio: Optional[float]
+    kl: Optional[float]
+    meets: bool
+
+
+@dataclass(frozen=True)
+class ModeCalibration:
+    """One mode's verdict: ``value`` is the smallest K or R measured that met the target
+    (None for concat, or when none did); ``meets`` whether the mode can meet it at all."""
+
+    mode: str
+    meets: bool
+    value: Optional[float]
+    measured: tuple[SettingResult, ...] = ()
+
+
+@dataclass(frozen=True)
+class DocReuseCalibration:
+    model_fingerprint: str
+    model: str
+    target: CalibrationTarget
+    questions: int
+    modes: dict[str, ModeCalibration] = field(default_factory=dict)
+    created: str = ""
+    version: int = CALIBRATION_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1) + "\n"
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "DocReuseCalibration":
+        try:
+            if raw.get("version") != CALIBRATION_VERSION:
+                raise CalibrationError(f"version {raw.get('version')!r}, expected {CALIBRATION_VERSION}")
+            modes = {}
+            for name, entry in dict(raw["modes"]).items():
+                if name not in CALIBRATED_MODES:
+                    raise CalibrationError(f"unknown mode {name!r}")
+                measured = tuple(SettingResult(**m) for m in entry.get("measured", ()))
+                value = entry.get("value")
+                modes[name] = ModeCalibration(name, bool(entry["meets"]), None if value is None else float(value),
+                                              measured)
+            return cls(model_fingerprint=str(raw["model_fingerprint"]), model=str(raw.get("model", "")),
+                       target=CalibrationTarget(**raw["target"]), questions=int(raw["questions"]), modes=modes,
+                       created=str(raw.get("created", "")))
+        except CalibrationError:
+            raise
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise CalibrationError(f"malformed: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DocReuseCalibration":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise CalibrationError(f"cannot read {path}: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise CalibrationError(f"{path} is not JSON: {e}") from None
+        try:
+            return cls.from_dict(raw)
+        except CalibrationError as e:
+            raise CalibrationError(f"{path}: {e}") from None
+
+
+def smallest_meeting(mode: str, results: list[SettingResult]) -> ModeCalibration:
+    """The verdict from a mode's measured settings: the smallest setting that met the target."""
+    met = sorted((r for r in results if r.meets), key=lambda r: (r.setting is not None, r.setting or 0.0))
+    value = met[0].setting if met else None
+    return ModeCalibration(mode, bool(met), value, tuple(results))

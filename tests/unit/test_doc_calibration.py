@@ -1,0 +1,91 @@
+"""The per-model accuracy gate: the calibration file, what PCRConfig takes from it, and the
+server's verdict at startup (pcr_sglang.core.doc_calibration, config, doc_reuse_setup)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from pcr_sglang.config import PCRConfig, PCRConfigError
+from pcr_sglang.core.doc_calibration import (
+    CalibrationError,
+    CalibrationTarget,
+    DocReuseCalibration,
+    SettingResult,
+    smallest_meeting,
+)
+from pcr_sglang.sglang_adapter.doc_reuse_setup import calibration_status
+
+FINGERPRINT = "f" * 32
+
+
+def _calibration(blend_meets: bool = True) -> DocReuseCalibration:
+    blend = [SettingResult(0.15, 0.71, 0.80, 0.3, False), SettingResult(0.5, 0.93, 0.97, 0.05, blend_meets)]
+    return DocReuseCalibration(FINGERPRINT, "SmolLM2", CalibrationTarget(0.9, 0.95), 24, {
+        "concat": smallest_meeting("concat", [SettingResult(None, 0.6, 0.7, 0.5, False)]),
+        "blend": smallest_meeting("blend", blend)}, created="2026-12-04T20:00:00")
+
+
+def _write(tmp_path, calibration: DocReuseCalibration):
+    path = tmp_path / "calibration.json"
+    path.write_text(calibration.to_json())
+    return str(path)
+
+
+def test_the_file_round_trips_and_keeps_the_smallest_setting_that_met_the_target(tmp_path):
+    calibration = _calibration()
+    loaded = DocReuseCalibration.load(_write(tmp_path, calibration))
+    assert loaded == calibration
+    assert loaded.modes["blend"].meets and loaded.modes["blend"].value == 0.5
+    assert not loaded.modes["concat"].meets and loaded.modes["concat"].value is None
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "is not JSON"),
+    (json.dumps({"version": 9}), "version 9"),
+    (json.dumps({"version": 1, "modes": {}}), "malformed"),
+    (json.dumps({"version": 1, "model_fingerprint": "x", "target": {}, "questions": 1,
+                 "modes": {"mosaic": {"meets": True}}}), "unknown mode"),
+])
+def test_bad_files_are_refused_naming_the_problem(tmp_path, content, message):
+    path = tmp_path / "c.json"
+    path.write_text(content)
+    with pytest.raises(CalibrationError, match=message):
+        DocReuseCalibration.load(path)
+    with pytest.raises(CalibrationError, match="cannot read"):
+        DocReuseCalibration.load(tmp_path / "missing.json")
+
+
+def test_the_server_takes_the_calibrated_r_and_refuses_what_it_cannot_use(tmp_path):
+    path = _write(tmp_path, _calibration())
+    config = PCRConfig(enabled=True, doc_reuse="blend", doc_recompute_ratio=0.15, doc_reuse_calibration=path)
+    config.validate(page_size=1)
+    assert config.doc_recompute().ratio == 0.5
+    with pytest.raises(PCRConfigError, match="has no measurement of --pcr-doc-reuse lego"):
+        PCRConfig(enabled=True, doc_reuse="lego", doc_reuse_calibration=path).validate(page_size=1)
+    with pytest.raises(PCRConfigError, match="needs --pcr-doc-reuse"):
+        PCRConfig(enabled=True, doc_reuse_calibration=path).validate(page_size=1)
+    with pytest.raises(PCRConfigError, match="--pcr-doc-reuse-calibration: cannot read"):
+        PCRConfig(enabled=True, doc_reuse="blend", doc_reuse_calibration=str(tmp_path / "nope")).validate(1)
+
+
+def test_startup_verdicts(tmp_path, caplog):
+    path = _write(tmp_path, _calibration())
+    blend = PCRConfig(enabled=True, doc_reuse="blend", doc_reuse_calibration=path)
+    status = calibration_status(blend, FINGERPRINT)
+    assert status["meets_target"] and status["value"] == 0.5 and status["target"]["top1_min"] == 0.9
+    with pytest.raises(PCRConfigError, match="measured on other weights"):
+        calibration_status(blend, "0" * 32)
+    concat = PCRConfig(enabled=True, doc_reuse="concat", doc_reuse_calibration=path)
+    with pytest.raises(PCRConfigError, match="missed its accuracy target.*--pcr-doc-reuse-calibration-warn"):
+        calibration_status(concat, FINGERPRINT)
+    warned = PCRConfig(enabled=True, doc_reuse="concat", doc_reuse_calibration=path, doc_reuse_calibration_warn=True)
+    with caplog.at_level(logging.WARNING, logger="pcr_sglang.sglang_adapter.doc_reuse_setup"):
+        assert calibration_status(warned, FINGERPRINT)["meets_target"] is False
+        assert "MISSED its accuracy target" in caplog.text
+        caplog.clear()
+        unmeasured = calibration_status(PCRConfig(enabled=True, doc_reuse="blend"), FINGERPRINT)
+    assert unmeasured == {"file": None, "measured": False}
+    assert "accuracy on this model is unmeasured" in caplog.text
