@@ -51,6 +51,10 @@ def measure_setting(server: Any, prompts: Sequence[Any], references: Sequence[di
     from pcr_sglang.tune.measure import measure_reuse
 
     rows = [measure_reuse(server, p, ref, spec, max_new_tokens, decode) for p, ref in zip(prompts, references)]
+    not_reused = [p.rid for p, r in zip(prompts, rows) if not r["all_docs_reused"]]
+    if not_reused:  # then the figures are another mix of exact and reused KV: nothing to calibrate on
+        raise RuntimeError(f"{spec.name}: {len(not_reused)} of {len(rows)} requests did not reuse every document "
+                           f"({', '.join(not_reused[:3])}...): is the device KV pool too small?")
     top1 = [r["top1"] for r in rows if r.get("top1") is not None]
     kl = [r["kl"] for r in rows if r.get("kl") is not None]
     gold = sum(_gold_score(r) or 0.0 for r in rows)

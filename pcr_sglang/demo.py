@@ -89,11 +89,16 @@ def doc_reuse_pass(model_path: str, tokenizer: Any, questions: int, mode: str, m
     documents are warmed (their canonical KV computed, as a precomputed corpus would have
     it), then the question is answered with them reused, then without marks (full prefill
     and exact prefix caching: the answer to compare with)."""
+    from pcr_sglang.launcher import cpu_only
     from pcr_sglang.tune.questions import question_set
 
     flags = ("--enable-pcr", "--pcr-chunk-size", str(chunk_size), "--pcr-doc-reuse", mode,
              "--pcr-doc-warmup-after", "1", "--max-total-tokens", "16384", "--context-length", "4096",
              "--log-level", "warning")
+    if mode != "concat" and not cpu_only():
+        # Recompute modes need an attention backend that takes permuted rows, and no
+        # prefill CUDA graph (README, Flags: --pcr-doc-reuse).
+        flags += ("--attention-backend", "triton", "--disable-prefill-cuda-graph")
     print(f"\n[demo] document reuse: {questions} questions about re-placed documents, on {model_path}")
     print(f"[demo] starting SGLang with: {' '.join(flags)}")
     answers = []

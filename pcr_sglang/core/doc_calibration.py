@@ -78,12 +78,17 @@ class DocReuseCalibration:
                 if name not in CALIBRATED_MODES:
                     raise CalibrationError(f"unknown mode {name!r}")
                 measured = tuple(SettingResult(**m) for m in entry.get("measured", ()))
-                value = entry.get("value")
-                modes[name] = ModeCalibration(name, bool(entry["meets"]), None if value is None else float(value),
-                                              measured)
-            return cls(model_fingerprint=str(raw["model_fingerprint"]), model=str(raw.get("model", "")),
-                       target=CalibrationTarget(**raw["target"]), questions=int(raw["questions"]), modes=modes,
-                       created=str(raw.get("created", "")))
+                modes[name] = ModeCalibration(name, _flag(entry["meets"], f"modes.{name}.meets"),
+                                              _setting(name, entry.get("value")), measured)
+            target = CalibrationTarget(**{k: _share(v, f"target.{k}") for k, v in dict(raw["target"]).items()})
+            questions = raw["questions"]
+            if isinstance(questions, bool) or not isinstance(questions, int) or questions < 1:
+                raise CalibrationError(f"questions must be a positive integer, got {questions!r}")
+            fingerprint = raw["model_fingerprint"]
+            if not isinstance(fingerprint, str) or not fingerprint:
+                raise CalibrationError(f"model_fingerprint must be a non-empty string, got {fingerprint!r}")
+            return cls(model_fingerprint=fingerprint, model=str(raw.get("model", "")), target=target,
+                       questions=questions, modes=modes, created=str(raw.get("created", "")))
         except CalibrationError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -101,6 +106,31 @@ class DocReuseCalibration:
             return cls.from_dict(raw)
         except CalibrationError as e:
             raise CalibrationError(f"{path}: {e}") from None
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):  # "false" is truthy: a hand-edited file must not pass the gate by it
+        raise CalibrationError(f"{where} must be true or false, got {value!r}")
+    return value
+
+
+def _share(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise CalibrationError(f"{where} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _setting(mode: str, value: Any) -> Optional[float]:
+    """A mode's calibrated K (lego: an integer >= 0) or R (blend: in [0, 1]); concat has none."""
+    if value is None:
+        return None
+    if mode == "concat":
+        raise CalibrationError(f"modes.concat.value must be null (concat recomputes nothing), got {value!r}")
+    if mode == "lego":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or float(value) != int(value):
+            raise CalibrationError(f"modes.lego.value must be an integer K >= 0, got {value!r}")
+        return float(value)
+    return _share(value, "modes.blend.value")
 
 
 def smallest_meeting(mode: str, results: list[SettingResult]) -> ModeCalibration:

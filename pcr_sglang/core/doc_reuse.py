@@ -50,6 +50,10 @@ ANCHOR_TOKENS_PARAM = "pcr_doc_anchor_tokens"
 # full prefill's) or ``query`` (the question's layer-1 attention on each token).
 SELECTOR_PARAM = "pcr_doc_selector"
 SELECTORS = ("deviation", "query")
+# ``query`` selector: where the question ends (a token offset; default: the end of the
+# input). A client that teacher-forces an answer after the prompt sets it to the prompt's
+# length, so the selection sees the question alone, as it does when the answer is generated.
+QUESTION_END_PARAM = "pcr_doc_question_end"
 CANONICAL_PARAM = "pcr_canonical_doc"
 # ``True``: warm this request's documents before it, whatever the server's warm-up policy
 # (what ``python -m pcr_sglang.precompute`` sends: a precomputed document is seen once).
@@ -101,6 +105,7 @@ class Recompute:
     ratio: float = 0.0
     anchor_tokens: int = 0
     selector: str = "deviation"
+    question_end: Optional[int] = None  # per request (QUESTION_END_PARAM); None: the input's end
 
     @property
     def recomputes(self) -> bool:
@@ -139,7 +144,11 @@ def request_recompute(custom_params: dict, server: Recompute) -> Optional[Recomp
     selector = custom_params.get(SELECTOR_PARAM, server.selector)
     if selector not in SELECTORS:
         raise DocBoundsError(f"{SELECTOR_PARAM} must be one of {', '.join(map(repr, SELECTORS))}, got {selector!r}")
-    return Recompute(mode, int(tokens), float(ratio), int(anchors), selector)
+    question_end = custom_params.get(QUESTION_END_PARAM)
+    if question_end is not None and (isinstance(question_end, bool) or not isinstance(question_end, int)
+                                     or question_end < 1):
+        raise DocBoundsError(f"{QUESTION_END_PARAM} must be a positive token offset, got {question_end!r}")
+    return Recompute(mode, int(tokens), float(ratio), int(anchors), selector, question_end)
 
 
 def request_warm_now(custom_params: dict) -> bool:
@@ -279,6 +288,7 @@ class ReusePlan:
     # ``recompute_count``; the adapter picks the rest).
     anchors: tuple[int, ...] = ()
     selector: str = "deviation"  # blend: what ranks the rest (SELECTORS)
+    question_end: Optional[int] = None  # the query selector's question ends here (None: the input's end)
 
     @property
     def tokens(self) -> int:
@@ -410,7 +420,8 @@ def with_recompute(plan: ReusePlan, spans: Sequence[DocSpan], recompute: Recompu
         return plan
     if count >= plan.reused_tokens:
         return None
-    return replace(plan, recompute_count=count, recompute=chosen, anchors=anchors, selector=recompute.selector)
+    return replace(plan, recompute_count=count, recompute=chosen, anchors=anchors, selector=recompute.selector,
+                   question_end=recompute.question_end)
 
 
 @dataclass(frozen=True)

@@ -347,8 +347,10 @@ class DocReuse:
         ids, offsets = ids_and_offsets[:plan.tokens], ids_and_offsets[plan.tokens:]
         positions = torch.arange(plan.start, plan.end, dtype=torch.int64, device=device)
         question = None
-        if plan.selector == "query" and len(req.origin_input_ids) > plan.end:
-            question = _to_device(torch.tensor(req.origin_input_ids[plan.end:], dtype=torch.int64), device)
+        question_end = min(len(req.origin_input_ids), plan.question_end or len(req.origin_input_ids))
+        if plan.selector == "query" and question_end > plan.end:
+            question = _to_device(torch.tensor(req.origin_input_ids[plan.end:question_end], dtype=torch.int64),
+                                  device)
         result = self.probe.run(ids, positions, prefix[:plan.start], slots, query_ids=question)
         k1, v1 = self.kv_layers[1]  # only re-placed tokens: delta-0 slots may enter the tree
         k1[slots[offsets]] = result.k1[offsets]

@@ -40,7 +40,7 @@ class ModeSpec:
         if self.value is None:
             return self.mode
         name = f"{self.mode}:{int(self.value) if self.mode == 'lego' else self.value:g}"
-        if self.anchors:
+        if self.anchors is not None:
             name += f":{self.anchors}"
         return f"{name}:{self.selector}" if self.selector else name
 
@@ -274,14 +274,21 @@ def measure_full(server: Any, p: GoldPrompt, max_new_tokens: int, top_k: int,
 def measure_reuse(server: Any, p: GoldPrompt, reference: dict[str, Any], spec: Any, max_new_tokens: int,
                   decode: Callable[[list[int]], str]) -> dict[str, Any]:
     """``spec``: a ``bench.doc_reuse_accuracy.ModeSpec`` (mode, K or R, custom params)."""
+    from pcr_sglang.core.doc_reuse import QUESTION_END_PARAM, WARM_NOW_PARAM
     from pcr_sglang.doc_prompt import DocPrompt
 
-    def body(tokens: int) -> dict[str, Any]:
+    def body(tokens: int, **custom: Any) -> dict[str, Any]:
         sampling = DocPrompt(p.input_ids, p.doc_bounds).sampling_params(temperature=0.0, max_new_tokens=tokens)
-        sampling["custom_params"].update(spec.custom_params())
+        sampling["custom_params"].update({**spec.custom_params(), **custom})
         return {"input_ids": p.input_ids, "sampling_params": sampling, "extra_key": f"pcr-accuracy:{spec.name}"}
 
-    server.generate(body(1))  # warm: every document's canonical KV computed and cached
+    # Warm: every document's canonical KV computed and cached before the measured request,
+    # whatever the server's warm-up policy (a first sighting served by plain prefill would
+    # be cached exactly, and the measured request would reuse that exact prefix instead).
+    server.generate(body(1, **{WARM_NOW_PARAM: True}))
+    # Teacher-forced requests carry the answer after the prompt: the query selector's
+    # question ends where the prompt does, as when the answer is generated.
+    forced_body = body(0, **{QUESTION_END_PARAM: len(p.input_ids)})
     streamed = server.generate_stream(body(max_new_tokens))
     answer = list(streamed.final["output_ids"])
     text = decode(answer)
@@ -294,11 +301,12 @@ def measure_reuse(server: Any, p: GoldPrompt, reference: dict[str, Any], spec: A
     row["all_docs_reused"] = row["cached_tokens"] + row["recomputed_tokens"] == p.last_doc_end
     if ref_ids:
         ids = {t for top in reference["top"] for t in top} | set(ref_ids)
-        forced = teacher_forced(server, body(0), len(p.input_ids), ref_ids, token_ids=ids)
+        forced = teacher_forced(server, forced_body, len(p.input_ids), ref_ids, top_k=1, token_ids=ids)
         row["nll"] = nll(forced["logprobs"])
         row["kl"] = statistics.fmean(topk_kl(top, by_id) for top, by_id in zip(reference["top"], forced["by_id"]))
-        row["top1"] = statistics.fmean(float(max(by_id, key=by_id.get) == max(top, key=top.get))
-                                       for top, by_id in zip(reference["top"], forced["by_id"]))
-    gold = teacher_forced(server, body(0), len(p.input_ids), p.gold_ids)
+        # The mode's own argmax (its top-1 over the whole vocabulary) against full prefill's.
+        row["top1"] = statistics.fmean(float(max(mine, key=mine.get) == max(top, key=top.get))
+                                       for top, mine in zip(reference["top"], forced["top"]))
+    gold = teacher_forced(server, forced_body, len(p.input_ids), p.gold_ids)
     row["gold_nll"] = nll(gold["logprobs"])
     return row

@@ -18,6 +18,7 @@ training. Planted values are drawn per question from a seeded RNG.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 import re
 from dataclasses import dataclass, field
@@ -91,11 +92,12 @@ class Question:
     def shuffled(self, rng: random.Random) -> "Question":
         """The same question with the documents in another order that keeps every target
         off the first position (the noise floor: full prefill when only the order moves)."""
-        order = list(range(len(self.documents)))
-        for _ in range(32):
-            rng.shuffle(order)
-            if order != list(range(len(order))) and all(order.index(t) != 0 for t in self.targets):
-                break
+        identity = tuple(range(len(self.documents)))
+        valid = [order for order in itertools.permutations(identity)
+                 if order != identity and all(order.index(t) != 0 for t in self.targets)]
+        if not valid:
+            raise ValueError(f"no other order of {len(identity)} documents keeps targets {self.targets} off the first")
+        order = list(rng.choice(valid))
         return Question(self.kind, tuple(self.documents[i] for i in order), self.question, self.gold,
                         tuple(order.index(t) for t in self.targets), tuple(self.titles[i] for i in order)
                         if self.titles else ())

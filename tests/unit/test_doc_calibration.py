@@ -89,3 +89,22 @@ def test_startup_verdicts(tmp_path, caplog):
         unmeasured = calibration_status(PCRConfig(enabled=True, doc_reuse="blend"), FINGERPRINT)
     assert unmeasured == {"file": None, "measured": False}
     assert "accuracy on this model is unmeasured" in caplog.text
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw["modes"]["concat"].update(meets="true"), "modes.concat.meets must be true or false"),
+    (lambda raw: raw["modes"]["blend"].update(value=1.5), r"modes.blend.value must be a number in \[0, 1\]"),
+    (lambda raw: raw["modes"]["blend"].update(value=float("nan")), r"modes.blend.value must be a number in \[0, 1\]"),
+    (lambda raw: raw["modes"].update(lego={"meets": True, "value": -4}), "modes.lego.value must be an integer K"),
+    (lambda raw: raw["target"].update(top1_min="0.9"), r"target.top1_min must be a number in \[0, 1\]"),
+    (lambda raw: raw.update(questions=0), "questions must be a positive integer"),
+])
+def test_values_a_hand_edit_could_break_are_refused(tmp_path, edit, message):
+    """Review: ``"meets": "false"`` read as True passed the gate; an R of 1.5 started the
+    server and then failed every marked request; a string target crashed startup."""
+    raw = json.loads(_calibration().to_json())
+    edit(raw)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(CalibrationError, match=message):
+        DocReuseCalibration.load(path)

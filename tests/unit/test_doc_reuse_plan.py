@@ -249,6 +249,10 @@ def test_blend_anchors_fill_its_budget_in_document_order_and_never_grow_it():
     assert request_recompute({}, SERVER).selector == "deviation"
     with pytest.raises(DocBoundsError, match="pcr_doc_selector must be one of 'deviation', 'query'"):
         request_recompute({"pcr_doc_selector": "oracle"}, SERVER)
+    ended = request_recompute({"pcr_doc_selector": "query", "pcr_doc_question_end": 42}, SERVER)
+    assert with_recompute(plan, SPANS, ended).question_end == 42
+    with pytest.raises(DocBoundsError, match="pcr_doc_question_end must be a positive token offset"):
+        request_recompute({"pcr_doc_question_end": "42"}, SERVER)
 
 
 def test_blend_counts_its_share_of_re_placed_tokens_and_chooses_at_admission():

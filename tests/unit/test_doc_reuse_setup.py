@@ -186,6 +186,9 @@ def test_blend_picks_the_most_deviating_re_placed_tokens_and_refreshes_only_thos
     assert DocReuse._blend_selection(this, req, replace(plan, anchors=(8,)), node, slots) == (8, 12)
     assert DocReuse._blend_selection(this, req, replace(plan, selector="query"), node, slots) == (8, 11)
     assert questions[-1] == list(range(114, 120))
+    # A teacher-forced request marks where its question ends: the answer after it is not read.
+    DocReuse._blend_selection(this, req, replace(plan, selector="query", question_end=17), node, slots)
+    assert questions[-1] == [114, 115, 116]
 
 
 def test_the_blend_probe_gives_the_same_kv_in_any_query_blocks(monkeypatch):

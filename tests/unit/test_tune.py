@@ -89,6 +89,12 @@ def test_the_split_is_by_article_stable_and_disjoint():
     assert all(questions.article_split(t) == "test" for t in test_titles)
     for q in questions.question_set("test", 30, seed=4):
         assert set(q.titles) <= test_titles
+    from pcr_sglang.tune.train import TuneParams, training_questions, validation_questions
+
+    params = TuneParams(base_model="", out_dir="")
+    draw = training_questions(params)
+    for q in [draw() for _ in range(30)] + validation_questions(params):
+        assert set(q.titles) <= train_titles  # the tuning never sees a test article
 
 
 def test_questions_ask_about_re_placed_documents_and_plant_what_they_ask():
@@ -121,9 +127,8 @@ def test_scores():
 
 
 def test_a_few_steps_lower_the_distillation_loss(tiny_model, tokenizer):
-    """The gradient reaches the adapter through the served pattern (canonical KV, rotated
-    keys, the cache): steps on one question bring its concat loss down (a detached
-    canonical KV or a frozen adapter would leave it where it was)."""
+    """Steps on one question bring its concat loss below half: the adapter learns through
+    the served forward (a frozen adapter, or a loss that is not the student's, would not)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -141,6 +146,36 @@ def test_a_few_steps_lower_the_distillation_loss(tiny_model, tokenizer):
         optimizer.step()
     after = float(sample_loss(model, tokenizer, question, "concat", 8))
     assert before > 1e-3 and after < 0.5 * before, (before, after)
+
+
+def test_the_gradient_reaches_every_documents_canonical_kv(tiny_model, tokenizer, monkeypatch):
+    """Training must shape the documents' KV, not only the question's projections: every
+    layer's re-placed K and V of every document gets a gradient (a detached canonical
+    forward would leave them without)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pcr_sglang.tune import served_pattern
+    from pcr_sglang.tune.train import TARGET_MODULES, sample_loss
+
+    kept = []
+    original = served_pattern._canonical_kv
+
+    def spy(model, prompt):
+        layers = original(model, prompt)
+        for layer in layers:
+            for k, v in layer:
+                k.retain_grad()
+                v.retain_grad()
+                kept.append((k, v))
+        return layers
+
+    monkeypatch.setattr(served_pattern, "_canonical_kv", spy)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGET_MODULES)))
+    sample_loss(model, tokenizer, questions.question_set("train", 1, seed=6)[0], "concat", 6).backward()
+    assert len(kept) == base.config.num_hidden_layers * 3  # three documents per question
+    assert all(k.grad is not None and k.grad.abs().sum() > 0 and v.grad.abs().sum() > 0 for k, v in kept)
 
 
 @pytest.fixture(scope="module")
