@@ -40,15 +40,10 @@ DEFAULT_LEGO_TOKENS = (16, 32, 64, 128)
 DEFAULT_BLEND_RATIOS = (0.15, 0.3, 0.5, 0.7, 1.0)
 
 
-def _gold_score(row: dict[str, Any]) -> Optional[float]:
-    """One number per question: lead F1 for ``lead`` questions, exact match for the others."""
-    return row.get("lead_f1") if row.get("lead_f1") is not None else row.get("em")
-
-
 def measure_setting(server: Any, prompts: Sequence[Any], references: Sequence[dict[str, Any]], spec: Any,
                     target: CalibrationTarget, max_new_tokens: int,
                     decode: Callable[[list[int]], str]) -> SettingResult:
-    from pcr_sglang.tune.measure import measure_reuse
+    from pcr_sglang.tune.measure import gold_score, measure_reuse
 
     rows = [measure_reuse(server, p, ref, spec, max_new_tokens, decode) for p, ref in zip(prompts, references)]
     not_reused = [p.rid for p, r in zip(prompts, rows) if not r["all_docs_reused"]]
@@ -57,8 +52,8 @@ def measure_setting(server: Any, prompts: Sequence[Any], references: Sequence[di
                            f"({', '.join(not_reused[:3])}...): is the device KV pool too small?")
     top1 = [r["top1"] for r in rows if r.get("top1") is not None]
     kl = [r["kl"] for r in rows if r.get("kl") is not None]
-    gold = sum(_gold_score(r) or 0.0 for r in rows)
-    gold_full = sum(_gold_score(r) or 0.0 for r in references)
+    gold = sum(gold_score(r) for r in rows)
+    gold_full = sum(gold_score(r) for r in references)
     top1_mean = statistics.fmean(top1) if top1 else None
     ratio = gold / gold_full if gold_full else None
     meets = top1_mean is not None and top1_mean >= target.top1_min and \

@@ -77,9 +77,9 @@ class ReuseAnswer:
     full: DemoResult
 
     def score(self, answer: str) -> float:
-        from pcr_sglang.tune.scores import contains_answer, token_f1
+        from pcr_sglang.tune.measure import gold_score, gold_scores
 
-        return token_f1(answer, self.gold) if self.kind == "lead" else float(contains_answer(answer, self.gold))
+        return gold_score(gold_scores(self.kind, answer, self.gold))
 
 
 def doc_reuse_pass(model_path: str, tokenizer: Any, questions: int, mode: str, max_new_tokens: int, chunk_size: int,

@@ -95,23 +95,46 @@ class Layer1Probe:
         query-aware selector's score (ProphetKV's idea, at the probe's one layer): layer 0
         is exact for every token and the reused tokens' layer-1 K is full prefill's here, so
         this is the attention full prefill's question gives each document token at layer 1."""
-        layer0, layer1 = self.layers
-        attn0, attn1 = layer0.self_attn, layer1.self_attn
         k0_pool, v0_pool = self.kv_layers[0]
         k1_pool, v1_pool = self.kv_layers[1]
-        d = attn0.head_dim
         n = token_ids.shape[0]
-        hidden = self.embed(token_ids)
-        normed = _first(layer0.input_layernorm(hidden))
-        q, k, v = _first(attn0.qkv_proj(normed)).split([attn0.q_size, attn0.kv_size, attn0.kv_size], dim=-1)
-        q, k = attn0.rotary_emb(positions, q, k)
-        q = q.reshape(n, -1, d)
-        keys = torch.cat([k0_pool[prefix_slots].to(q.dtype), k.reshape(n, -1, d)]).transpose(0, 1).unsqueeze(0)
-        values = torch.cat([v0_pool[prefix_slots].to(q.dtype), v.reshape(n, -1, d)]).transpose(0, 1).unsqueeze(0)
+        hidden, q, k, v = self._layer0_qkv(token_ids, positions)
+        keys = torch.cat([k0_pool[prefix_slots].to(q.dtype), k]).transpose(0, 1).unsqueeze(0)
+        values = torch.cat([v0_pool[prefix_slots].to(q.dtype), v]).transpose(0, 1).unsqueeze(0)
         key_positions = torch.cat([torch.arange(prefix_slots.shape[0], device=q.device), positions])
+        _, k1, v1 = self._layer1_projections(hidden, q, positions, keys, values, key_positions)
+        d1 = self.layers[1].self_attn.head_dim
+        k1, v1 = k1.reshape(n, -1, d1).to(k1_pool.dtype), v1.reshape(n, -1, d1).to(v1_pool.dtype)
+        deviation = (v1.float() - v1_pool[reused_slots].float()).square().sum(dim=(1, 2))
+        attention = None
+        if query_ids is not None and query_ids.shape[0] > 0:
+            attention = self._question_attention(query_ids, positions, prefix_slots, keys, values, key_positions, k1)
+        return ProbeResult(deviation, k1, v1, attention)
+
+    def _layer0_qkv(self, token_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Layer 0 is context-free up to its attention: the embeddings, and Q, K, V (RoPE at
+        ``positions``) as [tokens, heads, head_dim]."""
+        attn0 = self.layers[0].self_attn
+        n, d = token_ids.shape[0], attn0.head_dim
+        hidden = self.embed(token_ids)
+        q, k, v = _first(attn0.qkv_proj(_first(self.layers[0].input_layernorm(hidden)))).split(
+            [attn0.q_size, attn0.kv_size, attn0.kv_size], dim=-1)
+        q, k = attn0.rotary_emb(positions, q, k)
+        return hidden, q.reshape(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)
+
+    def _layer1_projections(self, hidden: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
+                            keys: torch.Tensor, values: torch.Tensor,
+                            key_positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Layer 0's attention in full context (``keys``/``values`` at ``key_positions``,
+        position-causal) and MLP for the tokens of ``hidden`` and ``q`` at ``positions``,
+        then layer 1's Q, K, V (RoPE applied), flat per token. Queries run in blocks, so the
+        attention scores of one block stay within ``SCORE_ELEMENTS``."""
+        layer0, layer1 = self.layers
+        attn0, attn1 = layer0.self_attn, layer1.self_attn
+        n = q.shape[0]
         gqa = q.shape[1] != keys.shape[1]
         block = max(1, SCORE_ELEMENTS // (q.shape[1] * key_positions.shape[0]))
-        k1_parts, v1_parts = [], []
+        q1_parts, k1_parts, v1_parts = [], [], []
         for begin in range(0, n, block):
             end = min(begin + block, n)
             mask = key_positions.unsqueeze(0) <= positions[begin:end].unsqueeze(1)  # [block, keys]
@@ -123,56 +146,31 @@ class Layer1Probe:
             residual = residual + layer0.mlp(_first(layer0.post_attention_layernorm(residual)))
             normed1 = _first(layer1.input_layernorm(residual))
             q1, k1, v1 = _first(attn1.qkv_proj(normed1)).split([attn1.q_size, attn1.kv_size, attn1.kv_size], dim=-1)
-            _, k1 = attn1.rotary_emb(positions[begin:end], q1, k1)
-            k1_parts.append(k1.reshape(end - begin, -1, attn1.head_dim).to(k1_pool.dtype))
-            v1_parts.append(v1.reshape(end - begin, -1, attn1.head_dim).to(v1_pool.dtype))
-        k1, v1 = torch.cat(k1_parts), torch.cat(v1_parts)
-        deviation = (v1.float() - v1_pool[reused_slots].float()).square().sum(dim=(1, 2))
-        attention = None
-        if query_ids is not None and query_ids.shape[0] > 0:
-            attention = self._question_attention(query_ids, positions, prefix_slots, keys, values, key_positions, k1)
-        return ProbeResult(deviation, k1, v1, attention)
+            q1, k1 = attn1.rotary_emb(positions[begin:end], q1, k1)
+            q1_parts.append(q1)
+            k1_parts.append(k1)
+            v1_parts.append(v1)
+        return torch.cat(q1_parts), torch.cat(k1_parts), torch.cat(v1_parts)
 
     def _question_attention(self, query_ids: torch.Tensor, positions: torch.Tensor, prefix_slots: torch.Tensor,
                             keys0: torch.Tensor, values0: torch.Tensor, key_positions0: torch.Tensor,
                             reused_k1: torch.Tensor) -> torch.Tensor:
         """Layer-1 attention of the question (``query_ids``, right after ``positions``) on
         each reused token, summed over the question's tokens and heads."""
-        layer0, layer1 = self.layers
-        attn0, attn1 = layer0.self_attn, layer1.self_attn
+        attn1 = self.layers[1].self_attn
         k1_pool = self.kv_layers[1][0]
-        d = attn0.head_dim
         m = query_ids.shape[0]
         q_positions = torch.arange(int(positions[-1]) + 1, int(positions[-1]) + 1 + m, device=positions.device)
-        hidden = self.embed(query_ids)
-        q, k, v = _first(attn0.qkv_proj(_first(layer0.input_layernorm(hidden)))).split(
-            [attn0.q_size, attn0.kv_size, attn0.kv_size], dim=-1)
-        q, k = attn0.rotary_emb(q_positions, q, k)
-        q = q.reshape(m, -1, d)
-        keys = torch.cat([keys0, k.reshape(m, -1, d).transpose(0, 1).unsqueeze(0)], dim=2)
-        values = torch.cat([values0, v.reshape(m, -1, d).transpose(0, 1).unsqueeze(0)], dim=2)
+        hidden, q, k, v = self._layer0_qkv(query_ids, q_positions)
+        keys = torch.cat([keys0, k.transpose(0, 1).unsqueeze(0)], dim=2)
+        values = torch.cat([values0, v.transpose(0, 1).unsqueeze(0)], dim=2)
         all_positions = torch.cat([key_positions0, q_positions])
-        # Blocks of question tokens, as for the reused ones: scores stay within SCORE_ELEMENTS.
-        block = max(1, SCORE_ELEMENTS // (q.shape[1] * all_positions.shape[0]))
-        q1_parts, k1_parts = [], []
-        for begin in range(0, m, block):  # layer 0 in full context, then layer 1's projections
-            end = min(begin + block, m)
-            mask = all_positions.unsqueeze(0) <= q_positions[begin:end].unsqueeze(1)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q[begin:end].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask, scale=attn0.scaling,
-                enable_gqa=q.shape[1] != keys.shape[1])
-            residual = hidden[begin:end] + _first(attn0.o_proj(out.squeeze(0).transpose(0, 1).reshape(end - begin, -1)))
-            residual = residual + layer0.mlp(_first(layer0.post_attention_layernorm(residual)))
-            q1, k1, _ = _first(attn1.qkv_proj(_first(layer1.input_layernorm(residual)))).split(
-                [attn1.q_size, attn1.kv_size, attn1.kv_size], dim=-1)
-            q1, k1 = attn1.rotary_emb(q_positions[begin:end], q1, k1)
-            q1_parts.append(q1)
-            k1_parts.append(k1)
+        q1, k1, _ = self._layer1_projections(hidden, q, q_positions, keys, values, all_positions)
         d1 = attn1.head_dim
-        question_k1 = torch.cat(k1_parts).reshape(m, -1, d1)
-        keys1 = torch.cat([k1_pool[prefix_slots].float(), reused_k1.float(), question_k1.float()])
+        keys1 = torch.cat([k1_pool[prefix_slots].float(), reused_k1.float(), k1.reshape(m, -1, d1).float()])
         kv_heads = keys1.shape[1]
-        queries = torch.cat(q1_parts).reshape(m, kv_heads, -1, d1).float()  # [questions, kv heads, group, dim]
+        queries = q1.reshape(m, kv_heads, -1, d1).float()  # [questions, kv heads, group, dim]
+        block = max(1, SCORE_ELEMENTS // (queries.shape[1] * queries.shape[2] * all_positions.shape[0]))
         weights = torch.zeros(keys1.shape[0], dtype=torch.float32, device=keys1.device)
         for begin in range(0, m, block):
             end = min(begin + block, m)

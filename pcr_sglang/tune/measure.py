@@ -160,6 +160,13 @@ def gold_prompts(questions: Sequence[Question], tokenizer: Any, seed: int) -> li
     return out
 
 
+def gold_score(scores: dict[str, Optional[float]]) -> float:
+    """One number per question from :func:`gold_scores`: lead F1 for ``lead`` questions,
+    exact match for the others."""
+    value = scores["lead_f1"] if scores.get("lead_f1") is not None else scores.get("em")
+    return float(value or 0.0)
+
+
 def gold_scores(kind: str, answer: str, gold: str) -> dict[str, Optional[float]]:
     """``lead``: token F1 and ROUGE-L against the lead sentence; ``needle`` and ``two_hop``:
     exact match (the answer contains the planted value)."""
