@@ -23,7 +23,7 @@ import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from pcr_sglang.launcher import ServerProcess
+from pcr_tools.launcher import ServerProcess
 
 PADDED_ENV = "SGLANG_TORCH_NATIVE_PADDED_EXTEND"
 SHORT_PROMPT_TOKENS = 29
@@ -43,7 +43,7 @@ def corpus_token_ids(model_path: str, needed: int) -> list[int]:
     """Token ids of Wikipedia text (the workloads' corpus), at least ``needed`` of them."""
     from transformers import AutoTokenizer
 
-    from pcr_sglang.workload import RagWorkloadParams, make_rag_workload
+    from pcr_tools.workload import RagWorkloadParams, make_rag_workload
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     ids: list[int] = []
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", default=None, help="Serve this model instead of SmolLM2-135M.")
     args = parser.parse_args(argv)
 
-    from pcr_sglang.models.smollm2 import build_smollm2
+    from pcr_tools.models.smollm2 import build_smollm2
 
     model_path = args.model_path or str(build_smollm2())
     # Prompt k starts 37 tokens after prompt k-1: no two share a prefix, so each is cold once.

@@ -66,8 +66,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from pcr_sglang.tune.measure import MODES, ModeSpec, parse_mode, parse_modes  # noqa: F401 - re-exported
-from pcr_sglang.tune.scores import normalize_answer, token_f1  # noqa: F401 - re-exported
+from pcr_tools.tune.measure import MODES, ModeSpec, parse_mode, parse_modes  # noqa: F401 - re-exported
+from pcr_tools.tune.scores import normalize_answer, token_f1  # noqa: F401 - re-exported
 
 logger = logging.getLogger("bench.doc_reuse_accuracy")
 
@@ -357,8 +357,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from transformers import AutoTokenizer
 
     from bench.ragbench.workload import WorkloadParams, make_trace
-    from pcr_sglang.launcher import ServerProcess, cpu_only
-    from pcr_sglang.models.smollm2 import build_smollm2
+    from pcr_tools.launcher import ServerProcess, cpu_only
+    from pcr_tools.models.smollm2 import build_smollm2
 
     started = time.monotonic()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

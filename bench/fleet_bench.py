@@ -5,7 +5,7 @@
 
 Four fleets replay the same seeded retrieval trace (bench.ragbench's, SmolLM2-135M) at the
 same rate through ``smg`` (SGLang Model Gateway), each started by
-:class:`pcr_sglang.fleet.Fleet` and stopped before the next:
+:class:`pcr_tools.fleet.Fleet` and stopped before the next:
 
 * ``round_robin``: two PCR servers, no shared tier;
 * ``cache_aware``: two PCR servers, no shared tier;
@@ -38,8 +38,8 @@ from bench.ragbench.common import Model, budgets_for, trace_shape, workload_args
 from bench.ragbench.report import percentile
 from bench.ragbench.runner import RequestRecord, replay
 from bench.ragbench.workload import make_trace, save_trace
-from pcr_sglang.fleet import Fleet
-from pcr_sglang.launcher import ServerProcess
+from pcr_tools.fleet import Fleet
+from pcr_tools.launcher import ServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.rate <= 0:
         parser.error("--rate must be > 0")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from pcr_sglang.models.smollm2 import build_smollm2
+    from pcr_tools.models.smollm2 import build_smollm2
 
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -64,7 +64,7 @@ import numpy as np
 from pcr_sglang.core.chunk_tree import ChunkTree
 from pcr_sglang.core.keys import CacheNamespace, chunk_keys, root_key
 from pcr_sglang.core.lookahead import LookaheadProtection
-from pcr_sglang.workload import zipf_weights
+from pcr_tools.workload import zipf_weights
 
 POLICIES = ("random", "round_robin", "cache_aware", "prefix_hash")
 SYSTEM_CHUNK = -1

@@ -52,15 +52,15 @@ import time
 from pathlib import Path
 
 from bench.lookahead_retrieval import build_table, open_cold
-from pcr_sglang.data import load_wiki_articles
-from pcr_sglang.launcher import ServerProcess
-from pcr_sglang.models import cache_root
+from pcr_sglang.paths import cache_root
 from pcr_sglang.rag.budget import BudgetModel, measure_read_bandwidth
 from pcr_sglang.rag.device_tier import FAST_TIERS, make_fast_tier
 from pcr_sglang.rag.embedder import embed_texts, load_embedder
 from pcr_sglang.rag.ivf import IVFDatastore
 from pcr_sglang.rag.lookahead import LookaheadRetriever
 from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, run_batch
+from pcr_tools.data import load_wiki_articles
+from pcr_tools.launcher import ServerProcess
 
 CONFIGS = {"none": (False, False), "clusters": (True, False), "hints": (False, True), "both": (True, True)}
 
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
 
     from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
-    from pcr_sglang.models.smollm2 import build_smollm2
+    from pcr_tools.models.smollm2 import build_smollm2
 
     model = args.model_path or str(build_smollm2())
     articles = list(load_wiki_articles())[: args.docs]

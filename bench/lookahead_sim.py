@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pcr_sglang.core import CacheNamespace, ChunkTree, chunk_keys, root_key
 from pcr_sglang.core.lookahead import LookaheadProtection
-from pcr_sglang.workload import zipf_weights
+from pcr_tools.workload import zipf_weights
 
 
 @dataclass(frozen=True)

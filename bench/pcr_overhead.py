@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from pcr_sglang.launcher import ServerProcess
+from pcr_tools.launcher import ServerProcess
 
 CONFIGS = ("radix", "pcr", "pcr-no-ssd", "pcr-layerwise-off")
 SYSTEM = "You are a helpful assistant. Answer the question from the documents."
@@ -48,7 +48,7 @@ class RunResult:
 
 def unique_prompts(tokenizer, count: int, docs_per_prompt: int = 3, max_chars: int = 600) -> list[list[int]]:
     """``count`` chat prompts over disjoint Wikipedia articles (plus one warm-up prompt)."""
-    from pcr_sglang.data import load_wiki_articles
+    from pcr_tools.data import load_wiki_articles
 
     articles = load_wiki_articles()
     needed = (count + 1) * docs_per_prompt
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from pcr_sglang.models.smollm2 import build_smollm2
+    from pcr_tools.models.smollm2 import build_smollm2
 
     model = args.model_path or str(build_smollm2())
     prompts = unique_prompts(AutoTokenizer.from_pretrained(model), args.requests)

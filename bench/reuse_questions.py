@@ -1,7 +1,7 @@
 """The re-placed-document workload of ``bench.doc_reuse_accuracy`` (its default): questions
 about documents that are never first, scored against gold answers and against full prefill.
 
-Questions come from ``pcr_sglang.tune.questions`` on the **test** split (articles the tuning
+Questions come from ``pcr_tools.tune.questions`` on the **test** split (articles the tuning
 never saw): ``lead`` (gold: the article's lead sentence), ``needle`` (a planted number or
 name) and ``two_hop`` (a planted person in one document, their birthplace in another).
 For each model (``base``: SmolLM2-135M-Instruct; ``tuned``: the same with the committed
@@ -30,7 +30,7 @@ import math
 import statistics
 from typing import Any, Optional, Sequence
 
-from pcr_sglang.tune.measure import (  # noqa: F401 - the measures, re-exported for the tests
+from pcr_tools.tune.measure import (  # noqa: F401 - the measures, re-exported for the tests
     GoldPrompt,
     gold_prompts,
     gold_scores,
@@ -212,9 +212,9 @@ def run_questions(args: Any, argv: Sequence[str]) -> int:
         run_all,
         server_mode,
     )
-    from pcr_sglang.launcher import ServerProcess, cpu_only
-    from pcr_sglang.models.smollm2 import build_smollm2
-    from pcr_sglang.tune.questions import question_set
+    from pcr_tools.launcher import ServerProcess, cpu_only
+    from pcr_tools.models.smollm2 import build_smollm2
+    from pcr_tools.tune.questions import question_set
 
     started = time.monotonic()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

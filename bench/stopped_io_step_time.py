@@ -32,9 +32,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pcr_sglang.launcher import ServerProcess
 from pcr_sglang.sglang_adapter.step_timing import between, percentile_ms
-from pcr_sglang.workload import RagWorkloadParams, make_rag_workload
+from pcr_tools.launcher import ServerProcess
+from pcr_tools.workload import RagWorkloadParams, make_rag_workload
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -84,7 +84,7 @@ def main() -> None:
                         help="put this checkout first on the server's PYTHONPATH (compare versions)")
     args = parser.parse_args()
     if args.model_path is None:
-        from pcr_sglang.models.tiny_llama import build_tiny_llama
+        from pcr_tools.models.tiny_llama import build_tiny_llama
 
         args.model_path = str(build_tiny_llama())
     from transformers import AutoTokenizer

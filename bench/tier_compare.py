@@ -21,8 +21,8 @@ import argparse
 import statistics
 from dataclasses import dataclass
 
-from pcr_sglang.launcher import ServerProcess
-from pcr_sglang.workload import RagWorkloadParams, chat_prompt, make_rag_workload, working_set_tokens
+from pcr_tools.launcher import ServerProcess
+from pcr_tools.workload import RagWorkloadParams, chat_prompt, make_rag_workload, working_set_tokens
 
 
 @dataclass
@@ -66,7 +66,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from pcr_sglang.models.smollm2 import build_smollm2
+    from pcr_tools.models.smollm2 import build_smollm2
 
     model = args.model_path or str(build_smollm2())
     tok = AutoTokenizer.from_pretrained(model)

@@ -75,7 +75,7 @@ class PCRConfig:
     doc_recompute_ratio: float = DEFAULT_DOC_RECOMPUTE_RATIO
     doc_anchor_tokens: int = 0
     doc_selector: str = "deviation"
-    doc_reuse_calibration: Optional[str] = None  # a pcr_sglang.calibrate file
+    doc_reuse_calibration: Optional[str] = None  # a pcr_tools.calibrate file
     doc_reuse_calibration_warn: bool = False
     doc_warmup: str = DEFAULT_DOC_WARMUP
     doc_warmup_after: int = DEFAULT_DOC_WARMUP_AFTER

@@ -141,7 +141,7 @@ class Pcr(msgspec.Struct):
                 "key; chunks are namespaced by model, KV dtype, layout, chunk size, TP rank and "
                 "cache salt. Chunks leaving host memory persist there, come back on a hit and "
                 "survive restarts. Needs --pcr-ssd-gb and --pcr-dram-gb. Inspect it with: "
-                "python -m pcr_sglang.store usage DIR."
+                "python -m pcr_tools.store_cli usage DIR."
             )
         ),
     ] = None
@@ -418,7 +418,7 @@ class Pcr(msgspec.Struct):
         Optional[str],
         Arg(
             help=(
-                "--pcr-doc-reuse: a calibration file written by `python -m pcr_sglang.calibrate` for "
+                "--pcr-doc-reuse: a calibration file written by `python -m pcr_tools.calibrate` for "
                 "this model. The server uses its K or R for the mode, refuses to start when the "
                 "file was measured on other weights, and refuses a mode that missed the file's "
                 "accuracy target (see --pcr-doc-reuse-calibration-warn). Without it the startup "

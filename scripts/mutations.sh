@@ -11,5 +11,5 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/scripts/install.sh"
 VENV="${PCR_VENV:-$REPO/.venv}"
 cd "$REPO"
-"$VENV/bin/python" -m pcr_sglang.models.tiny_llama >/dev/null
+"$VENV/bin/python" -m pcr_tools.models.tiny_llama >/dev/null
 exec "$VENV/bin/python" -m tests.mutations "$@"

@@ -21,7 +21,7 @@ stage() {
 stage install bash "$REPO/scripts/install.sh"
 VENV="${PCR_VENV:-$REPO/.venv}"
 cd "$REPO"
-"$VENV/bin/python" -m pcr_sglang.models.tiny_llama >/dev/null
+"$VENV/bin/python" -m pcr_tools.models.tiny_llama >/dev/null
 export PCR_SERVER_START_SLOTS="${PCR_SERVER_START_SLOTS:-2}"
 export PCR_TEST_SERVER_SLOTS="${PCR_TEST_SERVER_SLOTS:-10}"
 PYTEST=("$VENV/bin/python" -m pytest -q -p no:cacheprovider)

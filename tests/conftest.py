@@ -26,7 +26,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from pcr_sglang.models.tiny_llama import build_tiny_llama
+    from pcr_tools.models.tiny_llama import build_tiny_llama
 
     return str(build_tiny_llama())
 
@@ -41,7 +41,7 @@ def tokenizer(tiny_model):
 @pytest.fixture(scope="session")
 def rag_prompt_ids(tokenizer) -> list[list[int]]:
     """50 RAG prompts over Wikipedia articles that share documents (Zipf popularity)."""
-    from pcr_sglang.workload import RagWorkloadParams, make_rag_workload
+    from pcr_tools.workload import RagWorkloadParams, make_rag_workload
 
     params = RagWorkloadParams(num_requests=50, doc_pool_size=40, min_docs=3, max_docs=5,
                                max_doc_chars=700, seed=7)

@@ -53,7 +53,7 @@ from bench.ragbench.runner import (
     run_planned,
 )
 from bench.ragbench.workload import Trace, calibrated_exponent, load_trace, make_trace, save_trace
-from pcr_sglang.launcher import cpu_only
+from pcr_tools.launcher import cpu_only
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from tqdm import tqdm
 
-    from pcr_sglang.models.smollm2 import build_smollm2
+    from pcr_tools.models.smollm2 import build_smollm2
 
     started = time.monotonic()
     out_dir = args.out
@@ -249,7 +249,7 @@ def generate(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     count_tokens = None
     if args.source == "synthetic":
-        from pcr_sglang.models.smollm2 import build_smollm2
+        from pcr_tools.models.smollm2 import build_smollm2
 
         count_tokens = Model(args.model_path or str(build_smollm2())).count_tokens
     trace = make_trace(workload_params(args), count_tokens=count_tokens)

@@ -11,7 +11,7 @@ from typing import Any
 
 from bench.ragbench.runner import CONFIG_NAMES, Budgets
 from bench.ragbench.workload import Trace, TraceRequest, WorkloadParams
-from pcr_sglang.launcher import cpu_only
+from pcr_tools.launcher import cpu_only
 
 SLACK_TOKENS = 256  # room above the longest prompt in every device pool
 
@@ -125,7 +125,7 @@ class Model:
 def trace_shape(trace: Trace, model: Model, chunk_size: int) -> dict[str, int]:
     """Token counts of the trace's first turns: the longest prompt, the total, and the
     working set (distinct chunk-aligned prefixes; follow-ups add to it at run time)."""
-    from pcr_sglang.workload import working_set_tokens
+    from pcr_tools.workload import working_set_tokens
 
     prompts = [model.prompt(trace, r, {})[0] for r in trace.first_turns()]
     turns = 1 + trace.params.followups

@@ -181,7 +181,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from tqdm import tqdm
 
-    from pcr_sglang.models.smollm2 import build_smollm2
+    from pcr_tools.models.smollm2 import build_smollm2
 
     started = time.monotonic()
     out_dir: Path = args.out
@@ -254,7 +254,7 @@ def _machine() -> str:
     import os
     import platform
 
-    from pcr_sglang.launcher import cpu_only
+    from pcr_tools.launcher import cpu_only
 
     cores = len(os.sched_getaffinity(0))
     return f"{platform.machine()}, {cores} CPU cores, no GPU" if cpu_only() else platform.machine()

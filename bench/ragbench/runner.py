@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 import requests
 
 from bench.ragbench.workload import Trace, TraceRequest
-from pcr_sglang.launcher import ServerProcess
+from pcr_tools.launcher import ServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ CONFIG_NAMES = ("radix", "nocache", "hicache", "oracle", "pcr", "pcr-docs", "pcr
 # PCR with document reuse in any order: requests mark their documents; "docs" is concat
 # (no recompute), "blend" recomputes the default 15% of re-placed tokens (CacheBlend);
 # "-pre" first fills the store with every trace document's canonical KV (TurboRAG's
-# offline phase, ``python -m pcr_sglang.precompute``) and restarts the server.
+# offline phase, ``python -m pcr_tools.precompute``) and restarts the server.
 # The warm-up policy (--pcr-doc-warmup, --pcr-doc-warmup-after): the default warms a
 # document when it recurs, before the request that sees it again; "-eager" warms every
 # first sighting before its request; "-idle" every first sighting, after its request,
@@ -398,10 +398,10 @@ class ServerPool:
 
     def precompute(self, index: int, server: ServerProcess, trace: Trace, prompt_of: Prompter) -> ServerProcess:
         """``pcr-docs-pre``, ``pcr-blend-pre``: fill run ``index``'s store with the canonical KV of every document
-        the trace uses (one ``S ‖ d`` warm-up each, as ``python -m pcr_sglang.precompute``
+        the trace uses (one ``S ‖ d`` warm-up each, as ``python -m pcr_tools.precompute``
         sends), wait for SSD write-back, and restart on the same store: the run then starts
         on a server that has never seen these documents in traffic."""
-        from pcr_sglang.precompute import document_warmup, precompute, wait_for_ssd_writes
+        from pcr_tools.precompute import document_warmup, precompute, wait_for_ssd_writes
 
         warmups: list[tuple[list[int], list[int]]] = []
         seen: set[str] = set()

@@ -1,4 +1,4 @@
-"""A per-model accuracy gate for document reuse: what ``python -m pcr_sglang.calibrate``
+"""A per-model accuracy gate for document reuse: what ``python -m pcr_tools.calibrate``
 measured on one model, and what the server does with it (``--pcr-doc-reuse-calibration``).
 
 Document reuse changes answers, by an amount that depends on the model (a fine-tuned one

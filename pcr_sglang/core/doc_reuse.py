@@ -56,7 +56,7 @@ SELECTORS = ("deviation", "query")
 QUESTION_END_PARAM = "pcr_doc_question_end"
 CANONICAL_PARAM = "pcr_canonical_doc"
 # ``True``: warm this request's documents before it, whatever the server's warm-up policy
-# (what ``python -m pcr_sglang.precompute`` sends: a precomputed document is seen once).
+# (what ``python -m pcr_tools.precompute`` sends: a precomputed document is seen once).
 WARM_NOW_PARAM = "pcr_doc_warm"
 
 SERVER_MODES = ("concat", "lego", "blend")

@@ -174,7 +174,7 @@ def calibration_status(config: PCRConfig, model_fingerprint: str) -> dict[str, A
     calibration = config.doc_calibration()
     if calibration is None:
         logger.warning("PCR document reuse: %s changes answers, by an amount that depends on the model, and its "
-                       "accuracy on this model is unmeasured: measure it with `python -m pcr_sglang.calibrate --url "
+                       "accuracy on this model is unmeasured: measure it with `python -m pcr_tools.calibrate --url "
                        "URL` and start with --pcr-doc-reuse-calibration FILE", flag)
         return {"file": None, "measured": False}
     if model_fingerprint and calibration.model_fingerprint != model_fingerprint:

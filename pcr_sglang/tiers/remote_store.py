@@ -150,7 +150,7 @@ def load_fleet_key(path: str) -> bytes:
         fd = os.open(path, os.O_RDONLY)  # a symlink is followed; the file it names is checked
     except OSError as e:
         raise RemoteConfigError(f"--pcr-remote-config key_file {path}: {e.strerror or e} (create one with "
-                                f"`python -m pcr_sglang.fleet keygen {path}`)") from None
+                                f"`python -m pcr_tools.fleet keygen {path}`)") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():

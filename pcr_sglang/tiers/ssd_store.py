@@ -66,7 +66,7 @@ from typing import Iterator, Optional
 from pcr_sglang.tiers.fileops import FileOps
 from pcr_sglang.tiers.records import FORMAT_VERSION, HEADER_BYTES, ChunkRecord, RecordCodec  # noqa: F401
 
-# The CLI's directory tools live beside the access rules; re-exported for pcr_sglang.store.
+# The CLI's directory tools live beside the access rules; re-exported for pcr_tools.store_cli.
 from pcr_sglang.tiers.store_dir import (  # noqa: F401
     KEY_FILE,
     NAMESPACE_FILE,
@@ -130,7 +130,7 @@ class ChunkFileStore:
 
     ``slot`` None and ``read_only`` False: take a writer lease (a server's scheduler).
     ``slot="w3"``: write into that slot, whose lease the caller's parent holds (the I/O
-    process). ``read_only``: no slot, no writes (the ``python -m pcr_sglang.store`` tools).
+    process). ``read_only``: no slot, no writes (the ``python -m pcr_tools.store_cli`` tools).
 
     Threads: :meth:`read_into` may run on several threads at once (the I/O process's
     readers; its ``stats`` counts are then approximate), beside one thread that does

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pcr_sglang.launcher import ServerProcess
+from pcr_tools.launcher import ServerProcess
 from tests.e2e.helpers import BASELINE_ARGS, generate_greedy
 
 

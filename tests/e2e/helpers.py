@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Iterator, Mapping, Sequence
 
-from pcr_sglang.launcher import ServerProcess, acquire_slots, slots_from_env
+from pcr_tools.launcher import ServerProcess, acquire_slots, slots_from_env
 from tests.conftest import CHUNK_SIZE
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}

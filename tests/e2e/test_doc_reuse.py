@@ -22,9 +22,9 @@ import pytest
 import requests
 
 from pcr_sglang.core.hints import hint_envelope
-from pcr_sglang.data import load_wiki_articles
 from pcr_sglang.doc_prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
-from pcr_sglang.launcher import ServerProcess
+from pcr_tools.data import load_wiki_articles
+from pcr_tools.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
 from tests.e2e.helpers import TIERED_ARGS, serving, ssd_server
 
@@ -278,14 +278,14 @@ def test_concat_outputs_equal_an_independent_reference(servers, tokenizer, passa
 
 
 def test_the_tuning_trains_on_what_the_server_serves(servers, tokenizer, passages, hf_model, monkeypatch):
-    """``pcr_sglang.tune``'s forward gives, for a marked prompt and an answer, the
+    """``pcr_tools.tune``'s forward gives, for a marked prompt and an answer, the
     log-probabilities a concat server gives the same tokens (teacher-forced); with the
     documents attending to each other (full prefill) or left at their canonical positions
     (no re-rotation) it does not, so the comparison can tell."""
     import torch
 
-    from pcr_sglang.tune import served_pattern
-    from pcr_sglang.tune.served_pattern import MarkedPrompt, served_logits
+    from pcr_tools.tune import served_pattern
+    from pcr_tools.tune.served_pattern import MarkedPrompt, served_logits
 
     docs = servers["docs"]
     pool = passages[56:60]
@@ -319,13 +319,13 @@ def test_the_tuning_trains_on_what_the_server_serves(servers, tokenizer, passage
 
 
 def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(servers, tmp_path):
-    """``python -m pcr_sglang.calibrate`` against a live blend server: every mode measured
+    """``python -m pcr_tools.calibrate`` against a live blend server: every mode measured
     (concat, lego and blend at the settings asked), the weights' fingerprint recorded, and
     the file accepted at startup for those weights (and refused for others)."""
-    from pcr_sglang.calibrate import main
     from pcr_sglang.config import PCRConfig, PCRConfigError
     from pcr_sglang.core.doc_calibration import DocReuseCalibration
     from pcr_sglang.sglang_adapter.doc_reuse_setup import calibration_status
+    from pcr_tools.calibrate import main
 
     docs = servers["docs"]
     out = tmp_path / "calibration.json"
@@ -461,7 +461,7 @@ def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, pa
 @pytest.fixture(scope="module")
 def deep_model():
     """The tiny model with four layers (its own folder): past blend's layer-1 probe."""
-    from pcr_sglang.models.tiny_llama import build_tiny_llama
+    from pcr_tools.models.tiny_llama import build_tiny_llama
 
     return str(build_tiny_llama(num_layers=4))
 
@@ -589,11 +589,11 @@ def test_bad_recompute_parameters_get_http_400(servers, tokenizer, custom, messa
 
 def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, tokenizer, passages, tiny_model,
                                                                    store_dir):
-    """TurboRAG's offline phase: ``pcr_sglang.precompute`` fills the store through one
+    """TurboRAG's offline phase: ``pcr_tools.precompute`` fills the store through one
     server; a server started later on the same store, which never saw these documents in
     traffic, reuses every one of them (read from SSD), and answers as the first server
     does, token for token (canonical KV is deterministic)."""
-    from pcr_sglang.precompute import document_requests, precompute, wait_for_ssd_writes
+    from pcr_tools.precompute import document_requests, precompute, wait_for_ssd_writes
 
     corpus = passages[56:60]
     system = "Precomputed corpus."

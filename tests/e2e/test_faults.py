@@ -30,7 +30,7 @@ from typing import Iterator
 import pytest
 import requests
 
-from pcr_sglang.launcher import ServerProcess
+from pcr_tools.launcher import ServerProcess
 from tests.e2e.helpers import GREEDY, generate_greedy, serving, ssd_server, wait_for_write_back
 
 pytestmark = pytest.mark.e2e

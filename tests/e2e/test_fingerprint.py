@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pcr_sglang.launcher import ServerProcess
+from pcr_tools.launcher import ServerProcess
 from tests.e2e.helpers import COMMON_ARGS, GREEDY, serving, ssd_server, wait_for_write_back
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pcr_sglang.launcher import ServerProcess
+from pcr_tools.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
 from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, prometheus_counts, serving
 
@@ -249,7 +249,7 @@ def test_lpm_with_a_host_tier_under_24_concurrent_requests(servers, rag_prompt_i
 
 def test_workload_is_five_to_ten_times_the_small_pool(rag_prompt_ids):
     """The host-tier tests below run on a working set 5-10x the device pool."""
-    from pcr_sglang.workload import working_set_tokens
+    from pcr_tools.workload import working_set_tokens
 
     pool = int(SMALL_POOL_ARGS[SMALL_POOL_ARGS.index("--max-total-tokens") + 1])
     assert 5 * pool <= working_set_tokens(rag_prompt_ids, CHUNK_SIZE) <= 10 * pool

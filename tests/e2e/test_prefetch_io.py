@@ -17,8 +17,8 @@ import zmq
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from pcr_sglang.core.keys import CacheNamespace, chunk_keys, root_key
-from pcr_sglang.launcher import free_port
 from pcr_sglang.sglang_adapter.kv_events import block_hash
+from pcr_tools.launcher import free_port
 from tests.conftest import CHUNK_SIZE
 from tests.e2e.helpers import (
     GREEDY,
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def servers(tiny_model, baseline_server, tmp_path_factory):
-    from pcr_sglang.launcher import ServerProcess
+    from pcr_tools.launcher import ServerProcess
 
     # It publishes KV cache events, which the last test replays (SGLang's replay socket
     # keeps every batch since the start, so no subscriber has to be there first).

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from pcr_sglang.core.keys import CacheNamespace, chunk_keys, root_key
-from pcr_sglang.launcher import ServerProcess
-from pcr_sglang.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
+from pcr_tools.launcher import ServerProcess
+from pcr_tools.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
 from tests.e2e.helpers import GREEDY, TIERED_ARGS, serving, wait_for_write_back
 
 pytestmark = pytest.mark.e2e

@@ -14,8 +14,8 @@ import uuid
 import pytest
 import requests
 
-from pcr_sglang.launcher import ServerProcess
 from pcr_sglang.tiers.records import _FIELDS
+from pcr_tools.launcher import ServerProcess
 from tests.e2e.helpers import (
     GREEDY,
     TIERED_ARGS,
@@ -202,13 +202,13 @@ def test_a_hyde_pipeline_on_the_frontend_sends_its_hint_and_searches_exactly(ser
     same final prompt gets when sent directly."""
     from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
-    from pcr_sglang.data import load_wiki_articles
     from pcr_sglang.rag.budget import BudgetModel
     from pcr_sglang.rag.embedder import embed_texts, load_embedder
     from pcr_sglang.rag.host_tier import HostClusterTier
     from pcr_sglang.rag.ivf import IVFDatastore
     from pcr_sglang.rag.lookahead import LookaheadRetriever
     from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, render_rag_prompt
+    from pcr_tools.data import load_wiki_articles
 
     server = servers["ssd"]
     articles = load_wiki_articles()[700:820]
@@ -255,7 +255,7 @@ def test_after_a_restart_every_prompt_is_served_right_from_ssd(servers, rag_prom
 
 def test_kill_9_during_write_back_then_restart(servers, tiny_model, store_dir, damaged_payloads, rag_prompt_ids,
                                               baseline_outputs):
-    from pcr_sglang.store import main as store_cli
+    from pcr_tools.store_cli import main as store_cli
 
     for path in damaged_payloads:  # still there unless a read found it: verify below checks the crash alone
         path.unlink(missing_ok=True)

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from pcr_sglang.launcher import ServerProcess
+from pcr_tools.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
 from tests.e2e.helpers import GREEDY, generate_greedy, serving, wait_for_write_back
 

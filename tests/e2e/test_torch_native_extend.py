@@ -13,7 +13,7 @@ from typing import Sequence
 
 import pytest
 
-from pcr_sglang.launcher import ServerProcess
+from pcr_tools.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
 from tests.e2e.helpers import COMMON_ARGS, serving
 

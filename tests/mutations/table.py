@@ -414,7 +414,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="tune-forward-without-rotation",
         kind="unit",
-        file="pcr_sglang/tune/served_pattern.py",
+        file="pcr_tools/tune/served_pattern.py",
         original="return keys * cos + rotated_half * sin",
         replacement="return keys",
         tests=(UNIT + "test_tune.py::test_rotating_keys_composes_with_the_models_rope",),

@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-from pcr_sglang import launcher
-from pcr_sglang.launcher import PortInUseError, ServerProcess
+from pcr_tools import launcher
+from pcr_tools.launcher import PortInUseError, ServerProcess
 
 READY_APP = textwrap.dedent(
     """

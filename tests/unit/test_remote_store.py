@@ -21,7 +21,6 @@ from pcr_sglang.io.protocol import (
     reply_decoder,
 )
 from pcr_sglang.io.remote_thread import RemoteFaults, RemoteThread
-from pcr_sglang.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
 from pcr_sglang.tiers.records import RecordCodec
 from pcr_sglang.tiers.remote_store import (
     ReadResult,
@@ -32,6 +31,7 @@ from pcr_sglang.tiers.remote_store import (
     load_fleet_key,
 )
 from pcr_sglang.transfer.layout import HostChunkLayout
+from pcr_tools.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
 
 LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=32)
 NS_A, NS_B = bytes(range(16)), bytes(range(1, 17))

@@ -32,12 +32,12 @@ from pcr_sglang.io.protocol import (
 from pcr_sglang.io.remote_thread import RemoteThread
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.io.worker import MAX_HUNG_REMOTE_THREADS
-from pcr_sglang.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
 from pcr_sglang.tiers.host_pool import HostChunkPool
 from pcr_sglang.tiers.records import RecordCodec
 from pcr_sglang.tiers.remote_store import ReadResult, RemoteChunkStore, RemoteConfig, load_fleet_key
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
 from pcr_sglang.transfer.layout import HostChunkLayout
+from pcr_tools.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
 
 LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=32)
 NAMESPACE = bytes(range(16))

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from bench import reuse_questions as rq
-from pcr_sglang.tune.questions import Question
+from pcr_tools.tune.questions import Question
 
 
 def test_topk_kl_is_zero_for_equal_distributions_and_grows_with_the_difference():

@@ -149,7 +149,7 @@ def test_directory_tools_list_verify_and_purge(tmp_path):
 
 
 def test_cli_usage_verify_purge(tmp_path, capsys):
-    from pcr_sglang.store import main
+    from pcr_tools.store_cli import main
 
     a = make_store(tmp_path, NS_A)
     a.write(key(1), key(0), 1, 4, payload(1))

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pcr_sglang.doc_prompt import build_doc_prompt
-from pcr_sglang.tune import questions, scores
-from pcr_sglang.tune.served_pattern import MarkedPrompt, rotate_keys, served_generate, served_logits
+from pcr_tools.tune import questions, scores
+from pcr_tools.tune.served_pattern import MarkedPrompt, rotate_keys, served_generate, served_logits
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_the_split_is_by_article_stable_and_disjoint():
     assert all(questions.article_split(t) == "test" for t in test_titles)
     for q in questions.question_set("test", 30, seed=4):
         assert set(q.titles) <= test_titles
-    from pcr_sglang.tune.train import TuneParams, training_questions, validation_questions
+    from pcr_tools.tune.train import TuneParams, training_questions, validation_questions
 
     params = TuneParams(base_model="", out_dir="")
     draw = training_questions(params)
@@ -132,7 +132,7 @@ def test_a_few_steps_lower_the_distillation_loss(tiny_model, tokenizer):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from pcr_sglang.tune.train import TARGET_MODULES, sample_loss
+    from pcr_tools.tune.train import TARGET_MODULES, sample_loss
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
@@ -155,8 +155,8 @@ def test_the_gradient_reaches_every_documents_canonical_kv(tiny_model, tokenizer
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from pcr_sglang.tune import served_pattern
-    from pcr_sglang.tune.train import TARGET_MODULES, sample_loss
+    from pcr_tools.tune import served_pattern
+    from pcr_tools.tune.train import TARGET_MODULES, sample_loss
 
     kept = []
     original = served_pattern._canonical_kv
@@ -180,7 +180,7 @@ def test_the_gradient_reaches_every_documents_canonical_kv(tiny_model, tokenizer
 
 @pytest.fixture(scope="module")
 def tiny_adapter(tiny_model, tmp_path_factory):
-    from pcr_sglang.tune.train import TuneParams, train
+    from pcr_tools.tune.train import TuneParams, train
 
     out = tmp_path_factory.mktemp("tiny-adapter")
     result = train(TuneParams(base_model=tiny_model, out_dir=str(out), samples=8, grad_accum=2, lr=3e-3,
@@ -201,8 +201,8 @@ def test_the_tuning_run_writes_the_adapter_and_its_recipe(tiny_adapter):
 def test_the_merged_checkpoint_has_new_weights_and_its_own_namespace(tiny_model, tiny_adapter, tmp_path):
     from safetensors.torch import load_file
 
-    from pcr_sglang.models.merged import build_merged
     from pcr_sglang.sglang_adapter.fingerprint import model_fingerprint
+    from pcr_tools.models.merged import build_merged
 
     adapter, _ = tiny_adapter
     merged = build_merged(tiny_model, adapter, tmp_path / "merged")
@@ -218,7 +218,7 @@ def test_the_merged_checkpoint_has_new_weights_and_its_own_namespace(tiny_model,
 def test_a_changed_adapter_is_refused(tiny_model, tiny_adapter, tmp_path):
     import shutil
 
-    from pcr_sglang.models.merged import build_merged
+    from pcr_tools.models.merged import build_merged
 
     adapter, _ = tiny_adapter
     copy = tmp_path / "adapter"

@@ -125,7 +125,7 @@ def test_a_disk_update_moves_to_the_checkpoints_namespace_and_a_rollback_finds_i
     assert h.state.ssd_stats.restored_chunks == restored + 3  # A's records, kept for the rollback
     assert reusable_chunks(h, tokens) == 3 and reusable_chunks(h, prompt(300)) == 0
     h.check()
-    # Both checkpoints' directories stay on disk (purged by `python -m pcr_sglang.store purge`).
+    # Both checkpoints' directories stay on disk (purged by `python -m pcr_tools.store_cli purge`).
     kept = {ns.digest_hex for ns in list_namespaces(tmp_path / "ssd") if ns.chunks}
     assert kept == {namespace_a.digest().hex(), replace(namespace_a, model_fingerprint=identity.of_checkpoint(
         str(model_b))).digest().hex()}

@@ -3,7 +3,7 @@ SGLang serves like any model (no adapter at serving time, and new weights, so a 
 namespace of its own).
 
 The adapter folder holds PEFT's ``adapter_config.json``, ``adapter_model.safetensors`` and
-the tuning's ``recipe.json`` (:mod:`pcr_sglang.tune.train`), whose ``adapter_sha256`` the
+the tuning's ``recipe.json`` (:mod:`pcr_tools.tune.train`), whose ``adapter_sha256`` the
 adapter file must match: a changed or truncated adapter is refused, never merged.
 """
 
@@ -15,7 +15,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from pcr_sglang.models import build_cached
+from pcr_tools.models import build_cached
 
 logger = logging.getLogger(__name__)
 

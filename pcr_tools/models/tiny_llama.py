@@ -6,7 +6,7 @@ tokenizer is trained by ``tokenizers`` on the Wikipedia corpus so RAG-style prom
 tokenize to realistic lengths. Everything is seeded; the folder is rebuilt only when the
 recipe version changes.
 
-Usage: ``python -m pcr_sglang.models.tiny_llama [--layers N] [--out DIR]`` prints the folder
+Usage: ``python -m pcr_tools.models.tiny_llama [--layers N] [--out DIR]`` prints the folder
 path. The default has two layers (every test's model); ``--layers 4`` builds a deeper
 variant in a folder of its own, for what two layers cannot tell (blend keeps re-placed KV
 only past its layer-1 probe, so on two layers its choice of tokens moves no answer).
@@ -19,7 +19,7 @@ import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from pcr_sglang.models import build_cached, cache_root
+from pcr_tools.models import build_cached, cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _train_tokenizer(recipe: TinyLlamaRecipe, out_dir: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from pcr_sglang.data import load_wiki_articles
+    from pcr_tools.data import load_wiki_articles
 
     articles = load_wiki_articles()[: recipe.tokenizer_corpus_articles]
     tokenizer = Tokenizer(models.BPE(unk_token=None))

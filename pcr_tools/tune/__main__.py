@@ -1,7 +1,7 @@
-"""``python -m pcr_sglang.tune``: fine-tune a model for ``--pcr-doc-reuse`` (see :mod:`.train`).
+"""``python -m pcr_tools.tune``: fine-tune a model for ``--pcr-doc-reuse`` (see :mod:`.train`).
 
-    python -m pcr_sglang.tune --out adapters/mine                 # SmolLM2-135M-Instruct, CPU
-    python -m pcr_sglang.tune --base-model /models/Llama-3.2-1B-Instruct --out adapters/llama1b
+    python -m pcr_tools.tune --out adapters/mine                 # SmolLM2-135M-Instruct, CPU
+    python -m pcr_tools.tune --base-model /models/Llama-3.2-1B-Instruct --out adapters/llama1b
 
 On a machine with CUDA the same command trains there (the model is moved to the GPU);
 the committed SmolLM2 adapter was trained on 2 CPU cores (its ``recipe.json`` says how long).
@@ -14,12 +14,12 @@ import json
 import logging
 from dataclasses import asdict, fields
 
-from pcr_sglang.tune.train import TuneParams, train
+from pcr_tools.tune.train import TuneParams, train
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = TuneParams(base_model="", out_dir="")
-    parser = argparse.ArgumentParser(prog="python -m pcr_sglang.tune", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pcr_tools.tune", description=__doc__.splitlines()[0])
     parser.add_argument("--base-model", default=None,
                         help="Hugging Face folder of the model to tune "
                              "(default: SmolLM2-135M-Instruct, built locally).")
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[tune] %(message)s")
     if args.base_model is None:
-        from pcr_sglang.models.smollm2 import build_smollm2
+        from pcr_tools.models.smollm2 import build_smollm2
 
         args.base_model = str(build_smollm2())
     values = {f.name: getattr(args, f.name) for f in fields(TuneParams) if f.name not in ("base_model", "out_dir")}

@@ -1,10 +1,10 @@
 """Build a retrieval datastore over the Wikipedia corpus, and run RAG pipelines against a server.
 
-``python -m pcr_sglang.rag build --out DIR [--docs N] [--nlist N]``
+``python -m pcr_tools.rag_cli build --out DIR [--docs N] [--nlist N]``
     Embeds the offline Wikipedia extracts (all-MiniLM-L6-v2; about a second per 60
     documents on two cores, cached on disk) and saves an IVF datastore with the texts.
 
-``python -m pcr_sglang.rag run --url URL --datastore DIR [--pipeline hyde|iter-retgen] ...``
+``python -m pcr_tools.rag_cli run --url URL --datastore DIR [--pipeline hyde|iter-retgen] ...``
     Runs the pipeline over questions about the corpus against a running server (started
     with ``--enable-pcr`` and an SSD tier for the KV hints to matter) and prints each
     answer, its documents, the cluster hit rate, retrieval and end-to-end latency, and a
@@ -29,7 +29,7 @@ from typing import Optional
 from pcr_sglang.rag.device_tier import FAST_TIERS
 from pcr_sglang.rag.pipelines import PIPELINES
 
-logger = logging.getLogger("pcr_sglang.rag")
+logger = logging.getLogger(__name__)
 
 TEXTS_FILE = "texts.jsonl"
 
@@ -37,14 +37,14 @@ TEXTS_FILE = "texts.jsonl"
 def _texts(directory: Path) -> list[str]:
     path = directory / TEXTS_FILE
     if not path.is_file():
-        raise SystemExit(f"{directory} has no {TEXTS_FILE}: build it with `python -m pcr_sglang.rag build`")
+        raise SystemExit(f"{directory} has no {TEXTS_FILE}: build it with `python -m pcr_tools.rag_cli build`")
     return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def build(args: argparse.Namespace) -> int:
-    from pcr_sglang.data import load_wiki_articles
     from pcr_sglang.rag.embedder import embed_texts
     from pcr_sglang.rag.ivf import IVFDatastore
+    from pcr_tools.data import load_wiki_articles
 
     articles = list(load_wiki_articles())[: args.docs] if args.docs else list(load_wiki_articles())
     texts = [f"{a.title}. {a.text}" for a in articles]
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcr_sglang.rag", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m pcr_tools.rag_cli", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build an IVF datastore over the offline Wikipedia extracts")

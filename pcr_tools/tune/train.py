@@ -11,7 +11,7 @@ that unmarked requests keep the base model's behaviour. No labels are needed, an
 quantity trained is exactly the fidelity the benchmark reports.
 
 Why LoRA through PEFT: a few MB to commit, merged into a servable checkpoint offline
-(:func:`pcr_sglang.models.smollm2.build_smollm2` with ``doc_reuse_tuned=True``), so the
+(:func:`pcr_tools.models.smollm2.build_smollm2` with ``doc_reuse_tuned=True``), so the
 server never loads an adapter and its cache namespace is that of new weights.
 """
 
@@ -30,8 +30,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from pcr_sglang.tune.questions import KINDS, Question, make_question, split_articles
-from pcr_sglang.tune.served_pattern import MarkedPrompt, served_generate, served_logits
+from pcr_tools.tune.questions import KINDS, Question, make_question, split_articles
+from pcr_tools.tune.served_pattern import MarkedPrompt, served_generate, served_logits
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ def save_adapter(model: Any, out_dir: Path, params: TuneParams, result: TuneResu
     result.adapter_sha256 = hashlib.sha256(data).hexdigest()
     result.adapter_bytes = len(data)
     recipe = {
-        "what": "LoRA for --pcr-doc-reuse concat by self-distillation from full prefill (pcr_sglang.tune)",
+        "what": "LoRA for --pcr-doc-reuse concat by self-distillation from full prefill (pcr_tools.tune)",
         "params": {k: v for k, v in asdict(params).items() if k not in ("base_model", "out_dir")},
         "base_model_sha256": weights_sha256(Path(params.base_model)),
         "split": "articles by blake2b(title) % 100 < 20 -> test (never trained on)",

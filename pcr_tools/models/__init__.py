@@ -8,21 +8,16 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from pcr_sglang.paths import cache_root
+
+__all__ = ["STAMP_FILE", "build_cached", "cache_root"]
+
 STAMP_FILE = "pcr_recipe.json"
-
-
-def cache_root() -> Path:
-    """Where built models and derived data are cached (``PCR_SGLANG_CACHE`` overrides)."""
-    root = os.environ.get("PCR_SGLANG_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pcr-sglang"
 
 
 def build_cached(out_dir: Path, recipe: dict[str, Any], build: Callable[[Path], None]) -> Path:

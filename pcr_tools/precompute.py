@@ -12,7 +12,7 @@ system prompt, same document format).
 
 Usage::
 
-    python -m pcr_sglang.precompute --url http://127.0.0.1:30000 --model-path MODEL \\
+    python -m pcr_tools.precompute --url http://127.0.0.1:30000 --model-path MODEL \\
         --corpus docs.jsonl --system "You are a helpful assistant." \\
         --doc-format "Document ({title}):\\n{text}\\n\\n"
 
@@ -123,7 +123,7 @@ def read_corpus(path: Path, doc_format: str) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcr_sglang.precompute", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pcr_tools.precompute", description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True, help="the running server (started with --pcr-doc-reuse)")
     parser.add_argument("--model-path", required=True, help="its model (for the tokenizer and chat template)")
     parser.add_argument("--corpus", type=Path, required=True, help="JSONL, one document object per line")

@@ -205,7 +205,7 @@ class ServerRequests:
 
 @dataclass
 class ServerClient(ServerRequests):
-    """A server someone else started, at ``url`` (``python -m pcr_sglang.calibrate --url``)."""
+    """A server someone else started, at ``url`` (``python -m pcr_tools.calibrate --url``)."""
 
     url: str
     api_key: Optional[str] = None

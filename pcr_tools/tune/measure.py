@@ -1,5 +1,5 @@
 """Measuring document reuse through a running server, shared by ``bench.doc_reuse_accuracy``
-and ``python -m pcr_sglang.calibrate``: the modes and their settings (``concat``,
+and ``python -m pcr_tools.calibrate``: the modes and their settings (``concat``,
 ``lego[:K]``, ``blend[:R[:A]]``), questions as token prompts, teacher forcing with top-k
 log-probabilities, the top-k KL, gold scores, bootstrap intervals, and one question's
 measurement under full prefill and under a mode.
@@ -18,8 +18,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from pcr_sglang.tune.questions import Question
-from pcr_sglang.tune.scores import contains_answer, rouge_l, token_f1
+from pcr_tools.tune.questions import Question
+from pcr_tools.tune.scores import contains_answer, rouge_l, token_f1
 
 BOOTSTRAP_RESAMPLES = 1000
 MODES = ("concat", "lego", "blend")

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from pcr_sglang.data import Article, load_wiki_articles
+from pcr_tools.data import Article, load_wiki_articles
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using only the documents below. "

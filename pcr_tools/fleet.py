@@ -1,8 +1,8 @@
 """Several pcr-sglang servers on one machine: a Mooncake Store they share, and SGLang's
 gateway in front. Everything binds to loopback.
 
-    python -m pcr_sglang.fleet keygen fleet.key
-    python -m pcr_sglang.fleet serve --servers 2 --dir /srv/pcr-fleet [--policy cache_aware] \\
+    python -m pcr_tools.fleet keygen fleet.key
+    python -m pcr_tools.fleet serve --servers 2 --dir /srv/pcr-fleet [--policy cache_aware] \\
         [--no-remote] [--model-path PATH] -- [extra launch_server flags]
 
 ``serve`` starts, in order: ``mooncake_master``, a ``mooncake_client`` store process
@@ -33,8 +33,8 @@ from typing import Optional, Sequence
 
 import requests
 
-from pcr_sglang.launcher import ServerProcess, cpu_only, free_port
-from pcr_sglang.mooncake_services import (
+from pcr_tools.launcher import ServerProcess, cpu_only, free_port
+from pcr_tools.mooncake_services import (
     MooncakeError,
     MooncakeMaster,
     MooncakeStoreProcess,
@@ -168,7 +168,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "--" in argv:
         at = argv.index("--")
         argv, extra = argv[:at], argv[at + 1:]
-    parser = argparse.ArgumentParser(prog="python -m pcr_sglang.fleet", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m pcr_tools.fleet", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("keygen", help="write a new fleet key (32 random bytes, mode 0600)")
@@ -195,7 +195,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--servers must be >= 1 and --store-gb > 0")
     model = args.model_path
     if model is None:
-        from pcr_sglang.models.smollm2 import build_smollm2
+        from pcr_tools.models.smollm2 import build_smollm2
 
         model = str(build_smollm2())
     # On CPU, idle schedulers sleep: several busy-polling ones would starve each other's cores.

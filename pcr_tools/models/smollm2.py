@@ -8,10 +8,10 @@ the state dict is copied into a fresh model of the same config, which is saved a
 safetensors folder SGLang can serve. Done once; the folder is cached.
 
 ``doc_reuse_tuned=True`` (``--doc-reuse-tuned``) merges the committed LoRA adapter of
-``adapters/smollm2-135m-doc-reuse`` (trained by ``python -m pcr_sglang.tune``, its recipe
+``adapters/smollm2-135m-doc-reuse`` (trained by ``python -m pcr_tools.tune``, its recipe
 beside it) into a separate folder: the model to serve with ``--pcr-doc-reuse``.
 
-Usage: ``python -m pcr_sglang.models.smollm2 [--out DIR] [--doc-reuse-tuned]`` prints the folder path.
+Usage: ``python -m pcr_tools.models.smollm2 [--out DIR] [--doc-reuse-tuned]`` prints the folder path.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from pcr_sglang.models import build_cached, cache_root
+from pcr_tools.models import build_cached, cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def build_smollm2(out_dir: Path | None = None, doc_reuse_tuned: bool = False) ->
     """Return the safetensors folder, converting the GGUF first if needed; with
     ``doc_reuse_tuned``, the base with the document-reuse adapter merged (built once)."""
     if doc_reuse_tuned:
-        from pcr_sglang.models.merged import build_merged
+        from pcr_tools.models.merged import build_merged
 
         return build_merged(build_smollm2(), TUNED_ADAPTER_DIR, Path(out_dir) if out_dir else default_smollm2_dir(True))
     out_dir = Path(out_dir) if out_dir else default_smollm2_dir()
@@ -93,7 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="Output folder (default: the cache).")
     parser.add_argument("--doc-reuse-tuned", action="store_true",
-                        help="Merge the committed document-reuse adapter (pcr_sglang.tune) into the model.")
+                        help="Merge the committed document-reuse adapter (pcr_tools.tune) into the model.")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     print(build_smollm2(args.out, doc_reuse_tuned=args.doc_reuse_tuned))

@@ -1,9 +1,9 @@
-"""``python -m pcr_sglang.calibrate --url URL``: measure document reuse's accuracy on the model
+"""``python -m pcr_tools.calibrate --url URL``: measure document reuse's accuracy on the model
 a running server serves, and write the calibration file ``--pcr-doc-reuse-calibration`` takes.
 
 The server must run ``--pcr-doc-reuse`` (``lego`` or ``blend`` to calibrate those modes:
 ``concat`` is always measured). On a sample of questions about re-placed documents
-(``pcr_sglang.tune.questions``, test split, a calibration seed of its own), each prompt is
+(``pcr_tools.tune.questions``, test split, a calibration seed of its own), each prompt is
 sent unmarked (full prefill's answer: the exact prefix cache gives full prefill's tokens)
 and then marked, under each setting (``concat``; ``lego`` K in ``--lego-tokens``; ``blend``
 R in ``--blend-ratios``). A setting meets the target when full prefill's answers,
@@ -13,7 +13,7 @@ its gold-answer score (lead-sentence F1, planted-fact exact match) is at least
 mode's smallest setting that met the target, the target and the weights' fingerprint (the
 server refuses a calibration of other weights).
 
-    python -m pcr_sglang.calibrate --url http://127.0.0.1:30000 --out smollm2-calibration.json
+    python -m pcr_tools.calibrate --url http://127.0.0.1:30000 --out smollm2-calibration.json
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ DEFAULT_BLEND_RATIOS = (0.15, 0.3, 0.5, 0.7, 1.0)
 def measure_setting(server: Any, prompts: Sequence[Any], references: Sequence[dict[str, Any]], spec: Any,
                     target: CalibrationTarget, max_new_tokens: int,
                     decode: Callable[[list[int]], str]) -> SettingResult:
-    from pcr_sglang.tune.measure import gold_score, measure_reuse
+    from pcr_tools.tune.measure import gold_score, measure_reuse
 
     rows = [measure_reuse(server, p, ref, spec, max_new_tokens, decode) for p, ref in zip(prompts, references)]
     not_reused = [p.rid for p, r in zip(prompts, rows) if not r["all_docs_reused"]]
@@ -66,7 +66,7 @@ def measure_setting(server: Any, prompts: Sequence[Any], references: Sequence[di
 def unmarked_reference(server: Any, p: Any, max_new_tokens: int, top_k: int,
                        decode: Callable[[list[int]], str]) -> dict[str, Any]:
     """Full prefill's answer on the reuse server itself (no marks: exact prefix caching)."""
-    from pcr_sglang.tune.measure import gold_scores, teacher_forced
+    from pcr_tools.tune.measure import gold_scores, teacher_forced
 
     sampling = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
     body = {"input_ids": p.input_ids, "sampling_params": sampling}
@@ -80,8 +80,8 @@ def unmarked_reference(server: Any, p: Any, max_new_tokens: int, top_k: int,
 def calibrate(server: Any, tokenizer: Any, *, questions: int, target: CalibrationTarget, lego_tokens: Sequence[int],
               blend_ratios: Sequence[float], max_new_tokens: int = 32, top_k: int = 10,
               progress: Callable[[str], None] = logger.info) -> DocReuseCalibration:
-    from pcr_sglang.tune.measure import ModeSpec, gold_prompts
-    from pcr_sglang.tune.questions import question_set
+    from pcr_tools.tune.measure import ModeSpec, gold_prompts
+    from pcr_tools.tune.questions import question_set
 
     state = server.pcr_state()
     docs = state.get("doc_reuse") or {}
@@ -126,7 +126,7 @@ def _fmt(value: Optional[float], pct: bool = False) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcr_sglang.calibrate", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m pcr_tools.calibrate", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--url", required=True, help="the running server (started with --pcr-doc-reuse)")
     parser.add_argument("--out", type=Path, required=True, help="the calibration file to write (JSON)")
@@ -153,7 +153,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--questions must be >= 1, K >= 0 and R in [0, 1]")
     from transformers import AutoTokenizer
 
-    from pcr_sglang.launcher import ServerClient
+    from pcr_tools.launcher import ServerClient
 
     server = ServerClient(args.url, args.admin_api_key)
     try:

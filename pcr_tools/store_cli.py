@@ -1,8 +1,8 @@
 """Inspect and maintain a PCR SSD store directory (``--pcr-ssd-path``).
 
-    python -m pcr_sglang.store usage  DIR                  chunks and bytes per namespace
-    python -m pcr_sglang.store verify DIR [--namespace H]  read every record, check checksums
-    python -m pcr_sglang.store purge  DIR --namespace H    delete one namespace's chunks
+    python -m pcr_tools.store_cli usage  DIR                  chunks and bytes per namespace
+    python -m pcr_tools.store_cli verify DIR [--namespace H]  read every record, check checksums
+    python -m pcr_tools.store_cli purge  DIR --namespace H    delete one namespace's chunks
 
 A namespace is one model/dtype/layout/chunk-size/TP-rank combination (its digest names
 its subdirectory); several servers may share a directory. ``verify`` deletes nothing (a
@@ -26,7 +26,7 @@ def _describe(description: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcr_sglang.store",
+    parser = argparse.ArgumentParser(prog="python -m pcr_tools.store_cli",
                                      description="Inspect and maintain a PCR SSD store directory.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("usage", "chunks and bytes per namespace"),

@@ -7,7 +7,7 @@ every server. Both binaries ship in the ``mooncake-transfer-engine`` wheels. Eve
 binds to loopback here except what Mooncake's transfer engine binds itself (its TCP
 transfer socket listens on all interfaces: confine multi-host setups by network policy).
 
-Used by the tests and by ``python -m pcr_sglang.fleet``.
+Used by the tests and by ``python -m pcr_tools.fleet``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pcr_sglang.launcher import free_port
 from pcr_sglang.tiers.records import KEY_BYTES
+from pcr_tools.launcher import free_port
 
 logger = logging.getLogger(__name__)
 

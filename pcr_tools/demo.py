@@ -7,14 +7,14 @@ the model's answer, then the hit ratio and cold-vs-cached TTFT. Prefix caching i
 these answers are full prefill's.
 
 Then a second pass, on a server with ``--pcr-doc-reuse`` (default ``blend``) and the
-document-reuse tuned SmolLM2 (``pcr_sglang.tune``), asks questions about documents that
+document-reuse tuned SmolLM2 (``pcr_tools.tune``), asks questions about documents that
 are never first in their prompt, marking the documents (``custom_params["pcr_doc_bounds"]``):
 a prefix cache reuses only up to the first document, document reuse reuses them all.
 **Document reuse changes answers**: the pass prints, per question, the gold answer, the
 answer with reuse and the full-prefill answer, each gold score, and whether they are
 equal. ``--no-doc-reuse`` skips that pass.
 
-Usage: ``python -m pcr_sglang.demo [--requests N] [--chunk-size N] [--seed N]``
+Usage: ``python -m pcr_tools.demo [--requests N] [--chunk-size N] [--seed N]``
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pcr_sglang.doc_prompt import DocPrompt
-from pcr_sglang.launcher import ServerProcess
-from pcr_sglang.workload import RagWorkloadParams, chat_prompt, make_rag_workload
+from pcr_tools.launcher import ServerProcess
+from pcr_tools.workload import RagWorkloadParams, chat_prompt, make_rag_workload
 
 
 @dataclass
@@ -77,7 +77,7 @@ class ReuseAnswer:
     full: DemoResult
 
     def score(self, answer: str) -> float:
-        from pcr_sglang.tune.measure import gold_score, gold_scores
+        from pcr_tools.tune.measure import gold_score, gold_scores
 
         return gold_score(gold_scores(self.kind, answer, self.gold))
 
@@ -85,12 +85,12 @@ class ReuseAnswer:
 def doc_reuse_pass(model_path: str, tokenizer: Any, questions: int, mode: str, max_new_tokens: int, chunk_size: int,
                    seed: int) -> list[ReuseAnswer]:
     """Questions about documents that are never first in their prompt (test-split articles,
-    ``pcr_sglang.tune.questions``), on ``model_path`` with ``--pcr-doc-reuse``: each prompt's
+    ``pcr_tools.tune.questions``), on ``model_path`` with ``--pcr-doc-reuse``: each prompt's
     documents are warmed (their canonical KV computed, as a precomputed corpus would have
     it), then the question is answered with them reused, then without marks (full prefill
     and exact prefix caching: the answer to compare with)."""
-    from pcr_sglang.launcher import cpu_only
-    from pcr_sglang.tune.questions import question_set
+    from pcr_tools.launcher import cpu_only
+    from pcr_tools.tune.questions import question_set
 
     flags = ("--enable-pcr", "--pcr-chunk-size", str(chunk_size), "--pcr-doc-reuse", mode,
              "--pcr-doc-warmup-after", "1", "--max-total-tokens", "16384", "--context-length", "4096",
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from pcr_sglang.models.smollm2 import build_smollm2
+    from pcr_tools.models.smollm2 import build_smollm2
 
     model_path = args.model_path or str(build_smollm2())
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         state = server.pcr_state(check_invariants=True)
     second = None
     if not args.no_doc_reuse:
-        # The tuned model (pcr_sglang.tune: trained on the pattern document reuse serves) unless
+        # The tuned model (pcr_tools.tune: trained on the pattern document reuse serves) unless
         # another model was asked for.
         reuse_model = model_path if (args.model_path or args.base_model_for_reuse) else \
             str(build_smollm2(doc_reuse_tuned=True))

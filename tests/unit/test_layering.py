@@ -1,0 +1,75 @@
+"""The house's import rules, checked over the source (every import, lazy ones included):
+
+* the server package never imports the tools (``pcr_tools``), the benchmarks or the tests;
+* ``pcr_sglang/core`` imports neither SGLang nor torch (DESIGN.md: the core is pure Python).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def imported_modules(path: Path, package_root: Path) -> set[str]:
+    """Every module ``path`` imports, relative imports resolved against ``package_root``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    parts = list(path.relative_to(package_root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    else:
+        parts = parts[:-1]  # the module's package
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = parts[: len(parts) - (node.level - 1)] if node.level > 1 else parts
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            found.add(stem)
+            found.update(f"{stem}.{alias.name}" for alias in node.names)
+    return found
+
+
+def violations(package_root: Path, forbidden: tuple[str, ...]) -> list[str]:
+    """``file: module`` for every import under ``package_root`` of a forbidden top-level name."""
+    out = []
+    for path in sorted(package_root.rglob("*.py")):
+        for module in sorted(imported_modules(path, package_root)):
+            if module.split(".")[0] in forbidden:
+                out.append(f"{path.relative_to(package_root.parent)}: {module}")
+    return out
+
+
+def test_the_server_package_imports_no_tool_benchmark_or_test():
+    assert violations(REPO / "pcr_sglang", ("pcr_tools", "bench", "tests")) == []
+
+
+def test_the_core_imports_neither_sglang_nor_torch():
+    assert violations(REPO / "pcr_sglang" / "core", ("sglang", "torch", "triton")) == []
+
+
+@pytest.mark.parametrize(("source", "caught"), [
+    ("import pcr_tools.launcher\n", "pcr_tools.launcher"),
+    ("def later():\n    from pcr_tools.models import build_cached\n", "pcr_tools.models"),
+    ("from bench.ragbench import common\n", "bench.ragbench"),
+])
+def test_the_walk_sees_a_forbidden_import_wherever_it_is(tmp_path, source, caught):
+    package = tmp_path / "pcr_sglang"
+    (package / "core").mkdir(parents=True)
+    (package / "core" / "keys.py").write_text(source)
+    assert f"pcr_sglang/core/keys.py: {caught}" in violations(package, ("pcr_tools", "bench"))
+
+
+def test_relative_imports_resolve_to_their_package(tmp_path):
+    package = tmp_path / "pcr_sglang"
+    (package / "core").mkdir(parents=True)
+    (package / "core" / "keys.py").write_text("from .lru import X\nfrom ..tiers import layout\n")
+    assert imported_modules(package / "core" / "keys.py", package) >= {
+        "pcr_sglang.core.lru", "pcr_sglang.tiers", "pcr_sglang.tiers.layout"}
