@@ -48,11 +48,12 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from pcr_sglang.config import PCRConfig
 from pcr_sglang.core import CacheNamespace
-from pcr_sglang.core.doc_reuse import Recompute, canonical_chain_keys, canonical_tokens, parse_doc_bounds
 from pcr_sglang.core.keys import chunk_keys, root_key
+from pcr_sglang.reuse import settings as reuse_settings
+from pcr_sglang.reuse.placement import DocReuse
+from pcr_sglang.reuse.plan import Recompute, canonical_chain_keys, canonical_tokens, parse_doc_bounds
+from pcr_sglang.reuse.tokenizer import WarmupCaps
 from pcr_sglang.server_args_fields import DEFAULT_CHUNK_SIZE, DEFAULT_DOC_MAX_DOCUMENTS, DEFAULT_DOC_MIN_TOKENS
-from pcr_sglang.sglang_adapter.doc_reuse import DocReuse
-from pcr_sglang.sglang_adapter.doc_warmer import WarmupCaps
 from pcr_sglang.sglang_adapter.factory import assemble_pcr_cache
 from pcr_sglang.transfer.rope_shift import RopeSpec
 
@@ -87,7 +88,7 @@ def build(chunk: int, pool: int):
                                     RopeSpec(DIM, DIM, True, (1.0, 0.1, 0.01, 0.001)),
                                     list(zip(kvcache.k_buffer, kvcache.v_buffer)), allocator,
                                     cache.scheduler.root_key, cache.scheduler.free_private,
-                                    limits=config.doc_limits())
+                                    limits=reuse_settings.limits(config))
     return cache, allocator
 
 

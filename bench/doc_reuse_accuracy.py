@@ -142,7 +142,7 @@ def greedy(max_new_tokens: int) -> dict[str, Any]:
 
 def _sampling(prompt: Prompt, spec: Optional[ModeSpec], **sampling: Any) -> dict[str, Any]:
     """Sampling parameters; with ``spec``, the documents marked and the mode asked for."""
-    from pcr_sglang.doc_prompt import DocPrompt
+    from pcr_sglang.reuse.prompt import DocPrompt
 
     if spec is None:
         return sampling
@@ -329,8 +329,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="prompts in flight at once; 1 (default) keeps every request alone in its batch, "
                              "so batch composition cannot move an answer")
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (built offline)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/doc_reuse_accuracy"),
-                        help="where the JSON result and the server logs go")
+    parser.add_argument("--out", type=Path,
+                        default=Path(f"bench/results/{datetime.date.today().isoformat()}/doc_reuse_accuracy"),
+                        help="where the JSON result, the markdown report and the server logs go "
+                             "(default: bench/results/<today>/doc_reuse_accuracy)")
     parser.add_argument("--workload", choices=("questions", "trace"), default="questions",
                         help="questions (default): test-split questions about re-placed documents, gold-scored "
                              "(bench/reuse_questions.py); trace: the first turns of the ragbench trace, "

@@ -116,9 +116,13 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    import datetime
+
     parser = argparse.ArgumentParser(prog="python -m bench.fleet_bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/fleet"))
+    parser.add_argument("--out", type=Path,
+                        default=Path(f"bench/results/{datetime.date.today().isoformat()}/fleet_bench"),
+                        help="where the report, traces and server logs go (default: bench/results/<today>/fleet_bench)")
     parser.add_argument("--fleets", default=",".join(FLEETS), help=f"comma-separated subset of {','.join(FLEETS)}")
     parser.add_argument("--rate", type=float, default=0.4, help="first turns per second (default: 0.4)")
     parser.add_argument("--pool-fraction", type=float, default=0.05,

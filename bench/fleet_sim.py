@@ -427,6 +427,8 @@ def _metric(row: dict, metric: str) -> float:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    import datetime
+
     parser = argparse.ArgumentParser(prog="python -m bench.fleet_sim", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--check", action="store_true", help="only the closed-form checks")
@@ -448,8 +450,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "comma-separated (one TTFT column each)")
     parser.add_argument("--rate-per-server", type=float, default=4.0, help="requests/s per server offered")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench/latest/fleet_sim",
-                        help="folder for results.json and fleet_sim.png ('' to write nothing)")
+    parser.add_argument("--out", default=f"bench/results/{datetime.date.today().isoformat()}/fleet_sim",
+                        help="folder for results.json and fleet_sim.png (default: bench/results/<today>/fleet_sim; "
+                             "'' to write nothing)")
     args = parser.parse_args(argv)
     for flag, value in (("--requests", args.requests), ("--local-chunks", args.local_chunks),
                         ("--chunk-tokens", args.chunk_tokens), ("--doc-chunks", args.doc_chunks),

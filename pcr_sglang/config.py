@@ -6,15 +6,11 @@ resolved ``ServerArgs`` in a server, a plain namespace in tests and benchmarks).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pcr_sglang.core.doc_calibration import CalibrationError, DocReuseCalibration, ModeCalibration
-from pcr_sglang.core.doc_reuse import SELECTORS, DocLimits, Recompute
-from pcr_sglang.core.doc_warmup import WarmupPolicy
 from pcr_sglang.core.hints import HintLimits
 from pcr_sglang.server_args_fields import (
     DEFAULT_CHUNK_SIZE,
@@ -38,6 +34,7 @@ from pcr_sglang.server_args_fields import (
     DEFAULT_SSD_READ_THREADS,
     DEFAULT_SSD_WRITE,
     DOC_REUSE_CHOICES,
+    DOC_SELECTOR_CHOICES,
     DOC_WARMUP_CHOICES,
     HINT_TO_DEVICE_CHOICES,
     LAYERWISE_CHOICES,
@@ -123,49 +120,9 @@ class PCRConfig:
             remote_config=getattr(args, "pcr_remote_config", None) or None,
         )
 
-    def doc_recompute(self) -> Recompute:
-        """The server's document-reuse mode with its K and R (requests may override them);
-        with a calibration, the K or R it found for the mode."""
-        tokens, ratio = self.doc_recompute_tokens, float(self.doc_recompute_ratio)
-        verdict = self.doc_calibration_verdict()
-        if verdict is not None and verdict.value is not None:
-            if self.doc_reuse == "lego":
-                tokens = int(verdict.value)
-            elif self.doc_reuse == "blend":
-                ratio = float(verdict.value)
-        return Recompute(self.doc_reuse, tokens, ratio, self.doc_anchor_tokens, self.doc_selector)
-
-    def doc_calibration(self) -> Optional[DocReuseCalibration]:
-        """The ``--pcr-doc-reuse-calibration`` file, read once per process (None without it)."""
-        if not self.doc_reuse_calibration:
-            return None
-        try:
-            return _load_calibration(self.doc_reuse_calibration)
-        except CalibrationError as e:
-            raise PCRConfigError(f"--pcr-doc-reuse-calibration: {e}") from None
-
-    def doc_calibration_verdict(self) -> Optional[ModeCalibration]:
-        """The calibration's verdict for the server's mode (None without a calibration)."""
-        calibration = self.doc_calibration()
-        if calibration is None or self.doc_reuse == "off":
-            return None
-        verdict = calibration.modes.get(self.doc_reuse)
-        if verdict is None:
-            raise PCRConfigError(f"--pcr-doc-reuse-calibration {self.doc_reuse_calibration} has no measurement of "
-                                 f"--pcr-doc-reuse {self.doc_reuse} (it has {', '.join(calibration.modes) or 'none'})")
-        return verdict
-
     def hint_limits(self) -> HintLimits:
         return HintLimits(max_ttl_s=float(self.hint_max_ttl_s), rate_per_s=float(self.hint_rate),
                           burst=max(1, int(2 * self.hint_rate)))
-
-    def doc_limits(self) -> DocLimits:
-        """What one request may mark (``--pcr-doc-max-documents``, ``--pcr-doc-min-tokens``)."""
-        return DocLimits(self.doc_max_documents, self.doc_min_tokens)
-
-    def doc_warmup_policy(self) -> WarmupPolicy:
-        """When a marked document's canonical KV is computed (``core.doc_warmup``)."""
-        return WarmupPolicy(self.doc_warmup, self.doc_warmup_after)
 
     def remote_settings(self) -> Optional[RemoteConfig]:
         """``--pcr-remote-config`` parsed, with its key file checked (None: no remote tier).
@@ -257,11 +214,11 @@ class PCRConfig:
         anchors = self.doc_anchor_tokens
         if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 0:
             raise PCRConfigError(f"--pcr-doc-anchor-tokens must be an integer >= 0, got {anchors!r}")
-        if self.doc_selector not in SELECTORS:
-            raise PCRConfigError(f"--pcr-doc-selector must be one of {', '.join(SELECTORS)}, got {self.doc_selector!r}")
+        if self.doc_selector not in DOC_SELECTOR_CHOICES:
+            raise PCRConfigError(f"--pcr-doc-selector must be one of {', '.join(DOC_SELECTOR_CHOICES)}, "
+                                 f"got {self.doc_selector!r}")
         if self.doc_reuse_calibration and self.doc_reuse == "off":
             raise PCRConfigError("--pcr-doc-reuse-calibration needs --pcr-doc-reuse")
-        self.doc_calibration_verdict()  # a file that cannot be read, or lacks the mode, fails here
         ratio = self.doc_recompute_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
             raise PCRConfigError(f"--pcr-doc-recompute-ratio must be a number in [0, 1], got {ratio!r}")
@@ -300,8 +257,3 @@ class PCRConfig:
                 f"--pcr-chunk-size ({self.chunk_size}) must be a multiple of "
                 f"--page-size ({page_size}): a chunk is a whole number of KV pages"
             )
-
-
-@functools.lru_cache(maxsize=4)
-def _load_calibration(path: str) -> DocReuseCalibration:
-    return DocReuseCalibration.load(path)

@@ -22,7 +22,7 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
   request's hits are counted once, by tier, as SGLang reports them, and the chunks the
   coming forward completes get host slots to be offloaded into during it;
   with ``--pcr-doc-reuse lego/blend`` the extend input of a permuted row is its tokens in
-  row order (``sglang_adapter/permuted_rows``);
+  row order (``reuse/rows``);
 * ``ForwardBatch.init_new`` (AFTER): those tokens get their true positions; the
   ``torch_native`` and ``triton`` backends' extend metadata and kernels (AROUND) then
   apply a position-causal mask to batches that carry such rows, and only to them;
@@ -31,7 +31,7 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
 * ``ModelRunner.forward`` (AROUND): the forward's stream and extend timings;
 * the tokenizer manager's ``_validate_one_request`` (AFTER), ``_send_one_request`` and
   ``_send_batch_request`` (AROUND): document bounds are checked (HTTP 400), and with ``--pcr-doc-reuse`` a request's
-  documents are warmed before it is sent (``sglang_adapter/doc_warmer``);
+  documents are warmed before it is sent (``reuse/tokenizer``);
 * the scheduler's ``_add_request_to_queue`` (AROUND) and the tokenizer manager's
   ``_validate_one_request`` (AFTER): KV hints (``kv_hints`` action
   ``pcr.lookahead_prefetch``) are checked (HTTP 400), registered for the prefetcher, and a
@@ -146,7 +146,8 @@ def register() -> None:
         _kv_event_sources,
         HookType.AROUND,
     )
-    from pcr_sglang.sglang_adapter import doc_warmer, kv_hints, server_info_check, weight_updates
+    from pcr_sglang.reuse import tokenizer as reuse_tokenizer
+    from pcr_sglang.sglang_adapter import kv_hints, server_info_check, weight_updates
 
     for method in (*weight_updates.UPDATE_METHODS, weight_updates.SESSION_END):
         HookRegistry.register(
@@ -167,17 +168,17 @@ def register() -> None:
 
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
-        doc_warmer.validate_doc_bounds,
+        reuse_tokenizer.validate_doc_bounds,
         HookType.AFTER,
     )
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._send_one_request",
-        doc_warmer.send_after_warming,
+        reuse_tokenizer.send_after_warming,
         HookType.AROUND,
     )
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._send_batch_request",
-        doc_warmer.send_batch_after_warming,
+        reuse_tokenizer.send_batch_after_warming,
         HookType.AROUND,
     )
 
@@ -264,34 +265,34 @@ def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **
     return result
 
 
-ROWS_ATTR = "pcr_row_positions"  # permuted_rows.ROWS_ATTR, without importing torch here
+ROWS_ATTR = "pcr_row_positions"  # reuse.rows.ROWS_ATTR, without importing torch here
 
 
 def _row_positions(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     """After ``ForwardBatch.init_new``: permuted rows' true positions, published for the
     attention of this forward (and nothing published for any other)."""
-    from pcr_sglang.sglang_adapter import permuted_rows
+    from pcr_sglang.reuse import rows as reuse_rows
 
-    if getattr(batch, ROWS_ATTR, None) or permuted_rows.CURRENT.rows is not None:
-        permuted_rows.apply_row_positions(result, batch)
+    if getattr(batch, ROWS_ATTR, None) or reuse_rows.CURRENT.rows is not None:
+        reuse_rows.apply_row_positions(result, batch)
     return result
 
 
 def _native_extend(original: Callable[..., Any], backend: Any, *args: Any, **kwargs: Any) -> Any:
-    from pcr_sglang.sglang_adapter import permuted_rows
+    from pcr_sglang.reuse import rows as reuse_rows
 
-    if permuted_rows.CURRENT.rows is None:
+    if reuse_rows.CURRENT.rows is None:
         return original(backend, *args, **kwargs)
-    return permuted_rows.native_extend_with_rows(original, backend, *args, **kwargs)
+    return reuse_rows.native_extend_with_rows(original, backend, *args, **kwargs)
 
 
 def _triton_metadata(original: Callable[..., Any], backend: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-    from pcr_sglang.sglang_adapter import permuted_rows
+    from pcr_sglang.reuse import rows as reuse_rows
 
     result = original(backend, forward_batch, *args, **kwargs)
     pool = getattr(forward_batch, "req_pool_indices_cpu", None)
-    rows = permuted_rows.CURRENT.for_attention(pool if pool is not None else forward_batch.req_pool_indices)
-    backend._pcr_position_mask = bool(rows) and permuted_rows.set_triton_position_mask(backend, forward_batch, rows)
+    rows = reuse_rows.CURRENT.for_attention(pool if pool is not None else forward_batch.req_pool_indices)
+    backend._pcr_position_mask = bool(rows) and reuse_rows.set_triton_position_mask(backend, forward_batch, rows)
     return result
 
 
@@ -384,8 +385,11 @@ def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwar
             raise PCRStartupError("--pcr-doc-reuse needs --enable-pcr (documents are reused through PCR's cache)")
         return None
     from pcr_sglang.config import PCRConfig
+    from pcr_sglang.reuse import settings as reuse_settings
 
-    PCRConfig.from_server_args(server_args).validate(int(cfg.page_size or 1))
+    config = PCRConfig.from_server_args(server_args)
+    config.validate(int(cfg.page_size or 1))
+    reuse_settings.validate(config)
     for field, flag in _CONFLICTS:
         if getattr(cfg, field, False):
             raise PCRStartupError(f"--enable-pcr cannot be combined with {flag}")

@@ -56,10 +56,12 @@ DEFAULT_DOC_REUSE = "off"
 # bench/doc_reuse_accuracy.py measures both on SmolLM2 (README "Document reuse").
 DEFAULT_DOC_RECOMPUTE_TOKENS = 32
 DEFAULT_DOC_RECOMPUTE_RATIO = 0.15
-# When a document's canonical KV is computed (pcr_sglang.core.doc_warmup): bench/ragbench
+# When a document's canonical KV is computed (pcr_sglang.reuse.warmup): bench/ragbench
 # --unique-docs measured warming every first sighting several times slower than radix
 # (bench/README.md, "When documents are warmed").
 DOC_WARMUP_CHOICES = ["request", "idle"]
+# What ranks blend's recomputed tokens (reuse.plan.SELECTORS, request-side, is the same list).
+DOC_SELECTOR_CHOICES = ["deviation", "query"]
 DEFAULT_DOC_WARMUP = "request"
 DEFAULT_DOC_WARMUP_AFTER = 2
 # What one request may mark (bench/doc_bounds_step.py measures the worst allowed request).
@@ -342,7 +344,7 @@ class Pcr(msgspec.Struct):
                 "attends most at layer 1, from the same probe). A request may override it with "
                 "custom_params['pcr_doc_selector']. Default: deviation."
             ),
-            choices=("deviation", "query"),
+            choices=DOC_SELECTOR_CHOICES,
         ),
     ] = "deviation"
     pcr_doc_warmup: A[

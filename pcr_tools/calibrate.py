@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from pcr_sglang.core.doc_calibration import (
+from pcr_sglang.reuse.calibration import (
     CalibrationTarget,
     DocReuseCalibration,
     SettingResult,

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from pcr_sglang.doc_prompt import DocPrompt
+from pcr_sglang.reuse.prompt import DocPrompt
 from pcr_tools.launcher import ServerProcess
 from pcr_tools.workload import RagWorkloadParams, chat_prompt, make_rag_workload
 

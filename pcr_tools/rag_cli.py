@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     budget = BudgetModel(bandwidth_bytes_s=measure_read_bandwidth(datastore.table.codes))
     retriever = LookaheadRetriever(datastore, embedder.encode, nprobe=args.nprobe, k=args.k, tier=tier, budget=budget)
     if args.mark_documents:
-        from pcr_sglang.frontend import DocReuseEndpoint
+        from pcr_sglang.reuse.frontend import DocReuseEndpoint
 
         backend = DocReuseEndpoint(args.url)
     else:

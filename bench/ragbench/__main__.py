@@ -121,8 +121,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return operating_points(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m bench.ragbench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/ragbench"),
-                        help="where the report, plots, traces and server logs go")
+    parser.add_argument("--out", type=Path, default=Path(f"bench/results/{datetime.date.today().isoformat()}/ragbench"),
+                        help="where the report, plots, traces and server logs go "
+                             "(default: bench/results/<today>/ragbench)")
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (built offline)")
     parser.add_argument("--configs", type=config_list, default=DEFAULT_CONFIGS,
                         help=f"comma-separated subset of {','.join(CONFIG_NAMES)} "

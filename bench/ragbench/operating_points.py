@@ -156,7 +156,10 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ragbench operating-points",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/ragbench-operating-points"))
+    parser.add_argument("--out", type=Path,
+                        default=Path(f"bench/results/{datetime.date.today().isoformat()}/ragbench-operating-points"),
+                        help="where the report, traces and server logs go "
+                             "(default: bench/results/<today>/ragbench-operating-points)")
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (built offline)")
     parser.add_argument("--configs", type=config_list, default=DEFAULT_CONFIGS,
                         help="comma-separated configurations (default: %(default)s); the targets need "

@@ -15,7 +15,8 @@ from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core import CacheNamespace, CacheState, CacheStateConfig, PersistedChunk
 from pcr_sglang.io.protocol import WorkerConfig
 from pcr_sglang.io.supervisor import IOSupervisor
-from pcr_sglang.sglang_adapter.doc_reuse_setup import attach_doc_reuse
+from pcr_sglang.reuse import settings as reuse_settings
+from pcr_sglang.reuse.setup import attach_doc_reuse
 from pcr_sglang.sglang_adapter.fingerprint import IN_MEMORY_UPDATE_TAG, adapters_text, cache_namespace
 from pcr_sglang.sglang_adapter.kv_events import PCRKvEvents
 from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
@@ -129,6 +130,7 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
         )
     config = PCRConfig.from_server_args(ctx.server_args)
     config.validate(ctx.params.page_size)
+    reuse_settings.validate(config)
     # Second line behind the refusals at flag resolution, on the model config and flags
     # this process builds the cache for.
     from sglang.srt.arg_groups.overrides import resolving_view

@@ -210,7 +210,7 @@ class PCRMetrics:
     def sync(self, state: Any, doc_stats: Any = None, hint_stats: Any = None, remote_probes: Any = None,
              remote_status: Any = None) -> None:
         """Publish ``state``'s (a :class:`~pcr_sglang.core.CacheState`) counters and sizes,
-        document reuse's (a :class:`~pcr_sglang.sglang_adapter.doc_reuse.DocReuseStats`),
+        document reuse's (a :class:`~pcr_sglang.reuse.placement.DocReuseStats`),
         the KV hints' (a :class:`~pcr_sglang.core.hints.HintStats`) and the remote tier's
         (the scheduler's probe counters, the I/O process's last ``RemoteStatus``)."""
         tree = state.tree

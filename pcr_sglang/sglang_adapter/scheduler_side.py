@@ -41,9 +41,9 @@ from pcr_sglang.core.keys import ChunkKey, chunk_keys, root_key
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.io.protocol import ProbeRemote, ReadChunk, Reorder, WriteChunk
 from pcr_sglang.io.supervisor import IOSupervisor
+from pcr_sglang.reuse.placement import DocReuse, is_canonical_request
+from pcr_sglang.reuse.rows import permute_extend_inputs
 from pcr_sglang.server_args_fields import HINT_TO_DEVICE_FREE_SHARE
-from pcr_sglang.sglang_adapter.doc_reuse import DocReuse, is_canonical_request
-from pcr_sglang.sglang_adapter.permuted_rows import permute_extend_inputs
 from pcr_sglang.sglang_adapter.requests import Hold, RequestRegistry
 from pcr_sglang.sglang_adapter.step_timing import StepHistogram
 from pcr_sglang.sglang_adapter.tp_group import TpGroup

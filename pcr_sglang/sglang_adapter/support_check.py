@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
-from pcr_sglang.core.doc_reuse import RECOMPUTE_MODES
+from pcr_sglang.reuse.plan import RECOMPUTE_MODES
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ and is copied unchanged.
 The angles come from the pure frequencies (:class:`RopeSpec`), never from SGLang's
 ``cos_sin_cache``: YaRN's cache is pre-multiplied by ``mscale`` and the stored K already
 carries that factor once, so rotating with the cache would scale K a second time. The
-spec is built from a live SGLang module by :mod:`pcr_sglang.sglang_adapter.rope_spec`;
+spec is built from a live SGLang module by :mod:`pcr_sglang.reuse.model_rope`;
 this module itself knows nothing of SGLang.
 
 Precision: the angle ``d * inv_freq`` is formed in float64 and only its cos/sin are

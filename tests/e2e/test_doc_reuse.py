@@ -22,7 +22,8 @@ import pytest
 import requests
 
 from pcr_sglang.core.hints import hint_envelope
-from pcr_sglang.doc_prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
+from pcr_sglang.reuse import settings as reuse_settings
+from pcr_sglang.reuse.prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
 from pcr_tools.data import load_wiki_articles
 from pcr_tools.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
@@ -323,8 +324,8 @@ def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(
     (concat, lego and blend at the settings asked), the weights' fingerprint recorded, and
     the file accepted at startup for those weights (and refused for others)."""
     from pcr_sglang.config import PCRConfig, PCRConfigError
-    from pcr_sglang.core.doc_calibration import DocReuseCalibration
-    from pcr_sglang.sglang_adapter.doc_reuse_setup import calibration_status
+    from pcr_sglang.reuse.calibration import DocReuseCalibration
+    from pcr_sglang.reuse.setup import calibration_status
     from pcr_tools.calibrate import main
 
     docs = servers["docs"]
@@ -339,7 +340,7 @@ def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(
     for verdict in calibration.modes.values():
         assert verdict.meets and all(0 <= m.top1 <= 1 for m in verdict.measured)
     config = PCRConfig(enabled=True, doc_reuse="blend", doc_reuse_calibration=str(out))
-    assert calibration_status(config, fingerprint)["meets_target"] and config.doc_recompute().ratio == 0.3
+    assert calibration_status(config, fingerprint)["meets_target"] and reuse_settings.recompute(config).ratio == 0.3
     with pytest.raises(PCRConfigError, match="other weights"):
         calibration_status(config, "0" * 32)
 
@@ -533,7 +534,7 @@ def test_a_passage_with_no_cached_kv_between_reused_documents_is_computed_in_pla
     makes every re-placed token exact on the tiny model's two layers, so that control
     cannot tell.) With the passage's tokens treated as the end of the reuse (as before
     gap filling), the cached-token check fails."""
-    from pcr_sglang.doc_prompt import DocPrompt
+    from pcr_sglang.reuse.prompt import DocPrompt
 
     model = hf_model
     docs = servers["docs"]
@@ -655,7 +656,7 @@ def test_frontend_dsl_programs_mark_documents(servers, tokenizer, passages):
     ids and bounds), and answers as the same request sent to /generate does."""
     import sglang as sgl
 
-    from pcr_sglang.frontend import DocReuseEndpoint, doc, marked_input
+    from pcr_sglang.reuse.frontend import DocReuseEndpoint, doc, marked_input
 
     docs = servers["docs"]
     chosen = passages[40:43]
@@ -688,11 +689,11 @@ def test_a_hyde_pipeline_marking_its_documents_reuses_them_and_hints_them(server
     as token ids with the documents' bounds; the hint registers (with each predicted
     document's canonical chain beside the prompt's), the answer is what the same marked
     prompt gets sent directly, and the pipeline's second run reuses every document."""
-    from pcr_sglang.frontend import DocReuseEndpoint, marked_input
     from pcr_sglang.rag.embedder import embed_texts, load_embedder
     from pcr_sglang.rag.ivf import IVFDatastore
     from pcr_sglang.rag.lookahead import LookaheadRetriever
     from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, render_rag_prompt
+    from pcr_sglang.reuse.frontend import DocReuseEndpoint, marked_input
 
     docs = servers["docs"]
     texts = passages[44:56]

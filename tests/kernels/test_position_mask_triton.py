@@ -25,8 +25,8 @@ pytest.importorskip("sglang.kernels.ops.attention.extend_attention",
                     reason="SGLang's Triton extend attention kernel is not installed")
 DEVICE = "cpu" if INTERPRET else "cuda"
 
-from pcr_sglang.core.doc_reuse import RowOrder  # noqa: E402
-from pcr_sglang.sglang_adapter.permuted_rows import position_causal_sdpa_extend, triton_position_mask  # noqa: E402
+from pcr_sglang.reuse.plan import RowOrder  # noqa: E402
+from pcr_sglang.reuse.rows import position_causal_sdpa_extend, triton_position_mask  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 # (prefix, extend) per request, and request 1's permuted row. SMALL: slots 5..24 hold the

@@ -85,7 +85,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="warmup-ignores-the-sighting-count",
         kind="unit",
-        file="pcr_sglang/core/doc_warmup.py",
+        file="pcr_sglang/reuse/warmup.py",
         original="if count < self.policy.after and not now:",
         replacement="if count < 1 and not now:",
         tests=(UNIT + "test_doc_warmup.py::test_a_document_is_due_from_its_after_th_sighting",
@@ -96,7 +96,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="warmup-idle-drain-ignores-requests-in-flight",
         kind="unit",
-        file="pcr_sglang/sglang_adapter/doc_warmer.py",
+        file="pcr_sglang/reuse/tokenizer.py",
         original='if getattr(manager, "rid_to_state", None):',
         replacement="if False:",
         tests=(UNIT + "test_doc_warmup.py::"
@@ -141,7 +141,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="doc-reuse-concat-without-rotation",
         kind="e2e",
-        file="pcr_sglang/sglang_adapter/doc_reuse.py",
+        file="pcr_sglang/reuse/placement.py",
         original="deltas.append(torch.full((source.numel(),), segment.delta, dtype=torch.int64))",
         replacement="deltas.append(torch.full((source.numel(),), 0, dtype=torch.int64))",
         tests=(E2E + "test_doc_reuse.py::test_concat_outputs_equal_an_independent_reference",),
@@ -151,7 +151,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="doc-reuse-recompute-without-position-mask",
         kind="e2e",
-        file="pcr_sglang/sglang_adapter/permuted_rows.py",
+        file="pcr_sglang/reuse/rows.py",
         original='rows = current.for_attention(a["req_pool_indices"])',
         replacement="rows = {}",
         tests=(E2E + "test_doc_reuse.py::test_recompute_outputs_equal_an_independent_reference",),
@@ -194,7 +194,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="position-mask-excludes-the-query-itself",
         kind="kernel",
-        file="pcr_sglang/sglang_adapter/permuted_rows.py",
+        file="pcr_sglang/reuse/rows.py",
         original="mask = positions.unsqueeze(0) <= positions[prefix:seq_len].unsqueeze(1)\n        masks.append(",
         replacement="mask = positions.unsqueeze(0) < positions[prefix:seq_len].unsqueeze(1)\n        masks.append(",
         tests=("tests/kernels/test_position_mask_triton.py",),
@@ -424,7 +424,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="blend-anchors-overrun-the-budget",
         kind="unit",
-        file="pcr_sglang/core/doc_reuse.py",
+        file="pcr_sglang/reuse/plan.py",
         original="anchors = leading(recompute.anchor_tokens)[:count] if recompute.anchor_tokens else ()",
         replacement="anchors = leading(recompute.anchor_tokens) if recompute.anchor_tokens else ()",
         tests=(UNIT + "test_doc_reuse_plan.py::test_blend_anchors_fill_its_budget_in_document_order_and_never_grow_it",),
@@ -434,7 +434,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="blend-anchors-ignored-at-admission",
         kind="e2e",
-        file="pcr_sglang/sglang_adapter/doc_reuse.py",
+        file="pcr_sglang/reuse/placement.py",
         original='scores = scores.masked_fill(anchored, float("inf"))',
         replacement="scores = scores",
         tests=(E2E + "test_doc_reuse.py::test_blend_on_four_layers_equals_an_independent_reference",),

@@ -1,5 +1,5 @@
 """The per-model accuracy gate: the calibration file, what PCRConfig takes from it, and the
-server's verdict at startup (pcr_sglang.core.doc_calibration, config, doc_reuse_setup)."""
+server's verdict at startup (pcr_sglang.reuse.calibration, config, doc_reuse_setup)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import logging
 import pytest
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
-from pcr_sglang.core.doc_calibration import (
+from pcr_sglang.reuse import settings as reuse_settings
+from pcr_sglang.reuse.calibration import (
     CalibrationError,
     CalibrationTarget,
     DocReuseCalibration,
     SettingResult,
     smallest_meeting,
 )
-from pcr_sglang.sglang_adapter.doc_reuse_setup import calibration_status
+from pcr_sglang.reuse.setup import calibration_status
 
 FINGERPRINT = "f" * 32
 
@@ -62,13 +63,14 @@ def test_the_server_takes_the_calibrated_r_and_refuses_what_it_cannot_use(tmp_pa
     path = _write(tmp_path, _calibration())
     config = PCRConfig(enabled=True, doc_reuse="blend", doc_recompute_ratio=0.15, doc_reuse_calibration=path)
     config.validate(page_size=1)
-    assert config.doc_recompute().ratio == 0.5
+    assert reuse_settings.recompute(config).ratio == 0.5
     with pytest.raises(PCRConfigError, match="has no measurement of --pcr-doc-reuse lego"):
-        PCRConfig(enabled=True, doc_reuse="lego", doc_reuse_calibration=path).validate(page_size=1)
+        reuse_settings.validate(PCRConfig(enabled=True, doc_reuse="lego", doc_reuse_calibration=path))
     with pytest.raises(PCRConfigError, match="needs --pcr-doc-reuse"):
         PCRConfig(enabled=True, doc_reuse_calibration=path).validate(page_size=1)
     with pytest.raises(PCRConfigError, match="--pcr-doc-reuse-calibration: cannot read"):
-        PCRConfig(enabled=True, doc_reuse="blend", doc_reuse_calibration=str(tmp_path / "nope")).validate(1)
+        missing = str(tmp_path / "nope")
+        reuse_settings.validate(PCRConfig(enabled=True, doc_reuse="blend", doc_reuse_calibration=missing))
 
 
 def test_startup_verdicts(tmp_path, caplog):
@@ -82,7 +84,7 @@ def test_startup_verdicts(tmp_path, caplog):
     with pytest.raises(PCRConfigError, match="missed its accuracy target.*--pcr-doc-reuse-calibration-warn"):
         calibration_status(concat, FINGERPRINT)
     warned = PCRConfig(enabled=True, doc_reuse="concat", doc_reuse_calibration=path, doc_reuse_calibration_warn=True)
-    with caplog.at_level(logging.WARNING, logger="pcr_sglang.sglang_adapter.doc_reuse_setup"):
+    with caplog.at_level(logging.WARNING, logger="pcr_sglang.reuse.setup"):
         assert calibration_status(warned, FINGERPRINT)["meets_target"] is False
         assert "MISSED its accuracy target" in caplog.text
         caplog.clear()

@@ -1,4 +1,4 @@
-"""Document bounds and the reuse plan (pcr_sglang.core.doc_reuse): pure logic, no server."""
+"""Document bounds and the reuse plan (pcr_sglang.reuse.plan): pure logic, no server."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from pcr_sglang.core.doc_reuse import (
+from pcr_sglang.reuse.plan import (
     CopySegment,
     DocBoundsError,
     DocLimits,

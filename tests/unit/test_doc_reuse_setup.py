@@ -9,8 +9,8 @@ import pytest
 import torch
 from sglang.srt.layers.rotary_embedding import get_rope
 
-from pcr_sglang.sglang_adapter.doc_reuse_setup import doc_pad_token_id, layer0_self_test
-from pcr_sglang.sglang_adapter.rope_spec import rope_spec_of
+from pcr_sglang.reuse.model_rope import rope_spec_of
+from pcr_sglang.reuse.setup import doc_pad_token_id, layer0_self_test
 
 HEAD_DIM, HEADS, KV_HEADS, HIDDEN, VOCAB = 32, 4, 2, 64, 500
 
@@ -87,7 +87,7 @@ def test_recompute_needs_a_masking_backend_one_rank_and_a_probe_able_model():
 
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-    from pcr_sglang.sglang_adapter.doc_reuse_setup import recompute_support
+    from pcr_sglang.reuse.setup import recompute_support
 
     class FlashInferAttnBackend:  # stands for any backend without the position-causal mask
         pass
@@ -101,7 +101,7 @@ def test_recompute_needs_a_masking_backend_one_rank_and_a_probe_able_model():
     assert "--tp-size > 1" in recompute_support(worker(native), None, 2)
     assert "no model.embed_tokens" in recompute_support(worker(native), SimpleNamespace(), 1)
     # What concat needs to compute an uncached document in place: the mask, one rank; no probe.
-    from pcr_sglang.sglang_adapter.doc_reuse_setup import permuted_row_support
+    from pcr_sglang.reuse.setup import permuted_row_support
 
     assert permuted_row_support(worker(native), 1) is None
     assert "needs --attention-backend torch_native or triton" in permuted_row_support(
@@ -126,7 +126,7 @@ def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     from pcr_sglang.config import PCRConfig
-    from pcr_sglang.sglang_adapter.doc_reuse_setup import attach_doc_reuse
+    from pcr_sglang.reuse.setup import attach_doc_reuse
 
     class FlashInferAttnBackend:
         pass
@@ -135,7 +135,7 @@ def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows
     kv = SimpleNamespace(k_buffer=[torch.zeros(8, KV_HEADS, HEAD_DIM)], v_buffer=[torch.zeros(8, KV_HEADS, HEAD_DIM)])
     worker = SimpleNamespace(model_runner=SimpleNamespace(model=_model(), attn_backend=attn))
     scheduler = SimpleNamespace(root_key=lambda extra_key, salt: b"root", free_private=lambda slots: None, engine=None)
-    with caplog.at_level(logging.INFO, logger="pcr_sglang.sglang_adapter.doc_reuse_setup"):
+    with caplog.at_level(logging.INFO, logger="pcr_sglang.reuse.setup"):
         docs = attach_doc_reuse(PCRConfig(enabled=True, doc_reuse="concat"), None, scheduler,
                                 SimpleNamespace(get_kvcache=lambda: kv), worker, SimpleNamespace(),
                                 tp_size=tp_size, row_flags_problem=flags_problem)
@@ -150,9 +150,9 @@ def test_blend_picks_the_most_deviating_re_placed_tokens_and_refreshes_only_thos
     checkpointed into the tree and must keep the forward's own KV)."""
     from types import SimpleNamespace
 
-    from pcr_sglang.core.doc_reuse import CopySegment, ReusePlan
-    from pcr_sglang.sglang_adapter.blend_probe import ProbeResult
-    from pcr_sglang.sglang_adapter.doc_reuse import DocReuse
+    from pcr_sglang.reuse.blend_select import ProbeResult
+    from pcr_sglang.reuse.placement import DocReuse
+    from pcr_sglang.reuse.plan import CopySegment, ReusePlan
 
     # Positions 4..7 exact (delta 0), 8..13 re-placed; slots 20..29 hold them.
     plan = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 8, 14, 4)), 4, 14, 8, recompute_count=2)
@@ -198,7 +198,7 @@ def test_the_blend_probe_gives_the_same_kv_in_any_query_blocks(monkeypatch):
     against transformers in tests/e2e/test_doc_reuse.py)."""
     from types import SimpleNamespace
 
-    from pcr_sglang.sglang_adapter import blend_probe
+    from pcr_sglang.reuse import blend_select as blend_probe
 
     torch.manual_seed(0)
     hidden, heads, kv_heads, dim = 16, 4, 2, 4
@@ -236,8 +236,8 @@ def test_a_load_that_did_not_go_through_leaves_no_row_order_behind():
     (its exact prefix grew meanwhile) cannot permute a row that is in order."""
     from types import SimpleNamespace
 
-    from pcr_sglang.core.doc_reuse import DocSpan, Recompute, RowOrder
-    from pcr_sglang.sglang_adapter.doc_reuse import DocReuse, DocReuseStats, _Planned
+    from pcr_sglang.reuse.placement import DocReuse, DocReuseStats, _Planned
+    from pcr_sglang.reuse.plan import DocSpan, Recompute, RowOrder
 
     freed = []
     docs = object.__new__(DocReuse)

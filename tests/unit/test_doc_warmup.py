@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
-from pcr_sglang.core.doc_reuse import DocBoundsError, Recompute, request_warm_now
-from pcr_sglang.core.doc_warmup import WarmupLedger, WarmupPolicy
-from pcr_sglang.sglang_adapter.doc_warmer import DocWarmer
+from pcr_sglang.reuse import settings as reuse_settings
+from pcr_sglang.reuse.plan import DocBoundsError, Recompute, request_warm_now
+from pcr_sglang.reuse.tokenizer import DocWarmer
+from pcr_sglang.reuse.warmup import WarmupLedger, WarmupPolicy
 
 CHUNK = 4
 PAD = 0
@@ -68,15 +69,15 @@ def test_bad_warmup_flags_name_the_flag(fields, message):
 
 def test_the_flags_reach_the_policy():
     args = SimpleNamespace(enable_pcr=True, pcr_doc_warmup="idle", pcr_doc_warmup_after=3)
-    assert PCRConfig.from_server_args(args).doc_warmup_policy() == WarmupPolicy("idle", 3)
+    assert reuse_settings.warmup_policy(PCRConfig.from_server_args(args)) == WarmupPolicy("idle", 3)
 
 
 def test_the_document_limit_flags_reach_the_limits():
-    from pcr_sglang.core.doc_reuse import DocLimits
+    from pcr_sglang.reuse.plan import DocLimits
 
     args = SimpleNamespace(enable_pcr=True, pcr_doc_max_documents=5, pcr_doc_min_tokens=3)
-    assert PCRConfig.from_server_args(args).doc_limits() == DocLimits(5, 3)
-    assert PCRConfig().doc_limits() == DocLimits(64, 16)
+    assert reuse_settings.limits(PCRConfig.from_server_args(args)) == DocLimits(5, 3)
+    assert reuse_settings.limits(PCRConfig()) == DocLimits(64, 16)
 
 
 # ---------------------------------------------------------------- the warmer
@@ -203,7 +204,7 @@ def test_a_bad_warm_request_is_refused(value):
 def test_a_hint_only_request_marking_documents_warms_nothing():
     """Review finding: a KV hint that finishes without compute went through the warmer too
     (and, once its documents recurred, waited for their warm-ups before being registered)."""
-    from pcr_sglang.sglang_adapter.doc_warmer import _marked as needs_warming
+    from pcr_sglang.reuse.tokenizer import _marked as needs_warming
 
     def action(hint_only):
         return SimpleNamespace(action_type="pcr.lookahead_prefetch", action_version="1",
@@ -238,7 +239,7 @@ def test_warm_ups_in_flight_are_capped_per_request_and_per_server(policy, warm_n
     once, and ``pcr_doc_warm: true`` made every document due. Now at most
     ``per_request`` of one request's are in flight, ``per_server`` of everyone's; the rest
     wait for a place and all run in the end."""
-    from pcr_sglang.sglang_adapter.doc_warmer import WarmupCaps
+    from pcr_sglang.reuse.tokenizer import WarmupCaps
 
     async def run():
         manager = SimpleNamespace(rid_to_state={})
@@ -263,7 +264,7 @@ def test_the_warmers_keys_hash_the_leading_tokens_once_and_tell_documents_and_te
     """The ledger key of each document is its canonical sequence's digest (``S`` hashed
     once per request): equal for the same document in another request, different for
     another document or tenant."""
-    from pcr_sglang.core.doc_reuse import parse_doc_bounds
+    from pcr_sglang.reuse.plan import parse_doc_bounds
 
     warmer = DocWarmer(CHUNK, PAD)
     spans = parse_doc_bounds(BOUNDS, len(PROMPT))

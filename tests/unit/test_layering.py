@@ -73,3 +73,17 @@ def test_relative_imports_resolve_to_their_package(tmp_path):
     (package / "core" / "keys.py").write_text("from .lru import X\nfrom ..tiers import layout\n")
     assert imported_modules(package / "core" / "keys.py", package) >= {
         "pcr_sglang.core.lru", "pcr_sglang.tiers", "pcr_sglang.tiers.layout"}
+
+
+def test_the_config_imports_no_feature():
+    """config.py parses the flags; each feature builds its settings from it (reuse.settings)."""
+    config = REPO / "pcr_sglang" / "config.py"
+    features = {m for m in imported_modules(config, REPO / "pcr_sglang") if m.startswith("pcr_sglang.")}
+    assert not {m for m in features if m.split(".")[1] in ("reuse", "rag", "sglang_adapter", "io")}, features
+
+
+def test_the_request_side_selectors_are_the_flags_choices():
+    from pcr_sglang.reuse.plan import SELECTORS
+    from pcr_sglang.server_args_fields import DOC_SELECTOR_CHOICES
+
+    assert SELECTORS == tuple(DOC_SELECTOR_CHOICES)

@@ -1,4 +1,4 @@
-"""Recompute modes' forward pieces (pcr_sglang.sglang_adapter.permuted_rows), no server.
+"""Recompute modes' forward pieces (pcr_sglang.reuse.rows), no server.
 
 The attention check is an invariance: keys carry their RoPE already, so a request whose
 row holds its positions in another order (kept reused tokens, then the recomputed ones,
@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pcr_sglang.core.doc_reuse import RowOrder
-from pcr_sglang.sglang_adapter import permuted_rows
-from pcr_sglang.sglang_adapter.permuted_rows import (
+from pcr_sglang.reuse import rows as permuted_rows
+from pcr_sglang.reuse.plan import RowOrder
+from pcr_sglang.reuse.rows import (
     ROWS_ATTR,
     apply_row_positions,
     permute_extend_inputs,

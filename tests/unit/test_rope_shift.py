@@ -47,7 +47,7 @@ from sglang.srt.layers.rotary_embedding.rope_variant import (
 )
 from sglang.srt.layers.rotary_embedding.yarn import YaRNScalingRotaryEmbedding
 
-from pcr_sglang.sglang_adapter.rope_spec import UnsupportedRope, model_rope_spec, rope_spec_of
+from pcr_sglang.reuse.model_rope import UnsupportedRope, model_rope_spec, rope_spec_of
 from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots, replace_layer, shift_keys_torch
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}

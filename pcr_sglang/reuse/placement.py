@@ -1,7 +1,7 @@
 """Document KV reuse on the scheduler's side: plan at match, copy and rotate at admission.
 
 A request opts in with ``sampling_params.custom_params["pcr_doc_bounds"]`` (see
-:mod:`pcr_sglang.core.doc_reuse`). SGLang's tree-cache protocol carries the reuse the way
+:mod:`pcr_sglang.reuse.plan`). SGLang's tree-cache protocol carries the reuse the way
 it carries a host hit, so its admission budget, locks and row writing apply unchanged:
 
 * :meth:`DocReuse.plan` (from ``match_prefix``, only looking): past the exact prefix, the
@@ -21,9 +21,9 @@ it carries a host hit, so its admission budget, locks and row writing apply unch
 * checkpoints stop at the plan's ``exact_end``: blended KV never enters the tree;
 * recompute modes (``lego``, ``blend``) keep only part of the re-placed tokens: the
   recomputed ones' slots are freed at admission, and they are extended at their true
-  positions behind the kept ones (:class:`pcr_sglang.core.doc_reuse.RowOrder`,
-  :mod:`pcr_sglang.sglang_adapter.permuted_rows`); ``blend`` picks them with the layer-1
-  probe (:mod:`pcr_sglang.sglang_adapter.blend_probe`);
+  positions behind the kept ones (:class:`pcr_sglang.reuse.plan.RowOrder`,
+  :mod:`pcr_sglang.reuse.rows`); ``blend`` picks them with the layer-1
+  probe (:mod:`pcr_sglang.reuse.blend_select`);
 * with ``fill_gaps`` (every mode where the attention takes permuted rows), a document that
   is not cached, between reused ones, is extended in place the same way, and the
   documents after it are still reused.
@@ -41,7 +41,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from pcr_sglang.core.chunk_tree import ChunkNode
-from pcr_sglang.core.doc_reuse import (
+from pcr_sglang.core.residency import CacheState
+from pcr_sglang.reuse.blend_select import Layer1Probe
+from pcr_sglang.reuse.plan import (
     CANONICAL_PARAM,
     DOC_BOUNDS_PARAM,
     RECOMPUTE_MODES,
@@ -59,8 +61,6 @@ from pcr_sglang.core.doc_reuse import (
     row_order,
     with_recompute,
 )
-from pcr_sglang.core.residency import CacheState
-from pcr_sglang.sglang_adapter.blend_probe import Layer1Probe
 from pcr_sglang.transfer.engine import TransferEngine
 from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots, replace_layer
 

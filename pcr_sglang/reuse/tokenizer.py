@@ -9,7 +9,7 @@ warmed before the request that needs them.
 * ``_send_one_request`` and ``_send_batch_request`` (AROUND): with ``--pcr-doc-reuse`` on,
   the canonical sequence ``S ‖ d ‖ pad`` of a marked request's documents is prefilled
   (one ``max_new_tokens=0`` request each, under the request's ``extra_key`` and
-  ``cache_salt``) when :class:`pcr_sglang.core.doc_warmup.WarmupLedger` says it is due:
+  ``cache_salt``) when :class:`pcr_sglang.reuse.warmup.WarmupLedger` says it is due:
   from a document's ``--pcr-doc-warmup-after``-th sighting, not within ``WARM_TTL_S`` of
   its last warm-up. ``--pcr-doc-warmup request``: concurrently, at the request's priority,
   before it is sent, so it reuses them itself; ``idle``: queued, one at a time while no
@@ -43,7 +43,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from pcr_sglang.core.doc_reuse import (
+from pcr_sglang.reuse import settings as reuse_settings
+from pcr_sglang.reuse.plan import (
     CANONICAL_PARAM,
     DOC_BOUNDS_PARAM,
     DocBoundsError,
@@ -56,7 +57,7 @@ from pcr_sglang.core.doc_reuse import (
     request_recompute,
     request_warm_now,
 )
-from pcr_sglang.core.doc_warmup import WarmupLedger, WarmupPolicy, WarmupStats
+from pcr_sglang.reuse.warmup import WarmupLedger, WarmupPolicy, WarmupStats
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def server_limits(args: Any) -> DocLimits:
     """What one request may mark on this server (the flags' defaults without server args)."""
     from pcr_sglang.config import PCRConfig
 
-    return PCRConfig.from_server_args(args).doc_limits()
+    return reuse_settings.limits(PCRConfig.from_server_args(args))
 
 
 def server_recompute(args: Any) -> Recompute:
@@ -120,7 +121,7 @@ def server_recompute(args: Any) -> Recompute:
         return Recompute("off")
     from pcr_sglang.config import PCRConfig
 
-    return PCRConfig.from_server_args(args).doc_recompute()
+    return reuse_settings.recompute(PCRConfig.from_server_args(args))
 
 
 class DocWarmer:
@@ -306,12 +307,12 @@ def _warmer_for(manager: Any) -> Optional[DocWarmer]:
         manager._pcr_doc_warmer = False
         return None
     from pcr_sglang.config import PCRConfig
-    from pcr_sglang.sglang_adapter.doc_reuse_setup import doc_pad_token_id
+    from pcr_sglang.reuse.setup import doc_pad_token_id
 
     hf_config = getattr(getattr(manager, "model_config", None), "hf_config", None)
     config = PCRConfig.from_server_args(args)
-    warmer = DocWarmer(int(config.chunk_size), doc_pad_token_id(hf_config), config.doc_recompute(),
-                       config.doc_warmup_policy(), limits=config.doc_limits())
+    warmer = DocWarmer(int(config.chunk_size), doc_pad_token_id(hf_config), reuse_settings.recompute(config),
+                       reuse_settings.warmup_policy(config), limits=reuse_settings.limits(config))
     manager._pcr_doc_warmer = warmer
     return warmer
 

@@ -15,7 +15,7 @@ parts:
   documents are queued and warmed one at a time while the server has nothing else in
   flight, so warm-ups never delay a request, and may never run on a busy server).
 
-The ledger only decides; the tokenizer-side adapter (``sglang_adapter/doc_warmer``) sends
+The ledger only decides; the tokenizer-side adapter (``reuse/tokenizer``) sends
 the prefills. Its memory is bounded: the oldest sightings and warm-ups are forgotten first.
 """
 

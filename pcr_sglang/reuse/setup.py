@@ -17,11 +17,12 @@ from typing import Any, Optional
 import torch
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
-from pcr_sglang.core.doc_reuse import RECOMPUTE_MODES
 from pcr_sglang.core.residency import CacheState
-from pcr_sglang.sglang_adapter.blend_probe import Layer1Probe, probe_support
-from pcr_sglang.sglang_adapter.doc_reuse import DocReuse
-from pcr_sglang.sglang_adapter.rope_spec import UnsupportedRope, model_rope_spec
+from pcr_sglang.reuse import settings as reuse_settings
+from pcr_sglang.reuse.blend_select import Layer1Probe, probe_support
+from pcr_sglang.reuse.model_rope import UnsupportedRope, model_rope_spec
+from pcr_sglang.reuse.placement import DocReuse
+from pcr_sglang.reuse.plan import RECOMPUTE_MODES
 from pcr_sglang.sglang_adapter.support_check import RECOMPUTE_ATTENTION_BACKENDS
 from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
 
@@ -158,9 +159,9 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
     # Without an engine, a copy is ordered after the forward in flight on this stream (a
     # GPU-side wait; HiCache fences on the same one).
     forward_stream = getattr(getattr(tp_worker, "model_runner", None), "forward_stream", None)
-    docs = DocReuse(state, config.doc_recompute(), config.chunk_size, pad, spec, kv_layers, allocator,
+    docs = DocReuse(state, reuse_settings.recompute(config), config.chunk_size, pad, spec, kv_layers, allocator,
                     scheduler.root_key, scheduler.free_private, probe=probe, fill_gaps=fill_gaps,
-                    engine=scheduler.engine, limits=config.doc_limits(),
+                    engine=scheduler.engine, limits=reuse_settings.limits(config),
                     forward_stream=forward_stream if kv_layers[0][0].is_cuda else None)
     docs.calibration = calibration
     return docs
@@ -171,7 +172,7 @@ def calibration_status(config: PCRConfig, model_fingerprint: str) -> dict[str, A
     ``/server_info``; raises :class:`PCRConfigError` for a calibration of other weights, or
     of a mode that missed its target (unless ``--pcr-doc-reuse-calibration-warn``)."""
     flag = f"--pcr-doc-reuse {config.doc_reuse}"
-    calibration = config.doc_calibration()
+    calibration = reuse_settings.calibration(config)
     if calibration is None:
         logger.warning("PCR document reuse: %s changes answers, by an amount that depends on the model, and its "
                        "accuracy on this model is unmeasured: measure it with `python -m pcr_tools.calibrate --url "
@@ -182,7 +183,7 @@ def calibration_status(config: PCRConfig, model_fingerprint: str) -> dict[str, A
                              f"weights ({calibration.model or 'a model'} with fingerprint "
                              f"{calibration.model_fingerprint[:16]}..., this server's is {model_fingerprint[:16]}...): "
                              f"calibrate this model")
-    verdict = config.doc_calibration_verdict()
+    verdict = reuse_settings.calibration_verdict(config)
     assert verdict is not None
     target = calibration.target
     status = {"file": config.doc_reuse_calibration, "measured": True, "meets_target": verdict.meets,

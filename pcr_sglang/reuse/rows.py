@@ -1,7 +1,7 @@
 """Recompute modes in SGLang's forward: a permuted row's input, positions and attention.
 
 A ``lego``/``blend`` request's row is ``[exact prefix ‖ kept reused tokens ‖ recomputed
-tokens ‖ the rest]`` (:class:`pcr_sglang.core.doc_reuse.RowOrder`), so the recomputed
+tokens ‖ the rest]`` (:class:`pcr_sglang.reuse.plan.RowOrder`), so the recomputed
 tokens are part of the extend SGLang runs. Three things then differ from a plain extend,
 each set where SGLang builds it, for the requests whose extend touches a permuted part:
 
@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pcr_sglang.core.doc_reuse import RowOrder
+from pcr_sglang.reuse.plan import RowOrder
 
 logger = logging.getLogger(__name__)
 
