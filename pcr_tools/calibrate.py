@@ -10,8 +10,9 @@ R in ``--blend-ratios``). A setting meets the target when full prefill's answers
 teacher-forced under it, keep their top-1 token at least ``--top1-min`` of the time, and
 its gold-answer score (lead-sentence F1, planted-fact exact match) is at least
 ``--gold-ratio-min`` of full prefill's. The file records every setting's figures, each
-mode's smallest setting that met the target, the target and the weights' fingerprint (the
-server refuses a calibration of other weights).
+mode's smallest setting that met the target, the target, the serving conditions (the
+server's selector, anchor tokens and KV dtype; the requests use the server's) and the
+weights' fingerprint (the server refuses a calibration of other weights or conditions).
 
     python -m pcr_tools.calibrate --url http://127.0.0.1:30000 --out smollm2-calibration.json
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from pcr_sglang.reuse.calibration import (
+    CalibrationConditions,
     CalibrationTarget,
     DocReuseCalibration,
     SettingResult,
@@ -91,6 +93,9 @@ def calibrate(server: Any, tokenizer: Any, *, questions: int, target: Calibratio
     fingerprint = (state.get("namespace") or {}).get("model_fingerprint")
     if not fingerprint:
         raise RuntimeError("the server reports no model fingerprint (/server_info pcr.namespace)")
+    if not docs.get("conditions"):
+        raise RuntimeError("the server reports no document-reuse conditions (selector, anchors, KV dtype)")
+    conditions = CalibrationConditions(**docs["conditions"])
     info = server.server_info()
     prompts = gold_prompts(question_set("test", questions, CALIBRATION_SEED), tokenizer, CALIBRATION_SEED)
 
@@ -115,7 +120,7 @@ def calibrate(server: Any, tokenizer: Any, *, questions: int, target: Calibratio
                 break  # the smallest setting that meets it: larger ones recompute more
         modes[mode] = smallest_meeting(mode, results)
     return DocReuseCalibration(model_fingerprint=fingerprint, model=str(info.get("model_path", "")), target=target,
-                               questions=len(prompts), modes=modes,
+                               questions=len(prompts), modes=modes, conditions=conditions,
                                created=datetime.datetime.now().isoformat(timespec="seconds"))
 
 

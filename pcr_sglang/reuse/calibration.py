@@ -4,8 +4,9 @@ measured on one model, and what the server does with it (``--pcr-doc-reuse-calib
 Document reuse changes answers, by an amount that depends on the model (a fine-tuned one
 loses little, a small general one a lot). The calibration file records, for the weights it
 was measured on (their fingerprint), each mode's fidelity and gold-answer ratio against
-full prefill on a question sample, the target it was held to, and the smallest K (``lego``)
-or R (``blend``) that met it. A server started with the file uses that K or R and refuses
+full prefill on a question sample, the target it was held to, the conditions it was served
+under (blend's selector and anchor tokens, the KV dtype), and the smallest K (``lego``) or
+R (``blend``) that met it. A server started with the file uses that K or R and refuses
 a mode that missed the target (or, with ``--pcr-doc-reuse-calibration-warn``, serves it and
 says so in its startup log and ``/server_info``). The file is plain JSON, written once per
 model, reviewed like any config.
@@ -18,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: the serving conditions are recorded
 CALIBRATED_MODES = ("concat", "lego", "blend")
 
 
@@ -33,6 +34,34 @@ class CalibrationTarget:
 
     top1_min: float = 0.90
     gold_ratio_min: float = 0.95
+
+
+@dataclass(frozen=True)
+class CalibrationConditions:
+    """What else than K or R changes a reused answer, as the calibrated server ran it. A
+    server started under other conditions refuses the file: its verdict would not hold."""
+
+    selector: str = "deviation"  # blend's ranking (--pcr-doc-selector)
+    anchor_tokens: int = 0  # blend's first tokens of each document (--pcr-doc-anchor-tokens)
+    kv_dtype: str = "float32"  # the KV pool's dtype: re-placement rotates K in it
+
+    def differences(self, other: "CalibrationConditions") -> list[str]:
+        """``name: file's vs other's`` for each condition that differs."""
+        return [f"{name} {getattr(self, name)!r} (this server: {getattr(other, name)!r})"
+                for name in ("selector", "anchor_tokens", "kv_dtype") if getattr(self, name) != getattr(other, name)]
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "CalibrationConditions":
+        if not isinstance(raw, dict) or set(raw) != {"selector", "anchor_tokens", "kv_dtype"}:
+            raise CalibrationError(f"conditions must name selector, anchor_tokens and kv_dtype, got {raw!r}")
+        selector, anchors, dtype = raw["selector"], raw["anchor_tokens"], raw["kv_dtype"]
+        if not isinstance(selector, str) or not selector:
+            raise CalibrationError(f"conditions.selector must be a name, got {selector!r}")
+        if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 0:
+            raise CalibrationError(f"conditions.anchor_tokens must be an integer >= 0, got {anchors!r}")
+        if not isinstance(dtype, str) or not dtype:
+            raise CalibrationError(f"conditions.kv_dtype must be a dtype name, got {dtype!r}")
+        return cls(selector, anchors, dtype)
 
 
 @dataclass(frozen=True)
@@ -62,6 +91,7 @@ class DocReuseCalibration:
     target: CalibrationTarget
     questions: int
     modes: dict[str, ModeCalibration] = field(default_factory=dict)
+    conditions: CalibrationConditions = field(default_factory=CalibrationConditions)
     created: str = ""
     version: int = CALIBRATION_VERSION
 
@@ -87,8 +117,9 @@ class DocReuseCalibration:
             fingerprint = raw["model_fingerprint"]
             if not isinstance(fingerprint, str) or not fingerprint:
                 raise CalibrationError(f"model_fingerprint must be a non-empty string, got {fingerprint!r}")
+            conditions = CalibrationConditions.from_dict(raw["conditions"])
             return cls(model_fingerprint=fingerprint, model=str(raw.get("model", "")), target=target,
-                       questions=questions, modes=modes, created=str(raw.get("created", "")))
+                       questions=questions, modes=modes, conditions=conditions, created=str(raw.get("created", "")))
         except CalibrationError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError) as e:

@@ -43,6 +43,7 @@ import torch
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.reuse.blend_select import Layer1Probe
+from pcr_sglang.reuse.calibration import CalibrationConditions
 from pcr_sglang.reuse.plan import (
     CANONICAL_PARAM,
     DOC_BOUNDS_PARAM,
@@ -128,6 +129,8 @@ class DocReuse:
         self.mode = recompute.mode
         # What is known of the mode's accuracy on this model (doc_reuse_setup.calibration_status).
         self.calibration: dict[str, Any] = {"file": None, "measured": False}
+        # What a calibration of this server must have been measured under (reuse.setup).
+        self.conditions: Optional[CalibrationConditions] = None
         # Compute a document that is not cached in place and go on reusing the ones after
         # it (a permuted row, as recompute has): needs the position-causal attention.
         self.fill_gaps = fill_gaps or recompute.mode in RECOMPUTE_MODES

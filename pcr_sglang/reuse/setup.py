@@ -12,6 +12,7 @@ check cannot run, is refused with a message naming the flag.
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from typing import Any, Optional
 
 import torch
@@ -20,6 +21,7 @@ from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.reuse import settings as reuse_settings
 from pcr_sglang.reuse.blend_select import Layer1Probe, probe_support
+from pcr_sglang.reuse.calibration import CalibrationConditions
 from pcr_sglang.reuse.model_rope import UnsupportedRope, model_rope_spec
 from pcr_sglang.reuse.placement import DocReuse
 from pcr_sglang.reuse.plan import RECOMPUTE_MODES
@@ -153,7 +155,9 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
             logger.info("PCR document reuse (concat): a request's reuse stops at its first document that is not "
                         "cached; computing that document in place needs a permuted row (%s)", gap_problem)
     pad = doc_pad_token_id(hf_config)
-    calibration = calibration_status(config, model_fingerprint)
+    conditions = CalibrationConditions(config.doc_selector, int(config.doc_anchor_tokens),
+                                       str(kv_dtype).removeprefix("torch."))
+    calibration = calibration_status(config, model_fingerprint, conditions)
     logger.info("PCR document reuse: mode %s, RoPE %s, layer-0 self-test passed, pad token %d",
                 config.doc_reuse, spec.signature(), pad)
     # Without an engine, a copy is ordered after the forward in flight on this stream (a
@@ -164,13 +168,16 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
                     engine=scheduler.engine, limits=reuse_settings.limits(config),
                     forward_stream=forward_stream if kv_layers[0][0].is_cuda else None)
     docs.calibration = calibration
+    docs.conditions = conditions
     return docs
 
 
-def calibration_status(config: PCRConfig, model_fingerprint: str) -> dict[str, Any]:
+def calibration_status(config: PCRConfig, model_fingerprint: str,
+                       conditions: Optional[CalibrationConditions] = None) -> dict[str, Any]:
     """What is known of the mode's accuracy on this model, for the startup log and
-    ``/server_info``; raises :class:`PCRConfigError` for a calibration of other weights, or
-    of a mode that missed its target (unless ``--pcr-doc-reuse-calibration-warn``)."""
+    ``/server_info``; raises :class:`PCRConfigError` for a calibration of other weights or
+    measured under other ``conditions`` (selector, anchor tokens, KV dtype), or of a mode
+    that missed its target (unless ``--pcr-doc-reuse-calibration-warn``)."""
     flag = f"--pcr-doc-reuse {config.doc_reuse}"
     calibration = reuse_settings.calibration(config)
     if calibration is None:
@@ -183,12 +190,17 @@ def calibration_status(config: PCRConfig, model_fingerprint: str) -> dict[str, A
                              f"weights ({calibration.model or 'a model'} with fingerprint "
                              f"{calibration.model_fingerprint[:16]}..., this server's is {model_fingerprint[:16]}...): "
                              f"calibrate this model")
+    differences = calibration.conditions.differences(conditions) if conditions is not None else []
+    if differences:
+        raise PCRConfigError(f"--pcr-doc-reuse-calibration {config.doc_reuse_calibration} was measured under other "
+                             f"conditions: {'; '.join(differences)}: calibrate under this server's")
     verdict = reuse_settings.calibration_verdict(config)
     assert verdict is not None
     target = calibration.target
     status = {"file": config.doc_reuse_calibration, "measured": True, "meets_target": verdict.meets,
               "value": verdict.value, "target": {"top1_min": target.top1_min, "gold_ratio_min": target.gold_ratio_min},
-              "questions": calibration.questions, "created": calibration.created}
+              "questions": calibration.questions, "created": calibration.created,
+              "conditions": asdict(calibration.conditions)}
     what = (f"top-1 agreement >= {target.top1_min:.0%} and gold answers >= {target.gold_ratio_min:.0%} of full "
             f"prefill's on {calibration.questions} questions")
     if not verdict.meets:

@@ -70,6 +70,7 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
         "doc_reuse": {"mode": scheduler.docs.mode, "rope": scheduler.docs.rope.signature(),
                       "fill_gaps": scheduler.docs.fill_gaps,
                       "calibration": scheduler.docs.calibration,
+                      "conditions": asdict(scheduler.docs.conditions) if scheduler.docs.conditions else None,
                       "counters": asdict(scheduler.docs.stats)} if scheduler.docs is not None else None,
         "invariants": {"checked": check_invariants, "ok": (invariant_error is None) if check_invariants else None,
                        "error": invariant_error},

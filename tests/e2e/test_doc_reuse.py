@@ -319,7 +319,7 @@ def test_the_tuning_trains_on_what_the_server_serves(servers, tokenizer, passage
     assert off_full > 2e-2 and off_unrotated > 2e-2, (off_full, off_unrotated)
 
 
-def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(servers, tmp_path):
+def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(servers, tiny_model, tmp_path):
     """``python -m pcr_tools.calibrate`` against a live blend server: every mode measured
     (concat, lego and blend at the settings asked), the weights' fingerprint recorded, and
     the file accepted at startup for those weights (and refused for others)."""
@@ -343,6 +343,19 @@ def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(
     assert calibration_status(config, fingerprint)["meets_target"] and reuse_settings.recompute(config).ratio == 0.3
     with pytest.raises(PCRConfigError, match="other weights"):
         calibration_status(config, "0" * 32)
+    assert calibration.conditions.selector == "deviation" and calibration.conditions.anchor_tokens == 0
+    assert calibration.conditions.kv_dtype == "float32"
+    # A server started with the file takes its R and reports the verdict; one started under
+    # other conditions (here the query selector) is refused at startup, naming them.
+    calibrated = ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration", str(out))
+    with serving({"calibrated": ServerProcess(tiny_model, (*TIERED_ARGS, *calibrated))}) as started:
+        docs_state = started["calibrated"].pcr_state()["doc_reuse"]
+        assert docs_state["calibration"]["meets_target"] and docs_state["calibration"]["value"] == 0.3
+        assert docs_state["calibration"]["conditions"] == docs_state["conditions"]
+    with pytest.raises(RuntimeError, match="measured under other conditions: selector 'deviation'"):
+        query = ("--pcr-doc-selector", "query")
+        with serving({"refused": ServerProcess(tiny_model, (*TIERED_ARGS, *calibrated, *query))}):
+            pass
 
 
 def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: int = 0, ratio: float = 0.0,

@@ -11,6 +11,7 @@ import pytest
 from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.reuse import settings as reuse_settings
 from pcr_sglang.reuse.calibration import (
+    CalibrationConditions,
     CalibrationError,
     CalibrationTarget,
     DocReuseCalibration,
@@ -46,9 +47,17 @@ def test_the_file_round_trips_and_keeps_the_smallest_setting_that_met_the_target
 @pytest.mark.parametrize("content, message", [
     ("not json", "is not JSON"),
     (json.dumps({"version": 9}), "version 9"),
-    (json.dumps({"version": 1, "modes": {}}), "malformed"),
-    (json.dumps({"version": 1, "model_fingerprint": "x", "target": {}, "questions": 1,
+    (json.dumps({"version": 2, "modes": {}}), "malformed"),
+    (json.dumps({"version": 1, "model_fingerprint": "x", "target": {}, "questions": 1, "modes": {}}),
+     "version 1, expected 2"),
+    (json.dumps({"version": 2, "model_fingerprint": "x", "target": {}, "questions": 1,
                  "modes": {"mosaic": {"meets": True}}}), "unknown mode"),
+    (json.dumps({"version": 2, "model_fingerprint": "x", "target": {}, "questions": 1, "modes": {}}), "malformed"),
+    (json.dumps({"version": 2, "model_fingerprint": "x", "target": {}, "questions": 1, "modes": {},
+                 "conditions": {"selector": "deviation", "anchor_tokens": 0}}), "must name selector"),
+    (json.dumps({"version": 2, "model_fingerprint": "x", "target": {}, "questions": 1, "modes": {},
+                 "conditions": {"selector": "deviation", "anchor_tokens": -1, "kv_dtype": "float32"}}),
+     "anchor_tokens must be an integer"),
 ])
 def test_bad_files_are_refused_naming_the_problem(tmp_path, content, message):
     path = tmp_path / "c.json"
@@ -71,6 +80,20 @@ def test_the_server_takes_the_calibrated_r_and_refuses_what_it_cannot_use(tmp_pa
     with pytest.raises(PCRConfigError, match="--pcr-doc-reuse-calibration: cannot read"):
         missing = str(tmp_path / "nope")
         reuse_settings.validate(PCRConfig(enabled=True, doc_reuse="blend", doc_reuse_calibration=missing))
+
+
+def test_a_calibration_measured_under_other_conditions_is_refused(tmp_path):
+    """The verdict holds for the selector, anchors and KV dtype it was measured under only."""
+    path = _write(tmp_path, _calibration())
+    blend = PCRConfig(enabled=True, doc_reuse="blend", doc_reuse_calibration=path)
+    same = CalibrationConditions("deviation", 0, "float32")
+    assert calibration_status(blend, FINGERPRINT, same)["conditions"] == {
+        "selector": "deviation", "anchor_tokens": 0, "kv_dtype": "float32"}
+    for other, named in ((CalibrationConditions("query", 0, "float32"), "selector 'deviation'"),
+                         (CalibrationConditions("deviation", 8, "float32"), "anchor_tokens 0"),
+                         (CalibrationConditions("deviation", 0, "bfloat16"), "kv_dtype 'float32'")):
+        with pytest.raises(PCRConfigError, match=f"other conditions: {named}"):
+            calibration_status(blend, FINGERPRINT, other)
 
 
 def test_startup_verdicts(tmp_path, caplog):
