@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -15,7 +16,7 @@ from typing import Any, Callable
 
 from pcr_sglang.paths import cache_root
 
-__all__ = ["STAMP_FILE", "build_cached", "cache_root"]
+__all__ = ["STAMP_FILE", "build_cached", "cache_root", "weights_sha256"]
 
 STAMP_FILE = "pcr_recipe.json"
 
@@ -42,3 +43,14 @@ def build_cached(out_dir: Path, recipe: dict[str, Any], build: Callable[[Path], 
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def weights_sha256(model_dir: Path) -> str:
+    """SHA-256 over a model folder's safetensors files in name order: what a tuned adapter
+    records of the base it was trained on (and the merge checks)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()

@@ -4,7 +4,9 @@ namespace of its own).
 
 The adapter folder holds PEFT's ``adapter_config.json``, ``adapter_model.safetensors`` and
 the tuning's ``recipe.json`` (:mod:`pcr_tools.tune.train`), whose ``adapter_sha256`` the
-adapter file must match: a changed or truncated adapter is refused, never merged.
+adapter file must match and whose ``base_model_sha256`` the base's weights must match: a
+changed or truncated adapter, or a base other than the one it was tuned on, is refused,
+never merged.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from pcr_tools.models import build_cached
+from pcr_tools.models import build_cached, weights_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,11 @@ def build_merged(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
+        expected_base = json.loads((adapter_dir / RECIPE_FILE).read_text()).get("base_model_sha256")
+        actual_base = weights_sha256(base_dir)
+        if expected_base != actual_base:
+            raise ValueError(f"{adapter_dir} was tuned on a base with weights SHA-256 {expected_base}; {base_dir}'s "
+                             f"are {actual_base}: refusing to merge it into other weights")
         logger.info("Merging %s into %s (once)", adapter_dir, base_dir)
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
         merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from pcr_tools.models import weights_sha256
 from pcr_tools.tune.questions import KINDS, Question, make_question, split_articles
 from pcr_tools.tune.served_pattern import MarkedPrompt, served_generate, served_logits
 
@@ -236,13 +237,6 @@ def save_adapter(model: Any, out_dir: Path, params: TuneParams, result: TuneResu
         "versions": {"torch": torch.__version__, "python": platform.python_version(), **_versions()},
     }
     (out_dir / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
-
-
-def weights_sha256(model_dir: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(model_dir.glob("*.safetensors")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def _versions() -> dict[str, str]:

@@ -228,3 +228,21 @@ def test_a_changed_adapter_is_refused(tiny_model, tiny_adapter, tmp_path):
     (copy / "adapter_model.safetensors").write_bytes(bytes(data))
     with pytest.raises(ValueError, match="refusing to merge"):
         build_merged(tiny_model, copy, tmp_path / "merged")
+
+
+def test_an_adapter_is_not_merged_into_a_base_it_was_not_tuned_on(tiny_model, tiny_adapter, tmp_path):
+    import shutil
+
+    from pcr_tools.models import weights_sha256
+    from pcr_tools.models.merged import build_merged
+
+    adapter, _ = tiny_adapter
+    assert json.loads((adapter / "recipe.json").read_text())["base_model_sha256"] == weights_sha256(Path(tiny_model))
+    other = tmp_path / "adapter"
+    shutil.copytree(adapter, other)
+    recipe = json.loads((other / "recipe.json").read_text())
+    recipe["base_model_sha256"] = "0" * 64  # as if tuned on other weights
+    (other / "recipe.json").write_text(json.dumps(recipe))
+    with pytest.raises(ValueError, match="refusing to merge it into other weights"):
+        build_merged(tiny_model, other, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
