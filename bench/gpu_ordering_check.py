@@ -1,6 +1,6 @@
 """GPU check of the transfer engine's CUDA branch against the CPU ordering model.
 
-The unit tests (``tests/unit/test_transfer_ordering.py``) run the engine's stream algorithm
+The unit tests (``tests/unit/transfer/test_transfer_ordering.py``) run the engine's stream algorithm
 on :class:`~pcr_sglang.transfer.streams.OrderingModel`, which proves that the waits the
 engine issues order every copy against the forward under CUDA's stream semantics as the
 model states them. This script runs the same kind of scenarios on a real GPU:

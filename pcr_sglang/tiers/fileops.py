@@ -3,7 +3,7 @@
 The store never calls ``os.write``/``os.fsync``/``os.rename``/... directly: it goes
 through one of these objects, so a test can record every state-changing operation in
 order (:class:`RecordingFileOps`) and then rebuild the states a power cut may leave
-behind (``tests/unit/test_store_crash_states.py``), in the style of ALICE and
+behind (``tests/unit/tiers/test_store_crash_states.py``), in the style of ALICE and
 CrashMonkey. Reads are not routed here: they change nothing a crash could lose.
 """
 

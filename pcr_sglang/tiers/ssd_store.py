@@ -45,7 +45,7 @@ may lose or tear recent records, and verification on read refuses what it tore).
 mode a record becomes visible under its final name only once it is complete, and nothing
 that fails verification is served. The protocol is checked against the crash states POSIX
 allows after each of its operations (in the combinations that test enumerates) by
-``tests/unit/test_store_crash_states.py`` through :mod:`.fileops`.
+``tests/unit/tiers/test_store_crash_states.py`` through :mod:`.fileops`.
 
 This module knows nothing of SGLang or the tree: the cache decides what to write, read
 and delete; the store moves bytes and keeps them honest.

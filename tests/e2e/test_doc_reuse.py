@@ -447,7 +447,7 @@ def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, pa
     from the recompute output for most prompts, so the comparison can tell. (Without the
     mask applied in the server, lego failed here.) The tiny model has two layers, so blend's
     probe makes every re-placed token exact at both and which tokens it picks cannot move
-    the answer: the pick is checked in tests/unit/test_doc_reuse_setup.py, and on four
+    the answer: the pick is checked in tests/unit/reuse/test_doc_reuse_setup.py, and on four
     layers by the next test."""
     model = hf_model
     docs = servers["docs"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pcr_sglang.core import ChunkTree
-from tests.unit.test_chunk_tree import CHUNK, insert, keys
+from tests.unit.core.test_chunk_tree import CHUNK, insert, keys
 
 
 def three_chunks_on_all_tiers():

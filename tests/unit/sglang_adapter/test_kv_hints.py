@@ -9,8 +9,8 @@ from pcr_sglang.core import Effects
 from pcr_sglang.core.hints import Hint, HintBook, HintError, HintLimits, HintPayload
 from pcr_sglang.io.protocol import ReadChunk, Reorder
 from pcr_sglang.sglang_adapter.kv_hints import hint_payload
-from tests.unit.test_cache_state import Driver
-from tests.unit.test_chunk_tree import CHUNK, keys
+from tests.unit.core.test_cache_state import Driver
+from tests.unit.core.test_chunk_tree import CHUNK, keys
 
 
 def test_a_hint_lives_until_its_ttl_capped_by_the_server():

@@ -10,7 +10,7 @@ import pytest
 from pcr_sglang.core import CacheState, CacheStateConfig, Effects, IoOutcome
 from pcr_sglang.core.host_slots import SlotState
 from pcr_sglang.io.protocol import DeleteChunk, ReadChunk, Reorder, WriteChunk
-from tests.unit.test_chunk_tree import CHUNK, keys
+from tests.unit.core.test_chunk_tree import CHUNK, keys
 
 
 class Driver:

@@ -25,7 +25,7 @@ from tests.mutations.runner import (
 )
 from tests.mutations.table import KINDS, MUTANTS, Mutant
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MODULE = "tinymod/__init__.py"
 ORIGINAL = '"""A module small enough to mutate."""\n\n\ndef add(a, b):\n    return a + b\n'
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pcr_sglang.core import ChunkTree
-from tests.unit.test_chunk_tree import CHUNK, insert, keys
+from tests.unit.core.test_chunk_tree import CHUNK, insert, keys
 
 
 def demote_to(slots: list[int]):

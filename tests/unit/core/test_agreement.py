@@ -116,7 +116,7 @@ def read_first_prompt(h, prefill_tokens_per_second=None):
     """Persist three prompts (the first leaves host memory), then serve the first again:
     held while its SSD chunks are read, then admitted. The prefill speed sets how long a
     request waits for reads (about what recomputing them would take)."""
-    from tests.unit.test_prefix_cache_adapter import persisted, prompt
+    from tests.unit.sglang_adapter.test_prefix_cache_adapter import persisted, prompt
 
     persisted(h, [prompt(100), prompt(200), prompt(300)])
     h.state.cost_model.prefill_tokens_per_second = prefill_tokens_per_second
@@ -190,7 +190,7 @@ def test_a_kv_hint_lives_by_the_clock_the_ranks_agree_on(tmp_path):
     pytest.importorskip("sglang")
     from pcr_sglang.core.hints import HintPayload
     from tests.unit.adapter_harness import Harness
-    from tests.unit.test_prefix_cache_adapter import persisted, prompt
+    from tests.unit.sglang_adapter.test_prefix_cache_adapter import persisted, prompt
 
     ranks = TwoRanks()
     tokens = prompt(100)

@@ -12,8 +12,8 @@ from bench.hint_step import old_plan_prefetch
 from pcr_sglang.core import Effects, IoOutcome
 from pcr_sglang.core.hints import DEFAULT_TENANT, Hint, HintBook, HintLimits, HintPayload, hint_tenant
 from pcr_sglang.io.protocol import ReadChunk, Reorder, WriteChunk
-from tests.unit.test_cache_state import Driver
-from tests.unit.test_chunk_tree import CHUNK, keys
+from tests.unit.core.test_cache_state import Driver
+from tests.unit.core.test_chunk_tree import CHUNK, keys
 
 
 # ------------------------------------------------------------------ the book, per tenant
@@ -243,7 +243,7 @@ def make():
 def test_hint_steps_do_not_match_the_live_hints_again(make, tmp_path):
     """Review finding: every scheduler step matched every live hint's whole chain (twice
     with --pcr-hint-to-device). Now a step matches only the waiting queue's requests."""
-    from tests.unit.test_prefix_cache_adapter import _hint, persisted, prompt
+    from tests.unit.sglang_adapter.test_prefix_cache_adapter import _hint, persisted, prompt
 
     prompts = [prompt(100 * (i + 1)) for i in range(4)]
     persisted(make(host_slots=3, ssd_path=tmp_path / "ssd"), prompts)

@@ -24,7 +24,7 @@ from pcr_sglang.reuse.rows import (
     position_causal_sdpa_extend,
     triton_position_mask,
 )
-from tests.unit.test_torch_native_extend import BATCH, TOLERANCES, make_batch, reference_padded, run_backend
+from tests.unit.reuse.test_torch_native_extend import BATCH, TOLERANCES, make_batch, reference_padded, run_backend
 
 HEAD_DIM = 16
 

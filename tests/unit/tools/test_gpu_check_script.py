@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CHECK = ROOT / "scripts" / "gpu_check.sh"
 WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
 STEPS = ["kernels-copy", "kernels-rope", "kernels-mask", "ordering", "transfer", "retrieval"]
