@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.ragbench.__main__ import main
+
+pytestmark = pytest.mark.e2e
 
 
 def test_quick_benchmark_runs_every_configuration_and_reports(tiny_model, tmp_path):

@@ -87,3 +87,10 @@ def test_the_request_side_selectors_are_the_flags_choices():
     from pcr_sglang.server_args_fields import DOC_SELECTOR_CHOICES
 
     assert SELECTORS == tuple(DOC_SELECTOR_CHOICES)
+
+
+def test_every_end_to_end_module_is_marked_as_such():
+    """``-m "not e2e"`` must leave out every module that starts a server."""
+    unmarked = [p.name for p in sorted((REPO / "tests" / "e2e").glob("test_*.py"))
+                if "pytestmark = pytest.mark.e2e" not in p.read_text(encoding="utf-8")]
+    assert unmarked == []
