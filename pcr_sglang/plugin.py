@@ -60,6 +60,7 @@ import logging
 from typing import Any, Callable
 
 from pcr_sglang.install_check import check_sglang_install
+from pcr_sglang.reuse.bounds import ROWS_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +266,6 @@ def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **
     return result
 
 
-ROWS_ATTR = "pcr_row_positions"  # reuse.rows.ROWS_ATTR, without importing torch here
 
 
 def _row_positions(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from pcr_sglang.core.keys import ChunkKey
 
@@ -276,3 +276,20 @@ class HintBook:
 def _group_of(hint: Hint) -> tuple:
     """A hint's group, in its tenant's namespace (a hint without one is a group of its own)."""
     return (hint.tenant, 0, hint.group) if hint.group is not None else (hint.tenant, 1, hint.hint_id)
+
+
+def hint_payload(envelope: Any) -> Optional[HintPayload]:
+    """The ``pcr.lookahead_prefetch`` action of a ``KvHintsEnvelope`` (None without one;
+    duck-typed: SGLang's envelope or anything with its ``actions``).
+    Raises :class:`HintError` for a malformed one."""
+    actions = getattr(envelope, "actions", None) or ()
+    ours = [a for a in actions if getattr(a, "action_type", None) == HINT_ACTION]
+    if not ours:
+        return None
+    if len(ours) > 1:
+        raise HintError(f"kv_hints carries {len(ours)} {HINT_ACTION} actions; send one per request")
+    action = ours[0]
+    if action.action_version != HINT_ACTION_VERSION:
+        raise HintError(f"{HINT_ACTION} action_version {action.action_version!r} is not supported "
+                        f"(this server implements {HINT_ACTION_VERSION!r})")
+    return HintPayload.parse(action.payload)

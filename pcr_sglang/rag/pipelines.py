@@ -44,7 +44,7 @@ import requests
 from pcr_sglang.core.hints import hint_envelope
 from pcr_sglang.rag.ivf import normalized
 from pcr_sglang.rag.lookahead import LookaheadRetriever, SearchResult, SearchStats
-from pcr_sglang.reuse.plan import DOC_BOUNDS_PARAM
+from pcr_sglang.reuse.bounds import DOC_BOUNDS_PARAM
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.lang.interpreter import StreamExecutor
 from sglang.lang.ir import SglSamplingParams
 
-from pcr_sglang.reuse.plan import DOC_BOUNDS_PARAM
+from pcr_sglang.reuse.bounds import DOC_BOUNDS_PARAM
 
 logger = logging.getLogger(__name__)
 

@@ -43,8 +43,7 @@ import torch
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.reuse.blend_select import Layer1Probe
-from pcr_sglang.reuse.calibration import CalibrationConditions
-from pcr_sglang.reuse.plan import (
+from pcr_sglang.reuse.bounds import (
     CANONICAL_PARAM,
     DOC_BOUNDS_PARAM,
     RECOMPUTE_MODES,
@@ -52,16 +51,12 @@ from pcr_sglang.reuse.plan import (
     DocLimits,
     DocSpan,
     Recompute,
-    ReusePlan,
-    RowOrder,
-    canonical_chain_keys,
     doc_params,
     parse_doc_bounds,
-    plan_reuse,
     request_recompute,
-    row_order,
-    with_recompute,
 )
+from pcr_sglang.reuse.calibration import CalibrationConditions
+from pcr_sglang.reuse.plan import ReusePlan, RowOrder, canonical_chain_keys, plan_reuse, row_order, with_recompute
 from pcr_sglang.transfer.engine import TransferEngine
 from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots, replace_layer
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from pcr_sglang.reuse.plan import DOC_BOUNDS_PARAM, DOC_MODE_PARAM
+from pcr_sglang.reuse.bounds import DOC_BOUNDS_PARAM, DOC_MODE_PARAM
 
 _SENTINEL = "\x00PCR-DOCUMENTS\x00"
 DEFAULT_DOC_FORMAT = "Document: {doc}\n\n"

@@ -30,11 +30,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from pcr_sglang.reuse.bounds import ROWS_ATTR
 from pcr_sglang.reuse.plan import RowOrder
 
 logger = logging.getLogger(__name__)
 
-ROWS_ATTR = "pcr_row_positions"
 
 
 @dataclass

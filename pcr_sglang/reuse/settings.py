@@ -12,8 +12,8 @@ import functools
 from typing import Optional
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
+from pcr_sglang.reuse.bounds import DocLimits, Recompute
 from pcr_sglang.reuse.calibration import CalibrationError, DocReuseCalibration, ModeCalibration
-from pcr_sglang.reuse.plan import DocLimits, Recompute
 from pcr_sglang.reuse.warmup import WarmupPolicy
 
 

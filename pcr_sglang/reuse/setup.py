@@ -21,11 +21,10 @@ from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.reuse import settings as reuse_settings
 from pcr_sglang.reuse.blend_select import Layer1Probe, probe_support
+from pcr_sglang.reuse.bounds import RECOMPUTE_ATTENTION_BACKENDS, RECOMPUTE_MODES
 from pcr_sglang.reuse.calibration import CalibrationConditions
 from pcr_sglang.reuse.model_rope import UnsupportedRope, model_rope_spec
 from pcr_sglang.reuse.placement import DocReuse
-from pcr_sglang.reuse.plan import RECOMPUTE_MODES
-from pcr_sglang.sglang_adapter.support_check import RECOMPUTE_ATTENTION_BACKENDS
 from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
 
 logger = logging.getLogger(__name__)

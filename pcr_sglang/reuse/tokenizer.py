@@ -44,19 +44,19 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pcr_sglang.reuse import settings as reuse_settings
-from pcr_sglang.reuse.plan import (
+from pcr_sglang.reuse.bounds import (
     CANONICAL_PARAM,
     DOC_BOUNDS_PARAM,
     DocBoundsError,
     DocLimits,
     DocSpan,
     Recompute,
-    canonical_tokens,
     doc_params,
     parse_doc_bounds,
     request_recompute,
     request_warm_now,
 )
+from pcr_sglang.reuse.plan import canonical_tokens
 from pcr_sglang.reuse.warmup import WarmupLedger, WarmupPolicy, WarmupStats
 
 logger = logging.getLogger(__name__)
@@ -328,8 +328,7 @@ def _marked(tokenized: Any) -> bool:
 
 
 def _hint_only(tokenized: Any) -> bool:
-    from pcr_sglang.core.hints import HintError
-    from pcr_sglang.sglang_adapter.kv_hints import hint_payload
+    from pcr_sglang.core.hints import HintError, hint_payload
 
     try:
         payload = hint_payload(getattr(tokenized, "kv_hints", None))

@@ -26,27 +26,11 @@ SGLang 0.5.23 carries the field to ``Req.kv_hints`` and implements no action its
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
-from pcr_sglang.core.hints import HINT_ACTION, HINT_ACTION_VERSION, HintError, HintPayload
+from pcr_sglang.core.hints import HintError, hint_payload
 
 logger = logging.getLogger(__name__)
-
-
-def hint_payload(envelope: Any) -> Optional[HintPayload]:
-    """The ``pcr.lookahead_prefetch`` action of a ``KvHintsEnvelope`` (None without one).
-    Raises :class:`HintError` for a malformed one."""
-    actions = getattr(envelope, "actions", None) or ()
-    ours = [a for a in actions if getattr(a, "action_type", None) == HINT_ACTION]
-    if not ours:
-        return None
-    if len(ours) > 1:
-        raise HintError(f"kv_hints carries {len(ours)} {HINT_ACTION} actions; send one per request")
-    action = ours[0]
-    if action.action_version != HINT_ACTION_VERSION:
-        raise HintError(f"{HINT_ACTION} action_version {action.action_version!r} is not supported "
-                        f"(this server implements {HINT_ACTION_VERSION!r})")
-    return HintPayload.parse(action.payload)
 
 
 def validate_kv_hints(result: Any, manager: Any, obj: Any, *args: Any, **kwargs: Any) -> None:

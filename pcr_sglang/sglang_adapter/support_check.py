@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
-from pcr_sglang.reuse.plan import RECOMPUTE_MODES
+from pcr_sglang.reuse.bounds import RECOMPUTE_ATTENTION_BACKENDS, RECOMPUTE_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,6 @@ DOC_REUSE_REFUSED_ROPE = {"dynamic": "dynamic NTK scaling (frequencies depend on
 
 
 # Extend attention backends that take a position-causal mask over a permuted row.
-RECOMPUTE_ATTENTION_BACKENDS = ("torch_native", "triton")
 
 
 def permuted_row_flags(cfg: Any) -> Optional[str]:

@@ -60,7 +60,7 @@ class ModeSpec:
         return 0
 
     def custom_params(self) -> dict[str, Any]:
-        from pcr_sglang.reuse.plan import (
+        from pcr_sglang.reuse.bounds import (
             ANCHOR_TOKENS_PARAM,
             DOC_MODE_PARAM,
             RECOMPUTE_RATIO_PARAM,
@@ -281,7 +281,7 @@ def measure_full(server: Any, p: GoldPrompt, max_new_tokens: int, top_k: int,
 def measure_reuse(server: Any, p: GoldPrompt, reference: dict[str, Any], spec: Any, max_new_tokens: int,
                   decode: Callable[[list[int]], str]) -> dict[str, Any]:
     """``spec``: a ``bench.doc_reuse_accuracy.ModeSpec`` (mode, K or R, custom params)."""
-    from pcr_sglang.reuse.plan import QUESTION_END_PARAM, WARM_NOW_PARAM
+    from pcr_sglang.reuse.bounds import QUESTION_END_PARAM, WARM_NOW_PARAM
     from pcr_sglang.reuse.prompt import DocPrompt
 
     def body(tokens: int, **custom: Any) -> dict[str, Any]:

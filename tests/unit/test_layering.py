@@ -83,7 +83,7 @@ def test_the_config_imports_no_feature():
 
 
 def test_the_request_side_selectors_are_the_flags_choices():
-    from pcr_sglang.reuse.plan import SELECTORS
+    from pcr_sglang.reuse.bounds import SELECTORS
     from pcr_sglang.server_args_fields import DOC_SELECTOR_CHOICES
 
     assert SELECTORS == tuple(DOC_SELECTOR_CHOICES)
@@ -94,3 +94,14 @@ def test_every_end_to_end_module_is_marked_as_such():
     unmarked = [p.name for p in sorted((REPO / "tests" / "e2e").glob("test_*.py"))
                 if "pytestmark = pytest.mark.e2e" not in p.read_text(encoding="utf-8")]
     assert unmarked == []
+
+
+def test_the_reuse_wing_does_not_import_the_sglang_adapter():
+    """The adapter calls into document reuse, never the other way (no circle between them)."""
+    assert violations_of_prefix(REPO / "pcr_sglang" / "reuse", "pcr_sglang.sglang_adapter") == []
+
+
+def violations_of_prefix(package_root: Path, prefix: str) -> list[str]:
+    return [f"{path.name}: {module}" for path in sorted(package_root.rglob("*.py"))
+            for module in sorted(imported_modules(path, package_root.parent))
+            if module == prefix or module.startswith(prefix + ".")]

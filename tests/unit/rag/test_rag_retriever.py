@@ -385,8 +385,8 @@ def test_a_marked_prompt_is_hinted_as_the_final_request_sends_it(tokenizer):
     prompt's and each document's canonical one, are the final request's); without a
     tokenizer a marked prompt cannot be hinted, and the markers strip to the plain prompt."""
     from pcr_sglang.rag.pipelines import KVHinter, render_rag_prompt
+    from pcr_sglang.reuse.bounds import DOC_BOUNDS_PARAM
     from pcr_sglang.reuse.frontend import marked_input, strip_markers
-    from pcr_sglang.reuse.plan import DOC_BOUNDS_PARAM
 
     docs = ["The Nile is a river in Africa.", "Mount Fuji is a volcano in Japan."]
     marked = render_rag_prompt(docs, "Which is older?", mark_documents=True)

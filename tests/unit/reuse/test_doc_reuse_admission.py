@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from pcr_sglang.core import keys as key_module
+from pcr_sglang.reuse.bounds import DocLimits, Recompute
 from pcr_sglang.reuse.placement import DocReuse
-from pcr_sglang.reuse.plan import DocLimits, Recompute
 from pcr_sglang.transfer.rope_shift import RopeSpec
 from tests.unit.adapter_harness import CHUNK, make  # noqa: F401 - the fixture
 
@@ -105,7 +105,8 @@ def test_the_windows_document_chains_are_what_matching_each_chain_gives(make):
     """``canonical_chain_nodes`` walks ``S``'s shared chunks once per step; it must give
     exactly each chain's own match: with ``S`` and some documents cached, and with ``S``
     cached only in part."""
-    from pcr_sglang.reuse.plan import canonical_tokens, parse_doc_bounds
+    from pcr_sglang.reuse.bounds import parse_doc_bounds
+    from pcr_sglang.reuse.plan import canonical_tokens
 
     h = make(lookahead_window=4, pool=128)
     docs = _with_docs(h)

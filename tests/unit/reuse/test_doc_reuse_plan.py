@@ -6,18 +6,20 @@ from dataclasses import replace
 
 import pytest
 
-from pcr_sglang.reuse.plan import (
-    CopySegment,
+from pcr_sglang.reuse.bounds import (
     DocBoundsError,
     DocLimits,
     DocSpan,
     Recompute,
-    canonical_chain_keys,
-    canonical_tokens,
     parse_doc_bounds,
-    plan_reuse,
     request_recompute,
     request_warm_now,
+)
+from pcr_sglang.reuse.plan import (
+    CopySegment,
+    canonical_chain_keys,
+    canonical_tokens,
+    plan_reuse,
     row_order,
     with_recompute,
 )

@@ -236,8 +236,9 @@ def test_a_load_that_did_not_go_through_leaves_no_row_order_behind():
     (its exact prefix grew meanwhile) cannot permute a row that is in order."""
     from types import SimpleNamespace
 
+    from pcr_sglang.reuse.bounds import DocSpan, Recompute
     from pcr_sglang.reuse.placement import DocReuse, DocReuseStats, _Planned
-    from pcr_sglang.reuse.plan import DocSpan, Recompute, RowOrder
+    from pcr_sglang.reuse.plan import RowOrder
 
     freed = []
     docs = object.__new__(DocReuse)

@@ -9,7 +9,7 @@ import pytest
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.reuse import settings as reuse_settings
-from pcr_sglang.reuse.plan import DocBoundsError, Recompute, request_warm_now
+from pcr_sglang.reuse.bounds import DocBoundsError, Recompute, request_warm_now
 from pcr_sglang.reuse.tokenizer import DocWarmer
 from pcr_sglang.reuse.warmup import WarmupLedger, WarmupPolicy
 
@@ -73,7 +73,7 @@ def test_the_flags_reach_the_policy():
 
 
 def test_the_document_limit_flags_reach_the_limits():
-    from pcr_sglang.reuse.plan import DocLimits
+    from pcr_sglang.reuse.bounds import DocLimits
 
     args = SimpleNamespace(enable_pcr=True, pcr_doc_max_documents=5, pcr_doc_min_tokens=3)
     assert reuse_settings.limits(PCRConfig.from_server_args(args)) == DocLimits(5, 3)
@@ -264,7 +264,7 @@ def test_the_warmers_keys_hash_the_leading_tokens_once_and_tell_documents_and_te
     """The ledger key of each document is its canonical sequence's digest (``S`` hashed
     once per request): equal for the same document in another request, different for
     another document or tenant."""
-    from pcr_sglang.reuse.plan import parse_doc_bounds
+    from pcr_sglang.reuse.bounds import parse_doc_bounds
 
     warmer = DocWarmer(CHUNK, PAD)
     spans = parse_doc_bounds(BOUNDS, len(PROMPT))

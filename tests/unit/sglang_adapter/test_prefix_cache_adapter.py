@@ -572,8 +572,9 @@ def test_lookahead_protects_a_waiting_requests_document_chains(make):
     entry per request, its documents included), so eviction takes an unrelated chain."""
     from types import SimpleNamespace
 
+    from pcr_sglang.reuse.bounds import Recompute, parse_doc_bounds
     from pcr_sglang.reuse.placement import DocReuse
-    from pcr_sglang.reuse.plan import Recompute, canonical_tokens, parse_doc_bounds
+    from pcr_sglang.reuse.plan import canonical_tokens
     from pcr_sglang.transfer.rope_shift import RopeSpec
 
     h = make(lookahead_window=1)
@@ -602,8 +603,9 @@ def test_prefetch_reads_a_waiting_requests_document_chains_from_ssd(make, tmp_pa
     prefix, so the request finds them resident when it is admitted."""
     from types import SimpleNamespace
 
+    from pcr_sglang.reuse.bounds import Recompute, parse_doc_bounds
     from pcr_sglang.reuse.placement import DocReuse
-    from pcr_sglang.reuse.plan import Recompute, canonical_tokens, parse_doc_bounds
+    from pcr_sglang.reuse.plan import canonical_tokens
     from pcr_sglang.transfer.rope_shift import RopeSpec
 
     h = make(host_slots=6, ssd_path=tmp_path / "ssd", prefetch_window=1)
