@@ -119,7 +119,8 @@ def calibrate(server: Any, tokenizer: Any, *, questions: int, target: Calibratio
             if result.meets:
                 break  # the smallest setting that meets it: larger ones recompute more
         modes[mode] = smallest_meeting(mode, results)
-    return DocReuseCalibration(model_fingerprint=fingerprint, model=str(info.get("model_path", "")), target=target,
+    model = Path(str(info.get("model_path", ""))).name  # by name: the file is shared, the path is this machine's
+    return DocReuseCalibration(model_fingerprint=fingerprint, model=model, target=target,
                                questions=len(prompts), modes=modes, conditions=conditions,
                                created=datetime.datetime.now().isoformat(timespec="seconds"))
 

@@ -23,7 +23,8 @@ import argparse
 import statistics
 import sys
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from pcr_sglang.reuse.prompt import DocPrompt
 from pcr_tools.launcher import ServerProcess
@@ -83,18 +84,27 @@ class ReuseAnswer:
 
 
 def doc_reuse_pass(model_path: str, tokenizer: Any, questions: int, mode: str, max_new_tokens: int, chunk_size: int,
-                   seed: int) -> list[ReuseAnswer]:
+                   seed: int, calibration: Optional[Path] = None) -> list[ReuseAnswer]:
     """Questions about documents that are never first in their prompt (test-split articles,
     ``pcr_tools.tune.questions``), on ``model_path`` with ``--pcr-doc-reuse``: each prompt's
     documents are warmed (their canonical KV computed, as a precomputed corpus would have
     it), then the question is answered with them reused, then without marks (full prefill
-    and exact prefix caching: the answer to compare with)."""
+    and exact prefix caching: the answer to compare with). With ``calibration`` (the tuned
+    model's committed file) the server takes the K or R it found and says whether the mode
+    met its accuracy target; a mode that missed it is served with a warning."""
     from pcr_tools.launcher import cpu_only
     from pcr_tools.tune.questions import question_set
 
     flags = ("--enable-pcr", "--pcr-chunk-size", str(chunk_size), "--pcr-doc-reuse", mode,
              "--pcr-doc-warmup-after", "1", "--max-total-tokens", "16384", "--context-length", "4096",
              "--log-level", "warning")
+    if calibration is not None and not cpu_only():
+        # Measured with float32 KV on the CPU; a GPU server's KV dtype may differ, and the
+        # server refuses a calibration measured under other conditions.
+        print("[demo] the committed calibration was measured on the CPU (float32 KV): not used on the GPU")
+        calibration = None
+    if calibration is not None:
+        flags += ("--pcr-doc-reuse-calibration", str(calibration), "--pcr-doc-reuse-calibration-warn")
     if mode != "concat" and not cpu_only():
         # Recompute modes need an attention backend that takes permuted rows, and no
         # prefill CUDA graph (README, Flags: --pcr-doc-reuse).
@@ -103,6 +113,15 @@ def doc_reuse_pass(model_path: str, tokenizer: Any, questions: int, mode: str, m
     print(f"[demo] starting SGLang with: {' '.join(flags)}")
     answers = []
     with ServerProcess(model_path, flags) as server:
+        verdict = server.pcr_state()["doc_reuse"]["calibration"]
+        if verdict.get("measured"):
+            setting = "" if verdict["value"] is None else f" at {'K' if mode == 'lego' else 'R'}={verdict['value']:g}"
+            target = verdict["target"]
+            print(f"[demo] calibrated on this model ({verdict['questions']} questions): {mode}{setting} "
+                  f"{'meets' if verdict['meets_target'] else 'MISSES'} the target (top-1 agreement >= "
+                  f"{target['top1_min']:.0%}, gold answers >= {target['gold_ratio_min']:.0%} of full prefill's)")
+        else:
+            print(f"[demo] {mode}'s accuracy on this model is unmeasured (no calibration)")
         for i, q in enumerate(question_set("test", questions, seed)):
             prompt = q.prompt(tokenizer)
             generate_ids(server, prompt, 1, marked=True)  # warm: the documents' canonical KV
@@ -137,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-doc-reuse", action="store_true",
                         help="Skip the second pass (questions about re-placed documents with --pcr-doc-reuse).")
     parser.add_argument("--doc-reuse-mode", default="blend", choices=("concat", "lego", "blend"),
-                        help="--pcr-doc-reuse of the second pass (default blend: CacheBlend, 15%% of moved tokens "
-                             "recomputed). Document reuse changes answers: the pass prints how much.")
+                        help="--pcr-doc-reuse of the second pass (default blend: CacheBlend; on the tuned model "
+                             "at the committed calibration's R, else 15%% of moved tokens recomputed). Document "
+                             "reuse changes answers: the pass prints how much.")
+    parser.add_argument("--no-doc-reuse-calibration", action="store_true",
+                        help="Serve the tuned model without its committed calibration (blend at R=15%%).")
     parser.add_argument("--doc-reuse-questions", type=int, default=6, help="Questions of the second pass (default 6).")
     parser.add_argument("--base-model-for-reuse", action="store_true",
                         help="Run the second pass on the base SmolLM2 instead of the document-reuse tuned one.")
@@ -146,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from pcr_tools.models.smollm2 import build_smollm2
+    from pcr_tools.models.smollm2 import TUNED_CALIBRATION, build_smollm2
 
     model_path = args.model_path or str(build_smollm2())
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -181,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         # another model was asked for.
         reuse_model = model_path if (args.model_path or args.base_model_for_reuse) else \
             str(build_smollm2(doc_reuse_tuned=True))
+        tuned = not (args.model_path or args.base_model_for_reuse)
+        calibration = TUNED_CALIBRATION if tuned and not args.no_doc_reuse_calibration else None
         second = doc_reuse_pass(reuse_model, tokenizer, args.doc_reuse_questions, args.doc_reuse_mode,
-                                args.max_new_tokens, args.chunk_size, args.seed)
+                                args.max_new_tokens, args.chunk_size, args.seed, calibration)
     prompt_total = sum(r.prompt_tokens for r in results)
     cached_total = sum(r.cached_tokens for r in results)
     cold = [r.ttft_s for r in results if r.cached_tokens == 0]

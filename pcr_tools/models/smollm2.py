@@ -31,6 +31,8 @@ RECIPE = {"source": GGUF_NAME, "dtype": "float32", "version": 2}
 
 
 TUNED_ADAPTER_DIR = Path(__file__).parent / "adapters" / "smollm2-135m-doc-reuse"
+# What python -m pcr_tools.calibrate measured on the tuned model (README: Document reuse).
+TUNED_CALIBRATION = Path(__file__).parent / "calibrations" / "smollm2-135m-doc-reuse.json"
 
 
 def default_smollm2_dir(doc_reuse_tuned: bool = False) -> Path:

@@ -246,3 +246,18 @@ def test_an_adapter_is_not_merged_into_a_base_it_was_not_tuned_on(tiny_model, ti
     with pytest.raises(ValueError, match="refusing to merge it into other weights"):
         build_merged(tiny_model, other, tmp_path / "merged")
     assert not (tmp_path / "merged").exists()
+
+
+def test_the_committed_calibration_of_the_tuned_model_is_valid_and_portable():
+    """The demo serves the tuned SmolLM2 with it: a file the server accepts (the strict
+    loader), measured under the server's default conditions, naming the model by its
+    folder, never by a machine's path."""
+    from pcr_sglang.reuse.calibration import CalibrationConditions, DocReuseCalibration
+    from pcr_tools.models.smollm2 import TUNED_CALIBRATION, default_smollm2_dir
+
+    calibration = DocReuseCalibration.load(TUNED_CALIBRATION)
+    assert calibration.model == default_smollm2_dir(doc_reuse_tuned=True).name
+    assert calibration.conditions == CalibrationConditions()
+    assert set(calibration.modes) == {"concat", "lego", "blend"}
+    for verdict in calibration.modes.values():
+        assert verdict.meets == any(m.meets for m in verdict.measured)
