@@ -24,10 +24,9 @@ for a ``blend`` admission, which reads its probe's scores back: README "Document
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -39,11 +38,12 @@ from pcr_sglang.core.effects import Effects, IoOutcome
 from pcr_sglang.core.hints import Hint, HintBook, HintPayload, hint_tenant
 from pcr_sglang.core.keys import ChunkKey, chunk_keys, root_key
 from pcr_sglang.core.residency import CacheState
-from pcr_sglang.io.protocol import ProbeRemote, ReadChunk, Reorder, WriteChunk
+from pcr_sglang.io.protocol import ReadChunk, Reorder, WriteChunk
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.reuse.placement import DocReuse, is_canonical_request
 from pcr_sglang.reuse.rows import permute_extend_inputs
 from pcr_sglang.server_args_fields import HINT_TO_DEVICE_FREE_SHARE
+from pcr_sglang.sglang_adapter.remote_probes import RemoteProbes, RemoteProbeStats
 from pcr_sglang.sglang_adapter.requests import Hold, RequestRegistry
 from pcr_sglang.sglang_adapter.step_timing import StepHistogram
 from pcr_sglang.sglang_adapter.tp_group import TpGroup
@@ -51,35 +51,6 @@ from pcr_sglang.sglang_adapter.worker_side import WorkerSide
 from pcr_sglang.tiers.remote_store import RemoteConfig
 
 logger = logging.getLogger(__name__)
-
-# A probe asks for at most this many chunks past a chain's match (64k tokens at 128).
-MAX_PROBE_CHUNKS = 512
-# A probe answer that comes after its request stopped waiting still enters what it found
-# (later requests reuse it) if it comes within this long; later ones are forgotten.
-LATE_PROBE_S = 30.0
-
-
-@dataclass
-class _Probe:
-    """A remote-tier probe in flight: for whom, which chains, and where each one's match
-    ended when it was sent (the probe asked for the keys from there)."""
-
-    rid: str
-    chains: list[list[ChunkKey]]
-    starts: list[int]
-    sent_at: float
-    deadline: float
-
-
-@dataclass
-class RemoteProbeStats:
-    probes: int = 0  # sent
-    answered: int = 0
-    timed_out: int = 0  # their request stopped waiting first
-    found_chunks: int = 0  # the remote tier held them
-    adopted_chunks: int = 0  # entered into the tree (not there already)
-    seconds_total: float = 0.0  # from send to answer, over the answered ones
-
 
 class SchedulerSide:
     def __init__(self, state: CacheState, config: PCRConfig, chain_digest: bytes, allocator: Any, *,
@@ -119,10 +90,8 @@ class SchedulerSide:
         self.last_load_private = False  # the last load_back gave the request private slots
         # The remote tier (--pcr-remote, parsed by the factory): probes in flight, by probe seq.
         self.remote = remote is not None and io is not None
-        self.remote_probe_timeout_s = remote.probe_timeout_ms / 1000 if remote is not None else 0.0
-        self.remote_stats = RemoteProbeStats()
-        self._probes: dict[int, _Probe] = {}
-        self._probe_seq = itertools.count(1)
+        self.probes = RemoteProbes(state, io, self.requests, remote.probe_timeout_ms / 1000) \
+            if remote is not None and io is not None else None
 
     # ------------------------------------------------------------------ keys
     def root_key(self, extra_key: Optional[str], cache_salt: Optional[str]) -> bytes:
@@ -172,7 +141,7 @@ class SchedulerSide:
         if self.remote:
             for seconds in self.io.take_remote_read_seconds():
                 self.state.cost_model.observe_read(seconds, remote=True)
-            self._collect_probes(effects)
+            self.probes.collect(effects)
         self.execute(effects)
         self._send_deferred()
         self._update_window(waiting_queue)
@@ -241,7 +210,7 @@ class SchedulerSide:
             for req in window[:prefetch]:  # probed ahead of admission, so the answer is in by then
                 entry = self.requests.get(req.rid)
                 if entry.probe_seq is None and not entry.probed:
-                    self._probe(req, entry)
+                    self.probes.send(req.rid, entry, self._needed_keys(req))
         if ssd:
             held = [n for s in self.requests.holds() for n in s.hold.chain]
             effects = Effects()
@@ -326,73 +295,6 @@ class SchedulerSide:
         own = self._keys(req)
         return [own, *self.docs.canonical_chain_keys(req)] if self.docs is not None else [own]
 
-    # ------------------------------------------------------------------ the remote tier
-    def _probe(self, req: Any, entry: Any) -> None:
-        """Ask the remote tier, in one round trip, which chunks past the tree's match of
-        each of ``req``'s chains it holds (once per request)."""
-        assert self.io is not None
-        status = self.io.remote_status
-        if status is not None and not status.healthy:
-            entry.probed = True  # the tier is down: no probe, no wait (it reports when it is back)
-            return
-        chains, starts = [], []
-        for keys in self._needed_keys(req):
-            matched = len(self.state.match(iter(keys), touch=False).nodes)
-            if matched < len(keys):
-                chains.append(list(keys))
-                starts.append(matched)
-        if not chains:
-            entry.probed = True
-            return
-        seq = next(self._probe_seq)
-        now = time.monotonic()
-        self._probes[seq] = _Probe(req.rid, chains, starts, now, now + self.remote_probe_timeout_s)
-        entry.probe_seq = seq
-        self.remote_stats.probes += 1
-        self.io.submit(ProbeRemote(seq, [c[s:s + MAX_PROBE_CHUNKS] for c, s in zip(chains, starts)]))
-
-    def _awaiting_probe(self, req: Any) -> bool:
-        """Hold ``req`` while its probe is out and within its timeout (a probe is sent at
-        its first consideration if the prefetch window did not send one)."""
-        entry = self.requests.get(req.rid)
-        if entry.probed:
-            return False
-        if entry.probe_seq is None:
-            if not self.state.io_healthy:
-                entry.probed = True
-                return False
-            self._probe(req, entry)
-            if entry.probed:
-                return False
-        probe = self._probes.get(entry.probe_seq)
-        if probe is not None and time.monotonic() < probe.deadline:
-            return True
-        if probe is not None:
-            self.remote_stats.timed_out += 1
-        entry.probed = True  # timed out (a late answer still enters the tree): go on without it
-        return False
-
-    def _collect_probes(self, effects: Effects) -> None:
-        """Enter what answered probes found into the tree, as SSD-level chunks."""
-        assert self.io is not None
-        now = time.monotonic()
-        for seq, probe in list(self._probes.items()):
-            answer = self.io.take_probe(seq)
-            if answer is None:
-                if now - probe.sent_at > LATE_PROBE_S:
-                    del self._probes[seq]
-                continue
-            del self._probes[seq]
-            self.remote_stats.answered += 1
-            self.remote_stats.seconds_total += now - probe.sent_at
-            for keys, start, present in zip(probe.chains, probe.starts, answer.present):
-                self.remote_stats.found_chunks += present
-                self.remote_stats.adopted_chunks += self.state.adopt_remote(keys, start, present, effects)
-            entry = self.requests.peek(probe.rid)
-            if entry is not None:
-                entry.probed = True
-        self.io.drop_probes(set(self._probes))
-
     # ------------------------------------------------------------------ admission
     def consider(self, req: Any) -> bool:
         """A waiting request is a candidate for admission: False holds it back this pass
@@ -410,7 +312,7 @@ class SchedulerSide:
             return False
         if entry is not None and entry.waited:
             return True  # one wait per request: what has not landed since is recomputed
-        if self.remote and self._awaiting_probe(req):
+        if self.probes is not None and self.probes.awaiting(req.rid, lambda: self._needed_keys(req)):
             return False
         match = self.state.match(iter(self._keys(req)), touch=False)
         # With document reuse, the documents' canonical chains on SSD are read as the
@@ -727,7 +629,11 @@ class SchedulerSide:
 
     @property
     def probes_in_flight(self) -> int:
-        return len(self._probes)
+        return self.probes.in_flight if self.probes is not None else 0
+
+    @property
+    def remote_stats(self) -> RemoteProbeStats:
+        return self.probes.stats if self.probes is not None else RemoteProbeStats()
 
     @property
     def deferred_orders(self) -> int:
@@ -748,7 +654,8 @@ class SchedulerSide:
         the flush would read its chains back from the SSD into the cache just emptied."""
         self.requests.clear()
         self.hints.clear()
-        self._probes = {}
+        if self.probes is not None:
+            self.probes.clear()
         if self.docs is not None:
             self.docs.reset()
         self._window_keys = {}
@@ -762,7 +669,8 @@ class SchedulerSide:
         self._chain_digest = chain_digest
         self._window_keys = {}
         self.hints.clear()
-        self._probes = {}
+        if self.probes is not None:
+            self.probes.clear()
         if self.docs is not None:
             self.docs.forget_keys()
 
