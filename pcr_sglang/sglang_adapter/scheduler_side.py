@@ -43,6 +43,7 @@ from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.reuse.placement import DocReuse, is_canonical_request
 from pcr_sglang.reuse.rows import permute_extend_inputs
 from pcr_sglang.server_args_fields import HINT_TO_DEVICE_FREE_SHARE
+from pcr_sglang.sglang_adapter.offloads import Offloads
 from pcr_sglang.sglang_adapter.remote_probes import RemoteProbes, RemoteProbeStats
 from pcr_sglang.sglang_adapter.requests import Hold, RequestRegistry
 from pcr_sglang.sglang_adapter.step_timing import StepHistogram
@@ -65,6 +66,7 @@ class SchedulerSide:
         self.io = io
         self.tp = tp
         self.requests = RequestRegistry()
+        self.offloads = Offloads(state, self.engine, self.requests, config.chunk_size)
         self._chain_digest = chain_digest
         self._window_keys: dict[str, list[ChunkKey]] = {}
         self._finished: dict[int, tuple[IoOutcome, float]] = {}  # this rank's, not yet agreed
@@ -501,59 +503,14 @@ class SchedulerSide:
     # ------------------------------------------------------------------ offloads
     def plan_offloads(self, reqs: Sequence[Any], seq_lens: Sequence[int], req_to_token: torch.Tensor,
                       decode: bool) -> None:
-        """Give each whole chunk the coming forward completes a host slot, filled layer by
-        layer as that forward writes it (``--pcr-layerwise offload``). A prefill may evict
-        host chunks for them; a decode step takes only free slots, within the decode share
-        of the host tier (:meth:`CacheState.reserve_offload_slot`): a chunk that gets none
-        is not offloaded, and enters the tree device-resident when its request finishes."""
-        if self.engine is None or not self.engine.mode.offloads:
-            return
-        effects = Effects()
-        for req, seq_len in zip(reqs, seq_lens):
-            first, end = req.kv.cache_protected_len // self.chunk, int(seq_len) // self.chunk
-            exact_end = self.docs.exact_end(req.rid) if self.docs is not None else None
-            if exact_end is not None:  # blended KV past it is never cached
-                end = min(end, exact_end // self.chunk)
-            if decode:
-                if seq_len % self.chunk:
-                    continue
-                first = max(first, end - 1)
-            if end <= first:
-                continue
-            entry = self.requests.get(req.rid)
-            row = req_to_token[req.kv.req_pool_idx]
-            for index in range(first, end):
-                if index in entry.offload_slots:
-                    continue
-                slot = self.state.reserve_offload_slot(req.rid, effects, decode=decode)
-                if slot is None:
-                    break
-                entry.offload_slots[index] = slot
-                self.engine.plan_offload(req.rid, row[index * self.chunk:(index + 1) * self.chunk], slot)
-        self.execute(effects)
+        """Host slots for the whole chunks the coming forward completes (:class:`Offloads`)."""
+        docs = self.docs
+        self.execute(self.offloads.plan(reqs, seq_lens, req_to_token, decode,
+                                        docs.exact_end if docs is not None else lambda rid: None))
 
     def adopt_offloads(self, rid: str, path: Sequence[ChunkNode], first: int, num_existing: int, end: int) -> None:
-        """A checkpoint handed chunks ``[first, end)`` to the tree (``path`` is the chain):
-        offloaded chunks the request computed become host-resident."""
-        entry = self.requests.peek(rid)
-        if entry is None or not entry.offload_slots:
-            return
-        effects = Effects()
-        not_run = []
-        for index in range(first, end):
-            slot = entry.offload_slots.pop(index, None)
-            if slot is None:
-                continue
-            ran = self.engine is not None and self.engine.offload_ran(slot)
-            if not ran:
-                not_run.append(slot)
-            if index >= num_existing and ran:
-                self.state.adopt_offload(path[index], slot, effects)
-            else:
-                self.state.release_reserved(slot)
-        if not_run and self.engine is not None:
-            self.engine.drop_plans(rid, not_run)
-        self.execute(effects)
+        """A checkpoint handed chunks ``[first, end)`` to the tree: offloaded ones become host-resident."""
+        self.execute(self.offloads.adopt(rid, path, first, num_existing, end))
 
     def release(self, rid: str, row_released: bool = True) -> None:
         """The request left (finished, retracted or aborted): give back what it held.
