@@ -49,11 +49,11 @@ HINT_TO_DEVICE_CHOICES = ["auto", "on", "off"]
 DEFAULT_HINT_TO_DEVICE = "off"  # until it has been measured on a GPU
 # Promotion stops while fewer device slots than this share of the pool would stay free.
 HINT_TO_DEVICE_FREE_SHARE = 0.5
-# Document KV reuse in any order (README "Document reuse"): off, or the re-placement mode.
+# Document KV reuse in any order (docs/document-reuse.md): off, or the re-placement mode.
 DOC_REUSE_CHOICES = ["off", "concat", "lego", "blend"]
 DEFAULT_DOC_REUSE = "off"
 # EPIC's LegoLink recomputes a few leading tokens per document; CacheBlend's default ratio.
-# bench/doc_reuse_accuracy.py measures both on SmolLM2 (README "Document reuse").
+# bench/doc_reuse_accuracy.py measures both on SmolLM2 (docs/document-reuse.md).
 DEFAULT_DOC_RECOMPUTE_TOKENS = 32
 DEFAULT_DOC_RECOMPUTE_RATIO = 0.15
 # When a document's canonical KV is computed (pcr_sglang.reuse.warmup): bench/ragbench
@@ -295,7 +295,7 @@ class Pcr(msgspec.Struct):
                 "--pcr-doc-recompute-tokens tokens in full context (EPIC). 'blend': recompute "
                 "the --pcr-doc-recompute-ratio share of re-placed tokens whose layer-1 KV "
                 "deviates most from full prefill's (CacheBlend). Recompute modes need the "
-                "torch_native or triton attention backend. See the README's accuracy table "
+                "torch_native or triton attention backend. See docs/document-reuse.md for the accuracy table "
                 "before turning any on. Such KV never enters the prefix cache. Requests may ask "
                 f"for 'off', 'concat' or (on a lego/blend server) either. Default: {DEFAULT_DOC_REUSE}."
             ),
@@ -407,8 +407,8 @@ class Pcr(msgspec.Struct):
             help=(
                 "A remote tier shared by several servers, below device, host memory and the "
                 "SSD tier (which it needs): 'mooncake' keeps chunk records as objects in a "
-                "Mooncake Store (its master and store processes started apart; see the "
-                "README's 'Several servers'). A request whose chunks are in none of the local "
+                "Mooncake Store (its master and store processes started apart; see "
+                "docs/scale-out.md). A request whose chunks are in none of the local "
                 "tiers has the rest of its prefix probed there (one round trip) and read from "
                 "there; new chunks are written through in the background. Only with TP size 1. "
                 f"Default: {DEFAULT_REMOTE}."

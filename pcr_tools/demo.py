@@ -107,7 +107,7 @@ def doc_reuse_pass(model_path: str, tokenizer: Any, questions: int, mode: str, m
         flags += ("--pcr-doc-reuse-calibration", str(calibration), "--pcr-doc-reuse-calibration-warn")
     if mode != "concat" and not cpu_only():
         # Recompute modes need an attention backend that takes permuted rows, and no
-        # prefill CUDA graph (README, Flags: --pcr-doc-reuse).
+        # prefill CUDA graph (docs/flags.md: --pcr-doc-reuse).
         flags += ("--attention-backend", "triton", "--disable-prefill-cuda-graph")
     print(f"\n[demo] document reuse: {questions} questions about re-placed documents, on {model_path}")
     print(f"[demo] starting SGLang with: {' '.join(flags)}")

@@ -12,7 +12,7 @@ gateway in front. Everything binds to loopback.
 gateway's URL and every process's, writes them to ``DIR/fleet.json``, and stops them all
 (gateway first, store last) on Ctrl-C or SIGTERM, or if any of them dies.
 
-Gateway settings for RAG traffic (README "Several servers"): ``cache_aware`` routes a
+Gateway settings for RAG traffic (docs/scale-out.md): ``cache_aware`` routes a
 request to the worker whose routed prefixes share the most of it (above
 ``--cache-threshold``, 0.3 of the prompt), else to the least loaded, and spills when load
 is imbalanced; with a shared remote tier a spilled request still finds the documents'

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every CUDA check of pcr-sglang in one command, for a GPU machine with PyTorch, Triton,
-# numpy and pytest but no SGLang and no network (README.md, "Checking on a GPU").
+# numpy and pytest but no SGLang and no network (docs/testing.md, "Checking on a GPU").
 #
 #   here:            bash scripts/gpu_wheels.sh          (fills .whl/, git-ignored)
 #   on the GPU:      bash scripts/gpu_check.sh OUTDIR     (with .whl/ carried beside the tree)

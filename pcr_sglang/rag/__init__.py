@@ -1,6 +1,6 @@
 """Retrieval for RAG pipelines served by pcr-sglang: an IVF datastore on faiss-cpu, a fast
 tier the look-ahead fills while the LLM writes the query, and the merged search
-(TeleRAG's design; README "Look-ahead retrieval").
+(TeleRAG's design; docs/lookahead-retrieval.md).
 
 Modules: :mod:`~pcr_sglang.rag.embedder` (all-MiniLM-L6-v2, offline),
 :mod:`~pcr_sglang.rag.ivf` (index and cluster-ordered table, in DRAM or memory-mapped),

@@ -354,7 +354,7 @@ class DocReuse:
         k1[slots[offsets]] = result.k1[offsets]
         v1[slots[offsets]] = result.v1[offsets]
         # The one wait of a blend admission: the row's layout is chosen on the host from
-        # the probe's deviations, so the scheduler waits for the probe (README "Document reuse").
+        # the probe's deviations, so the scheduler waits for the probe (docs/document-reuse.md).
         # The question's attention where there is a question (query), else the deviation.
         ranked = result.attention if result.attention is not None else result.deviation
         scores = ranked[offsets].float().cpu()
@@ -406,7 +406,7 @@ class DocReuse:
             # Once, not per layer. On CUDA it is left out: its verdicts would cost a
             # device-to-host sync in the scheduler thread (waiting for the forward in
             # flight); the slots are the allocator's fresh ones and locked tree chains', and
-            # every CPU test checks them here (README "Document reuse").
+            # every CPU test checks them here (docs/document-reuse.md).
             check_slots(src, dst, self.kv_layers[0][0].shape[0])
         if self.engine is not None:
             self.engine.replace(src, dst, delta, self.rope, layers)

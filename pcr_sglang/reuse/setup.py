@@ -36,7 +36,7 @@ _SELF_TEST_DELTAS = (1, 977)  # and the largest the table allows, up to _SELF_TE
 # the factor; a wrong rotation is off by O(1), so the test stays below where either matters.
 _SELF_TEST_MAX_POSITION = 8192
 # Relative error of the rotated K against the freshly computed one: two roundings to the
-# KV dtype at most (measured on SmolLM2-135M in bf16 and fp32: see README "Document reuse").
+# KV dtype at most (measured on SmolLM2-135M in bf16 and fp32: see docs/document-reuse.md).
 _TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-8}
 _HALF_TOLERANCE = 2e-2
 

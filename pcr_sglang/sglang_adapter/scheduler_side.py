@@ -18,7 +18,7 @@ waited for at most about what recomputing them costs, in the queue, never in the
 scheduler); :meth:`SchedulerSide.load_back` (``init_load_back``) copies the host part
 of an admitted request's chain to the device; :meth:`SchedulerSide.admitted` counts
 its hits, once. The scheduler never waits on a disk, a peer or a whole CUDA stream (but
-for a ``blend`` admission, which reads its probe's scores back: README "Document reuse").
+for a ``blend`` admission, which reads its probe's scores back: docs/document-reuse.md).
 """
 
 from __future__ import annotations

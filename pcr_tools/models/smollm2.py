@@ -31,7 +31,7 @@ RECIPE = {"source": GGUF_NAME, "dtype": "float32", "version": 2}
 
 
 TUNED_ADAPTER_DIR = Path(__file__).parent / "adapters" / "smollm2-135m-doc-reuse"
-# What python -m pcr_tools.calibrate measured on the tuned model (README: Document reuse).
+# What python -m pcr_tools.calibrate measured on the tuned model (docs/document-reuse.md).
 TUNED_CALIBRATION = Path(__file__).parent / "calibrations" / "smollm2-135m-doc-reuse.json"
 
 

@@ -1,6 +1,6 @@
 """Negative controls anyone can rerun: ``python -m tests.mutations``.
 
-The README says which tests were watched going red when the code they guard was broken on
+docs/testing.md says which tests were watched going red when the code they guard was broken on
 purpose. :mod:`tests.mutations.table` writes each of those breaks down as a mutant (a file,
 an exact text, its replacement, the tests that must then fail), and
 :mod:`tests.mutations.runner` applies them one at a time to a private copy of the tree and

@@ -1,4 +1,4 @@
-"""The negative controls the README claims, as mutants anyone can rerun.
+"""The negative controls the docs claim (mostly docs/testing.md), as mutants anyone can rerun.
 
 Each entry breaks, in a copy of the tree, the code a claimed test guards (one exact text
 replaced by another) and names the tests that must then fail. ``python -m tests.mutations``
@@ -30,7 +30,7 @@ class Mutant:
     replacement: str
     tests: tuple[str, ...]  # pytest node ids or paths, relative to the repository root
     k: Optional[str] = None  # a pytest -k expression narrowing ``tests``
-    claim: str = ""  # where the control is claimed (README section, or commit)
+    claim: str = ""  # where the control is claimed (a docs/ page and section, or commit)
     breaks: str = ""  # what the mutant breaks, in words
 
 
@@ -48,7 +48,7 @@ MUTANTS: tuple[Mutant, ...] = (
                     ".to(device.device)",
         tests=(E2E + "test_http_server.py::test_every_layerwise_setting_serves_host_hits_token_for_token",
                E2E + "test_http_server.py::test_host_tier_serves_evicted_chunks_back_without_recomputing"),
-        claim="README, What the tests prove: token-for-token equality with --disable-radix-cache",
+        claim="docs/testing.md, What the tests prove: token-for-token equality with --disable-radix-cache",
         breaks="every chunk loaded from host memory lands one token off (the CPU copy path)",
     ),
     # ---------------------------------------------------------------- README: "Watched go red" (retrieval, hints, warm-up)
@@ -59,7 +59,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original='if self.mode == "exact":\n                mine = [[int(c) for c in row[h]] for row, h in zip(probe, hit)]',
         replacement='if False:\n                mine = [[int(c) for c in row[h]] for row, h in zip(probe, hit)]',
         tests=(UNIT + "rag/test_rag_retriever.py::test_merged_search_equals_faiss_ivf_whatever_the_fast_tier_holds",),
-        claim="README, Watched go red: the merged search's identity with faiss",
+        claim="docs/testing.md, Watched go red: the merged search's identity with faiss",
         breaks="exact mode searches every landed cluster, not only each query's probed ones",
     ),
     Mutant(
@@ -69,7 +69,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original='if c in self._clusters and self._clusters[c].state == "landed"]',
         replacement="if c in self._clusters]",
         tests=(UNIT + "rag/test_rag_retriever.py::test_a_cluster_still_copying_is_a_miss_searched_by_faiss",),
-        claim="README, Watched go red: a cluster still copying counted as a miss",
+        claim="docs/testing.md, Watched go red: a cluster still copying counted as a miss",
         breaks="a search reads clusters still being copied into the fast tier",
     ),
     Mutant(
@@ -79,7 +79,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="hinted_held = len(self._hinted)",
         replacement="hinted_held = sum(1 for n in self._hinted if n in self._reading)",
         tests=(UNIT + "sglang_adapter/test_kv_hints.py::test_landed_hinted_chunks_count_against_the_hint_budget_and_never_take_the_queues",),
-        claim="README, Watched go red: the hint budget holding landed hinted chunks too",
+        claim="docs/testing.md, Watched go red: the hint budget holding landed hinted chunks too",
         breaks="landed hinted chunks no longer count against the hint budget",
     ),
     Mutant(
@@ -90,7 +90,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="if count < 1 and not now:",
         tests=(UNIT + "reuse/test_doc_warmup.py::test_a_document_is_due_from_its_after_th_sighting",
                UNIT + "reuse/test_doc_warmup.py::test_request_mode_after_two_warms_only_recurring_documents_and_waits_for_them"),
-        claim="README, Watched go red: the warm-up policy's sighting count",
+        claim="docs/testing.md, Watched go red: the warm-up policy's sighting count",
         breaks="every document is warmed at its first sighting, whatever --pcr-doc-warmup-after says",
     ),
     Mutant(
@@ -101,7 +101,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="if False:",
         tests=(UNIT + "reuse/test_doc_warmup.py::"
                "test_idle_mode_sends_the_request_at_once_and_warms_one_at_a_time_when_nothing_is_in_flight",),
-        claim="README, Watched go red: the idle drain waiting for an empty server",
+        claim="docs/testing.md, Watched go red: the idle drain waiting for an empty server",
         breaks="idle warm-ups run while requests are in flight",
     ),
     # ---------------------------------------------------------------- README: Look-ahead retrieval and KV hints
@@ -112,7 +112,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="self.docs.canonical_chain_keys(req), doc_payload",
         replacement="[], doc_payload",
         tests=(E2E + "test_doc_reuse.py::test_precomputed_documents_are_served_from_ssd_after_a_restart",),
-        claim="README, KV hints: a hint-only request marking documents reads their canonical chains (red without it)",
+        claim="docs/lookahead-retrieval.md, KV hints: a hint-only request marking documents reads their canonical chains (red without it)",
         breaks="a hint marking documents reads only the prompt's own chain",
     ),
     Mutant(
@@ -122,7 +122,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="        self.requests.clear()\n        self.hints.clear()\n",
         replacement="        self.requests.clear()\n",
         tests=(UNIT + "sglang_adapter/test_prefix_cache_adapter.py::test_a_flush_ends_the_live_hints_so_nothing_is_read_back",),
-        claim="README, KV hints: /flush_cache ends every live hint (commit f033188: test seen red)",
+        claim="docs/lookahead-retrieval.md, KV hints: /flush_cache ends every live hint (commit f033188: test seen red)",
         breaks="a hint registered before /flush_cache reads its chain back into the emptied cache",
     ),
     Mutant(
@@ -133,7 +133,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="agreed = Agreed(bool(header[4]), bool(header[5]), digests_match=digests_match, "
                     "hint_clock_ms=view.hint_clock_ms)",
         tests=(UNIT + "core/test_agreement.py::test_a_kv_hint_lives_by_the_clock_the_ranks_agree_on",),
-        claim="README, Tensor parallelism: hints live by the earliest rank's clock (commit c169870: red with "
+        claim="docs/architecture.md, Tensor parallelism: hints live by the earliest rank's clock (commit c169870: red with "
               "each rank's own clock)",
         breaks="each TP rank expires hints by its own clock",
     ),
@@ -145,7 +145,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="deltas.append(torch.full((source.numel(),), segment.delta, dtype=torch.int64))",
         replacement="deltas.append(torch.full((source.numel(),), 0, dtype=torch.int64))",
         tests=(E2E + "test_doc_reuse.py::test_concat_outputs_equal_an_independent_reference",),
-        claim="README, Document reuse: against an independent transformers implementation (negative controls)",
+        claim="docs/document-reuse.md, Document reuse: against an independent transformers implementation (negative controls)",
         breaks="re-placed documents keep the RoPE phase of their canonical position",
     ),
     Mutant(
@@ -156,7 +156,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="rows = {}",
         tests=(E2E + "test_doc_reuse.py::test_recompute_outputs_equal_an_independent_reference",),
         k="lego",
-        claim="README, Document reuse: lego/blend against transformers ('Without the mask applied in the "
+        claim="docs/document-reuse.md, Document reuse: lego/blend against transformers ('Without the mask applied in the "
               "server, lego failed here')",
         breaks="torch_native's extend runs plain causal attention over a permuted row",
     ),
@@ -198,7 +198,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="mask = positions.unsqueeze(0) <= positions[prefix:seq_len].unsqueeze(1)\n        masks.append(",
         replacement="mask = positions.unsqueeze(0) < positions[prefix:seq_len].unsqueeze(1)\n        masks.append(",
         tests=("tests/kernels/test_position_mask_triton.py",),
-        claim="README, Document reuse: the Triton mask under TRITON_INTERPRET=1 against the torch path",
+        claim="docs/document-reuse.md, Document reuse: the Triton mask under TRITON_INTERPRET=1 against the torch path",
         breaks="the Triton custom mask hides each query's own key",
     ),
     # ---------------------------------------------------------------- README: Several servers (remote tier)
@@ -209,7 +209,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="if not self.healthy and time.monotonic() >= self._retry_at:",
         replacement="if False:",
         tests=(UNIT + "tiers/test_remote_store.py::test_an_idle_thread_notices_the_store_coming_back",),
-        claim="README, Several servers: watched go red, the recovery of an idle server (without the health query)",
+        claim="docs/scale-out.md, Several servers: watched go red, the recovery of an idle server (without the health query)",
         breaks="a down remote tier is retried only when work arrives",
     ),
     Mutant(
@@ -219,7 +219,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="self.tree.match(iter(keys[:end]))  # the most recent now",
         replacement="pass  # mutant: adopted chunks left least recent",
         tests=(UNIT + "core/test_cache_state.py::test_chunks_a_remote_probe_found_enter_the_ssd_level_past_the_match_only",),
-        claim="README, Several servers: watched go red, the adopted chunks' recency (without it they evicted "
+        claim="docs/scale-out.md, Several servers: watched go red, the adopted chunks' recency (without it they evicted "
               "themselves)",
         breaks="chunks adopted from a remote probe are the first the SSD level evicts",
     ),
@@ -231,7 +231,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="self._log(TierEventKind.REMOVED, node, Tier.HOST)",
         replacement="pass  # mutant: no host removal logged",
         tests=(UNIT + "sglang_adapter/test_kv_events.py::test_a_subscriber_mirrors_every_tier_through_500_requests",),
-        claim="README, KV cache events: watched go red with a host removal left out",
+        claim="docs/scale-out.md, KV cache events: watched go red with a host removal left out",
         breaks="a chunk leaving host memory publishes no BlockRemoved",
     ),
     Mutant(
@@ -241,7 +241,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="chunk.held = chunk.announced = Tier(0)",
         replacement="chunk.held = Tier(0)",
         tests=(UNIT + "sglang_adapter/test_kv_events.py::test_a_reset_clears_then_stores_the_persisted_chunks_again",),
-        claim="README, KV cache events: watched go red with a reset that forgot what it had announced",
+        claim="docs/scale-out.md, KV cache events: watched go red with a reset that forgot what it had announced",
         breaks="after AllBlocksCleared the persisted chunks are not stored again",
     ),
     Mutant(
@@ -251,7 +251,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="for n in reversed(order):  # children before parents",
         replacement="for n in order:  # mutant: parents first",
         tests=(UNIT + "sglang_adapter/test_kv_events.py::test_a_subscriber_mirrors_every_tier_through_500_requests",),
-        claim="README, KV cache events: watched go red with a parent removed before its children",
+        claim="docs/scale-out.md, KV cache events: watched go red with a parent removed before its children",
         breaks="a dropped subtree is removed parent first",
     ),
     # ---------------------------------------------------------------- README: fault table (crash states)
@@ -264,7 +264,7 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=(UNIT + "tiers/test_store_crash_states.py::"
                "test_every_crash_state_recovers_without_serving_bad_records_or_losing_completed_ones",),
         k="record",
-        claim="README, faults: a power cut after any operation of the store's writes (commit d8b78bf: "
+        claim="docs/testing.md, faults: a power cut after any operation of the store's writes (commit d8b78bf: "
               "fsync-removal negative controls)",
         breaks="--pcr-ssd-durability record renames a record into place before its data is durable",
     ),
@@ -277,7 +277,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="if False:",
         tests=(UNIT + "sglang_adapter/test_weight_updates.py::test_a_flush_after_a_weight_update_restores_nothing_of_the_old_weights",
                UNIT + "sglang_adapter/test_weight_updates.py::test_leaving_an_in_memory_namespace_purges_its_directory"),
-        claim="README, Weight updates in place: the flush after an update restores no SSD record",
+        claim="docs/architecture.md, Weight updates in place: the flush after an update restores no SSD record",
         breaks="the flush after a weight update restores every SSD record of the old weights",
     ),
     Mutant(
@@ -287,7 +287,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="    if namespace is not None:\n        begin(cache, namespace)",
         replacement="    if False:\n        begin(cache, namespace)",
         tests=(UNIT + "sglang_adapter/test_weight_updates.py::test_a_session_that_wrote_the_weights_directly_moves_the_namespace",),
-        claim="README, Weight updates in place: the end of a begin_weight_update session moves too",
+        claim="docs/architecture.md, Weight updates in place: the end of a begin_weight_update session moves too",
         breaks="weights written over P2P/RDMA in a session leave the old weights' SSD records servable",
     ),
     Mutant(
@@ -297,7 +297,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="        self._window_keys = {}\n        self.hints.clear()\n        if self.probes is not None:",
         replacement="        self._window_keys = {}\n        if self.probes is not None:",
         tests=(UNIT + "sglang_adapter/test_weight_updates.py::test_a_rekey_drops_what_was_derived_under_the_old_namespace",),
-        claim="README, Weight updates in place: the keys PCR kept are dropped",
+        claim="docs/architecture.md, Weight updates in place: the keys PCR kept are dropped",
         breaks="a hint registered before an update reads the old weights' chain back from the SSD",
     ),
     Mutant(
@@ -307,7 +307,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original='if getattr(cache, "namespace_mover", None) is None or getattr(cache, "namespace", None) is None:',
         replacement="if True:",
         tests=(E2E + "test_fingerprint.py::test_a_weight_update_in_place_never_serves_the_old_weights_kv",),
-        claim="README, Weight updates in place: /update_weights_from_disk to B gets no hit of any tier",
+        claim="docs/architecture.md, Weight updates in place: /update_weights_from_disk to B gets no hit of any tier",
         breaks="the namespace stays the startup one after an update (seen red: cached tokens [704, 464, 704, "
                "736, 592, 720] from A's SSD records where a fresh server on B has none)",
     ),
@@ -318,7 +318,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="                                            adapters=adapters_text(server_args)),",
         replacement="                                            adapters=\"\"),",
         tests=(UNIT + "sglang_adapter/test_fingerprint.py::test_a_retrained_adapter_at_the_same_path_changes_the_server_namespace",),
-        claim="README, cache namespace: the files of every startup LoRA adapter",
+        claim="docs/architecture.md, cache namespace: the files of every startup LoRA adapter",
         breaks="a retrained adapter saved at the same path keeps the old adapter's namespace",
     ),
     Mutant(
@@ -328,7 +328,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original='    if int(getattr(x.cfg, "pp_size", 1) or 1) > 1:',
         replacement="    if False:",
         tests=(UNIT + "sglang_adapter/test_support_check.py::test_pipeline_parallelism_is_refused",),
-        claim="README, What --enable-pcr refuses: --pp-size > 1",
+        claim="docs/flags.md, What --enable-pcr refuses: --pp-size > 1",
         breaks="--pp-size 2 is served with one namespace for every stage",
     ),
     # ---------------------------------------------------------------- README: "Trust model of the remote tier" (item 7)
@@ -339,7 +339,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="        if self.exists(key) and not self._replace_if_bad(key):",
         replacement="        if self.exists(key):",
         tests=(UNIT + "tiers/test_remote_store.py::test_a_bad_object_under_a_good_name_does_not_block_a_good_write",),
-        claim="README, Trust model of the remote tier: a garbage object cannot block good writes",
+        claim="docs/scale-out.md, Trust model of the remote tier: a garbage object cannot block good writes",
         breaks="an object put first under a chunk's name keeps every good write out",
     ),
     # ---------------------------------------------------------------- README: the CUDA ordering model (issue 26, item 9)
@@ -351,7 +351,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="            pass",
         tests=(UNIT + "transfer/test_transfer_ordering.py",),
         k="a_load_into_slots_the_last_forward_read",
-        claim="README, CUDA path: every wait of the engine's CUDA branch is checked by the ordering model",
+        claim="docs/architecture.md, CUDA path: every wait of the engine's CUDA branch is checked by the ordering model",
         breaks="the copy stream writes slots the forward may still be reading",
     ),
     Mutant(
@@ -362,7 +362,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="                    pass",
         tests=(UNIT + "transfer/test_transfer_ordering.py",),
         k="a_replacement_reads_a_loaded_chain",
-        claim="README, CUDA path: every wait of the engine's CUDA branch is checked by the ordering model",
+        claim="docs/architecture.md, CUDA path: every wait of the engine's CUDA branch is checked by the ordering model",
         breaks="a document's layer is re-placed before that layer's load wrote it",
     ),
     Mutant(
@@ -373,7 +373,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="            pass",
         tests=(UNIT + "transfer/test_transfer_ordering.py",),
         k="an_offload_reads_each_layer",
-        claim="README, CUDA path: every wait of the engine's CUDA branch is checked by the ordering model",
+        claim="docs/architecture.md, CUDA path: every wait of the engine's CUDA branch is checked by the ordering model",
         breaks="layer i's offload may run before the forward wrote layer i",
     ),
     Mutant(
@@ -384,7 +384,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="                pass",
         tests=(UNIT + "transfer/test_transfer_ordering.py",),
         k="a_replacement_no_forward_read_is_finished",
-        claim="README, CUDA path: every wait of the engine's CUDA branch is checked by the ordering model",
+        claim="docs/architecture.md, CUDA path: every wait of the engine's CUDA branch is checked by the ordering model",
         breaks="freed slots are rewritten while a re-placement still reads them",
     ),
     # ---------------------------------------------------------------- README: KV hints per tenant (issue 26, item 5)
@@ -396,7 +396,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="    return (None, 0, hint.group) if hint.group is not None else (None, 1, hint.hint_id)",
         tests=(UNIT + "sglang_adapter/test_hint_tenants.py::"
                "test_a_tenants_group_consumed_leaves_another_tenants_group_of_the_same_name_alive",),
-        claim="README, KV hints: limits and groups per tenant",
+        claim="docs/lookahead-retrieval.md, KV hints: limits and groups per tenant",
         breaks="tenant A's group 'g' consumed drops tenant B's group 'g'",
     ),
     # ---------------------------------------------------------------- README: a hung remote call (issue 26, item 6)
@@ -407,7 +407,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="        hung_s = self.remote.overdue_s(now) if self.remote is not None else 0.0",
         replacement="        hung_s = 0.0",
         tests=(UNIT + "io/test_remote_watchdog.py::test_a_hung_remote_read_is_failed_while_local_reads_keep_completing",),
-        claim="README, remote tier: a call past its deadline fails its orders and the client is restarted",
+        claim="docs/scale-out.md, remote tier: a call past its deadline fails its orders and the client is restarted",
         breaks="a remote read that never returns keeps its host slot filling forever",
     ),
     # ---------------------------------------------------------------- README: Fine-tuning for reuse, selectors
@@ -418,7 +418,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="return keys * cos + rotated_half * sin",
         replacement="return keys",
         tests=(UNIT + "tools/test_tune.py::test_rotating_keys_composes_with_the_models_rope",),
-        claim="README, Fine-tuning for reuse: the training forward re-places keys with the model's RoPE",
+        claim="docs/document-reuse.md, Fine-tuning for reuse: the training forward re-places keys with the model's RoPE",
         breaks="the training forward leaves documents at their canonical positions",
     ),
     Mutant(
@@ -428,7 +428,7 @@ MUTANTS: tuple[Mutant, ...] = (
         original="anchors = leading(recompute.anchor_tokens)[:count] if recompute.anchor_tokens else ()",
         replacement="anchors = leading(recompute.anchor_tokens) if recompute.anchor_tokens else ()",
         tests=(UNIT + "reuse/test_doc_reuse_plan.py::test_blend_anchors_fill_its_budget_in_document_order_and_never_grow_it",),
-        claim="README, Flags: anchors are inside the R budget",
+        claim="docs/flags.md, Flags: anchors are inside the R budget",
         breaks="anchors recompute more than R",
     ),
     Mutant(
@@ -439,7 +439,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="scores = scores",
         tests=(E2E + "test_doc_reuse.py::test_blend_on_four_layers_equals_an_independent_reference",),
         k="anchors",
-        claim="README, Choosing the recomputed tokens: anchors checked against transformers",
+        claim="docs/document-reuse.md, Choosing the recomputed tokens: anchors checked against transformers",
         breaks="the anchors are planned but the pick ranks every token by deviation",
     ),
 )
