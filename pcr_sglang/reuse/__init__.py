@@ -1,0 +1,15 @@
+"""Document reuse in any order (``--pcr-doc-reuse``), the whole feature in one wing.
+
+Pure (no torch, no SGLang): :mod:`~pcr_sglang.reuse.bounds` (the request contract),
+:mod:`~pcr_sglang.reuse.plan` (what is reused where; the row order),
+:mod:`~pcr_sglang.reuse.warmup` (when a document's KV is computed),
+:mod:`~pcr_sglang.reuse.calibration` (the per-model gate's file),
+:mod:`~pcr_sglang.reuse.settings` (its settings from ``PCRConfig``),
+:mod:`~pcr_sglang.reuse.prompt` and :mod:`~pcr_sglang.reuse.frontend` (marked prompts, the DSL's ``doc()``).
+On the model: :mod:`~pcr_sglang.reuse.setup` (the startup gate),
+:mod:`~pcr_sglang.reuse.model_rope`, :mod:`~pcr_sglang.reuse.placement` (copy and rotate at
+admission), :mod:`~pcr_sglang.reuse.blend_select` (blend's layer-1 selection),
+:mod:`~pcr_sglang.reuse.rows` (true positions and position-causal masks in the forward),
+:mod:`~pcr_sglang.reuse.tokenizer` (the HTTP side: bounds checked at the door, warm-ups).
+The SGLang adapter calls into this wing; the wing never imports the adapter.
+"""
