@@ -88,7 +88,7 @@ def build(chunk: int, pool: int):
     cache.scheduler.docs = DocReuse(cache.state, Recompute("concat"), chunk, PAD,
                                     RopeSpec(DIM, DIM, True, (1.0, 0.1, 0.01, 0.001)),
                                     list(zip(kvcache.k_buffer, kvcache.v_buffer)), allocator,
-                                    cache.scheduler.root_key, cache.scheduler.free_private,
+                                    cache.scheduler.keyer, cache.scheduler.executor.free_private,
                                     limits=reuse_settings.limits(config))
     return cache, allocator
 

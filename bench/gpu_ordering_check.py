@@ -37,8 +37,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.transfer.engine import LayerwiseMode, TransferEngine
-from pcr_sglang.transfer.layout import HostChunkLayout
 from pcr_sglang.transfer.rope_shift import RopeSpec
 from pcr_sglang.transfer.streams import DEVICE_KV, CudaStreams, OrderingModel, Region
 

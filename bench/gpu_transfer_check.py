@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from pcr_sglang.tiers.host_pool import HostChunkPool
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.transfer.copy_kv import Direction, copy_layer
 from pcr_sglang.transfer.engine import LayerwiseMode, TransferEngine
-from pcr_sglang.transfer.layout import HostChunkLayout
 from pcr_sglang.transfer.rope_shift import RopeSpec, shift_keys_torch
 
 # Llama-3-8B attention shapes.

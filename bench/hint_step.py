@@ -37,8 +37,8 @@ from typing import Callable, Iterable, Sequence
 from pcr_sglang.core import CacheState, CacheStateConfig, Effects
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.hints import HintBook, HintLimits, HintPayload
+from pcr_sglang.core.orders import ReadChunk, Reorder
 from pcr_sglang.core.residency import PersistedChunk
-from pcr_sglang.io.protocol import ReadChunk, Reorder
 
 CHUNK_TOKENS = 64
 

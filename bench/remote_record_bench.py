@@ -30,9 +30,9 @@ from typing import Callable
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.records import HEADER_BYTES, RecordCodec
 from pcr_sglang.tiers.sealed_records import SealedRecordCodec
-from pcr_sglang.transfer.layout import HostChunkLayout
 
 # (label, layout of one chunk): SmolLM2-135M fp32 with 32-token chunks; Llama-3-8B bf16
 # with 64- and 256-token chunks.

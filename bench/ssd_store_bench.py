@@ -35,8 +35,8 @@ from pathlib import Path
 import blake3
 import xxhash
 
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
-from pcr_sglang.transfer.layout import HostChunkLayout
 
 # (label, layout of one chunk): SmolLM2-135M fp32 with 32-token chunks; Llama-3-8B bf16, 256.
 SHAPES = [

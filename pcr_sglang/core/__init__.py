@@ -8,9 +8,11 @@ the work it decides (:class:`~pcr_sglang.core.effects.Effects`).
 """
 
 from pcr_sglang.core.chunk_tree import ChunkNode, ChunkTree, InsertOutcome, MatchOutcome
-from pcr_sglang.core.effects import CacheStats, ChainMatch, Effects, IoOutcome, SSDStats
+from pcr_sglang.core.effects import ChainMatch, Effects
 from pcr_sglang.core.keys import CacheNamespace, ChunkKey, chunk_keys, root_key
+from pcr_sglang.core.orders import IoOutcome
 from pcr_sglang.core.residency import CacheState, CacheStateConfig, PersistedChunk
+from pcr_sglang.core.stats import CacheStats, SSDStats
 
 __all__ = [
     "CacheNamespace",

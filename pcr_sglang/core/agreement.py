@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from pcr_sglang.io.protocol import IoOutcome
+from pcr_sglang.core.orders import IoOutcome
 
 ReduceMin = Callable[[list[int]], list[int]]
 

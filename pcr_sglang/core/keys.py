@@ -23,6 +23,9 @@ from typing import Iterator, Optional, Sequence
 
 ChunkKey = bytes
 KEY_BYTES = 16
+# The parent key a record names for a first chunk (its parent is the root); the SSD
+# record format depends on it.
+NO_PARENT: ChunkKey = bytes(KEY_BYTES)
 _TOKEN_TYPECODE = "q"  # tokens hashed as little-endian int64, whatever the input type
 
 
@@ -101,3 +104,36 @@ def iter_chunk_keys(root: ChunkKey, tokens: Sequence[int], chunk_size: int) -> I
 
 def chunk_keys(root: ChunkKey, tokens: Sequence[int], chunk_size: int) -> list[ChunkKey]:
     return list(iter_chunk_keys(root, tokens, chunk_size))
+
+
+class ChainKeyer:
+    r"""The one object that turns a request's tokens into chunk keys.
+
+    It holds the server's chain digest (:meth:`CacheNamespace.chain_digest`) and chunk size;
+    the prefix cache, the scheduler side, document reuse and KV hints all derive keys
+    through the same instance, so no two places can hash one chunk two ways. A weight
+    update in place :meth:`rekey`\ s it: every key derived after that differs from every
+    key derived before, on every tier.
+    """
+
+    def __init__(self, chain_digest: bytes, chunk_size: int):
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.chain_digest = chain_digest
+        self.chunk_size = chunk_size
+
+    def root(self, extra_key: Optional[str] = None, cache_salt: Optional[str] = None) -> ChunkKey:
+        """The root a request's chain starts from: the namespace and its tenant."""
+        return root_key(self.chain_digest, extra_key, cache_salt)
+
+    def iter_keys(self, tokens: Sequence[int], extra_key: Optional[str] = None,
+                  cache_salt: Optional[str] = None) -> Iterator[ChunkKey]:
+        """The keys of ``tokens``' whole chunks, lazily (a match stops at its first miss)."""
+        return iter_chunk_keys(self.root(extra_key, cache_salt), tokens, self.chunk_size)
+
+    def keys(self, tokens: Sequence[int], extra_key: Optional[str] = None,
+             cache_salt: Optional[str] = None) -> list[ChunkKey]:
+        return list(self.iter_keys(tokens, extra_key, cache_salt))
+
+    def rekey(self, chain_digest: bytes) -> None:
+        self.chain_digest = chain_digest

@@ -29,16 +29,15 @@ from typing import Any, Iterable, Optional, Sequence
 
 from pcr_sglang.core.chunk_tree import ChunkNode, ChunkTree, InsertOutcome
 from pcr_sglang.core.cost_model import LoadOrRecompute
-from pcr_sglang.core.effects import CacheStats, ChainMatch, Effects, IoOutcome, SSDStats
+from pcr_sglang.core.effects import ChainMatch, Effects
 from pcr_sglang.core.hint_chains import HintedChain, HintedChains, LiveHint
 from pcr_sglang.core.host_slots import HostSlots, SlotState
-from pcr_sglang.core.keys import ChunkKey
+from pcr_sglang.core.keys import NO_PARENT, ChunkKey
 from pcr_sglang.core.lookahead import LookaheadProtection
-from pcr_sglang.io.protocol import DeleteChunk, ReadChunk, Reorder, WriteChunk
+from pcr_sglang.core.orders import DeleteChunk, IoOutcome, ReadChunk, Reorder, WriteChunk
+from pcr_sglang.core.stats import CacheStats, SSDStats
 
 logger = logging.getLogger(__name__)
-
-NO_PARENT = bytes(16)  # parent key recorded for a first chunk (its parent is the root)
 
 # Share of the host tier that decode-time offloads may hold reserved at once. A chunk a
 # decode step completes enters the tree only when its request finishes, so its slot is
@@ -685,6 +684,37 @@ class CacheState:
         self.ssd_stats.prefetch_in_time += in_time
         self.ssd_stats.prefetch_late += late
         self.ssd_stats.on_demand_reads += on_demand
+
+    def note_recompute_chosen(self, chunks: int) -> None:
+        """The cost model left ``chunks`` SSD hits of an admission to recomputation."""
+        self.ssd_stats.recompute_chosen_chunks += chunks
+
+    def note_remote_recompute_chosen(self, chunks: int) -> None:
+        """... and ``chunks`` only the remote tier holds."""
+        self.ssd_stats.remote_recompute_chosen_chunks += chunks
+
+    def note_duplicates(self, chunks: int) -> None:
+        """A request computed ``chunks`` another had cached meanwhile (dropped at its checkpoint)."""
+        self.stats.duplicate_chunks += chunks
+
+    def note_io_process(self, failures: int, restarts: int) -> None:
+        """The I/O process's failures and restarts so far, as its supervisor counts them."""
+        self.ssd_stats.io_failures = failures
+        self.ssd_stats.io_restarts = restarts
+
+    # ------------------------------------------------------------------ agreed run flags
+    def apply_agreement(self, io_healthy: bool, prefer_load: bool) -> None:
+        """What the TP ranks agreed this step (on one rank: this rank's own view)."""
+        self.io_healthy = io_healthy
+        self.prefer_load = prefer_load
+
+    def stop_io(self) -> None:
+        """The ranks' I/O views were inconsistent: nothing is read or written any more."""
+        self.io_healthy = self.writes_enabled = False
+
+    def stop_writes(self) -> None:
+        """No SSD writes from here on (the store could not be opened); reads go on."""
+        self.writes_enabled = False
 
     def timeliness(self) -> Optional[float]:
         """Share of the SSD chunks admitted requests needed that were already in host

@@ -16,7 +16,8 @@ import tempfile
 
 import zmq
 
-from pcr_sglang.io.protocol import Order, Reply, order_encoder, reply_decoder
+from pcr_sglang.core.orders import Order
+from pcr_sglang.io.protocol import Reply, order_encoder, reply_decoder
 
 logger = logging.getLogger(__name__)
 

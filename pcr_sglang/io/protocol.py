@@ -13,63 +13,11 @@ same bytes, a write replaces the record atomically), so orders are safe to retry
 
 from __future__ import annotations
 
-import enum
 from typing import Union
 
 import msgspec
 
-
-class IoOutcome(enum.IntEnum):
-    """How an order ended, ordered so that the minimum over TP ranks is what every rank
-    may assume: one rank's bad record makes the chunk bad everywhere, one rank's
-    cancellation makes the order cancelled everywhere."""
-
-    PENDING = 0  # not finished (never sent in a reply; used by the TP agreement)
-    BAD = 1  # read: the record is missing or fails verification; write: the disk refused it
-    CANCELLED = 2  # dropped before it ran, or its I/O process died first
-    OK = 3
-
-
-class ReadChunk(msgspec.Struct, tag="read"):
-    seq: int
-    key: bytes
-    host_slot: int
-    urgent: bool = False  # a request waits for it: ahead of every prefetch
-
-
-class WriteChunk(msgspec.Struct, tag="write"):
-    seq: int
-    key: bytes
-    parent_key: bytes
-    depth: int
-    num_tokens: int
-    host_slot: int
-
-
-class DeleteChunk(msgspec.Struct, tag="delete"):
-    """Remove chunk ``key``'s record (the tree dropped it)."""
-
-    key: bytes
-
-
-class Reorder(msgspec.Struct, tag="reorder"):
-    """For a read ``target`` that has not started: ``cancel`` drops it (its completion
-    says cancelled), otherwise it moves to the front (a request now waits for it). A
-    started or finished order completes normally."""
-
-    target: int
-    cancel: bool
-
-
-class ProbeRemote(msgspec.Struct, tag="probe"):
-    """Which leading chunks of each chain the remote tier holds (one round trip). Answered
-    by :class:`Probed` with the same ``seq`` (a counter of its own, not the reads')."""
-
-    seq: int
-    chains: list[list[bytes]]
-
-
-Order = Union[ReadChunk, WriteChunk, DeleteChunk, Reorder, ProbeRemote]
+from pcr_sglang.core.orders import Order
 
 
 class Done(msgspec.Struct, tag="done"):

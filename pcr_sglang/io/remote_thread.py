@@ -43,16 +43,8 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from pcr_sglang.io.protocol import (
-    SOURCE_REMOTE,
-    Done,
-    IoOutcome,
-    Probed,
-    ProbeRemote,
-    ReadChunk,
-    RemoteStatus,
-    reply_encoder,
-)
+from pcr_sglang.core.orders import IoOutcome, ProbeRemote, ReadChunk
+from pcr_sglang.io.protocol import SOURCE_REMOTE, Done, Probed, RemoteStatus, reply_encoder
 from pcr_sglang.tiers.remote_store import ReadResult, RemoteChunkStore, RemoteConfigError, RemoteError
 
 logger = logging.getLogger(__name__)

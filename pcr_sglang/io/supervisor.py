@@ -27,19 +27,9 @@ from typing import Optional
 
 import msgspec
 
+from pcr_sglang.core.orders import IoOutcome, Order, ReadChunk, WriteChunk
 from pcr_sglang.io.client import IOChannel
-from pcr_sglang.io.protocol import (
-    SOURCE_REMOTE,
-    Done,
-    Hello,
-    IoOutcome,
-    Order,
-    Probed,
-    ReadChunk,
-    RemoteStatus,
-    WorkerConfig,
-    WriteChunk,
-)
+from pcr_sglang.io.protocol import SOURCE_REMOTE, Done, Hello, Probed, RemoteStatus, WorkerConfig
 
 logger = logging.getLogger(__name__)
 

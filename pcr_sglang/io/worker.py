@@ -60,27 +60,14 @@ from typing import Callable, Optional
 import msgspec
 import zmq
 
-from pcr_sglang.io.protocol import (
-    DeleteChunk,
-    Done,
-    Hello,
-    IoOutcome,
-    Probed,
-    ProbeRemote,
-    ReadChunk,
-    RemoteStatus,
-    Reorder,
-    WorkerConfig,
-    WriteChunk,
-    order_decoder,
-    reply_encoder,
-)
+from pcr_sglang.core.orders import DeleteChunk, IoOutcome, ProbeRemote, ReadChunk, Reorder, WriteChunk
+from pcr_sglang.io.protocol import Done, Hello, Probed, RemoteStatus, WorkerConfig, order_decoder, reply_encoder
 from pcr_sglang.io.remote_thread import RemoteFaults, RemoteThread
 from pcr_sglang.tiers.fileops import FileOps
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.records import RecordCodec
 from pcr_sglang.tiers.remote_store import RemoteChunkStore, RemoteConfig, RemoteConfigError, load_fleet_key
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
-from pcr_sglang.transfer.layout import HostChunkLayout
 
 logger = logging.getLogger(__name__)
 

@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from pcr_sglang.core.chunk_tree import ChunkNode
+from pcr_sglang.core.keys import ChainKeyer
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.reuse.blend_select import Layer1Probe
 from pcr_sglang.reuse.bounds import (
@@ -115,7 +116,7 @@ def is_canonical_request(req: Any) -> bool:
 class DocReuse:
     def __init__(self, state: CacheState, recompute: Recompute, chunk_size: int, pad_token_id: int,
                  rope: RopeSpec, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], allocator: Any,
-                 root_key: Callable[[Optional[str], Optional[str]], bytes],
+                 keyer: ChainKeyer,
                  free_slots: Callable[[torch.Tensor], None], probe: Optional[Layer1Probe] = None,
                  fill_gaps: bool = False, engine: Optional[TransferEngine] = None,
                  limits: Optional[DocLimits] = None, forward_stream: Any = None):
@@ -135,7 +136,7 @@ class DocReuse:
         self.rope = rope
         self.kv_layers = list(kv_layers)
         self.allocator = allocator
-        self.root_key = root_key
+        self.keyer = keyer  # the server's one key derivation (the scheduler side's)
         self.free_slots = free_slots
         # Re-placements go through the transfer engine where there is one (layer by layer
         # with the loads); without one (no host tier) they run at admission.
@@ -235,10 +236,10 @@ class DocReuse:
 
     def _chain_keys(self, req: Any, entry: _Planned) -> dict[int, list[Any]]:
         """Every marked document's canonical chain keys, hashed once per request (``S``
-        once for all of them) and kept in its entry: the window, ``consider`` and every
+        once for all of them) and kept in its entry: the window, ``admit_now`` and every
         match read them from there, never hashing again."""
         if entry.chain_keys is None:
-            root = self.root_key(req.extra_key, req.cache_salt)  # fixed for a request, like its tokens
+            root = self.keyer.root(req.extra_key, req.cache_salt)  # fixed for a request, like its tokens
             chains = canonical_chain_keys(root, req.origin_input_ids, entry.spans, self.chunk, self.pad_token_id)
             entry.chain_keys = {span.index: keys for span, keys in zip(entry.spans, chains)}
         return entry.chain_keys

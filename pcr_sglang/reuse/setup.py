@@ -163,7 +163,7 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
     # GPU-side wait; HiCache fences on the same one).
     forward_stream = getattr(getattr(tp_worker, "model_runner", None), "forward_stream", None)
     docs = DocReuse(state, reuse_settings.recompute(config), config.chunk_size, pad, spec, kv_layers, allocator,
-                    scheduler.root_key, scheduler.free_private, probe=probe, fill_gaps=fill_gaps,
+                    scheduler.keyer, scheduler.executor.free_private, probe=probe, fill_gaps=fill_gaps,
                     engine=scheduler.engine, limits=reuse_settings.limits(config),
                     forward_stream=forward_stream if kv_layers[0][0].is_cuda else None)
     docs.calibration = calibration

@@ -26,8 +26,8 @@ from pcr_sglang.sglang_adapter.tp_group import TpGroup, min_max
 from pcr_sglang.sglang_adapter.weight_updates import WeightsIdentity
 from pcr_sglang.sglang_adapter.worker_side import attach_worker_side
 from pcr_sglang.tiers.host_pool import HostChunkPool, HostPoolError
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.ssd_store import ChunkFileStore, SSDStoreError, describe_namespace, purge_namespace
-from pcr_sglang.transfer.layout import HostChunkLayout
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
@@ -300,7 +300,7 @@ def move_namespace(cache: PCRPrefixCache, namespace: CacheNamespace) -> None:
     except PCRConfigError as e:
         logger.error("PCR: the weights changed, but the SSD store of the new namespace cannot be opened (%s); "
                      "serving on with SSD writes off (nothing of the old weights is read)", e)
-        scheduler.state.writes_enabled = False
+        scheduler.state.stop_writes()
         return
     scheduler.state.resize_ssd(_agreed_capacity(store, tp))
     _restore(scheduler.state, store, tp)

@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 
 from pcr_sglang.core.chunk_tree import ChunkNode
-from pcr_sglang.core.keys import CacheNamespace, chunk_keys, iter_chunk_keys
+from pcr_sglang.core.keys import CacheNamespace
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.sglang_adapter.kv_events import PCRKvEvents
 from pcr_sglang.sglang_adapter.metrics import PCRMetrics
@@ -126,7 +126,7 @@ class PCRPrefixCache(BasePrefixCache):
         host_chunks = 0
         if len(tokens) >= self.chunk_size:
             match = self.state.match(
-                iter_chunk_keys(self.scheduler.root_key(key.extra_key, key.cache_salt), tokens, self.chunk_size))
+                self.scheduler.keyer.iter_keys(tokens, key.extra_key, key.cache_salt))
             if self.kv_events is not None:
                 self.kv_events.learn(match.nodes, tokens, key.cache_salt)
             device_node = match.nodes[match.device - 1] if match.device else self.root_node
@@ -152,8 +152,7 @@ class PCRPrefixCache(BasePrefixCache):
 
     def touch_prefix(self, key: RadixKey) -> None:
         self.state.tree.match(
-            iter_chunk_keys(self.scheduler.root_key(key.extra_key, key.cache_salt), key.raw_token_ids(),
-                            self.chunk_size))
+            self.scheduler.keyer.iter_keys(key.raw_token_ids(), key.extra_key, key.cache_salt))
 
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
         """Admission: copy the host hit to the device (all of it, or none: then 0)."""
@@ -193,8 +192,7 @@ class PCRPrefixCache(BasePrefixCache):
         if params.value is None:
             raise ValueError("PCRPrefixCache.insert needs the KV slot indices (params.value)")
         values = params.value[: num_chunks * self.chunk_size].to(dtype=torch.int64, copy=True)
-        keys = chunk_keys(self.scheduler.root_key(key.extra_key, key.cache_salt),
-                          tokens[: num_chunks * self.chunk_size], self.chunk_size)
+        keys = self.scheduler.keyer.keys(tokens[: num_chunks * self.chunk_size], key.extra_key, key.cache_salt)
         outcome = self.state.insert(keys, list(values.split(self.chunk_size)))
         if self.kv_events is not None:
             self.kv_events.learn(outcome.nodes, tokens, key.cache_salt)
@@ -225,7 +223,7 @@ class PCRPrefixCache(BasePrefixCache):
             key=RadixKey(token_ids[:aligned_len], req.extra_key, cache_salt=req.cache_salt), value=row))
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned_len)
         if result.prefix_len > kv.cache_protected_len:  # our duplicates of chunks the tree had
-            self.state.stats.duplicate_chunks += (result.prefix_len - kv.cache_protected_len) // self.chunk_size
+            self.state.note_duplicates((result.prefix_len - kv.cache_protected_len) // self.chunk_size)
             self._free_device(row[kv.cache_protected_len: result.prefix_len].clone(), kv.cache_protected_len)
         new_last_node: ChunkNode = result.last_device_node
         tree_indices = self.path_device_indices(new_last_node)

@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 
 from pcr_sglang.core.effects import Effects
 from pcr_sglang.core.keys import ChunkKey
+from pcr_sglang.core.orders import ProbeRemote
 from pcr_sglang.core.residency import CacheState
-from pcr_sglang.io.protocol import ProbeRemote
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.sglang_adapter.requests import RequestRegistry
 

@@ -1,7 +1,7 @@
 """HostChunkPool: chunk slots in shared host memory, pinned on CUDA.
 
 The pool is one POSIX shared-memory segment laid out as
-:class:`~pcr_sglang.transfer.layout.HostChunkLayout` describes, so that a second process
+:class:`~pcr_sglang.tiers.layout.HostChunkLayout` describes, so that a second process
 (the I/O process that will read and write SSD chunks) can attach to it by name and move
 bytes without copies through the scheduler. On a CUDA machine the segment is registered
 with ``cudaHostRegister`` so copy kernels read it directly; on CPU it stays plain memory.
@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from pcr_sglang.transfer.layout import HostChunkLayout
+from pcr_sglang.tiers.layout import HostChunkLayout
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import blake3
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from pcr_sglang.transfer.layout import HostChunkLayout
+from pcr_sglang.tiers.layout import HostChunkLayout
 
 MAGIC = b"PCRCHUNK"
 FORMAT_VERSION = 2

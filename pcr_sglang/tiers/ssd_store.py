@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from pcr_sglang.tiers.fileops import FileOps
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.records import FORMAT_VERSION, HEADER_BYTES, ChunkRecord, RecordCodec  # noqa: F401
 
 # The CLI's directory tools live beside the access rules; re-exported for pcr_tools.store_cli.
@@ -87,7 +88,6 @@ from pcr_sglang.tiers.store_dir import (  # noqa: F401
     try_lease,
     unlink_quiet,
 )
-from pcr_sglang.transfer.layout import HostChunkLayout
 
 logger = logging.getLogger(__name__)
 

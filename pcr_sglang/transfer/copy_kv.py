@@ -1,7 +1,7 @@
 """Copy one layer of K and V between SGLang's device KV pool and PCR's host chunk slots.
 
 The device pool is token-indexed (``k_buffer[layer][token_slot]``, one row per token);
-the host pool is chunk-slot-indexed (see :mod:`pcr_sglang.transfer.layout`). A transfer
+the host pool is chunk-slot-indexed (see :mod:`pcr_sglang.tiers.layout`). A transfer
 names, for each chunk, its host slot and its ``chunk_size`` device token slots (any
 order, not contiguous). Both directions, any dtype: rows are copied as raw bytes (on CPU
 as the widest integer words that tile them).
@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from pcr_sglang.transfer.layout import HostChunkLayout
+from pcr_sglang.tiers.layout import HostChunkLayout
 
 logger = logging.getLogger(__name__)
 

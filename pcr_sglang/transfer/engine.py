@@ -57,8 +57,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.transfer.copy_kv import Direction, copy_layer
-from pcr_sglang.transfer.layout import HostChunkLayout
 from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
 from pcr_sglang.transfer.streams import DEVICE_KV, HOST_KV, CudaStreams, Region, Streams
 

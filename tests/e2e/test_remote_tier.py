@@ -15,9 +15,9 @@ import pytest
 import requests
 
 from pcr_sglang.core.keys import CacheNamespace, chunk_keys, root_key
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.records import RecordCodec
 from pcr_sglang.tiers.remote_store import RemoteChunkStore, RemoteConfig, load_fleet_key
-from pcr_sglang.transfer.layout import HostChunkLayout
 from pcr_tools.fleet import Gateway
 from pcr_tools.launcher import ServerProcess
 from pcr_tools.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.transfer.copy_kv import Direction
-from pcr_sglang.transfer.layout import HostChunkLayout
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]  # uint8 stands for fp8 bytes
 

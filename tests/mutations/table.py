@@ -108,7 +108,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="hint-only-request-skips-document-chains",
         kind="e2e",
-        file="pcr_sglang/sglang_adapter/scheduler_side.py",
+        file="pcr_sglang/sglang_adapter/kv_hints.py",
         original="self.docs.canonical_chain_keys(req), doc_payload",
         replacement="[], doc_payload",
         tests=(E2E + "test_doc_reuse.py::test_precomputed_documents_are_served_from_ssd_after_a_restart",),
@@ -173,7 +173,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="queue-prefetch-skips-document-chains",
         kind="unit",
-        file="pcr_sglang/sglang_adapter/scheduler_side.py",
+        file="pcr_sglang/sglang_adapter/request_keys.py",
         original="return [own, *self.docs.canonical_chain_nodes(req)] if self.docs is not None else [own]",
         replacement="return [own]",
         tests=(UNIT + "sglang_adapter/test_prefix_cache_adapter.py::test_prefetch_reads_a_waiting_requests_document_chains_from_ssd",),
@@ -294,8 +294,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="weight-update-rekey-keeps-live-hints",
         kind="unit",
         file="pcr_sglang/sglang_adapter/scheduler_side.py",
-        original="        self._window_keys = {}\n        self.hints.clear()\n        if self.probes is not None:",
-        replacement="        self._window_keys = {}\n        if self.probes is not None:",
+        original="        self.keys.forget()\n        self.hints.clear()\n        if self.probes is not None:",
+        replacement="        self.keys.forget()\n        if self.probes is not None:",
         tests=(UNIT + "sglang_adapter/test_weight_updates.py::test_a_rekey_drops_what_was_derived_under_the_old_namespace",),
         claim="docs/architecture.md, Weight updates in place: the keys PCR kept are dropped",
         breaks="a hint registered before an update reads the old weights' chain back from the SSD",

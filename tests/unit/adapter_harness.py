@@ -143,7 +143,7 @@ class Harness:
 
         self.scheduler.worker.run_batch(forward, run_in_batch_of or [rid])
         result = self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=row))
-        node = self.cache.state.tree.match(iter(self.scheduler._keys_of(tokens)), touch=False).last_node
+        node = self.cache.state.tree.match(iter(self.scheduler.keys.of_tokens(tokens)), touch=False).last_node
         self.scheduler.adopt_offloads(rid, node.path_from_root(), cached // CHUNK, result.prefix_len // CHUNK,
                                       result.total_len // CHUNK)
         self.allocator.free(new[result.total_len - cached:])

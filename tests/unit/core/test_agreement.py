@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pcr_sglang.core.agreement import LocalView, agree
-from pcr_sglang.io.protocol import IoOutcome
+from pcr_sglang.core.orders import IoOutcome
 
 
 class TwoRanks:
@@ -124,12 +124,12 @@ def read_first_prompt(h, prefill_tokens_per_second=None):
     held = []
     while True:
         h.step([req])
-        held.append(not h.scheduler.consider(req))
+        held.append(not h.scheduler.admit_now(req))
         if not held[-1]:
             break
         time.sleep(0.01)
         assert len(held) < 1000
-    finished_here = len(h.scheduler._finished)  # this rank's completions not yet agreed
+    finished_here = len(h.scheduler.executor.finished)  # this rank's completions not yet agreed
     admitted = h.admit(req)
     h.check()
     return held, admitted, finished_here, h.state.ssd_stats.read_failures, h.scheduler.agreement_rounds
@@ -208,20 +208,20 @@ def test_a_kv_hint_lives_by_the_clock_the_ranks_agree_on(tmp_path):
         try:
             clock = [100.0]
             rate = 3.0 if r == 1 else 1.0
-            h.scheduler.hint_clock = lambda: clock[0] * rate
-            registered = h.scheduler.add_hint(h.request(tokens + [0], "hint"), HintPayload(ttl_s=5.0))
+            h.scheduler.kv_hints.clock = lambda: clock[0] * rate
+            registered = h.scheduler.kv_hints.add(h.request(tokens + [0], "hint"), HintPayload(ttl_s=5.0))
             clock[0] += 2.0  # rank 0: 2 s later; rank 1: 6 s later, past the TTL by its own clock
             h.step()
             h.drain_io()
             live, issued = len(h.scheduler.hints), h.state.ssd_stats.hint_issued
             req = h.request(tokens + [0], "final")
-            assert h.scheduler.consider(req)
+            assert h.scheduler.admit_now(req)
             admitted = h.admit(req)
             h.scheduler.admitted(req)
             h.step()
             h.check()
             # A second hint, then past its TTL by the agreed (rank 0's) clock: gone on both.
-            h.scheduler.add_hint(h.request(prompt(200) + [0], "later"), HintPayload(ttl_s=5.0))
+            h.scheduler.kv_hints.add(h.request(prompt(200) + [0], "later"), HintPayload(ttl_s=5.0))
             clock[0] += 6.0
             h.step()
             return (registered, live, issued, admitted, h.state.ssd_stats.hint_in_time, len(h.scheduler.hints),

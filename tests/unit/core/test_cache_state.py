@@ -9,7 +9,7 @@ import pytest
 
 from pcr_sglang.core import CacheState, CacheStateConfig, Effects, IoOutcome
 from pcr_sglang.core.host_slots import SlotState
-from pcr_sglang.io.protocol import DeleteChunk, ReadChunk, Reorder, WriteChunk
+from pcr_sglang.core.orders import DeleteChunk, ReadChunk, Reorder, WriteChunk
 from tests.unit.core.test_chunk_tree import CHUNK, keys
 
 

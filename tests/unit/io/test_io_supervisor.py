@@ -9,12 +9,13 @@ import time
 
 import pytest
 
-from pcr_sglang.io.protocol import DeleteChunk, IoOutcome, ReadChunk, Reorder, WorkerConfig, WriteChunk
+from pcr_sglang.core.orders import DeleteChunk, IoOutcome, ReadChunk, Reorder, WriteChunk
+from pcr_sglang.io.protocol import WorkerConfig
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.io.worker import BusyClock
 from pcr_sglang.tiers.host_pool import HostChunkPool
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
-from pcr_sglang.transfer.layout import HostChunkLayout
 
 LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=16)
 

@@ -18,25 +18,16 @@ import time
 import pytest
 import zmq
 
-from pcr_sglang.io.protocol import (
-    Done,
-    IoOutcome,
-    Probed,
-    ProbeRemote,
-    ReadChunk,
-    RemoteStatus,
-    WorkerConfig,
-    WriteChunk,
-    reply_decoder,
-)
+from pcr_sglang.core.orders import IoOutcome, ProbeRemote, ReadChunk, WriteChunk
+from pcr_sglang.io.protocol import Done, Probed, RemoteStatus, WorkerConfig, reply_decoder
 from pcr_sglang.io.remote_thread import RemoteThread
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.io.worker import MAX_HUNG_REMOTE_THREADS
 from pcr_sglang.tiers.host_pool import HostChunkPool
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.records import RecordCodec
 from pcr_sglang.tiers.remote_store import ReadResult, RemoteChunkStore, RemoteConfig, load_fleet_key
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
-from pcr_sglang.transfer.layout import HostChunkLayout
 from pcr_tools.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
 
 LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=32)

@@ -21,8 +21,8 @@ DOC_TOKENS = 4
 def _with_docs(h, limits=None) -> DocReuse:
     kv = h.allocator.get_kvcache()
     h.scheduler.docs = DocReuse(h.state, Recompute("concat"), CHUNK, 0, RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
-                                list(zip(kv.k_buffer, kv.v_buffer)), h.allocator, h.scheduler.root_key,
-                                h.scheduler.free_private, limits=limits)
+                                list(zip(kv.k_buffer, kv.v_buffer)), h.allocator, h.scheduler.keyer,
+                                h.scheduler.executor.free_private, limits=limits)
     return h.scheduler.docs
 
 
@@ -74,7 +74,7 @@ def test_a_marked_requests_canonical_keys_are_hashed_once_with_the_leading_token
     prefix_cache_own = count.calls - before  # what SGLang's match hashes of any prompt
     before = count.calls
     h.match(tokens, req)  # plans the documents' reuse: their keys are the request's already
-    h.scheduler.consider(req)
+    h.scheduler.admit_now(req)
     assert count.calls - before == prefix_cache_own
     h.check()
 

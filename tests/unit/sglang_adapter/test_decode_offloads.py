@@ -149,7 +149,7 @@ def expected_chunk(tokens: list[int]) -> torch.Tensor:
 
 
 def chain(h: Harness, tokens: list[int]):
-    return h.state.tree.match(iter(h.scheduler._keys_of(tokens)), touch=False).nodes
+    return h.state.tree.match(iter(h.scheduler.keys.of_tokens(tokens)), touch=False).nodes
 
 
 def token_of(req: RunningReq) -> int:

@@ -11,7 +11,7 @@ import pytest
 from bench.hint_step import old_plan_prefetch
 from pcr_sglang.core import Effects, IoOutcome
 from pcr_sglang.core.hints import DEFAULT_TENANT, Hint, HintBook, HintLimits, HintPayload, hint_tenant
-from pcr_sglang.io.protocol import ReadChunk, Reorder, WriteChunk
+from pcr_sglang.core.orders import ReadChunk, Reorder, WriteChunk
 from tests.unit.core.test_cache_state import Driver
 from tests.unit.core.test_chunk_tree import CHUNK, keys
 

@@ -9,8 +9,8 @@ import random
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from pcr_sglang.core import Effects, IoOutcome, PersistedChunk
+from pcr_sglang.core.orders import ReadChunk
 from pcr_sglang.core.tier_events import Tier
-from pcr_sglang.io.protocol import ReadChunk
 from pcr_sglang.sglang_adapter.kv_events import MEDIUM, TIERS, PCRKvEvents, block_hash
 from tests.unit.core.test_cache_state import Driver
 from tests.unit.core.test_chunk_tree import CHUNK, keys

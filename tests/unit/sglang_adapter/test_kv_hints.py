@@ -7,7 +7,7 @@ import pytest
 
 from pcr_sglang.core import Effects
 from pcr_sglang.core.hints import Hint, HintBook, HintError, HintLimits, HintPayload, hint_payload
-from pcr_sglang.io.protocol import ReadChunk, Reorder
+from pcr_sglang.core.orders import ReadChunk, Reorder
 from tests.unit.core.test_cache_state import Driver
 from tests.unit.core.test_chunk_tree import CHUNK, keys
 

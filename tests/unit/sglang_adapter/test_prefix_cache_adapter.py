@@ -229,7 +229,7 @@ def read_through_hold(h: Harness, tokens: list[int], rid: str = "r"):
     """A request whose chunks are on SSD is held in the queue until its reads land, then admitted."""
     req = h.request(tokens, rid)
     passes = 0
-    while not h.scheduler.consider(req):
+    while not h.scheduler.admit_now(req):
         passes += 1
         assert passes < 3000, "the request was never released"
         time.sleep(0.005)
@@ -251,7 +251,7 @@ def test_chunks_come_back_from_ssd_and_survive_a_restart(make, tmp_path, ssd_wri
         h.cache.evict(EvictParams(num_tokens=10**6))
         # Reading the first prompt back needs host slots: eviction picks the second's
         # chunks, which are written first, so this first try finds no slot.
-        assert h.scheduler.consider(h.request(prompts[0] + [0], "first-try"))
+        assert h.scheduler.admit_now(h.request(prompts[0] + [0], "first-try"))
         assert h.state.writes_in_flight == 3 and h.state.reads_in_flight == 0
         h.drain_io()
     assert h.state.tree.ssd_chunks >= 3 and h.state.tree.host_chunks <= 3
@@ -279,7 +279,7 @@ def test_chunks_come_back_from_ssd_and_survive_a_restart(make, tmp_path, ssd_wri
 def _hint(h: Harness, tokens: list[int], rid: str = "hint") -> None:
     from pcr_sglang.core.hints import HintPayload
 
-    assert h.scheduler.add_hint(h.request(tokens, rid), HintPayload(hint_only=True, ttl_s=60))
+    assert h.scheduler.kv_hints.add(h.request(tokens, rid), HintPayload(hint_only=True, ttl_s=60))
 
 
 @pytest.mark.parametrize("to_device", ["on", "off"])
@@ -296,7 +296,7 @@ def test_a_hinted_chain_read_from_ssd_goes_on_into_free_device_slots(make, tmp_p
     h.step()  # orders the hinted reads
     h.drain_io()  # applies them as they land (and promotes, in the same step)
     req = h.request(tokens + [0], "final")
-    assert h.scheduler.consider(req)  # nothing left to wait for
+    assert h.scheduler.admit_now(req)  # nothing left to wait for
     device, loaded = h.admit(req)
     h.scheduler.admitted(req)
     assert (device, loaded) == ((12, 0) if to_device == "on" else (0, 12))
@@ -373,7 +373,7 @@ def test_a_corrupt_record_is_recomputed_not_used(make, tmp_path):
     h.close()
     files = sorted((tmp_path / "ssd").rglob("*.chunk"))
     assert len(files) == 3
-    keys = [n.key for n in h.state.tree.match(iter(h.scheduler._keys(h.request(tokens + [0]))), touch=False).nodes]
+    keys = [n.key for n in h.state.tree.match(iter(h.scheduler.keys.own(h.request(tokens + [0]))), touch=False).nodes]
     second = next(p for p in files if p.name.startswith(keys[1].hex()))
     data = bytearray(second.read_bytes())
     data[-1] ^= 0x55  # the payload: the restart still lists the record
@@ -408,13 +408,13 @@ def test_prefetch_brings_waiting_requests_chunks_to_host_memory_in_time(make, tm
     h = make(host_slots=6, ssd_path=tmp_path / "ssd", prefetch_window=1)
     persisted(h, prompts)
     waiting = [h.request(p + [0], f"w{i}") for i, p in enumerate(prompts)]
-    first = h.state.match(iter(h.scheduler._keys(waiting[0])), touch=False)
+    first = h.state.match(iter(h.scheduler.keys.own(waiting[0])), touch=False)
     assert first.ssd == 3  # left host memory long ago
     h.step(waiting)  # window 1: orders reads for the first request only
     assert h.state.ssd_stats.prefetch_issued == 3
     h.drain_io(waiting)
-    assert h.state.match(iter(h.scheduler._keys(waiting[0])), touch=False).host == 3
-    assert h.scheduler.consider(waiting[0])  # nothing to wait for
+    assert h.state.match(iter(h.scheduler.keys.own(waiting[0])), touch=False).host == 3
+    assert h.scheduler.admit_now(waiting[0])  # nothing to wait for
     assert h.admit(waiting[0]) == (0, 12)
     h.scheduler.admitted(waiting[0])
     assert waiting[0].cached_tokens_storage == 12
@@ -441,9 +441,9 @@ def test_prefetch_fills_at_most_half_the_host_tier(make, tmp_path):
         h.step(waiting)
         h.drain_io(waiting)
     assert h.state.ssd_stats.prefetch_issued == 3  # half the host tier, earliest request first
-    assert h.state.match(iter(h.scheduler._keys(waiting[0])), touch=False).host == 3
+    assert h.state.match(iter(h.scheduler.keys.own(waiting[0])), touch=False).host == 3
     assert h.state.ssd_stats.prefetch_unused == 0
-    assert h.scheduler.consider(waiting[0]) and h.admit(waiting[0]) == (0, 12)  # used: room for more
+    assert h.scheduler.admit_now(waiting[0]) and h.admit(waiting[0]) == (0, 12)  # used: room for more
     h.step(waiting[1:])
     assert h.state.ssd_stats.prefetch_issued == 6
     h.drain_io(waiting[1:])
@@ -460,11 +460,11 @@ def test_a_request_waits_for_its_reads_in_the_queue_not_in_the_scheduler(make, t
     os.kill(h.scheduler.io.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        assert not h.scheduler.consider(req)  # reads ordered together, urgently
+        assert not h.scheduler.admit_now(req)  # reads ordered together, urgently
         hold = h.scheduler.requests.peek(req.rid).hold
         assert h.state.reads_in_flight == 3
         worst = 0.0
-        while not h.scheduler.consider(req):
+        while not h.scheduler.admit_now(req):
             t = time.perf_counter()
             h.step([req])
             worst = max(worst, time.perf_counter() - t)
@@ -490,7 +490,7 @@ def test_a_dead_io_process_costs_ssd_hits_until_it_is_restarted(make, tmp_path):
         h.step()
     assert h.state.ssd_stats.io_failures == 1 and not h.state.io_healthy
     req = h.request(prompts[0] + [0])
-    assert h.scheduler.consider(req)  # SSD unavailable: not held, recomputes past host memory
+    assert h.scheduler.admit_now(req)  # SSD unavailable: not held, recomputes past host memory
     assert h.admit(req)[1] < 12
     deadline = time.monotonic() + 30
     while not h.scheduler.io.healthy and time.monotonic() < deadline:
@@ -512,7 +512,7 @@ def test_reads_and_writes_of_a_reset_tree_release_their_slots_when_they_complete
     persisted(h, [tokens, prompt(200), prompt(300)])
     os.kill(h.scheduler.io.pid, signal.SIGSTOP)
     try:
-        assert not h.scheduler.consider(h.request(tokens + [0]))
+        assert not h.scheduler.admit_now(h.request(tokens + [0]))
         assert h.state.reads_in_flight == 3
         h.cache.reset()  # /flush_cache with reads in flight: their slots stay reserved
         assert h.state.slots.counts()["releasing"] == 3 and h.state.tree.ssd_chunks == 9
@@ -528,7 +528,7 @@ def test_when_the_ranks_disagree_waiting_requests_are_admitted_and_nothing_more_
     """An agreement that finds the ranks inconsistent stops the SSD tier on every rank:
     requests waiting for reads must be admitted (to recompute), not held forever."""
     from pcr_sglang.core.agreement import Agreed
-    from pcr_sglang.sglang_adapter import scheduler_side
+    from pcr_sglang.sglang_adapter import step_agreement
 
     tokens = prompt(100)
     h = make(host_slots=6, ssd_path=tmp_path / "ssd")
@@ -536,13 +536,13 @@ def test_when_the_ranks_disagree_waiting_requests_are_admitted_and_nothing_more_
     req = h.request(tokens + [0])
     os.kill(h.scheduler.io.pid, signal.SIGSTOP)
     try:
-        assert not h.scheduler.consider(req)  # held for its reads
-        monkeypatch.setattr(scheduler_side, "agree",
+        assert not h.scheduler.admit_now(req)  # held for its reads
+        monkeypatch.setattr(step_agreement, "agree",
                             lambda view, reduce_min: Agreed(False, False, consistent=False, error="test"))
         h.step([req])
         assert h.scheduler.broken == "test" and not h.state.io_healthy
-        assert h.scheduler.consider(req)  # admitted now, to recompute
-        assert h.scheduler.consider(h.request(prompt(200) + [0], "other"))  # and nobody else waits
+        assert h.scheduler.admit_now(req)  # admitted now, to recompute
+        assert h.scheduler.admit_now(h.request(prompt(200) + [0], "other"))  # and nobody else waits
     finally:
         os.kill(h.scheduler.io.pid, signal.SIGCONT)
 
@@ -580,8 +580,8 @@ def test_lookahead_protects_a_waiting_requests_document_chains(make):
     h = make(lookahead_window=1)
     kv = h.allocator.get_kvcache()
     h.scheduler.docs = DocReuse(h.state, Recompute("concat"), CHUNK, 0, RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
-                                list(zip(kv.k_buffer, kv.v_buffer)), h.allocator, h.scheduler.root_key,
-                                h.scheduler.free_private)
+                                list(zip(kv.k_buffer, kv.v_buffer)), h.allocator, h.scheduler.keyer,
+                                h.scheduler.executor.free_private)
     leading, doc = [7, 7], prompt(300, 2)[:6]
     tokens = leading + prompt(400, 1) + doc + [5, 5, 5]  # S, another document, doc, the question
     bounds = [2, 2 + CHUNK, 2 + CHUNK, 2 + CHUNK + 6]
@@ -611,19 +611,19 @@ def test_prefetch_reads_a_waiting_requests_document_chains_from_ssd(make, tmp_pa
     h = make(host_slots=6, ssd_path=tmp_path / "ssd", prefetch_window=1)
     kv = h.allocator.get_kvcache()
     h.scheduler.docs = DocReuse(h.state, Recompute("concat"), CHUNK, 0, RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
-                                list(zip(kv.k_buffer, kv.v_buffer)), h.allocator, h.scheduler.root_key,
-                                h.scheduler.free_private)
+                                list(zip(kv.k_buffer, kv.v_buffer)), h.allocator, h.scheduler.keyer,
+                                h.scheduler.executor.free_private)
     leading, doc = [7, 7], prompt(300, 2)[:6]
     tokens = leading + prompt(400, 1) + doc + [5, 5, 5]
     bounds = [2, 2 + CHUNK, 2 + CHUNK, 2 + CHUNK + 6]
     canonical = canonical_tokens(tokens, parse_doc_bounds(bounds, len(tokens))[1], 2, CHUNK, 0)
     persisted(h, [canonical, prompt(500), prompt(600)])  # the canonical chain left host memory long ago
-    assert h.state.match(iter(h.scheduler._keys_of(canonical)), touch=False).ssd == 2
+    assert h.state.match(iter(h.scheduler.keys.of_tokens(canonical)), touch=False).ssd == 2
     waiting = h.request(tokens, "marked")
     waiting.sampling_params = SimpleNamespace(custom_params={"pcr_doc_bounds": bounds})
     h.step([waiting])
     assert h.state.ssd_stats.prefetch_issued == 2
     h.drain_io([waiting])
-    assert h.state.match(iter(h.scheduler._keys_of(canonical)), touch=False).host == 2
+    assert h.state.match(iter(h.scheduler.keys.of_tokens(canonical)), touch=False).host == 2
     h.step()
     h.check()

@@ -31,7 +31,7 @@ def persisted(h: Harness, tokens: list[int]) -> None:
 
 def reusable_chunks(h: Harness, tokens: list[int]) -> int:
     """Chunks of ``tokens`` some tier could serve now (device, host or SSD)."""
-    match = h.state.match(iter(h.scheduler._keys_of(tokens)))
+    match = h.state.match(iter(h.scheduler.keys.of_tokens(tokens)))
     return match.device + match.host + match.ssd
 
 
@@ -258,7 +258,7 @@ def test_a_rekey_drops_what_was_derived_under_the_old_namespace(make, tmp_path):
     persisted(make(host_slots=3, ssd_path=tmp_path / "ssd"), tokens)
     h = make(host_slots=12, ssd_path=tmp_path / "ssd")  # the chain only on SSD
     req = h.request(tokens + [0], "hinted")
-    assert h.scheduler.add_hint(req, HintPayload(hint_only=True, ttl_s=30.0, group=None, rank=0))
+    assert h.scheduler.kv_hints.add(req, HintPayload(hint_only=True, ttl_s=30.0, group=None, rank=0))
     assert len(h.scheduler.hints) == 1
     around_weight_update("update_weights_from_tensor", lambda m, r: SimpleNamespace(success=True), manager_of(h),
                          SimpleNamespace())

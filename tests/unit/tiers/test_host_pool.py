@@ -19,7 +19,7 @@ from pcr_sglang.tiers.host_pool import (
     remove_stale_segments,
     take_owner_lock,
 )
-from pcr_sglang.transfer.layout import HostChunkLayout
+from pcr_sglang.tiers.layout import HostChunkLayout
 
 LAYOUT = HostChunkLayout(num_slots=6, num_layers=3, chunk_size=4, row_bytes=10)
 
@@ -78,7 +78,7 @@ OWNER = """
 import sys
 from multiprocessing import resource_tracker
 from pcr_sglang.tiers.host_pool import HostChunkPool
-from pcr_sglang.transfer.layout import HostChunkLayout
+from pcr_sglang.tiers.layout import HostChunkLayout
 pool = HostChunkPool(HostChunkLayout(num_slots=2, num_layers=1, chunk_size=4, row_bytes=8), pin=False)
 resource_tracker.unregister(pool._shm._name, "shared_memory")
 print(pool.info().shm_name, flush=True)

@@ -10,17 +10,10 @@ import time
 import pytest
 import zmq
 
-from pcr_sglang.io.protocol import (
-    SOURCE_REMOTE,
-    Done,
-    IoOutcome,
-    Probed,
-    ProbeRemote,
-    ReadChunk,
-    RemoteStatus,
-    reply_decoder,
-)
+from pcr_sglang.core.orders import IoOutcome, ProbeRemote, ReadChunk
+from pcr_sglang.io.protocol import SOURCE_REMOTE, Done, Probed, RemoteStatus, reply_decoder
 from pcr_sglang.io.remote_thread import RemoteFaults, RemoteThread
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.records import RecordCodec
 from pcr_sglang.tiers.remote_store import (
     ReadResult,
@@ -30,7 +23,6 @@ from pcr_sglang.tiers.remote_store import (
     RemoteError,
     load_fleet_key,
 )
-from pcr_sglang.transfer.layout import HostChunkLayout
 from pcr_tools.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
 
 LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=32)

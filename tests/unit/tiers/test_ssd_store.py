@@ -8,6 +8,7 @@ import stat
 
 import pytest
 
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.ssd_store import (
     HEADER_BYTES,
     ChunkFileStore,
@@ -16,7 +17,6 @@ from pcr_sglang.tiers.ssd_store import (
     namespace_store,
     purge_namespace,
 )
-from pcr_sglang.transfer.layout import HostChunkLayout
 
 LAYOUT = HostChunkLayout(num_slots=1, num_layers=2, chunk_size=4, row_bytes=32)
 NS_A, NS_B = bytes(range(16)), bytes(range(1, 17))

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 
 from pcr_sglang.tiers.fileops import FileOps, Op, RecordingFileOps
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
-from pcr_sglang.transfer.layout import HostChunkLayout
 
 LAYOUT = HostChunkLayout(num_slots=1, num_layers=1, chunk_size=2, row_bytes=256)
 NS = bytes(range(16))

@@ -17,10 +17,12 @@ import torch
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core import CacheNamespace
-from pcr_sglang.io.protocol import IoOutcome, WorkerConfig, WriteChunk
+from pcr_sglang.core.orders import IoOutcome, WriteChunk
+from pcr_sglang.io.protocol import WorkerConfig
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.sglang_adapter.factory import build_ssd_store
 from pcr_sglang.tiers.host_pool import HostChunkPool
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.ssd_store import (
     HEADER_BYTES,
     KEY_FILE,
@@ -28,7 +30,6 @@ from pcr_sglang.tiers.ssd_store import (
     SSDStoreError,
     _read_full,
 )
-from pcr_sglang.transfer.layout import HostChunkLayout
 
 LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=32)
 NS = bytes(range(16))
@@ -253,7 +254,8 @@ def test_batch_durability_never_acknowledges_a_write_whose_record_was_replaced(t
     process's own Worker, its replies collected instead of sent."""
     from multiprocessing import resource_tracker
 
-    from pcr_sglang.io.protocol import DeleteChunk, reply_decoder
+    from pcr_sglang.core.orders import DeleteChunk
+    from pcr_sglang.io.protocol import reply_decoder
     from pcr_sglang.io.worker import Worker
 
     pool = HostChunkPool(LAYOUT, pin=False)

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.transfer.copy_kv import Direction, copy_layer, copy_layer_torch
-from pcr_sglang.transfer.layout import HostChunkLayout
 from tests.kernels.copy_kv_cases import DTYPES, check, make_case
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.transfer.engine import LayerwiseMode, TransferEngine
-from pcr_sglang.transfer.layout import HostChunkLayout
 
 LAYERS, CHUNK, HEADS, DIM, TOKENS, SLOTS = 3, 4, 2, 8, 64, 6
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.transfer.engine import LayerwiseMode, TransferEngine
-from pcr_sglang.transfer.layout import HostChunkLayout
 from pcr_sglang.transfer.rope_shift import RopeSpec, shift_keys_torch
 from pcr_sglang.transfer.streams import DEVICE_KV, HOST_KV, OrderingError, OrderingModel, Region
 

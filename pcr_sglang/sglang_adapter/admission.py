@@ -1,0 +1,232 @@
+"""Admission: whether a waiting request goes now, what its admission loads, and its hits.
+
+* :meth:`Admission.admit_now` (SGLang's ``PrefillAdder.add_one_req``) holds a request back
+  while its SSD chunks are read (ordered together, urgently, and waited for at most about
+  what recomputing them costs, in the queue, never in the scheduler); the verdict itself
+  (hold, read or recompute) is the cost model's, in core.
+* :meth:`Admission.load_back` (``init_load_back``) copies the host part of an admitted
+  request's chain to the device, then the documents it reuses.
+* :meth:`Admission.admitted` counts its hits once, by tier, and folds it into the digest
+  the TP ranks compare.
+
+A collaborator of the scheduler loop: it is handed the request's keys
+(:class:`~pcr_sglang.sglang_adapter.request_keys.RequestKeys`), changes residency only
+through :class:`CacheState`, runs the effects it gets through the
+:class:`~pcr_sglang.sglang_adapter.executor.EffectsExecutor` and never calls back into
+the loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from pcr_sglang.core.chunk_tree import ChunkNode
+from pcr_sglang.core.effects import ChainMatch, Effects
+from pcr_sglang.core.hints import HintBook
+from pcr_sglang.core.residency import CacheState
+from pcr_sglang.reuse.placement import is_canonical_request
+from pcr_sglang.sglang_adapter.executor import EffectsExecutor
+from pcr_sglang.sglang_adapter.remote_probes import RemoteProbes
+from pcr_sglang.sglang_adapter.req import PcrReq
+from pcr_sglang.sglang_adapter.request_keys import RequestKeys
+from pcr_sglang.sglang_adapter.requests import Hold, RequestRegistry, RequestState
+
+
+class Admission:
+    def __init__(self, state: CacheState, executor: EffectsExecutor, keys: RequestKeys, requests: RequestRegistry,
+                 hints: HintBook, probes: Optional[RemoteProbes], *, tensor_parallel: bool):
+        self.state = state
+        self.executor = executor
+        self.allocator = executor.allocator
+        self.engine = executor.engine
+        self.chunk = state.chunk_size
+        self.keys = keys
+        self.requests = requests
+        self.hints = hints
+        self.probes = probes
+        self.docs: Optional[Any] = None  # DocReuse, with --pcr-doc-reuse
+        self.tensor_parallel = tensor_parallel
+        self.digest = 0  # of (rid, prefix length) of every admitted request (compared across TP ranks)
+        self.last_load_private = False  # the last load_back gave the request private slots
+
+    # ------------------------------------------------------------------ the gate
+    def admit_now(self, req: PcrReq, io_stopped: bool) -> bool:
+        """A waiting request is a candidate for admission: False holds it back this pass
+        (its SSD chunks are being read). The same answer on every rank. ``io_stopped``:
+        the TP ranks found their I/O inconsistent, so nothing read is applied any more."""
+        if not self.state.ssd_enabled or io_stopped:
+            return True
+        entry = self.requests.peek(req.rid)
+        if entry is not None and entry.hold is not None:
+            hold = entry.hold
+            if hold.expired or not any(self.state.reading(n) for n in hold.chain):
+                entry.hold = None
+                return True
+            return False
+        if entry is not None and entry.waited:
+            return True  # one wait per request: what has not landed since is recomputed
+        if self.probes is not None and self.probes.awaiting(req.rid, lambda: self.keys.needed(req)):
+            return False
+        match = self.state.match(iter(self.keys.own(req)), touch=False)
+        # With document reuse, the documents' canonical chains on SSD are read as the
+        # request's own chain is: a document first marked after a restart (or a
+        # precompute) is reused from SSD without a warm-up.
+        docs = ([self.state.match(iter(keys), touch=False) for keys in self.docs.canonical_chain_keys(req)]
+                if self.docs is not None else [])
+        entry = self._first_consideration(req.rid, match, [n for m in docs for n in m.nodes])
+        chains = [m for m in [match, *docs] if m.ssd_nodes]
+        if not chains or not self.state.io_healthy:
+            return True
+        if not self.state.cost_model.decide(self.state.prefer_load):
+            self.state.note_recompute_chosen(sum(len(m.ssd_nodes) for m in chains))
+            return True
+        reads = self._worth_reading([m.ssd_nodes for m in chains])
+        if not reads:
+            return True
+        effects = Effects()
+        for nodes in reads:
+            self.state.order_reads(nodes, effects, urgent=True, limit=len(nodes))
+        self.executor.execute(effects)
+        if not any(self.state.reading(n) for nodes in reads for n in nodes):
+            return True  # nothing could be ordered (no host slot): recompute
+        entry = entry or self.requests.get(req.rid)
+        wait_s = self.state.cost_model.recompute_seconds(sum(len(nodes) for nodes in reads) * self.chunk)
+        entry.hold = Hold(chain=[n for chain in chains for n in chain.nodes], deadline=time.monotonic() + wait_s)
+        entry.waited = True
+        return False
+
+    def _worth_reading(self, chains: Sequence[Sequence[ChunkNode]]) -> list[Sequence[ChunkNode]]:
+        """Each chain's SSD-level chunks to read, once loading from the SSD tier was chosen:
+        all of them, or, where the remote tier's measured cost says recompute, up to the
+        first chunk only the remote tier holds (those are a chain's last: a probe adopts
+        only past the local match)."""
+        if (self.probes is None or not any(n.remote_only for nodes in chains for n in nodes)
+                or self.state.cost_model.decide_remote(self.chunk)):
+            return [nodes for nodes in chains if nodes]
+        kept = []
+        for nodes in chains:
+            local = up_to_first_remote_only(nodes)
+            self.state.note_remote_recompute_chosen(len(nodes) - len(local))
+            if local:
+                kept.append(local)
+        return kept
+
+    def _first_consideration(self, rid: str, match: ChainMatch,
+                             doc_nodes: Sequence[ChunkNode] = ()) -> Optional[RequestState]:
+        """Snapshot how timely the SSD chunks this request needs are, once (``doc_nodes``:
+        its documents' canonical chains, which only KV hints read ahead of it)."""
+        entry = self.requests.peek(rid)
+        if entry is not None and entry.considered:
+            return entry
+        hinted = self.state.count_hinted([*match.nodes, *doc_nodes])  # counted as the hints' own
+        in_time = sum(1 for n in match.host_nodes if self.state.landed(n))
+        ssd = [n for n in match.ssd_nodes if n not in hinted]
+        if not in_time and not ssd:
+            return entry
+        entry = entry or self.requests.get(rid)
+        entry.considered = True
+        entry.in_time_chunks = in_time
+        entry.late_chunks = sum(1 for n in ssd if self.state.reading(n))
+        entry.on_demand_chunks = len(ssd) - entry.late_chunks
+        return entry
+
+    # ------------------------------------------------------------------ loads
+    def load_back(self, req: PcrReq, host_node: ChunkNode, host_hit_length: int) -> tuple[int, Any]:
+        """``init_load_back``: copy the host-resident chunks between the request's device
+        prefix and ``host_node`` to fresh device slots, then the documents it reuses (if
+        :meth:`DocReuse.plan` found any) to slots of its own. All or nothing: returns the
+        tokens the request's prefix grew by (SGLang refuses a partial load), or 0."""
+        self.last_load_private = False
+        device_node = req.last_node
+        plan = self.docs.planned(req.rid) if self.docs is not None else None
+        exact_host = host_hit_length - (plan.prefix_tokens if plan is not None else 0)
+        nodes = host_node.path_from_root()[device_node.depth:]
+        if (len(nodes) * self.chunk != exact_host or (nodes and nodes[0].parent is not device_node)
+                or any(not (n.on_host or n.on_device) for n in nodes) or (not nodes and plan is None)):
+            return 0, device_node  # the chain changed since the match: recompute
+        if nodes and not self.load_chain(req, nodes):
+            return 0, device_node
+        if plan is not None:
+            assert self.docs is not None
+            self.state.lock(host_node)
+            try:
+                loaded = self.docs.load(req, host_node, lambda chain: self.load_chain(None, chain),
+                                        self.executor.evict, self._fence_before_copy)
+            finally:
+                self.state.unlock(host_node)
+            if not loaded:
+                return 0, device_node  # the exact host part stays in the tree; all is recomputed
+            # The tree owns the exact prefix; the private slots past it are the request's.
+            req.kv.cache_protected_len = host_node.depth * self.chunk
+            self.last_load_private = True
+        return host_hit_length, host_node
+
+    def load_chain(self, req: Optional[PcrReq], nodes: list[ChunkNode]) -> bool:
+        """Bring host-resident ``nodes`` (a chain, first chunk first) to the device."""
+        to_load = [n for n in nodes if not n.on_device]  # a request admitted earlier may have loaded some
+        if not to_load:
+            return True
+        tokens = len(to_load) * self.chunk
+        last = nodes[-1]
+        self.state.lock(last)
+        try:
+            if self.allocator.available_size() < tokens:
+                self.executor.evict(tokens - self.allocator.available_size())
+            slots = self.executor.load_into_free_slots(to_load) if self.allocator.available_size() >= tokens else None
+            if slots is None:
+                return False
+            from_ssd = self.state.commit_load(to_load, slots)
+        finally:
+            self.state.unlock(last)
+        if from_ssd and req is not None:
+            # SGLang reports these tokens under cached_tokens_details["storage"].
+            req.storage_hit_length = from_ssd * self.chunk
+            req.storage_hit_start = req.prefix_len
+        return True
+
+    def _fence_before_copy(self) -> None:
+        """Before a document copy on the scheduler's stream: pending layer-wise loads are
+        complete, and (CUDA) no forward still running on another stream touches the slots
+        (a chunk stashed into the tree while its forward runs, slots freed by a dedupe)."""
+        if self.engine is not None:
+            self.engine.order_before_reuse()
+            self.engine.order_after_forward()
+        elif torch.cuda.is_available() and getattr(self.allocator, "device", "cpu") != "cpu":
+            # No engine: a GPU-side wait on SGLang's forward stream (the scheduler thread
+            # goes on); only where that stream is unknown, a wait for the whole device.
+            if self.docs is None or not self.docs.order_after_forward():
+                torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------ hits
+    def admitted(self, req: PcrReq) -> None:
+        """``req``'s first extend was prepared: count its hits once, by tier, as SGLang
+        split them for its response."""
+        chunk = self.chunk
+        entry = self.requests.peek(req.rid)
+        in_time = late = on_demand = 0
+        if entry is not None and entry.considered:
+            in_time, late, on_demand = entry.in_time_chunks, entry.late_chunks, entry.on_demand_chunks
+            entry.considered = False
+        host = req.cached_tokens_host
+        if self.docs is not None:
+            if is_canonical_request(req):
+                self.docs.count_canonical()
+            plan = self.docs.reused(req.rid)
+            if plan is not None:  # SGLang counts them as host hits (they came through load_back)
+                host = max(host - plan.prefix_tokens, 0)
+        self.state.count_admission(req.cached_tokens_device // chunk, host // chunk,
+                                   req.cached_tokens_storage // chunk, in_time, late, on_demand)
+        if len(self.hints):
+            self.hints.consume(self.keys.own(req))
+        if self.tensor_parallel:
+            data = f"{self.digest}|{req.rid}|{req.prefix_len}".encode()
+            self.digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 12
+
+
+def up_to_first_remote_only(nodes: Sequence[ChunkNode]) -> Sequence[ChunkNode]:
+    """``nodes`` up to the first chunk only the remote tier holds."""
+    return next((nodes[:i] for i, n in enumerate(nodes) if n.remote_only), nodes)

@@ -1,0 +1,72 @@
+"""What a waiting or admitted SGLang request's chunk keys are.
+
+Keys come from the server's one :class:`~pcr_sglang.core.keys.ChainKeyer`; this module
+only says which tokens of a ``Req`` SGLang will match, and (with document reuse) which
+canonical document chains the request will reuse besides its own prefix. The keys of the
+requests in the look-ahead window are hashed once per scheduler step and read from here
+by the window, admission and the remote probes (a memo of this step, not per-request
+state: it is replaced each step).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from pcr_sglang.core.chunk_tree import ChunkNode
+from pcr_sglang.core.keys import ChainKeyer, ChunkKey
+from pcr_sglang.core.residency import CacheState
+from pcr_sglang.sglang_adapter.req import PcrReq
+
+
+def matchable_tokens(req: PcrReq) -> Any:
+    """What SGLang will match for ``req``: the prompt (and any output of a retracted
+    request) up to the request's own limit (at most all but the last token, which is
+    always computed; less with logprobs from an earlier position; nothing with embedding
+    overrides)."""
+    if getattr(req, "positional_embed_overrides", None) is not None:
+        return req.origin_input_ids[:0]
+    tokens = req.origin_input_ids + req.output_ids if len(req.output_ids) else req.origin_input_ids
+    limit = getattr(req, "_compute_max_prefix_len", None)
+    cap = limit(len(tokens)) if limit is not None else len(tokens) - 1
+    return tokens[: max(min(cap, len(tokens) - 1), 0)]
+
+
+class RequestKeys:
+    def __init__(self, keyer: ChainKeyer, state: CacheState):
+        self.keyer = keyer
+        self.state = state
+        self.docs: Optional[Any] = None  # DocReuse, with --pcr-doc-reuse
+        self._window: dict[str, list[ChunkKey]] = {}
+
+    def of_tokens(self, tokens: Sequence[int], extra_key: Optional[str] = None,
+                  cache_salt: Optional[str] = None) -> list[ChunkKey]:
+        """The chunk keys of ``tokens`` (whole chunks only)."""
+        return self.keyer.keys(tokens, extra_key, cache_salt)
+
+    def own(self, req: PcrReq) -> list[ChunkKey]:
+        """The keys of what SGLang will match for ``req``."""
+        keys = self._window.get(req.rid)
+        if keys is not None:
+            return keys
+        return self.keyer.keys(matchable_tokens(req), req.extra_key, req.cache_salt)
+
+    def needed(self, req: PcrReq) -> list[list[ChunkKey]]:
+        """The chains a waiting request will reuse: its prefix, and with document reuse the
+        canonical chains of the documents it marked."""
+        own = self.own(req)
+        return [own, *self.docs.canonical_chain_keys(req)] if self.docs is not None else [own]
+
+    def needed_chains(self, req: PcrReq) -> list[list[ChunkNode]]:
+        """The cached part of each chain of :meth:`needed` (document chains share their
+        leading chunks: :meth:`DocReuse.canonical_chain_nodes` walks those once)."""
+        own = self.state.match(iter(self.own(req)), touch=False).nodes
+        return [own, *self.docs.canonical_chain_nodes(req)] if self.docs is not None else [own]
+
+    def refresh_window(self, window: Sequence[PcrReq]) -> None:
+        """The window's requests' keys for this step (a request still in the window keeps
+        the keys it was hashed to when it entered: its tokens do not change while it waits)."""
+        self._window = {req.rid: self.own(req) for req in window}
+
+    def forget(self) -> None:
+        """Drop this step's memo (a flush, or keys derived under another namespace)."""
+        self._window = {}
