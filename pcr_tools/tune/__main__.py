@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "rank": "LoRA rank (q, k, v and o projections of every layer).",
         "alpha": "LoRA alpha.",
         "full_share": "Share of samples trained under full prefill (keeps unmarked requests' behaviour).",
+        "gold_share": "Share of samples trained on the gold answer (cross-entropy) instead of distilled.",
+        "gold_weight": "Weight of the gold cross-entropy against the distillation KL.",
         "answer_tokens": "Longest teacher answer distilled, in tokens.",
         "min_documents": "Fewest documents per training prompt.",
         "max_documents": "Most documents per training prompt.",

@@ -148,6 +148,37 @@ def test_a_few_steps_lower_the_distillation_loss(tiny_model, tokenizer):
     assert before > 1e-3 and after < 0.5 * before, (before, after)
 
 
+def test_the_gold_loss_is_the_gold_replys_cross_entropy_and_steps_lower_it(tiny_model, hf_model, tokenizer):
+    """Under full prefill the gold loss equals the plain forward's cross-entropy of the gold
+    reply and the end of the turn (the rows line up with the tokens they predict: one row
+    off, it would not), and a few steps on it under concat bring it down."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pcr_tools.tune.train import TARGET_MODULES, gold_answer, gold_loss, marked
+
+    question = questions.question_set("train", 2, seed=7)[1]  # a needle: the gold is a short value
+    assert gold_answer(question) == question.gold + "."
+    prompt = marked(question, tokenizer)
+    answer = list(tokenizer.encode(gold_answer(question), add_special_tokens=False)) + [tokenizer.eos_token_id]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([list(prompt.input_ids) + answer])).logits[0]
+        n = len(prompt.input_ids)
+        expected = torch.nn.functional.cross_entropy(logits[n - 1:n - 1 + len(answer)], torch.tensor(answer))
+        assert float(gold_loss(hf_model, tokenizer, question, "full")) == pytest.approx(float(expected), rel=1e-4)
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=list(TARGET_MODULES)))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = float(gold_loss(model, tokenizer, question, "concat"))
+    for _ in range(10):
+        optimizer.zero_grad()
+        gold_loss(model, tokenizer, question, "concat").backward()
+        optimizer.step()
+    assert float(gold_loss(model, tokenizer, question, "concat")) < 0.5 * before
+
+
 def test_the_gradient_reaches_every_documents_canonical_kv(tiny_model, tokenizer, monkeypatch):
     """Training must shape the documents' KV, not only the question's projections: every
     layer's re-placed K and V of every document gets a gradient (a detached canonical
