@@ -1,7 +1,7 @@
 """Scheduler step time with the most live KV hints: matched every step (before) or kept (now).
 
 Each scheduler step used to match every live hint's whole chain from the root (in
-``SchedulerSide._hinted_chains``), walk each chain twice more in the prefetch plan, and
+``KvHints.live``), walk each chain twice more in the prefetch plan, and
 once more to look for chunks to promote (``--pcr-hint-to-device``). The chains are now
 kept matched (:mod:`pcr_sglang.core.hint_chains`) and updated by the tree's events.
 
@@ -119,9 +119,10 @@ def old_plan_prefetch(state: CacheState, chains: Sequence[Sequence[ChunkNode]], 
     s = state
     s.ssd_stats.max_queue_depth = max(s.ssd_stats.max_queue_depth, queue_depth)
     needed = set(keep)
-    hinted_held = len(s._hinted)
-    prefetching = sum(1 for op in s._pending.values() if op.is_read and not op.urgent and op.node not in s._hinted)
-    room = s.config.host_slots // 2 - len(s._reading) - len(s._landed)
+    hinted_held = len(s.unused.hinted)
+    prefetching = sum(1 for op in s._pending.values()
+                      if op.is_read and not op.urgent and op.node not in s.unused.hinted)
+    room = s.config.host_slots // 2 - len(s._reading) - len(s.unused.landed)
     budget = min(s.config.prefetch_budget_chunks - prefetching, room)
     for chain in chains:
         needed.update(chain)
@@ -136,11 +137,11 @@ def old_plan_prefetch(state: CacheState, chains: Sequence[Sequence[ChunkNode]], 
             hint_room -= ordered
             if ordered:
                 s.ssd_stats.hint_issued += ordered
-                s._hinted.update(n for n in chain if n in s._reading and n not in before)
-    for node in [n for n in s._landed if n not in needed]:
-        s._landed.discard(node)
-        if node in s._hinted:
-            s._hinted.discard(node)
+                s.unused.hinted.update(n for n in chain if n in s._reading and n not in before)
+    for node in [n for n in s.unused.landed if n not in needed]:
+        s.unused.landed.discard(node)
+        if node in s.unused.hinted:
+            s.unused.hinted.discard(node)
             s.ssd_stats.hint_wasted += 1
         else:
             s.ssd_stats.prefetch_unused += 1
@@ -149,11 +150,11 @@ def old_plan_prefetch(state: CacheState, chains: Sequence[Sequence[ChunkNode]], 
         if not op.urgent and node not in needed and seq not in s._cancelling:
             s._cancelling.add(seq)
             effects.orders.append(Reorder(seq, cancel=True))
-    for node in [n for n in s._promoted if n not in needed]:
-        s._promoted.discard(node)
-        s._hinted.discard(node)
+    for node in [n for n in s.unused.promoted if n not in needed]:
+        s.unused.promoted.discard(node)
+        s.unused.hinted.discard(node)
         s.ssd_stats.hint_wasted += 1
-    s._hinted = {n for n in s._hinted if n in s._reading or n in s._landed or n in s._promoted}
+    s.unused.hinted = {n for n in s.unused.hinted if n in s._reading or n in s.unused.landed or n in s.unused.promoted}
 
 
 def old_step(state: CacheState, book: HintBook, now: float) -> list:
@@ -161,7 +162,7 @@ def old_step(state: CacheState, book: HintBook, now: float) -> list:
     hinted = [nodes for h in book.live() if (nodes := state.match(iter(h.keys), touch=False).nodes)]
     effects = Effects()
     old_plan_prefetch(state, [], [], effects, 0, hinted)
-    for hint in book.live():  # the promotion search (SchedulerSide._promote_hinted)
+    for hint in book.live():  # the promotion search (KvHints.promote_hinted)
         state.promotable(state.match(iter(hint.keys), touch=False).host_nodes)
     return [o.key for o in effects.orders if isinstance(o, ReadChunk)]
 
@@ -171,7 +172,7 @@ def new_step(state: CacheState, book: HintBook, now: float) -> list:
     book.expire(now)
     effects = Effects()
     state.plan_prefetch([], [], effects, 0, book.live())
-    for chain in state.hint_chains.tracked():  # the promotion search (SchedulerSide._promote_hinted)
+    for chain in state.hint_chains.tracked():  # the promotion search (KvHints.promote_hinted)
         state.hint_promotable(chain, 1 << 30)
     return [o.key for o in effects.orders if isinstance(o, ReadChunk)]
 

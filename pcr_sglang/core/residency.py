@@ -35,6 +35,7 @@ from pcr_sglang.core.host_slots import HostSlots, SlotState
 from pcr_sglang.core.keys import NO_PARENT, ChunkKey
 from pcr_sglang.core.lookahead import LookaheadProtection
 from pcr_sglang.core.orders import DeleteChunk, IoOutcome, ReadChunk, Reorder, WriteChunk
+from pcr_sglang.core.prefetch import UnusedReads, prefetch_budgets
 from pcr_sglang.core.stats import CacheStats, SSDStats
 
 logger = logging.getLogger(__name__)
@@ -99,10 +100,7 @@ class CacheState:
         self._reading: dict[ChunkNode, int] = {}
         self._writing: dict[ChunkNode, int] = {}
         self._cancelling: set[int] = set()
-        self._landed: set[ChunkNode] = set()  # read from SSD, not yet used by a request
-        self._hinted: set[ChunkNode] = set()  # of those read or reading, ordered for a KV hint
-        # Hinted chunks that landed, then went on into free device slots before their request.
-        self._promoted: set[ChunkNode] = set()
+        self.unused = UnusedReads(self.ssd_stats)  # reads landed that no request has used yet
         self.hint_chains = HintedChains(self.tree)  # the live KV hints' matched chains
         self._bad: list[ChunkNode] = []  # SSD records found bad while their chain was locked
         self._decode_reserved: set[int] = set()  # host slots reserved by decode-time offloads
@@ -208,7 +206,7 @@ class CacheState:
         return len(evicted)
 
     def _host_protected(self, node: ChunkNode) -> bool:
-        return node in self.lookahead or node in self._landed
+        return node in self.lookahead or node in self.unused
 
     def _release_host(self, node: ChunkNode, effects: Effects) -> None:
         """``node`` is leaving host memory (the tree clears ``host_slot`` right after). If
@@ -219,7 +217,7 @@ class CacheState:
             self.stats.demoted_chunks -= 1
             self.stats.bytes_device_to_host -= self.config.chunk_bytes
         self.slots.release(node.host_slot)
-        self._landed.discard(node)
+        self.unused.used(node)
 
     def _became_host_resident(self, node: ChunkNode, effects: Effects) -> None:
         if self.config.write_through and self._may_write():
@@ -274,8 +272,7 @@ class CacheState:
             if node.on_device or not self._loadable(node):
                 raise RuntimeError(f"{node!r} is not a host-only chunk: it cannot be loaded")
             self.tree.set_device(node, value)
-            if node in self._landed:
-                self._landed.discard(node)
+            if self.unused.used(node):
                 from_ssd += 1
         self.stats.bytes_host_to_device += len(nodes) * self.config.chunk_bytes
         return from_ssd
@@ -350,7 +347,7 @@ class CacheState:
                 effects.orders.append(ReadChunk(seq, node.key, slot, urgent))
                 ordered += 1
                 if hint:
-                    self._hinted.add(node)
+                    self.unused.hinted.add(node)
         finally:
             self.tree.unlock(nodes[-1])
         if not urgent and not hint:  # a hint's reads are counted as hint_issued
@@ -380,7 +377,7 @@ class CacheState:
 
     def landed(self, node: ChunkNode) -> bool:
         """``node`` was read from SSD and no admitted request has used it yet."""
-        return node in self._landed
+        return node in self.unused
 
     def plan_prefetch(self, chains: Sequence[Sequence[ChunkNode]], keep: Iterable[ChunkNode],
                       effects: Effects, queue_depth: int, hinted: Sequence[LiveHint] = ()) -> None:
@@ -397,18 +394,19 @@ class CacheState:
         tracked = self.hint_chains.sync(hinted)
         self.ssd_stats.max_queue_depth = max(self.ssd_stats.max_queue_depth, queue_depth)
         needed = set(keep)
-        # Hinted reads, in flight or landed, have their own budget and never take the
-        # queue's: they count only against it, and against at most a quarter of the host tier.
-        hinted_held = len(self._hinted)
-        prefetching = sum(1 for op in self._pending.values()
-                          if op.is_read and not op.urgent and op.node not in self._hinted)
-        room = self.config.host_slots // 2 - len(self._reading) - len(self._landed)
-        budget = min(self.config.prefetch_budget_chunks - prefetching, room)
+        hinted_held = len(self.unused.hinted)
+        budgets = prefetch_budgets(
+            host_slots=self.config.host_slots, prefetch_budget=self.config.prefetch_budget_chunks,
+            hint_budget=self.config.hint_budget_chunks, reads_in_flight=len(self._reading),
+            unused=len(self.unused.landed), hinted_held=hinted_held,
+            queue_reads_in_flight=sum(1 for op in self._pending.values()
+                                      if op.is_read and not op.urgent and op.node not in self.unused.hinted))
+        budget = budgets.queue
         for chain in chains:
             needed.update(chain)
             if budget > 0:
                 budget -= self.order_reads(chain, effects, urgent=False, limit=budget)
-        hint_room = min(budget, self.config.hint_budget_chunks - hinted_held, self.config.host_slots // 4 - hinted_held)
+        hint_room = min(budget, budgets.hint_cap)
         for chain in tracked:
             if hint_room <= 0:
                 break
@@ -421,23 +419,12 @@ class CacheState:
             hint_room -= ordered
             self.ssd_stats.hint_issued += ordered
         hinted_chain = self.hint_chains.covers  # an index of the hinted chains, not a walk of them
-        for node in [n for n in self._landed if n not in needed and not hinted_chain(n)]:
-            self._landed.discard(node)
-            if node in self._hinted:  # counted as a hint's, never also as the queue's
-                self._hinted.discard(node)
-                self.ssd_stats.hint_wasted += 1
-            else:
-                self.ssd_stats.prefetch_unused += 1
         for node, seq in self._reading.items():
             op = self._pending[seq]
             if not op.urgent and node not in needed and not hinted_chain(node) and seq not in self._cancelling:
                 self._cancelling.add(seq)
                 effects.orders.append(Reorder(seq, cancel=True))
-        for node in [n for n in self._promoted if n not in needed and not hinted_chain(n)]:
-            self._promoted.discard(node)
-            self._hinted.discard(node)
-            self.ssd_stats.hint_wasted += 1
-        self._hinted = {n for n in self._hinted if n in self._reading or n in self._landed or n in self._promoted}
+        self.unused.drop_unneeded(needed, hinted_chain, self.reading)
 
     def _needs_read(self, node: ChunkNode) -> bool:
         return node.on_ssd and not node.on_host and not node.on_device and node not in self._reading
@@ -453,7 +440,7 @@ class CacheState:
         run: list[ChunkNode] = []
         for i in range(start, len(nodes)):
             node = nodes[i]
-            if not self._loadable(node) or (node in self._landed and node not in self._hinted):
+            if not self._loadable(node) or self.unused.queue_read(node):
                 break
             if len(run) >= most:
                 return []
@@ -461,13 +448,8 @@ class CacheState:
         return run
 
     def promotable(self, nodes: Sequence[ChunkNode]) -> Sequence[ChunkNode]:
-        """The leading run of host-resident ``nodes`` a hint may load on to the device: up
-        to the first one the queue prefetch read for a waiting request (its admission
-        counts and loads it, as for any prefetched chunk)."""
-        for i, node in enumerate(nodes):
-            if node in self._landed and node not in self._hinted:
-                return nodes[:i]
-        return nodes
+        """The leading run of host-resident ``nodes`` a hint may load on to the device (:class:`UnusedReads`)."""
+        return self.unused.promotable(nodes)
 
     def promote(self, nodes: Sequence[ChunkNode], device_values: Sequence[Any]) -> None:
         """KV hints: host-resident ``nodes`` of a hinted chain (continuing its device
@@ -475,30 +457,14 @@ class CacheState:
         needs them. They are ordinary device chunks from here (evictable, demoted for free:
         their host copy stays); those read for a hint still count as its, in time, when
         their request comes."""
-        for node in nodes:
-            if node in self._landed and node in self._hinted:
-                self._promoted.add(node)
+        self.unused.promoted_now(nodes)
         self.commit_load(nodes, device_values)
         self.ssd_stats.hint_promoted += len(nodes)
 
     def count_hinted(self, nodes: Iterable[ChunkNode]) -> set[ChunkNode]:
-        """A request needs ``nodes`` now (first considered for admission): those read for a
-        hint count as in time (landed) or late (still reading), once, and only as a hint's
-        (returned, so the caller leaves them out of the queue prefetch's counts). A landed
-        one was in host memory before the request existed: it is a host hit from here on,
-        not a read made for this request (which SGLang reports as ``storage``)."""
-        counted = set()
-        for node in nodes:
-            if node in self._hinted:
-                self._hinted.discard(node)
-                counted.add(node)
-                if node in self._landed or node in self._promoted:
-                    self._landed.discard(node)
-                    self._promoted.discard(node)
-                    self.ssd_stats.hint_in_time += 1
-                elif node in self._reading:
-                    self.ssd_stats.hint_late += 1
-        return counted
+        """A request needs ``nodes`` now: those read for a hint count as in time or late,
+        once, and only as a hint's (returned; :meth:`UnusedReads.count_hinted`)."""
+        return self.unused.count_hinted(nodes, self.reading)
 
     # ------------------------------------------------------------------ I/O outcomes
     def outstanding(self) -> list[int]:
@@ -549,7 +515,7 @@ class CacheState:
         if landed:
             self.slots.bind(slot, node)
             self.tree.set_host(node, slot)
-            self._landed.add(node)
+            self.unused.landed.add(node)
             return
         self.slots.release(slot)
         self.hint_chains.residency_changed(node)  # not read after all: a hint may read it again
@@ -652,9 +618,8 @@ class CacheState:
         persisted = self.persisted_chunks() if self.ssd_enabled and keep_persisted else []
         for op in self._pending.values():
             op.orphaned = True
-        self._reading, self._writing, self._landed, self._bad = {}, {}, set(), []
-        self._hinted = set()
-        self._promoted = set()
+        self._reading, self._writing, self._bad = {}, {}, []
+        self.unused.clear()
         self.hint_chains.reset()
         self._cancelling = set()
         self._decode_reserved = set()  # the slot table frees every reservation
