@@ -4,14 +4,11 @@ A node's key is the hash-chain key of its chunk (see :mod:`pcr_sglang.core.keys`
 node is reachable only through its own prefix: equal tokens under different prefixes are
 different nodes (the paper's Figure 7).
 
-Each node records where its KV lives: ``device_value`` (opaque to the tree; the adapter
-puts the chunk's device KV slot indices there), ``host_slot`` (a host-pool slot) and
-``on_ssd`` (a record in the SSD store, named by the node's key, or with ``remote_only``
-only in the remote tier behind it, until it is read). A node exists while it
-lives in at least one tier. Device residency is prefix-closed (a
-chunk is on the device only if its parent is), because only device *leaves* leave the
-device and chunks come back parent first; so a matched chain is a device-resident
-prefix followed by host-only chunks.
+Each node records where its KV lives, one field per tier (:mod:`pcr_sglang.core.chunk_node`),
+and exists while it lives in at least one tier. Device residency is prefix-closed (a chunk
+is on the device only if its parent is), because only device *leaves* leave the device and
+chunks come back parent first; so a matched chain is a device-resident prefix followed by
+host-only chunks.
 
 Eviction in each tier takes only that tier's leaves (a node with a child resident in the
 tier is not a leaf of it), unlocked, least recently used first (:mod:`pcr_sglang.core.lru`).
@@ -26,126 +23,29 @@ only user in the server.
 from __future__ import annotations
 
 import itertools
-import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from pcr_sglang.core.chunk_node import (
+    ChunkNode,
+    InsertOutcome,
+    MatchOutcome,
+    TreeStats,
+    held_once,
+    in_no_tier,
+    is_device_leaf,
+    is_host_leaf,
+    is_ssd_leaf,
+    ssd_tier,
+)
 from pcr_sglang.core.keys import ChunkKey
 from pcr_sglang.core.lru import TierLeaves
 from pcr_sglang.core.tier_events import Tier, TierEvent, TierEventKind, TierEventLog
+from pcr_sglang.core.tree_check import check_tree
 
-logger = logging.getLogger(__name__)
+__all__ = ["ChunkNode", "ChunkTree", "InsertOutcome", "MatchOutcome", "NodeCallback", "NodePredicate", "TreeStats"]
 
-NodeCallback = Callable[["ChunkNode"], None]
-NodePredicate = Callable[["ChunkNode"], bool]
-
-
-class ChunkNode:
-    """One chunk of KV. ``depth`` counts chunks from the root (the root has depth 0)."""
-
-    __slots__ = (
-        "key",
-        "parent",
-        "children",
-        "depth",
-        "device_value",
-        "host_slot",
-        "on_ssd",
-        "remote_only",
-        "device_children",
-        "host_children",
-        "ssd_children",
-        "lock_ref",
-        "host_pins",
-        "last_access",
-    )
-
-    def __init__(self, key: ChunkKey, parent: Optional[ChunkNode], device_value: Any = None):
-        self.key = key
-        self.parent = parent
-        self.children: dict[ChunkKey, ChunkNode] = {}
-        self.depth = 0 if parent is None else parent.depth + 1
-        self.device_value = device_value
-        self.host_slot: Optional[int] = None
-        self.on_ssd = False
-        self.remote_only = False  # its SSD-level record is in the remote tier only
-        self.device_children = 0
-        self.host_children = 0
-        self.ssd_children = 0
-        self.lock_ref = 0
-        self.host_pins = 0  # reasons the host copy must stay (a write to SSD reading it)
-        self.last_access = 0
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def on_device(self) -> bool:
-        return self.device_value is not None
-
-    @property
-    def on_host(self) -> bool:
-        return self.host_slot is not None
-
-    def path_from_root(self) -> list[ChunkNode]:
-        """Nodes from the first chunk down to this one (empty for the root)."""
-        path = []
-        node: Optional[ChunkNode] = self
-        while node is not None and node.parent is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        return path
-
-    def __repr__(self) -> str:
-        tiers = ("D" if self.on_device else "") + ("H" if self.on_host else "") + ("S" if self.on_ssd else "")
-        return (
-            f"ChunkNode(key={self.key.hex()[:8]}, depth={self.depth}, tiers={tiers or '-'}, "
-            f"lock_ref={self.lock_ref}, children={len(self.children)})"
-        )
-
-
-@dataclass
-class MatchOutcome:
-    """The matched chain, first chunk first; empty when the first chunk misses.
-
-    The first ``num_on_device`` nodes are on the device; the rest live only in the host
-    or SSD tier (or both).
-    """
-
-    nodes: list[ChunkNode]
-    last_node: ChunkNode
-    num_on_device: int = 0
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.nodes)
-
-
-@dataclass
-class InsertOutcome:
-    """``nodes`` is the whole chain inserted. Its first ``num_existing`` were already on
-    the device: their values were not taken, the caller still owns the duplicates it
-    passed in. Every later node took its value from ``values``."""
-
-    nodes: list[ChunkNode]
-    last_node: ChunkNode
-    num_existing: int
-    new_nodes: list[ChunkNode] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class TreeStats:
-    num_chunks: int
-    device_chunks: int
-    host_chunks: int
-    evictable_chunks: int
-    locked_chunks: int
-    evictable_leaves: int
-    host_evictable_leaves: int
-    ssd_chunks: int = 0
-    ssd_evictable_leaves: int = 0
+NodeCallback = Callable[[ChunkNode], None]
+NodePredicate = Callable[[ChunkNode], bool]
 
 
 class ChunkTree:
@@ -170,9 +70,9 @@ class ChunkTree:
         self._ssd_chunks = 0
         self._locked_chunks = 0
         self._locked_device_chunks = 0
-        self._device = TierLeaves(self._is_device_leaf, self._seq)
-        self._host = TierLeaves(self._is_host_leaf, self._seq)
-        self._ssd = TierLeaves(self._is_ssd_leaf, self._seq)
+        self._device = TierLeaves(is_device_leaf, self._seq)
+        self._host = TierLeaves(is_host_leaf, self._seq)
+        self._ssd = TierLeaves(is_ssd_leaf, self._seq)
 
     @property
     def num_chunks(self) -> int:
@@ -313,7 +213,7 @@ class ChunkTree:
         node.parent.ssd_children += 1
         self._ssd.refresh(node.parent)
         self._ssd.refresh(node)
-        self._log(TierEventKind.STORED, node, self._ssd_tier(node))
+        self._log(TierEventKind.STORED, node, ssd_tier(node))
 
     def add_persisted(self, parent: Optional[ChunkNode], key: ChunkKey, remote_only: bool = False) -> ChunkNode:
         """A chunk found in the SSD store at startup, or (``remote_only``) in the remote
@@ -343,7 +243,7 @@ class ChunkTree:
         no tier is removed with the descendants only it made reachable."""
         if not node.on_ssd:
             return
-        last = self._held_once(node)
+        last = held_once(node)
         if last:  # what only it made reachable goes first (so events name children before parents)
             self._drop_children(node, on_drop_host, on_drop_ssd)
         self._drop_ssd(node)
@@ -473,7 +373,7 @@ class ChunkTree:
         for node in tier.pop_lru(num_chunks, is_protected, take):
             if on_evict is not None:
                 on_evict(node)
-            last = self._held_once(node)
+            last = held_once(node)
             if last:  # what only it made reachable goes first (so events name children before parents)
                 self._drop_children(node, on_drop_host, on_drop_ssd)
             drop(node)
@@ -481,19 +381,6 @@ class ChunkTree:
                 self._remove_leaf(node)
             evicted.append(node)
         return evicted
-
-    @staticmethod
-    def _in_no_tier(node: ChunkNode) -> bool:
-        return not node.on_device and not node.on_host and not node.on_ssd
-
-    @staticmethod
-    def _ssd_tier(node: ChunkNode) -> Tier:
-        return Tier.REMOTE if node.remote_only else Tier.SSD
-
-    @staticmethod
-    def _held_once(node: ChunkNode) -> bool:
-        """Only one tier holds ``node``: leaving it, the chunk leaves the tree."""
-        return node.on_device + node.on_host + node.on_ssd == 1
 
     def _drop_children(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
                        on_drop_ssd: Optional[NodeCallback]) -> None:
@@ -504,7 +391,7 @@ class ChunkTree:
                      on_drop_ssd: Optional[NodeCallback] = None) -> None:
         parent = node.parent
         assert parent is not None and node.on_device and node.device_children == 0
-        last = self._held_once(node)
+        last = held_once(node)
         if last:  # no tier will hold it: its descendants are unreachable, and go first
             self._drop_children(node, on_drop_host, on_drop_ssd)
         node.device_value = None
@@ -552,7 +439,7 @@ class ChunkTree:
     def _drop_ssd(self, node: ChunkNode) -> None:
         parent = node.parent
         assert parent is not None and node.on_ssd
-        self._log(TierEventKind.REMOVED, node, self._ssd_tier(node))
+        self._log(TierEventKind.REMOVED, node, ssd_tier(node))
         node.on_ssd = False
         node.remote_only = False
         self._ssd_chunks -= 1
@@ -563,7 +450,7 @@ class ChunkTree:
     def _remove_leaf(self, node: ChunkNode) -> None:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
-        assert self._in_no_tier(node)
+        assert in_no_tier(node)
         self._log(TierEventKind.FORGOTTEN, node)
         del parent.children[node.key]
         self._device.leaves.discard(node)
@@ -581,26 +468,6 @@ class ChunkTree:
         parent_key = None if parent is None or parent.parent is None else parent.key
         self.events.append(TierEvent(kind, node.key, parent_key, tier))
 
-    @staticmethod
-    def _is_device_leaf(node: ChunkNode) -> bool:
-        return (
-            node.parent is not None
-            and node.on_device
-            and node.lock_ref == 0
-            and node.device_children == 0
-        )
-
-    @staticmethod
-    def _is_host_leaf(node: ChunkNode) -> bool:
-        return (
-            node.parent is not None and node.on_host and node.lock_ref == 0 and node.host_children == 0
-            and node.host_pins == 0
-        )
-
-    @staticmethod
-    def _is_ssd_leaf(node: ChunkNode) -> bool:
-        return node.parent is not None and node.on_ssd and node.lock_ref == 0 and node.ssd_children == 0
-
     def _touch_chain(self, nodes: Sequence[ChunkNode]) -> None:
         tick = next(self._tick)
         for node in nodes:
@@ -609,11 +476,11 @@ class ChunkTree:
         # one that is differs per tier; refreshing the whole chain keeps it simple and
         # stays O(chain).
         for node in nodes:
-            if node in self._device.leaves or self._is_device_leaf(node):
+            if node in self._device.leaves or is_device_leaf(node):
                 self._device.refresh(node)
-            if node in self._host.leaves or self._is_host_leaf(node):
+            if node in self._host.leaves or is_host_leaf(node):
                 self._host.refresh(node)
-            if node in self._ssd.leaves or self._is_ssd_leaf(node):
+            if node in self._ssd.leaves or is_ssd_leaf(node):
                 self._ssd.refresh(node)
 
     # ------------------------------------------------------------------ checks
@@ -626,41 +493,4 @@ class ChunkTree:
 
     def check_invariants(self) -> TreeStats:
         """Walk the whole tree and verify its bookkeeping (tests and debugging only)."""
-        count = locked = device = host = ssd = 0
-        device_leaves, host_leaves, ssd_leaves = set(), set(), set()
-        for node in self.iter_nodes():
-            count += 1
-            parent = node.parent
-            assert parent is not None and parent.children.get(node.key) is node
-            assert node.depth == parent.depth + 1
-            assert not self._in_no_tier(node), f"{node!r} lives in no tier"
-            if node.on_device:
-                device += 1
-                assert parent.is_root or parent.on_device, f"{node!r} on device without its parent"
-            host += node.on_host
-            ssd += node.on_ssd
-            assert node.ssd_children == sum(c.on_ssd for c in node.children.values()), node
-            assert node.device_children == sum(c.on_device for c in node.children.values()), node
-            assert node.host_children == sum(c.on_host for c in node.children.values()), node
-            assert node.lock_ref >= 0 and node.host_pins >= 0, node
-            # lock() raises every ancestor's count: a parent holds at least its children's.
-            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), node
-            if node.lock_ref > 0:
-                locked += 1
-            if self._is_device_leaf(node):
-                device_leaves.add(node)
-            if self._is_host_leaf(node):
-                host_leaves.add(node)
-            if self._is_ssd_leaf(node):
-                ssd_leaves.add(node)
-        assert count == self._num_chunks, (count, self._num_chunks)
-        assert device == self._device_chunks, (device, self._device_chunks)
-        assert host == self._host_chunks, (host, self._host_chunks)
-        assert ssd == self._ssd_chunks, (ssd, self._ssd_chunks)
-        assert locked == self._locked_chunks, (locked, self._locked_chunks)
-        locked_device = sum(1 for n in self.iter_nodes() if n.lock_ref > 0 and n.on_device)
-        assert locked_device == self._locked_device_chunks, (locked_device, self._locked_device_chunks)
-        assert device_leaves == self._device.leaves
-        assert host_leaves == self._host.leaves
-        assert ssd_leaves == self._ssd.leaves
-        return self.stats()
+        return check_tree(self)

@@ -2,7 +2,7 @@
 
 Loading is not always faster. Reading a chunk costs its bytes over the disk's bandwidth;
 recomputing it costs its tokens over the prefill speed. The I/O process runs several
-reads at once and times each as its share of the disk's busy time (``io.worker``), so
+reads at once and times each as its share of the disk's busy time (``io.readers``), so
 a read's time is what a chunk costs at the parallelism reached: a disk with high latency
 but room for parallel reads can still beat recomputing. KV bytes per token grow with
 layers x KV heads x head size while prefill speed is set by the accelerator, so a slow

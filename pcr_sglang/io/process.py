@@ -1,25 +1,24 @@
 """The I/O process: executes the scheduler's SSD orders against the store and host pool.
 
 Started by :class:`pcr_sglang.io.supervisor.IOSupervisor` as ``python -m
-pcr_sglang.io.worker CONFIG`` (a msgpack-encoded
-:class:`~pcr_sglang.io.protocol.WorkerConfig`, hex). It attaches the host pool's shared
-memory by name (plain bytes: no torch here, so it starts in a fraction of a second),
-opens the store, connects to the scheduler's two IPC sockets, says hello, and then runs
-orders: urgent reads first (a request waits for them), then prefetch reads and deletes,
-then writes (a write only makes a chunk durable). Reads run on ``read_threads`` reader
-threads (``--pcr-ssd-read-threads``), so up to that many are in flight at once: a disk serves
-reads in parallel (an NVMe drive needs a queue of several to reach its bandwidth, a
-network disk hides its latency only so) and a read mostly waits in the kernel, where
-Python threads run in parallel. Deletes and writes stay on the main thread, in order; one
-of a chunk being read waits for that read. A read the threads have not started yet can
-still be expedited or cancelled. With a remote tier
-(``--pcr-remote``), a read the local SSD misses, every probe, and a copy of every record
-written go to the remote thread (:mod:`pcr_sglang.io.remote_thread`), which answers them.
-A remote call that runs past ``remote_call_timeout_s`` gets the remote thread replaced
-(its order answered as failed, the breaker tripped, a new client; the stuck thread is left
-behind and never touches a slot again); while ``MAX_HUNG_REMOTE_THREADS`` of those are
-still stuck, the next hung call makes the process exit instead, to be restarted with
-nothing left behind.
+pcr_sglang.io.process CONFIG`` (a msgpack-encoded
+:class:`~pcr_sglang.io.protocol.IoProcessConfig`, hex). It attaches the host pool's shared
+memory by name (plain bytes: no torch here, so it starts in a fraction of a second), opens
+the store, connects to the scheduler's two IPC sockets, says hello, and then runs orders:
+urgent reads first (a request waits for them), then prefetch reads and deletes, then writes
+(a write only makes a chunk durable). Reads run on ``read_threads`` reader threads
+(``--pcr-ssd-read-threads``, :mod:`pcr_sglang.io.readers`), so up to that many are in flight
+at once: a disk serves reads in parallel (an NVMe drive needs a queue of several to reach
+its bandwidth, a network disk hides its latency only so) and a read mostly waits in the
+kernel, where Python threads run in parallel. Deletes and writes stay on the main thread, in
+order; one of a chunk being read waits for that read. A read the threads have not started
+yet can still be expedited or cancelled. With a remote tier (``--pcr-remote``), a read the
+local SSD misses, every probe, and a copy of every record written go to the remote thread
+(:mod:`pcr_sglang.io.remote_thread`), which answers them. A remote call that runs past
+``remote_call_timeout_s`` gets the remote thread replaced (its order answered as failed, the
+breaker tripped, a new client; the stuck thread is left behind and never touches a slot
+again); while ``MAX_HUNG_REMOTE_THREADS`` of those are still stuck, the next hung call makes
+the process exit instead, to be restarted with nothing left behind.
 
 It dies with its scheduler: it checks its parent pid at least once a second and exits
 when the parent is gone (even after kill -9). It also exits, to be restarted by its
@@ -29,41 +28,29 @@ thread of its has died. ``PR_SET_PDEATHSIG`` is not used: Linux
 sends that signal when the parent *thread* that spawned the process exits, which would
 kill the I/O process whenever a helper thread built the cache.
 
-Test knob: ``PCR_IO_TEST_FAULTS`` (JSON, e.g. ``{"tp_ranks": [1], "read_delay_s": 2}``,
-``{"fail_reads": true}``, ``{"fail_writes": true}``, ``{"write_delay_s": 0.2}``,
-``{"read_rendezvous": 4}`` (each read waits until that many are running at once, and
-fails if they never are: a test that reads overlap; once broken the barrier stays
-broken, so a test sends reads in multiples of it),
-``{"remote_delay_s": 0.5}``, ``{"remote_read_delay_s": 2}`` or ``{"remote_fail": true}``)
-makes the processes of the listed TP ranks (all ranks when absent) delay or fail their
-reads, fail their writes as a full disk would, hold each record in its temp file before
-the rename, or delay every remote call (or read), or fail every one, so tests can make one
-rank's reads arrive late or fail, kill mid-write, or make the remote store slow or
-unreachable. It is read once at start and logged; never set it in production.
+Test knobs (``PCR_IO_TEST_FAULTS``): :mod:`pcr_sglang.io.faults`.
 """
 
 from __future__ import annotations
 
 import collections
 import errno
-import json
 import logging
 import os
-import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from typing import Callable, Optional
+from typing import Optional
 
 import msgspec
 import zmq
 
 from pcr_sglang.core.orders import DeleteChunk, IoOutcome, ProbeRemote, ReadChunk, Reorder, WriteChunk
-from pcr_sglang.io.protocol import Done, Hello, Probed, RemoteStatus, WorkerConfig, order_decoder, reply_encoder
+from pcr_sglang.io.faults import DelayedRenames, TestFaults
+from pcr_sglang.io.protocol import Done, Hello, IoProcessConfig, Probed, RemoteStatus, order_decoder, reply_encoder
+from pcr_sglang.io.readers import ReaderThreads
 from pcr_sglang.io.remote_thread import RemoteFaults, RemoteThread
-from pcr_sglang.tiers.fileops import FileOps
 from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.records import RecordCodec
 from pcr_sglang.tiers.remote_store import RemoteChunkStore, RemoteConfig, RemoteConfigError, load_fleet_key
@@ -71,7 +58,6 @@ from pcr_sglang.tiers.ssd_store import ChunkFileStore
 
 logger = logging.getLogger(__name__)
 
-FAULTS_ENV = "PCR_IO_TEST_FAULTS"
 # Batch durability: at most this many written records wait for their group fsync (a
 # group also ends whenever the write queue is empty, so a lone write is never held).
 BATCH_RECORDS = 16
@@ -83,160 +69,6 @@ DELETES_PER_TURN = 32
 MAX_HUNG_REMOTE_THREADS = 3
 
 
-@dataclass(frozen=True)
-class TestFaults:
-    read_delay_s: float = 0.0
-    fail_reads: bool = False
-    fail_writes: bool = False
-    # Each record waits this long, complete in its temp file, before its rename, so that a
-    # kill is likely to land mid-write (the kill -9 test discards what it catches).
-    write_delay_s: float = 0.0
-    remote_delay_s: float = 0.0  # every remote call waits this long first
-    remote_fail: bool = False  # every remote call fails, as with an unreachable master
-    remote_read_delay_s: float = 0.0  # every remote read waits this long first
-    read_rendezvous: int = 0  # reads wait for this many to run at once (0: they do not)
-
-    @classmethod
-    def from_env(cls, tp_rank: int) -> Optional[TestFaults]:
-        text = os.environ.get(FAULTS_ENV)
-        if not text:
-            return None
-        spec = json.loads(text)
-        ranks = spec.get("tp_ranks")
-        if ranks is not None and tp_rank not in ranks:
-            return None
-        faults = cls(float(spec.get("read_delay_s", 0.0)), bool(spec.get("fail_reads", False)),
-                     bool(spec.get("fail_writes", False)), float(spec.get("write_delay_s", 0.0)),
-                     float(spec.get("remote_delay_s", 0.0)), bool(spec.get("remote_fail", False)),
-                     float(spec.get("remote_read_delay_s", 0.0)), int(spec.get("read_rendezvous", 0)))
-        logger.warning("PCR I/O process of TP rank %d: test faults %s (%s)", tp_rank, faults, FAULTS_ENV)
-        return faults
-
-
-class _DelayedRenames(FileOps):
-    """The store's file operations with a pause before each rename (``write_delay_s``)."""
-
-    def __init__(self, delay_s: float):
-        self.delay_s = delay_s
-
-    def rename(self, src: str, dst: str) -> None:
-        time.sleep(self.delay_s)
-        super().rename(src, dst)
-
-
-class BusyClock:
-    """Times reads as shares of the time the disk was busy (see :class:`_ReaderThreads`):
-    a read that overlapped the previous one is charged only from that one's completion."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last_done = 0.0
-
-    def share(self, started: float, finished: Optional[float] = None) -> float:
-        """``finished``: now unless given (read under the lock, so completions are ordered)."""
-        with self._lock:
-            finished = time.perf_counter() if finished is None else finished
-            share = finished - max(started, self._last_done)
-            self._last_done = max(self._last_done, finished)
-        return max(share, 0.0)
-
-
-class _ReaderThreads:
-    """The reads of the I/O process, ``threads`` at a time.
-
-    The main loop owns the queues and hands a read over only when a thread is free, so a
-    read not started yet can still be expedited or cancelled there. Each thread answers
-    the scheduler on a socket of its own (ZMQ sockets are per thread), at once, and then
-    tells the main loop on an in-process socket that it is free again, which wakes the
-    loop's poll: nothing spins while every thread is busy.
-
-    A read's ``seconds`` is its share of the time the disk was busy: from its start, or
-    from the previous read's completion if that came later, to its own completion. Over
-    a run of overlapping reads the shares add up to the run's wall time, so the cost
-    model sees what a chunk costs at the parallelism reached (on a latency-bound disk N
-    reads cost about one; on two busy CPU cores, copies and MACs overlap little).
-    """
-
-    def __init__(self, threads: int, ctx: zmq.Context, replies_endpoint: str,
-                 read: Callable[[ReadChunk], Optional[Done]]):
-        self.threads = threads
-        self._read = read
-        self._ctx = ctx
-        self._replies_endpoint = replies_endpoint
-        self._free_endpoint = f"inproc://pcr-io-reader-free-{id(self)}"
-        self.freed = ctx.socket(zmq.PULL)  # the main loop polls it
-        self.freed.bind(self._free_endpoint)  # before any thread connects
-        # The main loop's view, changed by it alone: reads handed over and not yet
-        # finished (seq -> (key, when handed over)), and how many of each key.
-        self.running: dict[int, tuple[bytes, float]] = {}
-        self._keys: collections.Counter = collections.Counter()
-        self._orders: queue.SimpleQueue = queue.SimpleQueue()
-        self._clock = BusyClock()
-        self._threads = [threading.Thread(target=self._run, name=f"pcr-io-read-{i}", daemon=True)
-                         for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
-
-    @property
-    def free(self) -> int:
-        return self.threads - len(self.running)
-
-    @property
-    def alive(self) -> bool:
-        return all(thread.is_alive() for thread in self._threads)
-
-    def reading(self, key: bytes) -> bool:
-        """A read of ``key`` is running: a delete or write of it waits (so a read is never
-        cut by a delete that was ordered after it, and no corrupt old copy a thread is
-        checking is unlinked by name after a new record took its place)."""
-        return self._keys[key] > 0
-
-    def submit(self, order: ReadChunk) -> None:
-        self.running[order.seq] = (order.key, time.monotonic())
-        self._keys[order.key] += 1
-        self._orders.put(order)
-
-    def take_freed(self) -> None:
-        """Count the threads that finished since the last call free again."""
-        while True:
-            try:
-                raw = self.freed.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            key, _ = self.running.pop(int.from_bytes(raw, "little"))
-            self._keys[key] -= 1
-            if not self._keys[key]:
-                del self._keys[key]
-
-    def oldest_running_s(self) -> float:
-        """How long the longest-running read has run (0: none runs)."""
-        if not self.running:
-            return 0.0
-        return time.monotonic() - min(started for _, started in self.running.values())
-
-    def _run(self) -> None:
-        replies = self._ctx.socket(zmq.PUSH)
-        replies.setsockopt(zmq.LINGER, 1000)
-        replies.connect(self._replies_endpoint)
-        freed = self._ctx.socket(zmq.PUSH)
-        freed.setsockopt(zmq.LINGER, 0)
-        freed.connect(self._free_endpoint)
-        while True:
-            order = self._orders.get()
-            started = time.perf_counter()
-            try:
-                try:
-                    done = self._read(order)
-                except Exception:  # noqa: BLE001 - a bug here must not leave a read unanswered
-                    logger.exception("PCR I/O process: reading chunk %s failed unexpectedly", order.key.hex())
-                    done = Done(order.seq, IoOutcome.BAD, "internal error")
-                if done is not None:
-                    done.seconds = self._clock.share(started)
-                    replies.send(reply_encoder.encode(done))
-            finally:
-                freed.send(order.seq.to_bytes(8, "little"))
-
-
 def _attach(name: str) -> shared_memory.SharedMemory:
     shm = shared_memory.SharedMemory(name=name, create=False)
     # Python < 3.13 would unlink the segment when this process exits: the scheduler owns it.
@@ -244,8 +76,8 @@ def _attach(name: str) -> shared_memory.SharedMemory:
     return shm
 
 
-class Worker:
-    def __init__(self, config: WorkerConfig):
+class IoProcess:
+    def __init__(self, config: IoProcessConfig):
         self.config = config
         layout = HostChunkLayout(config.num_slots, config.num_layers, config.chunk_size, config.row_bytes)
         self.slot_bytes = layout.slot_bytes
@@ -255,7 +87,7 @@ class Worker:
                                     config.dtype, capacity_bytes=None,
                                     low_watermark_bytes=config.reserve_bytes,
                                     durability=config.durability, slot=config.writer_slot or None,
-                                    fileops=_DelayedRenames(self.faults.write_delay_s) if delayed else None)
+                                    fileops=DelayedRenames(self.faults.write_delay_s) if delayed else None)
         # Batch durability: (key, completion) of writes acknowledged after the group fsync.
         self._unsynced: list[tuple[bytes, Done]] = []
         self.shm = _attach(config.shm_name)
@@ -267,7 +99,7 @@ class Worker:
         self.replies.connect(config.replies_endpoint)
         rendezvous = self.faults.read_rendezvous if self.faults is not None else 0
         self._rendezvous = threading.Barrier(rendezvous, timeout=10.0) if rendezvous > 1 else None
-        self.readers = _ReaderThreads(max(1, config.read_threads), self.ctx, config.replies_endpoint, self.read)
+        self.readers = ReaderThreads(max(1, config.read_threads), self.ctx, config.replies_endpoint, self.read)
         self.remote: Optional[RemoteThread] = None
         self.remote_error = ""  # why there is no remote tier although one was configured
         self._hung_remote: list[RemoteThread] = []  # replaced by the watchdog, their call still running
@@ -519,10 +351,10 @@ class Worker:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="[pcr-io %(process)d] %(message)s")
-    config = msgspec.msgpack.decode(bytes.fromhex(argv[1]), type=WorkerConfig)
+    config = msgspec.msgpack.decode(bytes.fromhex(argv[1]), type=IoProcessConfig)
     if os.getppid() != config.parent_pid:
         return 0
-    Worker(config).run()
+    IoProcess(config).run()
     return 0
 
 

@@ -62,7 +62,7 @@ reply_encoder = msgspec.msgpack.Encoder()
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-class WorkerConfig(msgspec.Struct):
+class IoProcessConfig(msgspec.Struct):
     """Everything the I/O process needs to open the store and attach the host pool."""
 
     store_root: str

@@ -21,7 +21,7 @@ Reads handed here cannot be cancelled or expedited any more: they complete norma
 A call that never returns (a network partition without a reset, a store that stops
 answering) is caught by a watchdog: the I/O process's main loop asks
 :meth:`RemoteThread.overdue_s` about once a second, and a call running past its deadline
-(``WorkerConfig.remote_call_timeout_s``) gets the thread replaced
+(``IoProcessConfig.remote_call_timeout_s``) gets the thread replaced
 (:meth:`RemoteThread.replace`): the stuck call's order is answered as failed (a read BAD, so
 the scheduler frees its host slot and recomputes the chunk; a probe as finding nothing),
 the breaker trips, and a successor with a new Mooncake client takes the queued work

@@ -29,7 +29,7 @@ import msgspec
 
 from pcr_sglang.core.orders import IoOutcome, Order, ReadChunk, WriteChunk
 from pcr_sglang.io.client import IOChannel
-from pcr_sglang.io.protocol import SOURCE_REMOTE, Done, Hello, Probed, RemoteStatus, WorkerConfig
+from pcr_sglang.io.protocol import SOURCE_REMOTE, Done, Hello, IoProcessConfig, Probed, RemoteStatus
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ Outcome = tuple[int, IoOutcome, float]
 
 
 class IOSupervisor:
-    def __init__(self, config: WorkerConfig, *, stall_timeout_s: float = 30.0,
+    def __init__(self, config: IoProcessConfig, *, stall_timeout_s: float = 30.0,
                  startup_timeout_s: float = 60.0):
         self._channel = IOChannel()
         self.config = msgspec.structs.replace(
@@ -80,7 +80,7 @@ class IOSupervisor:
         # The Mooncake client (remote tier) logs every connection at INFO: warnings and up only.
         env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING")}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "pcr_sglang.io.worker", msgspec.msgpack.encode(self.config).hex()],
+            [sys.executable, "-m", "pcr_sglang.io.process", msgspec.msgpack.encode(self.config).hex()],
             stdin=subprocess.DEVNULL, env=env,
             # The store's writer lease: held by the I/O process too, so a peer starting on
             # the directory never takes over the slot while this process still writes.
@@ -126,7 +126,7 @@ class IOSupervisor:
             except subprocess.TimeoutExpired:
                 logger.error("PCR I/O process %d does not exit after SIGKILL", self._proc.pid)
 
-    def restart(self, config: WorkerConfig) -> bool:
+    def restart(self, config: IoProcessConfig) -> bool:
         """Serve another store (the weights changed, and with them the SSD namespace): the
         running process is killed and waited for (nothing it was doing can land in a host
         slot after this returns), its orders come back cancelled at the next :meth:`poll`,

@@ -13,7 +13,7 @@ import torch
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core import CacheNamespace, CacheState, CacheStateConfig, PersistedChunk
-from pcr_sglang.io.protocol import WorkerConfig
+from pcr_sglang.io.protocol import IoProcessConfig
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.reuse import settings as reuse_settings
 from pcr_sglang.reuse.setup import attach_doc_reuse
@@ -262,7 +262,7 @@ def _restore(state: CacheState, store: ChunkFileStore, tp: Optional[TpGroup]) ->
 def start_io_process(store: ChunkFileStore, host_pool: HostChunkPool, tp_rank: int,
                      remote_config: str, read_threads: int) -> IOSupervisor:
     layout = host_pool.layout
-    io = IOSupervisor(WorkerConfig(
+    io = IOSupervisor(IoProcessConfig(
         **_store_fields(store),
         num_slots=layout.num_slots, num_layers=layout.num_layers, chunk_size=layout.chunk_size,
         row_bytes=layout.row_bytes, shm_name=host_pool.info().shm_name, orders_endpoint="",

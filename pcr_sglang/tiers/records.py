@@ -5,7 +5,7 @@ moves between them unchanged and is verified the same way wherever it is read. T
 header names the chunk (its key, its parent's key, its depth), the namespace (model,
 dtype, layout, TP rank: :mod:`pcr_sglang.core.keys`) and the layout, and carries a keyed
 BLAKE3 MAC of the payload; a second MAC covers the header. Whoever holds the MAC key can
-write records the others accept; nobody else can (see ``ssd_store``'s "Trust").
+write records the others accept; nobody else can (docs/ssd-store.md#permissions-and-trust).
 
 The remote tier stores the same chunk sealed instead (encrypted and authenticated,
 :mod:`pcr_sglang.tiers.sealed_records`), under keys :meth:`RecordCodec.derive_key` derives

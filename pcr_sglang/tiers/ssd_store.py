@@ -1,51 +1,14 @@
 """ChunkFileStore: PCR's SSD tier, one file per chunk, authenticated, crash-safe, shareable.
 
-Layout of a store directory (``--pcr-ssd-path``)::
-
-    DIR/                                    created 0700 if missing; never chmod-ed
-      <namespace digest hex>/               0700, ours: one per cache namespace (model,
-        namespace.json                      dtype, layout, chunk size, TP rank)
-        store.key                           0600: the namespace's 32-byte MAC key
-        w<N>/                               a writer slot: one live server at a time
-          lock                              its lease: flock()-ed by the server
-          <key hex[:2]>/<key hex>.chunk     0600: a header, then one host slot's bytes
-
-**Sharing.** Several servers (DP replicas, restarts, two models) may use one directory at
-once. A server writes only into its own writer slot, whose ``lock`` it holds with
-``flock(LOCK_EX)`` for its whole life; the I/O process inherits the descriptor, so the
-lease lives while either process does, and the kernel drops it when both are gone (even
-after kill -9, across pid namespaces and containers sharing the file system). Temp files
-carry the slot and a random token. At startup (:meth:`scan`) a server takes, one at a
-time, the leases of slots nobody holds (dead writers), deletes their temp files and
-adopts their records into its own slot; slots whose lease is held are never modified
-(except to drop a record that fails verification, which nobody can use). Reads look in
-the own slot first, then in the others': a live peer may delete its record at any time,
-which reads as a miss (the chunk is recomputed). :meth:`delete` (eviction) only ever
-unlinks in the own slot, so capacity decisions never delete a record another live
-server counts on. Records a peer writes after our start are found at our next start.
-
-**Trust.** Every record carries a keyed BLAKE3 MAC of its header and one of its payload,
-under the namespace's ``store.key`` (created once: written, synced, then linked into place, 0600); a record is served
-only if both verify and the file is owned by this user, so only records written by
-servers holding this store's key are ever used: not ones planted by another user, copied
-from another deployment or edited. (BLAKE3 rather than XXH3 or BLAKE2b, from
-``bench/ssd_store_bench.py``: a keyed MAC must be a cryptographic hash, and BLAKE3 hashes
-2.3-5.5 GB/s on one core against keyed BLAKE2b's 0.45-0.77; a MAC of the header alone over an XXH3
-payload digest would be cheaper still, but XXH3 is not collision-resistant, so anyone who
-has read one genuine record could forge a payload behind its header.) The store root
-must be owned by us or root and, if group- or world-writable, sticky (as ``/tmp`` is);
-an existing namespace directory or key file must be ours and private; nothing existing
-is ever chmod-ed.
-
-**Durability** (``--pcr-ssd-durability``): ``record`` writes a temp file, fsyncs it,
-renames it to its final name and fsyncs the directory before acknowledging the write (a
-new ``<key[:2]>/`` directory is fsynced in its parent too); ``batch`` does the same for a
-group of records with one directory fsync per directory; ``none`` never fsyncs (a crash
-may lose or tear recent records, and verification on read refuses what it tore). In every
-mode a record becomes visible under its final name only once it is complete, and nothing
-that fails verification is served. The protocol is checked against the crash states POSIX
-allows after each of its operations (in the combinations that test enumerates) by
-``tests/unit/tiers/test_store_crash_states.py`` through :mod:`.fileops`.
+Each chunk is a file in this server's writer slot of the namespace's directory: a header
+with keyed MACs (:mod:`.records`), then the chunk's host-slot bytes. A record is written
+to a temp name and renamed, fsynced as ``--pcr-ssd-durability`` asks, so it is visible
+only once complete; it is served only if it verifies (owner, MACs, key, namespace,
+layout, length), so a crash, another user or another deployment can cost a recompute,
+never wrong KV. Several servers may share a directory: each writes and deletes only in
+its own slot, and reads its peers'. The start-up scan (adopting dead writers' slots) is
+in :mod:`.store_scan`, the directory's access rules and leases in :mod:`.store_dir`. The
+file layout, the rules and why: docs/ssd-store.md#on-disk-format.
 
 This module knows nothing of SGLang or the tree: the cache decides what to write, read
 and delete; the store moves bytes and keeps them honest.
@@ -85,9 +48,10 @@ from pcr_sglang.tiers.store_dir import (  # noqa: F401
     slot_dirs,
     subdirs,
     take_slot,
-    try_lease,
     unlink_quiet,
 )
+from pcr_sglang.tiers.store_scan import read_full as _read_full  # short reads: the scan and read_into
+from pcr_sglang.tiers.store_scan import scan_store
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +60,8 @@ DURABILITY_CHOICES = ("record", "batch", "none")
 
 @dataclass
 class StoreStats:
+    """What this process's store did since it opened (``/server_info``'s SSD ``store``)."""
+
     written_chunks: int = 0
     written_bytes: int = 0
     read_chunks: int = 0
@@ -111,6 +77,8 @@ class StoreStats:
 
 @dataclass
 class VerifyReport:
+    """The CLI's ``verify``: records that check out, and why each other one does not."""
+
     ok: int = 0
     bad: list[str] = field(default_factory=list)
 
@@ -140,7 +108,7 @@ class ChunkFileStore:
     def __init__(self, root: str | os.PathLike, namespace_digest: bytes, layout: HostChunkLayout,
                  dtype: str, capacity_bytes: Optional[int], *, namespace_description: Optional[dict] = None,
                  low_watermark_bytes: int = 1 << 30, durability: str = "record", slot: Optional[str] = None,
-                 read_only: bool = False, fileops: Optional[FileOps] = None):
+                 read_only: bool = False, fileops: Optional[FileOps] = None) -> None:
         if len(namespace_digest) != 16:
             raise ValueError("namespace digest must be 16 bytes")
         if durability not in DURABILITY_CHOICES:
@@ -253,7 +221,7 @@ class ChunkFileStore:
             for sub in subdirs(slot_dir):
                 yield from (p for p in sub.iterdir() if p.suffix == SUFFIX)
 
-    def _write_durably(self, path: Path, data) -> None:
+    def _write_durably(self, path: Path, data: bytes) -> None:
         tmp = path.with_name(f"{path.name}.{secrets.token_hex(8)}{TMP_SUFFIX}")
         fd = self.ops.create(str(tmp))
         try:
@@ -439,113 +407,7 @@ class ChunkFileStore:
         after deleting their partial writes, then return every record whose header
         verifies, ours first, then live peers'. Payload MACs are checked on read."""
         self._check_writable()
-        own = self.own_dir
-        try:
-            self._discard_tmp(own)
-        except OSError as e:  # a full or failing disk: serve what verifies, clean up next time
-            logger.warning("PCR SSD store: cannot clean %s (%s)", own, e)
-        for slot_dir in slot_dirs(self.dir):
-            if slot_dir != own:
-                try:
-                    fd = try_lease(slot_dir)
-                except OSError as e:
-                    logger.warning("PCR SSD store: cannot check the lease of %s (%s)", slot_dir, e)
-                    continue
-                if fd >= 0:
-                    try:
-                        self._discard_tmp(slot_dir)
-                        self._adopt(slot_dir)
-                    except OSError as e:
-                        # What was not adopted stays in the dead slot, readable as a peer's
-                        # records, for the next start to adopt.
-                        logger.warning("PCR SSD store: adopting the records of %s failed (%s); they stay "
-                                       "there, readable", slot_dir, e)
-                    finally:
-                        os.close(fd)
-        self._peers = [d for d in slot_dirs(self.dir) if d != own]
-        records: dict[bytes, ChunkRecord] = {}
-        for slot_dir in [own] + self._peers:
-            for record in self._scan_slot(slot_dir):
-                records.setdefault(record.key, record)
-                if slot_dir != own:
-                    self.stats.peer_chunks += 1
-        if self.stats.corrupt_chunks or self.stats.discarded_tmp_files or self.stats.adopted_chunks:
-            logger.warning(
-                "PCR SSD store %s: discarded %d records that failed verification and %d partial writes; "
-                "adopted %d records of servers that are gone", self.dir, self.stats.corrupt_chunks,
-                self.stats.discarded_tmp_files, self.stats.adopted_chunks,
-            )
-        return list(records.values())
-
-    def _discard_tmp(self, slot_dir: Path) -> None:
-        for sub in subdirs(slot_dir):
-            for path in sub.iterdir():
-                if path.name.endswith(TMP_SUFFIX):
-                    self._unlink(path)
-                    self.stats.discarded_tmp_files += 1
-
-    def _adopt(self, dead: Path) -> None:
-        """Move a dead writer's records into our slot: its lease is ours for the duration,
-        and nothing else writes there. Each record is linked into our slot, our directories
-        are synced, and only then is it unlinked from the dead slot: a crash midway leaves a
-        record in both places at worst, never in neither (a cross-directory rename would
-        need both directories' entries to persist together, which POSIX does not promise)."""
-        own = self.own_dir
-        touched_own, moved = set(), []
-        for sub in subdirs(dead):
-            for path in sub.iterdir():
-                if path.suffix != SUFFIX:
-                    continue
-                target_dir = own / sub.name
-                if self.ops.mkdir(str(target_dir), 0o700):
-                    self.ops.fsync_dir(str(own))
-                try:
-                    self.ops.link(str(path), str(target_dir / path.name))
-                    self.stats.adopted_chunks += 1
-                    touched_own.add(str(target_dir))
-                except FileExistsError:
-                    pass  # we hold it already
-                moved.append(path)
-        for d in sorted(touched_own):
-            self.ops.fsync_dir(d)
-        for path in moved:
-            self._unlink(path)
-        for d in sorted({str(p.parent) for p in moved}):
-            self.ops.fsync_dir(d)
-
-    def _scan_slot(self, slot_dir: Path) -> Iterator[ChunkRecord]:
-        for sub in subdirs(slot_dir):
-            try:
-                paths = list(sub.iterdir())
-            except OSError as e:
-                self._read_error(sub, e)
-                continue
-            for path in paths:
-                if path.suffix != SUFFIX:
-                    continue
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-                except FileNotFoundError:
-                    continue  # a live peer deleted it meanwhile
-                except OSError as e:
-                    self._read_error(path, e)
-                    continue
-                try:
-                    with open(fd, "rb", buffering=0) as f:
-                        st = os.fstat(fd)
-                        raw = bytearray(HEADER_BYTES)
-                        n = _read_full(f, memoryview(raw))
-                except OSError as e:
-                    self._read_error(path, e)
-                    continue
-                record = self.codec.parse_header(bytes(raw[:n]))
-                if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
-                    self._drop_corrupt(path, f"owned by uid {st.st_uid}, not by this user")
-                elif (record is None or path.name != f"{record.key.hex()}{SUFFIX}"
-                      or st.st_size != self.record_bytes):
-                    self._drop_corrupt(path, "fails verification on open")
-                else:
-                    yield record
+        return scan_store(self)
 
     def verify(self) -> VerifyReport:
         """Read every record in full and check it (the CLI's ``verify``); deletes none."""
@@ -568,18 +430,6 @@ class ChunkFileStore:
             else:
                 report.ok += 1
         return report
-
-
-def _read_full(f, view: memoryview) -> int:
-    """Fill ``view`` unless the file ends first: a short ``readinto`` is legal (NFS, FUSE,
-    signals) and is not the end of the file."""
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            break
-        got += n
-    return got
 
 
 # ---------------------------------------------------------------------- directory tools

@@ -1,6 +1,6 @@
 """The store directory's access rules: who may use it, the per-namespace MAC key, and
-the writer slots with their ``flock`` leases (see :mod:`.ssd_store` for the layout and
-why). Also the directory tools behind ``python -m pcr_tools.store_cli`` that need no records.
+the writer slots with their ``flock`` leases (the layout, and why: docs/ssd-store.md#on-disk-format).
+Also the directory tools behind ``python -m pcr_tools.store_cli`` that need no records.
 """
 
 from __future__ import annotations

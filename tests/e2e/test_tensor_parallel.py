@@ -1,7 +1,7 @@
 """A real ``--tp 2`` server on CPU with PCR's host and SSD tiers, one rank's reads late.
 
 Each rank has its own I/O process, store and clock, and rank 1's reads arrive late (the
-I/O worker's test knob): every decision that sets a prefix length must still be the same
+I/O process's test knob): every decision that sets a prefix length must still be the same
 on both ranks, or the ranks' collectives would mismatch. Checked three ways: outputs
 equal the TP 2 no-cache baseline token for token, the SSD tier was used, and the ranks'
 digests of admitted prefix lengths never differed (``/server_info``'s ``tp`` section).

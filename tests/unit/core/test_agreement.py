@@ -97,7 +97,7 @@ def test_one_rank_agrees_with_itself():
 def run_two_ranks(tmp_path, monkeypatch, faults: str, body):
     """Two ranks of a TP group, each with its own cache, store and I/O process, running
     ``body(harness)`` in lockstep (as SGLang's schedulers do); ``faults`` is the I/O
-    worker's test knob."""
+    process's test knob."""
     pytest.importorskip("sglang")
     from tests.unit.adapter_harness import Harness
 

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from pcr_sglang.core.orders import DeleteChunk, IoOutcome, ReadChunk, Reorder, WriteChunk
-from pcr_sglang.io.protocol import WorkerConfig
+from pcr_sglang.io.protocol import IoProcessConfig
+from pcr_sglang.io.readers import BusyClock
 from pcr_sglang.io.supervisor import IOSupervisor
-from pcr_sglang.io.worker import BusyClock
 from pcr_sglang.tiers.host_pool import HostChunkPool
 from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
@@ -29,7 +29,7 @@ def supervisor(tmp_path, request):
         os.environ["PCR_IO_TEST_FAULTS"] = faults  # read by the I/O process at its start
     pool = HostChunkPool(LAYOUT, pin=False)
     store = ChunkFileStore(tmp_path / "store", bytes(16), LAYOUT, "float32", 1 << 20, low_watermark_bytes=0)
-    sup = IOSupervisor(WorkerConfig(
+    sup = IOSupervisor(IoProcessConfig(
         store_root=str(store.root), namespace_hex=store.namespace.hex(), dtype="float32",
         num_slots=LAYOUT.num_slots, num_layers=LAYOUT.num_layers, chunk_size=LAYOUT.chunk_size,
         row_bytes=LAYOUT.row_bytes, reserve_bytes=0, shm_name=pool.info().shm_name, orders_endpoint="",

@@ -19,10 +19,10 @@ import pytest
 import zmq
 
 from pcr_sglang.core.orders import IoOutcome, ProbeRemote, ReadChunk, WriteChunk
-from pcr_sglang.io.protocol import Done, Probed, RemoteStatus, WorkerConfig, reply_decoder
+from pcr_sglang.io.process import MAX_HUNG_REMOTE_THREADS
+from pcr_sglang.io.protocol import Done, IoProcessConfig, Probed, RemoteStatus, reply_decoder
 from pcr_sglang.io.remote_thread import RemoteThread
 from pcr_sglang.io.supervisor import IOSupervisor
-from pcr_sglang.io.worker import MAX_HUNG_REMOTE_THREADS
 from pcr_sglang.tiers.host_pool import HostChunkPool
 from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.records import RecordCodec
@@ -187,7 +187,7 @@ def io_process(tmp_path, mooncake, request):
     os.environ["PCR_IO_TEST_FAULTS"] = json.dumps({"remote_read_delay_s": 3600})
     pool = HostChunkPool(LAYOUT, pin=False)
     store = ChunkFileStore(tmp_path / "store", NAMESPACE, LAYOUT, "float32", 1 << 20, low_watermark_bytes=0)
-    sup = IOSupervisor(WorkerConfig(
+    sup = IOSupervisor(IoProcessConfig(
         store_root=str(store.root), namespace_hex=store.namespace.hex(), dtype="float32",
         num_slots=LAYOUT.num_slots, num_layers=LAYOUT.num_layers, chunk_size=LAYOUT.chunk_size,
         row_bytes=LAYOUT.row_bytes, reserve_bytes=0, shm_name=pool.info().shm_name, orders_endpoint="",

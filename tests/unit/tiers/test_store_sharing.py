@@ -18,7 +18,7 @@ import torch
 from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core import CacheNamespace
 from pcr_sglang.core.orders import IoOutcome, WriteChunk
-from pcr_sglang.io.protocol import WorkerConfig
+from pcr_sglang.io.protocol import IoProcessConfig
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.sglang_adapter.factory import build_ssd_store
 from pcr_sglang.tiers.host_pool import HostChunkPool
@@ -190,7 +190,7 @@ def test_the_io_process_holds_the_lease_while_it_lives(tmp_path):
     copy is closed, no new server takes the slot until the I/O process is gone."""
     pool = HostChunkPool(LAYOUT, pin=False)
     store = make_store(tmp_path / "store")
-    sup = IOSupervisor(WorkerConfig(
+    sup = IOSupervisor(IoProcessConfig(
         store_root=str(store.root), namespace_hex=NS.hex(), dtype="torch.float32", num_slots=LAYOUT.num_slots,
         num_layers=LAYOUT.num_layers, chunk_size=LAYOUT.chunk_size, row_bytes=LAYOUT.row_bytes, reserve_bytes=0,
         shm_name=pool.info().shm_name, orders_endpoint="", replies_endpoint="", parent_pid=0,
@@ -221,7 +221,7 @@ def test_the_io_process_holds_the_lease_while_it_lives(tmp_path):
 def test_batch_durability_acknowledges_each_write_once_its_record_is_in_place(tmp_path):
     pool = HostChunkPool(LAYOUT, pin=False)
     store = make_store(tmp_path / "store", durability="batch")
-    sup = IOSupervisor(WorkerConfig(
+    sup = IOSupervisor(IoProcessConfig(
         store_root=str(store.root), namespace_hex=NS.hex(), dtype="torch.float32", num_slots=LAYOUT.num_slots,
         num_layers=LAYOUT.num_layers, chunk_size=LAYOUT.chunk_size, row_bytes=LAYOUT.row_bytes, reserve_bytes=0,
         shm_name=pool.info().shm_name, orders_endpoint="", replies_endpoint="", parent_pid=0,
@@ -250,38 +250,38 @@ def test_batch_durability_acknowledges_each_write_once_its_record_is_in_place(tm
 
 def test_batch_durability_never_acknowledges_a_write_whose_record_was_replaced(tmp_path):
     """Review finding: a held write whose record the store dropped (a rewrite of the same
-    key, or a delete, before the group fsync) was acknowledged OK. Driven on the I/O
-    process's own Worker, its replies collected instead of sent."""
+    key, or a delete, before the group fsync) was acknowledged OK. Driven on an IoProcess
+    in this process, its replies collected instead of sent."""
     from multiprocessing import resource_tracker
 
     from pcr_sglang.core.orders import DeleteChunk
+    from pcr_sglang.io.process import IoProcess
     from pcr_sglang.io.protocol import reply_decoder
-    from pcr_sglang.io.worker import Worker
 
     pool = HostChunkPool(LAYOUT, pin=False)
     store = make_store(tmp_path / "store", durability="batch")
-    worker = Worker(WorkerConfig(
+    proc = IoProcess(IoProcessConfig(
         store_root=str(store.root), namespace_hex=NS.hex(), dtype="torch.float32", num_slots=LAYOUT.num_slots,
         num_layers=LAYOUT.num_layers, chunk_size=LAYOUT.chunk_size, row_bytes=LAYOUT.row_bytes, reserve_bytes=0,
         shm_name=pool.info().shm_name, orders_endpoint=f"ipc://{tmp_path}/orders",
         replies_endpoint=f"ipc://{tmp_path}/replies", parent_pid=os.getpid(), writer_slot=store.slot,
         lease_fd=store.lease_fd, durability="batch"))
-    # The worker unregisters the segment from this process's resource tracker (in its own
+    # The I/O process unregisters the segment from this process's resource tracker (in its own
     # process the scheduler owns it); here the pool is ours, so it is registered back.
-    resource_tracker.register(worker.shm._name, "shared_memory")
+    resource_tracker.register(proc.shm._name, "shared_memory")
     sent = []
-    worker.replies.send = lambda raw: sent.append(reply_decoder.decode(raw))
+    proc.replies.send = lambda raw: sent.append(reply_decoder.decode(raw))
     try:
         for order in (WriteChunk(1, key(50), key(0), 1, 4, 0), WriteChunk(2, key(50), key(0), 1, 4, 1),
                       WriteChunk(3, key(51), key(0), 1, 4, 2), DeleteChunk(key(51))):
-            assert worker.execute(order) is None  # held for the group fsync (or unacknowledged)
-        worker.flush()
+            assert proc.execute(order) is None  # held for the group fsync (or unacknowledged)
+        proc.flush()
         outcomes = {d.seq: d.outcome for d in sent}
         assert outcomes == {1: IoOutcome.CANCELLED, 2: IoOutcome.OK, 3: IoOutcome.CANCELLED}, outcomes
         assert read(store, key(50)) is not None and read(store, key(51)) is None
     finally:
-        worker.ctx.destroy(linger=0)
-        worker.shm.close()
+        proc.ctx.destroy(linger=0)
+        proc.shm.close()
         pool.close()
 
 
