@@ -49,12 +49,12 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from pcr_sglang.config import PCRConfig
 from pcr_sglang.core import CacheNamespace
 from pcr_sglang.core.keys import chunk_keys, root_key
+from pcr_sglang.flags import DEFAULT_CHUNK_SIZE, DEFAULT_DOC_MAX_DOCUMENTS, DEFAULT_DOC_MIN_TOKENS
 from pcr_sglang.reuse import settings as reuse_settings
 from pcr_sglang.reuse.bounds import Recompute, parse_doc_bounds
 from pcr_sglang.reuse.placement import DocReuse
 from pcr_sglang.reuse.plan import canonical_chain_keys, canonical_tokens
 from pcr_sglang.reuse.tokenizer import WarmupCaps
-from pcr_sglang.server_args_fields import DEFAULT_CHUNK_SIZE, DEFAULT_DOC_MAX_DOCUMENTS, DEFAULT_DOC_MIN_TOKENS
 from pcr_sglang.sglang_adapter.factory import assemble_pcr_cache
 from pcr_sglang.transfer.rope_shift import RopeSpec
 

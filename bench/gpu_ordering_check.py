@@ -176,7 +176,7 @@ def scenario_load_into_freed_slots(run: Run, s: Shape) -> None:
     """A load into slots the previous forward read: written only after that forward."""
     n = s.chunk
     run.forward("first", reads=range(0, n), writes=range(n, n + 2))
-    run.engine.order_before_reuse()
+    run.engine.fence_before_reuse()
     run.engine.load(run.slots(range(0, n)), [0])
     run.forward("second", reads=range(0, n), writes=range(n + 2, n + 4))
 
@@ -188,7 +188,7 @@ def scenario_offload_then_reuse(run: Run, s: Shape) -> None:
     run.engine.plan_offload("a", run.slots(range(0, s.chunk)), 2)
     run.engine.plan_offload("b", run.slots(range(s.chunk, n)), 4)
     run.forward("offload", reads=range(n, n + 8), writes=range(0, n), owners=["a", "b"], value=5.0)
-    run.engine.order_before_reuse()
+    run.engine.fence_before_reuse()
     run.forward("reuse", writes=range(0, n), value=9.0)
 
 
@@ -227,14 +227,14 @@ def scenario_steps(run: Run, s: Shape) -> None:
     e.plan_offload("a", run.slots(range(5 * c, 6 * c)), 2)
     run.forward("step 1", reads=[*range(0, 2 * c), *range(4 * c, 5 * c)], writes=range(5 * c, 6 * c), owners=["a"])
     e.copy_to_host(run.slots(range(5 * c, 6 * c)), [3])
-    e.order_before_reuse()
+    e.fence_before_reuse()
     e.load(run.slots(range(5 * c, 6 * c)), [1])
     e.replace(run.slots(range(5 * c, 6 * c)), run.slots(range(0, c)), torch.ones(c, dtype=torch.int64, device=dev),
               s.rope)
     e.plan_offload("b", run.slots(range(6 * c, 7 * c)), 4)
     run.forward("step 2", reads=[*range(0, c), *range(5 * c, 6 * c)], writes=range(6 * c, 7 * c), owners=["b"],
                 value=2.0)
-    e.order_before_reuse()
+    e.fence_before_reuse()
     run.forward("step 3", writes=range(5 * c, 7 * c), value=3.0)
 
 

@@ -1,6 +1,6 @@
 """PCRConfig: the PCR flags, parsed and validated in one place.
 
-SGLang-agnostic: built from any object carrying the ``Pcr`` namespace's fields (the
+SGLang-agnostic: built from any object carrying the ``PcrFlags`` namespace's fields (the
 resolved ``ServerArgs`` in a server, a plain namespace in tests and benchmarks).
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pcr_sglang.core.hints import HintLimits
-from pcr_sglang.server_args_fields import (
+from pcr_sglang.flags import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_DOC_MAX_DOCUMENTS,
     DEFAULT_DOC_MIN_TOKENS,

@@ -8,7 +8,7 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
 * ``ServerArgs.resolve_once`` (AFTER): PCR flags are validated once the page size is
   resolved, so a bad value fails at startup with a message naming the flag, and models,
   KV recipes, layouts and flags PCR cannot serve are refused before any weight loads
-  (``sglang_adapter/support_check``);
+  (``sglang_adapter/refusals``);
 * ``prepare_server_args`` (BEFORE, only when the installed SGLang is not the patched
   0.5.23): PCR flags on the command line fail with an explanation instead of argparse's
   "unrecognized arguments";
@@ -47,7 +47,7 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
 * the scheduler's ``get_internal_state`` (AFTER): ``/server_info`` reports PCR's state;
   the tokenizer manager's ``init_communicators`` (AFTER) and ``get_internal_state``
   (AROUND): ``/server_info?pcr_check_invariants=1`` asks for the O(tree) bookkeeping
-  check (``sglang_adapter/server_info_check``).
+  check (``sglang_adapter/invariant_route``).
 
 SGLang's plugin loader logs and swallows exceptions raised here, so nothing in
 ``register`` may raise for a user error: errors surface through the hooks instead.
@@ -148,7 +148,7 @@ def register() -> None:
         HookType.AROUND,
     )
     from pcr_sglang.reuse import tokenizer as reuse_tokenizer
-    from pcr_sglang.sglang_adapter import kv_hints, server_info_check, weight_updates
+    from pcr_sglang.sglang_adapter import invariant_route, kv_hints, weight_updates
 
     for method in (*weight_updates.UPDATE_METHODS, weight_updates.SESSION_END):
         HookRegistry.register(
@@ -185,12 +185,12 @@ def register() -> None:
 
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.init_communicators",
-        server_info_check.add_server_info_route,
+        invariant_route.add_server_info_route,
         HookType.AFTER,
     )
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state",
-        server_info_check.get_internal_state,
+        invariant_route.get_internal_state,
         HookType.AROUND,
     )
 
@@ -332,7 +332,7 @@ def _around_forward(original: Callable[..., Any], model_runner: Any, forward_bat
 def _add_pcr_internal_state(result: Any, controller: Any, recv_req: Any = None, *args: Any, **kwargs: Any) -> Any:
     """Publish PCR's state under ``"pcr"`` in ``/server_info``'s ``internal_states``; the
     O(tree) invariant check only when asked (``/server_info?pcr_check_invariants=1``)."""
-    from pcr_sglang.sglang_adapter.server_info_check import check_requested
+    from pcr_sglang.sglang_adapter.invariant_route import check_requested
 
     cache = _pcr_cache(controller.scheduler)
     if cache is not None:
@@ -402,7 +402,7 @@ def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwar
         raise PCRStartupError("--enable-pcr does not support speculative decoding yet")
     # Model kinds, KV recipes, layouts and flags PCR cannot serve: refused here, before
     # any weight loads, with every reason in one message.
-    from pcr_sglang.sglang_adapter.support_check import check_supported
+    from pcr_sglang.sglang_adapter.refusals import check_supported
 
     check_supported(server_args)
     return None

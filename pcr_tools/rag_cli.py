@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pcr_sglang.rag.device_tier import FAST_TIERS
+from pcr_sglang.rag.fast_device import FAST_TIERS
 from pcr_sglang.rag.pipelines import PIPELINES
 
 logger = logging.getLogger(__name__)
@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
     from pcr_sglang.rag.budget import BudgetModel, measure_read_bandwidth
-    from pcr_sglang.rag.device_tier import make_fast_tier
     from pcr_sglang.rag.embedder import load_embedder
+    from pcr_sglang.rag.fast_device import make_fast_tier
     from pcr_sglang.rag.ivf import IVFDatastore
     from pcr_sglang.rag.lookahead import LookaheadRetriever
     from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, run_batch

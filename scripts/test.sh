@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite in stages: lint, unit tests, the Triton
+# Set up (if needed) and run the whole test suite in stages: lint, types, unit tests, the Triton
 # kernels, then end-to-end tests that start real SGLang servers and Engines on the tiny
 # model. Extra arguments go to one pytest run instead (`bash scripts/test.sh tests/unit -k hint`).
 set -euo pipefail
@@ -29,8 +29,10 @@ if [[ $# -gt 0 ]]; then  # extra arguments: one pytest run over them (kernels ne
   exec "${PYTEST[@]}" "$@"
 fi
 
-echo "[test] stages: lint, unit, kernels, e2e"
+echo "[test] stages: lint, types, unit, kernels, e2e"
 stage lint "$VENV/bin/ruff" check .
+# mypy, strict on core/, tiers/ and io/ (pyproject.toml [tool.mypy]).
+stage types "$VENV/bin/mypy" pcr_sglang/core pcr_sglang/tiers pcr_sglang/io
 stage unit "${PYTEST[@]}" --durations=10 tests/unit
 # Triton kernels are checked by Triton's interpreter on CPU (natively on a CUDA machine).
 # The variable must be set before Triton is imported, so they run in their own session.

@@ -4,7 +4,7 @@ tier the look-ahead fills while the LLM writes the query, and the merged search
 
 Modules: :mod:`~pcr_sglang.rag.embedder` (all-MiniLM-L6-v2, offline),
 :mod:`~pcr_sglang.rag.ivf` (index and cluster-ordered table, in DRAM or memory-mapped),
-:mod:`~pcr_sglang.rag.host_tier` (the fast tier in host memory),
+:mod:`~pcr_sglang.rag.fast_host` (the fast tier in host memory),
 :mod:`~pcr_sglang.rag.budget` (how much to prefetch),
 :mod:`~pcr_sglang.rag.lookahead` (look-ahead and merged search).
 """

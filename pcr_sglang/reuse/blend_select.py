@@ -16,7 +16,7 @@ summed over heads and dimensions (V carries no position, so rotation error canno
 
 The probe drives the decoder layers' modules directly (norms, projections, MLP) rather
 than SGLang's forward, so it is allowed only for the layer classes whose structure it
-reproduces (``PROBE_LAYERS``); :func:`probe_support` says why not for any other.
+reproduces (``DEVIATION_LAYERS``); :func:`deviation_support` says why not for any other.
 """
 
 from __future__ import annotations
@@ -31,23 +31,23 @@ logger = logging.getLogger(__name__)
 
 # Pre-norm decoder layers: x + attn(norm(x)), then + mlp(norm(.)), attention from a fused
 # qkv projection with RoPE, no q/k norms, no soft cap, full attention.
-PROBE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+DEVIATION_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
 # Attention scores one query block of the probe aims at (heads x queries x keys): 2^26
 # float32 is about 256 MiB per block, beside SGLang's own budget (approximate: a block has
 # at least one query, and SDPA's temporaries, the mask and the keys come on top).
 SCORE_ELEMENTS = 1 << 26
 
 
-def probe_support(model: Any) -> Optional[str]:
-    """None when :class:`Layer1Probe` can run on ``model``; else why not."""
+def deviation_support(model: Any) -> Optional[str]:
+    """None when :class:`Layer1Deviation` can run on ``model``; else why not."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or getattr(inner, "embed_tokens", None) is None or len(layers) < 2:
         return f"{type(model).__name__} has no model.embed_tokens / two model.layers for the layer-1 probe"
     for layer in list(layers)[:2]:
         name = type(layer).__name__
-        if name not in PROBE_LAYERS:
-            return f"the layer-1 probe reproduces {', '.join(PROBE_LAYERS)}; this model's layers are {name}"
+        if name not in DEVIATION_LAYERS:
+            return f"the layer-1 probe reproduces {', '.join(DEVIATION_LAYERS)}; this model's layers are {name}"
         attn = getattr(layer, "self_attn", None)
         for part in ("qkv_proj", "o_proj", "rotary_emb", "q_size", "kv_size", "head_dim", "scaling"):
             if not hasattr(attn, part):
@@ -63,7 +63,7 @@ def probe_support(model: Any) -> Optional[str]:
 
 
 @dataclass
-class ProbeResult:
+class DeviationResult:
     deviation: torch.Tensor  # [tokens] float32, squared layer-1 V difference per reused token
     k1: torch.Tensor  # [tokens, kv_heads, head_dim] full-context layer-1 K, in the KV dtype
     v1: torch.Tensor
@@ -76,7 +76,7 @@ def _first(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
-class Layer1Probe:
+class Layer1Deviation:
     def __init__(self, model: Any, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]):
         self.embed = model.model.embed_tokens
         self.layers = list(model.model.layers)[:2]
@@ -84,7 +84,7 @@ class Layer1Probe:
 
     @torch.no_grad()
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, prefix_slots: torch.Tensor,
-            reused_slots: torch.Tensor, query_ids: Optional[torch.Tensor] = None) -> ProbeResult:
+            reused_slots: torch.Tensor, query_ids: Optional[torch.Tensor] = None) -> DeviationResult:
         """Full-context layer-1 KV for the reused tokens ``token_ids`` at ``positions``
         (ascending; the exact prefix's slots ``prefix_slots`` hold positions 0..), whose
         re-placed KV sits in ``reused_slots``, and its deviation from that KV. Queries run
@@ -109,7 +109,7 @@ class Layer1Probe:
         attention = None
         if query_ids is not None and query_ids.shape[0] > 0:
             attention = self._question_attention(query_ids, positions, prefix_slots, keys, values, key_positions, k1)
-        return ProbeResult(deviation, k1, v1, attention)
+        return DeviationResult(deviation, k1, v1, attention)
 
     def _layer0_qkv(self, token_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Layer 0 is context-free up to its attention: the embeddings, and Q, K, V (RoPE at

@@ -43,7 +43,7 @@ import torch
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.keys import ChainKeyer
 from pcr_sglang.core.residency import CacheState
-from pcr_sglang.reuse.blend_select import Layer1Probe
+from pcr_sglang.reuse.blend_select import Layer1Deviation
 from pcr_sglang.reuse.bounds import (
     CANONICAL_PARAM,
     DOC_BOUNDS_PARAM,
@@ -117,7 +117,7 @@ class DocReuse:
     def __init__(self, state: CacheState, recompute: Recompute, chunk_size: int, pad_token_id: int,
                  rope: RopeSpec, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], allocator: Any,
                  keyer: ChainKeyer,
-                 free_slots: Callable[[torch.Tensor], None], probe: Optional[Layer1Probe] = None,
+                 free_slots: Callable[[torch.Tensor], None], deviation: Optional[Layer1Deviation] = None,
                  fill_gaps: bool = False, engine: Optional[TransferEngine] = None,
                  limits: Optional[DocLimits] = None, forward_stream: Any = None):
         self.state = state
@@ -130,7 +130,7 @@ class DocReuse:
         # Compute a document that is not cached in place and go on reusing the ones after
         # it (a permuted row, as recompute has): needs the position-causal attention.
         self.fill_gaps = fill_gaps or recompute.mode in RECOMPUTE_MODES
-        self.probe = probe  # blend's selection (built for the recompute modes)
+        self.deviation = deviation  # blend's selection (built for the recompute modes)
         self.chunk = chunk_size
         self.pad_token_id = pad_token_id
         self.rope = rope
@@ -143,7 +143,7 @@ class DocReuse:
         self.engine = engine
         self.limits = limits  # the server's --pcr-doc-max-documents / --pcr-doc-min-tokens
         # SGLang's forward stream (CUDA): without an engine, a copy is ordered after the
-        # forward in flight by a GPU-side wait on it (``order_after_forward``).
+        # forward in flight by a GPU-side wait on it (``fence_after_forward``).
         self.forward_stream = forward_stream
         self.stats = DocReuseStats()
         self._requests: dict[str, _Planned] = {}
@@ -250,7 +250,7 @@ class DocReuse:
 
     # ------------------------------------------------------------------ admission
     def load(self, req: Any, prefix_node: ChunkNode, load_chain: Callable[[list[ChunkNode]], bool],
-             evict: Callable[[int], int], order_before_copy: Callable[[], None]) -> bool:
+             evict: Callable[[int], int], fence_before_copy: Callable[[], None]) -> bool:
         """Copy the planned documents into fresh private slots (``prefix_node``: the end of
         the request's exact prefix, on the device). All or nothing. With recompute, the
         recomputed tokens' slots are freed again: the row keeps the others."""
@@ -278,7 +278,7 @@ class DocReuse:
                 return self._failed(entry)
             slots = slots.to(torch.int64)
             if self.engine is None:
-                order_before_copy()  # the chains' loads are complete before the copy
+                fence_before_copy()  # the chains' loads are complete before the copy
             try:
                 if plan.recompute_count or plan.gaps:
                     slots = self._keep_unrecomputed(req, entry, prefix_node, slots)
@@ -333,7 +333,7 @@ class DocReuse:
         full prefill's, or (selector ``query``) that the question attends most at layer 1;
         the plan's anchors first, whatever their score. The probe's full-context layer-1 KV
         replaces the reused one."""
-        assert self.probe is not None, "blend needs the layer-1 probe (built at startup)"
+        assert self.deviation is not None, "blend needs the layer-1 probe (built at startup)"
         if self.engine is not None:  # the probe reads layers 0-1 of the prefix and the re-placed KV
             self.engine.wait_until(0)
             self.engine.wait_until(1)
@@ -350,7 +350,7 @@ class DocReuse:
         if plan.selector == "query" and question_end > plan.end:
             question = _to_device(torch.tensor(req.origin_input_ids[plan.end:question_end], dtype=torch.int64),
                                   device)
-        result = self.probe.run(ids, positions, prefix[:plan.start], slots, query_ids=question)
+        result = self.deviation.run(ids, positions, prefix[:plan.start], slots, query_ids=question)
         k1, v1 = self.kv_layers[1]  # only re-placed tokens: delta-0 slots may enter the tree
         k1[slots[offsets]] = result.k1[offsets]
         v1[slots[offsets]] = result.v1[offsets]
@@ -476,8 +476,8 @@ class DocReuse:
         for entry in self._requests.values():
             entry.chain_keys = None
 
-    def order_after_forward(self) -> bool:
-        """Order a copy on the current stream after the forward in flight (CUDA), by a
+    def fence_after_forward(self) -> bool:
+        """Fence a copy on the current stream behind the forward in flight (CUDA), by a
         GPU-side wait on SGLang's forward stream: the scheduler thread does not wait.
         False when that stream is not known (the caller must wait for the device)."""
         if self.forward_stream is None:

@@ -193,12 +193,12 @@ class Admission:
         complete, and (CUDA) no forward still running on another stream touches the slots
         (a chunk stashed into the tree while its forward runs, slots freed by a dedupe)."""
         if self.engine is not None:
-            self.engine.order_before_reuse()
-            self.engine.order_after_forward()
+            self.engine.fence_before_reuse()
+            self.engine.fence_after_forward()
         elif torch.cuda.is_available() and getattr(self.allocator, "device", "cpu") != "cpu":
             # No engine: a GPU-side wait on SGLang's forward stream (the scheduler thread
             # goes on); only where that stream is unknown, a wait for the whole device.
-            if self.docs is None or not self.docs.order_after_forward():
+            if self.docs is None or not self.docs.fence_after_forward():
                 torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ hits

@@ -64,7 +64,7 @@ class EffectsExecutor:
     def fence_before_reuse(self) -> None:
         """Device slots about to be reused or freed: their pending layer-wise copies are done."""
         if self.engine is not None:
-            self.engine.order_before_reuse()
+            self.engine.fence_before_reuse()
 
     def free_private(self, slots: torch.Tensor) -> None:
         """Free device slots no tree chunk and no row holds (unused document copies)."""

@@ -20,8 +20,8 @@ from pcr_sglang.reuse.setup import attach_doc_reuse
 from pcr_sglang.sglang_adapter.fingerprint import IN_MEMORY_UPDATE_TAG, adapters_text, cache_namespace
 from pcr_sglang.sglang_adapter.kv_events import PCRKvEvents
 from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
+from pcr_sglang.sglang_adapter.refusals import collect_inputs, permuted_row_flags, unsupported_reasons
 from pcr_sglang.sglang_adapter.scheduler_side import SchedulerSide
-from pcr_sglang.sglang_adapter.support_check import collect_inputs, permuted_row_flags, unsupported_reasons
 from pcr_sglang.sglang_adapter.tp_group import TpGroup, min_max
 from pcr_sglang.sglang_adapter.weight_updates import WeightsIdentity
 from pcr_sglang.sglang_adapter.worker_side import attach_worker_side
@@ -56,7 +56,7 @@ _SCALE_BUFFERS = ("k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "
 
 
 def build_host_pool(config: PCRConfig, allocator: Any) -> HostChunkPool:
-    # The user-facing refusals happen at flag resolution (support_check); these are the
+    # The user-facing refusals happen at flag resolution (refusals); these are the
     # second line, on the pool SGLang actually built.
     kvcache = allocator.get_kvcache()
     k_buffers = getattr(kvcache, "k_buffer", None)
@@ -123,7 +123,7 @@ def build_ssd_store(config: PCRConfig, namespace: CacheNamespace, host_pool: Hos
 
 
 def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
-    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:  # refused at resolution already (support_check)
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:  # refused at resolution already (refusals)
         raise ValueError(
             "--enable-pcr supports models whose layers all use full attention; this model "
             "has sliding-window, state-space or sparse layers. Run it without --enable-pcr."

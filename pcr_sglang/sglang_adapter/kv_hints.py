@@ -185,7 +185,7 @@ class KvHints:
         if engine.pending_loads:
             # CPU: copies wait for the next forward's layer hooks; there may be none for a
             # while, and an I/O order for these host slots waits for them: copy now.
-            engine.order_before_reuse()
+            engine.fence_before_reuse()
 
     def clear(self) -> None:
         self.book.clear()

@@ -34,9 +34,9 @@ from pcr_sglang.core.effects import Effects
 from pcr_sglang.core.hints import HintBook
 from pcr_sglang.core.keys import ChainKeyer
 from pcr_sglang.core.residency import CacheState
+from pcr_sglang.flags import HINT_TO_DEVICE_FREE_SHARE
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.reuse.rows import permute_extend_inputs
-from pcr_sglang.server_args_fields import HINT_TO_DEVICE_FREE_SHARE
 from pcr_sglang.sglang_adapter.admission import Admission, up_to_first_remote_only
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.kv_hints import KvHints

@@ -28,7 +28,7 @@ records an event when it is complete: its ticket. Nothing here blocks the CPU on
 :meth:`host_slot_ready` asks whether the copies touching a host slot have completed (the
 ticket of the last one issued on that slot: all copies go on one side stream, in issue
 order, so the last one completes after every earlier one), which the scheduler checks
-before it hands the slot to the I/O process; :meth:`order_before_reuse` makes the
+before it hands the slot to the I/O process; :meth:`fence_before_reuse` makes the
 compute stream wait (on the GPU) for the copies before device slots are reused. On CPU
 there is no copy engine to overlap with, so the same protocol runs each copy inline where
 CUDA would wait for it: a load's
@@ -166,7 +166,7 @@ class TransferEngine:
             streams.append(self._forward_stream)
         return streams
 
-    def order_after_forward(self) -> None:
+    def fence_after_forward(self) -> None:
         """A copy on the current stream is about to read or write device slots a forward
         still running on the overlap scheduler's stream may touch: wait for it (CUDA)."""
         if self._streams is None:
@@ -450,7 +450,7 @@ class TransferEngine:
         transfer = self._by_host_slot.get(slot)
         return transfer is None or transfer.next_layer >= self.num_layers
 
-    def order_before_reuse(self) -> None:
+    def fence_before_reuse(self) -> None:
         """Device slots are about to be freed: no copy still in progress may touch them
         after a later kernel does (CPU: finish pending loads and re-placements; CUDA: a
         GPU-side wait)."""

@@ -48,7 +48,7 @@ class ModeSpec:
         """Tokens this spec recomputes in a prompt whose documents are all reused: every
         document but the first is re-placed (the first sits where its canonical KV was
         computed); the server's rule (``core.doc_reuse.with_recompute``)."""
-        from pcr_sglang.server_args_fields import DEFAULT_DOC_RECOMPUTE_RATIO, DEFAULT_DOC_RECOMPUTE_TOKENS
+        from pcr_sglang.flags import DEFAULT_DOC_RECOMPUTE_RATIO, DEFAULT_DOC_RECOMPUTE_TOKENS
 
         lengths = [end - start for start, end in zip(doc_bounds[2::2], doc_bounds[3::2])]
         if self.mode == "lego":

@@ -204,7 +204,7 @@ def test_a_hyde_pipeline_on_the_frontend_sends_its_hint_and_searches_exactly(ser
 
     from pcr_sglang.rag.budget import BudgetModel
     from pcr_sglang.rag.embedder import embed_texts, load_embedder
-    from pcr_sglang.rag.host_tier import HostClusterTier
+    from pcr_sglang.rag.fast_host import HostClusterTier
     from pcr_sglang.rag.ivf import IVFDatastore
     from pcr_sglang.rag.lookahead import LookaheadRetriever
     from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, render_rag_prompt

@@ -65,7 +65,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="rag-unlanded-clusters-searched",
         kind="unit",
-        file="pcr_sglang/rag/host_tier.py",
+        file="pcr_sglang/rag/fast_host.py",
         original='if c in self._clusters and self._clusters[c].state == "landed"]',
         replacement="if c in self._clusters]",
         tests=(UNIT + "rag/test_rag_retriever.py::test_a_cluster_still_copying_is_a_miss_searched_by_faiss",),
@@ -324,10 +324,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="pipeline-parallelism-accepted",
         kind="unit",
-        file="pcr_sglang/sglang_adapter/support_check.py",
+        file="pcr_sglang/sglang_adapter/refusals.py",
         original='    if int(getattr(x.cfg, "pp_size", 1) or 1) > 1:',
         replacement="    if False:",
-        tests=(UNIT + "sglang_adapter/test_support_check.py::test_pipeline_parallelism_is_refused",),
+        tests=(UNIT + "sglang_adapter/test_refusals.py::test_pipeline_parallelism_is_refused",),
         claim="docs/flags.md, What --enable-pcr refuses: --pp-size > 1",
         breaks="--pp-size 2 is served with one namespace for every stage",
     ),

@@ -83,8 +83,8 @@ def test_the_config_imports_no_feature():
 
 
 def test_the_request_side_selectors_are_the_flags_choices():
+    from pcr_sglang.flags import DOC_SELECTOR_CHOICES
     from pcr_sglang.reuse.bounds import SELECTORS
-    from pcr_sglang.server_args_fields import DOC_SELECTOR_CHOICES
 
     assert SELECTORS == tuple(DOC_SELECTOR_CHOICES)
 
@@ -105,3 +105,31 @@ def violations_of_prefix(package_root: Path, prefix: str) -> list[str]:
     return [f"{path.name}: {module}" for path in sorted(package_root.rglob("*.py"))
             for module in sorted(imported_modules(path, package_root.parent))
             if module == prefix or module.startswith(prefix + ".")]
+
+
+def test_the_core_is_the_ground_floor():
+    """``core/`` imports nothing of the package outside ``core/``: its orders, outcomes and
+    counters are its own words (the I/O process encodes them; it does not define them)."""
+    core = REPO / "pcr_sglang" / "core"
+    outside = [f"{path.name}: {module}" for path in sorted(core.rglob("*.py"))
+               for module in sorted(imported_modules(path, REPO / "pcr_sglang"))
+               if module.startswith("pcr_sglang.") and not module.startswith("pcr_sglang.core")]
+    assert outside == []
+
+
+SCHEDULER_COLLABORATORS = ("admission", "executor", "kv_hints", "offloads", "remote_probes", "request_keys",
+                           "requests", "step_agreement")
+
+
+@pytest.mark.parametrize("name", SCHEDULER_COLLABORATORS)
+def test_the_scheduler_loops_collaborators_never_reach_back_into_it(name):
+    """Each collaborator of the scheduler loop is handed keys and an executor; none imports
+    the loop (a split by method would close a circle through it)."""
+    path = REPO / "pcr_sglang" / "sglang_adapter" / f"{name}.py"
+    assert "pcr_sglang.sglang_adapter.scheduler_side" not in imported_modules(path, REPO / "pcr_sglang")
+
+
+def test_the_scheduler_loop_stays_a_loop():
+    """A feature that lands in the loop instead of a collaborator shows up here first."""
+    lines = (REPO / "pcr_sglang" / "sglang_adapter" / "scheduler_side.py").read_text(encoding="utf-8").count("\n")
+    assert lines <= 300, f"scheduler_side.py has {lines} lines: give the new job a collaborator"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pcr_sglang.rag.budget import BudgetModel, fill_budget
-from pcr_sglang.rag.device_tier import DeviceClusterTier, make_fast_tier
-from pcr_sglang.rag.host_tier import HostClusterTier, top_k
+from pcr_sglang.rag.fast_device import DeviceClusterTier, make_fast_tier
+from pcr_sglang.rag.fast_host import HostClusterTier, top_k
 from pcr_sglang.rag.ivf import ClusterTable, DatastoreError, IVFDatastore, normalized
 from pcr_sglang.rag.lookahead import LookaheadRetriever, merge_top_k
 

@@ -151,7 +151,7 @@ def test_blend_picks_the_most_deviating_re_placed_tokens_and_refreshes_only_thos
     checkpointed into the tree and must keep the forward's own KV)."""
     from types import SimpleNamespace
 
-    from pcr_sglang.reuse.blend_select import ProbeResult
+    from pcr_sglang.reuse.blend_select import DeviationResult
     from pcr_sglang.reuse.placement import DocReuse
     from pcr_sglang.reuse.plan import CopySegment, ReusePlan
 
@@ -167,10 +167,10 @@ def test_blend_picks_the_most_deviating_re_placed_tokens_and_refreshes_only_thos
         calls.append((ids.tolist(), positions.tolist(), prefix_slots.tolist(), reused_slots.tolist()))
         questions.append(None if query_ids is None else query_ids.tolist())
         attention = None if query_ids is None else torch.tensor([9.0] * 4 + [3.0, 0.0, 0.0, 4.0, 0.0, 0.0])
-        return ProbeResult(deviation, k1, k1 * 2, attention)
+        return DeviationResult(deviation, k1, k1 * 2, attention)
 
     node = SimpleNamespace(path_from_root=lambda: [SimpleNamespace(device_value=torch.tensor([0, 1, 2, 3]))])
-    this = SimpleNamespace(probe=SimpleNamespace(run=run), kv_layers=layers, engine=None)
+    this = SimpleNamespace(deviation=SimpleNamespace(run=run), kv_layers=layers, engine=None)
     req = SimpleNamespace(origin_input_ids=list(range(100, 120)))
     chosen = DocReuse._blend_selection(this, req, plan, node, slots)
     assert chosen == (9, 12)
@@ -192,14 +192,14 @@ def test_blend_picks_the_most_deviating_re_placed_tokens_and_refreshes_only_thos
     assert questions[-1] == [114, 115, 116]
 
 
-def test_the_blend_probe_gives_the_same_kv_in_any_query_blocks(monkeypatch):
-    """``Layer1Probe.run`` bounds its attention scores by running queries in blocks: one
+def test_layer1_deviation_gives_the_same_kv_in_any_query_blocks(monkeypatch):
+    """``Layer1Deviation.run`` bounds its attention scores by running queries in blocks: one
     token per block and all at once give the same layer-1 KV and deviations (on a stand-in
     for the model's modules; the modules' fidelity to SGLang's layers is checked end to end
     against transformers in tests/e2e/test_doc_reuse.py)."""
     from types import SimpleNamespace
 
-    from pcr_sglang.reuse import blend_select as blend_probe
+    from pcr_sglang.reuse import blend_select
 
     torch.manual_seed(0)
     hidden, heads, kv_heads, dim = 16, 4, 2, 4
@@ -222,11 +222,11 @@ def test_the_blend_probe_gives_the_same_kv_in_any_query_blocks(monkeypatch):
     model = SimpleNamespace(model=SimpleNamespace(embed_tokens=torch.nn.Embedding(50, hidden),
                                                   layers=[layer(), layer()]))
     pools = [(torch.randn(40, kv_heads, dim), torch.randn(40, kv_heads, dim)) for _ in range(2)]
-    probe = blend_probe.Layer1Probe(model, pools)
+    deviation = blend_select.Layer1Deviation(model, pools)
     args = (torch.tensor([3, 9, 4, 7, 1, 8]), torch.arange(5, 11), torch.arange(20, 25), torch.arange(30, 36))
-    whole = probe.run(*args)
-    monkeypatch.setattr(blend_probe, "SCORE_ELEMENTS", 1)
-    blocked = probe.run(*args)
+    whole = deviation.run(*args)
+    monkeypatch.setattr(blend_select, "SCORE_ELEMENTS", 1)
+    blocked = deviation.run(*args)
     for a, b in ((whole.k1, blocked.k1), (whole.v1, blocked.v1), (whole.deviation, blocked.deviation)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

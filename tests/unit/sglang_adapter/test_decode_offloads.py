@@ -127,7 +127,7 @@ class Batch:
         h = self.h
         h.cache.checkpoint(req, up_to=len(req.tokens))
         row = self.rows.req_to_token[req.kv.req_pool_idx]
-        h.scheduler.engine.order_before_reuse()
+        h.scheduler.engine.fence_before_reuse()
         h.allocator.free(row[req.kv.cache_protected_len: len(req.tokens)].to(torch.int64))
         h.cache.unlock(req.lock)
         req.lock = None

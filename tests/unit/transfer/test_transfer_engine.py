@@ -62,11 +62,11 @@ def test_without_layerwise_loads_a_load_copies_everything_at_once():
         assert torch.equal(kv[layer][0][slots], host_rows(host, 2, layer, 0))
 
 
-def test_order_before_reuse_finishes_pending_loads():
+def test_fence_before_reuse_finishes_pending_loads():
     engine, kv, host = make_engine("load")
     slots = torch.tensor([1, 2, 3, 4])
     engine.load(slots, [0])
-    engine.order_before_reuse()  # the device slots are about to be freed
+    engine.fence_before_reuse()  # the device slots are about to be freed
     assert engine.pending_loads == 0
     assert torch.equal(kv[LAYERS - 1][1][slots], host_rows(host, 0, LAYERS - 1, 1))
 
@@ -280,13 +280,13 @@ def test_a_replacement_of_some_layers_runs_only_those():
         assert torch.equal(kv[layer][1][dst], kv[layer][1][src])
 
 
-def test_order_before_reuse_finishes_pending_replacements():
+def test_fence_before_reuse_finishes_pending_replacements():
     """Slots about to be freed (a chain evicted, a request aborted before its forward) may
     be a pending re-placement's source or target: it runs first."""
     engine, kv, host = make_engine("load")
     src, dst, delta = torch.tensor([1, 2]), torch.tensor([30, 31]), torch.tensor([0, 0])
     engine.replace(src, dst, delta, rope_spec())
-    engine.order_before_reuse()
+    engine.fence_before_reuse()
     assert engine.pending_replacements == 0
     assert all(torch.equal(kv[layer][0][dst], kv[layer][0][src]) for layer in range(LAYERS))
 

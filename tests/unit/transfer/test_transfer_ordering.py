@@ -1,7 +1,7 @@
 """The transfer engine's CUDA algorithm on the CPU ordering model.
 
 On a CPU pool the engine runs each copy inline, so its stream algorithm (side streams,
-per-layer events, ``order_after_forward``, ``order_before_reuse``, the re-placement
+per-layer events, ``fence_after_forward``, ``fence_before_reuse``, the re-placement
 stream) would otherwise be run by no test. Here the engine gets an
 :class:`~pcr_sglang.transfer.streams.OrderingModel` as its streams: copies still run at
 once on CPU tensors (the data is checked), and every copy's reads and writes are checked
@@ -158,7 +158,7 @@ def test_a_load_into_slots_the_last_forward_read_waits_for_that_forward(mode, ov
     stream too) before it writes them."""
     rig = make_rig(mode, overlap)
     rig.forward(reads=[1, 2, 3], writes=[4])
-    rig.engine.order_before_reuse()  # the request finished: its slots are freed
+    rig.engine.fence_before_reuse()  # the request finished: its slots are freed
     rig.engine.load(torch.tensor([1, 2, 3, 4]), [0])
     rig.forward(reads=[1, 2, 3, 4], writes=[30])
 
@@ -221,12 +221,12 @@ def test_end_batch_offloads_layers_a_graph_replay_wrote_after_the_forward(overla
 
 @pytest.mark.parametrize("mode", MODES)
 def test_an_offloads_slots_are_rewritten_only_after_it_read_them(mode):
-    """The request finished, its slots are freed (``order_before_reuse``) and the next
+    """The request finished, its slots are freed (``fence_before_reuse``) and the next
     forward writes them: the compute streams wait for the side stream's copies."""
     rig = make_rig(mode)
     rig.engine.plan_offload("r1", torch.tensor([7, 8, 9, 30]), 2)
     rig.forward(writes=[7, 8, 9, 30], owners=["r1"])
-    rig.engine.order_before_reuse()
+    rig.engine.fence_before_reuse()
     rig.forward(writes=[7, 8, 9, 30], value=9.0)  # another request's new KV in the same slots
     assert torch.all(rig.host_rows(2, 0, 0) == 1.0)  # the offload kept what it read
 
@@ -244,14 +244,14 @@ def test_a_demotion_reads_what_the_forward_wrote_and_its_slots_may_be_reused_at_
     assert all(torch.all(rig.host_rows(5, layer, 0) == 3.0 + layer) for layer in range(LAYERS))
 
 
-# ---------------------------------------------------------------- order_before_reuse
+# ---------------------------------------------------------------- fence_before_reuse
 @pytest.mark.parametrize("mode", MODES)
 def test_a_load_no_forward_read_is_finished_before_its_slots_are_rewritten(mode):
     """The request was aborted before its forward: its slots are freed and another
     forward writes them; the load still in flight must not land after that write."""
     rig = make_rig(mode)
     rig.engine.load(torch.tensor([10, 11, 12, 13]), [3])
-    rig.engine.order_before_reuse()
+    rig.engine.fence_before_reuse()
     rig.forward(writes=[10, 11, 12, 13], value=4.0)
     assert torch.all(rig.kv[LAYERS - 1][0][torch.tensor([10, 11, 12, 13])] == 4.0 + LAYERS - 1)
 
@@ -263,7 +263,7 @@ def test_a_replacement_no_forward_read_is_finished_before_its_slots_are_rewritte
     rig = make_rig(mode)
     src, dst = torch.tensor([1, 2]), torch.tensor([30, 31])
     rig.engine.replace(src, dst, torch.tensor([3, 3]), ROPE)
-    rig.engine.order_before_reuse()
+    rig.engine.fence_before_reuse()
     rig.forward(writes=[30, 31], value=2.0)
 
 
@@ -314,13 +314,13 @@ def test_blends_two_replacements_of_one_request_are_ordered_against_its_probe():
     rig.forward(reads=private.tolist(), writes=[60])
 
 
-# ---------------------------------------------------------------- order_after_forward
-def test_order_after_forward_orders_a_copy_on_the_schedule_stream_after_the_forward():
+# ---------------------------------------------------------------- fence_after_forward
+def test_fence_after_forward_orders_a_copy_on_the_schedule_stream_after_the_forward():
     """Document reuse without the engine's re-placement (a copy on the scheduler's own
     stream) reads slots the forward still running on the forward stream wrote."""
     rig = make_rig("both")
     rig.forward(writes=[1, 2, 3, 4])
-    rig.engine.order_after_forward()
+    rig.engine.fence_after_forward()
     rig.model.accesses(rig.schedule, [device([1, 2, 3, 4], layer) for layer in range(LAYERS)],
                        [device([40, 41, 42, 43], layer) for layer in range(LAYERS)], "a copy on the schedule stream")
 
@@ -339,12 +339,12 @@ def test_batches_of_loads_offloads_replacements_and_frees_stay_ordered(mode, ove
     engine.plan_offload("a", torch.tensor([36, 37, 38, 39]), 2)
     rig.forward(reads=[0, 1, 2, 3, 4, 5, 6, 7, 32, 33, 34, 35], writes=[36, 37, 38, 39], owners=["a"], value=1.0)
     engine.copy_to_host(torch.tensor([36, 37, 38, 39]), [3])  # evicted to host at once
-    engine.order_before_reuse()  # request a finished: its slots are freed
+    engine.fence_before_reuse()  # request a finished: its slots are freed
     engine.load(torch.tensor([36, 37, 38, 39]), [1])  # the next request's prefix into the freed slots
     engine.replace(torch.tensor([36, 37, 38, 39]), torch.tensor([0, 1, 2, 3]), torch.tensor([1, 1, 1, 1]), ROPE)
     engine.plan_offload("b", torch.tensor([44, 45, 46, 47]), 4)
     rig.forward(reads=[0, 1, 2, 3, 36, 37, 38, 39], writes=[44, 45, 46, 47], owners=["b"], value=2.0)
-    engine.order_before_reuse()
+    engine.fence_before_reuse()
     rig.forward(writes=[36, 37, 38, 39, 44, 45, 46, 47], value=3.0)
     for layer in range(LAYERS):
         assert torch.all(rig.host_rows(2, layer, 0) == 1.0 + layer)

@@ -69,7 +69,7 @@ DEFAULT_DOC_MAX_DOCUMENTS = 64
 DEFAULT_DOC_MIN_TOKENS = 16
 
 
-class Pcr(msgspec.Struct):
+class PcrFlags(msgspec.Struct):
     """Namespace ``pcr``: Prefetch-enhanced Cache Reuse (pcr-sglang)."""
 
     _NS_PATH = "pcr"

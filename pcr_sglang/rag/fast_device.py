@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pcr_sglang.rag.host_tier import DEFAULT_PAGE_ROWS, HostClusterTier, _Cluster
+from pcr_sglang.rag.fast_host import DEFAULT_PAGE_ROWS, HostClusterTier, _Cluster
 from pcr_sglang.rag.ivf import ClusterTable
 
 logger = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ class _Cluster:
 
 
 @dataclass
-class TierStats:
+class ClusterTierStats:
     submitted: int = 0  # clusters queued for copying
     landed: int = 0
     bytes_copied: int = 0
@@ -68,7 +68,7 @@ class HostClusterTier:
         num_pages = int(capacity_bytes) // self.page_bytes
         self.codes = self._allocate_codes(num_pages)
         self.ids = np.zeros((num_pages, page_rows), np.int64)  # on the host in every tier: merged there
-        self.stats = TierStats()
+        self.stats = ClusterTierStats()
         self._free = list(range(num_pages - 1, -1, -1))
         self._clusters: OrderedDict[int, _Cluster] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pcr_sglang.sglang_adapter import support_check
-from pcr_sglang.sglang_adapter.support_check import SupportInputs, UnsupportedConfigError
+from pcr_sglang.sglang_adapter import refusals
+from pcr_sglang.sglang_adapter.refusals import SupportInputs, UnsupportedConfigError
 
 DRAM = ("--pcr-dram-gb", "0.01")
 
@@ -132,12 +132,12 @@ def test_layerwise_loads_are_refused_with_a_full_prefill_graph(layerwise, backen
 
     cfg = SimpleNamespace(cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend=backend)))
     inputs = SupportInputs(cfg, PCRConfig(enabled=True, dram_gb=0.01, layerwise=layerwise))
-    reason = support_check.check_full_prefill_graph(inputs)
+    reason = refusals.check_full_prefill_graph(inputs)
     assert (reason is not None) == refused
     if refused:
         assert f"--pcr-layerwise {layerwise}" in reason and "--cuda-graph-backend-prefill breakable" in reason
     device_only = SupportInputs(cfg, PCRConfig(enabled=True, layerwise=layerwise))
-    assert support_check.check_full_prefill_graph(device_only) is None  # no host tier: nothing is copied
+    assert refusals.check_full_prefill_graph(device_only) is None  # no host tier: nothing is copied
 
 
 def test_two_batch_overlap_with_layerwise_load_resolves(resolve, tiny_model):
@@ -168,19 +168,19 @@ class _With:
         return self._fields[name] if name in self._fields else getattr(self._view, name)
 
 
-@pytest.mark.parametrize("dtype", support_check.SCALE_BUFFER_KV_DTYPES)
+@pytest.mark.parametrize("dtype", refusals.SCALE_BUFFER_KV_DTYPES)
 def test_scale_buffer_kv_dtypes_are_refused_with_host_tier(resolve, tiny_model, dtype):
     """SGLang's CPU resolution rejects these KV recipes before the plugin's hook runs (they
     need Blackwell or CUDA kernels), so the rule runs on the real resolved inputs of the
     tiny model with only --kv-cache-dtype replaced."""
-    real = support_check.inputs_from_server_args(resolve(tiny_model, *DRAM))
-    assert support_check.unsupported_reasons(real) == []
+    real = refusals.inputs_from_server_args(resolve(tiny_model, *DRAM))
+    assert refusals.unsupported_reasons(real) == []
     swapped = SupportInputs(_With(real.cfg, kv_cache_dtype=dtype), real.pcr, real.model_config)
-    [reason] = support_check.unsupported_reasons(swapped)
+    [reason] = refusals.unsupported_reasons(swapped)
     assert f"per-token scale buffers of --kv-cache-dtype {dtype}" in reason and "--pcr-dram-gb" in reason
-    device_only = support_check.inputs_from_server_args(resolve(tiny_model))
+    device_only = refusals.inputs_from_server_args(resolve(tiny_model))
     no_tier = SupportInputs(_With(device_only.cfg, kv_cache_dtype=dtype), device_only.pcr, device_only.model_config)
-    assert support_check.unsupported_reasons(no_tier) == []
+    assert refusals.unsupported_reasons(no_tier) == []
 
 
 def test_dsa_model_is_refused(config_only_model):
@@ -194,7 +194,7 @@ def test_dsa_model_is_refused(config_only_model):
 
     folder = config_only_model("dsa", DSA)
     model_config = ModelConfig(str(folder))
-    reasons = support_check.unsupported_reasons(
+    reasons = refusals.unsupported_reasons(
         SupportInputs(SimpleNamespace(model_path=str(folder)), PCRConfig(enabled=True), model_config))
     assert len(reasons) == 1 and "DeepSeek sparse-attention (DSA) layers" in reasons[0]
     assert "--model-path" in reasons[0]
@@ -249,7 +249,7 @@ def test_selecting_pcr_by_radix_cache_backend_runs_the_same_refusals(tiny_model)
      "--disable-prefill-cuda-graph"),
 ])
 def test_recompute_modes_refuse_what_cannot_mask_a_permuted_row(overrides, message):
-    from pcr_sglang.sglang_adapter.support_check import _recompute_flags
+    from pcr_sglang.sglang_adapter.refusals import _recompute_flags
 
     cfg = SimpleNamespace(**{"attention_backend": "torch_native", **overrides})
     assert message in _recompute_flags(cfg)
@@ -264,11 +264,11 @@ def test_pipeline_parallelism_is_refused():
     from pcr_sglang.config import PCRConfig
 
     inputs = SupportInputs(SimpleNamespace(pp_size=2), PCRConfig(enabled=True))
-    reason = support_check.check_pipeline_parallel(inputs)
+    reason = refusals.check_pipeline_parallel(inputs)
     assert reason is not None and "--pp-size 2" in reason
-    assert support_check.check_pipeline_parallel(SupportInputs(SimpleNamespace(pp_size=1), PCRConfig(enabled=True))) \
+    assert refusals.check_pipeline_parallel(SupportInputs(SimpleNamespace(pp_size=1), PCRConfig(enabled=True))) \
         is None
-    assert support_check.check_pipeline_parallel in support_check.RULES
+    assert refusals.check_pipeline_parallel in refusals.RULES
 
 
 def test_pipeline_parallelism_is_refused_at_resolution(resolve, tiny_model):
@@ -280,12 +280,12 @@ def test_concat_under_tp_is_refused():
     """A copy failing on one rank would change that rank's prefix length alone."""
     from pcr_sglang.config import PCRConfig
 
-    reason = support_check.check_doc_reuse_tp(SupportInputs(SimpleNamespace(tp_size=2),
+    reason = refusals.check_doc_reuse_tp(SupportInputs(SimpleNamespace(tp_size=2),
                                                             PCRConfig(enabled=True, doc_reuse="concat")))
     assert reason is not None and "--pcr-doc-reuse concat" in reason and "--tp-size > 1" in reason
-    assert support_check.check_doc_reuse_tp(SupportInputs(SimpleNamespace(tp_size=1),
+    assert refusals.check_doc_reuse_tp(SupportInputs(SimpleNamespace(tp_size=1),
                                                           PCRConfig(enabled=True, doc_reuse="concat"))) is None
-    assert support_check.check_doc_reuse_tp in support_check.RULES
+    assert refusals.check_doc_reuse_tp in refusals.RULES
 
 
 @pytest.mark.parametrize("tiers,refused", [((), False), (("ssd",), True), (("ssd", "remote"), True)])
@@ -295,16 +295,16 @@ def test_an_adapter_without_local_files_is_refused_with_persistent_tiers(tmp_pat
     pcr = PCRConfig(enabled=True, dram_gb=0.01, ssd_path=str(tmp_path) if tiers else None,
                     ssd_gb=0.1 if tiers else 0.0, remote="mooncake" if "remote" in tiers else "off")
     missing = SupportInputs(SimpleNamespace(lora_paths=["a=org/adapter-on-the-hub"]), pcr)
-    reason = support_check.check_lora_persistent_tiers(missing)
+    reason = refusals.check_lora_persistent_tiers(missing)
     assert (reason is not None) == refused
     if refused:
         assert "a=org/adapter-on-the-hub" in reason
     local = SupportInputs(SimpleNamespace(lora_paths=[f"a={tmp_path}"]), pcr)
-    assert support_check.check_lora_persistent_tiers(local) is None
+    assert refusals.check_lora_persistent_tiers(local) is None
 
 
 def test_only_the_debug_flag_or_the_admin_key_may_ask_for_the_tree_check():
-    from pcr_sglang.sglang_adapter.server_info_check import may_check
+    from pcr_sglang.sglang_adapter.invariant_route import may_check
 
     assert may_check(True, None, None)
     assert not may_check(False, None, None)
