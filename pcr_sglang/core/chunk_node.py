@@ -60,7 +60,7 @@ class ChunkNode:
         self.key = key
         self.parent = parent
         self.children: dict[ChunkKey, ChunkNode] = {}
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.depth: int = 0 if parent is None else parent.depth + 1
         self.device_value = device_value
         self.host_slot: Optional[int] = None
         self.on_ssd = False

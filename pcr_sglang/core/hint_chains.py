@@ -68,8 +68,8 @@ class HintedChains:
         tuple as last time (the book's, unchanged since), only the chains are brought up to
         date."""
         if isinstance(hints, tuple) and hints is self._synced:
-            for chain in self._order:
-                self._refresh(chain)
+            for tracked in self._order:
+                self._refresh(tracked)
             return self._order
         self._synced = hints
         order, kept = [], {}

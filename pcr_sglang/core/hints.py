@@ -35,7 +35,7 @@ HINT_ACTION = "pcr.lookahead_prefetch"
 HINT_ACTION_VERSION = "1"
 
 
-def hint_envelope(payload: dict, message_id: str, version: str = HINT_ACTION_VERSION) -> dict:
+def hint_envelope(payload: dict[str, Any], message_id: str, version: str = HINT_ACTION_VERSION) -> dict[str, Any]:
     """The ``kv_hints`` field of a request carrying one ``pcr.lookahead_prefetch`` action
     (SGLang's ``KvHintsEnvelope`` as JSON)."""
     return {"protocol_version": "1", "message_id": message_id,
@@ -236,7 +236,7 @@ class HintBook:
         by rank. Groups are per tenant. Sorted again only after the book changed (the same
         tuple until then)."""
         if self._live is None:
-            newest: dict[tuple, int] = {}
+            newest: dict[tuple[str, int, str], int] = {}
             for hint in self._hints.values():
                 group = _group_of(hint)
                 newest[group] = max(newest.get(group, 0), hint.seq)
@@ -273,7 +273,7 @@ class HintBook:
         return len(self._hints)
 
 
-def _group_of(hint: Hint) -> tuple:
+def _group_of(hint: Hint) -> tuple[str, int, str]:
     """A hint's group, in its tenant's namespace (a hint without one is a group of its own)."""
     return (hint.tenant, 0, hint.group) if hint.group is not None else (hint.tenant, 1, hint.hint_id)
 

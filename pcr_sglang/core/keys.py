@@ -76,7 +76,7 @@ def root_key(
     return h.digest()
 
 
-def _as_int64_array(tokens: Sequence[int]) -> array:
+def _as_int64_array(tokens: Sequence[int]) -> array[int]:
     if isinstance(tokens, array) and tokens.typecode == _TOKEN_TYPECODE:
         return tokens
     return array(_TOKEN_TYPECODE, tokens)

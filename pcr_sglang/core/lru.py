@@ -15,7 +15,10 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from pcr_sglang.core.keys import ChunkKey
+
 NodePredicate = Callable[[Any], bool]
+_Entry = tuple[int, ChunkKey, int, Any]  # (access tick, key, push seq, node)
 
 
 class TierLeaves:
@@ -23,8 +26,8 @@ class TierLeaves:
 
     def __init__(self, is_leaf: NodePredicate, seq: Iterator[int]):
         self.is_leaf = is_leaf
-        self.leaves: set = set()
-        self._heap: list[tuple[int, int, Any]] = []
+        self.leaves: set[Any] = set()
+        self._heap: list[_Entry] = []
         self._seq = seq
 
     def refresh(self, node: Any) -> None:
@@ -41,7 +44,7 @@ class TierLeaves:
     def discard(self, node: Any) -> None:
         self.leaves.discard(node)
 
-    def _pop(self) -> Optional[tuple]:
+    def _pop(self) -> Optional[_Entry]:
         while self._heap:
             entry = heapq.heappop(self._heap)
             node = entry[-1]
@@ -58,8 +61,8 @@ class TierLeaves:
         may refuse a leaf for now (False: it stays a leaf, with its recency, and is not
         counted) or end the walk (None).
         """
-        deferred: list[tuple] = []
-        refused: list[tuple] = []
+        deferred: list[_Entry] = []
+        refused: list[_Entry] = []
         taken = 0
         while taken < count:
             entry = self._pop()

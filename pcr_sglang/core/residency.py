@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from pcr_sglang.core.chunk_tree import ChunkNode, ChunkTree, InsertOutcome
 from pcr_sglang.core.cost_model import LoadOrRecompute
@@ -131,7 +131,8 @@ class CacheState:
         return ChainMatch(nodes, device, host - device, ssd - host)
 
     def _loadable(self, node: ChunkNode) -> bool:
-        return node.on_host and self.slots is not None and self.slots.state(node.host_slot) is SlotState.RESIDENT
+        slot = node.host_slot  # on_host
+        return slot is not None and self.slots is not None and self.slots.state(slot) is SlotState.RESIDENT
 
     def lock(self, node: ChunkNode) -> int:
         return self.tree.lock(node)
@@ -292,7 +293,7 @@ class CacheState:
                 self.tree.unlock(node)
             if not room:
                 return
-        assert self.slots is not None
+        assert self.slots is not None and node.host_slot is not None
         parent = node.parent
         seq = next(self._seq)
         self.slots.io_begin(node.host_slot)
@@ -340,6 +341,7 @@ class CacheState:
                 slot = self._take_slot(SlotState.FILLING, node, effects)
                 if slot is None:
                     break
+                assert self.slots is not None  # _take_slot found one
                 seq = next(self._seq)
                 self.slots.io_begin(slot)
                 self._pending[seq] = _PendingIo(True, node, slot, urgent=urgent, prefetch=not urgent)
@@ -407,15 +409,15 @@ class CacheState:
             if budget > 0:
                 budget -= self.order_reads(chain, effects, urgent=False, limit=budget)
         hint_room = min(budget, budgets.hint_cap)
-        for chain in tracked:
+        for hint_chain in tracked:
             if hint_room <= 0:
                 break
-            start = self.hint_chains.first_readable(chain, self._needs_read)
+            start = self.hint_chains.first_readable(hint_chain, self._needs_read)
             if start is None:
                 continue
             # From the first chunk to read (none before it is): the chain's tail is locked
             # meanwhile, as for any read, so making room never evicts the chain itself.
-            ordered = self.order_reads(chain.nodes[start:], effects, urgent=False, limit=hint_room, hint=True)
+            ordered = self.order_reads(hint_chain.nodes[start:], effects, urgent=False, limit=hint_room, hint=True)
             hint_room -= ordered
             self.ssd_stats.hint_issued += ordered
         hinted_chain = self.hint_chains.covers  # an index of the hinted chains, not a walk of them
@@ -606,7 +608,7 @@ class CacheState:
 
     def persisted_chunks(self) -> list[PersistedChunk]:
         return [PersistedChunk(n.key, n.parent.key if n.parent.depth else NO_PARENT, n.depth)
-                for n in self.tree.iter_nodes() if n.on_ssd]
+                for n in self.tree.iter_nodes() if n.on_ssd and n.parent is not None]  # the root holds no KV
 
     def reset(self, keep_persisted: bool = True) -> Effects:
         """Forget every chunk but the persisted ones (``/flush_cache``); with
@@ -694,7 +696,7 @@ class CacheState:
         self.lookahead.protect(chains)
         self.stats.lookahead_refreshes += 1
 
-    def _lookahead_predicate(self):
+    def _lookahead_predicate(self) -> Optional[Callable[[ChunkNode], bool]]:
         return self.lookahead.__contains__ if len(self.lookahead) else None
 
     def check(self) -> None:
@@ -702,7 +704,7 @@ class CacheState:
         self.tree.check_invariants()
         if self.slots is None:
             return
-        resident = {n.host_slot: n for n in self.tree.iter_nodes() if n.on_host}
+        resident = {n.host_slot: n for n in self.tree.iter_nodes() if n.host_slot is not None}
         self.slots.check(resident)
         for seq, op in self._pending.items():
             if not self.slots.io_pending(op.slot):

@@ -52,7 +52,7 @@ from pcr_sglang.io.protocol import Done, Hello, IoProcessConfig, Probed, RemoteS
 from pcr_sglang.io.readers import ReaderThreads
 from pcr_sglang.io.remote_thread import RemoteFaults, RemoteThread
 from pcr_sglang.tiers.layout import HostChunkLayout
-from pcr_sglang.tiers.records import RecordCodec
+from pcr_sglang.tiers.records import ChunkRecord, RecordCodec
 from pcr_sglang.tiers.remote_store import RemoteChunkStore, RemoteConfig, RemoteConfigError, load_fleet_key
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
 
@@ -68,11 +68,14 @@ DELETES_PER_TURN = 32
 # Mooncake client. With this many, the next hung call makes the process exit instead.
 MAX_HUNG_REMOTE_THREADS = 3
 
+_ReadQueue = collections.deque[ReadChunk | DeleteChunk]  # prefetch reads and deletes, in order
+
 
 def _attach(name: str) -> shared_memory.SharedMemory:
     shm = shared_memory.SharedMemory(name=name, create=False)
     # Python < 3.13 would unlink the segment when this process exits: the scheduler owns it.
-    resource_tracker.unregister(shm._name, "shared_memory")
+    # _name: the name the tracker registered (with its leading slash); private, not in typeshed
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     return shm
 
 
@@ -82,12 +85,12 @@ class IoProcess:
         layout = HostChunkLayout(config.num_slots, config.num_layers, config.chunk_size, config.row_bytes)
         self.slot_bytes = layout.slot_bytes
         self.faults = TestFaults.from_env(config.tp_rank)
-        delayed = self.faults is not None and self.faults.write_delay_s > 0
+        write_delay_s = self.faults.write_delay_s if self.faults is not None else 0.0
         self.store = ChunkFileStore(config.store_root, bytes.fromhex(config.namespace_hex), layout,
                                     config.dtype, capacity_bytes=None,
                                     low_watermark_bytes=config.reserve_bytes,
                                     durability=config.durability, slot=config.writer_slot or None,
-                                    fileops=DelayedRenames(self.faults.write_delay_s) if delayed else None)
+                                    fileops=DelayedRenames(write_delay_s) if write_delay_s > 0 else None)
         # Batch durability: (key, completion) of writes acknowledged after the group fsync.
         self._unsynced: list[tuple[bytes, Done]] = []
         self.shm = _attach(config.shm_name)
@@ -105,7 +108,7 @@ class IoProcess:
         self._hung_remote: list[RemoteThread] = []  # replaced by the watchdog, their call still running
         # Records the remote thread read, to keep on the local SSD too (the tree counts them
         # there): (key, verified header, payload), written when no order waits.
-        self._to_cache: collections.deque = collections.deque(maxlen=64)
+        self._to_cache: collections.deque[tuple[bytes, ChunkRecord, bytes]] = collections.deque(maxlen=64)
         if config.remote_config:
             try:
                 remote = RemoteConfig(**msgspec.json.decode(config.remote_config))
@@ -125,7 +128,9 @@ class IoProcess:
 
     def slot(self, index: int) -> memoryview:
         start = index * self.slot_bytes
-        return self.shm.buf[start:start + self.slot_bytes]
+        buf = self.shm.buf
+        assert buf is not None  # attached for the process's whole life
+        return buf[start:start + self.slot_bytes]
 
     def read(self, order: ReadChunk) -> Optional[Done]:
         """One read, on a reader thread (None: the remote thread answers it). The thread
@@ -148,7 +153,7 @@ class IoProcess:
             return None
         return Done(order.seq, IoOutcome.OK if ok else IoOutcome.BAD, "" if ok else "missing or failed verification")
 
-    def execute(self, order) -> Optional[Done]:
+    def execute(self, order: WriteChunk | DeleteChunk) -> Optional[Done]:
         """A write or a delete, on the main thread."""
         start = time.perf_counter()
         try:
@@ -202,7 +207,7 @@ class IoProcess:
             done.seconds += share
             self.replies.send(reply_encoder.encode(done))
 
-    def dispatch_reads(self, urgent: collections.deque, reads: collections.deque) -> None:
+    def dispatch_reads(self, urgent: collections.deque[ReadChunk], reads: _ReadQueue) -> None:
         """Hand queued reads to free reader threads, urgent ones first; a delete reached in
         the prefetch queue runs here, in its place."""
         while urgent and self.readers.free:
@@ -213,7 +218,8 @@ class IoProcess:
             if isinstance(order, ReadChunk):
                 if not self.readers.free:
                     return
-                self.readers.submit(reads.popleft())
+                reads.popleft()
+                self.readers.submit(order)
             elif self.readers.reading(order.key):
                 return  # after the read of that key ordered before it
             else:
@@ -221,18 +227,20 @@ class IoProcess:
                 self.execute(order)  # DeleteChunk: not acknowledged
                 deletes += 1
 
-    def _write_ready(self, urgent: collections.deque, reads: collections.deque, writes: collections.deque) -> bool:
+    def _write_ready(self, urgent: collections.deque[ReadChunk], reads: _ReadQueue,
+                     writes: collections.deque[WriteChunk]) -> bool:
         """A write may run: no read waits, and none of its chunk runs."""
         return bool(writes) and not urgent and not reads and not self.readers.reading(writes[0].key)
 
-    def _ready(self, urgent: collections.deque, reads: collections.deque, writes: collections.deque) -> bool:
+    def _ready(self, urgent: collections.deque[ReadChunk], reads: _ReadQueue,
+               writes: collections.deque[WriteChunk]) -> bool:
         """Work the main thread can do without waiting for a reader thread: a write, or more
         deletes of a long run of them."""
         if reads and isinstance(reads[0], DeleteChunk):
             return not self.readers.reading(reads[0].key)
         return self._write_ready(urgent, reads, writes)
 
-    def reorder(self, request: Reorder, urgent: collections.deque, reads: collections.deque) -> None:
+    def reorder(self, request: Reorder, urgent: collections.deque[ReadChunk], reads: _ReadQueue) -> None:
         """Expedite a queued prefetch read, or cancel a queued read (a read that a request
         waited for is cancelled too once that request has gone)."""
         for pending in ((reads, urgent) if request.cancel else (reads,)):
@@ -259,6 +267,7 @@ class IoProcess:
         hung_s = self.remote.overdue_s(now) if self.remote is not None else 0.0
         if not hung_s:
             return True
+        assert self.remote is not None  # only a remote thread's call hangs
         self._hung_remote = [t for t in self._hung_remote if t.alive]
         if len(self._hung_remote) >= MAX_HUNG_REMOTE_THREADS:
             logger.error("PCR I/O process: a remote-tier call has not returned for %.0f s, and %d replaced remote "
@@ -290,9 +299,9 @@ class IoProcess:
         self.replies.send(reply_encoder.encode(Hello(os.getpid())))
         if self.remote_error:
             self.replies.send(reply_encoder.encode(RemoteStatus(False, self.remote_error, {}, os.getpid())))
-        urgent: collections.deque = collections.deque()  # reads a request waits for, in order
-        reads: collections.deque = collections.deque()  # prefetch reads and deletes
-        writes: collections.deque = collections.deque()
+        urgent: collections.deque[ReadChunk] = collections.deque()  # reads a request waits for, in order
+        reads: _ReadQueue = collections.deque()  # prefetch reads and deletes
+        writes: collections.deque[WriteChunk] = collections.deque()
         queues = (urgent, reads, writes)
         poller = zmq.Poller()
         poller.register(self.orders, zmq.POLLIN)
@@ -316,8 +325,10 @@ class IoProcess:
                         self.probe(order)
                     elif isinstance(order, ReadChunk):
                         (urgent if order.urgent else reads).append(order)
+                    elif isinstance(order, WriteChunk):
+                        writes.append(order)
                     else:
-                        (writes if isinstance(order, WriteChunk) else reads).append(order)
+                        reads.append(order)
             self.dispatch_reads(urgent, reads)
             if self._write_ready(urgent, reads, writes):
                 done = self.execute(writes.popleft())

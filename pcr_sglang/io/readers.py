@@ -56,7 +56,7 @@ class ReaderThreads:
     reads cost about one; on two busy CPU cores, copies and MACs overlap little).
     """
 
-    def __init__(self, threads: int, ctx: zmq.Context, replies_endpoint: str,
+    def __init__(self, threads: int, ctx: zmq.SyncContext, replies_endpoint: str,
                  read: Callable[[ReadChunk], Optional[Done]]):
         self.threads = threads
         self._read = read
@@ -68,8 +68,8 @@ class ReaderThreads:
         # The main loop's view, changed by it alone: reads handed over and not yet
         # finished (seq -> (key, when handed over)), and how many of each key.
         self.running: dict[int, tuple[bytes, float]] = {}
-        self._keys: collections.Counter = collections.Counter()
-        self._orders: queue.SimpleQueue = queue.SimpleQueue()
+        self._keys: collections.Counter[bytes] = collections.Counter()
+        self._orders: queue.SimpleQueue[ReadChunk] = queue.SimpleQueue()
         self._clock = BusyClock()
         self._threads = [threading.Thread(target=self._run, name=f"pcr-io-read-{i}", daemon=True)
                          for i in range(threads)]

@@ -39,15 +39,18 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import zmq
 
 from pcr_sglang.core.orders import IoOutcome, ProbeRemote, ReadChunk
-from pcr_sglang.io.protocol import SOURCE_REMOTE, Done, Probed, RemoteStatus, reply_encoder
+from pcr_sglang.io.protocol import SOURCE_REMOTE, Done, Probed, RemoteStatus, Reply, reply_encoder
+from pcr_sglang.tiers.records import ChunkRecord
 from pcr_sglang.tiers.remote_store import ReadResult, RemoteChunkStore, RemoteConfigError, RemoteError
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 MAX_BACKOFF_S = 30.0
 STATUS_INTERVAL_S = 1.0
@@ -97,9 +100,9 @@ class RemoteFaults:
 
 
 class RemoteThread:
-    def __init__(self, store: RemoteChunkStore, ctx: zmq.Context, replies_endpoint: str,
+    def __init__(self, store: RemoteChunkStore, ctx: zmq.SyncContext, replies_endpoint: str,
                  slot: Callable[[int], memoryview], faults: Optional[RemoteFaults] = None,
-                 on_read: Optional[Callable[[bytes, Any, bytes], None]] = None, deadline_s: float = 10.0,
+                 on_read: Optional[Callable[[bytes, ChunkRecord, bytes], None]] = None, deadline_s: float = 10.0,
                  new_store: Optional[Callable[[], RemoteChunkStore]] = None):
         self.store = store
         self.new_store = new_store  # a fresh client of the same store, for a successor (replace)
@@ -113,10 +116,10 @@ class RemoteThread:
         self._opened = False
         self._retry_at = 0.0
         self._backoff_s = 1.0
-        self._probes: collections.deque = collections.deque()
-        self._urgent: collections.deque = collections.deque()
-        self._reads: collections.deque = collections.deque()
-        self._writes: collections.deque = collections.deque()
+        self._probes: collections.deque[ProbeRemote] = collections.deque()
+        self._urgent: collections.deque[ReadChunk] = collections.deque()
+        self._reads: collections.deque[ReadChunk] = collections.deque()
+        self._writes: collections.deque[tuple[bytes, bytes | bytearray]] = collections.deque()  # (key, record)
         self._cv = threading.Condition()
         # Where a read lands before it is copied into its host slot (under _cv, and only
         # while the thread has not been replaced: a late read never writes a reused slot).
@@ -128,7 +131,7 @@ class RemoteThread:
         self._socket = ctx.socket(zmq.PUSH)  # this thread's own (ZMQ sockets are per thread)
         self._socket.setsockopt(zmq.LINGER, 1000)
         self._replies_endpoint = replies_endpoint
-        self._last_status: Optional[tuple] = None
+        self._last_status: Optional[tuple[bool, str, tuple[float, ...]]] = None
         self._last_status_at = 0.0
         self._thread = threading.Thread(target=self._run, name="pcr-remote", daemon=True)
 
@@ -200,7 +203,7 @@ class RemoteThread:
             (self._urgent if order.urgent else self._reads).append(order)
             self._cv.notify()
 
-    def write(self, key: bytes, record: bytes) -> None:
+    def write(self, key: bytes, record: bytes | bytearray) -> None:
         with self._cv:  # re-entrant: has_room takes the same lock
             if not self.has_room():
                 return
@@ -287,7 +290,7 @@ class RemoteThread:
         elif isinstance(item, ProbeRemote):
             self._answer(Probed(item.seq, [0] * len(item.chains), error), final=True)
 
-    def _call(self, fn: Callable):
+    def _call(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` against the store, or raise RemoteError at once while the tier is
         down and its back-off has not passed."""
         now = time.monotonic()
@@ -371,7 +374,7 @@ class RemoteThread:
                           source=SOURCE_REMOTE), final=True,
                      counts={"read_corrupt" if result is ReadResult.CORRUPT else "read_missing": 1})
 
-    def _write(self, key: bytes, record: bytes) -> None:
+    def _write(self, key: bytes, record: bytes | bytearray) -> None:
         try:
             sent = self._call(lambda: self.store.write(key, record))
         except RemoteError:
@@ -383,7 +386,7 @@ class RemoteThread:
         else:
             self.counters.writes_present += 1
 
-    def _answer(self, reply, final: bool = False, into_slot: Optional[int] = None,
+    def _answer(self, reply: Reply, final: bool = False, into_slot: Optional[int] = None,
                 counts: Optional[dict[str, float]] = None) -> bool:
         """Add ``counts`` to the counters, copy the read into host slot ``into_slot`` and send
         ``reply``, unless the thread was replaced: then none of it happens, and False is

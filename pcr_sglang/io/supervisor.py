@@ -60,7 +60,7 @@ class IOSupervisor:
         self._outstanding: dict[int, float] = {}  # seq -> when it was sent
         self._finished: list[Outcome] = []
         self._remote_read_seconds: list[float] = []
-        self._proc: Optional[subprocess.Popen] = None
+        self._proc: Optional[subprocess.Popen[bytes]] = None
         self._phase = _Phase.DOWN
         self._since = 0.0  # when the current phase began
         self._last_heard = 0.0
@@ -147,11 +147,10 @@ class IOSupervisor:
     # ------------------------------------------------------------------ orders
     def submit(self, order: Order) -> None:
         """Send ``order``; a read or write that cannot be sent comes back cancelled."""
-        tracked = isinstance(order, (ReadChunk, WriteChunk))
         if self.healthy and self._channel.send(order):
-            if tracked:
+            if isinstance(order, (ReadChunk, WriteChunk)):
                 self._outstanding[order.seq] = time.monotonic()
-        elif tracked:
+        elif isinstance(order, (ReadChunk, WriteChunk)):
             self._finished.append((order.seq, IoOutcome.CANCELLED, 0.0))
 
     def take_replies(self) -> None:

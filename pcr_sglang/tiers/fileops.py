@@ -83,7 +83,7 @@ class RecordingFileOps(FileOps):
     control); ``skip_if`` narrows a skip to the paths it accepts."""
 
     log: list[Op] = field(default_factory=list)
-    skip: frozenset = frozenset()
+    skip: frozenset[str] = frozenset()
     skip_if: Callable[[str], bool] = lambda path: True
     _fd_ids: dict[int, int] = field(default_factory=dict)
     _fd_paths: dict[int, str] = field(default_factory=dict)

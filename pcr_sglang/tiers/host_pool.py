@@ -211,6 +211,7 @@ class HostChunkPool:
         self.layout = layout
         size = layout.total_bytes
         self._lock_fd: Optional[int] = None
+        self._shm: Optional[shared_memory.SharedMemory]  # None once closed
         if create:
             remove_stale_segments()
             self._check_capacity(size)
@@ -230,7 +231,8 @@ class HostChunkPool:
             # Python < 3.13 registers attached segments with the resource tracker, which
             # would unlink the owner's segment when this process exits: the owner alone
             # decides the segment's lifetime.
-            resource_tracker.unregister(self._shm._name, "shared_memory")
+            # _name: the name the tracker registered (with its leading slash); private, not in typeshed
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
             if self._shm.size < size:
                 raise HostPoolError(f"host pool {shm_name!r} is {self._shm.size} bytes, layout needs {size}")
         self.owner = create
@@ -273,13 +275,14 @@ class HostChunkPool:
             )
 
     def _pin(self) -> None:
-        cudart = torch.cuda.cudart()
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch leaves cudart() unannotated
         rc = int(cudart.cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0))
         if rc != 0:
             raise HostPoolError(f"cudaHostRegister failed with code {rc}")
         self.pinned = True
 
     def info(self) -> HostPoolInfo:
+        assert self._shm is not None, "the host pool is closed"
         return HostPoolInfo(shm_name=self._shm.name, layout=self.layout)
 
     @classmethod
@@ -292,7 +295,7 @@ class HostChunkPool:
         if self._shm is None:
             return
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())  # type: ignore[no-untyped-call]  # see _pin
             self.pinned = False
         del self.buffer
         self._shm.close()

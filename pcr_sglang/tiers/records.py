@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import blake3
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from pcr_sglang.tiers.layout import HostChunkLayout
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 MAGIC = b"PCRCHUNK"
 FORMAT_VERSION = 2
@@ -72,10 +75,10 @@ class RecordCodec:
                     info=b"pcr-sglang " + purpose).derive(self._secret)
 
     @staticmethod
-    def _mac(key: bytes, data) -> bytes:
+    def _mac(key: bytes, data: ReadableBuffer) -> bytes:
         return blake3.blake3(data, key=key).digest(MAC_BYTES)
 
-    def header(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload) -> bytes:
+    def header(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload: bytes | memoryview) -> bytes:
         fields = _FIELDS.pack(
             MAGIC, FORMAT_VERSION, HEADER_BYTES, 0, key, parent_key, self.namespace, depth, num_tokens,
             self.layout.num_layers, self.layout.chunk_size, self.layout.row_bytes, self._dtype_field,
@@ -98,5 +101,5 @@ class RecordCodec:
             return None
         return ChunkRecord(key, parent_key, depth, num_tokens, payload_bytes, payload_mac)
 
-    def payload_ok(self, record: ChunkRecord, payload) -> bool:
+    def payload_ok(self, record: ChunkRecord, payload: bytes | memoryview) -> bool:
         return len(payload) == record.payload_bytes and self._mac(self._payload_key, payload) == record.payload_digest

@@ -33,12 +33,15 @@ import socket
 import stat
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
 from pcr_sglang.tiers.records import KEY_BYTES, ChunkRecord, RecordCodec
 from pcr_sglang.tiers.sealed_records import NAME_PREFIX, SealedRecordCodec
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +264,7 @@ class RemoteChunkStore:
         if got in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
             return ReadResult.MISSING
         assert self._staging is not None
-        record = self.codec.open_into(key, memoryview(self._staging)[:got], out)
+        record = self.codec.open_into(key, self._staging.data[:got], out)
         if record is None:
             self._remove(key)
             return ReadResult.CORRUPT
@@ -275,7 +278,7 @@ class RemoteChunkStore:
         assert self._staging is not None
         staging = self._staging
         name = self.object_key(key)
-        got = self.client.get_into(name, staging.ctypes.data, staging.nbytes)
+        got: int = self.client.get_into(name, staging.ctypes.data, staging.nbytes)
         if got in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
             return got
         if got == INVALID_PARAMS and self.client.get_size(name) > staging.nbytes:
@@ -295,7 +298,7 @@ class RemoteChunkStore:
     def _exist(self, names: list[str]) -> list[int]:
         """``batch_is_exist``: 1 or 0 per object name. Raises RemoteError if any answer is
         an error (or the answers do not match the names)."""
-        found = self.client.batch_is_exist(names)
+        found: list[int] = self.client.batch_is_exist(names)
         if len(found) != len(names) or any(f < 0 for f in found):
             raise RemoteError(f"batch_is_exist failed (codes {sorted({f for f in found if f < 0})})")
         return found
@@ -343,12 +346,13 @@ class RemoteChunkStore:
         if got in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
             return got == OBJECT_NOT_FOUND  # gone since it was seen (evicted), or another client's write
         assert self._staging is not None
-        if self.codec.open_into(key, memoryview(self._staging)[:got]) is not None:
+        if self.codec.open_into(key, self._staging.data[:got]) is not None:
             return False
         logger.warning("PCR remote tier: the object of chunk %s failed authentication; replacing it", key.hex())
         self._remove(key)
         return True
 
-    def build_record(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload) -> bytearray:
+    def build_record(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int,
+                     payload: ReadableBuffer) -> bytearray:
         """Chunk ``key``'s sealed object (``payload``: its host slot, copied)."""
         return self.codec.seal(key, parent_key, depth, num_tokens, payload)

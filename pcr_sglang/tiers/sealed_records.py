@@ -27,13 +27,16 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pcr_sglang.tiers.records import ChunkRecord, RecordCodec
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 SEAL_MAGIC = b"PCRSEAL\0"
 SEAL_VERSION = 1
@@ -74,7 +77,7 @@ class SealedRecordCodec:
     def _associated_data(self, name: str) -> bytes:
         return self._context + name.encode()
 
-    def seal(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload) -> bytearray:
+    def seal(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload: ReadableBuffer) -> bytearray:
         """The complete object for chunk ``key`` (``payload``: one host slot's bytes, copied),
         encrypted straight into the object's buffer."""
         payload = memoryview(payload).cast("B")
@@ -100,7 +103,7 @@ class SealedRecordCodec:
             return None
         if self._plaintext is None:
             self._plaintext = np.zeros(self.plaintext_bytes, dtype=np.uint8)
-        plaintext = memoryview(self._plaintext)
+        plaintext = self._plaintext.data  # the array's memoryview
         try:
             self._aead.decrypt_into(nonce, raw[_PREFIX.size:], self._associated_data(self.object_name(key)),
                                     plaintext)

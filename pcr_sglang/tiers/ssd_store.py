@@ -24,7 +24,7 @@ import secrets
 import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, cast
 
 from pcr_sglang.tiers.fileops import FileOps
 from pcr_sglang.tiers.layout import HostChunkLayout
@@ -52,6 +52,9 @@ from pcr_sglang.tiers.store_dir import (  # noqa: F401
 )
 from pcr_sglang.tiers.store_scan import read_full as _read_full  # short reads: the scan and read_into
 from pcr_sglang.tiers.store_scan import scan_store
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance, ReadableBuffer, WriteableBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +108,9 @@ class ChunkFileStore:
     everything else and never writes or deletes a key while it is being read.
     """
 
-    def __init__(self, root: str | os.PathLike, namespace_digest: bytes, layout: HostChunkLayout,
-                 dtype: str, capacity_bytes: Optional[int], *, namespace_description: Optional[dict] = None,
+    def __init__(self, root: str | os.PathLike[str], namespace_digest: bytes, layout: HostChunkLayout,
+                 dtype: str, capacity_bytes: Optional[int], *,
+                 namespace_description: Optional[dict[str, Any]] = None,
                  low_watermark_bytes: int = 1 << 30, durability: str = "record", slot: Optional[str] = None,
                  read_only: bool = False, fileops: Optional[FileOps] = None) -> None:
         if len(namespace_digest) != 16:
@@ -136,7 +140,7 @@ class ChunkFileStore:
         self.capacity_bytes = 0 if capacity_bytes is None else self._fit_capacity(capacity_bytes)
 
     # ------------------------------------------------------------------ setup
-    def _prepare(self, description: dict, slot: Optional[str]) -> None:
+    def _prepare(self, description: dict[str, Any], slot: Optional[str]) -> None:
         parent = self.root.parent
         if not self.root.exists() and not parent.is_dir():
             raise SSDStoreError(f"--pcr-ssd-path {self.root}: parent directory {parent} does not exist")
@@ -237,7 +241,7 @@ class ChunkFileStore:
         if self.slot is None:
             raise SSDStoreError(f"{self.dir} is open read-only")
 
-    def write(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload) -> None:
+    def write(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload: ReadableBuffer) -> None:
         """Persist one chunk into our slot, complete before it is visible; with ``record``
         durability also durable when this returns (``batch``: after :meth:`flush`).
         Raises OSError (ENOSPC when the store would cross the disk's low watermark)."""
@@ -314,7 +318,7 @@ class ChunkFileStore:
             self.ops.close(p.fd)
             unlink_quiet(p.tmp)
 
-    def read_into(self, key: bytes, out) -> bool:
+    def read_into(self, key: bytes, out: WriteableBuffer) -> bool:
         """Read chunk ``key``'s payload into ``out`` (a writable buffer of one host slot),
         from our slot or a peer's.
 
@@ -433,7 +437,7 @@ class ChunkFileStore:
 
 
 # ---------------------------------------------------------------------- directory tools
-def namespace_store(root: str | os.PathLike, digest_hex: str) -> ChunkFileStore:
+def namespace_store(root: str | os.PathLike[str], digest_hex: str) -> ChunkFileStore:
     """Open an existing namespace of a store directory, read-only, with its layout."""
     ns_dir = namespace_dir(root, digest_hex)
     try:
@@ -445,8 +449,8 @@ def namespace_store(root: str | os.PathLike, digest_hex: str) -> ChunkFileStore:
                           namespace_description=description, low_watermark_bytes=0, read_only=True)
 
 
-def describe_namespace(namespace: object, layout: HostChunkLayout) -> dict:
+def describe_namespace(namespace: object, layout: HostChunkLayout) -> dict[str, Any]:
     """What ``namespace.json`` records: the namespace's fields and the record layout."""
-    fields = asdict(namespace) if hasattr(namespace, "__dataclass_fields__") else {}
+    fields = asdict(cast("DataclassInstance", namespace)) if hasattr(namespace, "__dataclass_fields__") else {}
     return {**fields, "num_layers": layout.num_layers, "chunk_size": layout.chunk_size,
             "row_bytes": layout.row_bytes}

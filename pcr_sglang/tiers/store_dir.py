@@ -15,6 +15,7 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pcr_sglang.tiers.fileops import FileOps
 
@@ -37,7 +38,7 @@ class SSDStoreError(RuntimeError):
 @dataclass(frozen=True)
 class NamespaceUsage:
     digest_hex: str
-    description: dict
+    description: dict[str, Any]  # namespace.json
     chunks: int
     bytes: int
     temp_files: int = 0
@@ -186,7 +187,7 @@ def try_lease(slot_dir: Path) -> int:
     return fd
 
 
-def list_namespaces(root: str | os.PathLike) -> list[NamespaceUsage]:
+def list_namespaces(root: str | os.PathLike[str]) -> list[NamespaceUsage]:
     """Chunks and bytes per namespace under a store directory (the CLI's ``usage``)."""
     root = Path(root)
     usages = []
@@ -213,13 +214,13 @@ def list_namespaces(root: str | os.PathLike) -> list[NamespaceUsage]:
     return usages
 
 
-def namespace_dir(root: str | os.PathLike, digest_hex: str) -> Path:
+def namespace_dir(root: str | os.PathLike[str], digest_hex: str) -> Path:
     if not re.fullmatch(r"[0-9a-f]{32}", digest_hex):
         raise SSDStoreError(f"{digest_hex!r} is not a namespace digest (32 hex digits, see 'usage')")
     return Path(root) / digest_hex
 
 
-def purge_namespace(root: str | os.PathLike, digest_hex: str) -> int:
+def purge_namespace(root: str | os.PathLike[str], digest_hex: str) -> int:
     """Delete a namespace's directory; returns the chunk files removed. Refuses while a
     server holds a writer lease in it."""
     ns_dir = namespace_dir(root, digest_hex)
