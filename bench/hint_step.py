@@ -38,7 +38,7 @@ from pcr_sglang.core import CacheState, CacheStateConfig, Effects
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.hints import HintBook, HintLimits, HintPayload
 from pcr_sglang.core.orders import ReadChunk, Reorder
-from pcr_sglang.core.residency import PersistedChunk
+from pcr_sglang.core.ssd_residency import PersistedChunk
 
 CHUNK_TOKENS = 64
 
@@ -81,7 +81,7 @@ def build(state_kind: str, hints: int, chunks: int) -> tuple[CacheState, HintBoo
 def old_order_reads(state: CacheState, nodes: Sequence[ChunkNode], effects: Effects, *, urgent: bool,
                     limit: int, hint: bool = False) -> int:
     from pcr_sglang.core.host_slots import SlotState
-    from pcr_sglang.core.residency import _PendingIo
+    from pcr_sglang.core.ssd_residency import _PendingIo
 
     if not nodes or not state.ssd_enabled or not state.io_healthy:
         return 0

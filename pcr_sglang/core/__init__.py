@@ -11,7 +11,8 @@ from pcr_sglang.core.chunk_tree import ChunkNode, ChunkTree, InsertOutcome, Matc
 from pcr_sglang.core.effects import ChainMatch, Effects
 from pcr_sglang.core.keys import CacheNamespace, ChunkKey, chunk_keys, root_key
 from pcr_sglang.core.orders import IoOutcome
-from pcr_sglang.core.residency import CacheState, CacheStateConfig, PersistedChunk
+from pcr_sglang.core.residency import CacheState, CacheStateConfig
+from pcr_sglang.core.ssd_residency import PersistedChunk
 from pcr_sglang.core.stats import CacheStats, SSDStats
 
 __all__ = [

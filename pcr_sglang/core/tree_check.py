@@ -11,15 +11,60 @@ maintaining it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Iterable, Protocol
 
-from pcr_sglang.core.chunk_node import TreeStats, in_no_tier, is_device_leaf, is_host_leaf, is_ssd_leaf
+from pcr_sglang.core.chunk_node import (
+    ChunkNode,
+    TreeStats,
+    in_no_tier,
+    is_device_leaf,
+    is_host_leaf,
+    is_ssd_leaf,
+)
 
-if TYPE_CHECKING:
-    from pcr_sglang.core.chunk_tree import ChunkTree
+
+class _Leaves(Protocol):
+    @property
+    def leaves(self) -> set[Any]: ...
 
 
-def check_tree(tree: ChunkTree) -> TreeStats:
+class CheckedTree(Protocol):
+    """What the check reads of a :class:`~pcr_sglang.core.chunk_tree.ChunkTree` (a Protocol,
+    so that this reader needs no import of the tree it checks)."""
+
+    @property
+    def _device(self) -> _Leaves: ...
+
+    @property
+    def _host(self) -> _Leaves: ...
+
+    @property
+    def _ssd(self) -> _Leaves: ...
+
+    @property
+    def num_chunks(self) -> int: ...
+
+    @property
+    def device_chunks(self) -> int: ...
+
+    @property
+    def host_chunks(self) -> int: ...
+
+    @property
+    def ssd_chunks(self) -> int: ...
+
+    @property
+    def locked_chunks(self) -> int: ...
+
+    @property
+    def locked_device_chunks(self) -> int: ...
+
+    def iter_nodes(self) -> Iterable[ChunkNode]: ...
+
+    def stats(self) -> TreeStats: ...
+
+
+def check_tree(tree: CheckedTree) -> TreeStats:
     """Walk the whole of ``tree`` and assert its bookkeeping; returns its stats."""
     count = locked = device = host = ssd = 0
     device_leaves, host_leaves, ssd_leaves = set(), set(), set()

@@ -12,7 +12,7 @@ Once per scheduler step (``get_next_batch_to_run``), before any request is match
 The loop owns no decision and no per-request fact: it hands keys
 (:class:`~pcr_sglang.sglang_adapter.request_keys.RequestKeys`) to its collaborators:
 :class:`~pcr_sglang.sglang_adapter.admission.Admission`, :class:`Offloads`,
-:class:`RemoteProbes` and :class:`~pcr_sglang.sglang_adapter.kv_hints.KvHints`; they
+:class:`RemoteProbes` and :class:`~pcr_sglang.sglang_adapter.hints.KvHints`; they
 change residency only through :class:`CacheState` and return, or run through the one
 :class:`~pcr_sglang.sglang_adapter.executor.EffectsExecutor`, the work it decided. None
 of them calls back into the loop. Every per-request fact lives in one
@@ -39,7 +39,7 @@ from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.reuse.rows import permute_extend_inputs
 from pcr_sglang.sglang_adapter.admission import Admission, up_to_first_remote_only
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
-from pcr_sglang.sglang_adapter.kv_hints import KvHints
+from pcr_sglang.sglang_adapter.hints import KvHints
 from pcr_sglang.sglang_adapter.offloads import Offloads
 from pcr_sglang.sglang_adapter.remote_probes import RemoteProbes, RemoteProbeStats
 from pcr_sglang.sglang_adapter.req import PcrReq

@@ -22,7 +22,7 @@ from pcr_sglang.core.effects import Effects
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
-from pcr_sglang.sglang_adapter.kv_hints import KvHints
+from pcr_sglang.sglang_adapter.hints import KvHints
 from pcr_sglang.sglang_adapter.requests import RequestRegistry
 from pcr_sglang.sglang_adapter.tp_group import TpGroup
 

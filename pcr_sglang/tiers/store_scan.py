@@ -19,18 +19,37 @@ import logging
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Iterator, Protocol
 
-from pcr_sglang.tiers.records import HEADER_BYTES, ChunkRecord
+from pcr_sglang.tiers.fileops import FileOps
+from pcr_sglang.tiers.records import HEADER_BYTES, ChunkRecord, RecordCodec
 from pcr_sglang.tiers.store_dir import SUFFIX, TMP_SUFFIX, slot_dirs, subdirs, try_lease
-
-if TYPE_CHECKING:
-    from pcr_sglang.tiers.ssd_store import ChunkFileStore
 
 logger = logging.getLogger(__name__)
 
 
-def scan_store(store: ChunkFileStore) -> list[ChunkRecord]:
+class ScannedStore(Protocol):
+    """What the scan uses of a :class:`~pcr_sglang.tiers.ssd_store.ChunkFileStore` (a
+    Protocol: the store imports the scan, never the reverse)."""
+
+    dir: Path
+    ops: FileOps
+    codec: RecordCodec
+    record_bytes: int
+    stats: Any  # the store's StoreStats
+    _peers: list[Path]
+
+    @property
+    def own_dir(self) -> Path: ...
+
+    def _unlink(self, path: Path) -> None: ...
+
+    def _read_error(self, path: Path, e: OSError) -> bool: ...
+
+    def _drop_corrupt(self, path: Path, why: str) -> bool: ...
+
+
+def scan_store(store: ScannedStore) -> list[ChunkRecord]:
     """Adopt the records of dead writers (slots whose lease nobody holds) after deleting
     their partial writes, then return every record whose header verifies, ``store``'s own
     first, then live peers'. Payload MACs are checked on read. ``store`` is writable."""
@@ -73,7 +92,7 @@ def scan_store(store: ChunkFileStore) -> list[ChunkRecord]:
     return list(records.values())
 
 
-def _discard_tmp(store: ChunkFileStore, slot_dir: Path) -> None:
+def _discard_tmp(store: ScannedStore, slot_dir: Path) -> None:
     """Delete the temp files (writes a crash cut short) of a slot nobody else writes."""
     for sub in subdirs(slot_dir):
         for path in sub.iterdir():
@@ -82,7 +101,7 @@ def _discard_tmp(store: ChunkFileStore, slot_dir: Path) -> None:
                 store.stats.discarded_tmp_files += 1
 
 
-def _adopt(store: ChunkFileStore, dead: Path) -> None:
+def _adopt(store: ScannedStore, dead: Path) -> None:
     """Move a dead writer's records into our slot: its lease is ours for the duration,
     and nothing else writes there. Each record is linked into our slot, our directories
     are synced, and only then is it unlinked from the dead slot: a crash midway leaves a
@@ -112,7 +131,7 @@ def _adopt(store: ChunkFileStore, dead: Path) -> None:
         store.ops.fsync_dir(d)
 
 
-def _scan_slot(store: ChunkFileStore, slot_dir: Path) -> Iterator[ChunkRecord]:
+def _scan_slot(store: ScannedStore, slot_dir: Path) -> Iterator[ChunkRecord]:
     """The records of one slot whose header verifies (owner, MAC, name, length); the
     others go to :meth:`ChunkFileStore._drop_corrupt`, which deletes only our own."""
     for sub in subdirs(slot_dir):

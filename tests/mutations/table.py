@@ -75,7 +75,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="hint-budget-counts-only-reads-in-flight",
         kind="unit",
-        file="pcr_sglang/core/residency.py",
+        file="pcr_sglang/core/ssd_residency.py",
         original="hinted_held = len(self.unused.hinted)",
         replacement="hinted_held = sum(1 for n in self.unused.hinted if n in self._reading)",
         tests=(UNIT + "sglang_adapter/test_kv_hints.py::test_landed_hinted_chunks_count_against_the_hint_budget_and_never_take_the_queues",),
@@ -108,7 +108,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="hint-only-request-skips-document-chains",
         kind="e2e",
-        file="pcr_sglang/sglang_adapter/kv_hints.py",
+        file="pcr_sglang/sglang_adapter/hints.py",
         original="self.docs.canonical_chain_keys(req), doc_payload",
         replacement="[], doc_payload",
         tests=(E2E + "test_doc_reuse.py::test_precomputed_documents_are_served_from_ssd_after_a_restart",),
@@ -215,7 +215,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="remote-adopted-chunks-not-made-recent",
         kind="unit",
-        file="pcr_sglang/core/residency.py",
+        file="pcr_sglang/core/ssd_residency.py",
         original="self.tree.match(iter(keys[:end]))  # the most recent now",
         replacement="pass  # mutant: adopted chunks left least recent",
         tests=(UNIT + "core/test_cache_state.py::test_chunks_a_remote_probe_found_enter_the_ssd_level_past_the_match_only",),

@@ -117,7 +117,7 @@ def test_the_core_is_the_ground_floor():
     assert outside == []
 
 
-SCHEDULER_COLLABORATORS = ("admission", "executor", "kv_hints", "offloads", "remote_probes", "request_keys",
+SCHEDULER_COLLABORATORS = ("admission", "executor", "hints", "offloads", "remote_probes", "request_keys",
                            "requests", "step_agreement")
 
 
