@@ -81,7 +81,7 @@ def build(state_kind: str, hints: int, chunks: int) -> tuple[CacheState, HintBoo
 def old_order_reads(state: CacheState, nodes: Sequence[ChunkNode], effects: Effects, *, urgent: bool,
                     limit: int, hint: bool = False) -> int:
     from pcr_sglang.core.host_slots import SlotState
-    from pcr_sglang.core.ssd_residency import _PendingIo
+    from pcr_sglang.core.ssd_residency import PendingIo
 
     if not nodes or not state.ssd_enabled or not state.io_healthy:
         return 0
@@ -103,7 +103,7 @@ def old_order_reads(state: CacheState, nodes: Sequence[ChunkNode], effects: Effe
                 break
             seq = next(state._seq)
             state.slots.io_begin(slot)
-            state._pending[seq] = _PendingIo(True, node, slot, urgent=urgent, prefetch=not urgent)
+            state._pending[seq] = PendingIo(True, node, slot, urgent=urgent, prefetch=not urgent)
             state._reading[node] = seq
             effects.orders.append(ReadChunk(seq, node.key, slot, urgent))
             ordered += 1

@@ -36,7 +36,7 @@ from pcr_sglang.core.keys import ChunkKey
 from pcr_sglang.core.lookahead import LookaheadProtection
 from pcr_sglang.core.orders import DeleteChunk
 from pcr_sglang.core.prefetch import UnusedReads
-from pcr_sglang.core.ssd_residency import SsdResidency, _PendingIo
+from pcr_sglang.core.ssd_residency import PendingIo, SsdResidency
 from pcr_sglang.core.state_config import DECODE_OFFLOAD_SHARE, CacheStateConfig
 from pcr_sglang.core.stats import CacheStats, SSDStats
 
@@ -58,7 +58,7 @@ class CacheState(SsdResidency):
         self.stats = CacheStats()
         self.ssd_stats = SSDStats()
         self._seq = itertools.count(1)
-        self._pending: dict[int, _PendingIo] = {}
+        self._pending: dict[int, PendingIo] = {}
         self._reading: dict[ChunkNode, int] = {}
         self._writing: dict[ChunkNode, int] = {}
         self._cancelling: set[int] = set()

@@ -38,7 +38,9 @@ class PersistedChunk:
 
 
 @dataclass
-class _PendingIo:
+class PendingIo:
+    """A read or write the state ordered and has not yet seen finish (one per sequence number)."""
+
     is_read: bool
     node: ChunkNode
     slot: int
@@ -61,7 +63,7 @@ class SsdResidency:
     io_healthy: bool
     writes_enabled: bool
     _seq: itertools.count[int]
-    _pending: dict[int, _PendingIo]
+    _pending: dict[int, PendingIo]
     _reading: dict[ChunkNode, int]
     _writing: dict[ChunkNode, int]
     _cancelling: set[int]
@@ -97,7 +99,7 @@ class SsdResidency:
         seq = next(self._seq)
         self.slots.io_begin(node.host_slot)
         self.tree.pin_host(node)  # its host copy stays until the write is done
-        self._pending[seq] = _PendingIo(False, node, node.host_slot)
+        self._pending[seq] = PendingIo(False, node, node.host_slot)
         self._writing[node] = seq
         effects.orders.append(WriteChunk(seq, node.key, parent.key if parent.depth else NO_PARENT, node.depth,
                                          self.chunk_size, node.host_slot))
@@ -143,7 +145,7 @@ class SsdResidency:
                 assert self.slots is not None  # _take_slot found one
                 seq = next(self._seq)
                 self.slots.io_begin(slot)
-                self._pending[seq] = _PendingIo(True, node, slot, urgent=urgent, prefetch=not urgent)
+                self._pending[seq] = PendingIo(True, node, slot, urgent=urgent, prefetch=not urgent)
                 self._reading[node] = seq
                 effects.orders.append(ReadChunk(seq, node.key, slot, urgent))
                 ordered += 1
@@ -252,7 +254,7 @@ class SsdResidency:
             self.slots.io_end(op.slot)
         self._drop_bad_records(effects)
 
-    def _read_done(self, seq: int, op: _PendingIo, outcome: IoOutcome, seconds: float) -> None:
+    def _read_done(self, seq: int, op: PendingIo, outcome: IoOutcome, seconds: float) -> None:
         node, slot = op.node, op.slot
         if not op.orphaned and self._reading.get(node) == seq:
             del self._reading[node]
@@ -288,7 +290,7 @@ class SsdResidency:
             if node.parent is not None and node.on_ssd:
                 self._bad.append(node)
 
-    def _write_done(self, seq: int, op: _PendingIo, outcome: IoOutcome, effects: Effects) -> None:
+    def _write_done(self, seq: int, op: PendingIo, outcome: IoOutcome, effects: Effects) -> None:
         node = op.node
         if not op.orphaned:
             self.tree.unpin_host(node)

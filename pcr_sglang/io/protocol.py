@@ -1,14 +1,15 @@
-"""Messages between the scheduler and its I/O process (msgpack over ZMQ IPC sockets).
+"""The wire between the scheduler and its I/O process (msgpack over ZMQ IPC sockets).
 
 The scheduler owns the tree and every slot; the I/O process only executes orders on
 bytes: read chunk ``key`` from the store into host slot ``host_slot`` (from the local SSD,
 else from the remote tier when there is one), persist host slot ``host_slot`` as chunk
 ``key`` (and write it through to the remote tier), delete chunk ``key`` (locally; remote
-objects are the remote store's to evict), or ask the remote tier which chunks it holds. Reads and writes carry a
-sequence number, assigned by the scheduler's cache state (the same on every TP rank),
-and each completion echoes it with an :class:`IoOutcome`. Deletes and reorders are not
-acknowledged. Executing an order twice has the same effect as once (a read rewrites the
-same bytes, a write replaces the record atomically), so orders are safe to retry.
+objects are the remote store's to evict), or ask the remote tier which chunks it holds.
+The orders and their outcomes are the core's words (:mod:`pcr_sglang.core.orders`, where
+sequence numbers and retries are explained); this module encodes them, and defines the
+replies (each read or write completion echoes its order's ``seq`` with a
+:class:`~pcr_sglang.core.orders.IoOutcome`; deletes and reorders are not acknowledged) and
+the process's start-up configuration.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ On the model: :mod:`~pcr_sglang.reuse.setup` (the startup gate),
 :mod:`~pcr_sglang.reuse.model_rope`, :mod:`~pcr_sglang.reuse.placement` (copy and rotate at
 admission), :mod:`~pcr_sglang.reuse.blend_select` (blend's layer-1 selection),
 :mod:`~pcr_sglang.reuse.rows` (true positions and position-causal masks in the forward),
-:mod:`~pcr_sglang.reuse.tokenizer` (the HTTP side: bounds checked at the door, warm-ups).
+:mod:`~pcr_sglang.reuse.tokenizer` (the HTTP side: bounds checked at the door, warm-ups),
+:mod:`~pcr_sglang.reuse.disabled` (the null collaborator the scheduler holds without it).
 The SGLang adapter calls into this wing; the wing never imports the adapter.
 """

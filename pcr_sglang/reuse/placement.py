@@ -114,6 +114,8 @@ def is_canonical_request(req: Any) -> bool:
 
 
 class DocReuse:
+    enabled = True  # beside reuse.disabled.NoDocReuse, the null collaborator without --pcr-doc-reuse
+
     def __init__(self, state: CacheState, recompute: Recompute, chunk_size: int, pad_token_id: int,
                  rope: RopeSpec, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], allocator: Any,
                  keyer: ChainKeyer,

@@ -28,6 +28,7 @@ from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.effects import ChainMatch, Effects
 from pcr_sglang.core.hints import HintBook
 from pcr_sglang.core.residency import CacheState
+from pcr_sglang.reuse.disabled import NoDocReuse
 from pcr_sglang.reuse.placement import is_canonical_request
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.remote_probes import RemoteProbes
@@ -48,7 +49,7 @@ class Admission:
         self.requests = requests
         self.hints = hints
         self.probes = probes
-        self.docs: Optional[Any] = None  # DocReuse, with --pcr-doc-reuse
+        self.docs: Any = NoDocReuse()  # DocReuse, with --pcr-doc-reuse
         self.tensor_parallel = tensor_parallel
         self.digest = 0  # of (rid, prefix length) of every admitted request (compared across TP ranks)
         self.last_load_private = False  # the last load_back gave the request private slots
@@ -75,8 +76,7 @@ class Admission:
         # With document reuse, the documents' canonical chains on SSD are read as the
         # request's own chain is: a document first marked after a restart (or a
         # precompute) is reused from SSD without a warm-up.
-        docs = ([self.state.match(iter(keys), touch=False) for keys in self.docs.canonical_chain_keys(req)]
-                if self.docs is not None else [])
+        docs = [self.state.match(iter(keys), touch=False) for keys in self.docs.canonical_chain_keys(req)]
         entry = self._first_consideration(req.rid, match, [n for m in docs for n in m.nodes])
         chains = [m for m in [match, *docs] if m.ssd_nodes]
         if not chains or not self.state.io_healthy:
@@ -142,7 +142,7 @@ class Admission:
         tokens the request's prefix grew by (SGLang refuses a partial load), or 0."""
         self.last_load_private = False
         device_node = req.last_node
-        plan = self.docs.planned(req.rid) if self.docs is not None else None
+        plan = self.docs.planned(req.rid)
         exact_host = host_hit_length - (plan.prefix_tokens if plan is not None else 0)
         nodes = host_node.path_from_root()[device_node.depth:]
         if (len(nodes) * self.chunk != exact_host or (nodes and nodes[0].parent is not device_node)
@@ -151,7 +151,6 @@ class Admission:
         if nodes and not self.load_chain(req, nodes):
             return 0, device_node
         if plan is not None:
-            assert self.docs is not None
             self.state.lock(host_node)
             try:
                 loaded = self.docs.load(req, host_node, lambda chain: self.load_chain(None, chain),
@@ -198,7 +197,7 @@ class Admission:
         elif torch.cuda.is_available() and getattr(self.allocator, "device", "cpu") != "cpu":
             # No engine: a GPU-side wait on SGLang's forward stream (the scheduler thread
             # goes on); only where that stream is unknown, a wait for the whole device.
-            if self.docs is None or not self.docs.fence_after_forward():
+            if not self.docs.fence_after_forward():
                 torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ hits
@@ -212,12 +211,11 @@ class Admission:
             in_time, late, on_demand = entry.in_time_chunks, entry.late_chunks, entry.on_demand_chunks
             entry.considered = False
         host = req.cached_tokens_host
-        if self.docs is not None:
-            if is_canonical_request(req):
-                self.docs.count_canonical()
-            plan = self.docs.reused(req.rid)
-            if plan is not None:  # SGLang counts them as host hits (they came through load_back)
-                host = max(host - plan.prefix_tokens, 0)
+        if is_canonical_request(req):
+            self.docs.count_canonical()
+        plan = self.docs.reused(req.rid)
+        if plan is not None:  # SGLang counts them as host hits (they came through load_back)
+            host = max(host - plan.prefix_tokens, 0)
         self.state.count_admission(req.cached_tokens_device // chunk, host // chunk,
                                    req.cached_tokens_storage // chunk, in_time, late, on_demand)
         if len(self.hints):

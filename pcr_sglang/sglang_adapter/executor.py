@@ -1,5 +1,5 @@
-"""Runs what the cache state decided: the one place PCR copies KV to the host, frees device
-slots and sends I/O orders.
+"""Runs what the cache state decided: demotion copies to the host, the device frees the
+state's decisions imply, and every I/O order.
 
 :class:`~pcr_sglang.core.residency.CacheState` decides and returns
 :class:`~pcr_sglang.core.effects.Effects`; the scheduler loop and its collaborators
@@ -11,7 +11,8 @@ completion this rank saw but the TP ranks have not agreed on yet waits in
 :attr:`EffectsExecutor.finished`.
 
 It never decides anything and never calls back into the loop, so every collaborator may
-hold it.
+hold it. (The prefix cache frees a finished request's row and a deduplicated chunk's slots
+itself: those are SGLang's slots, not the cache state's decisions.)
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ It registers a hint's chains (with the keys it is handed) in the scheduler's
 :class:`~pcr_sglang.core.hints.HintBook`, keeps the clock hints live by (the one the TP
 ranks agree on), and with ``--pcr-hint-to-device`` promotes hinted chunks into free device
 slots. The request field's hooks (validation at the HTTP door, a hint-only request finished
-at the queue) are in :mod:`pcr_sglang.sglang_adapter.kv_hints`; the decisions are the cache
-state's and the hint book's, in core.
+at the queue) are in :mod:`pcr_sglang.sglang_adapter.kv_hints`, named after that field; the
+decisions are the cache state's and the hint book's, in :mod:`pcr_sglang.core.hints` (this
+module translates SGLang's requests for it: the mirror convention of ``core/X.py`` and
+``sglang_adapter/X.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Callable, Optional
 
 from pcr_sglang.core.hints import Hint, HintBook, HintPayload, hint_tenant
 from pcr_sglang.core.residency import CacheState
+from pcr_sglang.reuse.disabled import NoDocReuse
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.req import PcrReq
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
@@ -38,7 +41,7 @@ class KvHints:
         self.keys = keys
         self.executor = executor
         self.tp = tp
-        self.docs: Optional[Any] = None  # DocReuse, with --pcr-doc-reuse
+        self.docs: Any = NoDocReuse()  # DocReuse, with --pcr-doc-reuse
         self.clock: Callable[[], float] = time.monotonic  # this rank's (a test may replace it)
         self.now = 0.0  # the last agreed clock, in seconds
         self.promote = promote  # --pcr-hint-to-device
@@ -78,7 +81,7 @@ class KvHints:
         tenant = hint_tenant(req.cache_salt, req.extra_key)
         if not self.book.register(req.rid, keys, payload, now, tenant=tenant):
             return False
-        if self.docs is not None and payload.hint_only:
+        if payload.hint_only and self.docs.enabled:
             # A hint marking documents also reads each one's canonical chain: the final
             # request reuses them in whatever order it puts them. One group with the
             # prompt's own hint, so they end together. They count against the tenant's live
@@ -115,6 +118,3 @@ class KvHints:
             # CPU: copies wait for the next forward's layer hooks; there may be none for a
             # while, and an I/O order for these host slots waits for them: copy now.
             engine.fence_before_reuse()
-
-    def clear(self) -> None:
-        self.book.clear()

@@ -83,4 +83,3 @@ def add_request_to_queue(original: Callable[..., Any], scheduler: Any, req: Any,
     req.finished_reason = HintRegistered(registered)
     scheduler.retire_unadmitted_request(req)
     return None
-

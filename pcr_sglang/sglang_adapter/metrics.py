@@ -1,7 +1,7 @@
 """PCR's Prometheus metrics, exported through SGLang's ``/metrics`` (``--enable-metrics``).
 
-The cache state keeps plain counters (:class:`~pcr_sglang.core.effects.CacheStats` and
-:class:`~pcr_sglang.core.effects.SSDStats`, also shown in ``/server_info``); once per
+The cache state keeps plain counters (:class:`~pcr_sglang.core.stats.CacheStats` and
+:class:`~pcr_sglang.core.stats.SSDStats`, also shown in ``/server_info``); once per
 scheduler step :meth:`PCRMetrics.sync` adds what changed since the last sync to the
 Prometheus series. Hits are counted once per admitted request, by the tier SGLang
 reports in the response, so ``sglang:pcr_hit_chunks_total`` times the chunk size is the

@@ -107,7 +107,7 @@ class PCRPrefixCache(BasePrefixCache):
         if self.metrics is not None:
             docs = self.scheduler.docs
             scheduler = self.scheduler
-            self.metrics.sync(self.state, docs.stats if docs is not None else None, scheduler.hints.stats,
+            self.metrics.sync(self.state, docs.stats, scheduler.hints.stats,
                               scheduler.remote_stats if scheduler.remote else None,
                               scheduler.io.remote_status if scheduler.remote and scheduler.io is not None else None)
 
@@ -133,7 +133,7 @@ class PCRPrefixCache(BasePrefixCache):
             host_node = match.nodes[match.device + match.host - 1] if match.host else device_node
             host_chunks = match.host
         doc_tokens = 0
-        if self.scheduler.docs is not None and params.req is not None:
+        if params.req is not None:
             # Documents reused past the exact prefix come in through init_load_back too.
             plan = self.scheduler.docs.plan(params.req, tokens, host_node.depth * self.chunk_size)
             doc_tokens = plan.prefix_tokens if plan is not None else 0
@@ -171,7 +171,7 @@ class PCRPrefixCache(BasePrefixCache):
         """The tree path of the request's match, then the private slots its reused
         documents were copied into (as SGLang's LMCache integration appends its loads)."""
         path = self.path_device_indices(req.last_node)
-        private = self.scheduler.docs.private_slots(req.rid) if self.scheduler.docs is not None else None
+        private = self.scheduler.docs.private_slots(req.rid)
         if private is not None and len(path) < req.prefix_len:
             path = torch.cat([path, private.to(path.device)])
         assert len(path) >= req.prefix_len, (req.rid, len(path), req.prefix_len)
@@ -209,7 +209,7 @@ class PCRPrefixCache(BasePrefixCache):
         memory during their forward become host-resident too.
         """
         kv = req.kv
-        exact_end = self.scheduler.docs.exact_end(req.rid) if self.scheduler.docs is not None else None
+        exact_end = self.scheduler.docs.exact_end(req.rid)
         if exact_end is not None:  # blended KV (reused documents and all after them) stays out
             up_to = min(up_to, exact_end)
         token_ids = req.full_untruncated_fill_ids[:up_to]

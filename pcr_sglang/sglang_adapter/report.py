@@ -71,7 +71,7 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
                       "fill_gaps": scheduler.docs.fill_gaps,
                       "calibration": scheduler.docs.calibration,
                       "conditions": asdict(scheduler.docs.conditions) if scheduler.docs.conditions else None,
-                      "counters": asdict(scheduler.docs.stats)} if scheduler.docs is not None else None,
+                      "counters": asdict(scheduler.docs.stats)} if scheduler.docs.enabled else None,
         "invariants": {"checked": check_invariants, "ok": (invariant_error is None) if check_invariants else None,
                        "error": invariant_error},
     }

@@ -3,9 +3,10 @@
 Keys come from the server's one :class:`~pcr_sglang.core.keys.ChainKeyer`; this module
 only says which tokens of a ``Req`` SGLang will match, and (with document reuse) which
 canonical document chains the request will reuse besides its own prefix. The keys of the
-requests in the look-ahead window are hashed once per scheduler step and read from here
-by the window, admission and the remote probes (a memo of this step, not per-request
-state: it is replaced each step).
+requests in the look-ahead window are hashed once, when they enter it, and read from here
+by the window, admission and the remote probes (a memo, not per-request state: a request
+keeps the keys it was hashed to when it entered the window, and the memo forgets the
+requests that left it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Optional, Sequence
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.keys import ChainKeyer, ChunkKey
 from pcr_sglang.core.residency import CacheState
+from pcr_sglang.reuse.disabled import NoDocReuse
 from pcr_sglang.sglang_adapter.req import PcrReq
 
 
@@ -35,7 +37,7 @@ class RequestKeys:
     def __init__(self, keyer: ChainKeyer, state: CacheState):
         self.keyer = keyer
         self.state = state
-        self.docs: Optional[Any] = None  # DocReuse, with --pcr-doc-reuse
+        self.docs: Any = NoDocReuse()  # DocReuse, with --pcr-doc-reuse
         self._window: dict[str, list[ChunkKey]] = {}
 
     def of_tokens(self, tokens: Sequence[int], extra_key: Optional[str] = None,
@@ -54,13 +56,13 @@ class RequestKeys:
         """The chains a waiting request will reuse: its prefix, and with document reuse the
         canonical chains of the documents it marked."""
         own = self.own(req)
-        return [own, *self.docs.canonical_chain_keys(req)] if self.docs is not None else [own]
+        return [own, *self.docs.canonical_chain_keys(req)]
 
     def needed_chains(self, req: PcrReq) -> list[list[ChunkNode]]:
         """The cached part of each chain of :meth:`needed` (document chains share their
         leading chunks: :meth:`DocReuse.canonical_chain_nodes` walks those once)."""
         own = self.state.match(iter(self.own(req)), touch=False).nodes
-        return [own, *self.docs.canonical_chain_nodes(req)] if self.docs is not None else [own]
+        return [own, *self.docs.canonical_chain_nodes(req)]
 
     def refresh_window(self, window: Sequence[PcrReq]) -> None:
         """The window's requests' keys for this step (a request still in the window keeps

@@ -36,6 +36,7 @@ from pcr_sglang.core.keys import ChainKeyer
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.flags import HINT_TO_DEVICE_FREE_SHARE
 from pcr_sglang.io.supervisor import IOSupervisor
+from pcr_sglang.reuse.disabled import NoDocReuse
 from pcr_sglang.reuse.rows import permute_extend_inputs
 from pcr_sglang.sglang_adapter.admission import Admission, up_to_first_remote_only
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
@@ -82,19 +83,21 @@ class SchedulerSide:
         self.admission = Admission(state, self.executor, self.keys, self.requests, self.hints, self.probes,
                                    tensor_parallel=tp is not None)
         self.agreement = StepAgreement(state, self.executor, io, tp, self.requests, self.kv_hints)
-        self._docs: Optional[Any] = None
+        self._docs: Any = NoDocReuse()
         self.step_time = StepHistogram()  # PCR's own work per scheduler step
         self.iteration_time = StepHistogram()  # the scheduler loop's iterations while busy
         self._last_step_start: Optional[float] = None
 
     @property
-    def docs(self) -> Optional[Any]:
+    def docs(self) -> Any:
         """Document reuse (``--pcr-doc-reuse``: a :class:`~pcr_sglang.reuse.placement.DocReuse`,
-        attached by the factory once the model is loaded), or None."""
+        attached by the factory once the model is loaded), else its null collaborator
+        (:class:`~pcr_sglang.reuse.disabled.NoDocReuse`)."""
         return self._docs
 
     @docs.setter
     def docs(self, docs: Optional[Any]) -> None:
+        docs = docs if docs is not None else NoDocReuse()
         self._docs = self.keys.docs = self.admission.docs = self.kv_hints.docs = docs
 
     # ------------------------------------------------------------------ per step
@@ -137,7 +140,7 @@ class SchedulerSide:
                 if entry.probe_seq is None and not entry.probed:
                     self.probes.send(req.rid, entry, self.keys.needed(req))
         if ssd:
-            held = [n for s in self.requests.holds() for n in s.hold.chain]  # type: ignore[union-attr]
+            held = [n for s in self.requests.holds() if s.hold is not None for n in s.hold.chain]
             effects = Effects()
             healthy = self.state.io_healthy
             wanted: list[Sequence[ChunkNode]] = [c for per_req in chains[:prefetch] for c in per_req] \
@@ -170,24 +173,21 @@ class SchedulerSide:
     def rows_written(self, reqs: Sequence[PcrReq]) -> None:
         """``prepare_for_extend`` wrote these requests' rows: private document slots in
         them now belong to the row (and are freed with it)."""
-        if self.docs is not None:
-            for req in reqs:
-                self.docs.written_into_row(req)
+        for req in reqs:
+            self.docs.written_into_row(req)
 
     def permute_extend_inputs(self, batch: Any) -> Optional[dict[int, torch.Tensor]]:
         """After ``prepare_for_extend``: the extend input of requests with permuted rows
         (recomputed or gap tokens) in row order, and their rows' positions for the forward
         (None when the batch has none)."""
-        if self.docs is None or not self.docs.fill_gaps:  # no request's row is permuted
+        if not self.docs.fill_gaps:  # no request's row is permuted
             return None
         return permute_extend_inputs(batch, self.docs.row)
 
     def plan_offloads(self, reqs: Sequence[PcrReq], seq_lens: Sequence[int], req_to_token: torch.Tensor,
                       decode: bool) -> None:
         """Host slots for the whole chunks the coming forward completes (:class:`Offloads`)."""
-        docs = self.docs
-        self.executor.execute(self.offloads.plan(reqs, seq_lens, req_to_token, decode,
-                                                 docs.exact_end if docs is not None else lambda rid: None))
+        self.executor.execute(self.offloads.plan(reqs, seq_lens, req_to_token, decode, self.docs.exact_end))
 
     def adopt_offloads(self, rid: str, path: Sequence[ChunkNode], first: int, num_existing: int, end: int) -> None:
         """A checkpoint handed chunks ``[first, end)`` to the tree: offloaded ones become host-resident."""
@@ -199,8 +199,7 @@ class SchedulerSide:
         (an abort in the waiting queue); what the row's checkpoint needs stays until then."""
         if self.engine is not None:
             self.engine.drop_plans(rid)  # offloads no batch of its ran
-        if self.docs is not None:
-            self.docs.release(rid, keep_row_state=not row_released)
+        self.docs.release(rid, keep_row_state=not row_released)
         entry = self.requests.pop(rid)
         if entry is None:
             return
@@ -212,9 +211,6 @@ class SchedulerSide:
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens from the tree (LRU, look-ahead last)."""
         return self.executor.evict(num_tokens)
-
-    def execute(self, effects: Effects) -> None:
-        self.executor.execute(effects)
 
     # ------------------------------------------------------------------ what /server_info reports
     @property
@@ -250,8 +246,7 @@ class SchedulerSide:
         self.hints.clear()
         if self.probes is not None:
             self.probes.clear()
-        if self.docs is not None:
-            self.docs.reset()
+        self.docs.reset()
         self.keys.forget()
         self.executor.execute(self.state.reset(keep_persisted))
 
@@ -265,8 +260,7 @@ class SchedulerSide:
         self.hints.clear()
         if self.probes is not None:
             self.probes.clear()
-        if self.docs is not None:
-            self.docs.forget_keys()
+        self.docs.forget_keys()
 
     def close(self) -> None:
         if self.io is not None:

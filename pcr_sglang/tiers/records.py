@@ -14,6 +14,7 @@ from the fleet key; a chunk read from there is written to the SSD as this record
 
 from __future__ import annotations
 
+import io
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -103,3 +104,15 @@ class RecordCodec:
 
     def payload_ok(self, record: ChunkRecord, payload: bytes | memoryview) -> bool:
         return len(payload) == record.payload_bytes and self._mac(self._payload_key, payload) == record.payload_digest
+
+
+def read_full(f: io.RawIOBase, view: memoryview) -> int:
+    """Fill ``view`` unless the file ends first: a short ``readinto`` is legal (NFS, FUSE,
+    signals) and is not the end of the file. (The store's reads and its start-up scan both read records through it.)"""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got

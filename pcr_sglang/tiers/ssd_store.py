@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, cast
 
 from pcr_sglang.tiers.fileops import FileOps
 from pcr_sglang.tiers.layout import HostChunkLayout
-from pcr_sglang.tiers.records import FORMAT_VERSION, HEADER_BYTES, ChunkRecord, RecordCodec  # noqa: F401
+from pcr_sglang.tiers.records import FORMAT_VERSION, HEADER_BYTES, ChunkRecord, RecordCodec, read_full  # noqa: F401
 
 # The CLI's directory tools live beside the access rules; re-exported for pcr_tools.store_cli.
 from pcr_sglang.tiers.store_dir import (  # noqa: F401
@@ -50,7 +50,6 @@ from pcr_sglang.tiers.store_dir import (  # noqa: F401
     take_slot,
     unlink_quiet,
 )
-from pcr_sglang.tiers.store_scan import read_full as _read_full  # short reads: the scan and read_into
 from pcr_sglang.tiers.store_scan import scan_store
 
 if TYPE_CHECKING:
@@ -360,12 +359,12 @@ class ChunkFileStore:
                 if st.st_size != self.record_bytes:
                     return self._drop_corrupt(path, "wrong length")
                 header = bytearray(HEADER_BYTES)
-                if _read_full(f, memoryview(header)) != HEADER_BYTES:
+                if read_full(f, memoryview(header)) != HEADER_BYTES:
                     return self._drop_corrupt(path, "wrong length")
                 record = self.codec.parse_header(bytes(header))
                 if record is None or record.key != key:
                     return self._drop_corrupt(path, "bad header")
-                if _read_full(f, out) != record.payload_bytes or f.read(1):
+                if read_full(f, out) != record.payload_bytes or f.read(1):
                     return self._drop_corrupt(path, "wrong payload length")
         except OSError as e:
             return self._read_error(path, e)

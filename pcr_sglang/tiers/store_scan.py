@@ -14,7 +14,6 @@ docs/ssd-store.md#sharing-a-store-directory.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import stat
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 from pcr_sglang.tiers.fileops import FileOps
-from pcr_sglang.tiers.records import HEADER_BYTES, ChunkRecord, RecordCodec
+from pcr_sglang.tiers.records import HEADER_BYTES, ChunkRecord, RecordCodec, read_full
 from pcr_sglang.tiers.store_dir import SUFFIX, TMP_SUFFIX, slot_dirs, subdirs, try_lease
 
 logger = logging.getLogger(__name__)
@@ -166,15 +165,3 @@ def _scan_slot(store: ScannedStore, slot_dir: Path) -> Iterator[ChunkRecord]:
                 store._drop_corrupt(path, "fails verification on open")
             else:
                 yield record
-
-
-def read_full(f: io.RawIOBase, view: memoryview) -> int:
-    """Fill ``view`` unless the file ends first: a short ``readinto`` is legal (NFS, FUSE,
-    signals) and is not the end of the file. (The store's reads use it too.)"""
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            break
-        got += n
-    return got

@@ -117,8 +117,8 @@ def sample_loss(model: Any, tokenizer: Any, question: Question, mode: str, answe
 
 
 def gold_answer(question: Question) -> str:
-    """The gold answer as a reply: the lead sentence as it is, a planted value or city as a
-    short sentence ending in it (the scores ask that the answer contain the value)."""
+    """The gold answer as a reply: the lead sentence as it is, a planted value or city
+    followed by a full stop (the scores ask that the answer contain the value)."""
     if question.kind == "lead":
         return question.gold
     return f"{question.gold}."
@@ -223,16 +223,18 @@ def train(params: TuneParams, progress: Callable[[str], None] = logger.info) -> 
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             steps += 1
-        if samples % params.log_every == 0 and window:
-            mean = sum(window) / len(window)
-            curve.append((samples, round(mean, 5)))
-            gold = f"  gold CE {sum(gold_window) / len(gold_window):.3f}" if gold_window else ""
+        if samples % params.log_every == 0:
+            said = []
+            if window:
+                curve.append((samples, round(sum(window) / len(window), 5)))
+                said.append(f"KL {curve[-1][1]:.4f}")
             if gold_window:
                 gold_curve.append((samples, round(sum(gold_window) / len(gold_window), 4)))
+                said.append(f"gold CE {gold_curve[-1][1]:.3f}")
             window.clear()
             gold_window.clear()
             elapsed = time.monotonic() - started
-            progress(f"sample {samples}/{params.samples}  KL {mean:.4f}{gold}  {elapsed / 60:.1f} min "
+            progress(f"sample {samples}/{params.samples}  {'  '.join(said)}  {elapsed / 60:.1f} min "
                      f"(about {elapsed / samples * (params.samples - samples) / 60:.1f} min left)")
     if samples % params.grad_accum:
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)

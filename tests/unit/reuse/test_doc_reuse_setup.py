@@ -256,3 +256,27 @@ def test_a_load_that_did_not_go_through_leaves_no_row_order_behind():
     assert docs.plan(req, list(range(11)), exact_len=0) is None  # nothing cached now
     assert len(freed) == 1 and freed[0].tolist() == list(range(8))
     assert docs.row("r") is None and entry.row is None
+
+
+def test_the_null_collaborator_answers_every_question_document_reuse_answers():
+    """``NoDocReuse`` stands in for ``DocReuse`` without --pcr-doc-reuse: every name it has,
+    ``DocReuse`` has, with the same parameters (a rename on one side fails here, not in a
+    server without document reuse)."""
+    import inspect
+    import re
+
+    from pcr_sglang.reuse.disabled import NoDocReuse
+    from pcr_sglang.reuse.placement import DocReuse
+
+    names = [n for n in vars(NoDocReuse) if not n.startswith("_")]
+    assert names and not NoDocReuse.enabled and DocReuse.enabled
+    for name in names:
+        real, null = inspect.getattr_static(DocReuse, name, None), vars(NoDocReuse)[name]
+        if callable(null):
+            assert callable(real), name
+            wanted = list(inspect.signature(real).parameters)
+            got = list(inspect.signature(null).parameters)
+            assert got == wanted or got[-1:] == ["args"], (name, wanted, got)
+        else:  # an attribute: a class attribute, or set on every instance
+            assigned = re.search(rf"self\.{name}\b[^=\n]*=", inspect.getsource(DocReuse.__init__))
+            assert real is not None or assigned, name

@@ -23,12 +23,12 @@ from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.sglang_adapter.factory import build_ssd_store
 from pcr_sglang.tiers.host_pool import HostChunkPool
 from pcr_sglang.tiers.layout import HostChunkLayout
+from pcr_sglang.tiers.records import read_full
 from pcr_sglang.tiers.ssd_store import (
     HEADER_BYTES,
     KEY_FILE,
     ChunkFileStore,
     SSDStoreError,
-    _read_full,
 )
 
 LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=32)
@@ -408,7 +408,7 @@ def test_short_reads_are_retried_not_taken_for_corruption():
         first = f.readinto(memoryview(out)[:len(data)])
         first_read.set()
         assert first == 100  # a real short read happened
-        assert first + _read_full(f, memoryview(out)[first:]) == len(data)
+        assert first + read_full(f, memoryview(out)[first:]) == len(data)
     t.join()
     assert bytes(out) == data
 

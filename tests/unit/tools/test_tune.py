@@ -220,6 +220,17 @@ def tiny_adapter(tiny_model, tmp_path_factory):
     return out, result
 
 
+def test_a_run_on_gold_answers_alone_logs_its_own_curve(tiny_model, tmp_path):
+    """With every sample on a gold answer there is no distillation KL to log: the gold
+    cross-entropy still gets its curve, one point per interval."""
+    from pcr_tools.tune.train import TuneParams, train
+
+    result = train(TuneParams(base_model=tiny_model, out_dir=str(tmp_path), samples=4, grad_accum=2, lr=3e-3,
+                              warmup_steps=1, answer_tokens=4, validation_questions=1, max_documents=3,
+                              log_every=2, gold_share=1.0))
+    assert result.loss_curve == [] and [n for n, _ in result.gold_curve] == [2, 4]
+
+
 def test_the_tuning_run_writes_the_adapter_and_its_recipe(tiny_adapter):
     out, result = tiny_adapter
     assert result.samples == 8 and result.optimizer_steps == 4
