@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from pcr_sglang.req import PcrReq
+
 
 class NoDocReuse:
     enabled = False
@@ -18,13 +20,13 @@ class NoDocReuse:
     stats = None
     conditions = None
 
-    def canonical_chain_keys(self, req: Any) -> list[list[bytes]]:
+    def canonical_chain_keys(self, req: PcrReq) -> list[list[bytes]]:
         return []
 
-    def canonical_chain_nodes(self, req: Any) -> list[list[Any]]:
+    def canonical_chain_nodes(self, req: PcrReq) -> list[list[Any]]:
         return []
 
-    def plan(self, req: Any, tokens: Sequence[int], exact_len: int) -> None:
+    def plan(self, req: PcrReq, tokens: Sequence[int], exact_len: int) -> None:
         return None
 
     def planned(self, rid: str) -> None:
@@ -45,7 +47,7 @@ class NoDocReuse:
     def fence_after_forward(self) -> bool:
         return False
 
-    def written_into_row(self, req: Any) -> None:
+    def written_into_row(self, req: PcrReq) -> None:
         pass
 
     def count_canonical(self) -> None:

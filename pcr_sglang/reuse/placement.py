@@ -43,6 +43,7 @@ import torch
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.keys import ChainKeyer
 from pcr_sglang.core.residency import CacheState
+from pcr_sglang.req import PcrReq
 from pcr_sglang.reuse.blend_select import Layer1Deviation
 from pcr_sglang.reuse.bounds import (
     CANONICAL_PARAM,
@@ -93,7 +94,7 @@ class _Planned:
     chain_keys: Optional[dict[int, list[Any]]] = None
 
 
-def request_doc_reuse(req: Any, num_tokens: int, server: Recompute, limits: Optional[DocLimits] = None
+def request_doc_reuse(req: PcrReq, num_tokens: int, server: Recompute, limits: Optional[DocLimits] = None
                       ) -> Optional[tuple[tuple[DocSpan, ...], Recompute]]:
     """The documents ``req`` marked and how it wants them repaired, or None (not asking,
     or asking for ``off``). Raises :class:`DocBoundsError` for bounds that do not fit its
@@ -108,7 +109,7 @@ def request_doc_reuse(req: Any, num_tokens: int, server: Recompute, limits: Opti
     return parse_doc_bounds(params[DOC_BOUNDS_PARAM], num_tokens, limits), recompute
 
 
-def is_canonical_request(req: Any) -> bool:
+def is_canonical_request(req: PcrReq) -> bool:
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     return isinstance(params, dict) and bool(params.get(CANONICAL_PARAM))
 
@@ -152,7 +153,7 @@ class DocReuse:
         self._warned_malformed = False
 
     # ------------------------------------------------------------------ match
-    def plan(self, req: Any, tokens: Sequence[int], exact_len: int) -> Optional[ReusePlan]:
+    def plan(self, req: PcrReq, tokens: Sequence[int], exact_len: int) -> Optional[ReusePlan]:
         """What ``req`` can reuse past its exact prefix of ``exact_len`` tokens (``tokens``:
         what SGLang matches, at most all but the last prompt token). Only looks."""
         if req is None or is_canonical_request(req):
@@ -193,7 +194,7 @@ class DocReuse:
         entry.chains = chains
         return entry.plan
 
-    def canonical_chain_keys(self, req: Any) -> list[list[Any]]:
+    def canonical_chain_keys(self, req: PcrReq) -> list[list[Any]]:
         """The chunk keys of the canonical chains of the documents ``req`` marked, for the
         look-ahead window: a waiting request needs them as it needs its own prefix (none
         if it does not ask for reuse, or its bounds do not fit: ``plan`` reports those)."""
@@ -212,7 +213,7 @@ class DocReuse:
             return []
         return list(self._chain_keys(req, entry).values())
 
-    def canonical_chain_nodes(self, req: Any) -> list[list[ChunkNode]]:
+    def canonical_chain_nodes(self, req: PcrReq) -> list[list[ChunkNode]]:
         """The cached part of each canonical chain of :meth:`canonical_chain_keys` (what
         ``state.match(keys, touch=False).nodes`` gives for each), walking the chunks all
         chains share (``S``'s whole chunks) once: a step's window costs
@@ -236,7 +237,7 @@ class DocReuse:
             matched.append(nodes)
         return matched
 
-    def _chain_keys(self, req: Any, entry: _Planned) -> dict[int, list[Any]]:
+    def _chain_keys(self, req: PcrReq, entry: _Planned) -> dict[int, list[Any]]:
         """Every marked document's canonical chain keys, hashed once per request (``S``
         once for all of them) and kept in its entry: the window, ``admit_now`` and every
         match read them from there, never hashing again."""
@@ -251,7 +252,7 @@ class DocReuse:
         return entry.plan if entry is not None and entry.slots is None else None
 
     # ------------------------------------------------------------------ admission
-    def load(self, req: Any, prefix_node: ChunkNode, load_chain: Callable[[list[ChunkNode]], bool],
+    def load(self, req: PcrReq, prefix_node: ChunkNode, load_chain: Callable[[list[ChunkNode]], bool],
              evict: Callable[[int], int], fence_before_copy: Callable[[], None]) -> bool:
         """Copy the planned documents into fresh private slots (``prefix_node``: the end of
         the request's exact prefix, on the device). All or nothing. With recompute, the
@@ -300,7 +301,7 @@ class DocReuse:
         entry.slots = slots
         return True
 
-    def _keep_unrecomputed(self, req: Any, entry: _Planned, prefix_node: ChunkNode,
+    def _keep_unrecomputed(self, req: PcrReq, entry: _Planned, prefix_node: ChunkNode,
                            slots: torch.Tensor) -> torch.Tensor:
         """Choose the recomputed tokens (``blend``: by the probe, after re-placing layers
         0-1 of every candidate), re-place the kept ones (the rest of their layers), free
@@ -329,7 +330,7 @@ class DocReuse:
         self.allocator.free(slots[both[len(kept):]])
         return slots[both[:len(kept)]]
 
-    def _blend_selection(self, req: Any, plan: ReusePlan, prefix_node: ChunkNode,
+    def _blend_selection(self, req: PcrReq, plan: ReusePlan, prefix_node: ChunkNode,
                          slots: torch.Tensor) -> tuple[int, ...]:
         """The ``plan.recompute_count`` re-placed tokens whose layer-1 V deviates most from
         full prefill's, or (selector ``query``) that the question attends most at layer 1;
@@ -423,7 +424,7 @@ class DocReuse:
         entry = self._requests.get(rid)
         return entry.slots if entry is not None and not entry.in_row else None
 
-    def written_into_row(self, req: Any) -> None:
+    def written_into_row(self, req: PcrReq) -> None:
         """``alloc_for_extend`` wrote the private slots into ``req``'s row: the row owns them."""
         entry = self._requests.get(req.rid)
         if entry is None or entry.slots is None or entry.in_row:

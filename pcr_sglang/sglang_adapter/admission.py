@@ -28,18 +28,18 @@ from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.effects import ChainMatch, Effects
 from pcr_sglang.core.hints import HintBook
 from pcr_sglang.core.residency import CacheState
+from pcr_sglang.req import PcrReq
 from pcr_sglang.reuse.disabled import NoDocReuse
 from pcr_sglang.reuse.placement import is_canonical_request
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
-from pcr_sglang.sglang_adapter.remote_probes import RemoteProbes
-from pcr_sglang.sglang_adapter.req import PcrReq
+from pcr_sglang.sglang_adapter.remote_probes import NoRemoteProbes, RemoteProbes
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
 from pcr_sglang.sglang_adapter.requests import Hold, RequestRegistry, RequestState
 
 
 class Admission:
     def __init__(self, state: CacheState, executor: EffectsExecutor, keys: RequestKeys, requests: RequestRegistry,
-                 hints: HintBook, probes: Optional[RemoteProbes], *, tensor_parallel: bool):
+                 hints: HintBook, probes: RemoteProbes | NoRemoteProbes, *, tensor_parallel: bool):
         self.state = state
         self.executor = executor
         self.allocator = executor.allocator
@@ -70,7 +70,7 @@ class Admission:
             return False
         if entry is not None and entry.waited:
             return True  # one wait per request: what has not landed since is recomputed
-        if self.probes is not None and self.probes.awaiting(req.rid, lambda: self.keys.needed(req)):
+        if self.probes.awaiting(req.rid, lambda: self.keys.needed(req)):
             return False
         match = self.state.match(iter(self.keys.own(req)), touch=False)
         # With document reuse, the documents' canonical chains on SSD are read as the
@@ -104,7 +104,7 @@ class Admission:
         all of them, or, where the remote tier's measured cost says recompute, up to the
         first chunk only the remote tier holds (those are a chain's last: a probe adopts
         only past the local match)."""
-        if (self.probes is None or not any(n.remote_only for nodes in chains for n in nodes)
+        if (not self.probes.enabled or not any(n.remote_only for nodes in chains for n in nodes)
                 or self.state.cost_model.decide_remote(self.chunk)):
             return [nodes for nodes in chains if nodes]
         kept = []

@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional
 
 from pcr_sglang.core.hints import Hint, HintBook, HintPayload, hint_tenant
 from pcr_sglang.core.residency import CacheState
+from pcr_sglang.req import PcrReq
 from pcr_sglang.reuse.disabled import NoDocReuse
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
-from pcr_sglang.sglang_adapter.req import PcrReq
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
 from pcr_sglang.sglang_adapter.tp_group import TpGroup
 

@@ -54,6 +54,8 @@ class RemoteProbeStats:
 class RemoteProbes:
     """The probes in flight, by probe sequence number, and their counters."""
 
+    enabled = True  # beside NoRemoteProbes, the null collaborator without --pcr-remote
+
     def __init__(self, state: CacheState, io: IOSupervisor, requests: RequestRegistry, timeout_s: float):
         self.state = state
         self.io = io
@@ -135,3 +137,27 @@ class RemoteProbes:
     def clear(self) -> None:
         """Forget every probe in flight (a flush, or keys derived under another namespace)."""
         self._probes = {}
+
+
+class NoRemoteProbes:
+    """No remote tier (``--pcr-remote`` off, or no I/O process to reach it): nothing is
+    probed, no request waits for a probe, nothing is found. The scheduler loop and
+    admission hold this instead of testing for a missing collaborator at each call."""
+
+    enabled = False
+    in_flight = 0
+
+    def __init__(self) -> None:
+        self.stats = RemoteProbeStats()
+
+    def send(self, rid: str, entry: Any, needed_keys: Sequence[Sequence[ChunkKey]]) -> None:
+        pass
+
+    def awaiting(self, rid: str, needed_keys: Callable[[], Sequence[Sequence[ChunkKey]]]) -> bool:
+        return False
+
+    def collect(self, effects: Effects) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass

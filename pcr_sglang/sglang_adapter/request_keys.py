@@ -16,8 +16,8 @@ from typing import Any, Optional, Sequence
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.keys import ChainKeyer, ChunkKey
 from pcr_sglang.core.residency import CacheState
+from pcr_sglang.req import PcrReq
 from pcr_sglang.reuse.disabled import NoDocReuse
-from pcr_sglang.sglang_adapter.req import PcrReq
 
 
 def matchable_tokens(req: PcrReq) -> Any:

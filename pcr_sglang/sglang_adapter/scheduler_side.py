@@ -36,14 +36,14 @@ from pcr_sglang.core.keys import ChainKeyer
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.flags import HINT_TO_DEVICE_FREE_SHARE
 from pcr_sglang.io.supervisor import IOSupervisor
+from pcr_sglang.req import PcrReq
 from pcr_sglang.reuse.disabled import NoDocReuse
 from pcr_sglang.reuse.rows import permute_extend_inputs
 from pcr_sglang.sglang_adapter.admission import Admission, up_to_first_remote_only
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.hints import KvHints
 from pcr_sglang.sglang_adapter.offloads import Offloads
-from pcr_sglang.sglang_adapter.remote_probes import RemoteProbes, RemoteProbeStats
-from pcr_sglang.sglang_adapter.req import PcrReq
+from pcr_sglang.sglang_adapter.remote_probes import NoRemoteProbes, RemoteProbes, RemoteProbeStats
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
 from pcr_sglang.sglang_adapter.requests import RequestRegistry
 from pcr_sglang.sglang_adapter.step_agreement import StepAgreement
@@ -71,9 +71,9 @@ class SchedulerSide:
         self.executor = EffectsExecutor(state, allocator, self.engine, io)
         self.offloads = Offloads(state, self.engine, self.requests, config.chunk_size)
         # The remote tier (--pcr-remote, parsed by the factory): probes in flight, by probe seq.
-        self.remote = remote is not None and io is not None
-        self.probes = RemoteProbes(state, io, self.requests, remote.probe_timeout_ms / 1000) \
-            if remote is not None and io is not None else None
+        self.probes: RemoteProbes | NoRemoteProbes = \
+            RemoteProbes(state, io, self.requests, remote.probe_timeout_ms / 1000) \
+            if remote is not None and io is not None else NoRemoteProbes()
         self.hints = HintBook(config.hint_limits())
         # --pcr-hint-to-device: 'auto' is on where the KV pool is on a GPU.
         on_gpu = str(getattr(allocator, "device", "cpu")).startswith("cuda")
@@ -115,7 +115,7 @@ class SchedulerSide:
         effects = Effects()
         if self.io is not None or self.tp is not None:
             self.agreement.run(bool(waiting_queue), self.admission.digest, effects)
-        if self.probes is not None:
+        if self.probes.enabled:
             assert self.io is not None
             for seconds in self.io.take_remote_read_seconds():
                 self.state.cost_model.observe_read(seconds, remote=True)
@@ -134,7 +134,7 @@ class SchedulerSide:
         chains = [self.keys.needed_chains(req) for req in window]
         if lookahead:  # one entry per request: the window counts requests
             self.state.protect([[n for chain in per_req for n in chain] for per_req in chains[:lookahead]])
-        if self.probes is not None and self.state.io_healthy:
+        if self.probes.enabled and self.state.io_healthy:
             for req in window[:prefetch]:  # probed ahead of admission, so the answer is in by then
                 entry = self.requests.get(req.rid)
                 if entry.probe_seq is None and not entry.probed:
@@ -145,7 +145,7 @@ class SchedulerSide:
             healthy = self.state.io_healthy
             wanted: list[Sequence[ChunkNode]] = [c for per_req in chains[:prefetch] for c in per_req] \
                 if healthy else []
-            if self.probes is not None and not self.state.cost_model.prefers_remote_load(self.chunk):
+            if self.probes.enabled and not self.state.cost_model.prefers_remote_load(self.chunk):
                 wanted = [up_to_first_remote_only(c) for c in wanted]  # not worth reading ahead either
             hinted = self.kv_hints.live() if healthy else ()
             self.state.plan_prefetch(wanted, held, effects, len(waiting_queue), hinted)
@@ -214,12 +214,17 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ what /server_info reports
     @property
+    def remote(self) -> bool:
+        """A remote tier is configured (``--pcr-remote``) and reachable through the I/O process."""
+        return self.probes.enabled
+
+    @property
     def probes_in_flight(self) -> int:
-        return self.probes.in_flight if self.probes is not None else 0
+        return self.probes.in_flight
 
     @property
     def remote_stats(self) -> RemoteProbeStats:
-        return self.probes.stats if self.probes is not None else RemoteProbeStats()
+        return self.probes.stats
 
     @property
     def deferred_orders(self) -> int:
@@ -244,8 +249,7 @@ class SchedulerSide:
         the flush would read its chains back from the SSD into the cache just emptied."""
         self.requests.clear()
         self.hints.clear()
-        if self.probes is not None:
-            self.probes.clear()
+        self.probes.clear()
         self.docs.reset()
         self.keys.forget()
         self.executor.execute(self.state.reset(keep_persisted))
@@ -258,8 +262,7 @@ class SchedulerSide:
         self.keyer.rekey(chain_digest)
         self.keys.forget()
         self.hints.clear()
-        if self.probes is not None:
-            self.probes.clear()
+        self.probes.clear()
         self.docs.forget_keys()
 
     def close(self) -> None:

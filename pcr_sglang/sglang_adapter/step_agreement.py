@@ -49,7 +49,7 @@ class StepAgreement:
             for seq, outcome, seconds in self.io.poll():
                 finished[seq] = (outcome, seconds)
             self.state.note_io_process(self.io.failures, self.io.restarts)
-        holds = self.requests.holds()
+        holds = [(entry, entry.hold) for entry in self.requests.holds() if entry.hold is not None]
         outstanding = self.state.outstanding()
         if self.tp is not None and not (outstanding or holds or queue_nonempty or len(self.hints.book)):
             return  # nothing to agree on (and the same on every rank)
@@ -60,7 +60,7 @@ class StepAgreement:
         chunk = self.state.chunk_size
         view = LocalView(healthy=self.io is not None and self.io.healthy,
                          prefers_load=self.state.cost_model.prefers_load(chunk), outstanding=outstanding,
-                         finished=finished, still_waiting=[now < s.hold.deadline for s in holds],
+                         finished=finished, still_waiting=[now < hold.deadline for _, hold in holds],
                          admission_digest=admission_digest, hint_clock_ms=self.hints.clock_ms())
         agreed = agree(view, self.tp.reduce_min if self.tp is not None else None)
         self.rounds += 1
@@ -71,8 +71,8 @@ class StepAgreement:
         if not agreed.consistent:
             self.broken = agreed.error
             self.state.stop_io()
-            for state in holds:  # nothing the SSD tier was reading will be applied any more
-                state.hold = None
+            for entry, _ in holds:  # nothing the SSD tier was reading will be applied any more
+                entry.hold = None
             logger.error("PCR: %s; the SSD tier stops on every rank (a bug: please report it)", agreed.error)
             return
         self.state.apply_agreement(agreed.healthy, agreed.prefers_load)
@@ -85,6 +85,6 @@ class StepAgreement:
                            "stopped, serving continues from device and host memory (chunks already on SSD "
                            "stay readable)")
         self._writes_were_enabled = self.state.writes_enabled
-        for state, still in zip(holds, agreed.still_waiting):
+        for (_, hold), still in zip(holds, agreed.still_waiting):
             if not still:
-                state.hold.expired = True
+                hold.expired = True

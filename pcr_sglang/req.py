@@ -1,11 +1,12 @@
 """The parts of SGLang's ``Req`` (``sglang.srt.managers.schedule_batch``) PCR reads and writes.
 
-Typed as :class:`typing.Protocol`\\ s, not imported: the adapter is then checked against
-what it uses (a renamed field in a new SGLang is a type error here, not an
-``AttributeError`` in the scheduler loop), and the unit tests' lightweight requests satisfy
-the same contract. Attributes that only some SGLang requests carry
-(``positional_embed_overrides``, ``_compute_max_prefix_len``) are read with ``getattr``
-where they are used and are not part of it.
+Typed as :class:`typing.Protocol`\\ s, not imported: the adapter and the document-reuse
+wing are then typed against what they use (a renamed field in a new SGLang shows in one
+place, not as an ``AttributeError`` in the scheduler loop), and the unit tests' lightweight
+requests satisfy the same contract. On the ground floor, so that both import it. Attributes
+that only some SGLang requests carry (``positional_embed_overrides``,
+``_compute_max_prefix_len``) are read with ``getattr`` where they are used and are not part
+of it.
 """
 
 from __future__ import annotations
