@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pcr_sglang.req import PcrReq
+
 CUSTOM_PARAMS_FIELD = "sampling_params.custom_params"
 DOC_BOUNDS_PARAM = "pcr_doc_bounds"
 DOC_MODE_PARAM = "pcr_doc_reuse"
@@ -200,3 +202,23 @@ def parse_doc_bounds(raw: object, num_tokens: int, limits: Optional[DocLimits] =
 RECOMPUTE_ATTENTION_BACKENDS = ("torch_native", "triton")
 # The ForwardBatch attribute the row positions travel on (reuse.rows reads it).
 ROWS_ATTR = "pcr_row_positions"
+
+
+def request_doc_reuse(req: PcrReq, num_tokens: int, server: Recompute, limits: Optional[DocLimits] = None
+                      ) -> Optional[tuple[tuple[DocSpan, ...], Recompute]]:
+    """The documents ``req`` marked and how it wants them repaired, or None (not asking,
+    or asking for ``off``). Raises :class:`DocBoundsError` for bounds that do not fit its
+    tokens or the server's ``limits``, a mode or K/R the server cannot serve, or
+    ``custom_params`` that are not a dict (the tokenizer refuses all of these first)."""
+    params = doc_params(getattr(getattr(req, "sampling_params", None), "custom_params", None))
+    if not params or DOC_BOUNDS_PARAM not in params:
+        return None
+    recompute = request_recompute(params, server)
+    if recompute is None:
+        return None
+    return parse_doc_bounds(params[DOC_BOUNDS_PARAM], num_tokens, limits), recompute
+
+
+def is_canonical_request(req: PcrReq) -> bool:
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return isinstance(params, dict) and bool(params.get(CANONICAL_PARAM))

@@ -46,16 +46,13 @@ from pcr_sglang.core.residency import CacheState
 from pcr_sglang.req import PcrReq
 from pcr_sglang.reuse.blend_select import Layer1Deviation
 from pcr_sglang.reuse.bounds import (
-    CANONICAL_PARAM,
-    DOC_BOUNDS_PARAM,
     RECOMPUTE_MODES,
     DocBoundsError,
     DocLimits,
     DocSpan,
     Recompute,
-    doc_params,
-    parse_doc_bounds,
-    request_recompute,
+    is_canonical_request,
+    request_doc_reuse,
 )
 from pcr_sglang.reuse.calibration import CalibrationConditions
 from pcr_sglang.reuse.plan import ReusePlan, RowOrder, canonical_chain_keys, plan_reuse, row_order, with_recompute
@@ -92,26 +89,6 @@ class _Planned:
     # Each document's canonical chain keys, by document index: hashed once per request,
     # all together (``S`` once), the first time any is needed; matched every pass.
     chain_keys: Optional[dict[int, list[Any]]] = None
-
-
-def request_doc_reuse(req: PcrReq, num_tokens: int, server: Recompute, limits: Optional[DocLimits] = None
-                      ) -> Optional[tuple[tuple[DocSpan, ...], Recompute]]:
-    """The documents ``req`` marked and how it wants them repaired, or None (not asking,
-    or asking for ``off``). Raises :class:`DocBoundsError` for bounds that do not fit its
-    tokens or the server's ``limits``, a mode or K/R the server cannot serve, or
-    ``custom_params`` that are not a dict (the tokenizer refuses all of these first)."""
-    params = doc_params(getattr(getattr(req, "sampling_params", None), "custom_params", None))
-    if not params or DOC_BOUNDS_PARAM not in params:
-        return None
-    recompute = request_recompute(params, server)
-    if recompute is None:
-        return None
-    return parse_doc_bounds(params[DOC_BOUNDS_PARAM], num_tokens, limits), recompute
-
-
-def is_canonical_request(req: PcrReq) -> bool:
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return isinstance(params, dict) and bool(params.get(CANONICAL_PARAM))
 
 
 class DocReuse:

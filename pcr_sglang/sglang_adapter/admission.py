@@ -29,8 +29,8 @@ from pcr_sglang.core.effects import ChainMatch, Effects
 from pcr_sglang.core.hints import HintBook
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.req import PcrReq
+from pcr_sglang.reuse.bounds import is_canonical_request
 from pcr_sglang.reuse.disabled import NoDocReuse
-from pcr_sglang.reuse.placement import is_canonical_request
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.remote_probes import NoRemoteProbes, RemoteProbes
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
