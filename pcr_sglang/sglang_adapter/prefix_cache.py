@@ -239,13 +239,11 @@ class PCRPrefixCache(BasePrefixCache):
         req.last_node = new_last_node
 
     def _free_device(self, slots: torch.Tensor, start_pos: int) -> None:
-        if self.scheduler.engine is not None:
-            self.scheduler.engine.fence_before_reuse()  # no copy may still touch them
+        self.scheduler.executor.fence_before_reuse()  # no copy may still touch them
         self.token_to_kv_pool_allocator.free_segment(slots, start_pos=start_pos)
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
-        if self.scheduler.engine is not None:
-            self.scheduler.engine.fence_before_reuse()
+        self.scheduler.executor.fence_before_reuse()
         super().free_kv_row(kv, ranges)
 
     def on_release(self, req: Req, *, checkpointed: bool) -> None:
