@@ -314,7 +314,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--modes", type=parse_modes, default=parse_modes("concat,lego,blend"),
                         help="comma-separated configurations to measure: concat, lego[:K], blend[:R[:A][:S]] "
-                             "(A: anchor tokens, S: deviation or query) "
+                             "(A: anchor tokens, S: deviation, gradual, query or prophet) "
                              "(default: concat,lego,blend at the server's K and R)")
     parser.add_argument("--requests", type=int, default=None,
                         help=f"first turns of the trace (default {DEFAULT_REQUESTS}; --quick: {QUICK_REQUESTS})")

@@ -60,8 +60,8 @@ DEFAULT_DOC_RECOMPUTE_RATIO = 0.15
 # --unique-docs measured warming every first sighting several times slower than radix
 # (bench/README.md, "When documents are warmed").
 DOC_WARMUP_CHOICES = ["request", "idle"]
-# What ranks blend's recomputed tokens (reuse.plan.SELECTORS, request-side, is the same list).
-DOC_SELECTOR_CHOICES = ["deviation", "query"]
+# What ranks blend's recomputed tokens (reuse.bounds.SELECTORS, request-side, is the same list).
+DOC_SELECTOR_CHOICES = ["deviation", "gradual", "query", "prophet"]
 DEFAULT_DOC_WARMUP = "request"
 DEFAULT_DOC_WARMUP_AFTER = 2
 # What one request may mark (bench/doc_bounds_step.py measures the worst allowed request).
@@ -340,9 +340,12 @@ class PcrFlags(msgspec.Struct):
         Arg(
             help=(
                 "--pcr-doc-reuse blend: what picks the recomputed tokens: 'deviation' (CacheBlend: "
-                "layer-1 V deviating most from full prefill's) or 'query' (the tokens the question "
-                "attends most at layer 1, from the same probe). A request may override it with "
-                "custom_params['pcr_doc_selector']. Default: deviation."
+                "layer-1 V deviating most from full prefill's), 'gradual' (the CacheBlend paper's "
+                "gradual filtering: layer 1 keeps twice the budget, layer 2's deviation picks), "
+                "'query' (the tokens the question attends most at layer 1) or 'prophet' (ProphetKV: "
+                "the question's attention fused over layers 1-4, the upper ones over the re-placed "
+                "KV). A request may override it with custom_params['pcr_doc_selector']. "
+                "Default: deviation."
             ),
             choices=DOC_SELECTOR_CHOICES,
         ),

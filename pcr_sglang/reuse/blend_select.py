@@ -1,4 +1,4 @@
-"""``blend`` mode's token selection: which re-placed tokens deviate most from full prefill.
+"""``blend`` mode's token selection: which re-placed tokens to recompute.
 
 CacheBlend recomputes the tokens whose KV at layer 1 differs most between the reused
 (re-placed) KV and the KV full prefill would give, since those deviations grow through
@@ -11,18 +11,37 @@ prefix and the just re-placed documents), then layer 1's projections. Its layer-
 also replace the reused ones in the private slots, as CacheBlend keeps its check layer's
 fresh KV: the kept tokens are then exact through layer 1.
 
-The selection score is CacheBlend's reference one: the squared difference of layer-1 V,
-summed over heads and dimensions (V carries no position, so rotation error cannot enter).
+Selectors (``SELECTORS`` in ``reuse/bounds.py``), all at one recompute budget:
+
+* ``deviation`` (CacheBlend's released code): the squared difference of layer-1 V, summed
+  over heads and dimensions (V carries no position, so rotation error cannot enter).
+* ``gradual`` (the CacheBlend paper's gradual filtering): layer 1's deviation keeps
+  ``GRADUAL_WIDTH`` times the budget; those tokens alone go on to layer 2 (in full context:
+  every reused token's layer-1 KV is exact by then), and layer 2's V deviation picks the
+  budget among them. Their layer-2 KV is exact too and replaces the reused one.
+* ``query`` (ProphetKV's idea at the probe's one layer): the attention the question's
+  layer-1 queries give each token, over full-context layer-1 keys.
+* ``prophet`` (ProphetKV's selector: the question's queries against the cached keys,
+  fused over a few layers): the question runs through layers 0..``QUERY_LAYERS`` over the
+  request's KV as the forward will see it (exact through layer 1, the re-placed KV above),
+  and each token's attention is summed over those layers (each layer gives the same
+  total, so the sum is the mean of the layers' distributions).
+
+The layers a selector reads must be in the pool before the probe runs (``layers_read``);
+the forward's layer-wise copies of the kept tokens' other layers start after it.
+
+Anchors (the "hybrid" selector: each re-placed document's first tokens) come first at
+every stage, whatever their score.
 
 The probe drives the decoder layers' modules directly (norms, projections, MLP) rather
 than SGLang's forward, so it is allowed only for the layer classes whose structure it
-reproduces (``DEVIATION_LAYERS``); :func:`deviation_support` says why not for any other.
+reproduces (``PROBE_LAYERS``); :func:`probe_support` says why not for any other.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -31,23 +50,29 @@ logger = logging.getLogger(__name__)
 
 # Pre-norm decoder layers: x + attn(norm(x)), then + mlp(norm(.)), attention from a fused
 # qkv projection with RoPE, no q/k norms, no soft cap, full attention.
-DEVIATION_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+PROBE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
 # Attention scores one query block of the probe aims at (heads x queries x keys): 2^26
 # float32 is about 256 MiB per block, beside SGLang's own budget (approximate: a block has
 # at least one query, and SDPA's temporaries, the mask and the keys come on top).
 SCORE_ELEMENTS = 1 << 26
+# ``gradual``: layer 1 keeps this many times the budget for layer 2 to choose from.
+GRADUAL_WIDTH = 2
+# ``prophet``: the question's attention is fused over layers 1..QUERY_LAYERS (fewer on a
+# shallower model). Its layers must be copied before the probe, so this bounds how much
+# of the layer-wise copy the selection waits for.
+QUERY_LAYERS = 4
 
 
-def deviation_support(model: Any) -> Optional[str]:
-    """None when :class:`Layer1Deviation` can run on ``model``; else why not."""
+def probe_support(model: Any) -> Optional[str]:
+    """None when :class:`BlendProbe` can run on ``model``; else why not."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or getattr(inner, "embed_tokens", None) is None or len(layers) < 2:
         return f"{type(model).__name__} has no model.embed_tokens / two model.layers for the layer-1 probe"
-    for layer in list(layers)[:2]:
+    for layer in list(layers)[:QUERY_LAYERS + 1]:
         name = type(layer).__name__
-        if name not in DEVIATION_LAYERS:
-            return f"the layer-1 probe reproduces {', '.join(DEVIATION_LAYERS)}; this model's layers are {name}"
+        if name not in PROBE_LAYERS:
+            return f"the layer-1 probe reproduces {', '.join(PROBE_LAYERS)}; this model's layers are {name}"
         attn = getattr(layer, "self_attn", None)
         for part in ("qkv_proj", "o_proj", "rotary_emb", "q_size", "kv_size", "head_dim", "scaling"):
             if not hasattr(attn, part):
@@ -63,120 +88,207 @@ def deviation_support(model: Any) -> Optional[str]:
 
 
 @dataclass
-class DeviationResult:
+class Layer1Result:
+    """The reused tokens in full context through layer 1."""
+
     deviation: torch.Tensor  # [tokens] float32, squared layer-1 V difference per reused token
     k1: torch.Tensor  # [tokens, kv_heads, head_dim] full-context layer-1 K, in the KV dtype
     v1: torch.Tensor
-    # [tokens] float32: the attention the question's layer-1 queries give each reused token
-    # (summed over the question's tokens and heads); None without a question.
-    attention: Optional[torch.Tensor] = None
+    residual: torch.Tensor  # [tokens, hidden] the residual stream after layer 0 (layer 1's input)
+    q1: torch.Tensor  # [tokens, heads, head_dim] layer 1's queries (RoPE applied)
+    # Layer 0's context for the question: the prefix's and the tokens' layer-0 K/V
+    # ([keys, kv_heads, head_dim], the compute dtype) at ``key_positions``.
+    keys0: torch.Tensor
+    values0: torch.Tensor
+    key_positions: torch.Tensor
+
+
+@dataclass
+class ExactKv:
+    """Full prefill's KV at ``layer`` for the tokens at ``offsets``: it replaces the re-placed KV."""
+
+    layer: int
+    offsets: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass
+class Selection:
+    chosen: torch.Tensor  # offsets (into the probed tokens) to recompute, ascending, on the host
+    exact: list[ExactKv] = field(default_factory=list)
 
 
 def _first(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
-class Layer1Deviation:
+class BlendProbe:
     def __init__(self, model: Any, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]):
         self.embed = model.model.embed_tokens
-        self.layers = list(model.model.layers)[:2]
+        self.layers = list(model.model.layers)[:min(len(kv_layers), QUERY_LAYERS + 1)]
         self.kv_layers = kv_layers
 
+    def layers_read(self, selector: str) -> int:
+        """How many leading layers of the pool ``selector`` reads (they must be copied first)."""
+        if selector == "gradual":
+            return min(3, len(self.layers))
+        if selector == "prophet":
+            return len(self.layers)
+        return 2
+
+    # ------------------------------------------------------------------ the selection
     @torch.no_grad()
-    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, prefix_slots: torch.Tensor,
-            reused_slots: torch.Tensor, query_ids: Optional[torch.Tensor] = None) -> DeviationResult:
-        """Full-context layer-1 KV for the reused tokens ``token_ids`` at ``positions``
-        (ascending; the exact prefix's slots ``prefix_slots`` hold positions 0..), whose
-        re-placed KV sits in ``reused_slots``, and its deviation from that KV. Queries run
-        in blocks, so the attention scores of one block stay within ``SCORE_ELEMENTS``.
+    def select(self, token_ids: torch.Tensor, positions: torch.Tensor, prefix_slots: torch.Tensor,
+               reused_slots: torch.Tensor, candidates: torch.Tensor, count: int, anchored: torch.Tensor,
+               selector: str, question_ids: Optional[torch.Tensor] = None,
+               gap_offsets: Optional[torch.Tensor] = None) -> Selection:
+        """The ``count`` of ``candidates`` (offsets of the re-placed tokens among
+        ``token_ids``) to recompute, ranked by ``selector``; ``anchored`` (a mask over the
+        candidates) come first. ``token_ids`` sit at ``positions`` (ascending; the exact
+        prefix's slots ``prefix_slots`` hold positions 0..), their re-placed KV in
+        ``reused_slots``; ``question_ids`` follow them (the query selectors').
+        ``gap_offsets``: tokens with no cached KV (the forward computes them in place),
+        which the question cannot see above layer 1 before then."""
+        first = self.layer1(token_ids, positions, prefix_slots, reused_slots)
+        exact = [ExactKv(1, candidates, first.k1[candidates], first.v1[candidates])]
+        anchored = anchored.to(candidates.device)
+        has_question = question_ids is not None and question_ids.shape[0] > 0
+        if selector in ("query", "prophet") and has_question:
+            assert question_ids is not None
+            depth = 1 if selector == "query" else len(self.layers) - 1
+            scores = self.question_attention(first, question_ids, positions, prefix_slots, reused_slots,
+                                             depth, gap_offsets)[candidates]
+        else:
+            scores = first.deviation[candidates]
+        if selector == "gradual" and len(self.layers) > 2:
+            width = min(candidates.shape[0], GRADUAL_WIDTH * count)
+            wide = torch.topk(scores.float().masked_fill(anchored, float("inf")), width).indices
+            second = self.layer2_deviation(first, candidates[wide], positions, prefix_slots, reused_slots)
+            exact.append(second)
+            scores = torch.full_like(scores, float("-inf"), dtype=torch.float32)
+            scores[wide] = (second.v.float() - self.kv_layers[2][1][reused_slots[candidates[wide]]].float()
+                            ).square().sum(dim=(1, 2))
+        top = torch.topk(scores.float().masked_fill(anchored, float("inf")), count).indices
+        chosen, _ = torch.sort(candidates[top].cpu())
+        return Selection(chosen, exact)
 
-        ``query_ids``: the tokens right after the reused ones (the question). Their layer-1
-        queries' attention over the reused tokens' full-context layer-1 keys is the
-        query-aware selector's score (ProphetKV's idea, at the probe's one layer): layer 0
-        is exact for every token and the reused tokens' layer-1 K is full prefill's here, so
-        this is the attention full prefill's question gives each document token at layer 1."""
+    # ------------------------------------------------------------------ layer 1 in full context
+    @torch.no_grad()
+    def layer1(self, token_ids: torch.Tensor, positions: torch.Tensor, prefix_slots: torch.Tensor,
+               reused_slots: torch.Tensor) -> Layer1Result:
+        """Full-context layer-1 KV for the reused tokens ``token_ids`` at ``positions``,
+        whose re-placed KV sits in ``reused_slots``, and its deviation from that KV.
+        Queries run in blocks, so the attention scores of one block stay within
+        ``SCORE_ELEMENTS``."""
         k0_pool, v0_pool = self.kv_layers[0]
-        k1_pool, v1_pool = self.kv_layers[1]
-        n = token_ids.shape[0]
-        hidden, q, k, v = self._layer0_qkv(token_ids, positions)
-        keys = torch.cat([k0_pool[prefix_slots].to(q.dtype), k]).transpose(0, 1).unsqueeze(0)
-        values = torch.cat([v0_pool[prefix_slots].to(q.dtype), v]).transpose(0, 1).unsqueeze(0)
-        key_positions = torch.cat([torch.arange(prefix_slots.shape[0], device=q.device), positions])
-        _, k1, v1 = self._layer1_projections(hidden, q, positions, keys, values, key_positions)
-        d1 = self.layers[1].self_attn.head_dim
-        k1, v1 = k1.reshape(n, -1, d1).to(k1_pool.dtype), v1.reshape(n, -1, d1).to(v1_pool.dtype)
-        deviation = (v1.float() - v1_pool[reused_slots].float()).square().sum(dim=(1, 2))
-        attention = None
-        if query_ids is not None and query_ids.shape[0] > 0:
-            attention = self._question_attention(query_ids, positions, prefix_slots, keys, values, key_positions, k1)
-        return DeviationResult(deviation, k1, v1, attention)
-
-    def _layer0_qkv(self, token_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Layer 0 is context-free up to its attention: the embeddings, and Q, K, V (RoPE at
-        ``positions``) as [tokens, heads, head_dim]."""
-        attn0 = self.layers[0].self_attn
-        n, d = token_ids.shape[0], attn0.head_dim
+        v1_pool = self.kv_layers[1][1]
         hidden = self.embed(token_ids)
-        q, k, v = _first(attn0.qkv_proj(_first(self.layers[0].input_layernorm(hidden)))).split(
-            [attn0.q_size, attn0.kv_size, attn0.kv_size], dim=-1)
-        q, k = attn0.rotary_emb(positions, q, k)
-        return hidden, q.reshape(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)
+        q, k, v = self._project(0, hidden, positions)
+        keys = torch.cat([k0_pool[prefix_slots].to(q.dtype), k])
+        values = torch.cat([v0_pool[prefix_slots].to(q.dtype), v])
+        key_positions = torch.cat([torch.arange(prefix_slots.shape[0], device=q.device), positions])
+        residual = self._finish(0, hidden, self._attend(0, q, positions, keys, values, key_positions))
+        q1, k1, v1 = self._project(1, residual, positions)
+        k1, v1 = k1.to(v1_pool.dtype), v1.to(v1_pool.dtype)
+        deviation = (v1.float() - v1_pool[reused_slots].float()).square().sum(dim=(1, 2))
+        return Layer1Result(deviation, k1, v1, residual, q1, keys, values, key_positions)
 
-    def _layer1_projections(self, hidden: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
-                            keys: torch.Tensor, values: torch.Tensor,
-                            key_positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Layer 0's attention in full context (``keys``/``values`` at ``key_positions``,
-        position-causal) and MLP for the tokens of ``hidden`` and ``q`` at ``positions``,
-        then layer 1's Q, K, V (RoPE applied), flat per token. Queries run in blocks, so the
-        attention scores of one block stay within ``SCORE_ELEMENTS``."""
-        layer0, layer1 = self.layers
-        attn0, attn1 = layer0.self_attn, layer1.self_attn
-        n = q.shape[0]
-        gqa = q.shape[1] != keys.shape[1]
-        block = max(1, SCORE_ELEMENTS // (q.shape[1] * key_positions.shape[0]))
-        q1_parts, k1_parts, v1_parts = [], [], []
+    def layer2_deviation(self, first: Layer1Result, offsets: torch.Tensor, positions: torch.Tensor,
+                         prefix_slots: torch.Tensor, reused_slots: torch.Tensor) -> ExactKv:
+        """Full-context layer-2 KV of the tokens at ``offsets``: their layer-1 attention
+        over every token's exact layer-1 KV (the prefix's in the pool, the reused ones'
+        from ``first``), then layer 1's MLP and layer 2's projections."""
+        k1_pool, v1_pool = self.kv_layers[1]
+        dtype = first.q1.dtype
+        keys = torch.cat([k1_pool[prefix_slots].to(dtype), first.k1.to(dtype)])
+        values = torch.cat([v1_pool[prefix_slots].to(dtype), first.v1.to(dtype)])
+        out = self._attend(1, first.q1[offsets], positions[offsets], keys, values, first.key_positions)
+        residual = self._finish(1, first.residual[offsets], out)
+        _, k2, v2 = self._project(2, residual, positions[offsets])
+        k2_pool = self.kv_layers[2][0]
+        return ExactKv(2, offsets, k2.to(k2_pool.dtype), v2.to(k2_pool.dtype))
+
+    def question_attention(self, first: Layer1Result, question_ids: torch.Tensor, positions: torch.Tensor,
+                           prefix_slots: torch.Tensor, reused_slots: torch.Tensor, depth: int,
+                           gap_offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The attention the question (``question_ids``, right after ``positions``) gives
+        each reused token at layers 1..``depth``, summed over layers, question tokens and
+        heads. Layer 1 sees every reused token's full-context K (``first``); the layers
+        above see the pool's KV (the re-placed KV: what the forward will see) but for the
+        tokens at ``gap_offsets``, which hold none yet and are left out there."""
+        m = question_ids.shape[0]
+        start = prefix_slots.shape[0]
+        q_positions = torch.arange(int(positions[-1]) + 1, int(positions[-1]) + 1 + m, device=positions.device)
+        all_positions = torch.cat([first.key_positions, q_positions])
+        hidden = self.embed(question_ids)
+        q, k, v = self._project(0, hidden, q_positions)
+        keys, values = torch.cat([first.keys0, k]), torch.cat([first.values0, v])
+        hidden = self._finish(0, hidden, self._attend(0, q, q_positions, keys, values, all_positions))
+        weights = torch.zeros(all_positions.shape[0], dtype=torch.float32, device=q.device)
+        filled = None
+        if gap_offsets is not None and gap_offsets.numel():
+            filled = torch.ones(all_positions.shape[0], dtype=torch.bool, device=q.device)
+            filled[start + gap_offsets.to(q.device)] = False
+        for layer in range(1, depth + 1):
+            q, k, v = self._project(layer, hidden, q_positions)
+            k_pool, v_pool = self.kv_layers[layer]
+            context = (first.k1, first.v1) if layer == 1 else (k_pool[reused_slots], v_pool[reused_slots])
+            keys = torch.cat([k_pool[prefix_slots].to(q.dtype), context[0].to(q.dtype), k])
+            values = torch.cat([v_pool[prefix_slots].to(q.dtype), context[1].to(q.dtype), v])
+            out = self._attend(layer, q, q_positions, keys, values, all_positions, weights,
+                               filled if layer > 1 else None)
+            if layer < depth:
+                hidden = self._finish(layer, hidden, out)
+        return weights[start:start + positions.shape[0]]
+
+    # ------------------------------------------------------------------ one decoder layer
+    def _project(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Layer ``layer``'s Q, K, V for the residual stream ``hidden`` (RoPE at
+        ``positions``), as [tokens, heads, head_dim]."""
+        module = self.layers[layer]
+        attn = module.self_attn
+        n, d = hidden.shape[0], attn.head_dim
+        q, k, v = _first(attn.qkv_proj(_first(module.input_layernorm(hidden)))).split(
+            [attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k = attn.rotary_emb(positions, q, k)
+        return q.reshape(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)
+
+    def _finish(self, layer: int, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
+        """The residual stream after layer ``layer``: its output projection and MLP."""
+        module = self.layers[layer]
+        residual = hidden + _first(module.self_attn.o_proj(attention_out))
+        return residual + module.mlp(_first(module.post_attention_layernorm(residual)))
+
+    def _attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, key_positions: torch.Tensor,
+                weights: Optional[torch.Tensor] = None, key_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Position-causal attention of ``q`` ([n, heads, d] at ``positions``) over
+        ``keys``/``values`` ([keys, kv_heads, d] at ``key_positions``), flat per token.
+        With ``weights`` ([keys] float32), each key's attention (summed over queries and
+        heads) is added to it; ``key_valid`` (a [keys] mask) hides the others. Queries run
+        in blocks of at most ``SCORE_ELEMENTS`` scores."""
+        attn = self.layers[layer].self_attn
+        n, heads, d = q.shape
+        kv_heads = keys.shape[1]
+        block = max(1, SCORE_ELEMENTS // (heads * key_positions.shape[0]))
+        parts = []
         for begin in range(0, n, block):
             end = min(begin + block, n)
             mask = key_positions.unsqueeze(0) <= positions[begin:end].unsqueeze(1)  # [block, keys]
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q[begin:end].transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask, scale=attn0.scaling,
-                enable_gqa=gqa)
-            out = out.squeeze(0).transpose(0, 1).reshape(end - begin, -1)
-            residual = hidden[begin:end] + _first(attn0.o_proj(out))
-            residual = residual + layer0.mlp(_first(layer0.post_attention_layernorm(residual)))
-            normed1 = _first(layer1.input_layernorm(residual))
-            q1, k1, v1 = _first(attn1.qkv_proj(normed1)).split([attn1.q_size, attn1.kv_size, attn1.kv_size], dim=-1)
-            q1, k1 = attn1.rotary_emb(positions[begin:end], q1, k1)
-            q1_parts.append(q1)
-            k1_parts.append(k1)
-            v1_parts.append(v1)
-        return torch.cat(q1_parts), torch.cat(k1_parts), torch.cat(v1_parts)
-
-    def _question_attention(self, query_ids: torch.Tensor, positions: torch.Tensor, prefix_slots: torch.Tensor,
-                            keys0: torch.Tensor, values0: torch.Tensor, key_positions0: torch.Tensor,
-                            reused_k1: torch.Tensor) -> torch.Tensor:
-        """Layer-1 attention of the question (``query_ids``, right after ``positions``) on
-        each reused token, summed over the question's tokens and heads."""
-        attn1 = self.layers[1].self_attn
-        k1_pool = self.kv_layers[1][0]
-        m = query_ids.shape[0]
-        q_positions = torch.arange(int(positions[-1]) + 1, int(positions[-1]) + 1 + m, device=positions.device)
-        hidden, q, k, v = self._layer0_qkv(query_ids, q_positions)
-        keys = torch.cat([keys0, k.transpose(0, 1).unsqueeze(0)], dim=2)
-        values = torch.cat([values0, v.transpose(0, 1).unsqueeze(0)], dim=2)
-        all_positions = torch.cat([key_positions0, q_positions])
-        q1, k1, _ = self._layer1_projections(hidden, q, q_positions, keys, values, all_positions)
-        d1 = attn1.head_dim
-        keys1 = torch.cat([k1_pool[prefix_slots].float(), reused_k1.float(), k1.reshape(m, -1, d1).float()])
-        kv_heads = keys1.shape[1]
-        queries = q1.reshape(m, kv_heads, -1, d1).float()  # [questions, kv heads, group, dim]
-        block = max(1, SCORE_ELEMENTS // (queries.shape[1] * queries.shape[2] * all_positions.shape[0]))
-        weights = torch.zeros(keys1.shape[0], dtype=torch.float32, device=keys1.device)
-        for begin in range(0, m, block):
-            end = min(begin + block, m)
-            mask = all_positions.unsqueeze(0) <= q_positions[begin:end].unsqueeze(1)
-            logits = torch.einsum("mkgd,lkd->mkgl", queries[begin:end], keys1) * attn1.scaling
-            logits = logits.masked_fill(~mask[:, None, None, :], float("-inf"))
-            weights += torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2))
-        start = prefix_slots.shape[0]
-        return weights[start:start + reused_k1.shape[0]]
+            if key_valid is not None:
+                mask &= key_valid
+            if weights is None:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q[begin:end].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                    values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=attn.scaling,
+                    enable_gqa=heads != kv_heads)
+                parts.append(out.squeeze(0).transpose(0, 1).reshape(end - begin, -1))
+                continue
+            grouped = q[begin:end].reshape(end - begin, kv_heads, heads // kv_heads, d).float()
+            logits = torch.einsum("mkgd,lkd->mkgl", grouped, keys.float()) * attn.scaling
+            probs = torch.softmax(logits.masked_fill(~mask[:, None, None, :], float("-inf")), dim=-1)
+            weights += probs.sum(dim=(0, 1, 2))
+            out = torch.einsum("mkgl,lkd->mkgd", probs, values.float())
+            parts.append(out.reshape(end - begin, -1).to(q.dtype))
+        return torch.cat(parts)

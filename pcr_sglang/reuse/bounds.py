@@ -22,11 +22,15 @@ RECOMPUTE_RATIO_PARAM = "pcr_doc_recompute_ratio"
 # ``blend``: the first N tokens of each re-placed document always recomputed, inside the R
 # budget; the rest of the budget by deviation (the "hybrid" selector).
 ANCHOR_TOKENS_PARAM = "pcr_doc_anchor_tokens"
-# ``blend``: what ranks the re-placed tokens: ``deviation`` (CacheBlend: layer-1 V against
-# full prefill's) or ``query`` (the question's layer-1 attention on each token).
+# ``blend``: what ranks the re-placed tokens (reuse/blend_select.py): ``deviation``
+# (CacheBlend: layer-1 V against full prefill's), ``gradual`` (the paper's gradual
+# filtering: layer 1 keeps twice the budget, layer 2's deviation picks), ``query`` (the
+# question's layer-1 attention on each token) or ``prophet`` (the question's attention
+# fused over layers 1-4, the upper ones over the re-placed KV, as ProphetKV).
 SELECTOR_PARAM = "pcr_doc_selector"
-SELECTORS = ("deviation", "query")
-# ``query`` selector: where the question ends (a token offset; default: the end of the
+SELECTORS = ("deviation", "gradual", "query", "prophet")
+QUESTION_SELECTORS = ("query", "prophet")  # the selectors that read the question
+# The question selectors: where the question ends (a token offset; default: the end of the
 # input). A client that teacher-forces an answer after the prompt sets it to the prompt's
 # length, so the selection sees the question alone, as it does when the answer is generated.
 QUESTION_END_PARAM = "pcr_doc_question_end"

@@ -13,8 +13,8 @@ it carries a host hit, so its admission budget, locks and row writing apply unch
   (:func:`pcr_sglang.transfer.rope_shift.replace_layer`): with a transfer engine, layer
   by layer with the chains' loads, before the forward reads each layer
   (:meth:`pcr_sglang.transfer.engine.TransferEngine.replace`), only the tokens the
-  request keeps (``blend`` rotates layers 0-1 of every candidate first: its probe reads
-  them);
+  request keeps (``blend`` rotates the first layers of every candidate first, those its
+  selector's probe reads: 0-1, 0-2 for ``gradual``, 0-4 for ``prophet``);
 * ``prefix_device_indices`` appends those private slots to the tree path, so
   ``alloc_for_extend`` writes them into the request's row; from then on they are the
   request's, freed with its row like any slot past ``cache_protected_len``;
@@ -22,8 +22,8 @@ it carries a host hit, so its admission budget, locks and row writing apply unch
 * recompute modes (``lego``, ``blend``) keep only part of the re-placed tokens: the
   recomputed ones' slots are freed at admission, and they are extended at their true
   positions behind the kept ones (:class:`pcr_sglang.reuse.plan.RowOrder`,
-  :mod:`pcr_sglang.reuse.rows`); ``blend`` picks them with the layer-1
-  probe (:mod:`pcr_sglang.reuse.blend_select`);
+  :mod:`pcr_sglang.reuse.rows`); ``blend`` picks them with its probe
+  (:mod:`pcr_sglang.reuse.blend_select`);
 * with ``fill_gaps`` (every mode where the attention takes permuted rows), a document that
   is not cached, between reused ones, is extended in place the same way, and the
   documents after it are still reused.
@@ -44,8 +44,9 @@ from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.keys import ChainKeyer
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.req import PcrReq
-from pcr_sglang.reuse.blend_select import Layer1Deviation
+from pcr_sglang.reuse.blend_select import BlendProbe
 from pcr_sglang.reuse.bounds import (
+    QUESTION_SELECTORS,
     RECOMPUTE_MODES,
     DocBoundsError,
     DocLimits,
@@ -97,7 +98,7 @@ class DocReuse:
     def __init__(self, state: CacheState, recompute: Recompute, chunk_size: int, pad_token_id: int,
                  rope: RopeSpec, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], allocator: Any,
                  keyer: ChainKeyer,
-                 free_slots: Callable[[torch.Tensor], None], deviation: Optional[Layer1Deviation] = None,
+                 free_slots: Callable[[torch.Tensor], None], probe: Optional[BlendProbe] = None,
                  fill_gaps: bool = False, engine: Optional[TransferEngine] = None,
                  limits: Optional[DocLimits] = None, forward_stream: Any = None):
         self.state = state
@@ -110,7 +111,7 @@ class DocReuse:
         # Compute a document that is not cached in place and go on reusing the ones after
         # it (a permuted row, as recompute has): needs the position-causal attention.
         self.fill_gaps = fill_gaps or recompute.mode in RECOMPUTE_MODES
-        self.deviation = deviation  # blend's selection (built for the recompute modes)
+        self.probe = probe  # blend's selection (built for the recompute modes)
         self.chunk = chunk_size
         self.pad_token_id = pad_token_id
         self.rope = rope
@@ -280,16 +281,17 @@ class DocReuse:
 
     def _keep_unrecomputed(self, req: PcrReq, entry: _Planned, prefix_node: ChunkNode,
                            slots: torch.Tensor) -> torch.Tensor:
-        """Choose the recomputed tokens (``blend``: by the probe, after re-placing layers
-        0-1 of every candidate), re-place the kept ones (the rest of their layers), free
+        """Choose the recomputed tokens (``blend``: by the probe, after re-placing the
+        layers it reads for every candidate), re-place the kept ones (the rest of their layers), free
         the others' slots and the gaps', and lay out the row; returns the kept tokens'
         slots, in position order."""
         plan = entry.plan
         assert plan is not None
         first_layer = 0
         if plan.recompute_count and not plan.recompute:
-            self._copy(plan, entry.chains, slots, layers=range(2))
-            first_layer = 2
+            assert self.probe is not None, "blend needs the layer-1 probe (built at startup)"
+            first_layer = self.probe.layers_read(plan.selector)
+            self._copy(plan, entry.chains, slots, layers=range(first_layer))
             chosen = self._blend_selection(req, plan, prefix_node, slots)
             plan = entry.plan = replace(plan, recompute=chosen)
         keep = torch.ones(plan.tokens, dtype=torch.bool)
@@ -297,7 +299,7 @@ class DocReuse:
         self._copy(plan, entry.chains, slots, layers=range(first_layer, len(self.kv_layers)), keep=keep)
         entry.row = row_order(plan)
         # Nothing pending writes the dropped tokens' slots: no copy was queued into them but
-        # blend's layers 0-1, which the probe already waited for (on CUDA the scheduler's
+        # the layers blend's probe read, which it already waited for (on CUDA the scheduler's
         # stream did, and the forward's stream waits for it). So they are freed without
         # the ordering a free of pending slots needs, which would make the next forward
         # wait for every pending copy. Nothing after this can fail: the caller frees all
@@ -309,41 +311,38 @@ class DocReuse:
 
     def _blend_selection(self, req: PcrReq, plan: ReusePlan, prefix_node: ChunkNode,
                          slots: torch.Tensor) -> tuple[int, ...]:
-        """The ``plan.recompute_count`` re-placed tokens whose layer-1 V deviates most from
-        full prefill's, or (selector ``query``) that the question attends most at layer 1;
-        the plan's anchors first, whatever their score. The probe's full-context layer-1 KV
-        replaces the reused one."""
-        assert self.deviation is not None, "blend needs the layer-1 probe (built at startup)"
-        if self.engine is not None:  # the probe reads layers 0-1 of the prefix and the re-placed KV
-            self.engine.wait_until(0)
-            self.engine.wait_until(1)
+        """The ``plan.recompute_count`` re-placed tokens the plan's selector ranks first
+        (``reuse/blend_select.py``), the plan's anchors first whatever their score. The
+        probe's full-context KV (layer 1; layer 2 for ``gradual``'s finalists) replaces the
+        re-placed one."""
+        assert self.probe is not None, "blend needs the layer-1 probe (built at startup)"
+        if self.engine is not None:  # the probe reads the first layers of the prefix and the re-placed KV
+            for layer in range(self.probe.layers_read(plan.selector)):
+                self.engine.wait_until(layer)
         path = [n.device_value for n in prefix_node.path_from_root()]
         device = slots.device
         prefix = torch.cat(path).to(device) if path else torch.empty(0, dtype=torch.int64, device=device)
         candidates = torch.tensor(plan.rotated_positions(), dtype=torch.int64)
-        ids_and_offsets = _to_device(torch.cat((torch.tensor(req.origin_input_ids[plan.start:plan.end],
-                                                             dtype=torch.int64), candidates - plan.start)), device)
-        ids, offsets = ids_and_offsets[:plan.tokens], ids_and_offsets[plan.tokens:]
+        gaps = torch.tensor(plan.gap_positions(), dtype=torch.int64)
+        host = torch.cat((torch.tensor(req.origin_input_ids[plan.start:plan.end], dtype=torch.int64),
+                          candidates - plan.start, gaps - plan.start))
+        ids, offsets, gap_offsets = _to_device(host, device).split([plan.tokens, len(candidates), len(gaps)])
         positions = torch.arange(plan.start, plan.end, dtype=torch.int64, device=device)
         question = None
         question_end = min(len(req.origin_input_ids), plan.question_end or len(req.origin_input_ids))
-        if plan.selector == "query" and question_end > plan.end:
+        if plan.selector in QUESTION_SELECTORS and question_end > plan.end:
             question = _to_device(torch.tensor(req.origin_input_ids[plan.end:question_end], dtype=torch.int64),
                                   device)
-        result = self.deviation.run(ids, positions, prefix[:plan.start], slots, query_ids=question)
-        k1, v1 = self.kv_layers[1]  # only re-placed tokens: delta-0 slots may enter the tree
-        k1[slots[offsets]] = result.k1[offsets]
-        v1[slots[offsets]] = result.v1[offsets]
+        anchored = torch.isin(candidates, torch.tensor(plan.anchors, dtype=torch.int64))
         # The one wait of a blend admission: the row's layout is chosen on the host from
-        # the probe's deviations, so the scheduler waits for the probe (docs/document-reuse.md).
-        # The question's attention where there is a question (query), else the deviation.
-        ranked = result.attention if result.attention is not None else result.deviation
-        scores = ranked[offsets].float().cpu()
-        if plan.anchors:
-            anchored = torch.isin(candidates, torch.tensor(plan.anchors, dtype=torch.int64))
-            scores = scores.masked_fill(anchored, float("inf"))
-        top = torch.topk(scores, plan.recompute_count).indices
-        return tuple(sorted(int(p) for p in candidates[top]))
+        # the probe's scores, so the scheduler waits for the probe (docs/document-reuse.md).
+        selection = self.probe.select(ids, positions, prefix[:plan.start], slots, offsets, plan.recompute_count,
+                                      anchored, plan.selector, question, gap_offsets)
+        for exact in selection.exact:  # only re-placed tokens: delta-0 slots may enter the tree
+            k_buffer, v_buffer = self.kv_layers[exact.layer]
+            k_buffer[slots[exact.offsets]] = exact.k
+            v_buffer[slots[exact.offsets]] = exact.v
+        return tuple(plan.start + int(o) for o in selection.chosen)
 
     def _failed(self, entry: _Planned) -> bool:
         self.stats.load_failures += 1

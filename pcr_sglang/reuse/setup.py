@@ -20,7 +20,7 @@ import torch
 from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.reuse import settings as reuse_settings
-from pcr_sglang.reuse.blend_select import Layer1Deviation, deviation_support
+from pcr_sglang.reuse.blend_select import BlendProbe, probe_support
 from pcr_sglang.reuse.bounds import RECOMPUTE_ATTENTION_BACKENDS, RECOMPUTE_MODES
 from pcr_sglang.reuse.calibration import CalibrationConditions
 from pcr_sglang.reuse.model_rope import UnsupportedRope, model_rope_spec
@@ -140,12 +140,12 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
     if problem is not None:
         raise PCRConfigError(f"{flag} is refused for this model: {problem}")
     kv_layers = list(zip(k_buffers, v_buffers))
-    deviation = None
+    probe = None
     if config.doc_reuse in RECOMPUTE_MODES:
         problem = recompute_support(tp_worker, model, tp_size)
         if problem is not None:
             raise PCRConfigError(f"{flag} is refused: {problem}")
-        deviation = Layer1Deviation(model, kv_layers)
+        probe = BlendProbe(model, kv_layers)
         fill_gaps = True  # DocReuse fills gaps in every recompute mode (its rows are permuted anyway)
     else:
         gap_problem = row_flags_problem or permuted_row_support(tp_worker, tp_size)
@@ -163,7 +163,7 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
     # GPU-side wait; HiCache fences on the same one).
     forward_stream = getattr(getattr(tp_worker, "model_runner", None), "forward_stream", None)
     docs = DocReuse(state, reuse_settings.recompute(config), config.chunk_size, pad, spec, kv_layers, allocator,
-                    scheduler.keyer, scheduler.executor.free_private, deviation=deviation, fill_gaps=fill_gaps,
+                    scheduler.keyer, scheduler.executor.free_private, probe=probe, fill_gaps=fill_gaps,
                     engine=scheduler.engine, limits=reuse_settings.limits(config),
                     forward_stream=forward_stream if kv_layers[0][0].is_cuda else None)
     docs.calibration = calibration
@@ -239,7 +239,7 @@ def recompute_support(tp_worker: Any, model: Any, tp_size: int) -> Optional[str]
     """None when this server can run the recompute modes (``lego`` and ``blend``: a
     request on a recompute server may ask for either); else why not. They need an
     attention backend that takes a position-causal mask over a permuted row, and
-    ``blend``'s layer-1 probe runs the model's first two layers on one rank."""
+    ``blend``'s probe runs the model's first layers (two, up to five for ``prophet``) on one rank."""
     if tp_size > 1:
         return "blend's layer-1 probe runs on one rank; --tp-size > 1 is not supported (use concat)"
-    return permuted_row_support(tp_worker, tp_size) or deviation_support(model)
+    return permuted_row_support(tp_worker, tp_size) or probe_support(model)

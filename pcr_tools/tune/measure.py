@@ -18,6 +18,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from pcr_sglang.reuse.bounds import SELECTORS
 from pcr_tools.tune.questions import Question
 from pcr_tools.tune.scores import contains_answer, rouge_l, token_f1
 
@@ -95,14 +96,14 @@ def parse_mode(text: str) -> ModeSpec:
     if name == "blend" and ":" in value:
         value, *extras = value.split(":")
         for extra in extras:
-            if extra in ("deviation", "query") and selector is None:
+            if extra in SELECTORS and selector is None:
                 selector = extra
             elif extra.isdigit() and anchors is None:
                 anchors = int(extra)
             else:
                 raise argparse.ArgumentTypeError(
                     f"blend:{value}:{extra}: expected anchor tokens A (an integer >= 0) or a selector "
-                    "(deviation or query)")
+                    f"({', '.join(SELECTORS)})")
     try:
         number = int(value) if name == "lego" else float(value)
     except ValueError:
@@ -117,7 +118,7 @@ def parse_mode(text: str) -> ModeSpec:
 def parse_modes(text: str) -> tuple[ModeSpec, ...]:
     """``--modes``: comma-separated ``concat``, ``lego[:K]``, ``blend[:R[:A][:S]]`` (A: anchor
     tokens, each re-placed document's first A recomputed first; S: the selector of the
-    rest, ``deviation`` or ``query``)."""
+    rest, one of ``SELECTORS``)."""
     specs = tuple(dict.fromkeys(parse_mode(n) for n in text.split(",") if n.strip()))
     if not specs:
         raise argparse.ArgumentTypeError(f"expected at least one mode; known: {', '.join(MODES)}")

@@ -360,7 +360,8 @@ def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(
 
 def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: int = 0, ratio: float = 0.0,
                             positions: bool = True, gaps=(), largest: bool = True,
-                            anchors: int = 0, attention_model=None) -> tuple[list[int], list[int]]:
+                            anchors: int = 0, attention_model=None, gradual: bool = False,
+                            prophet_model=None) -> tuple[list[int], list[int]]:
     """What lego and blend must compute, built with Hugging Face transformers: the concat
     KV (as in :func:`_hf_concat_reference`), then the recomputed tokens, lego's first ``k``
     of each re-placed document or blend's ``ratio`` of them whose layer-1 V deviates most
@@ -375,7 +376,11 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
     first ``anchors`` tokens of each re-placed document come first (in document order,
     within the count), the rest by deviation. ``attention_model`` (the same weights with eager
     attention): blend ranks by the question's layer-1 attention under full prefill instead
-    (the query selector), summed over heads and question tokens."""
+    (the query selector), summed over heads and question tokens. ``gradual``: layer 1's
+    deviation keeps twice the count (anchors first), full prefill's layer-2 KV replaces
+    theirs, and layer 2's V deviation picks among them. ``prophet_model`` (eager attention):
+    blend ranks by the question's attention over the cache as the forward sees it (layer 1
+    refreshed, the re-placed KV above), summed over layers 1..min(4, layers - 1)."""
     import torch
     from transformers import DynamicCache
 
@@ -397,19 +402,38 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
         if mode == "lego":
             chosen = [p for start, stop in spans[1:] for p in range(start, min(stop, start + k))]
         else:
-            full = model(torch.tensor([ids[:end]]), use_cache=True).past_key_values.layers[1]
+            full_layers = model(torch.tensor([ids[:end]]), use_cache=True).past_key_values.layers
+            full = full_layers[1]
             index = torch.tensor(rotated)
             deviation = (full.values[0][:, index] - layers[1][1][0][:, index]).square().sum(dim=(0, 2))
+            layers[1][0][:, :, index] = full.keys[:, :, index]
+            layers[1][1][:, :, index] = full.values[:, :, index]
             if attention_model is not None:
                 weights = attention_model(torch.tensor([ids]), output_attentions=True).attentions[1][0]
                 deviation = weights[:, end:, :].sum(dim=(0, 1))[index]  # [heads, question, keys]
+            if prophet_model is not None:
+                seen = DynamicCache()
+                for i, (keys, values) in enumerate(layers):
+                    seen.update(keys.clone(), values.clone(), i)
+                attentions = prophet_model(torch.tensor([ids[end:]]), position_ids=torch.arange(end, len(ids))[None],
+                                           past_key_values=seen, output_attentions=True).attentions
+                depth = min(4, len(layers) - 1)
+                deviation = sum(attentions[i][0][:, :, :end].sum(dim=(0, 1)) for i in range(1, depth + 1))[index]
             count = min(len(rotated), int(round(ratio * len(rotated))))
             first = [p for start, stop in spans[1:] for p in range(start, min(stop, start + anchors))][:count]
-            rest = torch.tensor([p not in set(first) for p in rotated])
+            if gradual:
+                rest = torch.tensor([p not in set(first) for p in rotated])
+                width = min(len(rotated), 2 * count)
+                finalists = torch.tensor(sorted(first + index[rest][torch.topk(deviation[rest], width - len(first))
+                                                                      .indices].tolist()))
+                full2 = full_layers[2]
+                deviation2 = (full2.values[0][:, finalists] - layers[2][1][0][:, finalists]).square().sum(dim=(0, 2))
+                layers[2][0][:, :, finalists] = full2.keys[:, :, finalists]
+                layers[2][1][:, :, finalists] = full2.values[:, :, finalists]
+                index, deviation = finalists, deviation2
+            rest = torch.tensor([p not in set(first) for p in index.tolist()])
             picked = torch.topk(deviation[rest], count - len(first), largest=largest).indices
             chosen = sorted(first + index[rest][picked].tolist())
-            layers[1][0][:, :, index] = full.keys[:, :, index]
-            layers[1][1][:, :, index] = full.values[:, :, index]
         chosen = sorted({*chosen, *gap_positions})
         kept = [p for p in range(end) if p not in set(chosen)]
         cache = DynamicCache()
@@ -488,8 +512,9 @@ def deep_server(deep_model):
         yield server["deep"]
 
 
-@pytest.mark.parametrize("anchors, selector", [(0, "deviation"), (16, "deviation"), (0, "query")],
-                         ids=["deviation", "anchors-then-deviation", "query"])
+@pytest.mark.parametrize("anchors, selector", [(0, "deviation"), (16, "deviation"), (0, "query"), (0, "gradual"),
+                                               (0, "prophet")],
+                         ids=["deviation", "anchors-then-deviation", "query", "gradual", "prophet"])
 def test_blend_on_four_layers_equals_an_independent_reference(deep_server, deep_model, passages, anchors, selector):
     """On two layers blend's probe makes every kept token exact (layer 0 is, layer 1 comes
     from the probe), so neither its pick nor its copy of the kept tokens' other layers can
@@ -500,7 +525,9 @@ def test_blend_on_four_layers_equals_an_independent_reference(deep_server, deep_
     keep mask, or the kept tokens' copy starting at layer 3, failed here.) With anchors, each
     re-placed document's first tokens are recomputed whatever their deviation. The query
     selector ranks by the question's layer-1 attention, taken here from transformers' own
-    eager attention weights under full prefill."""
+    eager attention weights under full prefill; ``prophet`` by its attention over the
+    cache the forward sees, fused over layers 1-3; ``gradual`` by layer 2's deviation among
+    layer 1's finalists."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -508,9 +535,11 @@ def test_blend_on_four_layers_equals_an_independent_reference(deep_server, deep_
     model = AutoModelForCausalLM.from_pretrained(deep_model, dtype=torch.float32).eval()
     assert model.config.num_hidden_layers == 4
     eager = None
-    if selector == "query":
+    if selector in ("query", "prophet"):
         eager = AutoModelForCausalLM.from_pretrained(deep_model, dtype=torch.float32,
                                                      attn_implementation="eager").eval()
+    how = {"attention_model": eager if selector == "query" else None,
+           "prophet_model": eager if selector == "prophet" else None, "gradual": selector == "gradual"}
     pool = passages[50:56]
     rng = random.Random(11)
     differs_pick = differs_from_deviation = 0
@@ -520,17 +549,17 @@ def test_blend_on_four_layers_equals_an_independent_reference(deep_server, deep_
         out = _generate(deep_server, prompt, marked=True, mode="blend", pcr_doc_recompute_ratio=0.3,
                         pcr_doc_anchor_tokens=anchors, pcr_doc_selector=selector)
         expected, chosen = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3,
-                                                   anchors=anchors, attention_model=eager)
+                                                   anchors=anchors, **how)
         assert out["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1] - len(chosen), i
         assert out["output_ids"] == expected, i
         other_pick, _ = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3,
-                                                largest=False, anchors=anchors, attention_model=eager)
+                                                largest=False, anchors=anchors, **how)
         differs_pick += other_pick != expected
-        if anchors or eager is not None:  # the pick moved: the server's output is not deviation's alone
+        if anchors or selector != "deviation":  # the pick moved: the server's output is not deviation's alone
             by_deviation, _ = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3)
             differs_from_deviation += by_deviation != expected
     assert differs_pick >= 3, differs_pick  # 4 of 4 when written (on two layers: 0 of 4)
-    assert (not anchors and eager is None) or differs_from_deviation >= 1, differs_from_deviation
+    assert (not anchors and selector == "deviation") or differs_from_deviation >= 1, differs_from_deviation
 
 
 @pytest.mark.parametrize("mode, custom, reference", [

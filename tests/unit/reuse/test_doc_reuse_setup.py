@@ -144,65 +144,70 @@ def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows
     assert ("reuse stops at its first document that is not cached" in caplog.text) is not fills
 
 
-def test_blend_picks_the_most_deviating_re_placed_tokens_and_refreshes_only_those():
-    """``DocReuse._blend_selection`` with a probe whose deviations are given: the top ones
-    among the re-placed tokens (delta != 0), never the exact ones, whatever their score;
-    the probe's layer-1 KV lands in the re-placed tokens' slots only (exact slots may be
-    checkpointed into the tree and must keep the forward's own KV)."""
+def test_blend_selection_asks_the_probe_about_re_placed_tokens_and_refreshes_only_theirs():
+    """``DocReuse._blend_selection`` with a stand-in probe: it is asked to choose among the
+    re-placed tokens (delta != 0) only, with the plan's count, anchors, selector, gaps and,
+    for the question selectors, the tokens after the documents (up to the request's
+    question end); the exact KV it returns lands in those tokens' slots only (exact slots
+    may be checkpointed into the tree and must keep the forward's own KV)."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
-    from pcr_sglang.reuse.blend_select import DeviationResult
+    from pcr_sglang.reuse.blend_select import ExactKv, Selection
     from pcr_sglang.reuse.placement import DocReuse
     from pcr_sglang.reuse.plan import CopySegment, ReusePlan
 
     # Positions 4..7 exact (delta 0), 8..13 re-placed; slots 20..29 hold them.
     plan = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 8, 14, 4)), 4, 14, 8, recompute_count=2)
     slots = torch.arange(20, 30)
-    deviation = torch.tensor([9.0, 9.0, 9.0, 9.0, 0.1, 5.0, 0.2, 0.3, 7.0, 0.4])  # exact ones score highest
-    k1 = torch.full((10, 1, 2), 1.0)
-    layers = [(torch.zeros(40, 1, 2), torch.zeros(40, 1, 2)), (torch.zeros(40, 1, 2), torch.zeros(40, 1, 2))]
-    calls, questions = [], []
+    layers = [(torch.zeros(40, 1, 2), torch.zeros(40, 1, 2)) for _ in range(3)]
+    calls = []
 
-    def run(ids, positions, prefix_slots, reused_slots, query_ids=None):
-        calls.append((ids.tolist(), positions.tolist(), prefix_slots.tolist(), reused_slots.tolist()))
-        questions.append(None if query_ids is None else query_ids.tolist())
-        attention = None if query_ids is None else torch.tensor([9.0] * 4 + [3.0, 0.0, 0.0, 4.0, 0.0, 0.0])
-        return DeviationResult(deviation, k1, k1 * 2, attention)
+    def select(ids, positions, prefix_slots, reused_slots, candidates, count, anchored, selector, question, gaps):
+        calls.append(dict(ids=ids.tolist(), positions=positions.tolist(), prefix=prefix_slots.tolist(),
+                          slots=reused_slots.tolist(), candidates=candidates.tolist(), count=count,
+                          anchored=anchored.tolist(), selector=selector,
+                          question=None if question is None else question.tolist(), gaps=gaps.tolist()))
+        n = len(candidates)
+        exact = [ExactKv(1, candidates, torch.full((n, 1, 2), 1.0), torch.full((n, 1, 2), 2.0)),
+                 ExactKv(2, candidates[:2], torch.full((2, 1, 2), 3.0), torch.full((2, 1, 2), 4.0))]
+        return Selection(torch.tensor([5, 8]), exact)
 
     node = SimpleNamespace(path_from_root=lambda: [SimpleNamespace(device_value=torch.tensor([0, 1, 2, 3]))])
-    this = SimpleNamespace(deviation=SimpleNamespace(run=run), kv_layers=layers, engine=None)
+    this = SimpleNamespace(probe=SimpleNamespace(select=select, layers_read=lambda selector: 3), kv_layers=layers,
+                           engine=None)
     req = SimpleNamespace(origin_input_ids=list(range(100, 120)))
-    chosen = DocReuse._blend_selection(this, req, plan, node, slots)
-    assert chosen == (9, 12)
-    assert calls == [(list(range(104, 114)), list(range(4, 14)), [0, 1, 2, 3], list(range(20, 30)))]
-    k, v = layers[1]
-    assert k[24:30].eq(1.0).all() and v[24:30].eq(2.0).all()
-    assert k[20:24].eq(0).all() and v[20:24].eq(0).all()  # the exact tokens' slots untouched
+    assert DocReuse._blend_selection(this, req, plan, node, slots) == (9, 12)
+    assert calls[-1] == dict(ids=list(range(104, 114)), positions=list(range(4, 14)), prefix=[0, 1, 2, 3],
+                             slots=list(range(20, 30)), candidates=[4, 5, 6, 7, 8, 9], count=2,
+                             anchored=[False] * 6, selector="deviation", question=None, gaps=[])
+    k1, v1 = layers[1]
+    assert k1[24:30].eq(1.0).all() and v1[24:30].eq(2.0).all()
+    assert k1[20:24].eq(0).all() and v1[20:24].eq(0).all()  # the exact tokens' slots untouched
+    k2, v2 = layers[2]
+    assert k2[24:26].eq(3.0).all() and v2[24:26].eq(4.0).all() and k2[26:].eq(0).all() and k2[:24].eq(0).all()
     assert layers[0][0].eq(0).all()
-    assert questions == [None]  # the deviation selector runs no question
-    # Anchors come first whatever their score; the query selector ranks the rest by the
-    # question's attention (the tokens after the reused ones).
-    from dataclasses import replace
+    DocReuse._blend_selection(this, req, replace(plan, anchors=(8, 9)), node, slots)
+    assert calls[-1]["anchored"] == [True, True, False, False, False, False]
+    # The question selectors get the tokens after the documents; a teacher-forced request
+    # marks where its question ends, and the answer after it is not read.
+    for selector in ("query", "prophet"):
+        DocReuse._blend_selection(this, req, replace(plan, selector=selector), node, slots)
+        assert calls[-1]["selector"] == selector and calls[-1]["question"] == list(range(114, 120))
+    DocReuse._blend_selection(this, req, replace(plan, selector="prophet", question_end=17), node, slots)
+    assert calls[-1]["question"] == [114, 115, 116]
+    DocReuse._blend_selection(this, req, replace(plan, selector="gradual"), node, slots)
+    assert calls[-1]["question"] is None
+    gapped = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 10, 14, 4)), 4, 14, 8, recompute_count=2,
+                       gaps=((8, 10),))
+    DocReuse._blend_selection(this, req, gapped, node, slots)
+    assert calls[-1]["gaps"] == [4, 5] and calls[-1]["candidates"] == [6, 7, 8, 9]
 
-    assert DocReuse._blend_selection(this, req, replace(plan, anchors=(8,)), node, slots) == (8, 12)
-    assert DocReuse._blend_selection(this, req, replace(plan, selector="query"), node, slots) == (8, 11)
-    assert questions[-1] == list(range(114, 120))
-    # A teacher-forced request marks where its question ends: the answer after it is not read.
-    DocReuse._blend_selection(this, req, replace(plan, selector="query", question_end=17), node, slots)
-    assert questions[-1] == [114, 115, 116]
 
-
-def test_layer1_deviation_gives_the_same_kv_in_any_query_blocks(monkeypatch):
-    """``Layer1Deviation.run`` bounds its attention scores by running queries in blocks: one
-    token per block and all at once give the same layer-1 KV and deviations (on a stand-in
-    for the model's modules; the modules' fidelity to SGLang's layers is checked end to end
-    against transformers in tests/e2e/test_doc_reuse.py)."""
+def _stand_in_model(layers: int, hidden: int = 16, heads: int = 4, kv_heads: int = 2, dim: int = 4):
+    """A stand-in for a decoder's modules (the probe's fidelity to SGLang's layers is
+    checked end to end against transformers in tests/e2e/test_doc_reuse.py)."""
     from types import SimpleNamespace
-
-    from pcr_sglang.reuse import blend_select
-
-    torch.manual_seed(0)
-    hidden, heads, kv_heads, dim = 16, 4, 2, 4
 
     def linear(n_in, n_out):
         layer = torch.nn.Linear(n_in, n_out, bias=False)
@@ -219,16 +224,107 @@ def test_layer1_deviation_gives_the_same_kv_in_any_query_blocks(monkeypatch):
                                post_attention_layernorm=torch.nn.LayerNorm(hidden),
                                mlp=torch.nn.Linear(hidden, hidden))
 
+    torch.manual_seed(0)
     model = SimpleNamespace(model=SimpleNamespace(embed_tokens=torch.nn.Embedding(50, hidden),
-                                                  layers=[layer(), layer()]))
-    pools = [(torch.randn(40, kv_heads, dim), torch.randn(40, kv_heads, dim)) for _ in range(2)]
-    deviation = blend_select.Layer1Deviation(model, pools)
-    args = (torch.tensor([3, 9, 4, 7, 1, 8]), torch.arange(5, 11), torch.arange(20, 25), torch.arange(30, 36))
-    whole = deviation.run(*args)
+                                                  layers=[layer() for _ in range(layers)]))
+    pools = [(torch.randn(40, kv_heads, dim), torch.randn(40, kv_heads, dim)) for _ in range(layers)]
+    return model, pools
+
+
+# Six probed tokens at positions 5..10 (the prefix in slots 20..24, theirs in 30..35), the
+# question after them; tokens 1..5 re-placed.
+PROBE_ARGS = (torch.tensor([3, 9, 4, 7, 1, 8]), torch.arange(5, 11), torch.arange(20, 25), torch.arange(30, 36))
+CANDIDATES = torch.arange(1, 6)
+QUESTION = torch.tensor([11, 12, 13])
+
+
+def test_the_probe_gives_the_same_kv_and_scores_in_any_query_blocks(monkeypatch):
+    """The probe bounds its attention scores by running queries in blocks: one query per
+    block and all at once give the same layer-1 KV and deviations, the same layer-2 KV
+    (gradual) and the same question attention over four layers (prophet)."""
+    from pcr_sglang.reuse import blend_select
+
+    model, pools = _stand_in_model(5)
+    probe = blend_select.BlendProbe(model, pools)
+
+    def run():
+        first = probe.layer1(*PROBE_ARGS)
+        second = probe.layer2_deviation(first, CANDIDATES, PROBE_ARGS[1], PROBE_ARGS[2], PROBE_ARGS[3])
+        attention = probe.question_attention(first, QUESTION, PROBE_ARGS[1], PROBE_ARGS[2], PROBE_ARGS[3], 4)
+        return first.k1, first.v1, first.deviation, second.k, second.v, attention
+
+    whole = run()
     monkeypatch.setattr(blend_select, "SCORE_ELEMENTS", 1)
-    blocked = deviation.run(*args)
-    for a, b in ((whole.k1, blocked.k1), (whole.v1, blocked.v1), (whole.deviation, blocked.deviation)):
+    for a, b in zip(whole, run()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_every_selector_picks_its_count_anchors_first():
+    """Each selector returns the budget's count of candidates, ascending, the anchored
+    ones among them whatever their score; ``deviation`` is the top of layer 1's deviation
+    and refreshes layer 1; ``gradual`` also refreshes layer 2 for its finalists (twice the
+    budget) and picks among them."""
+    from pcr_sglang.reuse.blend_select import BlendProbe
+
+    model, pools = _stand_in_model(5)
+    probe = BlendProbe(model, pools)
+    deviation = probe.layer1(*PROBE_ARGS).deviation[CANDIDATES]
+    none = torch.zeros(5, dtype=torch.bool)
+    anchored = torch.tensor([False, False, False, False, True])
+    for selector in ("deviation", "gradual", "query", "prophet"):
+        for anchors in (none, anchored):
+            chosen = probe.select(*PROBE_ARGS, CANDIDATES, 2, anchors, selector, QUESTION).chosen
+            assert chosen.tolist() == sorted(chosen.tolist()) and len(chosen) == 2, selector
+            assert set(chosen.tolist()) <= set(CANDIDATES.tolist()), selector
+            assert not anchors.any() or 5 in chosen.tolist(), selector
+    by_deviation = probe.select(*PROBE_ARGS, CANDIDATES, 2, none, "deviation", QUESTION)
+    assert by_deviation.chosen.tolist() == sorted(CANDIDATES[torch.topk(deviation, 2).indices].tolist())
+    assert [e.layer for e in by_deviation.exact] == [1]
+    gradual = probe.select(*PROBE_ARGS, CANDIDATES, 2, none, "gradual", QUESTION)
+    finalists = CANDIDATES[torch.topk(deviation, 4).indices]
+    assert [e.layer for e in gradual.exact] == [1, 2] and set(gradual.exact[1].offsets.tolist()) == set(
+        finalists.tolist())
+    assert set(gradual.chosen.tolist()) <= set(finalists.tolist())
+    weakest = torch.zeros(5, dtype=torch.bool)
+    weakest[int(deviation.argmin())] = True  # anchored: a finalist, whatever its deviation
+    anchored_finalists = probe.select(*PROBE_ARGS, CANDIDATES, 2, weakest, "gradual", QUESTION).exact[1].offsets
+    assert int(CANDIDATES[weakest]) in anchored_finalists.tolist() and len(anchored_finalists) == 4
+    assert (probe.layers_read("deviation"), probe.layers_read("gradual"), probe.layers_read("prophet")) == (2, 3, 5)
+
+
+def test_gradual_and_prophet_reduce_to_deviation_and_query_on_two_layers():
+    """On a two-layer model there is no layer 2: ``gradual`` is ``deviation`` and
+    ``prophet`` fuses layer 1 alone, which is ``query``."""
+    from pcr_sglang.reuse.blend_select import BlendProbe
+
+    model, pools = _stand_in_model(2)
+    probe = BlendProbe(model, pools)
+    none = torch.zeros(5, dtype=torch.bool)
+
+    def chosen(selector):
+        return probe.select(*PROBE_ARGS, CANDIDATES, 2, none, selector, QUESTION).chosen.tolist()
+
+    assert chosen("gradual") == chosen("deviation") and chosen("prophet") == chosen("query")
+    assert probe.layers_read("gradual") == probe.layers_read("prophet") == 2
+
+
+def test_prophet_does_not_read_what_gap_slots_hold_above_layer_1():
+    """A gap's slots hold no KV before the forward computes it: above layer 1 the question
+    must not attend them, so what they hold cannot move the scores (it moves them when the
+    gap is not declared)."""
+    from pcr_sglang.reuse.blend_select import BlendProbe
+
+    model, pools = _stand_in_model(5)
+    probe = BlendProbe(model, pools)
+    gaps = torch.tensor([0])  # token 0 (slot 30) is a gap
+    first = probe.layer1(*PROBE_ARGS)
+    before = probe.question_attention(first, QUESTION, *PROBE_ARGS[1:], 4, gaps)
+    unmasked = probe.question_attention(first, QUESTION, *PROBE_ARGS[1:], 4)
+    for k, v in pools[2:]:
+        k[30].normal_()
+        v[30].normal_()
+    torch.testing.assert_close(probe.question_attention(first, QUESTION, *PROBE_ARGS[1:], 4, gaps), before)
+    assert not torch.allclose(probe.question_attention(first, QUESTION, *PROBE_ARGS[1:], 4), unmasked)
 
 
 def test_a_load_that_did_not_go_through_leaves_no_row_order_behind():
