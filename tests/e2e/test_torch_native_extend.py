@@ -57,11 +57,11 @@ def run(server: ServerProcess, prompts: Sequence[list[int]], concurrency: int) -
 
 
 def workload(rag_prompt_ids: list[list[int]]) -> list[list[int]]:
-    """20 RAG prompts sharing documents, then 8 of them again (fully cached: a one-token
-    extend on the radix cache), then 3/4 of 8 of them followed by 1 to 176 new tokens."""
-    prompts = list(rag_prompt_ids[:20])
-    prompts += rag_prompt_ids[:8]
-    prompts += [p[: len(p) * 3 // 4] + p[:n] for p, n in zip(rag_prompt_ids[:8], range(1, 200, 25))]
+    """12 RAG prompts sharing documents, then 6 of them again (fully cached: a one-token
+    extend on the radix cache), then 3/4 of 6 of them followed by 1 to 166 new tokens."""
+    prompts = list(rag_prompt_ids[:12])
+    prompts += rag_prompt_ids[:6]
+    prompts += [p[: len(p) * 3 // 4] + p[:n] for p, n in zip(rag_prompt_ids[:6], range(1, 200, 33))]
     return prompts
 
 
@@ -82,5 +82,5 @@ def test_extend_rows_only_serves_the_padded_servers_tokens(servers, rag_prompt_i
         if concurrency == 1:
             assert [r["cached"] for r in rows] == [p["cached"] for p in padded]
         cached = [r["cached"] for r in rows]
-        assert sum(1 for c, p in zip(cached, prompts) if c >= len(p) - CHUNK_SIZE) >= 8, cached
-        assert sum(1 for c in cached if c >= 200) >= 16, cached
+        assert sum(1 for c, p in zip(cached, prompts) if c >= len(p) - CHUNK_SIZE) >= 6, cached
+        assert sum(1 for c in cached if c >= 200) >= 12, cached
