@@ -46,6 +46,8 @@ from typing import Any, Optional
 
 import torch
 
+from pcr_sglang.reuse.bounds import QUESTION_SELECTORS
+
 logger = logging.getLogger(__name__)
 
 # Pre-norm decoder layers: x + attn(norm(x)), then + mlp(norm(.)), attention from a fused
@@ -63,27 +65,35 @@ GRADUAL_WIDTH = 2
 QUERY_LAYERS = 4
 
 
+def probe_layers(kv_layers: int) -> int:
+    """How many leading decoder layers the probe drives (every selector's, capped by the model)."""
+    return min(kv_layers, max(3, QUERY_LAYERS + 1))
+
+
 def probe_support(model: Any) -> Optional[str]:
     """None when :class:`BlendProbe` can run on ``model``; else why not."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or getattr(inner, "embed_tokens", None) is None or len(layers) < 2:
-        return f"{type(model).__name__} has no model.embed_tokens / two model.layers for the layer-1 probe"
-    for layer in list(layers)[:QUERY_LAYERS + 1]:
+        return f"{type(model).__name__} has no model.embed_tokens / two model.layers for blend's probe"
+    for layer in list(layers)[:probe_layers(len(layers))]:
         name = type(layer).__name__
         if name not in PROBE_LAYERS:
-            return f"the layer-1 probe reproduces {', '.join(PROBE_LAYERS)}; this model's layers are {name}"
+            return f"blend's probe reproduces {', '.join(PROBE_LAYERS)}; this model's layers are {name}"
         attn = getattr(layer, "self_attn", None)
         for part in ("qkv_proj", "o_proj", "rotary_emb", "q_size", "kv_size", "head_dim", "scaling"):
             if not hasattr(attn, part):
-                return f"{name}.self_attn has no {part} for the layer-1 probe"
+                return f"{name}.self_attn has no {part} for blend's probe"
         if getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
-            return f"{name} normalizes q/k, which the layer-1 probe does not reproduce"
-        if float(getattr(getattr(attn, "attn", None), "logit_cap", 0.0) or 0.0) > 0:
-            return f"{name} soft-caps attention logits, which the layer-1 probe does not reproduce"
+            return f"{name} normalizes q/k, which blend's probe does not reproduce"
+        radix = getattr(attn, "attn", None)
+        if float(getattr(radix, "logit_cap", 0.0) or 0.0) > 0:
+            return f"{name} soft-caps attention logits, which blend's probe does not reproduce"
+        if int(getattr(radix, "sliding_window_size", -1) or -1) > 0:
+            return f"{name} attends in a sliding window, which blend's probe does not reproduce"
         for part in ("input_layernorm", "post_attention_layernorm", "mlp"):
             if getattr(layer, part, None) is None:
-                return f"{name} has no {part} for the layer-1 probe"
+                return f"{name} has no {part} for blend's probe"
     return None
 
 
@@ -115,7 +125,7 @@ class ExactKv:
 
 @dataclass
 class Selection:
-    chosen: torch.Tensor  # offsets (into the probed tokens) to recompute, ascending, on the host
+    chosen: torch.Tensor  # offsets (into the probed tokens) to recompute, on the probe's device, unordered
     exact: list[ExactKv] = field(default_factory=list)
 
 
@@ -126,7 +136,7 @@ def _first(output: Any) -> torch.Tensor:
 class BlendProbe:
     def __init__(self, model: Any, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]):
         self.embed = model.model.embed_tokens
-        self.layers = list(model.model.layers)[:min(len(kv_layers), QUERY_LAYERS + 1)]
+        self.layers = list(model.model.layers)[:probe_layers(len(kv_layers))]
         self.kv_layers = kv_layers
 
     def layers_read(self, selector: str) -> int:
@@ -134,7 +144,7 @@ class BlendProbe:
         if selector == "gradual":
             return min(3, len(self.layers))
         if selector == "prophet":
-            return len(self.layers)
+            return min(QUERY_LAYERS + 1, len(self.layers))
         return 2
 
     # ------------------------------------------------------------------ the selection
@@ -145,18 +155,21 @@ class BlendProbe:
                gap_offsets: Optional[torch.Tensor] = None) -> Selection:
         """The ``count`` of ``candidates`` (offsets of the re-placed tokens among
         ``token_ids``) to recompute, ranked by ``selector``; ``anchored`` (a mask over the
-        candidates) come first. ``token_ids`` sit at ``positions`` (ascending; the exact
-        prefix's slots ``prefix_slots`` hold positions 0..), their re-placed KV in
-        ``reused_slots``; ``question_ids`` follow them (the query selectors').
+        candidates, on the candidates' device) come first. ``token_ids`` sit at
+        ``positions`` (ascending; the exact prefix's slots ``prefix_slots`` hold positions
+        0..), their re-placed KV in ``reused_slots``; ``question_ids`` follow them (the
+        question selectors'; without them those rank by deviation). Nothing here waits
+        for the device: the caller reads ``chosen`` back after writing ``exact``.
         ``gap_offsets``: tokens with no cached KV (the forward computes them in place),
         which the question cannot see above layer 1 before then."""
         first = self.layer1(token_ids, positions, prefix_slots, reused_slots)
         exact = [ExactKv(1, candidates, first.k1[candidates], first.v1[candidates])]
-        anchored = anchored.to(candidates.device)
+        if count <= 0:
+            return Selection(candidates[:0], exact)
         has_question = question_ids is not None and question_ids.shape[0] > 0
-        if selector in ("query", "prophet") and has_question:
+        if selector in QUESTION_SELECTORS and has_question:
             assert question_ids is not None
-            depth = 1 if selector == "query" else len(self.layers) - 1
+            depth = 1 if selector == "query" else self.layers_read("prophet") - 1
             scores = self.question_attention(first, question_ids, positions, prefix_slots, reused_slots,
                                              depth, gap_offsets)[candidates]
         else:
@@ -170,8 +183,7 @@ class BlendProbe:
             scores[wide] = (second.v.float() - self.kv_layers[2][1][reused_slots[candidates[wide]]].float()
                             ).square().sum(dim=(1, 2))
         top = torch.topk(scores.float().masked_fill(anchored, float("inf")), count).indices
-        chosen, _ = torch.sort(candidates[top].cpu())
-        return Selection(chosen, exact)
+        return Selection(candidates[top], exact)
 
     # ------------------------------------------------------------------ layer 1 in full context
     @torch.no_grad()
@@ -206,8 +218,8 @@ class BlendProbe:
         out = self._attend(1, first.q1[offsets], positions[offsets], keys, values, first.key_positions)
         residual = self._finish(1, first.residual[offsets], out)
         _, k2, v2 = self._project(2, residual, positions[offsets])
-        k2_pool = self.kv_layers[2][0]
-        return ExactKv(2, offsets, k2.to(k2_pool.dtype), v2.to(k2_pool.dtype))
+        k2_pool, v2_pool = self.kv_layers[2]
+        return ExactKv(2, offsets, k2.to(k2_pool.dtype), v2.to(v2_pool.dtype))
 
     def question_attention(self, first: Layer1Result, question_ids: torch.Tensor, positions: torch.Tensor,
                            prefix_slots: torch.Tensor, reused_slots: torch.Tensor, depth: int,
@@ -219,7 +231,7 @@ class BlendProbe:
         tokens at ``gap_offsets``, which hold none yet and are left out there."""
         m = question_ids.shape[0]
         start = prefix_slots.shape[0]
-        q_positions = torch.arange(int(positions[-1]) + 1, int(positions[-1]) + 1 + m, device=positions.device)
+        q_positions = positions[-1:] + 1 + torch.arange(m, device=positions.device)  # no read-back
         all_positions = torch.cat([first.key_positions, q_positions])
         hidden = self.embed(question_ids)
         q, k, v = self._project(0, hidden, q_positions)
@@ -273,6 +285,8 @@ class BlendProbe:
         kv_heads = keys.shape[1]
         block = max(1, SCORE_ELEMENTS // (heads * key_positions.shape[0]))
         parts = []
+        if weights is not None:  # the explicit path's scores are float32
+            keys, values = keys.float(), values.float()
         for begin in range(0, n, block):
             end = min(begin + block, n)
             mask = key_positions.unsqueeze(0) <= positions[begin:end].unsqueeze(1)  # [block, keys]
@@ -286,9 +300,10 @@ class BlendProbe:
                 parts.append(out.squeeze(0).transpose(0, 1).reshape(end - begin, -1))
                 continue
             grouped = q[begin:end].reshape(end - begin, kv_heads, heads // kv_heads, d).float()
-            logits = torch.einsum("mkgd,lkd->mkgl", grouped, keys.float()) * attn.scaling
-            probs = torch.softmax(logits.masked_fill(~mask[:, None, None, :], float("-inf")), dim=-1)
+            probs = torch.einsum("mkgd,lkd->mkgl", grouped, keys).mul_(attn.scaling)
+            probs.masked_fill_(~mask[:, None, None, :], float("-inf"))
+            probs = probs.softmax(dim=-1)
             weights += probs.sum(dim=(0, 1, 2))
-            out = torch.einsum("mkgl,lkd->mkgd", probs, values.float())
+            out = torch.einsum("mkgl,lkd->mkgd", probs, values)
             parts.append(out.reshape(end - begin, -1).to(q.dtype))
         return torch.cat(parts)

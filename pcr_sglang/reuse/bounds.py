@@ -20,7 +20,7 @@ DOC_MODE_PARAM = "pcr_doc_reuse"
 RECOMPUTE_TOKENS_PARAM = "pcr_doc_recompute_tokens"
 RECOMPUTE_RATIO_PARAM = "pcr_doc_recompute_ratio"
 # ``blend``: the first N tokens of each re-placed document always recomputed, inside the R
-# budget; the rest of the budget by deviation (the "hybrid" selector).
+# budget; the rest of the budget by the selector (with deviation: the "hybrid" selector).
 ANCHOR_TOKENS_PARAM = "pcr_doc_anchor_tokens"
 # ``blend``: what ranks the re-placed tokens (reuse/blend_select.py): ``deviation``
 # (CacheBlend: layer-1 V against full prefill's), ``gradual`` (the paper's gradual

@@ -289,7 +289,8 @@ class DocReuse:
         assert plan is not None
         first_layer = 0
         if plan.recompute_count and not plan.recompute:
-            assert self.probe is not None, "blend needs the layer-1 probe (built at startup)"
+            assert self.probe is not None, "blend needs its probe (built at startup)"
+            plan = entry.plan = replace(plan, selector=_effective_selector(req, plan))
             first_layer = self.probe.layers_read(plan.selector)
             self._copy(plan, entry.chains, slots, layers=range(first_layer))
             chosen = self._blend_selection(req, plan, prefix_node, slots)
@@ -314,8 +315,8 @@ class DocReuse:
         """The ``plan.recompute_count`` re-placed tokens the plan's selector ranks first
         (``reuse/blend_select.py``), the plan's anchors first whatever their score. The
         probe's full-context KV (layer 1; layer 2 for ``gradual``'s finalists) replaces the
-        re-placed one."""
-        assert self.probe is not None, "blend needs the layer-1 probe (built at startup)"
+        re-placed one. The layers the selector reads are in the slots already."""
+        assert self.probe is not None, "blend needs its probe (built at startup)"
         if self.engine is not None:  # the probe reads the first layers of the prefix and the re-placed KV
             for layer in range(self.probe.layers_read(plan.selector)):
                 self.engine.wait_until(layer)
@@ -324,25 +325,28 @@ class DocReuse:
         prefix = torch.cat(path).to(device) if path else torch.empty(0, dtype=torch.int64, device=device)
         candidates = torch.tensor(plan.rotated_positions(), dtype=torch.int64)
         gaps = torch.tensor(plan.gap_positions(), dtype=torch.int64)
-        host = torch.cat((torch.tensor(req.origin_input_ids[plan.start:plan.end], dtype=torch.int64),
-                          candidates - plan.start, gaps - plan.start))
-        ids, offsets, gap_offsets = _to_device(host, device).split([plan.tokens, len(candidates), len(gaps)])
-        positions = torch.arange(plan.start, plan.end, dtype=torch.int64, device=device)
-        question = None
-        question_end = min(len(req.origin_input_ids), plan.question_end or len(req.origin_input_ids))
-        if plan.selector in QUESTION_SELECTORS and question_end > plan.end:
-            question = _to_device(torch.tensor(req.origin_input_ids[plan.end:question_end], dtype=torch.int64),
-                                  device)
         anchored = torch.isin(candidates, torch.tensor(plan.anchors, dtype=torch.int64))
-        # The one wait of a blend admission: the row's layout is chosen on the host from
-        # the probe's scores, so the scheduler waits for the probe (docs/document-reuse.md).
+        question_ids = req.origin_input_ids[plan.end:_question_end(req, plan)] \
+            if plan.selector in QUESTION_SELECTORS else []
+        sizes = [plan.tokens, len(candidates), len(gaps), len(candidates), len(question_ids)]
+        host = torch.cat((torch.tensor(req.origin_input_ids[plan.start:plan.end], dtype=torch.int64),
+                          candidates - plan.start, gaps - plan.start, anchored.to(torch.int64),
+                          torch.tensor(question_ids, dtype=torch.int64)))
+        ids, offsets, gap_offsets, anchors, question = _to_device(host, device).split(sizes)  # one copy
+        positions = torch.arange(plan.start, plan.end, dtype=torch.int64, device=device)
         selection = self.probe.select(ids, positions, prefix[:plan.start], slots, offsets, plan.recompute_count,
-                                      anchored, plan.selector, question, gap_offsets)
+                                      anchors.bool(), plan.selector, question if len(question_ids) else None,
+                                      gap_offsets)
         for exact in selection.exact:  # only re-placed tokens: delta-0 slots may enter the tree
+            # Below the layers the kept tokens' copy starts at, or that copy would overwrite it.
+            assert exact.layer < self.probe.layers_read(plan.selector), exact.layer
             k_buffer, v_buffer = self.kv_layers[exact.layer]
             k_buffer[slots[exact.offsets]] = exact.k
             v_buffer[slots[exact.offsets]] = exact.v
-        return tuple(plan.start + int(o) for o in selection.chosen)
+        # The one wait of a blend admission: the row's layout is chosen on the host from
+        # the probe's scores, so the scheduler waits for the probe and the writes above
+        # (docs/document-reuse.md).
+        return tuple(sorted(plan.start + int(o) for o in selection.chosen.cpu()))
 
     def _failed(self, entry: _Planned) -> bool:
         self.stats.load_failures += 1
@@ -468,6 +472,20 @@ class DocReuse:
 
     def count_canonical(self) -> None:
         self.stats.canonical_requests += 1
+
+
+def _question_end(req: PcrReq, plan: ReusePlan) -> int:
+    """Where the question selectors' question ends: the request's mark, else its input's end."""
+    return min(len(req.origin_input_ids), plan.question_end or len(req.origin_input_ids))
+
+
+def _effective_selector(req: PcrReq, plan: ReusePlan) -> str:
+    """The plan's selector, but ``deviation`` for a question selector with no question
+    after the documents (nothing to rank by): decided once, before the layers it reads are
+    copied."""
+    if plan.selector in QUESTION_SELECTORS and _question_end(req, plan) <= plan.end:
+        return "deviation"
+    return plan.selector
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -108,7 +108,7 @@ class ReusePlan:
     # ``recompute_count``; the adapter picks the rest).
     anchors: tuple[int, ...] = ()
     selector: str = "deviation"  # blend: what ranks the rest (SELECTORS)
-    question_end: Optional[int] = None  # the query selector's question ends here (None: the input's end)
+    question_end: Optional[int] = None  # the question selectors' question ends here (None: the input's end)
 
     @property
     def tokens(self) -> int:

@@ -241,5 +241,5 @@ def recompute_support(tp_worker: Any, model: Any, tp_size: int) -> Optional[str]
     attention backend that takes a position-causal mask over a permuted row, and
     ``blend``'s probe runs the model's first layers (two, up to five for ``prophet``) on one rank."""
     if tp_size > 1:
-        return "blend's layer-1 probe runs on one rank; --tp-size > 1 is not supported (use concat)"
+        return "blend's probe runs on one rank; --tp-size > 1 is not supported (use concat)"
     return permuted_row_support(tp_worker, tp_size) or probe_support(model)

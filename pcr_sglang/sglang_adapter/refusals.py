@@ -202,15 +202,15 @@ def permuted_row_flags(cfg: Any) -> Optional[str]:
 
 def _recompute_flags(cfg: Any) -> Optional[str]:
     """Why the flags cannot run a recompute mode (None if they can): a permuted row, and
-    ``blend``'s layer-1 probe on one rank with the base model's layers."""
+    ``blend``'s probe on one rank with the base model's layers."""
     problem = permuted_row_flags(cfg)
     if problem is not None:
         return problem
     if int(getattr(cfg, "tp_size", 1) or 1) > 1:
-        return "(a recompute mode: a request on it may ask for blend, whose layer-1 probe runs on one rank) " \
+        return "(a recompute mode: a request on it may ask for blend, whose probe runs on one rank) " \
                "does not support --tp-size > 1: use concat"
     if getattr(cfg, "enable_lora", False) or getattr(cfg, "lora_paths", None):
-        return "(a recompute mode: blend's layer-1 probe runs the base model's layers) does not support LoRA " \
+        return "(a recompute mode: blend's probe runs the base model's layers) does not support LoRA " \
                "adapters: use concat"
     return None
 

@@ -34,7 +34,7 @@ class ModeSpec:
     mode: str
     value: Optional[float] = None
     anchors: Optional[int] = None  # blend: each re-placed document's first tokens recomputed first
-    selector: Optional[str] = None  # blend: "deviation" or "query" (None: the server's)
+    selector: Optional[str] = None  # blend: one of SELECTORS (None: the server's)
 
     @property
     def name(self) -> str:
@@ -294,7 +294,7 @@ def measure_reuse(server: Any, p: GoldPrompt, reference: dict[str, Any], spec: A
     # whatever the server's warm-up policy (a first sighting served by plain prefill would
     # be cached exactly, and the measured request would reuse that exact prefix instead).
     server.generate(body(1, **{WARM_NOW_PARAM: True}))
-    # Teacher-forced requests carry the answer after the prompt: the query selector's
+    # Teacher-forced requests carry the answer after the prompt: the question selectors'
     # question ends where the prompt does, as when the answer is generated.
     forced_body = body(0, **{QUESTION_END_PARAM: len(p.input_ids)})
     streamed = server.generate_stream(body(max_new_tokens))

@@ -465,7 +465,7 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
 ], ids=["lego", "blend"])
 def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, passages, hf_model, mode, custom,
                                                           expected_kwargs):
-    """Permuted rows, true positions, the position-causal mask and blend's layer-1 probe,
+    """Permuted rows, true positions, the position-causal mask and blend's probe,
     checked against transformers (no code shared with PCR or SGLang's attention). Negative
     controls: the same reference without the position override, and concat's output, differ
     from the recompute output for most prompts, so the comparison can tell. (Without the
@@ -498,7 +498,7 @@ def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, pa
 
 @pytest.fixture(scope="module")
 def deep_model():
-    """The tiny model with four layers (its own folder): past blend's layer-1 probe."""
+    """The tiny model with four layers (its own folder): past blend's probe of layers 0-1."""
     from pcr_tools.models.tiny_llama import build_tiny_llama
 
     return str(build_tiny_llama(num_layers=4))

@@ -249,7 +249,8 @@ def test_blend_anchors_fill_its_budget_in_document_order_and_never_grow_it():
     asked = request_recompute({"pcr_doc_selector": "query"}, SERVER)
     assert asked.selector == "query" and with_recompute(plan, SPANS, asked).selector == "query"
     assert request_recompute({}, SERVER).selector == "deviation"
-    with pytest.raises(DocBoundsError, match="pcr_doc_selector must be one of 'deviation', 'query'"):
+    with pytest.raises(DocBoundsError,
+                       match="pcr_doc_selector must be one of 'deviation', 'gradual', 'query', 'prophet'"):
         request_recompute({"pcr_doc_selector": "oracle"}, SERVER)
     ended = request_recompute({"pcr_doc_selector": "query", "pcr_doc_question_end": 42}, SERVER)
     assert with_recompute(plan, SPANS, ended).question_end == 42
