@@ -19,6 +19,7 @@ from pcr_sglang.flags import (
     DEFAULT_DOC_RECOMPUTE_RATIO,
     DEFAULT_DOC_RECOMPUTE_TOKENS,
     DEFAULT_DOC_REUSE,
+    DEFAULT_DOC_SELECTOR,
     DEFAULT_DOC_WARMUP,
     DEFAULT_DOC_WARMUP_AFTER,
     DEFAULT_HINT_BUDGET_MB,
@@ -71,7 +72,7 @@ class PCRConfig:
     doc_recompute_tokens: int = DEFAULT_DOC_RECOMPUTE_TOKENS
     doc_recompute_ratio: float = DEFAULT_DOC_RECOMPUTE_RATIO
     doc_anchor_tokens: int = 0
-    doc_selector: str = "deviation"
+    doc_selector: str = DEFAULT_DOC_SELECTOR
     doc_reuse_calibration: Optional[str] = None  # a pcr_tools.calibrate file
     doc_reuse_calibration_warn: bool = False
     doc_warmup: str = DEFAULT_DOC_WARMUP
@@ -105,7 +106,7 @@ class PCRConfig:
             doc_recompute_tokens=getattr(args, "pcr_doc_recompute_tokens", DEFAULT_DOC_RECOMPUTE_TOKENS),
             doc_recompute_ratio=getattr(args, "pcr_doc_recompute_ratio", DEFAULT_DOC_RECOMPUTE_RATIO),
             doc_anchor_tokens=getattr(args, "pcr_doc_anchor_tokens", 0),
-            doc_selector=getattr(args, "pcr_doc_selector", "deviation"),
+            doc_selector=getattr(args, "pcr_doc_selector", DEFAULT_DOC_SELECTOR),
             doc_reuse_calibration=getattr(args, "pcr_doc_reuse_calibration", None) or None,
             doc_reuse_calibration_warn=bool(getattr(args, "pcr_doc_reuse_calibration_warn", False)),
             doc_warmup=getattr(args, "pcr_doc_warmup", DEFAULT_DOC_WARMUP),

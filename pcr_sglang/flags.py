@@ -62,6 +62,9 @@ DEFAULT_DOC_RECOMPUTE_RATIO = 0.15
 DOC_WARMUP_CHOICES = ["request", "idle"]
 # What ranks blend's recomputed tokens (reuse.bounds.SELECTORS, request-side, is the same list).
 DOC_SELECTOR_CHOICES = ["deviation", "gradual", "query", "prophet"]
+# gradual: the most accurate at the same budget in bench/doc_reuse_accuracy (2026-12-06,
+# docs/document-reuse.md "Choosing the recomputed tokens").
+DEFAULT_DOC_SELECTOR = "gradual"
 DEFAULT_DOC_WARMUP = "request"
 DEFAULT_DOC_WARMUP_AFTER = 2
 # What one request may mark (bench/doc_bounds_step.py measures the worst allowed request).
@@ -345,11 +348,11 @@ class PcrFlags(msgspec.Struct):
                 "'query' (the tokens the question attends most at layer 1) or 'prophet' (ProphetKV: "
                 "the question's attention fused over layers 1-4, the upper ones over the re-placed "
                 "KV). A request may override it with custom_params['pcr_doc_selector']. "
-                "Default: deviation."
+                f"Default: {DEFAULT_DOC_SELECTOR} (the most accurate measured on SmolLM2)."
             ),
             choices=DOC_SELECTOR_CHOICES,
         ),
-    ] = "deviation"
+    ] = DEFAULT_DOC_SELECTOR
     pcr_doc_warmup: A[
         str,
         Arg(

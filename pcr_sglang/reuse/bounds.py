@@ -29,6 +29,7 @@ ANCHOR_TOKENS_PARAM = "pcr_doc_anchor_tokens"
 # fused over layers 1-4, the upper ones over the re-placed KV, as ProphetKV).
 SELECTOR_PARAM = "pcr_doc_selector"
 SELECTORS = ("deviation", "gradual", "query", "prophet")
+DEFAULT_SELECTOR = "gradual"  # flags.DEFAULT_DOC_SELECTOR, the server's default, is the same
 QUESTION_SELECTORS = ("query", "prophet")  # the selectors that read the question
 # The question selectors: where the question ends (a token offset; default: the end of the
 # input). A client that teacher-forces an answer after the prompt sets it to the prompt's
@@ -78,13 +79,13 @@ def doc_params(custom_params: Any) -> Optional[dict]:
 class Recompute:
     """How a request's re-placed documents are repaired: ``concat`` not at all, ``lego`` the
     first ``tokens`` of each document, ``blend`` a ``ratio`` share of their tokens (with
-    ``anchor_tokens``: each document's first ones among them, the rest by deviation)."""
+    ``anchor_tokens``: each document's first ones among them, the rest by ``selector``)."""
 
     mode: str = "concat"
     tokens: int = 0
     ratio: float = 0.0
     anchor_tokens: int = 0
-    selector: str = "deviation"
+    selector: str = DEFAULT_SELECTOR
     question_end: Optional[int] = None  # per request (QUESTION_END_PARAM); None: the input's end
 
     @property

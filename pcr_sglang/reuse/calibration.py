@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from pcr_sglang.reuse.bounds import DEFAULT_SELECTOR
+
 CALIBRATION_VERSION = 2  # 2: the serving conditions are recorded
 CALIBRATED_MODES = ("concat", "lego", "blend")
 
@@ -41,7 +43,7 @@ class CalibrationConditions:
     """What else than K or R changes a reused answer, as the calibrated server ran it. A
     server started under other conditions refuses the file: its verdict would not hold."""
 
-    selector: str = "deviation"  # blend's ranking (--pcr-doc-selector)
+    selector: str = DEFAULT_SELECTOR  # blend's ranking (--pcr-doc-selector)
     anchor_tokens: int = 0  # blend's first tokens of each document (--pcr-doc-anchor-tokens)
     kv_dtype: str = "float32"  # the KV pool's dtype: re-placement rotates K in it
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 from pcr_sglang.core.keys import ChunkKey, chunk_keys
-from pcr_sglang.reuse.bounds import DocSpan, Recompute
+from pcr_sglang.reuse.bounds import DEFAULT_SELECTOR, DocSpan, Recompute
 
 
 def canonical_tokens(tokens: Sequence[int], span: DocSpan, leading_len: int, chunk_size: int,
@@ -107,7 +107,7 @@ class ReusePlan:
     # ``blend`` with anchor tokens: positions recomputed whatever their deviation (part of
     # ``recompute_count``; the adapter picks the rest).
     anchors: tuple[int, ...] = ()
-    selector: str = "deviation"  # blend: what ranks the rest (SELECTORS)
+    selector: str = DEFAULT_SELECTOR  # blend: what ranks the rest (SELECTORS)
     question_end: Optional[int] = None  # the question selectors' question ends here (None: the input's end)
 
     @property

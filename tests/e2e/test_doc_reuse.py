@@ -343,7 +343,7 @@ def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(
     assert calibration_status(config, fingerprint)["meets_target"] and reuse_settings.recompute(config).ratio == 0.3
     with pytest.raises(PCRConfigError, match="other weights"):
         calibration_status(config, "0" * 32)
-    assert calibration.conditions.selector == "deviation" and calibration.conditions.anchor_tokens == 0
+    assert calibration.conditions.selector == "gradual" and calibration.conditions.anchor_tokens == 0
     assert calibration.conditions.kv_dtype == "float32"
     # A server started with the file takes its R and reports the verdict; one started under
     # other conditions (here the query selector) is refused at startup, naming them.
@@ -352,7 +352,7 @@ def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(
         docs_state = started["calibrated"].pcr_state()["doc_reuse"]
         assert docs_state["calibration"]["meets_target"] and docs_state["calibration"]["value"] == 0.3
         assert docs_state["calibration"]["conditions"] == docs_state["conditions"]
-    with pytest.raises(RuntimeError, match="measured under other conditions: selector 'deviation'"):
+    with pytest.raises(RuntimeError, match="measured under other conditions: selector 'gradual'"):
         query = ("--pcr-doc-selector", "query")
         with serving({"refused": ServerProcess(tiny_model, (*TIERED_ARGS, *calibrated, *query))}):
             pass

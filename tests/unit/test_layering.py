@@ -83,10 +83,11 @@ def test_the_config_imports_no_feature():
 
 
 def test_the_request_side_selectors_are_the_flags_choices():
-    from pcr_sglang.flags import DOC_SELECTOR_CHOICES
-    from pcr_sglang.reuse.bounds import SELECTORS
+    from pcr_sglang.flags import DEFAULT_DOC_SELECTOR, DOC_SELECTOR_CHOICES
+    from pcr_sglang.reuse.bounds import DEFAULT_SELECTOR, SELECTORS
 
     assert SELECTORS == tuple(DOC_SELECTOR_CHOICES)
+    assert DEFAULT_SELECTOR == DEFAULT_DOC_SELECTOR
 
 
 def test_every_end_to_end_module_is_marked_as_such():

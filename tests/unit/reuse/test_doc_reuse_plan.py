@@ -248,7 +248,7 @@ def test_blend_anchors_fill_its_budget_in_document_order_and_never_grow_it():
         request_recompute({"pcr_doc_anchor_tokens": -2}, SERVER)
     asked = request_recompute({"pcr_doc_selector": "query"}, SERVER)
     assert asked.selector == "query" and with_recompute(plan, SPANS, asked).selector == "query"
-    assert request_recompute({}, SERVER).selector == "deviation"
+    assert request_recompute({}, SERVER).selector == "gradual"
     with pytest.raises(DocBoundsError,
                        match="pcr_doc_selector must be one of 'deviation', 'gradual', 'query', 'prophet'"):
         request_recompute({"pcr_doc_selector": "oracle"}, SERVER)
