@@ -296,8 +296,8 @@ class PcrFlags(msgspec.Struct):
                 "its place (no recompute: fastest, and answers differ most from full prefill). "
                 "'lego': also recompute each re-placed document's first "
                 "--pcr-doc-recompute-tokens tokens in full context (EPIC). 'blend': recompute "
-                "the --pcr-doc-recompute-ratio share of re-placed tokens whose layer-1 KV "
-                "deviates most from full prefill's (CacheBlend). Recompute modes need the "
+                "the --pcr-doc-recompute-ratio share of re-placed tokens that --pcr-doc-selector "
+                "ranks first (CacheBlend: by how far their KV deviates from full prefill's). Recompute modes need the "
                 "torch_native or triton attention backend. See docs/document-reuse.md for the accuracy table "
                 "before turning any on. Such KV never enters the prefix cache. Requests may ask "
                 f"for 'off', 'concat' or (on a lego/blend server) either. Default: {DEFAULT_DOC_REUSE}."
@@ -321,7 +321,7 @@ class PcrFlags(msgspec.Struct):
         Arg(
             help=(
                 "--pcr-doc-reuse blend: share (0..1) of re-placed document tokens recomputed, "
-                "those whose layer-1 KV deviates most (a request may override it with "
+                "those --pcr-doc-selector ranks first (a request may override it with "
                 "custom_params['pcr_doc_recompute_ratio']). "
                 f"Default: {DEFAULT_DOC_RECOMPUTE_RATIO}."
             )
@@ -333,7 +333,7 @@ class PcrFlags(msgspec.Struct):
             help=(
                 "--pcr-doc-reuse blend: the first N tokens of each re-placed document are "
                 "always among the recomputed ones (inside the --pcr-doc-recompute-ratio budget), "
-                "the rest picked by deviation; 0 picks all by deviation (a request may override "
+                "the rest picked by --pcr-doc-selector; 0 lets it pick all (a request may override "
                 "it with custom_params['pcr_doc_anchor_tokens']). Default: 0."
             )
         ),

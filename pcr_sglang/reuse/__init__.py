@@ -8,7 +8,7 @@ Pure (no torch, no SGLang): :mod:`~pcr_sglang.reuse.bounds` (the request contrac
 :mod:`~pcr_sglang.reuse.prompt` and :mod:`~pcr_sglang.reuse.frontend` (marked prompts, the DSL's ``doc()``).
 On the model: :mod:`~pcr_sglang.reuse.setup` (the startup gate),
 :mod:`~pcr_sglang.reuse.model_rope`, :mod:`~pcr_sglang.reuse.placement` (copy and rotate at
-admission), :mod:`~pcr_sglang.reuse.blend_select` (blend's layer-1 selection),
+admission), :mod:`~pcr_sglang.reuse.blend_select` (blend's selectors and their probe),
 :mod:`~pcr_sglang.reuse.rows` (true positions and position-causal masks in the forward),
 :mod:`~pcr_sglang.reuse.tokenizer` (the HTTP side: bounds checked at the door, warm-ups),
 :mod:`~pcr_sglang.reuse.disabled` (the null collaborator the scheduler holds without it).

@@ -19,8 +19,9 @@ still get the no-cache output token for token.
 
 Recompute modes repair part of the blend. ``lego`` (EPIC's LegoLink) recomputes the first
 K tokens of each re-placed document, whose canonical KV made them attention sinks;
-``blend`` (CacheBlend) recomputes the R share of re-placed tokens whose layer-1 KV deviates
-most from full prefill's (the adapter measures that). SGLang extends a contiguous suffix of
+``blend`` (CacheBlend) recomputes the R share of re-placed tokens its selector ranks first
+(by default those whose KV deviates most from full prefill's; the adapter's probe measures
+that, ``reuse/blend_select.py``). SGLang extends a contiguous suffix of
 a request's row, so the recomputed tokens move behind the kept ones:
 ``row = [exact prefix ‖ kept reused tokens ‖ recomputed tokens ‖ the rest]``, each
 computed at its true position under a position-causal mask (:class:`RowOrder`). The same
@@ -100,11 +101,11 @@ class ReusePlan:
     end: int
     exact_end: int
     # Recompute modes: how many re-placed tokens are recomputed, and which (known at
-    # planning for ``lego``; chosen at admission for ``blend``, from measured deviation).
+    # planning for ``lego``; chosen at admission for ``blend``, by its selector's probe).
     recompute_count: int = 0
     recompute: tuple[int, ...] = ()
     gaps: tuple[tuple[int, int], ...] = ()  # request ranges [start, end) with no cached KV
-    # ``blend`` with anchor tokens: positions recomputed whatever their deviation (part of
+    # ``blend`` with anchor tokens: positions recomputed whatever their score (part of
     # ``recompute_count``; the adapter picks the rest).
     anchors: tuple[int, ...] = ()
     selector: str = DEFAULT_SELECTOR  # blend: what ranks the rest (SELECTORS)

@@ -9,7 +9,8 @@ recipe version changes.
 Usage: ``python -m pcr_tools.models.tiny_llama [--layers N] [--out DIR]`` prints the folder
 path. The default has two layers (every test's model); ``--layers 4`` builds a deeper
 variant in a folder of its own, for what two layers cannot tell (blend keeps re-placed KV
-only past its layer-1 probe, so on two layers its choice of tokens moves no answer).
+only past its probe's layers, at least 0-1, so on two layers its choice of tokens moves no
+answer, and its gradual and prophet selectors are deviation and query).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ def _calibration(blend_meets: bool = True) -> DocReuseCalibration:
     blend = [SettingResult(0.15, 0.71, 0.80, 0.3, False), SettingResult(0.5, 0.93, 0.97, 0.05, blend_meets)]
     return DocReuseCalibration(FINGERPRINT, "SmolLM2", CalibrationTarget(0.9, 0.95), 24, {
         "concat": smallest_meeting("concat", [SettingResult(None, 0.6, 0.7, 0.5, False)]),
-        "blend": smallest_meeting("blend", blend)}, created="2026-12-04T20:00:00")
+        "blend": smallest_meeting("blend", blend)}, created="2026-12-04T20:00:00",
+        conditions=CalibrationConditions("deviation", 0, "float32"))
 
 
 def _write(tmp_path, calibration: DocReuseCalibration):

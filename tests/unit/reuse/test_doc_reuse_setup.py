@@ -158,7 +158,8 @@ def test_blend_selection_asks_the_probe_about_re_placed_tokens_and_refreshes_onl
     from pcr_sglang.reuse.plan import CopySegment, ReusePlan
 
     # Positions 4..7 exact (delta 0), 8..13 re-placed; slots 20..29 hold them.
-    plan = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 8, 14, 4)), 4, 14, 8, recompute_count=2)
+    plan = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 8, 14, 4)), 4, 14, 8, recompute_count=2,
+                     selector="deviation")
     slots = torch.arange(20, 30)
     layers = [(torch.zeros(40, 1, 2), torch.zeros(40, 1, 2)) for _ in range(3)]
     calls = []
@@ -199,7 +200,7 @@ def test_blend_selection_asks_the_probe_about_re_placed_tokens_and_refreshes_onl
     DocReuse._blend_selection(this, req, replace(plan, selector="gradual"), node, slots)
     assert calls[-1]["question"] is None
     gapped = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 10, 14, 4)), 4, 14, 8, recompute_count=2,
-                       gaps=((8, 10),))
+                       gaps=((8, 10),), selector="deviation")
     DocReuse._blend_selection(this, req, gapped, node, slots)
     assert calls[-1]["gaps"] == [4, 5] and calls[-1]["candidates"] == [6, 7, 8, 9]
 

@@ -179,9 +179,10 @@ def test_a_second_forward_waits_on_no_event_the_first_already_waited_for(replace
 
 
 def test_layers_the_scheduler_waited_for_are_ordered_for_the_forward_by_its_launch():
-    """blend's probe waits for layers 0-1 on the schedule stream (clearing their events);
-    the forward then runs on the forward stream, which SGLang orders after the schedule
-    stream at launch: the forward's reads of those layers are still ordered."""
+    """blend's probe waits for the layers it reads (0-1 here; up to 0-4 for prophet) on the
+    schedule stream (clearing their events); the forward then runs on the forward stream,
+    which SGLang orders after the schedule stream at launch: the forward's reads of those
+    layers are still ordered."""
     rig = make_rig("load")
     rig.engine.load(torch.tensor([1, 2, 3, 4]), [0])
     rig.engine.wait_until(0)
