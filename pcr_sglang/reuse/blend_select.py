@@ -133,6 +133,12 @@ def _first(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
+def _v_deviation(v: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """CacheBlend's score: the squared difference between full-context V and the re-placed
+    V in ``slots``, summed over heads and dimensions, per token (float32)."""
+    return (v.float() - v_pool[slots].float()).square().sum(dim=(1, 2))
+
+
 class BlendProbe:
     def __init__(self, model: Any, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]):
         self.embed = model.model.embed_tokens
@@ -177,11 +183,11 @@ class BlendProbe:
         if selector == "gradual" and len(self.layers) > 2:
             width = min(candidates.shape[0], GRADUAL_WIDTH * count)
             wide = torch.topk(scores.float().masked_fill(anchored, float("inf")), width).indices
-            second = self.layer2_deviation(first, candidates[wide], positions, prefix_slots, reused_slots)
+            second, deviation2 = self.layer2_deviation(first, candidates[wide], positions, prefix_slots,
+                                                       reused_slots)
             exact.append(second)
             scores = torch.full_like(scores, float("-inf"), dtype=torch.float32)
-            scores[wide] = (second.v.float() - self.kv_layers[2][1][reused_slots[candidates[wide]]].float()
-                            ).square().sum(dim=(1, 2))
+            scores[wide] = deviation2
         top = torch.topk(scores.float().masked_fill(anchored, float("inf")), count).indices
         return Selection(candidates[top], exact)
 
@@ -203,14 +209,15 @@ class BlendProbe:
         residual = self._finish(0, hidden, self._attend(0, q, positions, keys, values, key_positions))
         q1, k1, v1 = self._project(1, residual, positions)
         k1, v1 = k1.to(v1_pool.dtype), v1.to(v1_pool.dtype)
-        deviation = (v1.float() - v1_pool[reused_slots].float()).square().sum(dim=(1, 2))
+        deviation = _v_deviation(v1, v1_pool, reused_slots)
         return Layer1Result(deviation, k1, v1, residual, q1, keys, values, key_positions)
 
     def layer2_deviation(self, first: Layer1Result, offsets: torch.Tensor, positions: torch.Tensor,
-                         prefix_slots: torch.Tensor, reused_slots: torch.Tensor) -> ExactKv:
-        """Full-context layer-2 KV of the tokens at ``offsets``: their layer-1 attention
-        over every token's exact layer-1 KV (the prefix's in the pool, the reused ones'
-        from ``first``), then layer 1's MLP and layer 2's projections."""
+                         prefix_slots: torch.Tensor, reused_slots: torch.Tensor) -> tuple[ExactKv, torch.Tensor]:
+        """Full-context layer-2 KV of the tokens at ``offsets`` (their layer-1 attention
+        over every token's exact layer-1 KV: the prefix's in the pool, the reused ones'
+        from ``first``; then layer 1's MLP and layer 2's projections), and its deviation
+        from their re-placed layer-2 KV."""
         k1_pool, v1_pool = self.kv_layers[1]
         dtype = first.q1.dtype
         keys = torch.cat([k1_pool[prefix_slots].to(dtype), first.k1.to(dtype)])
@@ -219,7 +226,8 @@ class BlendProbe:
         residual = self._finish(1, first.residual[offsets], out)
         _, k2, v2 = self._project(2, residual, positions[offsets])
         k2_pool, v2_pool = self.kv_layers[2]
-        return ExactKv(2, offsets, k2.to(k2_pool.dtype), v2.to(v2_pool.dtype))
+        v2 = v2.to(v2_pool.dtype)
+        return ExactKv(2, offsets, k2.to(k2_pool.dtype), v2), _v_deviation(v2, v2_pool, reused_slots[offsets])
 
     def question_attention(self, first: Layer1Result, question_ids: torch.Tensor, positions: torch.Tensor,
                            prefix_slots: torch.Tensor, reused_slots: torch.Tensor, depth: int,

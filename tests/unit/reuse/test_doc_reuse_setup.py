@@ -250,7 +250,7 @@ def test_the_probe_gives_the_same_kv_and_scores_in_any_query_blocks(monkeypatch)
 
     def run():
         first = probe.layer1(*PROBE_ARGS)
-        second = probe.layer2_deviation(first, CANDIDATES, PROBE_ARGS[1], PROBE_ARGS[2], PROBE_ARGS[3])
+        second, _ = probe.layer2_deviation(first, CANDIDATES, PROBE_ARGS[1], PROBE_ARGS[2], PROBE_ARGS[3])
         attention = probe.question_attention(first, QUESTION, PROBE_ARGS[1], PROBE_ARGS[2], PROBE_ARGS[3], 4)
         return first.k1, first.v1, first.deviation, second.k, second.v, attention
 
@@ -288,7 +288,7 @@ def test_every_selector_picks_its_count_anchors_first():
     assert set(gradual.chosen.tolist()) <= set(finalists.tolist())
     # Among the finalists, layer 2's deviation picks (not layer 1's).
     first = probe.layer1(*PROBE_ARGS)
-    second = probe.layer2_deviation(first, finalists, *PROBE_ARGS[1:])
+    second, _ = probe.layer2_deviation(first, finalists, *PROBE_ARGS[1:])
     deviation2 = (second.v.float() - pools[2][1][PROBE_ARGS[3][finalists]].float()).square().sum(dim=(1, 2))
     assert sorted(gradual.chosen.tolist()) == sorted(finalists[torch.topk(deviation2, 2).indices].tolist())
     torch.testing.assert_close(gradual.exact[1].v, second.v)
