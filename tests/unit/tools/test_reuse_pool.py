@@ -1,0 +1,91 @@
+"""Pooling runs of the questions workload (bench/reuse_pool.py) on results written by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import reuse_pool
+from bench import reuse_questions as rq
+from pcr_tools.tune.questions import KINDS, Question
+
+PER_SEED = 3
+
+
+def prompts_for(seed: int, count: int) -> list[rq.GoldPrompt]:
+    out = []
+    for i in range(count):
+        kind = KINDS[i % len(KINDS)]
+        q = Question(kind, ("d0", "d1", "d2"), f"q{seed}-{i}?", "gold", (1,), ("a", "b", "c"))
+        out.append(rq.GoldPrompt(i, f"{kind}-{seed}-{i}", q, list(range(40)), [5, 15, 15, 25, 25, 35],
+                                 list(range(40)), [7]))
+    return out
+
+
+def full_row(seed: int, i: int) -> dict:
+    kind = KINDS[i % len(KINDS)]
+    return {"answer_ids": [1], "answer": "x", "ttft_s": 0.2, "nll": 1.0 + i, "gold_nll": 2.0,
+            **rq.gold_scores(kind, "gold answer" if (seed + i) % 2 else "no", "gold"),
+            "noise_f1": 0.5, "noise_identical": 0.0}
+
+
+def mode_row(seed: int, i: int) -> dict:
+    return {**full_row(seed, i), "ttft_s": 0.1, "identical": float(i % 2), "f1": 0.5 + 0.1 * i,
+            "recomputed_tokens": 2 + seed, "all_docs_reused": True, "nll": 1.5 + i, "kl": 0.1 * (seed + 1),
+            "top1": 0.9}
+
+
+def write_run(path, model: str, seeds: list[int], modes: dict) -> None:
+    rows = []
+    for seed in seeds:
+        for p in prompts_for(seed, PER_SEED):
+            rows.append({"rid": p.rid, "kind": p.kind,
+                         "models": {model: {m: make(seed, p.index) for m, make in modes.items()}}})
+    path.write_text(json.dumps({"meta": {"seeds": seeds, "questions": PER_SEED * len(seeds)}, "rows": rows}))
+
+
+def test_pooled_runs_equal_one_run_over_all_their_questions(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    write_run(a, "tuned", [0], {rq.FULL: full_row, "blend": mode_row})
+    write_run(b, "M", [1, 2], {rq.FULL: full_row, "blend": mode_row})  # another run's model and seeds
+    summaries, counts = reuse_pool.pool(
+        [reuse_pool.Source(a, "tuned"), reuse_pool.Source(b, "M")],
+        [reuse_pool.Series.parse(f"tuned/gradual={a}:tuned:blend,{b}:M:blend"),
+         reuse_pool.Series.parse(f"tuned/{rq.FULL}={a}:tuned:{rq.FULL},{b}:M:{rq.FULL}")], prompts_for)
+    assert counts == {"tuned/gradual": 9, f"tuned/{rq.FULL}": 9}
+    prompts = [p for seed in (0, 1, 2) for p in prompts_for(seed, PER_SEED)]
+    full = [full_row(seed, i) for seed in (0, 1, 2) for i in range(PER_SEED)]
+    mine = [mode_row(seed, i) for seed in (0, 1, 2) for i in range(PER_SEED)]
+    assert summaries["tuned"]["gradual"] == rq.summarize_mode(mine, prompts, full, full, 0)
+    assert summaries["tuned"][rq.FULL] == rq.summarize_full(full, prompts, full, 0)
+    assert summaries["tuned"]["gradual"]["kl"]["mean"] == pytest.approx((0.1 * 3 + 0.2 * 3 + 0.3 * 3) / 9)
+
+
+def test_a_question_in_two_runs_is_an_error_and_one_without_a_base_is_left_out(tmp_path):
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    write_run(a, "base", [0], {rq.FULL: full_row})
+    write_run(b, "tuned", [0], {rq.FULL: full_row, "blend": mode_row})
+    write_run(c, "tuned", [0, 1], {rq.FULL: full_row, "blend": mode_row})
+    with pytest.raises(ValueError, match="in two runs"):
+        reuse_pool.pool([reuse_pool.Source(a, "base")],
+                        [reuse_pool.Series.parse(f"tuned/blend={b}:tuned:blend,{c}:tuned:blend")], prompts_for)
+    summaries, counts = reuse_pool.pool([reuse_pool.Source(a, "base")],
+                                        [reuse_pool.Series.parse(f"tuned/blend={c}:tuned:blend")], prompts_for)
+    assert counts == {"tuned/blend": PER_SEED}  # seed 1 has no base reference
+    with pytest.raises(ValueError, match="no mode 'lego'"):
+        reuse_pool.pool([reuse_pool.Source(a, "base")], [reuse_pool.Series.parse(f"t/l={c}:tuned:lego")],
+                        prompts_for)
+
+
+def test_specs_parse_modes_with_colons_and_refuse_malformed_ones(tmp_path):
+    s = reuse_pool.Series.parse("tuned/gradual=r.json:tuned:blend:0.15:gradual")
+    assert s.sources[0].mode == "blend:0.15:gradual" and s.model_label == "tuned"
+    for bad in ("tuned=r.json:tuned:blend", "tuned/x=r.json:tuned", "tuned/x="):
+        with pytest.raises(ValueError):
+            reuse_pool.Series.parse(bad)
+    with pytest.raises(ValueError):
+        reuse_pool.Source.parse("r.json", with_mode=False)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a questions-workload result"):
+        reuse_pool.pool([reuse_pool.Source(tmp_path / "bad.json", "base")], [], prompts_for)
