@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,14 +203,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"bench.reuse_pool: {e}", file=sys.stderr)
         return 2
     default_mode = args.default_mode or next((s.mode_label for s in series if s.mode_label != FULL), FULL)
-    lines = [f"Pooled: {', '.join(f'{k} {v} questions' for k, v in counts.items())}", "", markdown_tables(summaries),
+    command = "python -m bench.reuse_pool " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
+    lines = ["# Document-reuse accuracy, pooled runs", "", f"`{command}`", "",
+             f"Pooled: {', '.join(f'{k} {v} questions' for k, v in counts.items())}", "", markdown_tables(summaries),
              "", "Targets:", "", *[f"    {line}" for line in target_lines(summaries, default_mode)], ""]
     report = "\n".join(lines)
     print(report)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "pooled.md").write_text(report)
-        (args.out / "pooled.json").write_text(json.dumps({"argv": list(argv or sys.argv[1:]), "questions": counts,
+        (args.out / "pooled.json").write_text(json.dumps({"command": command, "questions": counts,
                                                           "summary": summaries}, indent=1, default=str))
     return 0
 
