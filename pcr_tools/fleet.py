@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import requests
 
-from pcr_tools.launcher import ServerProcess, cpu_only, free_port
+from pcr_tools.launcher import ServerProcess, cpu_only, free_port, stop_all
 from pcr_tools.mooncake_services import (
     MooncakeError,
     MooncakeMaster,
@@ -149,8 +149,7 @@ class Fleet:
     def stop(self) -> None:
         if self.gateway is not None:
             self.gateway.stop()
-        for server in self.servers:
-            server.stop()
+        stop_all(self.servers)
         for proc in (self.store, self.master):
             if proc is not None:
                 proc.stop()

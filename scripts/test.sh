@@ -29,7 +29,7 @@ if [[ $# -gt 0 ]]; then  # extra arguments: one pytest run over them (kernels ne
   exec "${PYTEST[@]}" "$@"
 fi
 
-echo "[test] stages: lint, types, unit, kernels, e2e"
+echo "[test] stages: lint, types, unit, kernels, e2e, e2e-paced"
 stage lint "$VENV/bin/ruff" check .
 # mypy, strict on core/, tiers/ and io/ (pyproject.toml [tool.mypy]).
 stage types "$VENV/bin/mypy" pcr_sglang/core pcr_sglang/tiers pcr_sglang/io
@@ -37,13 +37,16 @@ stage unit "${PYTEST[@]}" --durations=10 tests/unit
 # Triton kernels are checked by Triton's interpreter on CPU (natively on a CUDA machine).
 # The variable must be set before Triton is imported, so they run in their own session.
 stage kernels env TRITON_INTERPRET=1 "${PYTEST[@]}" tests/kernels
-# One file after another by default. PCR_TEST_WORKERS=2 runs two files at a time on
-# pytest-xdist workers (module fixtures stay in one process): most of an e2e module's time
-# is its servers starting or one request at a time on the tiny model, so two side by side
-# keep both cores busy (26 min instead of 30-38 here), but the contention has made two tests
-# fail that depend on timing (a read beating a recompute, an abort beating a read), so it
-# is not the default yet. PCR_SERVER_START_SLOTS bounds the servers starting at once (a
-# start is CPU-bound imports: too many at once run past their startup timeout on two
-# cores), PCR_TEST_SERVER_SLOTS the servers the modules hold at once (about 1.3 GB each:
-# see tests/e2e/helpers.py).
-stage e2e "${PYTEST[@]}" --durations=25 -n "${PCR_TEST_WORKERS:-0}" --dist loadfile tests/e2e
+# Two e2e stages. Most modules only need their servers to answer: they run two files at a
+# time on pytest-xdist workers (PCR_TEST_WORKERS, default 2; module fixtures stay in one
+# process), since most of a module's time is its servers starting or one request at a
+# time on the tiny model, which keeps one core busy. The modules marked `paced` check paths
+# taken only when background work keeps pace with the scheduler (an SSD or remote read
+# landing before its request stops waiting, an abort arriving while reads are queued):
+# beside another module on two cores they took the other path (correct tokens, a failed
+# assertion), so they run one file after another with nothing beside them.
+# PCR_SERVER_START_SLOTS bounds the servers starting at once (a start is CPU-bound imports:
+# too many at once run past their startup timeout on two cores), PCR_TEST_SERVER_SLOTS the
+# servers the modules hold at once (about 1.3 GB each: see tests/e2e/helpers.py).
+stage e2e "${PYTEST[@]}" --durations=25 -m "not paced" -n "${PCR_TEST_WORKERS:-2}" --dist loadfile tests/e2e
+stage e2e-paced "${PYTEST[@]}" --durations=25 -m paced tests/e2e

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Iterator, Mapping, Sequence
 
-from pcr_tools.launcher import ServerProcess, acquire_slots, slots_from_env
+from pcr_tools.launcher import ServerProcess, acquire_slots, slots_from_env, stop_all
 from tests.conftest import CHUNK_SIZE
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
@@ -64,9 +64,7 @@ def serving(servers: dict[str, ServerProcess], start_first: Sequence[str] = (),
             yield servers
         finally:
             kept = {id(s) for s in shared.values()}
-            for s in servers.values():
-                if id(s) not in kept:
-                    s.stop()
+            stop_all(s for s in servers.values() if id(s) not in kept)
 
 
 def generate_greedy(server: ServerProcess, prompts: Sequence[list[int]], concurrency: int = 1):

@@ -33,7 +33,7 @@ import requests
 from pcr_tools.launcher import ServerProcess
 from tests.e2e.helpers import GREEDY, generate_greedy, serving, ssd_server, wait_for_write_back
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.paced]
 
 TMPFS_MB = 96
 

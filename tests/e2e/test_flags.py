@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -121,10 +122,12 @@ def test_unsupported_model_is_refused_before_any_weight_loads(tiny_model, tmp_pa
         )
         return proc.returncode, proc.stdout + proc.stderr
 
-    rc, log = launch("--enable-pcr")
+    with ThreadPoolExecutor(2) as pool:  # two launches side by side: each is mostly imports on one core
+        with_pcr, without = pool.submit(launch, "--enable-pcr"), pool.submit(launch)
+    rc, log = with_pcr.result()
     assert rc != 0
     assert "--enable-pcr supports models whose layers all use full attention" in log
     assert "has sliding-window layers" in log and "--model-path" in log
     assert "Load weight begin" not in log
-    rc, log = launch()
+    rc, log = without.result()
     assert rc != 0 and "Load weight begin" in log and "full attention" not in log

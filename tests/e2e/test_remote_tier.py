@@ -23,7 +23,7 @@ from pcr_tools.launcher import ServerProcess
 from pcr_tools.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
 from tests.e2e.helpers import GREEDY, TIERED_ARGS, prometheus_counts, serving, wait_for_write_back
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.paced]
 
 
 @pytest.fixture(scope="module")

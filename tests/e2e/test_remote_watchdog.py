@@ -19,7 +19,7 @@ from pcr_tools.launcher import ServerProcess
 from pcr_tools.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
 from tests.e2e.helpers import GREEDY, TIERED_ARGS, serving, wait_for_write_back
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.paced]
 
 CHUNK = 64  # as in test_remote_tier: reading a chunk must beat recomputing it on a busy machine
 HUNG_READ_S = 3600

@@ -25,7 +25,7 @@ from tests.e2e.helpers import (
     wait_for_write_back,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.paced]
 
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory):

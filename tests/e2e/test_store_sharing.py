@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.helpers import GREEDY, generate_greedy, serving, ssd_server, wait_for_write_back
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.paced]
 
 
 @pytest.fixture(scope="module")

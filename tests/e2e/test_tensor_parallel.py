@@ -19,7 +19,7 @@ from pcr_tools.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
 from tests.e2e.helpers import GREEDY, generate_greedy, serving, wait_for_write_back
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.paced]
 
 # Two ranks on two cores: each rank's OpenMP threads on a core of its own, and an explicit
 # KV pool size (SGLang's CPU sizing would refuse a rank, or be OOM-killed, without one).

@@ -118,3 +118,27 @@ def test_a_module_takes_its_server_slots_all_at_once(monkeypatch, tmp_path):
             pass
     assert entered.wait(10)
     waiter.join(10)
+
+
+def test_stop_all_stops_every_server_at_once_even_when_one_fails():
+    """The servers' stops run side by side (each waits for the others here: one after
+    another they would break the barrier), and a failing stop does not leave the others
+    running."""
+    import threading
+
+    barrier = threading.Barrier(3, timeout=10)
+    stopped = []
+
+    class Server:
+        def __init__(self, name: str, fails: bool = False):
+            self.name, self.fails = name, fails
+
+        def stop(self, timeout_s: float) -> None:
+            barrier.wait()
+            stopped.append(self.name)
+            if self.fails:
+                raise RuntimeError(f"{self.name} would not stop")
+
+    with pytest.raises(RuntimeError, match="b would not stop"):
+        launcher.stop_all([Server("a"), Server("b", fails=True), Server("c")])
+    assert sorted(stopped) == ["a", "b", "c"]
