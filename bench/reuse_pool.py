@@ -109,7 +109,9 @@ class Runs:
             for seed in seeds:
                 for p in self.prompts_for(seed, questions // len(seeds)):
                     self.prompts.setdefault(p.rid, p)
-            unknown = [r["rid"] for r in rows if r["rid"] not in self.prompts]
+            unknown = [r["rid"] for r in rows if r["rid"] not in self.prompts
+                       or r.get("question", self.prompts[r["rid"]].question.question)
+                       != self.prompts[r["rid"]].question.question]
             if unknown:
                 raise ValueError(f"{path}: questions {unknown[:3]} are not what its seeds ask now (was the "
                                  "question set changed since?)")
@@ -126,40 +128,54 @@ def _seed_and_index(rid: str) -> tuple[int, int]:
 def _gather(runs: Runs, sources: Sequence[Source], what: str) -> dict[str, dict[str, Any]]:
     """Rows by question id over ``sources``; a question in two of them is an error."""
     out: dict[str, dict[str, Any]] = {}
+    where: dict[str, Path] = {}
     for source in sources:
         for rid, row in runs.rows(source).items():
             if rid in out:
-                raise ValueError(f"{what}: question {rid} is in two runs ({source.path} again)")
-            out[rid] = row
+                raise ValueError(f"{what}: question {rid} is in two runs ({where[rid]} and {source.path})")
+            out[rid], where[rid] = row, source.path
     return out
 
 
 def pool(base: Sequence[Source], series: Sequence[Series], prompts_for: PromptsFor,
-         seed: int = 0) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, int]]:
-    """The tables' summaries ({model label: {mode label: summary}}) and the questions each
-    series pooled (by ``model/mode``)."""
+         seed: int = 0) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, int], dict[str, int]]:
+    """The tables' summaries ({model label: {mode label: summary}}), the questions each
+    series pooled and those it left out for want of a base reference (by ``model/mode``)."""
     runs = Runs(prompts_for)
     base_full = _gather(runs, base, "--base")
     summaries: dict[str, dict[str, dict[str, Any]]] = {}
     counts: dict[str, int] = {}
+    left_out: dict[str, int] = {}
     for s in series:
-        mine = _gather(runs, s.sources, f"{s.model_label}/{s.mode_label}")
+        label = f"{s.model_label}/{s.mode_label}"
+        if label in counts:
+            raise ValueError(f"two series are labelled {label}")
+        if len({src.mode == FULL for src in s.sources}) > 1:
+            raise ValueError(f"{label} mixes full prefill with other modes")
+        mine = _gather(runs, s.sources, label)
         own = _gather(runs, [Source(src.path, src.model) for src in s.sources], f"{s.model_label} full prefill")
         rids = sorted((rid for rid in mine if rid in base_full), key=_seed_and_index)
         dropped = len(mine) - len(rids)
         if dropped:
-            logger.warning("%s/%s: %d questions have no base reference and are left out", s.model_label,
-                           s.mode_label, dropped)
+            logger.warning("%s: %d questions have no base reference and are left out", label, dropped)
         if not rids:
-            raise ValueError(f"{s.model_label}/{s.mode_label}: no question in common with --base")
+            raise ValueError(f"{label}: no question in common with --base")
         prompts = [runs.prompts[r] for r in rids]
         rows, base_rows, own_rows = [mine[r] for r in rids], [base_full[r] for r in rids], [own[r] for r in rids]
         full = all(src.mode == FULL for src in s.sources)
         summaries.setdefault(s.model_label, {})[s.mode_label] = (
             summarize_full(rows, prompts, base_rows, seed) if full else
             summarize_mode(rows, prompts, base_rows, own_rows, seed))
-        counts[f"{s.model_label}/{s.mode_label}"] = len(rids)
-    return summaries, counts
+        counts[label] = len(rids)
+        left_out[label] = dropped
+    return summaries, counts, left_out
+
+
+def targets(summaries: dict[str, dict[str, dict[str, Any]]], default_mode: str) -> list[str]:
+    """Issue 28's targets, which need ``base/full prefill`` and ``tuned/full prefill`` series."""
+    if any(FULL not in summaries.get(model, {}) for model in ("base", "tuned")):
+        return [f"targets: need series labelled base/{FULL} and tuned/{FULL} (and tuned/<mode>)"]
+    return target_lines(summaries, default_mode)
 
 
 def _tokenizer_prompts(tokenizer_path: str) -> PromptsFor:
@@ -198,15 +214,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         args.tokenizer = str(build_smollm2())
     try:
-        summaries, counts = pool(base, series, _tokenizer_prompts(args.tokenizer))
+        summaries, counts, left_out = pool(base, series, _tokenizer_prompts(args.tokenizer))
     except ValueError as e:
         print(f"bench.reuse_pool: {e}", file=sys.stderr)
         return 2
     default_mode = args.default_mode or next((s.mode_label for s in series if s.mode_label != FULL), FULL)
     command = "python -m bench.reuse_pool " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
     lines = ["# Document-reuse accuracy, pooled runs", "", f"`{command}`", "",
-             f"Pooled: {', '.join(f'{k} {v} questions' for k, v in counts.items())}", "", markdown_tables(summaries),
-             "", "Targets:", "", *[f"    {line}" for line in target_lines(summaries, default_mode)], ""]
+             "Pooled: " + ", ".join(f"{k} {v} questions" + (f" ({left_out[k]} without a base reference left out)"
+                                                            if left_out[k] else "") for k, v in counts.items()),
+             "", markdown_tables(summaries), "", "Targets:", "", *[f"    {line}" for line in targets(summaries,
+                                                                                             default_mode)], ""]
     report = "\n".join(lines)
     print(report)
     if args.out is not None:

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 CPU_SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32")
 
 
-# PCR_SERVER_START_SLOTS=N: at most N servers (of this user, on this machine) start at
+# PCR_SERVER_START_SLOTS=N: at most N servers (of this user, sharing a temporary directory) start at
 # once; others wait for a slot before they launch. A start is mostly CPU-bound imports, so
 # on a small machine many at once each take as long as all of them together and can run
 # past their startup timeout (the test suite runs modules side by side). Unset or 0: no limit.
@@ -37,7 +37,7 @@ START_SLOTS_ENV = "PCR_SERVER_START_SLOTS"
 
 
 def slots_from_env(name: str) -> int:
-    """A machine-wide slot count from environment variable ``name`` (unset: 0, no limit)."""
+    """A slot count from environment variable ``name`` (unset: 0, no limit)."""
     try:
         return int(os.environ.get(name) or 0)
     except ValueError:
@@ -45,7 +45,8 @@ def slots_from_env(name: str) -> int:
 
 
 def acquire_slots(pool: str, slots: int, count: int = 1) -> list[IO]:
-    """Lock ``count`` of the ``slots`` slot files of ``pool`` (this user's, machine-wide),
+    """Lock ``count`` of the ``slots`` slot files of ``pool`` (this user's, in the temporary
+    directory: processes with another ``TMPDIR`` have pools of their own),
     all at once or none: while fewer are free, hold none and poll (so two holders never
     each wait for the other). Closing a returned file releases its slot."""
     directory = Path(tempfile.gettempdir()) / f"pcr-sglang-{pool}-{os.getuid()}"
@@ -119,6 +120,25 @@ def _wait_gone(processes: list[psutil.Process], timeout_s: float) -> None:
             except psutil.NoSuchProcess:
                 break
             time.sleep(0.1)
+
+
+AUTOGROUP = Path("/proc/self/autogroup")
+
+
+def keep_niceness(argv: list[str]) -> list[str]:
+    """``argv`` run so that a server started in a session of its own keeps this process's
+    niceness. With the kernel's autogroup scheduling (most desktop and CI kernels) the CPU
+    is shared fairly between sessions first and by nice only within one, so a server
+    started from ``nice -n 19`` in a new session would otherwise compete at full weight;
+    its session's autogroup gets the same nice value instead. Unchanged at niceness 0 or
+    without autogroups."""
+    niceness = os.nice(0)
+    if niceness <= 0 or not AUTOGROUP.exists():
+        return argv
+    # The kernel lets an unprivileged user set an autogroup's nice value once per 100 ms,
+    # machine-wide (EAGAIN otherwise): servers starting together retry for a second.
+    set_nice = f"for i in 1 2 3 4 5 6 7 8 9 10; do echo {niceness} > {AUTOGROUP} 2>/dev/null && break; sleep 0.1; done"
+    return ["/bin/sh", "-c", f'{set_nice}; exec "$@"', "sh", *argv]
 
 
 def cpu_only() -> bool:
@@ -277,7 +297,8 @@ class ServerProcess(ServerRequests):
                 self.port = free_port()
             log = open(self.log_path, "w")
             self._proc = subprocess.Popen(
-                self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd, start_new_session=True
+                keep_niceness(self.argv()), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
+                start_new_session=True
             )
             log.close()
             try:
@@ -375,7 +396,7 @@ class ServerProcess(ServerRequests):
 
 def stop_all(servers: Iterable[ServerProcess], timeout_s: float = 30.0) -> None:
     """Stop several servers at once: each stop waits seconds for SGLang's processes to
-    exit, mostly idle, so one after another a module's nine servers took 45 s."""
+    exit, mostly idle, so one after another a module's eight servers took 45 s."""
     stopping = list(servers)
     if not stopping:
         return

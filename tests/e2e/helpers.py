@@ -20,10 +20,11 @@ BASELINE_ARGS = (*COMMON_ARGS, "--disable-radix-cache")
 
 
 # PCR_TEST_SERVER_SLOTS=N: the modules running side by side (scripts/test.sh runs two
-# pytest-xdist workers) hold at most N of their servers at once, machine-wide. A server
-# of the tiny model takes about 1.3 GB with its scheduler and I/O processes, and the
-# largest module runs nine: two large modules at once came within 3 GB of the machine's
-# 24. Unset or 0: no limit.
+# pytest-xdist workers) hold at most N of their servers at once, among the processes
+# sharing a temporary directory (the slot files live there). A server of
+# the tiny model takes about 1.3 GB with its scheduler and I/O processes, and the largest
+# module runs eight: two large modules at once came within 3 GB of the machine's 24.
+# Unset or 0: no limit.
 SERVER_SLOTS_ENV = "PCR_TEST_SERVER_SLOTS"
 
 

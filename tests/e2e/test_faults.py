@@ -139,7 +139,11 @@ def servers(tiny_model, baseline_server, tmp_path_factory, mounts):
     readonly.store_dir = readonly_dir
     filling = ssd_server(tiny_model, mounts["filling"] / "store")
     # Every SSD read takes 0.25 s: a queued request's prefetches are in flight for seconds.
-    slow_reads = ssd_server(tiny_model, tmp_path_factory.mktemp("pcr-slow") / "store", "--pcr-prefetch-window", "16")
+    # Two requests run at a time, so the tail of 16 sent at once is still queued (its reads
+    # prefetching) when the test aborts it, however slowly the machine runs: with no limit,
+    # the whole batch could finish before the aborts arrived (seen on a loaded machine).
+    slow_reads = ssd_server(tiny_model, tmp_path_factory.mktemp("pcr-slow") / "store", "--pcr-prefetch-window", "16",
+                            "--max-running-requests", "2")
     slow_reads.env = {**slow_reads.env, "PCR_IO_TEST_FAULTS": json.dumps({"read_delay_s": 0.25})}
     everything = {"readonly": readonly, "filling": filling, "slow_reads": slow_reads}
     with serving(everything, shared={"baseline": baseline_server}):

@@ -142,3 +142,27 @@ def test_stop_all_stops_every_server_at_once_even_when_one_fails():
     with pytest.raises(RuntimeError, match="b would not stop"):
         launcher.stop_all([Server("a"), Server("b", fails=True), Server("c")])
     assert sorted(stopped) == ["a", "b", "c"]
+
+
+def test_a_server_started_from_a_niced_process_keeps_its_niceness_in_its_own_session():
+    """With autogroup scheduling a new session competes at full weight whatever its nice
+    value; the launcher's wrapper gives the server's session the caller's niceness (red
+    without it: the session's autogroup is at nice 0)."""
+    import os
+    import subprocess
+
+    if os.nice(0) == 0:
+        assert launcher.keep_niceness(["x"]) == ["x"]  # nothing to keep
+    if not launcher.AUTOGROUP.exists():
+        pytest.skip("this kernel schedules without autogroups")
+    probe = textwrap.dedent("""
+        import os, subprocess, sys
+        from pcr_tools.launcher import keep_niceness
+        niceness = os.nice(3)
+        report = [sys.executable, "-c", "print(open('/proc/self/autogroup').read().split()[-1])"]
+        print(niceness, subprocess.run(keep_niceness(report), start_new_session=True, capture_output=True,
+                                       text=True, check=True).stdout.strip())
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    niceness, group = out.split()
+    assert group == niceness  # whatever niceness this test itself runs at, plus 3

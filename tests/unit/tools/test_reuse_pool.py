@@ -45,20 +45,33 @@ def write_run(path, model: str, seeds: list[int], modes: dict) -> None:
     path.write_text(json.dumps({"meta": {"seeds": seeds, "questions": PER_SEED * len(seeds)}, "rows": rows}))
 
 
+def base_row(seed: int, i: int) -> dict:
+    """The base model's full prefill: other gold scores than the tuned model's own."""
+    kind = KINDS[i % len(KINDS)]
+    return {**full_row(seed, i), "nll": 3.0 + i, "gold_nll": 1.0 + seed,
+            **rq.gold_scores(kind, "gold answer" if i % 2 == 0 else "no", "gold")}
+
+
 def test_pooled_runs_equal_one_run_over_all_their_questions(tmp_path):
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a, b, base = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "base.json"
     write_run(a, "tuned", [0], {rq.FULL: full_row, "blend": mode_row})
     write_run(b, "M", [1, 2], {rq.FULL: full_row, "blend": mode_row})  # another run's model and seeds
-    summaries, counts = reuse_pool.pool(
-        [reuse_pool.Source(a, "tuned"), reuse_pool.Source(b, "M")],
-        [reuse_pool.Series.parse(f"tuned/gradual={a}:tuned:blend,{b}:M:blend"),
-         reuse_pool.Series.parse(f"tuned/{rq.FULL}={a}:tuned:{rq.FULL},{b}:M:{rq.FULL}")], prompts_for)
-    assert counts == {"tuned/gradual": 9, f"tuned/{rq.FULL}": 9}
+    write_run(base, "base", [0, 1, 2], {rq.FULL: base_row})
+    # The sources named in another order than their seeds, the base in one run for all three.
+    summaries, counts, left_out = reuse_pool.pool(
+        [reuse_pool.Source(base, "base")],
+        [reuse_pool.Series.parse(f"tuned/gradual={b}:M:blend,{a}:tuned:blend"),
+         reuse_pool.Series.parse(f"tuned/{rq.FULL}={b}:M:{rq.FULL},{a}:tuned:{rq.FULL}")], prompts_for)
+    assert counts == {"tuned/gradual": 9, f"tuned/{rq.FULL}": 9} and not any(left_out.values())
     prompts = [p for seed in (0, 1, 2) for p in prompts_for(seed, PER_SEED)]
     full = [full_row(seed, i) for seed in (0, 1, 2) for i in range(PER_SEED)]
+    base_full = [base_row(seed, i) for seed in (0, 1, 2) for i in range(PER_SEED)]
     mine = [mode_row(seed, i) for seed in (0, 1, 2) for i in range(PER_SEED)]
-    assert summaries["tuned"]["gradual"] == rq.summarize_mode(mine, prompts, full, full, 0)
-    assert summaries["tuned"][rq.FULL] == rq.summarize_full(full, prompts, full, 0)
+    assert summaries["tuned"]["gradual"] == rq.summarize_mode(mine, prompts, base_full, full, 0)
+    assert summaries["tuned"][rq.FULL] == rq.summarize_full(full, prompts, base_full, 0)
+    # Base and own full prefill are told apart: the gold ratio is against the base, the NLL ratio the own.
+    assert summaries["tuned"]["gradual"] != rq.summarize_mode(mine, prompts, full, full, 0)
+    assert summaries["tuned"]["gradual"] != rq.summarize_mode(mine, prompts, base_full, base_full, 0)
     assert summaries["tuned"]["gradual"]["kl"]["mean"] == pytest.approx((0.1 * 3 + 0.2 * 3 + 0.3 * 3) / 9)
 
 
@@ -67,12 +80,19 @@ def test_a_question_in_two_runs_is_an_error_and_one_without_a_base_is_left_out(t
     write_run(a, "base", [0], {rq.FULL: full_row})
     write_run(b, "tuned", [0], {rq.FULL: full_row, "blend": mode_row})
     write_run(c, "tuned", [0, 1], {rq.FULL: full_row, "blend": mode_row})
-    with pytest.raises(ValueError, match="in two runs"):
+    with pytest.raises(ValueError, match=f"in two runs .{b} and {c}."):
         reuse_pool.pool([reuse_pool.Source(a, "base")],
                         [reuse_pool.Series.parse(f"tuned/blend={b}:tuned:blend,{c}:tuned:blend")], prompts_for)
-    summaries, counts = reuse_pool.pool([reuse_pool.Source(a, "base")],
-                                        [reuse_pool.Series.parse(f"tuned/blend={c}:tuned:blend")], prompts_for)
-    assert counts == {"tuned/blend": PER_SEED}  # seed 1 has no base reference
+    only_c = [reuse_pool.Series.parse(f"tuned/blend={c}:tuned:blend")]
+    summaries, counts, left_out = reuse_pool.pool([reuse_pool.Source(a, "base")], only_c, prompts_for)
+    assert counts == {"tuned/blend": PER_SEED} and left_out == {"tuned/blend": PER_SEED}  # seed 1: no base
+    with pytest.raises(ValueError, match="labelled tuned/blend"):
+        reuse_pool.pool([reuse_pool.Source(a, "base")], [reuse_pool.Series.parse(f"tuned/blend={c}:tuned:blend")] * 2,
+                        prompts_for)
+    with pytest.raises(ValueError, match="mixes full prefill"):
+        reuse_pool.pool([reuse_pool.Source(a, "base")],
+                        [reuse_pool.Series.parse(f"tuned/x={b}:tuned:blend,{c}:tuned:{rq.FULL}")], prompts_for)
+    assert reuse_pool.targets(summaries, "blend")[0].startswith("targets: need series")
     with pytest.raises(ValueError, match="no mode 'lego'"):
         reuse_pool.pool([reuse_pool.Source(a, "base")], [reuse_pool.Series.parse(f"t/l={c}:tuned:lego")],
                         prompts_for)
