@@ -121,8 +121,10 @@ def served_logits(model: Any, prompt: MarkedPrompt, continuation: Sequence[int] 
     if last_end >= len(ids):
         raise ValueError("nothing follows the last document: no position to predict from")
     if mode == "full":
-        logits = model(input_ids=torch.tensor([ids], device=_device(model)), use_cache=False).logits[0]
-        return logits[last_end:]
+        # Only the rows after the last document go through the LM head (``logits_to_keep``):
+        # over a whole prompt the head costs as much as several layers.
+        return model(input_ids=torch.tensor([ids], device=_device(model)), use_cache=False,
+                     logits_to_keep=len(ids) - last_end).logits[0]
     cache = served_cache(model, prompt, mode=mode)
     return _extend(model, cache, ids, last_end, len(ids))
 
@@ -139,11 +141,11 @@ def served_cache(model: Any, prompt: MarkedPrompt, *, mode: str = "concat") -> A
     canonical = _canonical_kv(model, prompt)
     config = getattr(model, "config", None)
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
-    _extend(model, cache, ids, 0, prompt.leading_len)  # S: exact, the request's own prefix
+    _fill(model, cache, ids, 0, prompt.leading_len)  # S: exact, the request's own prefix
     position = prompt.leading_len
     for index, (start, end) in enumerate(prompt.documents()):
         if start > position:
-            _extend(model, cache, ids, position, start)  # tokens between documents
+            _fill(model, cache, ids, position, start)  # tokens between documents
         for layer_index, layer in enumerate(canonical):
             k, v = layer[index]
             cache.update(k, v, layer_index)
@@ -151,13 +153,22 @@ def served_cache(model: Any, prompt: MarkedPrompt, *, mode: str = "concat") -> A
     return cache
 
 
-def _extend(model: Any, cache: Any, ids: Sequence[int], start: int, end: int) -> torch.Tensor:
-    """Run ``ids[start:end]`` at their true positions over ``cache`` (which grows); their logits."""
+def _extend(model: Any, cache: Any, ids: Sequence[int], start: int, end: int, *, keep: int = 0) -> torch.Tensor:
+    """Run ``ids[start:end]`` at their true positions over ``cache`` (which grows); their logits
+    (the last ``keep`` rows only, when ``keep`` > 0)."""
     device = _device(model)
     positions = torch.arange(start, end, device=device)[None]
     out = model(input_ids=torch.tensor([list(ids[start:end])], device=device), position_ids=positions,
-                cache_position=positions[0], past_key_values=cache, use_cache=True)
+                cache_position=positions[0], past_key_values=cache, use_cache=True, logits_to_keep=keep)
     return out.logits[0]
+
+
+def _fill(model: Any, cache: Any, ids: Sequence[int], start: int, end: int) -> None:
+    """:func:`_extend` for KV alone: the decoder without the LM head, whose logits would go unused."""
+    device = _device(model)
+    positions = torch.arange(start, end, device=device)[None]
+    _decoder(model)(input_ids=torch.tensor([list(ids[start:end])], device=device), position_ids=positions,
+                    cache_position=positions[0], past_key_values=cache, use_cache=True)
 
 
 @torch.no_grad()
@@ -171,10 +182,10 @@ def served_generate(model: Any, prompt: MarkedPrompt, max_new_tokens: int, *, mo
     if mode == "full":
         config = getattr(model, "config", None)
         cache = DynamicCache(config=config) if config is not None else DynamicCache()
-        logits = _extend(model, cache, ids, 0, len(ids))
+        logits = _extend(model, cache, ids, 0, len(ids), keep=1)
     else:
         cache = served_cache(model, prompt, mode=mode)
-        logits = _extend(model, cache, ids, last_end, len(ids))
+        logits = _extend(model, cache, ids, last_end, len(ids), keep=1)
     answer: list[int] = []
     stops = set(stop_ids)
     for _ in range(max_new_tokens):
