@@ -74,6 +74,37 @@ def test_greedy_generation_agrees_with_the_logits(hf_model, tokenizer):
     assert logits[first: first + len(answer)].argmax(-1).tolist() == answer
 
 
+def test_an_adapter_acts_in_every_part_of_the_served_forward(tiny_model, tokenizer):
+    """A PEFT-wrapped model's served forward equals its merged checkpoint's, in both modes:
+    the adapter acts in ``S``, in the tokens between documents, in the documents' canonical
+    KV and in the tail (an extend that ran the frozen weights alone, to save the LM head,
+    would differ); and it does change them."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pcr_tools.tune.train import TARGET_MODULES
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGET_MODULES)))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:  # zero at initialisation: the adapter would do nothing
+                parameter.normal_(std=0.05)
+    marked = _prompt(tokenizer, 3, seed=2)
+    bounds = list(marked.doc_bounds)
+    bounds[1] -= 2  # the first document's last two tokens become tokens between documents
+    prompt = MarkedPrompt(marked.input_ids, tuple(bounds))
+    with torch.no_grad():
+        adapted = {mode: served_logits(model, prompt, [5, 6], mode=mode) for mode in ("concat", "full")}
+        with model.disable_adapter():
+            frozen = served_logits(model, prompt, [5, 6], mode="concat")
+        merged = model.merge_and_unload()
+        for mode, logits in adapted.items():
+            assert torch.allclose(logits, served_logits(merged, prompt, [5, 6], mode=mode), atol=1e-4), mode
+    assert not torch.allclose(adapted["concat"], frozen, atol=1e-3)
+
+
 @pytest.mark.parametrize("bounds, message", [((), "non-empty"), ((0, 3), "before its first document"),
                                              ((2, 9, 5, 12), "out of order"), ((2, 99), "past the prompt")])
 def test_bad_marks_are_refused(bounds, message):
