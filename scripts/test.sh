@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite in stages: lint, types, unit tests, the Triton
-# kernels, then end-to-end tests that start real SGLang servers and Engines on the tiny
-# model. Extra arguments go to one pytest run instead (`bash scripts/test.sh tests/unit -k hint`).
+# Set up (if needed) and run the whole test suite in stages: lint, unit tests (types checked
+# beside them), the Triton kernels, then end-to-end tests that start real SGLang servers and
+# Engines on the tiny model. Extra arguments go to one pytest run instead
+# (`bash scripts/test.sh tests/unit -k hint`).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# Stages, fastest first, each printing its time: a lint error fails in seconds, a unit
-# failure in minutes, before any server starts.
+# Stages, fastest first, each printing its time: a lint error fails in seconds, a unit or
+# type failure in about two minutes, before any server starts.
 stage() {
   local name="$1"; shift
   local start=$SECONDS
@@ -29,13 +30,36 @@ if [[ $# -gt 0 ]]; then  # extra arguments: one pytest run over them (kernels ne
   exec "${PYTEST[@]}" "$@"
 fi
 
-echo "[test] stages: lint, types, unit, kernels, e2e, e2e-paced"
+echo "[test] stages: lint, unit (types beside it), types, kernels, e2e, e2e-paced"
 stage lint "$VENV/bin/ruff" check .
-# mypy, strict on core/, tiers/ and io/ (pyproject.toml [tool.mypy]).
-stage types "$VENV/bin/mypy" pcr_sglang/core pcr_sglang/tiers pcr_sglang/io
+# mypy, strict on core/, tiers/ and io/ (pyproject.toml [tool.mypy]). Without its cache (a
+# clean clone, as in CI) it takes about 40 s, mostly reading torch's types: it runs beside
+# the unit tests at a lower priority (the same session, so `nice` applies), and its stage
+# reports after them; if a stage fails first, mypy's result is still printed on the way out.
+types_out="$(mktemp)"
+nice -n 10 "$VENV/bin/mypy" pcr_sglang/core pcr_sglang/tiers pcr_sglang/io >"$types_out" 2>&1 &
+types_pid=$!
+types_result() {  # mypy's output and exit status, collected once
+  local rc=0
+  wait "$types_pid" || rc=$?
+  types_pid=""
+  cat "$types_out"
+  return "$rc"
+}
+on_exit() {
+  if [[ -n "$types_pid" ]]; then
+    echo "[test] types (ran beside the stage that stopped the suite):"
+    types_result || true
+  fi
+  rm -f "$types_out"
+}
+trap on_exit EXIT
+# A background job of a script ignores Ctrl-C: stop it with the script.
+trap '[[ -n "$types_pid" ]] && kill "$types_pid" 2>/dev/null; exit 130' INT TERM
 # Unit tests: two files at a time on xdist workers (module fixtures stay in one process):
 # 112 s instead of 163 s one after another on the idle 2-core machine (2026-12-06).
 stage unit "${PYTEST[@]}" --durations=10 -n "${PCR_TEST_WORKERS:-2}" --dist loadfile tests/unit
+stage types types_result
 # Triton kernels are checked by Triton's interpreter on CPU (natively on a CUDA machine).
 # The variable must be set before Triton is imported, so they run in their own session.
 stage kernels env TRITON_INTERPRET=1 "${PYTEST[@]}" tests/kernels
@@ -50,5 +74,7 @@ stage kernels env TRITON_INTERPRET=1 "${PYTEST[@]}" tests/kernels
 # PCR_SERVER_START_SLOTS bounds the servers starting at once (a start is CPU-bound imports:
 # too many at once run past their startup timeout on two cores), PCR_TEST_SERVER_SLOTS the
 # servers the modules hold at once (about 1.3 GB each: see tests/e2e/helpers.py).
-stage e2e "${PYTEST[@]}" --durations=25 -m "not paced" -n "${PCR_TEST_WORKERS:-2}" --dist loadfile tests/e2e
+# The workers take the modules longest first (tests/e2e/conftest.py), not by test count.
+stage e2e "${PYTEST[@]}" --durations=25 -m "not paced" -n "${PCR_TEST_WORKERS:-2}" --dist loadfile \
+  --no-loadscope-reorder tests/e2e
 stage e2e-paced "${PYTEST[@]}" --durations=25 -m paced tests/e2e

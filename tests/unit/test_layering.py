@@ -101,6 +101,22 @@ def test_every_end_to_end_module_is_marked_as_such():
     assert unmarked == []
 
 
+def test_the_e2e_schedule_names_every_module_that_runs_two_at_a_time():
+    """scripts/test.sh hands the non-paced e2e modules to its workers longest first, by the
+    list in tests/e2e/conftest.py: every one of them is listed (a new module would start
+    first, whatever its length), and nothing listed is missing or paced."""
+    from tests.e2e.conftest import MODULES_LONGEST_FIRST
+
+    def paced(text: str) -> bool:
+        line = next((line for line in text.splitlines() if line.startswith("pytestmark = ")), "")
+        return "pytest.mark.paced" in line
+
+    modules = (REPO / "tests" / "e2e").glob("test_*.py")
+    side_by_side = {p.name for p in modules if not paced(p.read_text(encoding="utf-8"))}
+    assert len(MODULES_LONGEST_FIRST) == len(set(MODULES_LONGEST_FIRST))
+    assert set(MODULES_LONGEST_FIRST) == side_by_side
+
+
 def test_the_reuse_wing_does_not_import_the_sglang_adapter():
     """The adapter calls into document reuse, never the other way (no circle between them)."""
     assert violations_of_prefix(REPO / "pcr_sglang" / "reuse", "pcr_sglang.sglang_adapter") == []
