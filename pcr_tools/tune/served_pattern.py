@@ -133,14 +133,11 @@ def served_cache(model: Any, prompt: MarkedPrompt, *, mode: str = "concat") -> A
     """The KV the server holds for ``prompt`` up to its last document's end, as a
     ``DynamicCache``: ``S`` computed exactly, each document's canonical KV re-placed, tokens
     between documents computed in place."""
-    from transformers import DynamicCache
-
     if mode != "concat":
         raise ValueError(f"unknown mode {mode!r} (concat or full)")
     ids = list(prompt.input_ids)
     canonical = _canonical_kv(model, prompt)
-    config = getattr(model, "config", None)
-    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    cache = _empty_cache(model)
     _fill(model, cache, ids, 0, prompt.leading_len)  # S: exact, the request's own prefix
     position = prompt.leading_len
     for index, (start, end) in enumerate(prompt.documents()):
@@ -153,35 +150,41 @@ def served_cache(model: Any, prompt: MarkedPrompt, *, mode: str = "concat") -> A
     return cache
 
 
-def _extend(model: Any, cache: Any, ids: Sequence[int], start: int, end: int, *, keep: int = 0) -> torch.Tensor:
-    """Run ``ids[start:end]`` at their true positions over ``cache`` (which grows); their logits
-    (the last ``keep`` rows only, when ``keep`` > 0)."""
+def _empty_cache(model: Any) -> Any:
+    from transformers import DynamicCache
+
+    config = getattr(model, "config", None)
+    return DynamicCache(config=config) if config is not None else DynamicCache()
+
+
+def _in_place(model: Any, cache: Any, ids: Sequence[int], start: int, end: int) -> dict[str, Any]:
+    """The forward's arguments that run ``ids[start:end]`` at their true positions over
+    ``cache`` (which grows)."""
     device = _device(model)
     positions = torch.arange(start, end, device=device)[None]
-    out = model(input_ids=torch.tensor([list(ids[start:end])], device=device), position_ids=positions,
-                cache_position=positions[0], past_key_values=cache, use_cache=True, logits_to_keep=keep)
-    return out.logits[0]
+    return {"input_ids": torch.tensor([list(ids[start:end])], device=device), "position_ids": positions,
+            "cache_position": positions[0], "past_key_values": cache, "use_cache": True}
+
+
+def _extend(model: Any, cache: Any, ids: Sequence[int], start: int, end: int, *, keep: int = 0) -> torch.Tensor:
+    """Run ``ids[start:end]`` at their true positions over ``cache``; their logits (the last
+    ``keep`` rows only, when ``keep`` > 0)."""
+    return model(**_in_place(model, cache, ids, start, end), logits_to_keep=keep).logits[0]
 
 
 def _fill(model: Any, cache: Any, ids: Sequence[int], start: int, end: int) -> None:
     """:func:`_extend` for KV alone: the decoder without the LM head, whose logits would go unused."""
-    device = _device(model)
-    positions = torch.arange(start, end, device=device)[None]
-    _decoder(model)(input_ids=torch.tensor([list(ids[start:end])], device=device), position_ids=positions,
-                    cache_position=positions[0], past_key_values=cache, use_cache=True)
+    _decoder(model)(**_in_place(model, cache, ids, start, end))
 
 
 @torch.no_grad()
 def served_generate(model: Any, prompt: MarkedPrompt, max_new_tokens: int, *, mode: str = "concat",
                     stop_ids: Sequence[int] = ()) -> list[int]:
     """Greedy decoding (temperature 0) under ``mode``: what the server answers."""
-    from transformers import DynamicCache
-
     ids = list(prompt.input_ids)
     last_end = prompt.documents()[-1][1]
     if mode == "full":
-        config = getattr(model, "config", None)
-        cache = DynamicCache(config=config) if config is not None else DynamicCache()
+        cache = _empty_cache(model)
         logits = _extend(model, cache, ids, 0, len(ids), keep=1)
     else:
         cache = served_cache(model, prompt, mode=mode)

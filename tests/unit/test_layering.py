@@ -92,13 +92,15 @@ def test_the_request_side_selectors_are_the_flags_choices():
 
 def test_every_end_to_end_module_is_marked_as_such():
     """``-m "not e2e"`` must leave out every module that starts a server."""
-    def marked(text: str) -> bool:
-        line = next((line for line in text.splitlines() if line.startswith("pytestmark = ")), "")
-        return "pytest.mark.e2e" in line
-
     unmarked = [p.name for p in sorted((REPO / "tests" / "e2e").glob("test_*.py"))
-                if not marked(p.read_text(encoding="utf-8"))]
+                if "pytest.mark.e2e" not in pytestmark_line(p)]
     assert unmarked == []
+
+
+def pytestmark_line(module: Path) -> str:
+    """A test module's ``pytestmark = ...`` line (empty if it has none)."""
+    lines = module.read_text(encoding="utf-8").splitlines()
+    return next((line for line in lines if line.startswith("pytestmark = ")), "")
 
 
 def test_the_e2e_schedule_names_every_module_that_runs_two_at_a_time():
@@ -107,12 +109,8 @@ def test_the_e2e_schedule_names_every_module_that_runs_two_at_a_time():
     first, whatever its length), and nothing listed is missing or paced."""
     from tests.e2e.conftest import MODULES_LONGEST_FIRST
 
-    def paced(text: str) -> bool:
-        line = next((line for line in text.splitlines() if line.startswith("pytestmark = ")), "")
-        return "pytest.mark.paced" in line
-
     modules = (REPO / "tests" / "e2e").glob("test_*.py")
-    side_by_side = {p.name for p in modules if not paced(p.read_text(encoding="utf-8"))}
+    side_by_side = {p.name for p in modules if "pytest.mark.paced" not in pytestmark_line(p)}
     assert len(MODULES_LONGEST_FIRST) == len(set(MODULES_LONGEST_FIRST))
     assert set(MODULES_LONGEST_FIRST) == side_by_side
 
