@@ -14,7 +14,7 @@ import json
 import logging
 from dataclasses import asdict, fields
 
-from pcr_tools.tune.train import TuneParams, train
+from pcr_tools.tune.train import TuneParams, parse_kinds, train
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "full_share": "Share of samples trained under full prefill (keeps unmarked requests' behaviour).",
         "gold_share": "Share of samples trained on the gold answer (cross-entropy) instead of distilled.",
         "gold_weight": "Weight of the gold cross-entropy against the distillation KL.",
+        "gold_kinds": "Comma-separated kinds of question (lead, needle, two_hop) whose samples may train on "
+                      "the gold answer; the others are all distilled.",
         "answer_tokens": "Longest teacher answer distilled, in tokens.",
         "min_documents": "Fewest documents per training prompt.",
         "max_documents": "Most documents per training prompt.",
@@ -55,6 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        parse_kinds(args.gold_kinds)
+    except ValueError as exc:
+        raise SystemExit(f"python -m pcr_tools.tune: --gold-kinds: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="[tune] %(message)s")
     if args.base_model is None:
         from pcr_tools.models.smollm2 import build_smollm2

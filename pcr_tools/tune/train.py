@@ -14,7 +14,9 @@ Where the data has a gold answer (every question here does), a ``gold_share`` of
 trains on it instead: cross-entropy of the gold answer (then the end of the turn) under the
 sample's mode, weighted by ``gold_weight`` (its per-token loss is an order of magnitude
 above the distillation's KL). That is TurboRAG's document-QA half; the distillation is its
-"keep the general behaviour" half.
+"keep the general behaviour" half. ``gold_kinds`` limits the gold samples to some kinds of
+question (``lead``: the reply that copies a re-placed document's first sentence, the kind
+reuse loses most on), the other kinds' samples all distilled.
 
 Why LoRA through PEFT: a few MB to commit, merged into a servable checkpoint offline
 (:func:`pcr_tools.models.smollm2.build_smollm2` with ``doc_reuse_tuned=True``), so the
@@ -62,6 +64,7 @@ class TuneParams:
     full_share: float = 0.25
     gold_share: float = 0.0
     gold_weight: float = 0.1
+    gold_kinds: str = ",".join(KINDS)  # comma-separated: the kinds whose questions may train on gold
     answer_tokens: int = 32
     min_documents: int = 2
     max_documents: int = 4
@@ -132,6 +135,15 @@ def gold_loss(model: Any, tokenizer: Any, question: Question, mode: str) -> torc
     return torch.nn.functional.cross_entropy(logits.float(), torch.tensor(answer, device=logits.device))
 
 
+def parse_kinds(text: str) -> frozenset[str]:
+    """``"lead,needle"`` -> those kinds; an unknown or empty list is an error, not an empty set."""
+    kinds = frozenset(k.strip() for k in text.split(",") if k.strip())
+    unknown = sorted(kinds - set(KINDS))
+    if unknown or not kinds:
+        raise ValueError(f"gold kinds {text!r}: expected a comma-separated list of {', '.join(KINDS)}")
+    return kinds
+
+
 def _stops(tokenizer: Any) -> list[int]:
     return [t for t in {tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)} if t is not None]
 
@@ -190,6 +202,7 @@ def train(params: TuneParams, progress: Callable[[str], None] = logger.info) -> 
         return max(0.1, 1.0 - (step - params.warmup_steps) / max(1, total_steps - params.warmup_steps))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    gold_kinds = parse_kinds(params.gold_kinds)
     held_out = validation_questions(params)
     started = time.monotonic()
     model.eval()
@@ -208,7 +221,8 @@ def train(params: TuneParams, progress: Callable[[str], None] = logger.info) -> 
     while samples < params.samples and time.monotonic() < deadline:
         mode = "full" if rng.random() < params.full_share else "concat"
         question = next_question()
-        if gold_rng.random() < params.gold_share:
+        # The draw comes first and always, so the default kinds draw the samples as before.
+        if gold_rng.random() < params.gold_share and question.kind in gold_kinds:
             loss = gold_loss(model, tokenizer, question, mode)
             (params.gold_weight * loss / params.grad_accum).backward()
             gold_window.append(loss.item())

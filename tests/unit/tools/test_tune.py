@@ -262,6 +262,41 @@ def test_a_run_on_gold_answers_alone_logs_its_own_curve(tiny_model, tmp_path):
     assert result.loss_curve == [] and [n for n, _ in result.gold_curve] == [2, 4]
 
 
+def test_gold_kinds_keep_the_gold_loss_to_those_kinds_questions(tiny_model, tmp_path, monkeypatch):
+    """``gold_kinds="lead"`` with every sample drawn for gold: the lead questions train on
+    their gold reply, the needle and two-hop questions are distilled (the kinds come in turn)."""
+    from pcr_tools.tune import train as train_module
+
+    seen: dict[str, list[str]] = {"gold": [], "distilled": []}
+    real_gold, real_sample = train_module.gold_loss, train_module.sample_loss
+
+    def gold_spy(model, tokenizer, question, mode):
+        seen["gold"].append(question.kind)
+        return real_gold(model, tokenizer, question, mode)
+
+    def sample_spy(model, tokenizer, question, mode, answer_tokens):
+        seen["distilled"].append(question.kind)
+        return real_sample(model, tokenizer, question, mode, answer_tokens)
+
+    monkeypatch.setattr(train_module, "gold_loss", gold_spy)
+    monkeypatch.setattr(train_module, "sample_loss", sample_spy)
+    result = train_module.train(train_module.TuneParams(
+        base_model=tiny_model, out_dir=str(tmp_path), samples=6, grad_accum=2, lr=3e-3, warmup_steps=1,
+        answer_tokens=4, validation_questions=0, max_documents=3, log_every=3, gold_share=1.0, gold_kinds="lead"))
+    assert seen["gold"] == ["lead", "lead"]
+    assert seen["distilled"] == ["needle", "two_hop", "needle", "two_hop"]
+    assert [n for n, _ in result.gold_curve] == [3, 6] and [n for n, _ in result.loss_curve] == [3, 6]
+    assert json.loads((tmp_path / "recipe.json").read_text())["params"]["gold_kinds"] == "lead"
+
+
+@pytest.mark.parametrize("text", ["", "lead,bogus", " , "])
+def test_unknown_or_empty_gold_kinds_are_refused(text):
+    from pcr_tools.tune.train import parse_kinds
+
+    with pytest.raises(ValueError, match="comma-separated list of lead, needle, two_hop"):
+        parse_kinds(text)
+
+
 def test_the_tuning_run_writes_the_adapter_and_its_recipe(tiny_adapter):
     out, result = tiny_adapter
     assert result.samples == 8 and result.optimizer_steps == 4
