@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "rank": "LoRA rank (q, k, v and o projections of every layer).",
         "alpha": "LoRA alpha.",
         "full_share": "Share of samples trained under full prefill (keeps unmarked requests' behaviour).",
-        "gold_share": "Share of samples trained on the gold answer (cross-entropy) instead of distilled.",
+        "gold_share": "Share of the --gold-kinds questions' samples trained on the gold answer "
+                      "(cross-entropy) instead of distilled.",
         "gold_weight": "Weight of the gold cross-entropy against the distillation KL.",
         "gold_kinds": "Comma-separated kinds of question (lead, needle, two_hop) whose samples may train on "
                       "the gold answer; the others are all distilled.",
@@ -52,15 +53,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         kind = int if f.name == "threads" else type(default)
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
                             help=f"{help_text[f.name]} (default: {default})")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        parse_kinds(args.gold_kinds)
+    except ValueError as exc:
+        parser.error(f"--gold-kinds: {exc}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
-        parse_kinds(args.gold_kinds)
-    except ValueError as exc:
-        raise SystemExit(f"python -m pcr_tools.tune: --gold-kinds: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="[tune] %(message)s")
     if args.base_model is None:
         from pcr_tools.models.smollm2 import build_smollm2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -258,7 +259,7 @@ def test_a_run_on_gold_answers_alone_logs_its_own_curve(tiny_model, tmp_path):
 
     result = train(TuneParams(base_model=tiny_model, out_dir=str(tmp_path), samples=4, grad_accum=2, lr=3e-3,
                               warmup_steps=1, answer_tokens=4, validation_questions=1, max_documents=3,
-                              log_every=2, gold_share=1.0))
+                              log_every=2, gold_share=1.0, gold_kinds="lead,needle,two_hop"))
     assert result.loss_curve == [] and [n for n, _ in result.gold_curve] == [2, 4]
 
 
@@ -289,12 +290,58 @@ def test_gold_kinds_keep_the_gold_loss_to_those_kinds_questions(tiny_model, tmp_
     assert json.loads((tmp_path / "recipe.json").read_text())["params"]["gold_kinds"] == "lead"
 
 
+def test_no_gold_share_means_no_gold_sample_whatever_the_kinds(tiny_model, tmp_path, monkeypatch):
+    from pcr_tools.tune import train as train_module
+
+    gold_kinds_seen: list[str] = []
+    real_gold = train_module.gold_loss
+
+    def gold_spy(model, tokenizer, question, mode):
+        gold_kinds_seen.append(question.kind)
+        return real_gold(model, tokenizer, question, mode)
+
+    monkeypatch.setattr(train_module, "gold_loss", gold_spy)
+    result = train_module.train(train_module.TuneParams(
+        base_model=tiny_model, out_dir=str(tmp_path), samples=3, grad_accum=3, lr=3e-3, warmup_steps=1,
+        answer_tokens=4, validation_questions=0, max_documents=3, log_every=3, gold_share=0.0, gold_kinds="lead"))
+    assert gold_kinds_seen == [] and result.gold_curve == [] and [n for n, _ in result.loss_curve] == [3]
+
+
+def test_gold_kinds_are_read_with_spaces():
+    from pcr_tools.tune.train import parse_kinds
+
+    assert parse_kinds(" lead , two_hop ") == {"lead", "two_hop"}
+
+
 @pytest.mark.parametrize("text", ["", "lead,bogus", " , "])
 def test_unknown_or_empty_gold_kinds_are_refused(text):
     from pcr_tools.tune.train import parse_kinds
 
     with pytest.raises(ValueError, match="comma-separated list of lead, needle, two_hop"):
         parse_kinds(text)
+
+
+def test_the_command_refuses_bad_gold_kinds_before_any_work(capsys):
+    from pcr_tools.tune.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--out", "unused", "--gold-kinds", "lead,bogus"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--gold-kinds" in err and "unknown 'bogus'" in err
+
+
+def test_the_defaults_are_the_committed_adapters_recipe():
+    """``python -m pcr_tools.tune --out DIR`` trains what is committed (but for the time
+    limit and threads the committed run was given)."""
+    from pcr_tools.models.smollm2 import TUNED_ADAPTER_DIR
+    from pcr_tools.tune.train import TuneParams
+
+    recipe = json.loads((TUNED_ADAPTER_DIR / "recipe.json").read_text())["params"]
+    defaults = asdict(TuneParams(base_model="", out_dir=""))
+    ran_with = {k: v for k, v in recipe.items() if k not in ("max_minutes", "threads")}
+    assert ran_with == {k: v for k, v in defaults.items() if k in ran_with}
+    assert set(defaults) - set(recipe) == {"base_model", "out_dir"}
 
 
 def test_the_tuning_run_writes_the_adapter_and_its_recipe(tiny_adapter):
