@@ -263,9 +263,10 @@ def test_a_run_on_gold_answers_alone_logs_its_own_curve(tiny_model, tmp_path):
     assert result.loss_curve == [] and [n for n, _ in result.gold_curve] == [2, 4]
 
 
-def test_gold_kinds_keep_the_gold_loss_to_those_kinds_questions(tiny_model, tmp_path, monkeypatch):
-    """``gold_kinds="lead"`` with every sample drawn for gold: the lead questions train on
-    their gold reply, the needle and two-hop questions are distilled (the kinds come in turn)."""
+@pytest.fixture
+def losses_seen(monkeypatch):
+    """The kinds of question each loss of :func:`train` was computed for (the real losses
+    are still computed and trained on)."""
     from pcr_tools.tune import train as train_module
 
     seen: dict[str, list[str]] = {"gold": [], "distilled": []}
@@ -281,30 +282,31 @@ def test_gold_kinds_keep_the_gold_loss_to_those_kinds_questions(tiny_model, tmp_
 
     monkeypatch.setattr(train_module, "gold_loss", gold_spy)
     monkeypatch.setattr(train_module, "sample_loss", sample_spy)
-    result = train_module.train(train_module.TuneParams(
+    return seen
+
+
+def test_gold_kinds_keep_the_gold_loss_to_those_kinds_questions(tiny_model, tmp_path, losses_seen):
+    """``gold_kinds="lead"`` with every sample drawn for gold: the lead questions train on
+    their gold reply, the needle and two-hop questions are distilled (the kinds come in turn)."""
+    from pcr_tools.tune.train import TuneParams, train
+
+    result = train(TuneParams(
         base_model=tiny_model, out_dir=str(tmp_path), samples=6, grad_accum=2, lr=3e-3, warmup_steps=1,
         answer_tokens=4, validation_questions=0, max_documents=3, log_every=3, gold_share=1.0, gold_kinds="lead"))
-    assert seen["gold"] == ["lead", "lead"]
-    assert seen["distilled"] == ["needle", "two_hop", "needle", "two_hop"]
+    assert losses_seen["gold"] == ["lead", "lead"]
+    assert losses_seen["distilled"] == ["needle", "two_hop", "needle", "two_hop"]
     assert [n for n, _ in result.gold_curve] == [3, 6] and [n for n, _ in result.loss_curve] == [3, 6]
     assert json.loads((tmp_path / "recipe.json").read_text())["params"]["gold_kinds"] == "lead"
 
 
-def test_no_gold_share_means_no_gold_sample_whatever_the_kinds(tiny_model, tmp_path, monkeypatch):
-    from pcr_tools.tune import train as train_module
+def test_no_gold_share_means_no_gold_sample_whatever_the_kinds(tiny_model, tmp_path, losses_seen):
+    from pcr_tools.tune.train import TuneParams, train
 
-    gold_kinds_seen: list[str] = []
-    real_gold = train_module.gold_loss
-
-    def gold_spy(model, tokenizer, question, mode):
-        gold_kinds_seen.append(question.kind)
-        return real_gold(model, tokenizer, question, mode)
-
-    monkeypatch.setattr(train_module, "gold_loss", gold_spy)
-    result = train_module.train(train_module.TuneParams(
+    result = train(TuneParams(
         base_model=tiny_model, out_dir=str(tmp_path), samples=3, grad_accum=3, lr=3e-3, warmup_steps=1,
         answer_tokens=4, validation_questions=0, max_documents=3, log_every=3, gold_share=0.0, gold_kinds="lead"))
-    assert gold_kinds_seen == [] and result.gold_curve == [] and [n for n, _ in result.loss_curve] == [3]
+    assert losses_seen["gold"] == [] and result.gold_curve == [] and [n for n, _ in result.loss_curve] == [3]
+    assert losses_seen["distilled"] == ["lead", "needle", "two_hop"]
 
 
 def test_gold_kinds_are_read_with_spaces():
