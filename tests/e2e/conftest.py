@@ -29,7 +29,7 @@ def baseline_server(tiny_model):
     prompts apiece). Modules put it in their ``servers`` through ``serving(shared=...)``."""
     server = ServerProcess(tiny_model, BASELINE_ARGS).start()
     yield server
-    server.stop()
+    server.kill()  # as the modules' servers are (tests.e2e.helpers.serving)
 
 
 @pytest.fixture(scope="session")

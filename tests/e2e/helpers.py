@@ -45,7 +45,7 @@ def server_budget(count: int) -> Iterator[None]:
 @contextmanager
 def serving(servers: dict[str, ServerProcess], start_first: Sequence[str] = (),
             shared: Mapping[str, ServerProcess] = MappingProxyType({})) -> Iterator[dict[str, ServerProcess]]:
-    """Start several servers at once (their startup is mostly import time); on exit stop
+    """Start several servers at once (their startup is mostly import time); on exit kill
     every server the dict then holds (a test may replace one with a restarted server).
     ``start_first`` are started alone beforehand: HiCache checks at startup that host
     memory beyond a 10 GB reserve is free, which servers starting beside it can use up.
@@ -64,8 +64,11 @@ def serving(servers: dict[str, ServerProcess], start_first: Sequence[str] = (),
             servers.update(shared)
             yield servers
         finally:
+            # Killed, not stopped: nothing of them is wanted any more, and a graceful stop
+            # takes 5-6 s however idle (pcr_tools.launcher.stop_all). The graceful path is
+            # still taken where it matters, by the restarts of test_faults and test_ssd_tier.
             kept = {id(s) for s in shared.values()}
-            stop_all(s for s in servers.values() if id(s) not in kept)
+            stop_all((s for s in servers.values() if id(s) not in kept), graceful=False)
 
 
 def generate_greedy(server: ServerProcess, prompts: Sequence[list[int]], concurrency: int = 1):

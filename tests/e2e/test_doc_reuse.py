@@ -650,7 +650,8 @@ def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, toke
     # A second server on the same store (stores are shareable): it restores, never serves traffic.
     # With the default warm-up policy it warms nothing at a first sighting: what it reuses
     # was restored.
-    with ssd_server(tiny_model, store_dir, *DOC_REUSE[:4]) as restarted:
+    with serving({"restarted": ssd_server(tiny_model, store_dir, *DOC_REUSE[:4])}) as started:
+        restarted = started["restarted"]
         assert restarted.pcr_state()["ssd"]["counters"]["restored_chunks"] > 0
         out = _generate(restarted, prompt, marked=True)
         state = restarted.pcr_state(check_invariants=True)

@@ -144,6 +144,29 @@ def test_stop_all_stops_every_server_at_once_even_when_one_fails():
     assert sorted(stopped) == ["a", "b", "c"]
 
 
+def test_stop_all_not_graceful_kills_every_server_at_once():
+    """``graceful=False`` (the e2e modules' teardown) kills instead of stopping, the kills
+    side by side as the stops are."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=10)
+    calls = []
+
+    class Server:
+        def __init__(self, name: str):
+            self.name = name
+
+        def stop(self, timeout_s: float) -> None:
+            calls.append(("stop", self.name))
+
+        def kill(self) -> None:
+            barrier.wait()
+            calls.append(("kill", self.name))
+
+    launcher.stop_all([Server("a"), Server("b")], graceful=False)
+    assert sorted(calls) == [("kill", "a"), ("kill", "b")]
+
+
 def test_a_server_started_from_a_niced_process_keeps_its_niceness_in_its_own_session():
     """With autogroup scheduling a new session competes at full weight whatever its nice
     value; the launcher's wrapper gives the server's session the caller's niceness (red
