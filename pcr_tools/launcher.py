@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -254,6 +255,7 @@ class ServerProcess(ServerRequests):
     startup_seconds: float = 0.0
     _proc: Optional[subprocess.Popen] = None
     _port_chosen_here: bool = False
+    _metrics_dir: Optional[str] = None  # PROMETHEUS_MULTIPROC_DIR of the running server, ours to remove
 
     @property
     def base_url(self) -> str:
@@ -297,8 +299,8 @@ class ServerProcess(ServerRequests):
                 self.port = free_port()
             log = open(self.log_path, "w")
             self._proc = subprocess.Popen(
-                keep_niceness(self.argv()), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
-                start_new_session=True
+                keep_niceness(self.argv()), stdout=log, stderr=subprocess.STDOUT, env=self._with_metrics_dir(env),
+                cwd=self.cwd, start_new_session=True
             )
             log.close()
             try:
@@ -315,6 +317,16 @@ class ServerProcess(ServerRequests):
                 raise
             break
         self.startup_seconds = time.monotonic() - started
+
+    def _with_metrics_dir(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` with a ``PROMETHEUS_MULTIPROC_DIR`` of this launcher's own, unless the
+        caller set one. SGLang makes its metrics directory (``--enable-metrics``) in the
+        system's temporary directory and removes it at a graceful exit only: a killed
+        server's stayed behind, one per start. Under ours, it goes when the server does."""
+        if "PROMETHEUS_MULTIPROC_DIR" in env:
+            return env
+        self._metrics_dir = tempfile.mkdtemp(prefix="pcr-server-metrics-")
+        return {**env, "PROMETHEUS_MULTIPROC_DIR": self._metrics_dir}
 
     def _port_taken(self) -> bool:
         if self.log_path is None or not self.log_path.exists():
@@ -358,6 +370,14 @@ class ServerProcess(ServerRequests):
 
     def _signal(self, sig: int, timeout_s: float) -> None:
         proc, self._proc = self._proc, None
+        try:
+            self._end(proc, sig, timeout_s)
+        finally:
+            if self._metrics_dir is not None:
+                shutil.rmtree(self._metrics_dir, ignore_errors=True)
+                self._metrics_dir = None
+
+    def _end(self, proc: Optional[subprocess.Popen], sig: int, timeout_s: float) -> None:
         if proc is None or proc.poll() is not None:
             return
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -165,6 +166,23 @@ def test_stop_all_not_graceful_kills_every_server_at_once():
 
     launcher.stop_all([Server("a"), Server("b")], graceful=False)
     assert sorted(calls) == [("kill", "a"), ("kill", "b")]
+
+
+def test_a_servers_metrics_directory_is_its_launchers_and_goes_with_it(tmp_path):
+    """SGLang removes its PROMETHEUS_MULTIPROC_DIR at a graceful exit only; the launcher
+    gives each start a directory of its own and removes it however the server ends (red
+    without it: every killed --enable-metrics server left one in the temporary directory)."""
+    server = launcher.ServerProcess("model")
+    env = server._with_metrics_dir({"PATH": "/bin"})
+    metrics = Path(env["PROMETHEUS_MULTIPROC_DIR"])
+    assert metrics.is_dir() and env["PATH"] == "/bin"
+    (metrics / "tmp-sglang").mkdir()  # what SGLang makes inside it
+    server.kill()  # no process left to signal: the directory still goes
+    assert not metrics.exists()
+    mine = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    assert server._with_metrics_dir(mine) == mine  # one the caller set is left to the caller
+    server.stop()
+    assert tmp_path.is_dir()
 
 
 def test_a_server_started_from_a_niced_process_keeps_its_niceness_in_its_own_session():
