@@ -1,24 +1,31 @@
 """TTFT of the base and the document-reuse tuned model, over several server starts, side by side.
 
-    python -m bench.reuse_ttft [--rounds 3] [--questions 16] [--modes concat,blend:0.15:gradual]
+    python -m bench.reuse_ttft [--rounds 4] [--questions 12] [--modes concat,blend:0.15:gradual]
 
 The accuracy benchmark (``python -m bench.doc_reuse_accuracy``) measures TTFT on one server
-start per model and mode. On two cores a server start has its own speed (where its threads
-and memory landed, what else ran): one start per model cannot tell a slower model from a
-slower start. This benchmark starts one document-reuse server per model per round, the
-models alternating (base first in even rounds, tuned first in odd ones), and on each start
-measures every prompt in every mode:
+start per model and server kind, between its other requests (teacher-forced and shuffled
+ones): its TTFT columns hold one start of each model against one of the other. This
+benchmark repeats the comparison over rounds, the models alternating (base first in even
+rounds, tuned first in odd ones; the default, 4 rounds, puts each first as often). In each
+round every model gets two server starts, one after the other:
 
-* ``full``: the prompt unmarked, under a cache namespace of its own (``extra_key``): a cold
-  full prefill, as an unmarked request on a cold cache is served;
-* each ``--modes`` entry: the prompt marked, warmed once (its documents' canonical KV
-  computed), then streamed, under a namespace of the mode's own.
+* ``full (no cache)``: a server with ``--disable-radix-cache``, the accuracy benchmark's
+  full-prefill server; every question unmarked;
+* a document-reuse server (``--enable-pcr --pcr-doc-reuse ...``) measuring ``full``, every
+  question unmarked under a cache namespace of its own (``extra_key``), so a cold full
+  prefill as PCR serves an unmarked request, and each ``--modes`` entry: the question
+  marked, warmed once under a namespace of its own (its documents' canonical KV
+  computed), then streamed. A marked request must reuse every document (its cached plus
+  recomputed tokens reach the last document's end); one that does not is counted and left
+  out of the medians.
 
-Each start's figure is the median TTFT over its prompts (one token generated, so TTFT is
-the whole request). It reports each model's per-start medians, their spread (how much a
-server start alone moves TTFT), and the tuned / base ratio per round (the two starts of a
-round ran back to back) with its median over rounds: the figure to hold against the
-issue's "within 5% of the base model's for the same mode".
+Every request generates one token, so TTFT is the whole request, streamed. ``--warmup``
+questions of another seed are sent first on every start and not counted (a fresh server's
+first requests pay one-time costs). Each start's figure is the median TTFT over its
+questions. The report gives each model's per-start medians and their spread, and the tuned
+/ base ratio per round (the two models' starts of a round ran back to back) with the
+median of those ratios. The JSON result is rewritten after every start, so a failure late
+in the run keeps what was measured; the exit status is 1 if any request failed.
 """
 
 from __future__ import annotations
@@ -27,26 +34,35 @@ import argparse
 import datetime
 import json
 import logging
+import math
+import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
-FULL = "full"
+FULL = "full"  # unmarked, on the document-reuse server
+FULL_NO_CACHE = "full (no cache)"  # unmarked, on a --disable-radix-cache server
+WARMUP_SEED_OFFSET = 10_000  # the warm-up questions' seed: seed + this, never a measured question
 
 
-@dataclass(frozen=True)
+@dataclass
 class StartResult:
-    """One server start: its model, round and the median TTFT (s) per mode over the prompts."""
+    """One server start: its model, round, kind, and the median TTFT (s) per mode over the
+    questions; ``errors`` failed requests and ``not_reused`` marked requests that did not
+    reuse every document, per mode (both left out of the medians)."""
 
     model: str
     round: int
+    server: str
     startup_s: float
     median_ttft_s: dict[str, float]
+    errors: dict[str, int] = field(default_factory=dict)
+    not_reused: dict[str, int] = field(default_factory=dict)
 
 
 def model_order(models: Sequence[str], round_index: int) -> list[str]:
@@ -58,7 +74,8 @@ def model_order(models: Sequence[str], round_index: int) -> list[str]:
 def summarize(starts: Sequence[StartResult], models: Sequence[str], modes: Sequence[str],
               base: str = "base") -> dict[str, Any]:
     """Per model and mode: the per-start medians, their median and spread (max / min); per
-    other model and mode: the ratio to ``base`` per round and the median of those ratios."""
+    other model and mode: the ratio to ``base`` in each round both measured it, and the
+    median of those ratios."""
     out: dict[str, Any] = {"per_model": {}, "ratio_to_base": {}}
     for model in models:
         out["per_model"][model] = {}
@@ -69,7 +86,11 @@ def summarize(starts: Sequence[StartResult], models: Sequence[str], modes: Seque
                 "median_s": statistics.median(values) if values else None,
                 "spread": max(values) / min(values) if values and min(values) > 0 else None,
             }
-    by_round: dict[tuple[str, int], StartResult] = {(s.model, s.round): s for s in starts}
+
+    def in_round(model: str, r: int, mode: str) -> Optional[float]:
+        return next((s.median_ttft_s[mode] for s in starts
+                     if s.model == model and s.round == r and mode in s.median_ttft_s), None)
+
     rounds = sorted({s.round for s in starts})
     for model in models:
         if model == base:
@@ -78,9 +99,9 @@ def summarize(starts: Sequence[StartResult], models: Sequence[str], modes: Seque
         for mode in modes:
             ratios = []
             for r in rounds:
-                mine, theirs = by_round.get((model, r)), by_round.get((base, r))
-                if mine and theirs and mode in mine.median_ttft_s and theirs.median_ttft_s.get(mode):
-                    ratios.append(mine.median_ttft_s[mode] / theirs.median_ttft_s[mode])
+                mine, theirs = in_round(model, r, mode), in_round(base, r, mode)
+                if mine is not None and theirs:
+                    ratios.append(mine / theirs)
             out["ratio_to_base"][model][mode] = {
                 "per_round": ratios, "median": statistics.median(ratios) if ratios else None}
     return out
@@ -90,7 +111,7 @@ def markdown(summary: dict[str, Any], models: Sequence[str], modes: Sequence[str
     def ms(value: Optional[float]) -> str:
         return "n/a" if value is None else f"{value * 1000:.0f}"
 
-    lines = ["| model | mode | median TTFT (ms) | per start (ms) | spread between starts |",
+    lines = ["| model | mode | median TTFT (ms) | per start, in round order (ms) | spread between starts |",
              "| --- | --- | ---: | --- | ---: |"]
     for model in models:
         for mode in modes:
@@ -107,34 +128,55 @@ def markdown(summary: dict[str, Any], models: Sequence[str], modes: Sequence[str
     return "\n".join(lines) + "\n"
 
 
-def measure_start(server: Any, prompts: Sequence[Any], specs: Sequence[Any], warmup: int) -> dict[str, float]:
-    """The median TTFT per mode over ``prompts`` on one server; the first ``warmup``
-    prompts are sent once in every mode beforehand and not counted (a fresh server's first
-    requests pay one-time costs)."""
+def measure_start(server: Any, warmup_prompts: Sequence[Any], prompts: Sequence[Any], specs: Sequence[Any],
+                  full_mode: str = FULL) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+    """On one server: ``warmup_prompts`` sent once in every mode, not counted; then every
+    prompt unmarked (as ``full_mode``) and in every spec. Returns the median TTFT per mode,
+    and per mode the failed requests and the marked ones that did not reuse every document
+    (both left out of the medians)."""
     from pcr_sglang.reuse.bounds import WARM_NOW_PARAM
     from pcr_sglang.reuse.prompt import DocPrompt
 
-    def one(p: Any, spec: Any, key: str) -> float:
+    def one(p: Any, spec: Any, key: str) -> tuple[float, bool]:
+        """(TTFT, whether every document was reused: always True unmarked)."""
         sampling = {"temperature": 0.0, "max_new_tokens": 1}
         if spec is None:
             body = {"input_ids": p.input_ids, "sampling_params": sampling, "extra_key": key}
-            return server.generate_stream(body).ttft_s
+            return server.generate_stream(body).ttft_s, True
         marked = DocPrompt(p.input_ids, p.doc_bounds).sampling_params(**sampling)
         marked["custom_params"].update(spec.custom_params())
         warm = {**marked, "custom_params": {**marked["custom_params"], WARM_NOW_PARAM: True}}
         server.generate({"input_ids": p.input_ids, "sampling_params": warm, "extra_key": key})
-        return server.generate_stream({"input_ids": p.input_ids, "sampling_params": marked, "extra_key": key}).ttft_s
+        streamed = server.generate_stream({"input_ids": p.input_ids, "sampling_params": marked, "extra_key": key})
+        cached = int(streamed.final.get("meta_info", {}).get("cached_tokens", 0))
+        return streamed.ttft_s, cached + spec.recomputed_if_all_reused(p.doc_bounds) == p.last_doc_end
 
-    for i, p in enumerate(prompts[:warmup]):
-        one(p, None, f"ttft-warmup-full-{i}")
-        for spec in specs:
-            one(p, spec, f"ttft-warmup-{spec.name}-{i}")
-    ttfts: dict[str, list[float]] = {FULL: [], **{spec.name: [] for spec in specs}}
+    runs: list[tuple[str, Any]] = [(full_mode, None), *((spec.name, spec) for spec in specs)]
+    for i, p in enumerate(warmup_prompts):
+        for name, spec in runs:
+            try:
+                one(p, spec, f"ttft-warmup-{name}-{i}")
+            except Exception as e:  # noqa: BLE001 - a warm-up request is not measured
+                logger.warning("warm-up request %s (%s) failed: %s", i, name, e)
+    ttfts: dict[str, list[float]] = {name: [] for name, _ in runs}
+    errors = {name: 0 for name, _ in runs}
+    not_reused = {name: 0 for name, _ in runs}
     for i, p in enumerate(prompts):
-        ttfts[FULL].append(one(p, None, f"ttft-full-{i}"))
-        for spec in specs:
-            ttfts[spec.name].append(one(p, spec, f"ttft-{spec.name}-{i}"))
-    return {mode: statistics.median(values) for mode, values in ttfts.items()}
+        for name, spec in runs:
+            try:
+                ttft, reused = one(p, spec, f"ttft-{name}-{i}")
+            except Exception as e:  # noqa: BLE001 - one failed request must not lose the run
+                logger.error("request %s (%s) failed: %s", i, name, e)
+                errors[name] += 1
+                continue
+            if math.isnan(ttft):
+                errors[name] += 1  # no data chunk came back
+            elif not reused:
+                not_reused[name] += 1
+            else:
+                ttfts[name].append(ttft)
+    medians = {name: statistics.median(values) for name, values in ttfts.items() if values}
+    return medians, errors, not_reused
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -142,13 +184,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     from pcr_tools.tune.measure import parse_modes
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m bench.reuse_ttft", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--rounds", type=int, default=3, help="server starts per model (default 3)")
-    parser.add_argument("--questions", type=int, default=16,
-                        help="test-split questions measured on every start, the kinds in turn (default 16)")
-    parser.add_argument("--warmup", type=int, default=2, help="questions sent first on every start, not counted")
-    parser.add_argument("--seed", type=int, default=0, help="the questions' seed")
+    intro, _, details = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(prog="python -m bench.reuse_ttft", description=intro,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=details)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds; each starts two servers per model (default 4)")
+    parser.add_argument("--questions", type=int, default=12,
+                        help="test-split questions measured on every start, the kinds in turn (default 12)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="questions (of another seed) sent first on every start, not counted (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="the measured questions' seed")
     parser.add_argument("--modes", type=parse_modes, default=parse_modes("concat,blend:0.15:gradual"),
                         help="document-reuse configurations, as bench.doc_reuse_accuracy names them "
                              "(default: concat,blend:0.15:gradual); full prefill is always measured")
@@ -176,37 +220,62 @@ def main(argv: Optional[list[str]] = None) -> int:
     paths = {"base": str(build_smollm2()), "tuned": str(build_smollm2(doc_reuse_tuned=True))}
     models = list(paths)
     tokenizer = AutoTokenizer.from_pretrained(paths["base"])
-    prompts = gold_prompts(question_set("test", args.questions + args.warmup, args.seed), tokenizer, args.seed)
-    warmup_prompts, measured = prompts[:args.warmup], prompts[args.warmup:]
-    modes = [FULL, *(spec.name for spec in args.modes)]
-    flags = (*doc_reuse_server_flags(server_mode(args.modes), args.chunk_size),
-             "--max-total-tokens", str(args.max_total_tokens), *COMMON_SERVER_ARGS)
-    starts: list[StartResult] = []
-    for r in range(args.rounds):
-        for model in model_order(models, r):
-            progress(f"round {r + 1}/{args.rounds}: starting the {model} server...")
-            with ServerProcess(paths[model], flags) as server:
-                medians = measure_start(server, [*warmup_prompts, *measured], args.modes, args.warmup)
-                starts.append(StartResult(model, r, round(server.startup_seconds, 1), medians))
-            progress(f"round {r + 1}: {model}: " + ", ".join(f"{m} {v * 1000:.0f} ms" for m, v in medians.items()))
-    summary = summarize(starts, models, modes)
-    report = markdown(summary, models, modes)
+    measured = gold_prompts(question_set("test", args.questions, args.seed), tokenizer, args.seed)
+    warmup_seed = args.seed + WARMUP_SEED_OFFSET
+    warmup_prompts = gold_prompts(question_set("test", args.warmup, warmup_seed), tokenizer, warmup_seed)
+    modes = [FULL_NO_CACHE, FULL, *(spec.name for spec in args.modes)]
+    common = ("--max-total-tokens", str(args.max_total_tokens), *COMMON_SERVER_ARGS)
+    servers: dict[str, tuple[tuple[str, ...], str, Sequence[Any]]] = {
+        "no-cache": (("--disable-radix-cache", *common), FULL_NO_CACHE, ()),
+        "doc-reuse": ((*doc_reuse_server_flags(server_mode(args.modes), args.chunk_size), *common), FULL, args.modes),
+    }
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python -m bench.reuse_ttft " + " ".join(argv)
+    command = "python -m bench.reuse_ttft " + shlex.join(argv)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command,
-            "questions": len(measured), "warmup": args.warmup, "rounds": args.rounds, "server_args": list(flags),
-            "machine": f"{len(_affinity())} CPU cores" + (", no GPU" if cpu_only() else ""),
-            "elapsed_s": round(time.monotonic() - started, 1)}
-    (args.out / f"{stamp}.json").write_text(json.dumps(
-        {"meta": meta, "starts": [asdict(s) for s in starts], "summary": summary}, indent=1))
+            "questions": len(measured), "warmup": len(warmup_prompts), "rounds": args.rounds,
+            "server_args": {name: list(flags) for name, (flags, _, _) in servers.items()},
+            "machine": f"{len(_affinity())} CPU cores" + (", no GPU" if cpu_only() else "")}
+    starts: list[StartResult] = []
+
+    def write(final: bool) -> dict[str, Any]:
+        summary = summarize(starts, models, modes)
+        meta["elapsed_s"] = round(time.monotonic() - started, 1)
+        meta["complete"] = final
+        (args.out / f"{stamp}.json").write_text(json.dumps(
+            {"meta": meta, "starts": [asdict(s) for s in starts], "summary": summary}, indent=1))
+        return summary
+
+    for r in range(args.rounds):
+        for model in model_order(models, r):
+            for kind, (flags, full_mode, specs) in servers.items():
+                progress(f"round {r + 1}/{args.rounds}: starting the {model} {kind} server...")
+                server = ServerProcess(paths[model], flags)
+                try:
+                    server.start()
+                    medians, errors, not_reused = measure_start(server, warmup_prompts, measured, specs, full_mode)
+                    starts.append(StartResult(model, r, kind, round(server.startup_seconds, 1), medians,
+                                              errors, not_reused))
+                finally:
+                    server.kill()  # nothing of it is wanted; a graceful stop costs seconds
+                progress(f"round {r + 1}: {model} {kind}: "
+                         + ", ".join(f"{m} {v * 1000:.0f} ms" for m, v in medians.items()))
+                write(final=False)
+    summary = write(final=True)
+    failed = sum(sum(s.errors.values()) for s in starts)
+    skipped = sum(sum(s.not_reused.values()) for s in starts)
+    report = markdown(summary, models, modes)
+    notes = [f"{failed} requests failed" if failed else "",
+             f"{skipped} marked requests did not reuse every document (left out)" if skipped else ""]
     (args.out / f"{stamp}.md").write_text(
         f"# TTFT of the base and tuned models over server starts ({meta['date']})\n\n`{command}`: "
-        f"{len(measured)} test-split questions a start, {args.rounds} starts a model, models alternating, "
-        f"{meta['elapsed_s'] / 60:.1f} min, {meta['machine']}.\n\n{report}")
+        f"{len(measured)} test-split questions a start ({len(warmup_prompts)} more first, not counted), "
+        f"{args.rounds} rounds of two server starts a model, models alternating, "
+        f"{meta['elapsed_s'] / 60:.1f} min, {meta['machine']}."
+        f"{''.join(f' {n}.' for n in notes if n)}\n\n{report}")
     print(report)
     progress(f"wrote {args.out / stamp}.md and .json")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
-"""The TTFT benchmark over server starts: its round order, per-round ratios and report."""
+"""The TTFT benchmark over server starts: its round order, per-round ratios, what one start
+measures, and its report."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
-from bench.reuse_ttft import FULL, StartResult, markdown, model_order, summarize
+from bench.reuse_ttft import FULL, StartResult, markdown, measure_start, model_order, summarize
+from pcr_sglang.reuse.bounds import WARM_NOW_PARAM
+from pcr_tools.launcher import StreamedResponse
+from pcr_tools.tune.measure import ModeSpec
 
 
 def test_models_alternate_between_rounds():
@@ -15,10 +21,10 @@ def test_models_alternate_between_rounds():
 
 def _starts():
     # Round 0: tuned 10% slower in full prefill; round 1: 10% faster; concat equal in both.
-    return [StartResult("base", 0, 20.0, {FULL: 0.500, "concat": 0.200}),
-            StartResult("tuned", 0, 20.0, {FULL: 0.550, "concat": 0.200}),
-            StartResult("tuned", 1, 20.0, {FULL: 0.540, "concat": 0.250}),
-            StartResult("base", 1, 20.0, {FULL: 0.600, "concat": 0.250})]
+    return [StartResult("base", 0, "doc-reuse", 20.0, {FULL: 0.500, "concat": 0.200}),
+            StartResult("tuned", 0, "doc-reuse", 20.0, {FULL: 0.550, "concat": 0.200}),
+            StartResult("tuned", 1, "doc-reuse", 20.0, {FULL: 0.540, "concat": 0.250}),
+            StartResult("base", 1, "doc-reuse", 20.0, {FULL: 0.600, "concat": 0.250})]
 
 
 def test_ratios_pair_the_starts_of_one_round():
@@ -38,9 +44,14 @@ def test_the_spread_between_starts_is_reported_per_model():
     assert base_full["spread"] == pytest.approx(1.2)
 
 
-def test_a_round_missing_a_model_gives_no_ratio():
-    summary = summarize(_starts()[:3], ["base", "tuned"], [FULL])
-    assert summary["ratio_to_base"]["tuned"][FULL]["per_round"] == pytest.approx([1.1])
+@pytest.mark.parametrize("missing", [0, 3], ids=["base-of-round-0", "base-of-round-1"])
+def test_a_round_missing_the_base_model_gives_no_ratio_and_shifts_none(missing):
+    """Ratios pair by round, not by position: with a base start missing, the other round's
+    ratio is still its own (pairing the two models' lists in order would give 1.08 or 0.92)."""
+    starts = [s for i, s in enumerate(_starts()) if i != missing]
+    expected = [0.9] if missing == 0 else [1.1]
+    assert summarize(starts, ["base", "tuned"], [FULL])["ratio_to_base"]["tuned"][FULL]["per_round"] == \
+        pytest.approx(expected)
 
 
 def test_the_report_names_every_mode_and_the_ratio():
@@ -49,3 +60,64 @@ def test_the_report_names_every_mode_and_the_ratio():
     assert "| base | full | 550 | 500, 600 | 20% |" in text
     assert "| full | +0.0% | +10%, -10% |" in text
     assert "| concat | +0.0% | +0%, +0% |" in text
+
+
+@dataclass
+class _Prompt:
+    input_ids: list[int]
+    doc_bounds: list[int]
+
+    @property
+    def last_doc_end(self) -> int:
+        return self.doc_bounds[-1]
+
+
+class _Server:
+    """Answers every request; TTFT is the prompt's first token (so each prompt's is known),
+    a marked request reuses its documents unless its first token is in ``not_reusing``, and
+    a request whose first token is in ``failing`` raises."""
+
+    def __init__(self, failing=(), not_reusing=()):
+        self.streamed: list[dict] = []
+        self.warmed: list[dict] = []
+        self.failing, self.not_reusing = set(failing), set(not_reusing)
+
+    def generate(self, body):
+        assert body["sampling_params"]["custom_params"][WARM_NOW_PARAM] is True
+        self.warmed.append(body)
+        return {}
+
+    def generate_stream(self, body):
+        first = body["input_ids"][0]
+        if first in self.failing:
+            raise ConnectionError("server gone")
+        self.streamed.append(body)
+        marked = "custom_params" in body["sampling_params"]
+        cached = 0 if not marked or first in self.not_reusing else 6
+        return StreamedResponse(ttft_s=first / 1000, latency_s=first / 1000, final={"meta_info": {
+            "cached_tokens": cached}})
+
+
+def _prompts(firsts):
+    return [_Prompt([first, 1, 2, 3, 4, 5, 6, 7], [1, 3, 3, 6]) for first in firsts]
+
+
+def test_warm_up_questions_are_sent_but_not_counted():
+    server = _Server()
+    medians, errors, not_reused = measure_start(server, _prompts([900, 800]), _prompts([10, 20, 30]),
+                                                [ModeSpec("concat")])
+    assert medians == {FULL: pytest.approx(0.020), "concat": pytest.approx(0.020)}  # 900 and 800 left out
+    assert len(server.streamed) == 2 * 5 and len(server.warmed) == 5  # every question, every mode, once
+    assert errors == {FULL: 0, "concat": 0} and not_reused == {FULL: 0, "concat": 0}
+    # Each request under a namespace of its own: nothing one caches is another's prefix.
+    keys = [b["extra_key"] for b in server.streamed]
+    assert len(set(keys)) == len(keys)
+
+
+def test_failed_and_not_reusing_requests_are_counted_and_left_out():
+    server = _Server(failing={30}, not_reusing={20})
+    medians, errors, not_reused = measure_start(server, [], _prompts([10, 20, 30, 40]), [ModeSpec("concat")])
+    assert errors == {FULL: 1, "concat": 1}
+    assert not_reused == {FULL: 0, "concat": 1}
+    assert medians[FULL] == pytest.approx(0.020)  # 10, 20, 40
+    assert medians["concat"] == pytest.approx(0.025)  # 10, 40
