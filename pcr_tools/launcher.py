@@ -297,12 +297,18 @@ class ServerProcess(ServerRequests):
         for attempt in range(1, PORT_ATTEMPTS + 1):
             if choose_port:
                 self.port = free_port()
+            server_env = self._with_metrics_dir(env)
             log = open(self.log_path, "w")
-            self._proc = subprocess.Popen(
-                keep_niceness(self.argv()), stdout=log, stderr=subprocess.STDOUT, env=self._with_metrics_dir(env),
-                cwd=self.cwd, start_new_session=True
-            )
-            log.close()
+            try:
+                self._proc = subprocess.Popen(
+                    keep_niceness(self.argv()), stdout=log, stderr=subprocess.STDOUT, env=server_env, cwd=self.cwd,
+                    start_new_session=True
+                )
+            except BaseException:
+                self._drop_metrics_dir()
+                raise
+            finally:
+                log.close()
             try:
                 self._wait_ready(time.monotonic())
             except PortInUseError:
@@ -323,6 +329,7 @@ class ServerProcess(ServerRequests):
         caller set one. SGLang makes its metrics directory (``--enable-metrics``) in the
         system's temporary directory and removes it at a graceful exit only: a killed
         server's stayed behind, one per start. Under ours, it goes when the server does."""
+        self._drop_metrics_dir()  # a previous start's, if it was never stopped
         if "PROMETHEUS_MULTIPROC_DIR" in env:
             return env
         self._metrics_dir = tempfile.mkdtemp(prefix="pcr-server-metrics-")
@@ -373,9 +380,12 @@ class ServerProcess(ServerRequests):
         try:
             self._end(proc, sig, timeout_s)
         finally:
-            if self._metrics_dir is not None:
-                shutil.rmtree(self._metrics_dir, ignore_errors=True)
-                self._metrics_dir = None
+            self._drop_metrics_dir()
+
+    def _drop_metrics_dir(self) -> None:
+        if self._metrics_dir is not None:
+            shutil.rmtree(self._metrics_dir, ignore_errors=True)
+            self._metrics_dir = None
 
     def _end(self, proc: Optional[subprocess.Popen], sig: int, timeout_s: float) -> None:
         if proc is None or proc.poll() is not None:

@@ -168,20 +168,41 @@ def test_stop_all_not_graceful_kills_every_server_at_once():
     assert sorted(calls) == [("kill", "a"), ("kill", "b")]
 
 
-def test_a_servers_metrics_directory_is_its_launchers_and_goes_with_it(tmp_path):
-    """SGLang removes its PROMETHEUS_MULTIPROC_DIR at a graceful exit only; the launcher
-    gives each start a directory of its own and removes it however the server ends (red
-    without it: every killed --enable-metrics server left one in the temporary directory)."""
-    server = launcher.ServerProcess("model")
-    env = server._with_metrics_dir({"PATH": "/bin"})
-    metrics = Path(env["PROMETHEUS_MULTIPROC_DIR"])
-    assert metrics.is_dir() and env["PATH"] == "/bin"
-    (metrics / "tmp-sglang").mkdir()  # what SGLang makes inside it
-    server.kill()  # no process left to signal: the directory still goes
-    assert not metrics.exists()
-    mine = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    assert server._with_metrics_dir(mine) == mine  # one the caller set is left to the caller
-    server.stop()
+class MetricsDirReporter(UvicornProcess):
+    """Writes the PROMETHEUS_MULTIPROC_DIR it was started with to ``report`` (a line a start)."""
+
+    report: Path = Path()
+
+    def argv(self) -> list[str]:
+        note = ("import os; open(%r, 'a').write(os.environ.get('PROMETHEUS_MULTIPROC_DIR', '-') + '\\n')"
+                % str(self.report))
+        return [sys.executable, "-c", note + "\n" + READY_APP, str(self.port)]
+
+
+def test_each_start_gets_a_metrics_directory_of_its_own_removed_however_it_ends(taken_port, monkeypatch,
+                                                                                   tmp_path):
+    """SGLang removes its PROMETHEUS_MULTIPROC_DIR at a graceful exit only (red without the
+    launcher's own: every killed --enable-metrics server left one in the temporary
+    directory). A start retried on another port gets a fresh one, the first removed."""
+    real_free_port = launcher.free_port
+    offered = iter([taken_port])
+    monkeypatch.setattr(launcher, "free_port", lambda: next(offered, None) or real_free_port())
+    server = MetricsDirReporter("unused", startup_timeout_s=60)
+    server.report = tmp_path / "dirs.txt"
+    server.start()
+    try:
+        first, second = server.report.read_text().split()  # the taken port's attempt, then this one
+        assert first != second and not Path(first).exists() and Path(second).is_dir()
+    finally:
+        server.kill()
+    assert not Path(second).exists()
+
+
+def test_a_metrics_directory_the_caller_set_is_left_to_the_caller(tmp_path):
+    server = MetricsDirReporter("unused", startup_timeout_s=60, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    server.report = tmp_path / "dirs.txt"
+    with server:
+        assert server.report.read_text().split() == [str(tmp_path)]
     assert tmp_path.is_dir()
 
 
