@@ -23,9 +23,12 @@ Every request generates one token, so TTFT is the whole request, streamed. ``--w
 questions of another seed are sent first on every start and not counted (a fresh server's
 first requests pay one-time costs). Each start's figure is the median TTFT over its
 questions. The report gives each model's per-start medians and their spread, and the tuned
-/ base ratio per round (the two models' starts of a round ran back to back) with the
+/ base ratio per round (the same kind of server, started within minutes of each other) with the
 median of those ratios. The JSON result is rewritten after every start, so a failure late
-in the run keeps what was measured; the exit status is 1 if any request failed.
+in the run keeps what was measured; a server that fails to start is recorded and the run
+goes on; the exit status is 1 if any request failed, was not served as measured, or a
+start failed. The report records the OpenMP threads each server ran with
+(``OMP_NUM_THREADS``; torch's default is one per core).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import datetime
 import json
 import logging
 import math
+import os
 import shlex
 import statistics
 import sys
@@ -53,8 +57,9 @@ WARMUP_SEED_OFFSET = 10_000  # the warm-up questions' seed: seed + this, never a
 @dataclass
 class StartResult:
     """One server start: its model, round, kind, and the median TTFT (s) per mode over the
-    questions; ``errors`` failed requests and ``not_reused`` marked requests that did not
-    reuse every document, per mode (both left out of the medians)."""
+    questions; per mode, ``errors`` failed requests and ``not_reused`` requests not served
+    as measured (an unmarked one that hit the cache, a marked one that did not reuse every
+    document), both left out of the medians."""
 
     model: str
     round: int
@@ -132,24 +137,37 @@ def measure_start(server: Any, warmup_prompts: Sequence[Any], prompts: Sequence[
                   full_mode: str = FULL) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
     """On one server: ``warmup_prompts`` sent once in every mode, not counted; then every
     prompt unmarked (as ``full_mode``) and in every spec. Returns the median TTFT per mode,
-    and per mode the failed requests and the marked ones that did not reuse every document
-    (both left out of the medians)."""
+    and per mode the failed requests and those not served as measured (an unmarked one that
+    hit the cache, a marked one that did not reuse every document), both left out of the
+    medians."""
     from pcr_sglang.reuse.bounds import WARM_NOW_PARAM
     from pcr_sglang.reuse.prompt import DocPrompt
 
+    def streamed_meta(body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        """TTFT and ``meta_info`` of a streamed request; an error SGLang sent inside the
+        stream (HTTP 200, then an ``error`` chunk) or an aborted request raises."""
+        streamed = server.generate_stream(body)
+        meta = streamed.final.get("meta_info")
+        if "error" in streamed.final or not isinstance(meta, dict):
+            raise RuntimeError(f"the stream ended with {str(streamed.final)[:200]}")
+        if (meta.get("finish_reason") or {}).get("type") == "abort":
+            raise RuntimeError(f"aborted: {meta['finish_reason']}")
+        return streamed.ttft_s, meta
+
     def one(p: Any, spec: Any, key: str) -> tuple[float, bool]:
-        """(TTFT, whether every document was reused: always True unmarked)."""
+        """(TTFT, whether it was served as measured: unmarked, from a cold cache; marked,
+        reusing every document)."""
         sampling = {"temperature": 0.0, "max_new_tokens": 1}
         if spec is None:
-            body = {"input_ids": p.input_ids, "sampling_params": sampling, "extra_key": key}
-            return server.generate_stream(body).ttft_s, True
+            ttft, meta = streamed_meta({"input_ids": p.input_ids, "sampling_params": sampling, "extra_key": key})
+            return ttft, int(meta.get("cached_tokens", 0)) == 0
         marked = DocPrompt(p.input_ids, p.doc_bounds).sampling_params(**sampling)
         marked["custom_params"].update(spec.custom_params())
         warm = {**marked, "custom_params": {**marked["custom_params"], WARM_NOW_PARAM: True}}
         server.generate({"input_ids": p.input_ids, "sampling_params": warm, "extra_key": key})
-        streamed = server.generate_stream({"input_ids": p.input_ids, "sampling_params": marked, "extra_key": key})
-        cached = int(streamed.final.get("meta_info", {}).get("cached_tokens", 0))
-        return streamed.ttft_s, cached + spec.recomputed_if_all_reused(p.doc_bounds) == p.last_doc_end
+        ttft, meta = streamed_meta({"input_ids": p.input_ids, "sampling_params": marked, "extra_key": key})
+        cached = int(meta.get("cached_tokens", 0))
+        return ttft, cached + spec.recomputed_if_all_reused(p.doc_bounds) == p.last_doc_end
 
     runs: list[tuple[str, Any]] = [(full_mode, None), *((spec.name, spec) for spec in specs)]
     for i, p in enumerate(warmup_prompts):
@@ -192,15 +210,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="test-split questions measured on every start, the kinds in turn (default 12)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="questions (of another seed) sent first on every start, not counted (default 2)")
-    parser.add_argument("--seed", type=int, default=0, help="the measured questions' seed")
+    parser.add_argument("--seed", type=int, default=0, help="the measured questions' seed (default 0)")
     parser.add_argument("--modes", type=parse_modes, default=parse_modes("concat,blend:0.15:gradual"),
                         help="document-reuse configurations, as bench.doc_reuse_accuracy names them "
                              "(default: concat,blend:0.15:gradual); full prefill is always measured")
-    parser.add_argument("--chunk-size", type=int, default=16, help="--pcr-chunk-size")
-    parser.add_argument("--max-total-tokens", type=int, default=60000, help="device KV pool of every server")
+    parser.add_argument("--chunk-size", type=int, default=16, help="--pcr-chunk-size (default 16)")
+    parser.add_argument("--max-total-tokens", type=int, default=60000,
+                        help="device KV pool of every server (default 60000)")
     parser.add_argument("--out", type=Path,
                         default=Path(f"bench/results/{datetime.date.today().isoformat()}/reuse_ttft"),
-                        help="where the JSON result and the markdown report go")
+                        help="where the JSON result and the markdown report go "
+                             "(default: bench/results/<today>/reuse_ttft)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.questions < 1 or args.warmup < 0:
         parser.error("--rounds and --questions must be >= 1, --warmup >= 0")
@@ -235,7 +255,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command,
             "questions": len(measured), "warmup": len(warmup_prompts), "rounds": args.rounds,
             "server_args": {name: list(flags) for name, (flags, _, _) in servers.items()},
-            "machine": f"{len(_affinity())} CPU cores" + (", no GPU" if cpu_only() else "")}
+            "machine": f"{len(_affinity())} CPU cores" + (", no GPU" if cpu_only() else ""),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset (one per core)"),
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
+    failed_starts: list[str] = []
     starts: list[StartResult] = []
 
     def write(final: bool) -> dict[str, Any]:
@@ -254,28 +277,36 @@ def main(argv: Optional[list[str]] = None) -> int:
                 try:
                     server.start()
                     medians, errors, not_reused = measure_start(server, warmup_prompts, measured, specs, full_mode)
-                    starts.append(StartResult(model, r, kind, round(server.startup_seconds, 1), medians,
-                                              errors, not_reused))
+                except Exception as e:  # noqa: BLE001 - a failed start must not lose the other rounds
+                    logger.error("round %d: the %s %s server failed: %s", r + 1, model, kind, e)
+                    failed_starts.append(f"round {r + 1} {model} {kind}: {type(e).__name__}")
+                    continue
                 finally:
                     server.kill()  # nothing of it is wanted; a graceful stop costs seconds
+                starts.append(StartResult(model, r, kind, round(server.startup_seconds, 1), medians,
+                                          errors, not_reused))
                 progress(f"round {r + 1}: {model} {kind}: "
-                         + ", ".join(f"{m} {v * 1000:.0f} ms" for m, v in medians.items()))
+                         + ", ".join(f"{m} {v * 1000:.0f} ms" for m, v in medians.items())
+                         + f" ({sum(errors.values())} failed, {sum(not_reused.values())} not as measured)")
                 write(final=False)
+    meta["failed_starts"] = failed_starts
     summary = write(final=True)
     failed = sum(sum(s.errors.values()) for s in starts)
     skipped = sum(sum(s.not_reused.values()) for s in starts)
     report = markdown(summary, models, modes)
     notes = [f"{failed} requests failed" if failed else "",
-             f"{skipped} marked requests did not reuse every document (left out)" if skipped else ""]
+             f"{skipped} requests not served as measured (left out)" if skipped else "",
+             f"failed starts: {'; '.join(failed_starts)}" if failed_starts else ""]
     (args.out / f"{stamp}.md").write_text(
         f"# TTFT of the base and tuned models over server starts ({meta['date']})\n\n`{command}`: "
         f"{len(measured)} test-split questions a start ({len(warmup_prompts)} more first, not counted), "
         f"{args.rounds} rounds of two server starts a model, models alternating, "
-        f"{meta['elapsed_s'] / 60:.1f} min, {meta['machine']}."
+        f"{meta['elapsed_s'] / 60:.1f} min, {meta['machine']}, OMP_NUM_THREADS {meta['omp_num_threads']}, "
+        f"load average {meta['load_average_at_start'][0]} at the start."
         f"{''.join(f' {n}.' for n in notes if n)}\n\n{report}")
     print(report)
     progress(f"wrote {args.out / stamp}.md and .json")
-    return 1 if failed else 0
+    return 1 if failed or skipped or failed_starts else 0
 
 
 if __name__ == "__main__":

@@ -77,10 +77,11 @@ class _Server:
     a marked request reuses its documents unless its first token is in ``not_reusing``, and
     a request whose first token is in ``failing`` raises."""
 
-    def __init__(self, failing=(), not_reusing=()):
+    def __init__(self, failing=(), not_reusing=(), error_chunks=(), cached_marked=6, cached_unmarked=()):
         self.streamed: list[dict] = []
         self.warmed: list[dict] = []
-        self.failing, self.not_reusing = set(failing), set(not_reusing)
+        self.failing, self.not_reusing, self.error_chunks = set(failing), set(not_reusing), set(error_chunks)
+        self.cached_marked, self.cached_unmarked = cached_marked, set(cached_unmarked)
 
     def generate(self, body):
         assert body["sampling_params"]["custom_params"][WARM_NOW_PARAM] is True
@@ -92,8 +93,13 @@ class _Server:
         if first in self.failing:
             raise ConnectionError("server gone")
         self.streamed.append(body)
+        if first in self.error_chunks:  # SGLang's way: HTTP 200, then an error chunk
+            return StreamedResponse(ttft_s=0.001, latency_s=0.001, final={"error": {"message": "boom"}})
         marked = "custom_params" in body["sampling_params"]
-        cached = 0 if not marked or first in self.not_reusing else 6
+        if marked:
+            cached = 0 if first in self.not_reusing else self.cached_marked
+        else:
+            cached = 4 if first in self.cached_unmarked else 0
         return StreamedResponse(ttft_s=first / 1000, latency_s=first / 1000, final={"meta_info": {
             "cached_tokens": cached}})
 
@@ -121,3 +127,30 @@ def test_failed_and_not_reusing_requests_are_counted_and_left_out():
     assert not_reused == {FULL: 0, "concat": 1}
     assert medians[FULL] == pytest.approx(0.020)  # 10, 20, 40
     assert medians["concat"] == pytest.approx(0.025)  # 10, 40
+
+
+def test_an_error_inside_the_stream_is_a_failure_not_a_fast_answer():
+    server = _Server(error_chunks={20})
+    medians, errors, _ = measure_start(server, [], _prompts([10, 20, 30]), [ModeSpec("concat")])
+    assert errors == {FULL: 1, "concat": 1}
+    assert medians[FULL] == pytest.approx(0.020)  # 10 and 30: the error's 1 ms left out
+
+
+def test_an_unmarked_request_that_hit_the_cache_is_not_counted_as_cold():
+    _, _, not_reused = measure_start(_Server(cached_unmarked={20}), [], _prompts([10, 20, 30]), [])
+    assert not_reused == {FULL: 1}
+
+
+def test_a_marked_request_warms_and_is_measured_under_one_namespace():
+    server = _Server()
+    measure_start(server, [], _prompts([10]), [ModeSpec("concat")])
+    marked = [b for b in server.streamed if "custom_params" in b["sampling_params"]]
+    assert [b["extra_key"] for b in server.warmed] == [b["extra_key"] for b in marked]
+
+
+def test_a_recomputing_mode_counts_its_recomputed_tokens_as_reused():
+    """Documents [3, 6) re-placed: blend at R=0.5 recomputes 2 of its 3 tokens, so 4 cached
+    tokens are all of them reused; for concat, 4 of 6 are not."""
+    _, _, not_reused = measure_start(_Server(cached_marked=4), [], _prompts([10]),
+                                     [ModeSpec("concat"), ModeSpec("blend", 0.5)])
+    assert not_reused == {FULL: 0, "concat": 1, "blend:0.5": 0}
