@@ -359,7 +359,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from transformers import AutoTokenizer
 
     from bench.ragbench.workload import WorkloadParams, make_trace
-    from pcr_tools.launcher import ServerProcess, cpu_only
+    from pcr_tools.launcher import ServerProcess
     from pcr_tools.models.smollm2 import build_smollm2
 
     started = time.monotonic()
@@ -462,7 +462,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                  "command": "python -m bench.doc_reuse_accuracy " + shlex.join(argv),
                  "model": Path(model_path).name,
-                 "machine": f"{platform.machine()}, {len(_affinity())} CPU cores" + (", no GPU" if cpu_only() else ""),
+                 "machine": f"{platform.machine()}, {machine()}",
                  "requests": len(prompts), "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                  "max_doc_chars": args.max_doc_chars, "chunk_size": args.chunk_size,
                  "concurrency": args.concurrency, "modes": [spec.name for spec in args.modes],
@@ -493,6 +493,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"wrote {path} ({elapsed:.0f} s)")
     failed = any(s["errors"] for s in summaries.values()) or control["identical_answers"] != 1.0
     return 1 if failed else 0
+
+
+def machine() -> str:
+    """The run's machine as the reports name it: its usable CPU cores, and no GPU where
+    there is none."""
+    from pcr_tools.launcher import cpu_only
+
+    return f"{len(_affinity())} CPU cores" + (", no GPU" if cpu_only() else "")
 
 
 def _affinity() -> set[int]:

@@ -207,12 +207,12 @@ def run_questions(args: Any, argv: Sequence[str]) -> int:
         COMMON_SERVER_ARGS,
         DEFAULT_QUESTIONS,
         QUICK_QUESTIONS,
-        _affinity,
         doc_reuse_server_flags,
+        machine,
         run_all,
         server_mode,
     )
-    from pcr_tools.launcher import ServerProcess, cpu_only
+    from pcr_tools.launcher import ServerProcess
     from pcr_tools.models.smollm2 import build_smollm2
     from pcr_tools.tune.questions import question_set
 
@@ -293,7 +293,7 @@ def run_questions(args: Any, argv: Sequence[str]) -> int:
     command = "python -m bench.doc_reuse_accuracy " + shlex.join(list(argv))
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command,
             "models": {n: Path(p).name for n, p in models.items()}, "questions": len(prompts), "seeds": seeds,
-            "machine": f"{len(_affinity())} CPU cores" + (", no GPU" if cpu_only() else ""),
+            "machine": machine(),
             "max_new_tokens": args.max_new_tokens, "top_k": args.top_k, "modes": [s.name for s in args.modes],
             "servers": servers, "elapsed_s": round(elapsed, 1)}
     result = {"meta": meta, "summary": summaries, "targets": targets,

@@ -141,7 +141,7 @@ def measure_start(server: Any, warmup_prompts: Sequence[Any], prompts: Sequence[
     hit the cache, a marked one that did not reuse every document), both left out of the
     medians."""
     from pcr_sglang.reuse.bounds import WARM_NOW_PARAM
-    from pcr_sglang.reuse.prompt import DocPrompt
+    from pcr_tools.tune.measure import all_docs_reused, marked_request
 
     def streamed_meta(body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         """TTFT and ``meta_info`` of a streamed request; an error SGLang sent inside the
@@ -157,17 +157,13 @@ def measure_start(server: Any, warmup_prompts: Sequence[Any], prompts: Sequence[
     def one(p: Any, spec: Any, key: str) -> tuple[float, bool]:
         """(TTFT, whether it was served as measured: unmarked, from a cold cache; marked,
         reusing every document)."""
-        sampling = {"temperature": 0.0, "max_new_tokens": 1}
         if spec is None:
+            sampling = {"temperature": 0.0, "max_new_tokens": 1}
             ttft, meta = streamed_meta({"input_ids": p.input_ids, "sampling_params": sampling, "extra_key": key})
             return ttft, int(meta.get("cached_tokens", 0)) == 0
-        marked = DocPrompt(p.input_ids, p.doc_bounds).sampling_params(**sampling)
-        marked["custom_params"].update(spec.custom_params())
-        warm = {**marked, "custom_params": {**marked["custom_params"], WARM_NOW_PARAM: True}}
-        server.generate({"input_ids": p.input_ids, "sampling_params": warm, "extra_key": key})
-        ttft, meta = streamed_meta({"input_ids": p.input_ids, "sampling_params": marked, "extra_key": key})
-        cached = int(meta.get("cached_tokens", 0))
-        return ttft, cached + spec.recomputed_if_all_reused(p.doc_bounds) == p.last_doc_end
+        server.generate(marked_request(p, spec, 1, key, **{WARM_NOW_PARAM: True}))
+        ttft, meta = streamed_meta(marked_request(p, spec, 1, key))
+        return ttft, all_docs_reused(p, spec, int(meta.get("cached_tokens", 0)))
 
     runs: list[tuple[str, Any]] = [(full_mode, None), *((spec.name, spec) for spec in specs)]
     for i, p in enumerate(warmup_prompts):
@@ -198,7 +194,7 @@ def measure_start(server: Any, warmup_prompts: Sequence[Any], prompts: Sequence[
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from bench.doc_reuse_accuracy import COMMON_SERVER_ARGS, _affinity, doc_reuse_server_flags, server_mode
+    from bench.doc_reuse_accuracy import COMMON_SERVER_ARGS, doc_reuse_server_flags, machine, server_mode
     from pcr_tools.tune.measure import parse_modes
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -227,7 +223,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from pcr_tools.launcher import ServerProcess, cpu_only
+    from pcr_tools.launcher import ServerProcess
     from pcr_tools.models.smollm2 import build_smollm2
     from pcr_tools.tune.measure import gold_prompts
     from pcr_tools.tune.questions import question_set
@@ -255,7 +251,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command,
             "questions": len(measured), "warmup": len(warmup_prompts), "rounds": args.rounds,
             "server_args": {name: list(flags) for name, (flags, _, _) in servers.items()},
-            "machine": f"{len(_affinity())} CPU cores" + (", no GPU" if cpu_only() else ""),
+            "machine": machine(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset (one per core)"),
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
     failed_starts: list[str] = []

@@ -279,16 +279,30 @@ def measure_full(server: Any, p: GoldPrompt, max_new_tokens: int, top_k: int,
             "noise_f1": token_f1(shuffled_text, text), "noise_identical": float(list(shuffled["output_ids"]) == answer)}
 
 
+def marked_request(p: GoldPrompt, spec: ModeSpec, max_new_tokens: int, extra_key: str,
+                   **custom: Any) -> dict[str, Any]:
+    """A greedy ``/generate`` body for ``p`` with its documents marked, served as ``spec``
+    (``custom``: more ``custom_params``), under the cache namespace ``extra_key``."""
+    from pcr_sglang.reuse.prompt import DocPrompt
+
+    sampling = DocPrompt(p.input_ids, p.doc_bounds).sampling_params(temperature=0.0, max_new_tokens=max_new_tokens)
+    sampling["custom_params"].update({**spec.custom_params(), **custom})
+    return {"input_ids": p.input_ids, "sampling_params": sampling, "extra_key": extra_key}
+
+
+def all_docs_reused(p: GoldPrompt, spec: ModeSpec, cached_tokens: int) -> bool:
+    """Whether a marked request reused every document: its cached tokens and the ones
+    ``spec`` recomputes reach the last document's end."""
+    return cached_tokens + spec.recomputed_if_all_reused(p.doc_bounds) == p.last_doc_end
+
+
 def measure_reuse(server: Any, p: GoldPrompt, reference: dict[str, Any], spec: Any, max_new_tokens: int,
                   decode: Callable[[list[int]], str]) -> dict[str, Any]:
     """``spec``: a ``bench.doc_reuse_accuracy.ModeSpec`` (mode, K or R, custom params)."""
     from pcr_sglang.reuse.bounds import QUESTION_END_PARAM, WARM_NOW_PARAM
-    from pcr_sglang.reuse.prompt import DocPrompt
 
     def body(tokens: int, **custom: Any) -> dict[str, Any]:
-        sampling = DocPrompt(p.input_ids, p.doc_bounds).sampling_params(temperature=0.0, max_new_tokens=tokens)
-        sampling["custom_params"].update({**spec.custom_params(), **custom})
-        return {"input_ids": p.input_ids, "sampling_params": sampling, "extra_key": f"pcr-accuracy:{spec.name}"}
+        return marked_request(p, spec, tokens, f"pcr-accuracy:{spec.name}", **custom)
 
     # Warm: every document's canonical KV computed and cached before the measured request,
     # whatever the server's warm-up policy (a first sighting served by plain prefill would
@@ -306,7 +320,7 @@ def measure_reuse(server: Any, p: GoldPrompt, reference: dict[str, Any], spec: A
                            "identical": float(answer == ref_ids), "f1": token_f1(text, reference["answer"]),
                            "recomputed_tokens": spec.recomputed_if_all_reused(p.doc_bounds),
                            **gold_scores(p.kind, text, p.question.gold)}
-    row["all_docs_reused"] = row["cached_tokens"] + row["recomputed_tokens"] == p.last_doc_end
+    row["all_docs_reused"] = all_docs_reused(p, spec, row["cached_tokens"])
     if ref_ids:
         ids = {t for top in reference["top"] for t in top} | set(ref_ids)
         forced = teacher_forced(server, forced_body, len(p.input_ids), ref_ids, top_k=1, token_ids=ids)
