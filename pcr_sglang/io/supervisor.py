@@ -48,7 +48,7 @@ Outcome = tuple[int, IoOutcome, float]
 
 class IOSupervisor:
     def __init__(self, config: IoProcessConfig, *, stall_timeout_s: float = 30.0,
-                 startup_timeout_s: float = 60.0):
+                 startup_timeout_s: float = 60.0, exit_wait_s: float = 10.0):
         self._channel = IOChannel()
         self.config = msgspec.structs.replace(
             config, orders_endpoint=self._channel.orders_endpoint,
@@ -57,6 +57,7 @@ class IOSupervisor:
         )
         self.stall_timeout_s = stall_timeout_s
         self.startup_timeout_s = startup_timeout_s
+        self.exit_wait_s = exit_wait_s  # how long restart() and close() wait for a killed process
         self._outstanding: dict[int, float] = {}  # seq -> when it was sent
         self._finished: list[Outcome] = []
         self._remote_read_seconds: list[float] = []
@@ -67,6 +68,7 @@ class IOSupervisor:
         self._backoff_s = 1.0
         self._restart_at = 0.0
         self._said_stuck = False
+        self._respawn_at_exit = False  # a restart() waits for the old process's exit: no back-off then
         self.restarts = 0
         self.failures = 0
         # The remote tier (--pcr-remote): probe answers not yet taken, by probe seq, and the
@@ -118,22 +120,30 @@ class IOSupervisor:
         self._proc = None
         self._channel.close()
 
-    def _kill_and_wait(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                logger.error("PCR I/O process %d does not exit after SIGKILL", self._proc.pid)
+    def _kill_and_wait(self) -> bool:
+        """SIGKILL the process and wait up to ``exit_wait_s`` for the kernel to confirm its
+        exit. False when it is still there (stuck in uninterruptible disk I/O, say)."""
+        if self._proc is None or self._proc.poll() is not None:
+            return True
+        self._proc.kill()
+        try:
+            self._proc.wait(timeout=self.exit_wait_s)
+            return True
+        except subprocess.TimeoutExpired:
+            logger.error("PCR I/O process %d does not exit after SIGKILL", self._proc.pid)
+            return False
 
     def restart(self, config: IoProcessConfig) -> bool:
         """Serve another store (the weights changed, and with them the SSD namespace): the
-        running process is killed and waited for (nothing it was doing can land in a host
-        slot after this returns), its orders come back cancelled at the next :meth:`poll`,
-        and a process on ``config``'s store is started. True once it is ready."""
-        self._kill_and_wait()
-        self._finished.extend((seq, IoOutcome.CANCELLED, 0.0) for seq in self._outstanding)
-        self._outstanding = {}
+        running process is killed and waited for, and a process on ``config``'s store is
+        started. True once it is ready.
+
+        Its orders come back cancelled at the next :meth:`poll` only once the kernel has
+        confirmed its exit. A process that does not exit within ``exit_wait_s`` (a read
+        stuck in uninterruptible disk I/O can still land in its host slot) is left DYING
+        as the health check leaves it: its orders stay outstanding, so their host slots
+        stay reserved, and the new process starts at the first :meth:`poll` after the old
+        one is gone (False is returned meanwhile)."""
         self._probed = {}
         self.remote_status = None
         self.config = msgspec.structs.replace(
@@ -141,6 +151,16 @@ class IOSupervisor:
             replies_endpoint=self._channel.replies_endpoint, parent_pid=os.getpid(),
             stall_timeout_s=self.stall_timeout_s,
         )
+        if self._phase is not _Phase.DOWN and not self._kill_and_wait():
+            logger.error("PCR I/O process %d: its %d orders keep their host slots reserved until it exits; "
+                         "the process on the new store starts then", self._proc.pid if self._proc else -1,
+                         len(self._outstanding))
+            self._respawn_at_exit = True
+            self._said_stuck = True
+            self._enter(_Phase.DYING)
+            return False
+        self._finished.extend((seq, IoOutcome.CANCELLED, 0.0) for seq in self._outstanding)
+        self._outstanding = {}
         self._spawn()
         return self.wait_ready()
 
@@ -250,6 +270,12 @@ class IOSupervisor:
         self._outstanding = {}
         self.remote_status = None  # the next process reports its own
         self._phase = _Phase.DOWN
+        if self._respawn_at_exit:  # restart() asked for a process on a new store: not a failure
+            self._respawn_at_exit = False
+            self._restart_at = now
+            logger.warning("PCR I/O process gone: %d orders cancelled; starting the one on the new store",
+                           cancelled)
+            return
         self._restart_at = now + self._backoff_s
         logger.warning("PCR I/O process gone: %d orders cancelled; restart in %.0f s", cancelled, self._backoff_s)
         self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)

@@ -474,6 +474,18 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/document-reuse.md, Choosing the recomputed tokens: prophet hides gaps above layer 1",
         breaks="the question attends a gap's slots above layer 1 before the forward has written them",
     ),
+    # ---------------------------------------------------------------- issue 39, item 4: review N6, N8, N13(a), N14
+    Mutant(
+        name="io-restart-cancels-orders-of-a-live-process",
+        kind="unit",
+        file="pcr_sglang/io/supervisor.py",
+        original="if self._phase is not _Phase.DOWN and not self._kill_and_wait():",
+        replacement="if self._phase is not _Phase.DOWN and not (self._kill_and_wait() or True):",
+        tests=(UNIT + "io/test_io_supervisor.py::"
+               "test_a_restart_keeps_the_orders_of_a_process_that_does_not_exit_until_it_has",),
+        claim="docs/ssd-store.md, The I/O process: a restart onto a new namespace keeps a live process's orders",
+        breaks="a restart hands back the orders (and host slots) of an I/O process the kernel has not confirmed dead",
+    ),
 )
 
 

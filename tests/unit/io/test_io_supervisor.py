@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
+import msgspec
 import pytest
 
 from pcr_sglang.core.orders import DeleteChunk, IoOutcome, ReadChunk, Reorder, WriteChunk
@@ -185,3 +187,42 @@ def test_orders_of_a_killed_process_stay_outstanding_until_it_is_gone(supervisor
     monkeypatch.setattr(proc, "poll", real_poll)
     outcomes, _ = poll_until(sup, lambda o: o)
     assert outcomes == [(1, IoOutcome.CANCELLED, 0.0)]
+
+
+def test_a_restart_keeps_the_orders_of_a_process_that_does_not_exit_until_it_has(supervisor, tmp_path, monkeypatch):
+    """A restart onto another store (the weights changed) whose old process does not exit
+    after SIGKILL (a read stuck in uninterruptible disk I/O) must not hand back its orders,
+    and with them their host slots, before the kernel confirms the exit; the process on
+    the new store starts then, and serves it."""
+    sup, pool = supervisor
+    os.kill(sup.pid, signal.SIGSTOP)
+    sup.submit(ReadChunk(1, b"k" * 16, 0))  # never answered
+    old = sup._proc
+    real_poll, real_wait = old.poll, old.wait
+
+    def stuck_wait(timeout=None):
+        raise subprocess.TimeoutExpired(old.args, timeout)
+
+    monkeypatch.setattr(old, "poll", lambda: None)  # SIGKILL has not taken effect yet
+    monkeypatch.setattr(old, "wait", stuck_wait)
+    sup.exit_wait_s = 0.1
+    new_store = ChunkFileStore(tmp_path / "new-store", bytes(15) + b"\x01", LAYOUT, "float32", 1 << 20,
+                               low_watermark_bytes=0)
+    config = msgspec.structs.replace(sup.config, store_root=str(new_store.root),
+                                     namespace_hex=new_store.namespace.hex())
+    assert sup.restart(config) is False and sup.phase == "dying"
+    for _ in range(20):  # killed, not gone: nothing is cancelled, nothing waits, no second process
+        start = time.perf_counter()
+        assert sup.poll() == [] and not sup.healthy and sup._proc is old
+        assert time.perf_counter() - start < 0.2
+    monkeypatch.setattr(old, "poll", real_poll)
+    monkeypatch.setattr(old, "wait", real_wait)
+    outcomes, _ = poll_until(sup, lambda o: o)
+    assert outcomes == [(1, IoOutcome.CANCELLED, 0.0)]
+    poll_until(sup, lambda o: sup.healthy, timeout_s=30)
+    assert sup._proc is not old
+    pool.slot_view(2).fill_(5)
+    sup.submit(WriteChunk(2, b"n" * 16, bytes(16), 1, 4, 2))
+    outcomes, _ = poll_until(sup, lambda o: o)
+    assert outcomes[0][:2] == (2, IoOutcome.OK)
+    assert [r.key for r in new_store.scan()] == [b"n" * 16]  # the new process writes into the new store
