@@ -150,7 +150,7 @@ def register() -> None:
     from pcr_sglang.reuse import tokenizer as reuse_tokenizer
     from pcr_sglang.sglang_adapter import invariant_route, kv_hints, weight_updates
 
-    for method in (*weight_updates.UPDATE_METHODS, weight_updates.SESSION_END):
+    for method in weight_updates.WRAPPED_METHODS:
         HookRegistry.register(
             f"sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager.{method}",
             functools.partial(weight_updates.around_weight_update, method),

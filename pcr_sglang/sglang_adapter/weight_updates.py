@@ -12,7 +12,17 @@ a new namespace:
 * an in-memory update (tensor, distributed, IPC, or a ``begin_weight_update`` session whose
   weights were written into device memory directly: every session end moves too) to a
   fingerprint made of a nonce the TP ranks agree on: nothing can ever be shared with it,
-  and its SSD directory is purged when the server leaves it.
+  and its SSD directory is purged when the server leaves it;
+* the opening of a session (``begin_weight_update``), a ``check_weights`` that resets the
+  tensors, and a ``resume_memory_occupation`` of weights kept without a CPU backup, to a
+  nonce namespace too, before SGLang's call: requests served while weights are being
+  written (an in-flight update without ``pause_generation``) compute KV that must not be
+  kept under the checkpoint's namespace, whose SSD directory is kept for a rollback and
+  whose remote objects the fleet reads.
+
+``WRAPPED_METHODS`` are hooked by the plugin; every other public method of SGLang's
+``SchedulerWeightUpdaterManager`` is in ``WEIGHTS_UNCHANGED`` with the reason it changes no
+served weight (a test holds the two lists against SGLang's class).
 
 The new chunk keys apply as soon as the update call starts (nothing derived after it
 matches anything derived before); the tiers move at the cache's reset, which SGLang's
@@ -45,7 +55,23 @@ UPDATE_METHODS = ("update_weights_from_disk", "update_weights_from_tensor", "upd
 # These two run only inside a begin_weight_update()/end_weight_update() session: outside
 # one SGLang refuses them before touching any weight.
 SESSION_METHODS = ("update_weights_from_tensor", "update_weights_from_distributed")
+SESSION_BEGIN = "begin_weight_update"
 SESSION_END = "end_weight_update"
+CHECK_WEIGHTS = "check_weights"  # its action "reset_tensors" overwrites every tensor
+MEMORY_RESUME = "resume_memory_occupation"  # weights released without a CPU backup come back unwritten
+WRAPPED_METHODS = (*UPDATE_METHODS, SESSION_BEGIN, SESSION_END, CHECK_WEIGHTS, MEMORY_RESUME)
+# The manager's other public methods, and why none changes the served weights.
+WEIGHTS_UNCHANGED = {
+    "flush_cache_after_weight_update": "the flush inside the update calls above (wrapped), after their load",
+    "record_weight_version_after_update": "records the version label an update call passed",
+    "init_weights_update_group": "creates the process group a later update_weights_from_distributed reads from",
+    "destroy_weights_update_group": "destroys that process group",
+    "get_weights_by_name": "reads a parameter",
+    "release_memory_occupation": "frees the memory (the server is idle and serves nothing until the resume, "
+                                 "which is wrapped)",
+    "save_remote_model": "writes the weights out",
+    "save_sharded_model": "writes the weights out",
+}
 
 
 @dataclass(frozen=True)
@@ -123,6 +149,15 @@ def around_weight_update(method: str, original: Callable, manager: Any, recv_req
         return original(manager, recv_req, *args, **kwargs)  # refused by SGLang: no weight changes
     if method == SESSION_END:
         return _around_session_end(cache, original, manager, recv_req, *args, **kwargs)
+    if method in (SESSION_BEGIN, CHECK_WEIGHTS, MEMORY_RESUME):
+        if _writes_weights(method, manager, recv_req):
+            # Before the call (SGLang's session begin restores packed weights; a reset
+            # overwrites them), agreed on every rank (all run the same call, and the
+            # session state SGLang checks is replicated on every rank).
+            begin(cache, in_memory_namespace(cache))
+            logger.info("PCR: %s: chunk keys follow a namespace of their own from now on; the SSD tier moves "
+                        "to it at the next /flush_cache", method)
+        return original(manager, recv_req, *args, **kwargs)
     target = next_namespace(cache, method, recv_req)
     # Agreed before the call: what follows it must not be a collective, since whether an
     # update failed need not be the same on every rank.
@@ -157,6 +192,20 @@ def _around_session_end(cache: Any, original: Callable, manager: Any, recv_req: 
         logger.info("PCR: a weight-update session ended; chunk keys now follow its weights, and the SSD tier "
                     "moves to them at the next /flush_cache")
     return out
+
+
+def _writes_weights(method: str, manager: Any, recv_req: Any) -> bool:
+    """Whether this call of ``method`` may leave other weights served than before it."""
+    if method == SESSION_BEGIN:
+        return getattr(manager, "_session", None) is None  # SGLang refuses a second open session
+    if method == CHECK_WEIGHTS:
+        return getattr(recv_req, "action", None) == "reset_tensors"
+    from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS
+
+    tags = getattr(recv_req, "tags", None)
+    server_args = getattr(getattr(manager, "scheduler", None), "server_args", None)
+    return (not tags or GPU_MEMORY_TYPE_WEIGHTS in tags) and not getattr(server_args, "enable_weights_cpu_backup",
+                                                                           False)
 
 
 def begin(cache: Any, namespace: CacheNamespace) -> None:

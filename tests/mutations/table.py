@@ -486,6 +486,29 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/ssd-store.md, The I/O process: a restart onto a new namespace keeps a live process's orders",
         breaks="a restart hands back the orders (and host slots) of an I/O process the kernel has not confirmed dead",
     ),
+    # ---------------------------------------------------------------- issue 39, item 4: review N3, N10, N7, N12, N13(b)
+    Mutant(
+        name="weight-update-session-begin-keeps-the-namespace",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/weight_updates.py",
+        original='        return getattr(manager, "_session", None) is None  # SGLang refuses a second open session',
+        replacement="        return False",
+        tests=(UNIT + "sglang_adapter/test_weight_updates.py::"
+               "test_kv_computed_while_a_session_writes_the_weights_is_not_kept_under_the_checkpoints_namespace",),
+        claim="docs/architecture.md, Weight updates in place: the opening of a session moves the namespace (review N3)",
+        breaks="KV computed while a session writes the weights is kept under the checkpoint's namespace and served "
+               "after a rollback",
+    ),
+    Mutant(
+        name="weight-update-session-begin-not-hooked",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/weight_updates.py",
+        original="WRAPPED_METHODS = (*UPDATE_METHODS, SESSION_BEGIN, SESSION_END, CHECK_WEIGHTS, MEMORY_RESUME)",
+        replacement="WRAPPED_METHODS = (*UPDATE_METHODS, SESSION_END, CHECK_WEIGHTS, MEMORY_RESUME)",
+        tests=(UNIT + "sglang_adapter/test_weight_updates.py::test_the_plugin_wraps_every_call_that_can_change_the_weights",),
+        claim="docs/architecture.md, Weight updates in place: every updater method is wrapped or listed (review N10)",
+        breaks="the plugin no longer hooks begin_weight_update",
+    ),
 )
 
 

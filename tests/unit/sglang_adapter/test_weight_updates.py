@@ -269,9 +269,13 @@ def test_a_rekey_drops_what_was_derived_under_the_old_namespace(make, tmp_path):
     h.check()
 
 
-def test_the_plugin_wraps_every_call_that_changes_the_weights():
-    """Each of SGLang's calls that can change the served weights is wrapped by the plugin
-    (a hook on a name SGLang does not have would never run)."""
+def test_the_plugin_wraps_every_call_that_can_change_the_weights():
+    """Every public method of SGLang's own weight updater is either wrapped by the plugin
+    (a hook on a name SGLang does not have would never run) or listed, with its reason, as
+    one that changes no served weight: a method SGLang adds, or one PCR missed (as
+    ``begin_weight_update`` was), fails here until it is decided."""
+    import inspect
+
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -279,9 +283,91 @@ def test_the_plugin_wraps_every_call_that_changes_the_weights():
 
     if not plugin._registered:
         plugin.register()
+    public = {name for name, member in inspect.getmembers(SchedulerWeightUpdaterManager, callable)
+              if not name.startswith("_")}
+    wrapped, unchanged = set(weight_updates.WRAPPED_METHODS), set(weight_updates.WEIGHTS_UNCHANGED)
+    assert not wrapped & unchanged
+    assert (wrapped | unchanged) - public == set(), "names SGLang's updater does not have"
+    assert public - wrapped - unchanged == set(), "neither wrapped nor listed as changing no weight"
+    assert all(weight_updates.WEIGHTS_UNCHANGED.values())
     prefix = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager."
-    for method in (*weight_updates.UPDATE_METHODS, weight_updates.SESSION_END):
-        assert callable(getattr(SchedulerWeightUpdaterManager, method))
+    for method in sorted(wrapped):
         hooks = HookRegistry._hooks.get(prefix + method, [])
         assert any(kind is HookType.AROUND and getattr(hook, "args", ()) == (method,)
                    for kind, hook, _ in hooks), method
+
+
+def session_manager(h: Harness) -> SimpleNamespace:
+    return SimpleNamespace(scheduler=SimpleNamespace(tree_cache=h.cache), _session=None)
+
+
+def open_session(manager, recv_req):
+    if manager._session is not None:
+        return SimpleNamespace(success=False)
+    manager._session = object()
+    return SimpleNamespace(success=True)
+
+
+def close_session(manager, recv_req):
+    manager._session = None
+    return SimpleNamespace(success=True)
+
+
+def test_kv_computed_while_a_session_writes_the_weights_is_not_kept_under_the_checkpoints_namespace(make, tmp_path):
+    """review N3: requests served between ``begin_weight_update`` and its end (an in-flight
+    update without ``pause_generation``) compute KV with partly written weights. It used to
+    be persisted under the checkpoint's namespace, whose SSD directory is kept for a
+    rollback: a rollback to that checkpoint served it."""
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    model_a = tmp_path / "a"
+    model_a.mkdir()
+    (model_a / "model.safetensors").write_bytes(b"A" * 4096)
+    h.cache.weights_identity = WeightsIdentity(SimpleNamespace(hf_config=None), str(model_a))
+    to_a = SimpleNamespace(model_path=str(model_a))
+    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h), to_a)
+    namespace_a = h.cache.namespace
+    manager = session_manager(h)
+    around_weight_update(weight_updates.SESSION_BEGIN, open_session, manager, SimpleNamespace())
+    assert h.cache.pending_namespace.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
+    tokens = prompt(100)
+    persisted(h, tokens)  # served during the session
+    around_weight_update(weight_updates.SESSION_BEGIN, open_session, manager, SimpleNamespace())  # refused
+    around_weight_update(weight_updates.SESSION_END, close_session, manager, SimpleNamespace())
+    flush(h.cache)
+    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h), to_a)  # rollback
+    assert h.cache.namespace == namespace_a
+    assert reusable_chunks(h, tokens) == 0
+    h.check()
+
+
+def test_a_begin_that_sglang_refuses_keeps_the_namespace(make, tmp_path):
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    manager = session_manager(h)
+    manager._session = object()  # a session is open already: SGLang refuses the second begin
+    around_weight_update(weight_updates.SESSION_BEGIN, open_session, manager, SimpleNamespace())
+    assert h.cache.pending_namespace is None
+
+
+@pytest.mark.parametrize("method, recv_req, cpu_backup, moves", [
+    (weight_updates.CHECK_WEIGHTS, SimpleNamespace(action="reset_tensors"), False, True),
+    (weight_updates.CHECK_WEIGHTS, SimpleNamespace(action="checksum"), False, False),
+    (weight_updates.CHECK_WEIGHTS, SimpleNamespace(action="snapshot"), False, False),
+    (weight_updates.MEMORY_RESUME, SimpleNamespace(tags=None), False, True),
+    (weight_updates.MEMORY_RESUME, SimpleNamespace(tags=["weights", "kv_cache"]), False, True),
+    (weight_updates.MEMORY_RESUME, SimpleNamespace(tags=["weights"]), True, False),
+    (weight_updates.MEMORY_RESUME, SimpleNamespace(tags=["kv_cache"]), False, False),
+])
+def test_calls_that_overwrite_the_weights_in_place_move_the_namespace(make, tmp_path, method, recv_req,
+                                                                      cpu_backup, moves):
+    """``check_weights`` with ``reset_tensors`` overwrites every tensor; weights released
+    without a CPU backup come back unwritten at the resume. KV computed after either must
+    not match what the weights before computed."""
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    tokens = prompt(100)
+    persisted(h, tokens)
+    manager = SimpleNamespace(scheduler=SimpleNamespace(
+        tree_cache=h.cache, server_args=SimpleNamespace(enable_weights_cpu_backup=cpu_backup)))
+    around_weight_update(method, lambda m, r: SimpleNamespace(success=True), manager, recv_req)
+    assert (h.cache.pending_namespace is not None) == moves
+    assert reusable_chunks(h, tokens) == (0 if moves else 3)
+    h.check()
