@@ -429,8 +429,11 @@ class PcrFlags(msgspec.Struct):
                 "--pcr-doc-reuse: a calibration file written by `python -m pcr_tools.calibrate` for "
                 "this model. The server uses its K or R for the mode, refuses to start when the "
                 "file was measured on other weights, and refuses a mode that missed the file's "
-                "accuracy target (see --pcr-doc-reuse-calibration-warn). Without it the startup "
-                "log says the mode's accuracy on this model is unmeasured."
+                "accuracy target (see --pcr-doc-reuse-calibration-warn). A marked request that asks "
+                "for another mode, selector or anchor count, or a K or R below the calibrated one, "
+                "gets HTTP 400 naming the file; after a weight update in place to other weights "
+                "document reuse stops (/server_info says why). Without it the startup log says the "
+                "mode's accuracy on this model is unmeasured."
             )
         ),
     ] = None
@@ -439,7 +442,9 @@ class PcrFlags(msgspec.Struct):
         Arg(
             help=(
                 "With --pcr-doc-reuse-calibration: serve a mode that missed the calibration's "
-                "target anyway, with a warning in the startup log and /server_info."
+                "target anyway, with a warning in the startup log and /server_info, and serve "
+                "requests that ask for settings outside the calibration instead of refusing them, "
+                "counted in sglang:pcr_doc_reuse_calibration_overrides_total by what they changed."
             )
         ),
     ] = False

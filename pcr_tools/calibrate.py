@@ -58,8 +58,7 @@ def measure_setting(server: Any, prompts: Sequence[Any], references: Sequence[di
     gold_full = sum(gold_score(r) for r in references)
     top1_mean = statistics.fmean(top1) if top1 else None
     ratio = gold / gold_full if gold_full else None
-    meets = top1_mean is not None and top1_mean >= target.top1_min and \
-        (ratio is None or ratio >= target.gold_ratio_min)
+    meets = target.met_by(top1_mean, ratio)  # the rule the server checks the file's verdicts by
     setting = None if spec.value is None else float(spec.value)
     return SettingResult(setting=setting, top1=top1_mean, gold_ratio=ratio,
                          kl=statistics.fmean(kl) if kl else None, meets=meets)

@@ -9,10 +9,13 @@ parser of ``pcr_doc_bounds``; :mod:`pcr_sglang.reuse.plan` plans over its spans.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
 
 from pcr_sglang.req import PcrReq
+
+if TYPE_CHECKING:
+    from pcr_sglang.reuse.gate import CalibrationGate
 
 CUSTOM_PARAMS_FIELD = "sampling_params.custom_params"
 DOC_BOUNDS_PARAM = "pcr_doc_bounds"
@@ -87,6 +90,8 @@ class Recompute:
     anchor_tokens: int = 0
     selector: str = DEFAULT_SELECTOR
     question_end: Optional[int] = None  # per request (QUESTION_END_PARAM); None: the input's end
+    # The server's only (reuse.settings): with --pcr-doc-reuse-calibration, what a request may ask for.
+    gate: Optional["CalibrationGate"] = field(default=None, compare=False, repr=False)
 
     @property
     def recomputes(self) -> bool:
@@ -108,7 +113,8 @@ def request_mode(custom_params: dict, server_mode: str = "concat") -> str:
 
 def request_recompute(custom_params: dict, server: Recompute) -> Optional[Recompute]:
     """The request's mode and its K or R (``pcr_doc_recompute_tokens`` / ``_ratio`` override
-    the server's), or None for ``off``. Raises :class:`DocBoundsError` for bad values."""
+    the server's), or None for ``off``. Raises :class:`DocBoundsError` for bad values, and
+    for settings outside the server's calibration (``server.gate``; unless it only warns)."""
     custom_params = doc_params(custom_params) or {}
     mode = request_mode(custom_params, server.mode)
     if mode == "off":
@@ -129,7 +135,10 @@ def request_recompute(custom_params: dict, server: Recompute) -> Optional[Recomp
     if question_end is not None and (isinstance(question_end, bool) or not isinstance(question_end, int)
                                      or question_end < 1):
         raise DocBoundsError(f"{QUESTION_END_PARAM} must be a positive token offset, got {question_end!r}")
-    return Recompute(mode, int(tokens), float(ratio), int(anchors), selector, question_end)
+    asked = Recompute(mode, int(tokens), float(ratio), int(anchors), selector, question_end)
+    if server.gate is not None:
+        server.gate.check(asked)
+    return asked
 
 
 def request_warm_now(custom_params: dict) -> bool:
@@ -212,16 +221,23 @@ ROWS_ATTR = "pcr_row_positions"
 def request_doc_reuse(req: PcrReq, num_tokens: int, server: Recompute, limits: Optional[DocLimits] = None
                       ) -> Optional[tuple[tuple[DocSpan, ...], Recompute]]:
     """The documents ``req`` marked and how it wants them repaired, or None (not asking,
-    or asking for ``off``). Raises :class:`DocBoundsError` for bounds that do not fit its
-    tokens or the server's ``limits``, a mode or K/R the server cannot serve, or
-    ``custom_params`` that are not a dict (the tokenizer refuses all of these first)."""
+    or asking for ``off``, or document reuse stopped by the calibration gate). Raises
+    :class:`DocBoundsError` for bounds that do not fit its tokens or the server's
+    ``limits``, a mode or K/R the server cannot serve or its calibration refuses, or
+    ``custom_params`` that are not a dict (the tokenizer refuses all of these first). The
+    scheduler asks once per request: what a warning gate lets through is counted here."""
     params = doc_params(getattr(getattr(req, "sampling_params", None), "custom_params", None))
     if not params or DOC_BOUNDS_PARAM not in params:
         return None
+    if server.gate is not None and server.gate.stopped:
+        return None  # served exactly, as with document reuse off
     recompute = request_recompute(params, server)
     if recompute is None:
         return None
-    return parse_doc_bounds(params[DOC_BOUNDS_PARAM], num_tokens, limits), recompute
+    spans = parse_doc_bounds(params[DOC_BOUNDS_PARAM], num_tokens, limits)
+    if server.gate is not None:
+        server.gate.check(recompute, record=True)
+    return spans, recompute
 
 
 def is_canonical_request(req: PcrReq) -> bool:

@@ -37,6 +37,12 @@ class CalibrationTarget:
     top1_min: float = 0.90
     gold_ratio_min: float = 0.95
 
+    def met_by(self, top1: Optional[float], gold_ratio: Optional[float]) -> bool:
+        """Whether a setting's figures meet the target (no gold ratio: full prefill scored
+        nothing, so the gold part holds). The one rule the calibration and the file's reader
+        share: a file's ``meets`` is checked against it."""
+        return top1 is not None and top1 >= self.top1_min and (gold_ratio is None or gold_ratio >= self.gold_ratio_min)
+
 
 @dataclass(frozen=True)
 class CalibrationConditions:
@@ -102,17 +108,21 @@ class DocReuseCalibration:
 
     @classmethod
     def from_dict(cls, raw: Any) -> "DocReuseCalibration":
+        """The file's content, checked: each ``meets`` and ``value`` is recomputed from the
+        ``measured`` figures and the ``target``, and a file that disagrees is refused (a
+        hand edit or a bad merge must not open the gate)."""
         try:
             if raw.get("version") != CALIBRATION_VERSION:
                 raise CalibrationError(f"version {raw.get('version')!r}, expected {CALIBRATION_VERSION}")
+            target = CalibrationTarget(**{k: _share(v, f"target.{k}") for k, v in dict(raw["target"]).items()})
             modes = {}
             for name, entry in dict(raw["modes"]).items():
                 if name not in CALIBRATED_MODES:
                     raise CalibrationError(f"unknown mode {name!r}")
-                measured = tuple(SettingResult(**m) for m in entry.get("measured", ()))
-                modes[name] = ModeCalibration(name, _flag(entry["meets"], f"modes.{name}.meets"),
-                                              _setting(name, entry.get("value")), measured)
-            target = CalibrationTarget(**{k: _share(v, f"target.{k}") for k, v in dict(raw["target"]).items()})
+                written = ModeCalibration(name, _flag(entry["meets"], f"modes.{name}.meets"),
+                                          _setting(name, entry.get("value")),
+                                          _measured(name, entry.get("measured", ()), target))
+                modes[name] = _consistent(written, target)
             questions = raw["questions"]
             if isinstance(questions, bool) or not isinstance(questions, int) or questions < 1:
                 raise CalibrationError(f"questions must be a positive integer, got {questions!r}")
@@ -153,17 +163,63 @@ def _share(value: Any, where: str) -> float:
     return float(value)
 
 
-def _setting(mode: str, value: Any) -> Optional[float]:
+def _setting(mode: str, value: Any, where: str = "") -> Optional[float]:
     """A mode's calibrated K (lego: an integer >= 0) or R (blend: in [0, 1]); concat has none."""
+    where = where or f"modes.{mode}.value"
     if value is None:
         return None
     if mode == "concat":
-        raise CalibrationError(f"modes.concat.value must be null (concat recomputes nothing), got {value!r}")
+        raise CalibrationError(f"{where} must be null (concat recomputes nothing), got {value!r}")
     if mode == "lego":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or float(value) != int(value):
-            raise CalibrationError(f"modes.lego.value must be an integer K >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf") \
+                or float(value) != int(value):
+            raise CalibrationError(f"{where} must be an integer K >= 0, got {value!r}")
         return float(value)
-    return _share(value, "modes.blend.value")
+    return _share(value, where)
+
+
+def _figure(value: Any, where: str) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value) >= 0.0:
+        raise CalibrationError(f"{where} must be a number >= 0 or null, got {value!r}")
+    return float(value)
+
+
+def _measured(mode: str, raw: Any, target: CalibrationTarget) -> tuple[SettingResult, ...]:
+    """A mode's measured settings, each ``meets`` checked against its figures and the target."""
+    if not isinstance(raw, (list, tuple)):
+        raise CalibrationError(f"modes.{mode}.measured must be a list, got {type(raw).__name__}")
+    results = []
+    for i, entry in enumerate(raw):
+        where = f"modes.{mode}.measured[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {"setting", "top1", "gold_ratio", "kl", "meets"}:
+            raise CalibrationError(f"{where} must name setting, top1, gold_ratio, kl and meets, got {entry!r}")
+        result = SettingResult(_setting(mode, entry["setting"], f"{where}.setting"),
+                               _figure(entry["top1"], f"{where}.top1"),
+                               _figure(entry["gold_ratio"], f"{where}.gold_ratio"),
+                               _figure(entry["kl"], f"{where}.kl"), _flag(entry["meets"], f"{where}.meets"))
+        if mode != "concat" and result.setting is None:
+            raise CalibrationError(f"{where}.setting must be the K or R measured, got null")
+        if result.meets != target.met_by(result.top1, result.gold_ratio):
+            raise CalibrationError(
+                f"{where} says meets {str(result.meets).lower()}, but top-1 {result.top1} and gold ratio "
+                f"{result.gold_ratio} {'meet' if not result.meets else 'miss'} the target (top-1 >= "
+                f"{target.top1_min}, gold ratio >= {target.gold_ratio_min})")
+        results.append(result)
+    return tuple(results)
+
+
+def _consistent(written: ModeCalibration, target: CalibrationTarget) -> ModeCalibration:
+    """``written`` if its ``meets`` and ``value`` are what its measured settings give."""
+    derived = smallest_meeting(written.mode, list(written.measured))
+    if (written.meets, written.value) != (derived.meets, derived.value):
+        def said(verdict: ModeCalibration) -> str:
+            return f"meets {str(verdict.meets).lower()}, value {verdict.value}"
+
+        raise CalibrationError(f"modes.{written.mode} says {said(written)}, but its measured settings give "
+                               f"{said(derived)} (the smallest setting measured that met the target)")
+    return written
 
 
 def smallest_meeting(mode: str, results: list[SettingResult]) -> ModeCalibration:

@@ -14,12 +14,14 @@ from typing import Optional
 from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.reuse.bounds import DocLimits, Recompute
 from pcr_sglang.reuse.calibration import CalibrationError, DocReuseCalibration, ModeCalibration
+from pcr_sglang.reuse.gate import CalibrationGate
 from pcr_sglang.reuse.warmup import WarmupPolicy
 
 
 def recompute(config: PCRConfig) -> Recompute:
     """The server's document-reuse mode with its K and R (requests may override them);
-    with a calibration, the K or R it found for the mode."""
+    with a calibration, the K or R it found for the mode, and the gate that holds requests
+    to it (each call builds a new gate: the scheduler keeps the one its DocReuse holds)."""
     tokens, ratio = config.doc_recompute_tokens, float(config.doc_recompute_ratio)
     verdict = calibration_verdict(config)
     if verdict is not None and verdict.value is not None:
@@ -27,7 +29,13 @@ def recompute(config: PCRConfig) -> Recompute:
             tokens = int(verdict.value)
         elif config.doc_reuse == "blend":
             ratio = float(verdict.value)
-    return Recompute(config.doc_reuse, tokens, ratio, config.doc_anchor_tokens, config.doc_selector)
+    found = calibration(config) if verdict is not None else None
+    gate = None
+    if found is not None and config.doc_reuse_calibration:
+        gate = CalibrationGate(config.doc_reuse_calibration, found.model_fingerprint, config.doc_reuse, int(tokens),
+                               ratio, found.conditions.selector, found.conditions.anchor_tokens,
+                               warn=config.doc_reuse_calibration_warn, meets=verdict.meets)
+    return Recompute(config.doc_reuse, tokens, ratio, config.doc_anchor_tokens, config.doc_selector, gate=gate)
 
 
 def calibration(config: PCRConfig) -> Optional[DocReuseCalibration]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -23,6 +24,7 @@ from pcr_sglang.reuse import settings as reuse_settings
 from pcr_sglang.reuse.blend_select import BlendProbe, probe_support
 from pcr_sglang.reuse.bounds import RECOMPUTE_ATTENTION_BACKENDS, RECOMPUTE_MODES
 from pcr_sglang.reuse.calibration import CalibrationConditions
+from pcr_sglang.reuse.gate import CalibrationGate
 from pcr_sglang.reuse.model_rope import UnsupportedRope, model_rope_spec
 from pcr_sglang.reuse.placement import DocReuse
 from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
@@ -166,9 +168,43 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
                     scheduler.keyer, scheduler.executor.free_private, probe=probe, fill_gaps=fill_gaps,
                     engine=scheduler.engine, limits=reuse_settings.limits(config),
                     forward_stream=forward_stream if kv_layers[0][0].is_cuda else None)
-    docs.calibration = calibration
+    docs.calibration = with_gate(calibration, docs.server.gate)
     docs.conditions = conditions
     return docs
+
+
+def with_gate(status: dict[str, Any], gate: Optional[CalibrationGate]) -> dict[str, Any]:
+    """``status`` (:func:`calibration_status`'s) with the request gate's part for
+    ``/server_info``: whether it only warns, why reuse stopped (None while it serves), and
+    the overrides it let through (the gate's own dict, so the report stays current)."""
+    if gate is None:
+        return status
+    return {**status, "warn": gate.warn, "stopped": gate.stopped, "overrides": gate.overrides}
+
+
+def recheck_calibration(docs: Any, model_fingerprint: str) -> None:
+    """The weights changed in place (``weight_updates.begin``, with ``model_fingerprint``
+    the new namespace's): a calibration holds for the weights it was measured on only. On
+    others document reuse stops (marked requests are served exactly, as with it off) and
+    ``/server_info`` says why; back on the calibrated weights (a rollback) it resumes. A
+    stop is not lifted by ``--pcr-doc-reuse-calibration-warn``, as a startup on other
+    weights is not."""
+    gate = getattr(getattr(docs, "server", None), "gate", None)
+    if gate is None:
+        return
+    stopped = None
+    if model_fingerprint != gate.fingerprint:
+        stopped = (f"the weights changed in place (fingerprint {model_fingerprint[:16]}...); the calibration "
+                   f"{Path(gate.file).name} was measured on {gate.fingerprint[:16]}...: document reuse is off "
+                   "(marked requests are served exactly) until those weights are back; calibrate these and "
+                   "restart with that file to reuse documents on them")
+    if stopped != gate.stopped:
+        if stopped:
+            logger.warning("PCR document reuse: %s", stopped)
+        else:
+            logger.info("PCR document reuse: the calibrated weights are back (%s); reuse resumes", gate.file)
+    gate.stopped = stopped
+    docs.calibration.update(stopped=stopped, meets_target=None if stopped else gate.meets)
 
 
 def calibration_status(config: PCRConfig, model_fingerprint: str,

@@ -13,7 +13,7 @@ server's ``/metrics``.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Optional
 
 # counter field -> (metric attribute, label values)
 _COUNTER_FIELDS = {
@@ -155,6 +155,14 @@ class PCRMetrics:
             "bounds the scheduler could not use (malformed).",
             labelnames=names + ["kind"],
         )
+        self.calibration_overrides = Counter(
+            "sglang:pcr_doc_reuse_calibration_overrides_total",
+            "Marked requests served outside the --pcr-doc-reuse-calibration file because of "
+            "--pcr-doc-reuse-calibration-warn (without it they get HTTP 400), by what they asked for: "
+            "another mode, a K (recompute_tokens) or R (recompute_ratio) below the calibrated one, "
+            "another blend selector or anchor tokens.",
+            labelnames=names + ["what"],
+        )
         self.hints = Counter(
             "sglang:pcr_hints_total",
             "PCR KV hints (kv_hints action 'pcr.lookahead_prefetch'): registered, dropped over "
@@ -208,11 +216,12 @@ class PCRMetrics:
             self._last[prefix + field] = values[field]
 
     def sync(self, state: Any, doc_stats: Any = None, hint_stats: Any = None, remote_probes: Any = None,
-             remote_status: Any = None) -> None:
+             remote_status: Any = None, calibration_overrides: Optional[dict[str, int]] = None) -> None:
         """Publish ``state``'s (a :class:`~pcr_sglang.core.CacheState`) counters and sizes,
         document reuse's (a :class:`~pcr_sglang.reuse.placement.DocReuseStats`),
-        the KV hints' (a :class:`~pcr_sglang.core.hints.HintStats`) and the remote tier's
-        (the scheduler's probe counters, the I/O process's last ``RemoteStatus``)."""
+        the KV hints' (a :class:`~pcr_sglang.core.hints.HintStats`), the remote tier's
+        (the scheduler's probe counters, the I/O process's last ``RemoteStatus``) and the
+        calibration gate's overrides (``CalibrationGate.overrides``)."""
         tree = state.tree
         if remote_probes is not None:
             self._add("remote.", asdict(remote_probes), _REMOTE_PROBE_FIELDS)
@@ -227,6 +236,9 @@ class PCRMetrics:
         if hint_stats is not None:
             values = {k: v for k, v in asdict(hint_stats).items() if k in _HINT_KINDS}
             self._add("hint.", values, {name: ("hints", {"kind": name}) for name in values})
+        if calibration_overrides is not None:
+            self._add("calibration.", calibration_overrides,
+                      {what: ("calibration_overrides", {"what": what}) for what in calibration_overrides})
         if doc_stats is not None:
             values = asdict(doc_stats)
             self._add("doc.", values, {name: ("doc_reuse", {"kind": name}) for name in values})

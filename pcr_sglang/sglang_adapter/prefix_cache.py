@@ -107,9 +107,11 @@ class PCRPrefixCache(BasePrefixCache):
         if self.metrics is not None:
             docs = self.scheduler.docs
             scheduler = self.scheduler
+            gate = getattr(getattr(docs, "server", None), "gate", None)  # --pcr-doc-reuse-calibration
             self.metrics.sync(self.state, docs.stats, scheduler.hints.stats,
                               scheduler.remote_stats if scheduler.remote else None,
-                              scheduler.io.remote_status if scheduler.remote and scheduler.io is not None else None)
+                              scheduler.io.remote_status if scheduler.remote and scheduler.io is not None else None,
+                              calibration_overrides=gate.overrides if gate is not None else None)
 
     def supports_fast_match_prefix(self) -> bool:
         # A match hashes the prompt chunk by chunk (BLAKE2b) up to its first miss: cheap,

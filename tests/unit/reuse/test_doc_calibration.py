@@ -134,3 +134,153 @@ def test_values_a_hand_edit_could_break_are_refused(tmp_path, edit, message):
     path.write_text(json.dumps(raw))
     with pytest.raises(CalibrationError, match=message):
         DocReuseCalibration.load(path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    # A mode that missed says it met (review N11: "meets": true passed the gate).
+    (lambda raw: raw["modes"]["concat"].update(meets=True),
+     r"modes.concat says meets true, value None, but its measured settings give meets false"),
+    # A value that was measured but did not meet the target (0.15 missed; 0.5 met).
+    (lambda raw: raw["modes"]["blend"].update(value=0.15),
+     r"modes.blend says meets true, value 0.15, but its measured settings give meets true, value 0.5"),
+    # A value that was never measured.
+    (lambda raw: raw["modes"]["blend"].update(value=0.01), "value 0.01, but its measured settings give"),
+    # A setting's own verdict against its figures and the target.
+    (lambda raw: raw["modes"]["blend"]["measured"][0].update(meets=True),
+     r"modes.blend.measured\[0\] says meets true, but top-1 0.71 and gold ratio 0.8 miss the target"),
+    (lambda raw: raw["target"].update(top1_min=0.95),
+     r"modes.blend.measured\[1\] says meets true, but top-1 0.93 .* miss the target \(top-1 >= 0.95"),
+    # A mode that met with nothing measured to show it.
+    (lambda raw: raw["modes"].update(lego={"mode": "lego", "meets": True, "value": 16, "measured": []}),
+     "modes.lego says meets true, value 16.0, but its measured settings give meets false, value None"),
+    (lambda raw: raw["modes"]["blend"]["measured"][1].update(top1=None), "says meets true, but top-1 None"),
+    (lambda raw: raw["modes"]["blend"]["measured"][1].update(setting=None), r"measured\[1\].setting must be"),
+    (lambda raw: raw["modes"]["blend"]["measured"][1].update(top1="0.93"), r"measured\[1\].top1 must be a number"),
+    (lambda raw: raw["modes"]["blend"]["measured"][1].pop("kl"), r"measured\[1\] must name setting"),
+])
+def test_a_file_whose_verdicts_disagree_with_its_measurements_is_refused(tmp_path, edit, message):
+    """Review N11: the server trusted ``meets`` and ``value`` as written; they are recomputed
+    from ``measured`` and ``target`` when the file is read."""
+    raw = json.loads(_calibration().to_json())
+    edit(raw)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(CalibrationError, match=message):
+        DocReuseCalibration.load(path)
+
+
+def test_the_committed_calibrations_agree_with_their_measurements():
+    """Both committed files load (their verdicts are what their figures give)."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[3] / "pcr_tools" / "models" / "calibrations"
+    files = sorted(folder.glob("*.json"))
+    assert len(files) >= 2
+    for path in files:
+        calibration = DocReuseCalibration.load(path)
+        for verdict in calibration.modes.values():
+            assert verdict == smallest_meeting(verdict.mode, list(verdict.measured))
+
+
+# ---------------------------------------------------------------- the gate for every request (review N4)
+COMMITTED = "pcr_tools/models/calibrations/smollm2-135m-doc-reuse.json"  # blend R=0.15, lego K=16, gradual
+
+
+def _server(mode: str = "blend", warn: bool = False, path: str = COMMITTED):
+    from pathlib import Path
+
+    file = str(Path(__file__).resolve().parents[3] / path) if path == COMMITTED else path
+    return reuse_settings.recompute(PCRConfig(enabled=True, chunk_size=32, doc_reuse=mode, doc_reuse_calibration=file,
+                                              doc_reuse_calibration_warn=warn))
+
+
+@pytest.mark.parametrize("asked, named", [
+    ({"pcr_doc_reuse": "concat"}, "pcr_doc_reuse='concat'"),
+    ({"pcr_doc_reuse": "lego", "pcr_doc_recompute_tokens": 64}, "pcr_doc_reuse='lego'"),
+    ({"pcr_doc_recompute_ratio": 0.0}, "pcr_doc_recompute_ratio=0"),
+    ({"pcr_doc_recompute_ratio": 0.14}, "pcr_doc_recompute_ratio=0.14"),
+    ({"pcr_doc_selector": "deviation", "pcr_doc_recompute_ratio": 0.01},
+     "pcr_doc_recompute_ratio=0.01, pcr_doc_selector='deviation'"),
+    ({"pcr_doc_anchor_tokens": 4}, "pcr_doc_anchor_tokens=4"),
+])
+def test_a_request_outside_the_calibration_is_refused_naming_it(asked, named):
+    """Review N4 (its repro): the gate judged only the server's mode; a request could ask
+    for concat, R=0 or another selector and be served in it."""
+    from pcr_sglang.reuse.bounds import DocBoundsError, request_recompute
+
+    server = _server()
+    assert (server.mode, server.ratio, server.selector) == ("blend", 0.15, "gradual")
+    with pytest.raises(DocBoundsError) as refused:
+        request_recompute(asked, server)
+    message = str(refused.value)
+    assert message.startswith(named + ": outside this server's calibration smollm2-135m-doc-reuse.json")
+    assert message.endswith("allows pcr_doc_reuse 'blend' (or 'off'), pcr_doc_recompute_ratio >= 0.15, "
+                            "pcr_doc_selector 'gradual', pcr_doc_anchor_tokens 0")
+
+
+def test_what_the_calibration_allows_is_served():
+    from pcr_sglang.reuse.bounds import Recompute, request_recompute
+
+    server = _server()
+    assert request_recompute({}, server) == Recompute("blend", server.tokens, 0.15, 0, "gradual")
+    assert request_recompute({"pcr_doc_recompute_ratio": 0.5}, server).ratio == 0.5  # more recompute
+    assert request_recompute({"pcr_doc_recompute_tokens": 0}, server).mode == "blend"  # not blend's knob
+    assert request_recompute({"pcr_doc_reuse": "off"}, server) is None  # exact
+    lego = _server("lego")
+    assert request_recompute({"pcr_doc_recompute_tokens": 32}, lego).tokens == 32
+    assert request_recompute({"pcr_doc_selector": "query"}, lego).mode == "lego"  # not lego's knob
+    from pcr_sglang.reuse.bounds import DocBoundsError
+
+    for asked in ({"pcr_doc_recompute_tokens": 8}, {"pcr_doc_reuse": "blend", "pcr_doc_recompute_ratio": 1.0}):
+        with pytest.raises(DocBoundsError, match="allows pcr_doc_reuse 'lego' \\(or 'off'\\), "
+                                                 "pcr_doc_recompute_tokens >= 16$"):
+            request_recompute(asked, lego)
+    # Without a calibration a request still asks for what it likes.
+    free = reuse_settings.recompute(PCRConfig(enabled=True, doc_reuse="blend", doc_recompute_ratio=0.15))
+    assert free.gate is None and request_recompute({"pcr_doc_recompute_ratio": 0.0}, free).ratio == 0.0
+
+
+def test_the_tokenizer_answers_a_refused_request_with_a_400_error():
+    """What SGLang's HTTP server turns into a 400: ``_validate_one_request`` raising ValueError."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from pcr_sglang.reuse.tokenizer import validate_doc_bounds
+
+    file = _server().gate.file
+    args = SimpleNamespace(enable_pcr=True, pcr_chunk_size=32, pcr_doc_reuse="blend", pcr_doc_reuse_calibration=file,
+                           pcr_doc_min_tokens=1)
+    manager = SimpleNamespace(server_args=args)
+    tokens = list(range(1, 40))
+
+    def request(**custom):
+        obj = GenerateReqInput(input_ids=tokens, sampling_params={
+            "max_new_tokens": 1, "custom_params": {"pcr_doc_bounds": [2, 10, 10, 20], **custom}})
+        obj.normalize_batch_and_arguments()
+        return validate_doc_bounds(None, manager, obj, tokens)
+
+    assert request() is None and request(pcr_doc_recompute_ratio=0.3) is None
+    with pytest.raises(ValueError, match="pcr_doc_reuse='concat': outside this server's calibration"):
+        request(pcr_doc_reuse="concat")
+    args.pcr_doc_reuse_calibration_warn = True
+    assert request(pcr_doc_reuse="concat") is None  # served, and counted by the scheduler
+
+
+def test_with_warn_an_override_is_served_and_counted_once_per_request_by_what_it_overrode():
+    from types import SimpleNamespace
+
+    from pcr_sglang.reuse.bounds import request_doc_reuse, request_recompute
+
+    server = _server(warn=True)
+    assert request_recompute({"pcr_doc_reuse": "concat"}, server).mode == "concat"  # validation: not counted
+    assert server.gate.overrides == dict.fromkeys(server.gate.overrides, 0)
+
+    def req(**custom):
+        return SimpleNamespace(sampling_params=SimpleNamespace(custom_params={"pcr_doc_bounds": [2, 10], **custom}))
+
+    assert request_doc_reuse(req(pcr_doc_reuse="concat"), 20, server)[1].mode == "concat"
+    assert request_doc_reuse(req(pcr_doc_recompute_ratio=0.0, pcr_doc_selector="query"), 20, server)[1].ratio == 0
+    assert request_doc_reuse(req(), 20, server)[1].ratio == 0.15  # inside: not counted
+    assert server.gate.overrides == {"mode": 1, "recompute_tokens": 0, "recompute_ratio": 1, "selector": 1,
+                                     "anchor_tokens": 0}
