@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from pcr_sglang.core.keys import CacheNamespace
+from pcr_sglang.reuse.setup import recheck_calibration
 from pcr_sglang.sglang_adapter.fingerprint import in_memory_update_fingerprint, model_fingerprint
 from pcr_sglang.sglang_adapter.tp_group import TpGroup, min_max
 
@@ -213,6 +214,8 @@ def begin(cache: Any, namespace: CacheNamespace) -> None:
     the next reset."""
     cache.pending_namespace = namespace
     cache.scheduler.rekey(namespace.chain_digest())
+    # A document-reuse calibration holds for the weights it was measured on only.
+    recheck_calibration(cache.scheduler.docs, namespace.model_fingerprint)
 
 
 def unknown_weights(cache: Any, namespace: CacheNamespace) -> None:
