@@ -136,7 +136,7 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
     from sglang.srt.arg_groups.overrides import resolving_view
 
     resolved = resolving_view(ctx.server_args)
-    reasons = unsupported_reasons(collect_inputs(resolved, config, ctx.model_config))
+    reasons = unsupported_reasons(collect_inputs(resolved, config, ctx.model_config, weights_loaded=True))
     if reasons:
         raise PCRConfigError("; ".join(reasons))
     namespace = cache_namespace(ctx.server_args, ctx.model_config, _kv_dtype_name(ctx), config.chunk_size,

@@ -25,8 +25,12 @@ the same tokens. Two parts:
   every window; the remaining case is a deliberate partial edit in place, for which the
   README tells the user to use a fresh ``--pcr-ssd-path``. Modification times are not
   hashed on purpose: a copied or re-downloaded identical checkpoint keeps its cache.
-  A hub id that is not in the local cache (SGLang downloads into its own
-  ``--download-dir``) falls back to the id and revision, with a warning.
+  The fingerprint is computed where the tree cache is built, after SGLang has loaded (and
+  so downloaded) the weights. A model whose files are still not found locally falls back
+  to the id and revision, with a warning; with the SSD or remote tier on, that is refused
+  (``refusals.check_weights_local``: two revisions under one name would share their KV).
+  A disk update to a path that is not a local folder never gets a name-only fingerprint
+  either (:class:`WeightsNotLocal`).
 
 * :func:`numerics_text`, every flag that changes the KV values computed from the same
   weights (see ``NUMERICS_FIELDS`` for each one and why). Flags that only change rounding
@@ -105,6 +109,21 @@ def resolve_weights_dir(model_path: str, revision: Optional[str] = None,
         return None
 
 
+class WeightsNotLocal(LookupError):
+    """The weights' files are not on this machine: a fingerprint would be their name only."""
+
+
+def _weights_path(model_config: Any, model_path: str, weights_path: Optional[str] = None) -> str:
+    """The path SGLang loads the weights from (its model config's, once resolved)."""
+    return weights_path or str(getattr(model_config, "model_path", None) or model_path)
+
+
+def weights_are_local(model_config: Any, model_path: str, revision: Optional[str] = None,
+                      download_dir: Optional[str] = None) -> bool:
+    """Whether :func:`model_fingerprint` reads the weights' files (False: their name only)."""
+    return resolve_weights_dir(_weights_path(model_config, model_path), revision, download_dir) is not None
+
+
 def _weight_files(root: Path) -> list[Path]:
     if root.is_file():
         return [root]
@@ -176,18 +195,22 @@ def weights_digest(root: Path) -> str:
 
 def model_fingerprint(model_config: Any, model_path: str, revision: Optional[str] = None,
                       download_dir: Optional[str] = None, *, weights_path: Optional[str] = None,
-                      adapters: str = "") -> str:
+                      adapters: str = "", require_files: bool = False) -> str:
     """Config + weights identity (see the module docstring for what it reads).
 
     ``weights_path``: the folder the weights are read from when it is not the one SGLang
     started with (``/update_weights_from_disk`` loads another checkpoint into the same
-    config). ``adapters``: :func:`adapters_text` of the startup LoRA adapters."""
+    config). ``adapters``: :func:`adapters_text` of the startup LoRA adapters.
+    ``require_files``: raise :class:`WeightsNotLocal` instead of naming weights whose files
+    are not found by their path alone."""
     h = hashlib.blake2b(digest_size=16)
     h.update(_config_text(model_config).encode())
     h.update(f"|revision={revision}".encode())
-    path = weights_path or str(getattr(model_config, "model_path", None) or model_path)
+    path = _weights_path(model_config, model_path, weights_path)
     root = resolve_weights_dir(path, revision, download_dir)
     if root is None:
+        if require_files:
+            raise WeightsNotLocal(f"the files of {path} are not on this machine")
         h.update(f"|path={path}".encode())
     else:
         h.update(f"|weights={weights_digest(root)}".encode())

@@ -27,7 +27,9 @@ Why these configurations, in short:
 * ``concat`` under TP: a document copy failing on one rank would change that rank's
   prefix length alone;
 * a startup LoRA adapter whose files are not local cannot be fingerprinted, and the SSD
-  and remote tiers would then serve a retrained adapter the old one's KV;
+  and remote tiers would then serve a retrained adapter the old one's KV; nor can a model
+  whose weights are still not found locally once SGLang has loaded them (checked where the
+  tree cache is built), whose name alone would be shared by all its revisions;
 * PCR's tree evicts in LRU order, so ``--radix-eviction-policy`` other than ``lru`` would
   be silently ignored.
 
@@ -65,6 +67,7 @@ class SupportInputs:
     model_config: Any = None
     use_hnd_kvcache: bool = False
     aiter_kv_layout: Optional[str] = None  # only where SGLang's pool reads it (ROCm + AITER)
+    weights_loaded: bool = False  # where the tree cache is built: SGLang has downloaded the weights
 
     @property
     def host_tier(self) -> bool:
@@ -284,6 +287,26 @@ def check_lora_persistent_tiers(x: SupportInputs) -> Optional[str]:
     return None
 
 
+def check_weights_local(x: SupportInputs) -> Optional[str]:
+    """The cache namespace names the weights by their files (``fingerprint.model_fingerprint``);
+    weights PCR cannot find locally would be named by their path (hub id) and revision
+    alone, so every revision pushed under that name would share the SSD and remote tiers'
+    KV. Decided once SGLang has loaded the weights (a hub id is downloaded then): at flag
+    resolution a hub id not yet downloaded is not refused."""
+    if not x.weights_loaded or x.model_config is None or (x.pcr.ssd_bytes <= 0 and x.pcr.remote == "off"):
+        return None
+    from pcr_sglang.sglang_adapter.fingerprint import weights_are_local
+
+    model_path = str(getattr(x.cfg, "model_path", "") or "")
+    if weights_are_local(x.model_config, model_path, getattr(x.cfg, "revision", None),
+                         getattr(x.cfg, "download_dir", None)):
+        return None
+    return (f"the SSD and remote tiers key KV by the weights' files, and those of --model-path {model_path} "
+            f"are not found on this machine (the cache namespace would be its name only, shared by every "
+            f"revision): download the model and pass its local folder in --model-path, or run without "
+            f"--pcr-ssd-path/--pcr-remote")
+
+
 def check_remote(x: SupportInputs) -> Optional[str]:
     """The remote tier's probes and reads are not agreed across TP ranks (each rank has
     its own objects and its own I/O process): one rank could admit what another recomputes."""
@@ -297,6 +320,7 @@ RULES: tuple[Rule, ...] = (
     check_doc_reuse_tp,
     check_pipeline_parallel,
     check_lora_persistent_tiers,
+    check_weights_local,
     check_remote,
     check_full_attention,
     check_mla_host_tier,
@@ -308,9 +332,9 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def collect_inputs(cfg: Any, pcr: PCRConfig, model_config: Any) -> SupportInputs:
+def collect_inputs(cfg: Any, pcr: PCRConfig, model_config: Any, weights_loaded: bool = False) -> SupportInputs:
     """The rules' inputs: these flags and model config, and the KV-layout environment as
-    SGLang's KV pool will read it."""
+    SGLang's KV pool will read it (``weights_loaded``: called where the tree cache is built)."""
     from sglang.srt.environ import envs
     from sglang.srt.utils import is_hip
 
@@ -321,6 +345,7 @@ def collect_inputs(cfg: Any, pcr: PCRConfig, model_config: Any) -> SupportInputs
         model_config=model_config,
         use_hnd_kvcache=bool(envs.SGLANG_USE_HND_KVCACHE.get()),
         aiter_kv_layout=envs.SGLANG_AITER_KV_CACHE_LAYOUT.get().lower() if aiter else None,
+        weights_loaded=weights_loaded,
     )
 
 

@@ -18,7 +18,10 @@ a new namespace:
   nonce namespace too, before SGLang's call: requests served while weights are being
   written (an in-flight update without ``pause_generation``) compute KV that must not be
   kept under the checkpoint's namespace, whose SSD directory is kept for a rollback and
-  whose remote objects the fleet reads.
+  whose remote objects the fleet reads;
+* a disk update to a path that is not a local file or folder (a hub id SGLang downloads
+  during the call) to a nonce namespace as well, never to one made of the name alone (two
+  revisions under one name would share it).
 
 ``WRAPPED_METHODS`` are hooked by the plugin; every other public method of SGLang's
 ``SchedulerWeightUpdaterManager`` is in ``WEIGHTS_UNCHANGED`` with the reason it changes no
@@ -41,11 +44,12 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from pcr_sglang.core.keys import CacheNamespace
 from pcr_sglang.reuse.setup import recheck_calibration
-from pcr_sglang.sglang_adapter.fingerprint import in_memory_update_fingerprint, model_fingerprint
+from pcr_sglang.sglang_adapter.fingerprint import WeightsNotLocal, in_memory_update_fingerprint, model_fingerprint
 from pcr_sglang.sglang_adapter.tp_group import TpGroup, min_max
 
 logger = logging.getLogger(__name__)
@@ -87,8 +91,15 @@ class WeightsIdentity:
     adapters: str = ""
 
     def of_checkpoint(self, path: str) -> str:
+        """The fingerprint of the checkpoint at ``path``. Raises :class:`WeightsNotLocal`
+        for a path that is not a local file or folder: SGLang downloads a hub id during the
+        update call (into its default cache, and perhaps a newer revision than any snapshot
+        here), so no fingerprint taken before the call can name what it loads, and one made
+        of the name alone would be shared by every revision under that name."""
+        if not Path(path).exists():
+            raise WeightsNotLocal(f"{path} is not a local file or folder")
         return model_fingerprint(self.model_config, self.model_path, self.revision, self.download_dir,
-                                 weights_path=path, adapters=self.adapters)
+                                 weights_path=path, adapters=self.adapters, require_files=True)
 
 
 def _agreed_nonce(tp: Optional[TpGroup]) -> int:
@@ -128,6 +139,11 @@ def next_namespace(cache: Any, method: str, recv_req: Any) -> CacheNamespace:
     if path and identity is not None:
         try:
             fingerprint = identity.of_checkpoint(str(path))
+        except WeightsNotLocal as e:
+            logger.warning("PCR: cannot fingerprint the weights of %s before SGLang loads them (%s); their KV gets "
+                           "a namespace of its own (pass a local folder to keep it across restarts and rollbacks)",
+                           path, e)
+            fingerprint = UNREADABLE
         except Exception as e:  # a path SGLang will refuse too: never an error in the scheduler loop
             logger.warning("PCR: cannot fingerprint %s (%s); its KV gets a namespace of its own", path, e)
             fingerprint = UNREADABLE

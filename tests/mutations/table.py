@@ -509,6 +509,33 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/architecture.md, Weight updates in place: every updater method is wrapped or listed (review N10)",
         breaks="the plugin no longer hooks begin_weight_update",
     ),
+    Mutant(
+        name="weight-update-hub-id-gets-a-name-only-namespace",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/weight_updates.py",
+        original="""        if not Path(path).exists():
+            raise WeightsNotLocal(f"{path} is not a local file or folder")
+        return model_fingerprint(self.model_config, self.model_path, self.revision, self.download_dir,
+                                 weights_path=path, adapters=self.adapters, require_files=True)""",
+        replacement="""        return model_fingerprint(self.model_config, self.model_path, self.revision, self.download_dir,
+                                 weights_path=path, adapters=self.adapters)""",
+        tests=(UNIT + "sglang_adapter/test_weight_updates.py::"
+               "test_a_disk_update_to_weights_not_on_this_machine_gets_a_namespace_of_its_own",),
+        claim="docs/architecture.md, Weight updates in place: a disk update to a hub id gets a namespace of its own "
+              "(review N7)",
+        breaks="every revision pushed under one hub id shares one name-only namespace after a disk update",
+    ),
+    Mutant(
+        name="name-only-fingerprint-accepted-with-persistent-tiers",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/refusals.py",
+        original="    if not x.weights_loaded or x.model_config is None or",
+        replacement="    if True or x.model_config is None or",
+        tests=(UNIT + "sglang_adapter/test_refusals.py::test_weights_not_found_locally_are_refused_with_persistent_tiers",),
+        claim="docs/architecture.md, Cache namespace: weights not found locally are refused with the SSD or remote tier "
+              "(review N7)",
+        breaks="a model PCR cannot find locally gets a name-only namespace on the SSD and remote tiers",
+    ),
 )
 
 

@@ -312,3 +312,29 @@ def test_only_the_debug_flag_or_the_admin_key_may_ask_for_the_tree_check():
     assert not may_check(False, "k3y", None) and not may_check(False, "k3y", "Bearer wrong")
     assert not may_check(False, "k3y", "Basic k3y")
     assert may_check(False, "k3y", "Bearer k3y") and may_check(False, "k3y", "bearer k3y")
+
+
+@pytest.mark.parametrize("tiers,refused", [((), False), (("ssd",), True), (("remote",), True)])
+def test_weights_not_found_locally_are_refused_with_persistent_tiers(tmp_path, tiny_model, monkeypatch, tiers,
+                                                                     refused):
+    """review N7: a model whose files PCR cannot find once SGLang has loaded it got a cache
+    namespace of its name and revision alone (a warning only), so every revision pushed
+    under that name shared the SSD and remote tiers' KV."""
+    from pcr_sglang.config import PCRConfig
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pcr = PCRConfig(enabled=True, dram_gb=0.01, ssd_path=str(tmp_path) if "ssd" in tiers else None,
+                    ssd_gb=0.1 if "ssd" in tiers else 0.0, remote="mooncake" if "remote" in tiers else "off")
+
+    def inputs(model_path: str, loaded: bool = True) -> SupportInputs:
+        cfg = SimpleNamespace(model_path=model_path, revision=None, download_dir=str(tmp_path))
+        return SupportInputs(cfg, pcr, SimpleNamespace(hf_config=None, model_path=model_path), weights_loaded=loaded)
+
+    reason = refusals.check_weights_local(inputs("org/not-on-this-machine"))
+    assert (reason is not None) == refused
+    if refused:
+        assert "--model-path org/not-on-this-machine" in reason and "local folder" in reason
+    # At flag resolution SGLang has not downloaded a hub id yet: not refused there.
+    assert refusals.check_weights_local(inputs("org/not-on-this-machine", loaded=False)) is None
+    assert refusals.check_weights_local(inputs(str(tiny_model))) is None
+    assert refusals.check_weights_local in refusals.RULES

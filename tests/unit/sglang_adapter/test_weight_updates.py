@@ -173,6 +173,25 @@ def test_leaving_an_in_memory_namespace_purges_its_directory(make, tmp_path):
     h.check()
 
 
+def test_a_disk_update_to_weights_not_on_this_machine_gets_a_namespace_of_its_own(make, tmp_path, monkeypatch):
+    """review N7: a hub id is downloaded by SGLang during the call (perhaps a newer revision
+    than any snapshot here), so PCR cannot fingerprint it before. It used to get a namespace
+    made of its name alone, the same for every revision pushed under that name: a peer or a
+    later update to ``org/model`` read the KV of another revision."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    h.cache.weights_identity = WeightsIdentity(SimpleNamespace(hf_config=None), str(tmp_path),
+                                               download_dir=str(tmp_path / "hub"))
+    to_hub = SimpleNamespace(model_path="org/model")
+    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h), to_hub)
+    first = h.cache.namespace
+    assert first.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
+    persisted(h, prompt(100))
+    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h), to_hub)
+    assert h.cache.namespace != first and reusable_chunks(h, prompt(100)) == 0
+    h.check()
+
+
 def test_the_hook_leaves_other_caches_alone():
     calls = []
 
