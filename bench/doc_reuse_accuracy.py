@@ -393,7 +393,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         progress(f"starting the {name} server (log: {log})...")
         server = ServerProcess(model_path, (*extra, *pool, *COMMON_SERVER_ARGS), log_path=log)
         server.start()
-        servers[name] = {"args": list(server.extra_args), "startup_s": round(server.startup_seconds, 1),
+        servers[name] = {"args": server.public_args, "startup_s": round(server.startup_seconds, 1),
                          "log": str(log)}
         progress(f"the {name} server is up ({server.startup_seconds:.0f} s)")
         try:

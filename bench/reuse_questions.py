@@ -258,7 +258,7 @@ def run_questions(args: Any, argv: Sequence[str]) -> int:
         progress(f"starting {label} (log: {log})...")
         server = ServerProcess(model_path, (*extra, *pool, *COMMON_SERVER_ARGS), log_path=log)
         server.start()
-        servers[label] = {"args": list(server.extra_args), "startup_s": round(server.startup_seconds, 1)}
+        servers[label] = {"args": server.public_args, "startup_s": round(server.startup_seconds, 1)}
         try:
             yield server
         finally:

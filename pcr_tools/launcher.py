@@ -256,17 +256,78 @@ class ServerProcess(ServerRequests):
     _proc: Optional[subprocess.Popen] = None
     _port_chosen_here: bool = False
     _metrics_dir: Optional[str] = None  # PROMETHEUS_MULTIPROC_DIR of the running server, ours to remove
+    _secrets_dir: Optional[str] = None  # the running server's --config file with its keys, ours to remove
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def argv(self) -> list[str]:
+        """The server's command line. Its keys (``--api-key``, ``--admin-api-key``, ...) are
+        not on it: they go in a config file only this user can read (``_secrets_file``), so
+        ``ps`` shows no secret."""
         args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
                 "--host", "127.0.0.1", "--port", str(self.port)]
         if cpu_only():
             args += CPU_SERVER_ARGS
-        return args + list(self.extra_args)
+        return args + self._args_with_secrets_in_a_file()
+
+    @property
+    def public_args(self) -> list[str]:
+        """``extra_args`` with the secrets' values redacted: what reports may record."""
+        from pcr_sglang.sglang_adapter.redaction import redact_argv
+
+        return redact_argv(self.extra_args)
+
+    def _args_with_secrets_in_a_file(self) -> list[str]:
+        """``extra_args`` with every secret flag and its value moved into a YAML file of
+        SGLang's ``--config`` (mode 0600 in a 0700 directory, removed when the server
+        stops); a ``--config`` the caller gave is merged into it."""
+        from pcr_sglang.sglang_adapter.redaction import SECRET_FLAGS
+
+        args = list(self.extra_args)
+        secrets: dict[str, object] = {}
+        kept: list[str] = []
+        i = 0
+        while i < len(args):
+            flag, eq, value = args[i].partition("=")
+            if flag in SECRET_FLAGS and (eq or i + 1 < len(args)):
+                secrets[flag[2:]] = value if eq else args[i + 1]
+                i += 1 if eq else 2
+                continue
+            kept.append(args[i])
+            i += 1
+        if not secrets:
+            return args
+        if "--config" in kept:
+            import yaml
+
+            at = kept.index("--config")
+            if at + 1 >= len(kept):
+                raise ValueError("--config needs a file")
+            with open(kept[at + 1]) as f:
+                given = yaml.safe_load(f) or {}
+            if not isinstance(given, dict):
+                raise ValueError(f"{kept[at + 1]}: a --config file holds a mapping of flags")
+            secrets = {**given, **secrets}
+            del kept[at : at + 2]
+        return [*kept, "--config", str(self._secrets_file(secrets))]
+
+    def _secrets_file(self, settings: dict[str, object]) -> Path:
+        import yaml
+
+        self._drop_secrets_dir()
+        self._secrets_dir = tempfile.mkdtemp(prefix="pcr-server-config-")  # mode 0700
+        path = Path(self._secrets_dir) / "secrets.yaml"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(settings, f)
+        return path
+
+    def _drop_secrets_dir(self) -> None:
+        if self._secrets_dir is not None:
+            shutil.rmtree(self._secrets_dir, ignore_errors=True)
+            self._secrets_dir = None
 
     def start(self) -> ServerProcess:
         """Start the server and wait until it serves.
@@ -306,6 +367,7 @@ class ServerProcess(ServerRequests):
                 )
             except BaseException:
                 self._drop_metrics_dir()
+                self._drop_secrets_dir()
                 raise
             finally:
                 log.close()
@@ -321,6 +383,9 @@ class ServerProcess(ServerRequests):
             except BaseException:
                 self.stop()
                 raise
+            # SGLang read its --config file at startup, in this process's child, and never
+            # again: the keys need not stay on disk while it serves.
+            self._drop_secrets_dir()
             break
         self.startup_seconds = time.monotonic() - started
 
@@ -381,6 +446,7 @@ class ServerProcess(ServerRequests):
             self._end(proc, sig, timeout_s)
         finally:
             self._drop_metrics_dir()
+            self._drop_secrets_dir()
 
     def _drop_metrics_dir(self) -> None:
         if self._metrics_dir is not None:
@@ -421,7 +487,12 @@ class ServerProcess(ServerRequests):
     def admin_api_key(self) -> Optional[str]:
         """The server's ``--admin-api-key``, if it was started with one."""
         args = list(self.extra_args)
-        return args[args.index("--admin-api-key") + 1] if "--admin-api-key" in args[:-1] else None
+        for i, arg in enumerate(args):
+            if arg.startswith("--admin-api-key="):
+                return arg.partition("=")[2]
+            if arg == "--admin-api-key" and i + 1 < len(args):
+                return args[i + 1]
+        return None
 
 
 def stop_all(servers: Iterable[ServerProcess], timeout_s: float = 30.0, *, graceful: bool = True) -> None:

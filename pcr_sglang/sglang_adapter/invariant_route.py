@@ -6,7 +6,10 @@ chunk (O(tree)) in the scheduler thread, so it runs only when a caller asks for 
 the query parameter, and only a caller allowed to: any caller on a server started with
 ``--pcr-debug-checks`` (tests and debugging), otherwise one holding SGLang's
 ``--admin-api-key`` as a Bearer token. Anyone else gets HTTP 403: ``/server_info`` itself
-has no authentication, and a loop of such asks would slow every request's steps.
+has no authentication, and a loop of such asks would slow every request's steps. For the
+same reason PCR's route (and SGLang's deprecated ``/get_server_info``, which calls the same
+function) answers with the server's keys redacted (``redaction``): SGLang returns them in
+clear.
 
 SGLang's ``/server_info`` takes no parameters and its request to the schedulers
 (``GetInternalStateReq``) carries none, so the ask travels in the request's ``rid``:
@@ -25,6 +28,8 @@ import secrets
 import sys
 from contextvars import ContextVar
 from typing import Any, Callable, Optional
+
+from pcr_sglang.sglang_adapter.redaction import redact, secret_values
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +59,27 @@ def may_check(debug_checks: bool, admin_api_key: Optional[str], authorization: O
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), admin_api_key)
 
 
+def _server_args(http_server: Any) -> Any:
+    tokenizer_manager = getattr(getattr(http_server, "_global_state", None), "tokenizer_manager", None)
+    return getattr(tokenizer_manager, "server_args", None)
+
+
+def _serving_config() -> Any:
+    """SGLang's published serving config (where the API keys live), or None when this
+    process has none."""
+    try:
+        from sglang.srt.runtime_context import get_serving
+
+        return get_serving()
+    except Exception:  # no serving config published in this process
+        return None
+
+
 def _may_check(http_server: Any, authorization: Optional[str]) -> bool:
-    server_args = getattr(getattr(http_server, "_global_state", None), "tokenizer_manager", None)
-    server_args = getattr(server_args, "server_args", None)
+    server_args = _server_args(http_server)
     admin_api_key = getattr(server_args, "admin_api_key", None)
     if admin_api_key is None:
-        try:
-            from sglang.srt.runtime_context import get_serving
-
-            admin_api_key = get_serving().admin_api_key
-        except Exception:  # no serving config published in this process: no key
-            admin_api_key = None
+        admin_api_key = getattr(_serving_config(), "admin_api_key", None)
     return may_check(bool(getattr(server_args, "pcr_debug_checks", False)), admin_api_key, authorization)
 
 
@@ -80,6 +95,15 @@ def add_server_info_route(result: Any, *args: Any, **kwargs: Any) -> Any:
 
     sglang_server_info = http_server.server_info
 
+    async def redacted_server_info() -> Any:
+        """SGLang's answer with the server's secrets taken out (``redaction``)."""
+        answer = await sglang_server_info()
+        return redact(answer, secret_values(_server_args(http_server), _serving_config()))
+
+    redacted_server_info.__doc__ = sglang_server_info.__doc__
+    # SGLang's deprecated ``/get_server_info`` calls ``server_info`` by its module name.
+    http_server.server_info = redacted_server_info
+
     async def pcr_server_info(request: Request) -> Any:
         asked = _truthy(request.query_params.get(QUERY_PARAMETER))
         if asked and not _may_check(http_server, request.headers.get("authorization")):
@@ -90,7 +114,7 @@ def add_server_info_route(result: Any, *args: Any, **kwargs: Any) -> Any:
                 f"--pcr-debug-checks, or send SGLang's --admin-api-key as 'Authorization: Bearer <key>'")})
         token = _check_requested.set(asked)
         try:
-            return await sglang_server_info()
+            return await redacted_server_info()
         finally:
             _check_requested.reset(token)
 

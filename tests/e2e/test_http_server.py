@@ -106,6 +106,45 @@ def test_the_tree_check_needs_the_debug_flag_or_the_admin_key(servers):
     assert asked == {"checked": True, "ok": True, "error": None}
 
 
+# GET routes that act rather than read (profiling, GC, sessions, memory): not called here.
+# Each is admin-only or harmless without the key, but none answers with configuration.
+_ACTING_GET = ("start_", "stop_", "dump_", "freeze_", "slow_down", "release_", "resume_", "open_session",
+               "close_session", "configure_logging", "set_trace_level", "flush_cache", "health_generate",
+               "weights_checker", "get_weights_by_name")
+
+
+def test_no_route_answers_with_the_admin_key_and_admin_routes_still_need_it(servers):
+    """SGLang 0.5.23's ``/server_info`` needs no key and returns the admin key in clear
+    three times (fields, ``launch_command``, every scheduler's ``internal_states``), which
+    voids every admin route (red before PCR's redaction: the key was in /server_info and
+    /get_server_info). Every read-only GET route in the server's own OpenAPI spec is asked,
+    without credentials; the key is on no process's command line either (the launcher
+    passes it in a private ``--config`` file), and SGLang still read it from there."""
+    import psutil
+    import requests
+
+    server = servers["pcr_dram_off"]
+    assert server.admin_api_key == ADMIN_KEY
+    spec = requests.get(f"{server.base_url}/openapi.json", timeout=30).json()
+    routes = [path for path, ops in spec["paths"].items() if "get" in ops and "{" not in path
+              and not any(path.lstrip("/").startswith(verb) for verb in _ACTING_GET)]
+    assert {"/server_info", "/get_server_info", "/model_info", "/v1/models"} <= set(routes), routes
+    for path in [*routes, "/metrics"]:
+        for params in ({}, {"pcr_check_invariants": "1"}):
+            answer = requests.get(f"{server.base_url}{path}", params=params, timeout=60)
+            assert ADMIN_KEY not in answer.text, path
+    info = requests.get(f"{server.base_url}/server_info", timeout=30).json()
+    assert info["admin_api_key"] == "<redacted>" and "--admin-api-key <redacted>" in info["launch_command"]
+    assert info["model_path"]  # the rest of SGLang's answer as it was
+    for process in [psutil.Process(server._proc.pid), *psutil.Process(server._proc.pid).children(recursive=True)]:
+        assert ADMIN_KEY not in " ".join(process.cmdline())
+    refused = requests.post(f"{server.base_url}/flush_cache", timeout=60)
+    assert refused.status_code in (401, 403), refused.text
+    allowed = requests.post(f"{server.base_url}/flush_cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                            timeout=60)
+    assert allowed.status_code == 200, allowed.text
+
+
 def test_concurrent_requests_keep_outputs_and_locks(servers, rag_prompt_ids, baseline_outputs):
     # Same prompts, 8 at a time: batching changes scheduling, never tokens or lock counts.
     results = generate_greedy(servers["pcr"], rag_prompt_ids, concurrency=8)

@@ -228,3 +228,48 @@ def test_a_server_started_from_a_niced_process_keeps_its_niceness_in_its_own_ses
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     niceness, group = out.split()
     assert group == niceness  # whatever niceness this test itself runs at, plus 3
+
+
+SECRET = "launcher-SECRET-key-31"
+
+
+def test_keys_go_to_a_private_config_file_not_the_command_line(tmp_path):
+    """``ps`` shows every process's argv to every user: the launcher moves ``--api-key``
+    and ``--admin-api-key`` (both spellings) into SGLang's ``--config`` YAML, mode 0600,
+    merged with a ``--config`` the caller gave (red before: the key was on argv)."""
+    import stat
+
+    import yaml
+
+    given = tmp_path / "given.yaml"
+    given.write_text("log-level: warning\n")
+    server = ServerProcess("m", ("--admin-api-key", SECRET, f"--api-key={SECRET}-b", "--config", str(given),
+                                 "--enable-pcr"))
+    try:
+        argv = server.argv()
+        assert not any(SECRET in arg for arg in argv)
+        assert argv[-2:-1] == ["--config"] and "--enable-pcr" in argv and str(given) not in argv
+        path = Path(argv[-1])
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        assert yaml.safe_load(path.read_text()) == {"log-level": "warning", "admin-api-key": SECRET,
+                                                    "api-key": f"{SECRET}-b"}
+        assert server.admin_api_key == SECRET
+        assert server.public_args[:2] == ["--admin-api-key", "<redacted>"]
+    finally:
+        server._drop_secrets_dir()
+    assert not path.exists()
+    assert ServerProcess("m", ("--enable-pcr",)).argv()[-1] == "--enable-pcr"  # no key: argv as given
+
+
+class SecretsReporter(UvicornProcess):
+    config_path: Path
+
+    def argv(self) -> list[str]:
+        self.config_path = Path(self._args_with_secrets_in_a_file()[-1])
+        return super().argv()
+
+
+def test_the_key_file_is_removed_once_the_server_is_ready():
+    server = SecretsReporter("unused", ("--admin-api-key", SECRET), startup_timeout_s=60)
+    with server:
+        assert not server.config_path.exists() and not server.config_path.parent.exists()
