@@ -3,12 +3,12 @@
 KV is position- and prefix-dependent, so a chunk's identity is its own tokens *and*
 everything before it: ``key_i = H(key_{i-1}, tokens_i)``. The chain starts at a root key
 that folds in the cache namespace's chain digest (model fingerprint, KV dtype, the
-numerics flags, layout, chunk size) and the request's own namespace (SGLang's
-``extra_key``, e.g. a LoRA id, and its ``cache_salt``), so two models or two tenants
-never share a chain by accident. The TP rank is not in the chain: every rank of a
-tensor-parallel server names a chunk by the same key (which is how the ranks agree on
-what their SSD stores hold); each rank's share of the KV bytes lives under its own store
-namespace (:meth:`CacheNamespace.digest`).
+numerics flags, layout, chunk size) and the request's own namespace (the client's
+``extra_key``, its ``cache_salt`` and its LoRA adapter, as separate fields:
+:class:`RequestTenant`), so two models, adapters or tenants never share a chain. The TP
+rank is not in the chain: every rank of a tensor-parallel server names a chunk by the same
+key (which is how the ranks agree on what their SSD stores hold); each rank's share of the
+KV bytes lives under its own store namespace (:meth:`CacheNamespace.digest`).
 
 Keys are 128-bit BLAKE2b digests: at a billion chunks the collision probability is below
 1e-20, which is why the tree does not also store and compare every chunk's tokens.
@@ -62,9 +62,15 @@ class CacheNamespace:
 
 
 def root_key(
-    namespace_digest: bytes, extra_key: Optional[str] = None, cache_salt: Optional[str] = None
+    namespace_digest: bytes, extra_key: Optional[str] = None, cache_salt: Optional[str] = None,
+    lora_id: Optional[str] = None,
 ) -> ChunkKey:
-    """Key of the (virtual) parent of a request's first chunk."""
+    """Key of the (virtual) parent of a request's first chunk.
+
+    ``extra_key`` is the client's own, ``lora_id`` the adapter the server runs the request
+    with: separate fields, because the client chooses the first and not the second (SGLang
+    concatenates them, with no separator, into one ``extra_key``; a client without an
+    adapter could then name an adapter's chains)."""
     h = hashlib.blake2b(namespace_digest, digest_size=KEY_BYTES)
     # Length-prefix each optional field so ("ab", None) and ("a", "b") differ.
     for part in (extra_key, cache_salt):
@@ -73,7 +79,21 @@ def root_key(
         else:
             data = part.encode()
             h.update(b"\x01" + len(data).to_bytes(8, "little") + data)
+    if lora_id is not None:  # absent: the bytes (and so the keys) of a request without an adapter
+        data = lora_id.encode()
+        h.update(b"\x02" + len(data).to_bytes(8, "little") + data)
     return h.digest()
+
+
+@dataclass(frozen=True)
+class RequestTenant:
+    """A request's own namespace inside the server's, as the separate fields its root key
+    folds in: the client's ``extra_key``, its ``cache_salt``, and the LoRA adapter the
+    server runs it with (None: the base model)."""
+
+    extra_key: Optional[str] = None
+    cache_salt: Optional[str] = None
+    lora_id: Optional[str] = None
 
 
 def _as_int64_array(tokens: Sequence[int]) -> array[int]:
@@ -122,18 +142,28 @@ class ChainKeyer:
         self.chain_digest = chain_digest
         self.chunk_size = chunk_size
 
-    def root(self, extra_key: Optional[str] = None, cache_salt: Optional[str] = None) -> ChunkKey:
+    def root(self, extra_key: Optional[str] = None, cache_salt: Optional[str] = None,
+             lora_id: Optional[str] = None) -> ChunkKey:
         """The root a request's chain starts from: the namespace and its tenant."""
-        return root_key(self.chain_digest, extra_key, cache_salt)
+        return root_key(self.chain_digest, extra_key, cache_salt, lora_id)
 
     def iter_keys(self, tokens: Sequence[int], extra_key: Optional[str] = None,
-                  cache_salt: Optional[str] = None) -> Iterator[ChunkKey]:
+                  cache_salt: Optional[str] = None, lora_id: Optional[str] = None) -> Iterator[ChunkKey]:
         """The keys of ``tokens``' whole chunks, lazily (a match stops at its first miss)."""
-        return iter_chunk_keys(self.root(extra_key, cache_salt), tokens, self.chunk_size)
+        return iter_chunk_keys(self.root(extra_key, cache_salt, lora_id), tokens, self.chunk_size)
 
     def keys(self, tokens: Sequence[int], extra_key: Optional[str] = None,
-             cache_salt: Optional[str] = None) -> list[ChunkKey]:
-        return list(self.iter_keys(tokens, extra_key, cache_salt))
+             cache_salt: Optional[str] = None, lora_id: Optional[str] = None) -> list[ChunkKey]:
+        return list(self.iter_keys(tokens, extra_key, cache_salt, lora_id))
+
+    def request_root(self, tenant: RequestTenant) -> ChunkKey:
+        return self.root(tenant.extra_key, tenant.cache_salt, tenant.lora_id)
+
+    def request_keys(self, tokens: Sequence[int], tenant: RequestTenant) -> list[ChunkKey]:
+        return self.keys(tokens, tenant.extra_key, tenant.cache_salt, tenant.lora_id)
+
+    def iter_request_keys(self, tokens: Sequence[int], tenant: RequestTenant) -> Iterator[ChunkKey]:
+        return self.iter_keys(tokens, tenant.extra_key, tenant.cache_salt, tenant.lora_id)
 
     def rekey(self, chain_digest: bytes) -> None:
         self.chain_digest = chain_digest

@@ -43,7 +43,7 @@ import torch
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.keys import ChainKeyer
 from pcr_sglang.core.residency import CacheState
-from pcr_sglang.req import PcrReq
+from pcr_sglang.req import PcrReq, request_tenant
 from pcr_sglang.reuse.blend_select import BlendProbe
 from pcr_sglang.reuse.bounds import (
     QUESTION_SELECTORS,
@@ -220,7 +220,7 @@ class DocReuse:
         once for all of them) and kept in its entry: the window, ``admit_now`` and every
         match read them from there, never hashing again."""
         if entry.chain_keys is None:
-            root = self.keyer.root(req.extra_key, req.cache_salt)  # fixed for a request, like its tokens
+            root = self.keyer.request_root(request_tenant(req))  # fixed for a request, like its tokens
             chains = canonical_chain_keys(root, req.origin_input_ids, entry.spans, self.chunk, self.pad_token_id)
             entry.chain_keys = {span.index: keys for span, keys in zip(entry.spans, chains)}
         return entry.chain_keys

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from pcr_sglang.core.hints import Hint, HintBook, HintPayload, hint_tenant
 from pcr_sglang.core.residency import CacheState
-from pcr_sglang.req import PcrReq
+from pcr_sglang.req import PcrReq, request_tenant
 from pcr_sglang.reuse.disabled import NoDocReuse
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
@@ -73,7 +73,7 @@ class KvHints:
             return False
         tokens = req.origin_input_ids
         # What the final request will match: all but its last token (always computed).
-        keys = self.keys.of_tokens(tokens[: max(len(tokens) - 1, 0)], req.extra_key, req.cache_salt)
+        keys = self.keys.of_tokens(tokens[: max(len(tokens) - 1, 0)], request_tenant(req))
         clock_ms = self.clock_ms()
         if self.tp is not None:
             clock_ms = self.tp.reduce_min([clock_ms])[0]

@@ -11,12 +11,12 @@ requests that left it).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from pcr_sglang.core.chunk_tree import ChunkNode
-from pcr_sglang.core.keys import ChainKeyer, ChunkKey
+from pcr_sglang.core.keys import ChainKeyer, ChunkKey, RequestTenant
 from pcr_sglang.core.residency import CacheState
-from pcr_sglang.req import PcrReq
+from pcr_sglang.req import PcrReq, request_tenant
 from pcr_sglang.reuse.disabled import NoDocReuse
 
 
@@ -40,17 +40,16 @@ class RequestKeys:
         self.docs: Any = NoDocReuse()  # DocReuse, with --pcr-doc-reuse
         self._window: dict[str, list[ChunkKey]] = {}
 
-    def of_tokens(self, tokens: Sequence[int], extra_key: Optional[str] = None,
-                  cache_salt: Optional[str] = None) -> list[ChunkKey]:
-        """The chunk keys of ``tokens`` (whole chunks only)."""
-        return self.keyer.keys(tokens, extra_key, cache_salt)
+    def of_tokens(self, tokens: Sequence[int], tenant: RequestTenant = RequestTenant()) -> list[ChunkKey]:
+        """The chunk keys of ``tokens`` (whole chunks only) under ``tenant``'s root."""
+        return self.keyer.request_keys(tokens, tenant)
 
     def own(self, req: PcrReq) -> list[ChunkKey]:
         """The keys of what SGLang will match for ``req``."""
         keys = self._window.get(req.rid)
         if keys is not None:
             return keys
-        return self.keyer.keys(matchable_tokens(req), req.extra_key, req.cache_salt)
+        return self.keyer.request_keys(matchable_tokens(req), request_tenant(req))
 
     def needed(self, req: PcrReq) -> list[list[ChunkKey]]:
         """The chains a waiting request will reuse: its prefix, and with document reuse the

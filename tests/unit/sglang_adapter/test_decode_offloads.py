@@ -89,10 +89,11 @@ class Batch:
         self.max_reserved = max(self.max_reserved, self.h.state.slots.counts()["reserved"])
         self.max_decode_reserved = max(self.max_decode_reserved, self.h.state.decode_reserved_slots)
 
-    def start(self, rid: str, prompt: list[int]) -> RunningReq:
-        """Admission and prefill, then the checkpoint SGLang makes after a prefill."""
+    def start(self, rid: str, prompt: list[int], req: Optional[RunningReq] = None) -> RunningReq:
+        """Admission and prefill, then the checkpoint SGLang makes after a prefill (of
+        ``req`` when given: a request with its own namespace fields)."""
         h = self.h
-        req = RunningReq(rid, array("q", prompt))
+        req = req if req is not None else RunningReq(rid, array("q", prompt))
         h.admit(req)
         h.scheduler.admitted(req)
         req.lock = h.cache.lock(req.last_node)
