@@ -3,10 +3,13 @@ SGLang serves like any model (no adapter at serving time, and new weights, so a 
 namespace of its own).
 
 The adapter folder holds PEFT's ``adapter_config.json``, ``adapter_model.safetensors`` and
-the tuning's ``recipe.json`` (:mod:`pcr_tools.tune.train`), whose ``adapter_sha256`` the
-adapter file must match and whose ``base_model_sha256`` the base's weights must match: a
-changed or truncated adapter, or a base other than the one it was tuned on, is refused,
-never merged.
+the tuning's ``recipe.json`` (:mod:`pcr_tools.tune.train`), whose ``adapter_sha256`` and
+``adapter_config_sha256`` the two adapter files must match and whose ``base_model_sha256``
+the base's weights must match: a changed or truncated adapter, an edited config (its
+``lora_alpha`` and ``r`` are the merge's scaling, its target modules what is merged), or a
+base other than the one it was tuned on, is refused, never merged. Both checksums are in
+the merged folder's stamp, so a merged folder built from other adapter files is rebuilt,
+never returned stale.
 """
 
 from __future__ import annotations
@@ -22,22 +25,32 @@ from pcr_tools.models import build_cached, weights_sha256
 logger = logging.getLogger(__name__)
 
 ADAPTER_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
 RECIPE_FILE = "recipe.json"
+# Each adapter file and the recipe field holding its SHA-256.
+_CHECKED_FILES = ((ADAPTER_FILE, "adapter_sha256"), (CONFIG_FILE, "adapter_config_sha256"))
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "vocab.json", "merges.txt", "generation_config.json")
 
 
-def adapter_checksum(adapter_dir: Path) -> str:
-    """The adapter file's SHA-256, after checking it against the recipe's."""
+def adapter_checksum(adapter_dir: Path) -> dict[str, str]:
+    """The SHA-256 of the adapter's weights and of its config (by recipe field), after
+    checking each against the recipe's."""
     adapter_dir = Path(adapter_dir)
-    path, recipe_path = adapter_dir / ADAPTER_FILE, adapter_dir / RECIPE_FILE
-    if not path.is_file() or not recipe_path.is_file():
-        raise FileNotFoundError(f"{adapter_dir} has no {ADAPTER_FILE} and {RECIPE_FILE}")
-    actual = hashlib.sha256(path.read_bytes()).hexdigest()
-    expected = json.loads(recipe_path.read_text())["result"]["adapter_sha256"]
-    if actual != expected:
-        raise ValueError(f"{path} has SHA-256 {actual}, its recipe says {expected}: refusing to merge it")
-    return actual
+    recipe_path = adapter_dir / RECIPE_FILE
+    missing = [name for name, _ in _CHECKED_FILES if not (adapter_dir / name).is_file()]
+    if missing or not recipe_path.is_file():
+        raise FileNotFoundError(f"{adapter_dir} has no {', '.join(missing + [RECIPE_FILE])}")
+    result = json.loads(recipe_path.read_text())["result"]
+    checksums = {}
+    for name, field in _CHECKED_FILES:
+        actual = hashlib.sha256((adapter_dir / name).read_bytes()).hexdigest()
+        expected = result.get(field)
+        if actual != expected:
+            raise ValueError(f"{adapter_dir / name} has SHA-256 {actual}, its recipe's {field} is {expected}: "
+                             "refusing to merge it")
+        checksums[field] = actual
+    return checksums
 
 
 def build_merged(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
@@ -45,7 +58,7 @@ def build_merged(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
     base_dir, adapter_dir = Path(base_dir), Path(adapter_dir)
     stamp = base_dir / "pcr_recipe.json"
     base_stamp = json.loads(stamp.read_text()) if stamp.is_file() else None
-    recipe = {"base": base_stamp, "base_dir": base_dir.name, "adapter_sha256": adapter_checksum(adapter_dir),
+    recipe = {"base": base_stamp, "base_dir": base_dir.name, **adapter_checksum(adapter_dir),
               "merge": "peft merge_and_unload, float32", "version": 1}
 
     def merge(folder: Path) -> None:

@@ -90,6 +90,7 @@ class TuneResult:
     gold_curve: list[tuple[int, float]] = field(default_factory=list)  # gold cross-entropy, likewise
     adapter_sha256: str = ""
     adapter_bytes: int = 0
+    adapter_config_sha256: str = ""  # adapter_config.json's (lora_alpha and r are the merge's scaling)
 
 
 def marked(question: Question, tokenizer: Any) -> MarkedPrompt:
@@ -288,6 +289,7 @@ def save_adapter(model: Any, out_dir: Path, params: TuneParams, result: TuneResu
     data = (out_dir / ADAPTER_FILE).read_bytes()
     result.adapter_sha256 = hashlib.sha256(data).hexdigest()
     result.adapter_bytes = len(data)
+    result.adapter_config_sha256 = hashlib.sha256((out_dir / "adapter_config.json").read_bytes()).hexdigest()
     recipe = {
         "what": "LoRA for --pcr-doc-reuse concat by self-distillation from full prefill"
                 + (" and gold answers" if params.gold_share > 0 else "") + " (pcr_tools.tune)",

@@ -536,6 +536,17 @@ MUTANTS: tuple[Mutant, ...] = (
               "(review N7)",
         breaks="a model PCR cannot find locally gets a name-only namespace on the SSD and remote tiers",
     ),
+    Mutant(
+        name="merged-model-ignores-the-adapter-config",
+        kind="unit",
+        file="pcr_tools/models/merged.py",
+        original='_CHECKED_FILES = ((ADAPTER_FILE, "adapter_sha256"), (CONFIG_FILE, "adapter_config_sha256"))',
+        replacement='_CHECKED_FILES = ((ADAPTER_FILE, "adapter_sha256"),)',
+        tests=(UNIT + "tools/test_merged.py::"
+               "test_an_edited_adapter_config_is_refused_and_a_merged_folder_never_returned_stale",),
+        claim="pcr_tools/models/merged.py: adapter_config.json is checked and stamped like the weights (review N12)",
+        breaks="an edited adapter_config.json is merged without notice and a merged folder is returned stale",
+    ),
 )
 
 
