@@ -547,6 +547,43 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="pcr_tools/models/merged.py: adapter_config.json is checked and stamped like the weights (review N12)",
         breaks="an edited adapter_config.json is merged without notice and a merged folder is returned stale",
     ),
+    # ---------------------------------------------------------------- issue 40, item 4: review N4, N5, N11
+    Mutant(
+        name="calibration-gate-judges-the-server-mode-only",
+        kind="unit",
+        file="pcr_sglang/reuse/bounds.py",
+        original="    if server.gate is not None:\n        server.gate.check(asked)\n",
+        replacement="",
+        tests=(UNIT + "reuse/test_doc_calibration.py",
+               UNIT + "reuse/test_doc_calibration_serving.py::"
+               "test_a_refused_request_that_reaches_the_scheduler_is_served_without_reuse"),
+        k="refused or tokenizer_answers or reaches_the_scheduler",
+        claim="docs/document-reuse.md, A per-model gate: a request outside the calibration gets a 400 (review N4)",
+        breaks="a request asking for concat, R=0 or another selector is served in it on a calibrated server",
+    ),
+    Mutant(
+        name="calibration-file-verdicts-trusted-as-written",
+        kind="unit",
+        file="pcr_sglang/reuse/calibration.py",
+        original="                modes[name] = _consistent(written, target)",
+        replacement="                modes[name] = written",
+        tests=(UNIT + "reuse/test_doc_calibration.py",),
+        k="disagree",
+        claim="docs/document-reuse.md, A per-model gate: meets and value are recomputed when read (review N11)",
+        breaks="a file saying a mode meets the target, or naming a setting that was not measured to meet it, opens "
+               "the gate",
+    ),
+    Mutant(
+        name="calibration-not-rechecked-after-a-weight-update",
+        kind="unit",
+        file="pcr_sglang/reuse/setup.py",
+        original="    if model_fingerprint != gate.fingerprint:",
+        replacement="    if False:",
+        tests=(UNIT + "reuse/test_doc_calibration_serving.py::"
+               "test_a_weight_update_to_other_weights_stops_document_reuse_and_says_why",),
+        claim="docs/document-reuse.md, A per-model gate: reuse stops on weights the file was not measured on (review N5)",
+        breaks="after a weight update to other weights, documents are reused at the old weights' K or R",
+    ),
 )
 
 
