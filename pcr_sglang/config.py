@@ -32,6 +32,7 @@ from pcr_sglang.flags import (
     DEFAULT_PREFETCH_WINDOW,
     DEFAULT_REMOTE,
     DEFAULT_SSD_DURABILITY,
+    DEFAULT_SSD_KEEP_NAMESPACES,
     DEFAULT_SSD_READ_THREADS,
     DEFAULT_SSD_WRITE,
     DOC_REUSE_CHOICES,
@@ -66,6 +67,7 @@ class PCRConfig:
     ssd_write: str = DEFAULT_SSD_WRITE
     ssd_durability: str = DEFAULT_SSD_DURABILITY
     ssd_read_threads: int = DEFAULT_SSD_READ_THREADS
+    ssd_keep_namespaces: int = DEFAULT_SSD_KEEP_NAMESPACES
     prefetch_window: int = DEFAULT_PREFETCH_WINDOW
     prefetch_budget_mb: int = DEFAULT_PREFETCH_BUDGET_MB
     doc_reuse: str = DEFAULT_DOC_REUSE
@@ -100,6 +102,7 @@ class PCRConfig:
             ssd_write=getattr(args, "pcr_ssd_write", DEFAULT_SSD_WRITE),
             ssd_durability=getattr(args, "pcr_ssd_durability", DEFAULT_SSD_DURABILITY),
             ssd_read_threads=getattr(args, "pcr_ssd_read_threads", DEFAULT_SSD_READ_THREADS),
+            ssd_keep_namespaces=getattr(args, "pcr_ssd_keep_namespaces", DEFAULT_SSD_KEEP_NAMESPACES),
             prefetch_window=getattr(args, "pcr_prefetch_window", DEFAULT_PREFETCH_WINDOW),
             prefetch_budget_mb=getattr(args, "pcr_prefetch_budget_mb", DEFAULT_PREFETCH_BUDGET_MB),
             doc_reuse=getattr(args, "pcr_doc_reuse", DEFAULT_DOC_REUSE),
@@ -205,6 +208,9 @@ class PCRConfig:
             raise PCRConfigError(
                 f"--pcr-ssd-read-threads must be an integer from 1 to {MAX_SSD_READ_THREADS}, got {threads!r}"
             )
+        keep = self.ssd_keep_namespaces
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise PCRConfigError(f"--pcr-ssd-keep-namespaces must be an integer >= 0, got {keep!r}")
         if self.doc_reuse not in DOC_REUSE_CHOICES:
             raise PCRConfigError(
                 f"--pcr-doc-reuse must be one of {', '.join(DOC_REUSE_CHOICES)}, got {self.doc_reuse!r}"

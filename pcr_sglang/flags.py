@@ -33,6 +33,8 @@ DEFAULT_SSD_DURABILITY = "record"
 # several in its queue, and a slow or network disk hides its latency only so.
 DEFAULT_SSD_READ_THREADS = 4
 MAX_SSD_READ_THREADS = 64
+# Namespaces left at weight updates kept for a rollback (pcr_sglang.tiers.kept_namespaces).
+DEFAULT_SSD_KEEP_NAMESPACES = 2
 # From bench/prefetch_sweep.py (see bench/README.md).
 DEFAULT_PREFETCH_WINDOW = 16
 DEFAULT_PREFETCH_BUDGET_MB = 256
@@ -284,6 +286,19 @@ class PcrFlags(msgspec.Struct):
             )
         ),
     ] = DEFAULT_SSD_READ_THREADS
+    pcr_ssd_keep_namespaces: A[
+        int,
+        Arg(
+            help=(
+                "SSD tier: how many namespaces this server has left at weight updates (a disk "
+                "update moves the tier to the new checkpoint's directory) it keeps on disk for a "
+                "rollback. Their bytes count against --pcr-ssd-gb: together they take at most half "
+                "of it, and the oldest left are purged first when there are more of them, or more "
+                "bytes. An in-memory update's namespace is always purged. 0: purge every namespace "
+                f"left. Default: {DEFAULT_SSD_KEEP_NAMESPACES}."
+            )
+        ),
+    ] = DEFAULT_SSD_KEEP_NAMESPACES
     pcr_doc_reuse: A[
         str,
         Arg(

@@ -26,8 +26,9 @@ from pcr_sglang.sglang_adapter.tp_group import TpGroup, min_max
 from pcr_sglang.sglang_adapter.weight_updates import WeightsIdentity
 from pcr_sglang.sglang_adapter.worker_side import attach_worker_side
 from pcr_sglang.tiers.host_pool import HostChunkPool, HostPoolError
+from pcr_sglang.tiers.kept_namespaces import KeptNamespaces
 from pcr_sglang.tiers.layout import HostChunkLayout
-from pcr_sglang.tiers.ssd_store import ChunkFileStore, SSDStoreError, describe_namespace, purge_namespace
+from pcr_sglang.tiers.ssd_store import ChunkFileStore, SSDStoreError, describe_namespace
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
@@ -99,12 +100,15 @@ def build_host_pool(config: PCRConfig, allocator: Any) -> HostChunkPool:
     return pool
 
 
-def build_ssd_store(config: PCRConfig, namespace: CacheNamespace, host_pool: HostChunkPool) -> ChunkFileStore:
+def build_ssd_store(config: PCRConfig, namespace: CacheNamespace, host_pool: HostChunkPool,
+                    kept_bytes: int = 0) -> ChunkFileStore:
+    """The SSD store of ``namespace``, within ``--pcr-ssd-gb`` less ``kept_bytes`` (the
+    namespaces kept for a rollback, charged to the same budget) and the disk's free space."""
     assert config.ssd_path is not None
     layout = host_pool.layout
     try:
         store = ChunkFileStore(
-            config.ssd_path, namespace.digest(), layout, namespace.kv_dtype, config.ssd_bytes,
+            config.ssd_path, namespace.digest(), layout, namespace.kv_dtype, max(config.ssd_bytes - kept_bytes, 0),
             namespace_description=describe_namespace(namespace, layout),
             low_watermark_bytes=int(config.ssd_reserve_gb * (1 << 30)), durability=config.ssd_durability,
         )
@@ -114,7 +118,8 @@ def build_ssd_store(config: PCRConfig, namespace: CacheNamespace, host_pool: Hos
         store.close()
         raise PCRConfigError(
             f"--pcr-ssd-gb {config.ssd_gb} under {config.ssd_path} holds no chunk (one needs "
-            f"{store.record_bytes / 2**20:.1f} MiB, and the disk must keep its free-space reserve)"
+            f"{store.record_bytes / 2**20:.1f} MiB, and the disk must keep its free-space reserve"
+            + (f"; {kept_bytes / 2**30:.2f} GiB go to namespaces kept for a rollback" if kept_bytes else "") + ")"
         )
     atexit.register(store.close)  # the writer lease (the I/O process holds it too)
     logger.info("PCR SSD tier: up to %d chunks (%.2f GiB) in %s, writer slot %s, durability %s",
@@ -199,6 +204,8 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
     cache = PCRPrefixCache(params, state, scheduler, namespace=namespace, host_pool=host_pool, store=store,
                            kv_events=kv_events)
     cache.namespace_mover = move_namespace
+    if store is not None:
+        cache.ssd_namespaces = KeptNamespaces(store.root)
     if io is not None:
         # Registered after the host pool's close, so it runs first: the I/O process is
         # gone before the slots it reads and writes are unmapped.
@@ -284,8 +291,11 @@ def move_namespace(cache: PCRPrefixCache, namespace: CacheNamespace) -> None:
     to the new namespace's directory: the records found there (the same checkpoint served
     before: a rollback) are restored, the old directory is kept for a later rollback, unless
     it belonged to an in-memory update, whose weights no server can ever have again (it is
-    purged). If the new store cannot be opened the server keeps running with the SSD tier's
-    writes off; nothing of the old namespace is read again either way."""
+    purged). At most ``--pcr-ssd-keep-namespaces`` left namespaces are kept, within half of
+    ``--pcr-ssd-gb``, oldest purged first, and the new store gets the budget they leave
+    (:mod:`pcr_sglang.tiers.kept_namespaces`). If the new store cannot be opened the server
+    keeps running with the SSD tier's writes off (``/server_info``'s ``ssd.tier``, the
+    ``sglang:pcr_ssd_tier_up`` gauge); nothing of the old namespace is read again either way."""
     scheduler, old_store, old = cache.scheduler, cache.store, cache.namespace
     tp = scheduler.tp
     scheduler.rekey(namespace.chain_digest())
@@ -295,11 +305,17 @@ def move_namespace(cache: PCRPrefixCache, namespace: CacheNamespace) -> None:
         logger.info("PCR: the weights changed; chunk keys now derive from namespace %s", namespace)
         return
     assert cache.host_pool is not None and scheduler.io is not None
+    config, kept = scheduler.config, cache.ssd_namespaces
+    assert kept is not None  # built with the store
+    in_memory = old is not None and old.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
+    room = kept.make_room(None if in_memory else old_store.namespace.hex(), namespace.digest().hex(),
+                          keep=config.ssd_keep_namespaces, budget_bytes=config.ssd_bytes)
     try:
-        store = _on_every_rank(tp, lambda: build_ssd_store(scheduler.config, namespace, cache.host_pool))
+        store = _on_every_rank(tp, lambda: build_ssd_store(config, namespace, cache.host_pool, room.charged_bytes))
     except PCRConfigError as e:
         logger.error("PCR: the weights changed, but the SSD store of the new namespace cannot be opened (%s); "
                      "serving on with SSD writes off (nothing of the old weights is read)", e)
+        kept.writes_off_reason = f"the SSD store of namespace {namespace.digest().hex()} cannot be opened: {e}"
         scheduler.state.stop_writes()
         return
     scheduler.state.resize_ssd(_agreed_capacity(store, tp))
@@ -308,11 +324,12 @@ def move_namespace(cache: PCRPrefixCache, namespace: CacheNamespace) -> None:
         logger.warning("PCR I/O process did not start on the new namespace; the SSD tier waits for its restart")
     cache.store = store
     old_store.close()
-    if old is not None and old.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG):
-        try:
-            purged = purge_namespace(old_store.root, old_store.namespace.hex())
-            logger.info("PCR: purged %d chunks of the previous in-memory weights' namespace", purged)
-        except SSDStoreError as e:  # a peer server uses it after all: it stays
-            logger.warning("PCR: the previous in-memory weights' namespace stays on disk: %s", e)
+    left = old_store.namespace.hex()
+    if in_memory:  # a peer server that uses it after all keeps it (a warning)
+        kept.purge_left(left, "(the previous in-memory weights', which no server can have again)")
+    elif room.purge_leaving:
+        kept.purge_left(left, "(the namespace just left) to stay within --pcr-ssd-keep-namespaces and --pcr-ssd-gb")
+    elif left != store.namespace.hex():
+        kept.left(left)
     logger.info("PCR: the weights changed; the cache now serves namespace %s (SSD tier %s, %d chunks restored)",
                 namespace, store.dir, scheduler.state.ssd_stats.restored_chunks)

@@ -205,6 +205,14 @@ class PCRMetrics:
             labelnames=names,
             multiprocess_mode="mostrecent",
         )
+        self.ssd_tier_up = Gauge(
+            "sglang:pcr_ssd_tier_up",
+            "1 while PCR's SSD tier writes, 0 once it has switched its writes off (a write "
+            "failed, a weight update's new namespace store could not be opened, or the TP ranks "
+            "disagreed); chunks already on SSD stay readable. /server_info's ssd.tier says why.",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+        )
         self._last: dict[str, int] = {}
         self._remote_pid = 0
 
@@ -246,5 +254,6 @@ class PCRMetrics:
         if state.ssd_enabled:
             self._add("ssd.", asdict(state.ssd_stats), _SSD_FIELDS)
             self.cached_chunks.labels(**self.labels, tier="ssd").set(tree.ssd_chunks)
+            self.ssd_tier_up.labels(**self.labels).set(1 if state.writes_enabled else 0)
         self.cached_chunks.labels(**self.labels, tier="device").set(tree.device_chunks)
         self.cached_chunks.labels(**self.labels, tier="host").set(tree.host_chunks)

@@ -42,6 +42,7 @@ from pcr_sglang.sglang_adapter.metrics import PCRMetrics
 from pcr_sglang.sglang_adapter.report import build_report
 from pcr_sglang.sglang_adapter.scheduler_side import SchedulerSide
 from pcr_sglang.tiers.host_pool import HostChunkPool
+from pcr_sglang.tiers.kept_namespaces import KeptNamespaces
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
 
 if TYPE_CHECKING:
@@ -82,6 +83,8 @@ class PCRPrefixCache(BasePrefixCache):
         self.pending_namespace: Optional[CacheNamespace] = None
         self.namespace_mover: Optional[Callable[[PCRPrefixCache, CacheNamespace], None]] = None
         self.weights_identity: Any = None  # what a new checkpoint's fingerprint is computed from
+        # The SSD tier's namespaces left at weight updates and kept for a rollback (factory).
+        self.ssd_namespaces: Optional[KeptNamespaces] = None
         if params.enable_metrics:
             self.init_metrics_collector()
             self.metrics = PCRMetrics(self.metrics_collector.labels)

@@ -89,6 +89,10 @@ def _ssd_report(cache: Any) -> dict[str, Any]:
         "reads_in_flight": state.reads_in_flight,
         "deferred_orders": scheduler.deferred_orders,
         "writes_enabled": state.writes_enabled,
+        # "on", or "writes_off" with the reason (the sglang:pcr_ssd_tier_up gauge is 0 then).
+        "tier": ssd_tier(cache),
+        # Namespaces left at weight updates and kept for a rollback (--pcr-ssd-keep-namespaces).
+        "namespaces": cache.ssd_namespaces.report() if getattr(cache, "ssd_namespaces", None) else None,
         "write_policy": "through" if state.config.write_through else "on-evict",
         "prefetch_window": scheduler.config.prefetch_window,
         "prefetch_timeliness": state.timeliness(),
@@ -98,6 +102,25 @@ def _ssd_report(cache: Any) -> dict[str, Any]:
         "cost_model": asdict(state.cost_model),
         "store": asdict(store.stats) if store is not None else None,  # this process's own store I/O
     }
+
+
+def ssd_tier(cache: Any) -> dict[str, Any]:
+    """Whether the SSD tier still writes, and if not why: it switches its writes off by
+    itself, for good, when a write fails, when a weight update's new namespace store cannot
+    be opened, or when the TP ranks' I/O views disagree."""
+    state, scheduler = cache.state, cache.scheduler
+    if state.writes_enabled:
+        return {"state": "on", "reason": None}
+    kept = getattr(cache, "ssd_namespaces", None)
+    if kept is not None and kept.writes_off_reason:
+        reason = kept.writes_off_reason
+    elif scheduler.broken:
+        reason = f"the TP ranks disagreed: {scheduler.broken}"
+    elif state.ssd_stats.write_errors:
+        reason = "a write failed (on this or another TP rank)"
+    else:
+        reason = "stopped"
+    return {"state": "writes_off", "reason": reason}
 
 
 def remote_report(scheduler: Any) -> dict[str, Any]:

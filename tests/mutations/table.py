@@ -486,6 +486,38 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/ssd-store.md, The I/O process: a restart onto a new namespace keeps a live process's orders",
         breaks="a restart hands back the orders (and host slots) of an I/O process the kernel has not confirmed dead",
     ),
+    Mutant(
+        name="ssd-kept-namespaces-unbounded",
+        kind="unit",
+        file="pcr_sglang/tiers/kept_namespaces.py",
+        original="while candidates and (len(candidates) > keep or",
+        replacement="while candidates and (len(candidates) > keep + 100 or",
+        tests=(UNIT + "sglang_adapter/test_ssd_namespaces.py::"
+               "test_at_most_the_kept_namespaces_stay_on_disk_oldest_purged_first",),
+        claim="docs/ssd-store.md, Namespaces kept for a rollback: at most --pcr-ssd-keep-namespaces (review N8)",
+        breaks="every namespace left at a disk weight update stays on disk (an RL run fills the disk)",
+    ),
+    Mutant(
+        name="ssd-kept-namespaces-not-charged",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/factory.py",
+        original="max(config.ssd_bytes - kept_bytes, 0)",
+        replacement="config.ssd_bytes",
+        tests=(UNIT + "sglang_adapter/test_ssd_namespaces.py::test_kept_namespaces_are_charged_to_the_ssd_budget",),
+        claim="docs/ssd-store.md, Namespaces kept for a rollback: their bytes are charged to --pcr-ssd-gb (review N8)",
+        breaks="the new namespace's store gets all of --pcr-ssd-gb on top of the namespaces kept",
+    ),
+    Mutant(
+        name="ssd-tier-off-only-a-log-line",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/metrics.py",
+        original="set(1 if state.writes_enabled else 0)",
+        replacement="set(1)",
+        tests=(UNIT + "sglang_adapter/test_ssd_namespaces.py::"
+               "test_the_ssd_tier_switching_its_writes_off_is_a_gauge_and_a_server_info_state",),
+        claim="docs/ssd-store.md: the SSD tier switching its writes off is sglang:pcr_ssd_tier_up (review N8)",
+        breaks="the gauge says the SSD tier writes after it switched its writes off",
+    ),
     # ---------------------------------------------------------------- issue 39, item 4: review N3, N10, N7, N12, N13(b)
     Mutant(
         name="weight-update-session-begin-keeps-the-namespace",

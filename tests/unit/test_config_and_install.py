@@ -62,6 +62,8 @@ def test_invalid_lookahead_window_names_the_flag(window):
         ({"ssd_read_threads": 0}, "--pcr-ssd-read-threads must be an integer from 1 to 64, got 0"),
         ({"ssd_read_threads": 65}, "--pcr-ssd-read-threads must be an integer from 1 to 64"),
         ({"ssd_read_threads": 2.5}, "--pcr-ssd-read-threads must be an integer from 1 to 64"),
+        ({"ssd_keep_namespaces": -1}, "--pcr-ssd-keep-namespaces must be an integer >= 0, got -1"),
+        ({"ssd_keep_namespaces": 1.5}, "--pcr-ssd-keep-namespaces must be an integer >= 0"),
         ({"hint_to_device": "always"}, "--pcr-hint-to-device must be one of auto, on, off, got 'always'"),
     ],
 )
