@@ -51,6 +51,9 @@ HINT_TO_DEVICE_CHOICES = ["auto", "on", "off"]
 DEFAULT_HINT_TO_DEVICE = "off"  # until it has been measured on a GPU
 # Promotion stops while fewer device slots than this share of the pool would stay free.
 HINT_TO_DEVICE_FREE_SHARE = 0.5
+# Documents sent as text (pcr_sglang.reuse.documents): each one written into the prompt
+# so, where the chat template does not take documents= itself.
+DEFAULT_DOC_FORMAT = "Document: {doc}\n\n"
 # Document KV reuse in any order (docs/document-reuse.md): off, or the re-placement mode.
 DOC_REUSE_CHOICES = ["off", "concat", "lego", "blend"]
 DEFAULT_DOC_REUSE = "off"
@@ -422,6 +425,19 @@ class PcrFlags(msgspec.Struct):
             )
         ),
     ] = DEFAULT_DOC_MIN_TOKENS
+    pcr_doc_format: A[
+        str,
+        Arg(
+            help=(
+                "How documents sent as text (the chat API's 'documents' field, or text plus "
+                "documents on /generate, /v1/completions and the Engine) are written into the "
+                "prompt when the chat template does not take documents= itself: a format "
+                "string with {doc} (the document's text, its title on a line before it), "
+                "'\\n' for a new line. Each document is tokenized alone in this format. "
+                "Default: 'Document: {doc}\\n\\n'."
+            )
+        ),
+    ] = DEFAULT_DOC_FORMAT
     pcr_remote: A[
         str,
         Arg(

@@ -32,6 +32,13 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
 * the tokenizer manager's ``_validate_one_request`` (AFTER), ``_send_one_request`` and
   ``_send_batch_request`` (AROUND): document bounds are checked (HTTP 400), and with ``--pcr-doc-reuse`` a request's
   documents are warmed before it is sent (``reuse/tokenizer``);
+* documents sent as text: the chat and completions serving classes' ``handle_request``,
+  the chat's ``_convert_to_internal_request`` and ``_render_and_encode_chat_template``,
+  the tokenizer manager's ``generate_request``, ``_tokenize_one_request`` (AROUND) and
+  ``_validate_one_request`` (AFTER), ``Engine.generate`` / ``async_generate`` (AROUND):
+  the server renders, tokenizes and marks them (``reuse/chat``, ``reuse/doc_requests``);
+  ``prepare_for_extend`` and ``SchedulerOutputStreamer.get_cached_tokens_details``
+  (AFTER): reused document tokens are reported apart from exact hits (``reuse/usage``);
 * the scheduler's ``_add_request_to_queue`` (AROUND) and the tokenizer manager's
   ``_validate_one_request`` (AFTER): KV hints (``kv_hints`` action
   ``pcr.lookahead_prefetch``) are checked (HTTP 400), registered for the prefetcher, and a
@@ -193,6 +200,39 @@ def register() -> None:
         invariant_route.get_internal_state,
         HookType.AROUND,
     )
+    _register_documents_as_text(HookRegistry, HookType)
+
+
+def _register_documents_as_text(HookRegistry: Any, HookType: Any) -> None:
+    """Documents sent as text (``reuse/chat``, ``reuse/doc_requests``, ``reuse/usage``): the
+    OpenAI API's ``documents`` field, ``/generate`` and the Engine with text plus documents,
+    rendered and marked in the tokenizer process; reused document tokens reported apart
+    from exact prefix hits; ``--pcr-doc-format`` checked at startup."""
+    from pcr_sglang.reuse import chat, doc_requests, usage
+
+    openai = "sglang.srt.entrypoints.openai"
+    for serving in ("serving_chat.OpenAIServingChat", "serving_completions.OpenAIServingCompletion"):
+        HookRegistry.register(f"{openai}.{serving}.handle_request", chat.handle_request, HookType.AROUND)
+    HookRegistry.register(f"{openai}.serving_chat.OpenAIServingChat._convert_to_internal_request",
+                          chat.convert_chat_request, HookType.AROUND)
+    HookRegistry.register(f"{openai}.serving_chat.OpenAIServingChat._render_and_encode_chat_template",
+                          chat.render_chat_template, HookType.AROUND)
+    manager = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+    HookRegistry.register(f"{manager}.generate_request", doc_requests.generate_request, HookType.AROUND)
+    HookRegistry.register(f"{manager}._tokenize_one_request", doc_requests.tokenize_with_documents,
+                          HookType.AROUND)
+    HookRegistry.register(f"{manager}._validate_one_request", doc_requests.refuse_unrendered, HookType.AFTER)
+    for method in ("generate", "async_generate"):
+        HookRegistry.register(f"sglang.srt.entrypoints.engine.Engine.{method}", doc_requests.engine_generate,
+                              HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
+                          usage.note_reused_documents, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.get_cached_tokens_details",
+        usage.split_cached_details, HookType.AFTER,
+    )
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.resolve_once", doc_requests.check_format_flag,
+                          HookType.AFTER)
 
 
 def _make_argv_guard(problem: str) -> Callable[..., Any]:

@@ -17,6 +17,7 @@ import random
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -27,7 +28,7 @@ from pcr_sglang.reuse.prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
 from pcr_tools.data import load_wiki_articles
 from pcr_tools.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
-from tests.e2e.helpers import TIERED_ARGS, serving, ssd_server
+from tests.e2e.helpers import TIERED_ARGS, prometheus_counts, serving, ssd_server
 
 pytestmark = pytest.mark.e2e
 
@@ -35,6 +36,10 @@ SAMPLING = {"temperature": 0.0, "max_new_tokens": 8}
 # Every first sighting warmed (the default waits for a document to recur): the tests below
 # count on a document being reusable from the request after the one that first marks it.
 DOC_REUSE = ("--pcr-doc-reuse", "blend", "--pcr-doc-recompute-ratio", "0", "--pcr-doc-warmup-after", "1")
+# Documents sent as text (the tests at the end): a chat template for the tiny model, the
+# OpenAI usage's cached tokens, and /metrics.
+CHAT_TEMPLATE = Path(__file__).parent / "data" / "chatml.jinja"
+TEXT_DOCUMENTS = ("--chat-template", str(CHAT_TEMPLATE), "--enable-cache-report", "--enable-metrics")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,7 @@ def store_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(tiny_model, store_dir, baseline_server):
-    everything = {"docs": ssd_server(tiny_model, store_dir, *DOC_REUSE)}
+    everything = {"docs": ssd_server(tiny_model, store_dir, *DOC_REUSE, *TEXT_DOCUMENTS)}
     with serving(everything, shared={"nocache": baseline_server}):
         yield everything
 
@@ -319,10 +324,33 @@ def test_the_tuning_trains_on_what_the_server_serves(servers, tokenizer, passage
     assert off_full > 2e-2 and off_unrotated > 2e-2, (off_full, off_unrotated)
 
 
-def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(servers, tiny_model, tmp_path):
+def check_the_gate_over_http(server: ServerProcess, prompt, file_name: str, ratio: float) -> None:
+    """On a server started with ``--pcr-doc-reuse-calibration`` (blend at R=``ratio``,
+    ``gradual``, no anchors): requests outside it get HTTP 400 naming the file and what it
+    allows (review N4); one asking for more recompute is served."""
+    for custom, named in (({"pcr_doc_reuse": "concat"}, "pcr_doc_reuse='concat'"),
+                          ({"pcr_doc_recompute_ratio": 0.0}, "pcr_doc_recompute_ratio=0"),
+                          ({"pcr_doc_selector": "deviation"}, "pcr_doc_selector='deviation'"),
+                          ({"pcr_doc_anchor_tokens": 4}, "pcr_doc_anchor_tokens=4")):
+        sampling = prompt.sampling_params(**SAMPLING)
+        sampling["custom_params"].update(custom)
+        response = requests.post(server.base_url + "/generate", timeout=60,
+                                 json={"input_ids": prompt.input_ids, "sampling_params": sampling})
+        assert response.status_code == 400, response.text
+        assert f"{named}: outside this server's calibration {file_name}" in response.text, response.text
+        assert f"pcr_doc_recompute_ratio >= {ratio:g}, pcr_doc_selector 'gradual'" in response.text
+    served = _generate(server, prompt, True, pcr_doc_recompute_ratio=min(1.0, 2 * ratio))
+    assert len(served["output_ids"]) > 0
+    calibration = server.pcr_state()["doc_reuse"]["calibration"]
+    assert calibration["stopped"] is None and sum(calibration["overrides"].values()) == 0
+
+
+def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(servers, tiny_model, tmp_path,
+                                                                               tokenizer, passages):
     """``python -m pcr_tools.calibrate`` against a live blend server: every mode measured
     (concat, lego and blend at the settings asked), the weights' fingerprint recorded, and
-    the file accepted at startup for those weights (and refused for others)."""
+    the file accepted at startup for those weights (and refused for others), and held to by
+    every request."""
     from pcr_sglang.config import PCRConfig, PCRConfigError
     from pcr_sglang.reuse.calibration import DocReuseCalibration
     from pcr_sglang.reuse.setup import calibration_status
@@ -352,6 +380,8 @@ def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(
         docs_state = started["calibrated"].pcr_state()["doc_reuse"]
         assert docs_state["calibration"]["meets_target"] and docs_state["calibration"]["value"] == 0.3
         assert docs_state["calibration"]["conditions"] == docs_state["conditions"]
+        prompt = build_doc_prompt(tokenizer, "Gate check.", passages[50:52], "Why?")
+        check_the_gate_over_http(started["calibrated"], prompt, out.name, 0.3)
     with pytest.raises(RuntimeError, match="measured under other conditions: selector 'gradual'"):
         query = ("--pcr-doc-selector", "query")
         with serving({"refused": ServerProcess(tiny_model, (*TIERED_ARGS, *calibrated, *query))}):
@@ -799,3 +829,220 @@ def test_a_batch_of_marked_prompts_is_warmed_and_reused(servers, tokenizer, pass
     assert after["canonical_requests"] - before["canonical_requests"] == 4  # each document once
     for prompt, out in zip(prompts, outs):
         assert out["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1]
+
+
+# ---------------------------------------------------------------- documents sent as text
+# Clients with no tokenizer: the OpenAI client's chat completions with ``documents`` in
+# ``extra_body``, a LangChain retriever and chat model, /generate and /v1/completions with
+# text plus documents. The oracle is the marked-token-id path: the same prompt built on
+# the client (``build_doc_prompt``) and sent as ``input_ids`` with ``pcr_doc_bounds``.
+
+@pytest.fixture(scope="module")
+def text_passages():
+    """Passages no other test of the module marks (their warm-ups and reuse are counted)."""
+    return [a.text[:300] for a in load_wiki_articles()[560:580]]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tokenizer):
+    """The client-side oracle's tokenizer: the tiny model's, with the server's chat template."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = CHAT_TEMPLATE.read_text().replace("\\n", "\n").strip("\n")
+    return tok
+
+
+@pytest.fixture(scope="module")
+def openai_client(servers):
+    from openai import OpenAI
+
+    return OpenAI(base_url=servers["docs"].base_url + "/v1", api_key="none", max_retries=0)
+
+
+def _marked_twin(server: ServerProcess, prompt, **sampling) -> dict:
+    """The same prompt through the marked-token-id path."""
+    return server.generate({"input_ids": prompt.input_ids,
+                            "sampling_params": prompt.sampling_params(**{**SAMPLING, **sampling})})
+
+
+def test_openai_chat_documents_are_reused_in_another_order_and_answer_as_marked_token_ids(
+        servers, openai_client, chat_tokenizer, text_passages):
+    docs = servers["docs"]
+    trio = text_passages[0:3]
+    system, question = "Answer from the documents.", "Which document mentions a year?"
+    for n, order in enumerate(((0, 1, 2), (2, 0, 1))):
+        documents = [trio[i] for i in order]
+        before = _doc_counters(docs)
+        reply = openai_client.chat.completions.create(
+            model="default", messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=8, temperature=0, extra_body={"documents": documents})
+        after = _doc_counters(docs)
+        prompt = build_doc_prompt(chat_tokenizer, system, documents, question, question_format="{question}")
+        assert reply.usage.prompt_tokens == len(prompt.input_ids)
+        assert after["requests"] == before["requests"] + 1
+        if n:  # in another order: every document reused, only the question computed
+            assert after["docs_reused"] - before["docs_reused"] == 3
+            assert reply.usage.prompt_tokens_details.cached_tokens == prompt.doc_bounds[-1]
+        twin = _marked_twin(docs, prompt)
+        assert reply.choices[0].message.content == twin["text"]
+        assert twin["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1]
+    # Streamed, the same answer and usage.
+    stream = openai_client.chat.completions.create(
+        model="default", messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"documents": documents})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == twin["text"]
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == prompt.doc_bounds[-1]
+
+
+def test_chat_documents_report_reuse_apart_and_keep_n_stop_and_logprobs(servers, openai_client, chat_tokenizer,
+                                                                         text_passages):
+    """``meta_info`` and /metrics give the reused documents apart from exact prefix hits;
+    ``n``, ``stop`` and ``logprobs`` work as without documents."""
+    docs = servers["docs"]
+    documents = [{"title": "First", "text": text_passages[3]}, text_passages[4]]
+    messages = [{"role": "user", "content": "Summarize."}]
+    openai_client.chat.completions.create(model="default", messages=messages, max_tokens=1,
+                                          extra_body={"documents": documents})  # warm both
+    prompt = build_doc_prompt(chat_tokenizer, "", [text_passages[4], "First\n" + text_passages[3]], "Summarize.",
+                              question_format="{question}")
+    exact_before = prometheus_counts(docs, "sglang:cached_tokens_total", "cache_source")
+    reply = openai_client.chat.completions.create(
+        model="default", messages=messages, max_tokens=6, temperature=0,
+        extra_body={"documents": documents[::-1], "return_meta_info": True})
+    exact_after = prometheus_counts(docs, "sglang:cached_tokens_total", "cache_source")
+    details = reply.choices[0].meta_info["cached_tokens_details"]
+    tiers = {k: v for k, v in details.items() if isinstance(v, int)}
+    moved = prompt.doc_bounds[-1] - prompt.doc_bounds[2]  # the second document, past the exact prefix
+    assert tiers["documents"] >= moved and sum(tiers.values()) == prompt.doc_bounds[-1], details
+    assert reply.usage.prompt_tokens_details.cached_tokens == prompt.doc_bounds[-1]
+    # SGLang's cached-token counter gets the exact part only, never the documents' tokens.
+    assert sum(exact_after.values()) - sum(exact_before.values()) == prompt.doc_bounds[-1] - tiers["documents"]
+    twin = _marked_twin(docs, prompt, max_new_tokens=6)
+    assert reply.choices[0].message.content == twin["text"]
+    several = openai_client.chat.completions.create(
+        model="default", messages=messages, max_tokens=6, temperature=0, n=2, logprobs=True, top_logprobs=2,
+        extra_body={"documents": documents[::-1]})
+    assert [c.message.content for c in several.choices] == [twin["text"]] * 2
+    assert all(len(c.logprobs.content) == 6 and len(c.logprobs.content[0].top_logprobs) == 2
+               for c in several.choices)
+    words = twin["text"].split()
+    if len(words) > 1:
+        stopped = openai_client.chat.completions.create(
+            model="default", messages=messages, max_tokens=6, temperature=0, stop=[words[1]],
+            extra_body={"documents": documents[::-1]})
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].message.content == twin["text"][:twin["text"].index(words[1])]
+
+
+def test_a_chat_request_without_documents_is_served_as_before(servers, openai_client, chat_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}]
+    reply = openai_client.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0)
+    ids = chat_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    reference = servers["nocache"].generate({"input_ids": ids, "sampling_params": SAMPLING})
+    assert reply.choices[0].message.content == reference["text"]
+
+
+def test_a_langchain_retriever_and_chat_model_reuse_documents_with_no_client_tokenizer(
+        servers, chat_tokenizer, text_passages):
+    """LangChain's ``ChatOpenAI`` answering from an in-memory vector store's retriever (the
+    project's sentence embedder): the retrieved documents go in ``extra_body``; the second
+    question retrieves the same documents in another order and reuses all of them."""
+    from langchain_core.embeddings import Embeddings
+    from langchain_core.vectorstores import InMemoryVectorStore
+    from langchain_openai import ChatOpenAI
+
+    from pcr_sglang.rag.embedder import load_embedder
+
+    class ProjectEmbeddings(Embeddings):
+        def __init__(self):
+            self.encoder = load_embedder()
+
+        def embed_documents(self, texts):
+            return self.encoder.encode(texts).tolist()
+
+        def embed_query(self, text):
+            return self.encoder.encode([text])[0].tolist()
+
+    docs = servers["docs"]
+    corpus = text_passages[5:8]
+    retriever = InMemoryVectorStore.from_texts(corpus, ProjectEmbeddings()).as_retriever(search_kwargs={"k": 3})
+    llm = ChatOpenAI(base_url=docs.base_url + "/v1", api_key="none", model="default", temperature=0, max_tokens=8,
+                     max_retries=0)
+
+    def answer(question: str):
+        retrieved = [d.page_content for d in retriever.invoke(question)]
+        reply = llm.invoke([("system", "Answer from the documents."), ("human", question)],
+                           extra_body={"documents": retrieved})
+        return retrieved, reply
+
+    first_docs, _ = answer(corpus[0][:80])
+    before = _doc_counters(docs)
+    question = corpus[2][:80]
+    second_docs, reply = answer(question)
+    after = _doc_counters(docs)
+    assert sorted(first_docs) == sorted(second_docs) == sorted(corpus) and first_docs != second_docs
+    prompt = build_doc_prompt(chat_tokenizer, "Answer from the documents.", second_docs, question,
+                              question_format="{question}")
+    assert after["docs_reused"] - before["docs_reused"] == 3
+    assert reply.usage_metadata["input_token_details"]["cache_read"] == prompt.doc_bounds[-1]
+    assert reply.content == _marked_twin(docs, prompt)["text"]
+
+
+def test_generate_and_completions_take_text_plus_documents(servers, tokenizer, text_passages):
+    docs = servers["docs"]
+    pair = text_passages[8:10]
+    text = "Answer from the documents.\n\n{{documents}}Question: Which?\nAnswer:"
+    client = build_doc_prompt(tokenizer, "Answer from the documents.", pair, "Which?", use_chat_template=False)
+    # SGLang tokenizes a text prompt with what the tokenizer adds first; the tiny one adds no BOS.
+    prompt = type(client)(client.input_ids[1:], [b - 1 for b in client.doc_bounds])
+    out = docs.generate({"text": text, "documents": pair, "sampling_params": SAMPLING})
+    assert out["meta_info"]["prompt_tokens"] == len(prompt.input_ids)
+    assert out["text"] == _marked_twin(docs, prompt)["text"]
+    # The same documents in custom_params (what an Engine or batch client sends), reversed: reused.
+    before = _doc_counters(docs)
+    reversed_prompt = build_doc_prompt(tokenizer, "Answer from the documents.", pair[::-1], "Which?",
+                                       use_chat_template=False)
+    reversed_prompt = type(client)(reversed_prompt.input_ids[1:], [b - 1 for b in reversed_prompt.doc_bounds])
+    out = docs.generate({"text": text, "sampling_params": {
+        **SAMPLING, "custom_params": {"pcr_documents": pair[::-1]}}})
+    assert _doc_counters(docs)["docs_reused"] - before["docs_reused"] == 2
+    assert out["meta_info"]["cached_tokens"] == reversed_prompt.doc_bounds[-1]
+    assert out["meta_info"]["cached_tokens_details"]["documents"] > 0
+    response = requests.post(docs.base_url + "/v1/completions", timeout=120, json={
+        "model": "default", "prompt": text, "documents": pair[::-1], "max_tokens": 8, "temperature": 0})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == out["text"]
+    assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == reversed_prompt.doc_bounds[-1]
+
+
+BAD_DOCUMENTS = [
+    ([], "documents is empty"),
+    (["A fine document about the sea and its tides, long enough.", ""], r"documents\[1\] is empty"),
+    ([7], r"documents\[0\] must be a string or"),
+    ("not a list", "documents must be a list"),
+    (["Long enough document about the sea and its tides here."] * 65, r"holds 65 documents; .*--pcr-doc-max-documents"),
+    (["too short"], r"documents\[0\] is \d+ tokens as rendered; .*--pcr-doc-min-tokens"),
+    (["A very long document. " * 600], r"documents: the prompt with its 1 documents is \d+ tokens, over the model's "
+                                       r"context length \(2048 tokens\)"),
+]
+
+
+@pytest.mark.parametrize("documents, message", BAD_DOCUMENTS,
+                         ids=["empty", "empty-item", "not-string", "not-list", "too-many", "too-short", "over-context"])
+def test_bad_documents_get_http_400_naming_the_field_on_every_entry_point(servers, openai_client, documents, message):
+    import openai
+
+    docs = servers["docs"]
+    with pytest.raises(openai.BadRequestError, match=message):
+        openai_client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Q?"}],
+                                              max_tokens=4, extra_body={"documents": documents})
+    text = "Answer.\n\n{{documents}}Question?"
+    for path, body in (("/v1/completions", {"model": "default", "prompt": text, "documents": documents,
+                                            "max_tokens": 4}),
+                       ("/generate", {"text": text, "documents": documents, "sampling_params": SAMPLING})):
+        response = requests.post(docs.base_url + path, json=body, timeout=60)
+        assert response.status_code == 400, (path, response.text)
+        assert re.search(message, response.text), (path, response.text)
