@@ -19,9 +19,10 @@ import fcntl
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -32,6 +33,13 @@ logger = logging.getLogger(__name__)
 SHM_PREFIX = "pcr-host-"
 LOCK_SUFFIX = ".lock"
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory segments (and our owner locks)
+# The largest single cudaHostRegister call, in GiB: SGLang's HiCache variable, with its
+# meaning and default (one registration of a pool of hundreds of GiB is slow, gives no
+# progress and can fail outright; HiCache registers large host pools in such pieces).
+REGISTER_CHUNK_ENV = "SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB"
+REGISTER_CHUNK_GB_DEFAULT = 256
+# A pool at least this large logs its pinning's progress (each piece) in the startup log.
+PROGRESS_BYTES = 16 << 30
 
 
 class HostPoolError(RuntimeError):
@@ -52,7 +60,7 @@ def available_host_memory_bytes() -> int:
 
 def shm_free_bytes() -> Optional[int]:
     try:
-        st = os.statvfs("/dev/shm")
+        st = os.statvfs(SHM_DIR)
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
@@ -197,6 +205,58 @@ def _remove_if_unlocked(shm_dir: str, name: str, *, segment_too: bool) -> bool:
         os.close(fd)
 
 
+def register_piece_bytes(granularity: int) -> int:
+    """The size of one ``cudaHostRegister`` call: ``$SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB``
+    GiB (at least 1, default 256, HiCache's meaning) rounded down to whole ``granularity``
+    units (a chunk slot), never less than one unit."""
+    raw = os.environ.get(REGISTER_CHUNK_ENV, "").strip()
+    try:
+        gib = int(raw) if raw else REGISTER_CHUNK_GB_DEFAULT
+    except ValueError as e:
+        raise HostPoolError(f"${REGISTER_CHUNK_ENV} must be a whole number of GiB, got {raw!r}") from e
+    limit = max(gib, 1) << 30
+    if granularity <= 0:
+        raise ValueError(f"granularity must be positive, got {granularity}")
+    return max(limit // granularity, 1) * granularity
+
+
+def register_in_pieces(cudart: Any, base: int, total: int, piece: int) -> list[tuple[int, int]]:
+    """``cudaHostRegister`` ``[base, base + total)`` in pieces of ``piece`` bytes; returns
+    the ``(address, bytes)`` registered. On a failure the pieces done are unregistered and
+    :class:`HostPoolError` names the piece, the code and the fix."""
+    done: list[tuple[int, int]] = []
+    pieces = -(-total // piece) if total else 0
+    progress = total >= PROGRESS_BYTES
+    if progress:
+        logger.info("PCR host tier: pinning %.1f GiB (cudaHostRegister in %d piece(s) of up to %.1f GiB, $%s)",
+                    total / 2**30, pieces, piece / 2**30, REGISTER_CHUNK_ENV)
+    start = time.monotonic()
+    offset = 0
+    while offset < total:
+        size = min(piece, total - offset)
+        rc = int(cudart.cudaHostRegister(base + offset, size, 0))
+        if rc != 0:
+            unregister_ranges(cudart, done, "registration rollback")
+            raise HostPoolError(
+                f"cudaHostRegister failed with code {rc} at offset {offset / 2**30:.2f} GiB (piece of "
+                f"{size / 2**30:.2f} GiB, pool {total / 2**30:.2f} GiB): check the memlock limit (ulimit -l) "
+                f"and free memory, set ${REGISTER_CHUNK_ENV} lower, or lower --pcr-dram-gb")
+        done.append((base + offset, size))
+        offset += size
+        if progress:
+            logger.info("PCR host tier: pinned %.1f of %.1f GiB (%.1f s)", offset / 2**30, total / 2**30,
+                        time.monotonic() - start)
+    return done
+
+
+def unregister_ranges(cudart: Any, ranges: list[tuple[int, int]], what: str) -> None:
+    """``cudaHostUnregister`` each registered piece by its own base address, newest first."""
+    for address, size in reversed(ranges):
+        rc = int(cudart.cudaHostUnregister(address))
+        if rc != 0:
+            logger.warning("cudaHostUnregister failed in %s (code %d) for %d bytes at %#x", what, rc, size, address)
+
+
 @dataclass(frozen=True)
 class HostPoolInfo:
     """What a second process needs to attach: the segment's name and its layout."""
@@ -238,10 +298,15 @@ class HostChunkPool:
         self.owner = create
         self.buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=size)
         self.pinned = False
+        self._registered: list[tuple[int, int]] = []  # (address, bytes) of each cudaHostRegister
         if pin is None:
             pin = torch.cuda.is_available()
         if pin and create:
-            self._pin()
+            try:
+                self._pin()
+            except BaseException:
+                self.close()  # a pool that cannot be pinned leaves no segment behind
+                raise
 
     # ------------------------------------------------------------------ lifecycle
     @staticmethod
@@ -270,15 +335,22 @@ class HostChunkPool:
         shm_free = shm_free_bytes()
         if shm_free is not None and size > shm_free:
             raise HostPoolError(
-                f"the host pool needs {size / 2**30:.2f} GiB of shared memory but /dev/shm has "
-                f"{shm_free / 2**30:.2f} GiB free (raise its size, e.g. docker --shm-size)"
+                f"the host pool needs {size / 2**30:.2f} GiB of shared memory but {SHM_DIR} has "
+                f"{shm_free / 2**30:.2f} GiB free. A container gets a 64 MiB {SHM_DIR} by default: "
+                f"start it with a larger one (docker run --shm-size={max(1, -(-size // 2**30) + 1)}g, "
+                "or --ipc=host; in Kubernetes an emptyDir volume with medium: Memory mounted at "
+                f"{SHM_DIR}), or lower --pcr-dram-gb"
             )
 
     def _pin(self) -> None:
+        """``cudaHostRegister`` the pool in pieces of at most
+        ``$SGLANG_HICACHE_HOST_REGISTER_CHUNK_GB`` GiB (as SGLang's HiCache does), each a
+        whole number of chunk slots so no slot spans two registrations; progress goes to the
+        startup log for a large pool. A failed piece unregisters those done and raises."""
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch leaves cudart() unannotated
-        rc = int(cudart.cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0))
-        if rc != 0:
-            raise HostPoolError(f"cudaHostRegister failed with code {rc}")
+        ranges = register_in_pieces(cudart, self.buffer.data_ptr(), self.buffer.numel(),
+                                    register_piece_bytes(self.layout.slot_bytes))
+        self._registered = ranges
         self.pinned = True
 
     def info(self) -> HostPoolInfo:
@@ -295,7 +367,9 @@ class HostChunkPool:
         if self._shm is None:
             return
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())  # type: ignore[no-untyped-call]  # see _pin
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # see _pin
+            unregister_ranges(cudart, self._registered, "host pool close")
+            self._registered = []
             self.pinned = False
         del self.buffer
         self._shm.close()
