@@ -8,18 +8,25 @@ as the widest integer words that tile them).
 
 On CUDA the copy is a Triton kernel, one program per (token, block of row bytes), which
 reads a pinned host buffer directly and runs on whatever stream is current (the
-layer-wise pipeline puts it on a side stream). On CPU a torch gather/scatter does the
-same, and the Triton kernel is tested against it under ``TRITON_INTERPRET=1``.
+layer-wise pipeline puts it on a side stream). The kernel gets the host buffer's device
+address, obtained explicitly for registered memory (:mod:`pcr_sglang.transfer.host_pointer`,
+as SGLang's HiCache builds its pointer tables), never the CPU tensor: the transfer engine
+resolves it once and passes a :class:`~pcr_sglang.transfer.host_pointer.HostPointer`.
+On CPU a torch gather/scatter does the same, and the Triton kernel is tested against it under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+from typing import Union
 
 import torch
 
 from pcr_sglang.tiers.layout import HostChunkLayout
+from pcr_sglang.transfer.host_pointer import HostPointer, resolve
+
+Host = Union[torch.Tensor, HostPointer]  # the host pool: its tensor, or its device address (CUDA)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +57,10 @@ def _as_words(rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
         if row_bytes % dtype.itemsize == 0 and rows.data_ptr() % dtype.itemsize == 0:
             return rows.view(dtype)
     return rows
+
+
+def _host_tensor(host: Host) -> torch.Tensor:
+    return host.tensor if isinstance(host, HostPointer) else host
 
 
 def _check(layout: HostChunkLayout, host: torch.Tensor, token_slots: torch.Tensor,
@@ -127,11 +138,24 @@ def _triton_kernel():
 _KERNEL = None
 
 
+def kernel_host_arg(host: Host, device: torch.device) -> Union[torch.Tensor, HostPointer]:
+    """What the kernel gets for the host pool when it runs on ``device``: on CUDA the
+    device address of the registered buffer (a :class:`HostPointer`, resolved here if the
+    caller passed the tensor), never a CPU tensor; elsewhere (the interpreter) the tensor."""
+    if device.type != "cuda":
+        return _host_tensor(host)
+    if isinstance(host, HostPointer):
+        return host
+    if host.is_cuda:
+        return host
+    return resolve(host, device)
+
+
 def copy_layer_triton(direction: Direction, device_k: torch.Tensor, device_v: torch.Tensor,
-                      host: torch.Tensor, token_slots: torch.Tensor, host_slots: torch.Tensor,
+                      host: Host, token_slots: torch.Tensor, host_slots: torch.Tensor,
                       layer: int, layout: HostChunkLayout) -> None:
     global _KERNEL
-    _check(layout, host, token_slots, host_slots, layer)
+    _check(layout, _host_tensor(host), token_slots, host_slots, layer)
     if host_slots.numel() == 0:
         return
     if _KERNEL is None:
@@ -140,17 +164,21 @@ def copy_layer_triton(direction: Direction, device_k: torch.Tensor, device_v: to
 
     grid = (token_slots.numel(), triton.cdiv(layout.row_bytes, _BLOCK_BYTES))
     _KERNEL[grid](
-        _byte_rows(device_k, layout.row_bytes), _byte_rows(device_v, layout.row_bytes), host,
+        _byte_rows(device_k, layout.row_bytes), _byte_rows(device_v, layout.row_bytes),
+        kernel_host_arg(host, device_k.device),
         token_slots, host_slots, layer, layout.num_layers, layout.chunk_size, layout.row_bytes,
         DIRECTION=int(direction), BLOCK=_BLOCK_BYTES,
     )
 
 
 def copy_layer(direction: Direction, device_k: torch.Tensor, device_v: torch.Tensor,
-               host: torch.Tensor, token_slots: torch.Tensor, host_slots: torch.Tensor,
+               host: Host, token_slots: torch.Tensor, host_slots: torch.Tensor,
                layer: int, layout: HostChunkLayout) -> None:
-    """Copy ``layer`` of every listed chunk; the Triton kernel on CUDA, torch elsewhere."""
+    """Copy ``layer`` of every listed chunk; the Triton kernel on CUDA, torch elsewhere.
+    ``host``: the pool's tensor, or (CUDA) its :class:`HostPointer`, resolved once by the
+    caller (a tensor is resolved at each call)."""
     if device_k.is_cuda:
         copy_layer_triton(direction, device_k, device_v, host, token_slots, host_slots, layer, layout)
     else:
-        copy_layer_torch(direction, device_k, device_v, host, token_slots, host_slots, layer, layout)
+        copy_layer_torch(direction, device_k, device_v, _host_tensor(host), token_slots, host_slots, layer,
+                         layout)

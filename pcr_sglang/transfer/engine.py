@@ -58,7 +58,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from pcr_sglang.tiers.layout import HostChunkLayout
-from pcr_sglang.transfer.copy_kv import Direction, copy_layer
+from pcr_sglang.transfer.copy_kv import Direction, Host, copy_layer
+from pcr_sglang.transfer.host_pointer import resolve as resolve_host_pointer
 from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
 from pcr_sglang.transfer.streams import DEVICE_KV, HOST_KV, CudaStreams, Region, Streams
 
@@ -128,11 +129,15 @@ class TransferEngine:
         if len(kv_layers) != layout.num_layers:
             raise ValueError(f"{len(kv_layers)} KV layers but the host layout has {layout.num_layers}")
         self._kv_layers = list(kv_layers)
-        self._host = host_buffer
         self.layout = layout
         self.num_layers = layout.num_layers
         self.mode = LayerwiseMode(mode)
         self.device = kv_layers[0][0].device if kv_layers else torch.device("cpu")
+        # CUDA: the copy kernel gets the registered pool's device address, resolved once
+        # here (as HiCache's pointer tables), never the CPU tensor.
+        self._host: Host = host_buffer
+        if self.device.type == "cuda" and host_buffer.device.type == "cpu":
+            self._host = resolve_host_pointer(host_buffer, self.device)
         if streams is None and self.device.type == "cuda":
             streams = CudaStreams(self.device)
         self._streams = streams
