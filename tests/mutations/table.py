@@ -518,6 +518,27 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/ssd-store.md: the SSD tier switching its writes off is sglang:pcr_ssd_tier_up (review N8)",
         breaks="the gauge says the SSD tier writes after it switched its writes off",
     ),
+    Mutant(
+        name="remote-record-key-never-rotates",
+        kind="unit",
+        file="pcr_sglang/tiers/sealed_records.py",
+        original="if sealed[0] >= self.seals_per_epoch:",
+        replacement="if False:",
+        tests=(UNIT + "tiers/test_sealed_records.py::"
+               "test_no_key_seals_more_than_its_bound_and_every_epoch_stays_readable",),
+        claim="docs/scale-out.md, The remote tier: keys rotate by epoch (review N13)",
+        breaks="one AES-GCM key seals records under random nonces without bound",
+    ),
+    Mutant(
+        name="remote-record-opened-under-the-readers-epoch",
+        kind="unit",
+        file="pcr_sglang/tiers/sealed_records.py",
+        original="            self._opening_key(epoch).decrypt_into(",
+        replacement="            self._sealing[1].decrypt_into(",
+        tests=(UNIT + "tiers/test_sealed_records.py",),
+        claim="docs/scale-out.md, The remote tier: records of every epoch stay readable (review N13)",
+        breaks="records sealed under another writer's or an earlier epoch are misses",
+    ),
     # ---------------------------------------------------------------- issue 39, item 4: review N3, N10, N7, N12, N13(b)
     Mutant(
         name="weight-update-session-begin-keeps-the-namespace",
