@@ -254,7 +254,7 @@ class PCRConfig:
             self.remote_settings()
         elif self.remote_config:
             raise PCRConfigError("--pcr-remote-config needs --pcr-remote mooncake")
-        if self.doc_reuse != "off" and page_size > 1:
+        if self.doc_reuse not in ("off", "reorder") and page_size > 1:  # reuse.bounds.EXACT_MODES: nothing re-placed
             raise PCRConfigError(
                 f"--pcr-doc-reuse {self.doc_reuse} needs --page-size 1: a re-placed document's "
                 "slots are appended to the row token by token"

@@ -55,7 +55,7 @@ HINT_TO_DEVICE_FREE_SHARE = 0.5
 # so, where the chat template does not take documents= itself.
 DEFAULT_DOC_FORMAT = "Document: {doc}\n\n"
 # Document KV reuse in any order (docs/document-reuse.md): off, or the re-placement mode.
-DOC_REUSE_CHOICES = ["off", "concat", "lego", "blend"]
+DOC_REUSE_CHOICES = ["off", "reorder", "concat", "lego", "blend"]
 DEFAULT_DOC_REUSE = "off"
 # EPIC's LegoLink recomputes a few leading tokens per document; CacheBlend's default ratio.
 # bench/doc_reuse_accuracy.py measures both on SmolLM2 (docs/document-reuse.md).
@@ -317,8 +317,12 @@ class PcrFlags(msgspec.Struct):
                 "the --pcr-doc-recompute-ratio share of re-placed tokens that --pcr-doc-selector "
                 "ranks first (CacheBlend: by how far their KV deviates from full prefill's). Recompute modes need the "
                 "torch_native or triton attention backend. See docs/document-reuse.md for the accuracy table "
-                "before turning any on. Such KV never enters the prefix cache. Requests may ask "
-                f"for 'off', 'concat' or (on a lego/blend server) either. Default: {DEFAULT_DOC_REUSE}."
+                "before turning any on. Such KV never enters the prefix cache. 'reorder' (exact): "
+                "a request whose documents were served before in another order (or begin with a run "
+                "of such a sequence) is served in that order, an exact prefix hit; no KV is "
+                "approximated, the question stays last, and meta_info['pcr_doc_order'] gives the "
+                "order served. Requests may ask for 'off', 'reorder', 'concat' or (on a lego/blend "
+                f"server) either. Default: {DEFAULT_DOC_REUSE}."
             ),
             choices=DOC_REUSE_CHOICES,
         ),

@@ -31,7 +31,9 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
 * ``ModelRunner.forward`` (AROUND): the forward's stream and extend timings;
 * the tokenizer manager's ``_validate_one_request`` (AFTER), ``_send_one_request`` and
   ``_send_batch_request`` (AROUND): document bounds are checked (HTTP 400), and with ``--pcr-doc-reuse`` a request's
-  documents are warmed before it is sent (``reuse/tokenizer``);
+  documents are warmed before it is sent (``reuse/tokenizer``); a ``reorder`` request's
+  documents are put in an order served before, and ``_stream_one_response`` (AROUND)
+  reports it (``reuse/reorder``);
 * documents sent as text: the chat and completions serving classes' ``handle_request``,
   the chat's ``_convert_to_internal_request`` and ``_render_and_encode_chat_template``,
   the tokenizer manager's ``generate_request``, ``_tokenize_one_request`` (AROUND) and
@@ -154,6 +156,7 @@ def register() -> None:
         _kv_event_sources,
         HookType.AROUND,
     )
+    from pcr_sglang.reuse import reorder as reuse_reorder
     from pcr_sglang.reuse import tokenizer as reuse_tokenizer
     from pcr_sglang.sglang_adapter import invariant_route, kv_hints, weight_updates
 
@@ -187,6 +190,11 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._send_batch_request",
         reuse_tokenizer.send_batch_after_warming,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._stream_one_response",
+        reuse_reorder.report_doc_order,
         HookType.AROUND,
     )
 

@@ -45,8 +45,15 @@ WARM_NOW_PARAM = "pcr_doc_warm"
 
 SERVER_MODES = ("concat", "lego", "blend")
 RECOMPUTE_MODES = ("lego", "blend")
+# ``reorder`` (reuse/reorder.py): the documents served in an order the server served them in
+# before, in the tokenizer process; the scheduler then serves the request exactly.
+REORDER_MODE = "reorder"
+# The modes that are exact: no document KV re-placed, so the scheduler does no document
+# reuse for them and a calibration never refuses them. The one definition (the gate,
+# the settings and the server's startup checks read it).
+EXACT_MODES = ("off", REORDER_MODE)
 # What a marked request may ask for in ``custom_params["pcr_doc_reuse"]`` (default: the server's).
-REQUEST_MODES = ("off", *SERVER_MODES)
+REQUEST_MODES = (*EXACT_MODES, *SERVER_MODES)
 
 
 class DocBoundsError(ValueError):
@@ -113,12 +120,12 @@ def request_mode(custom_params: dict, server_mode: str = "concat") -> str:
 
 def request_recompute(custom_params: dict, server: Recompute) -> Optional[Recompute]:
     """The request's mode and its K or R (``pcr_doc_recompute_tokens`` / ``_ratio`` override
-    the server's), or None for ``off``. Raises :class:`DocBoundsError` for bad values, and
+    the server's), or None for an exact mode (``off``, ``reorder``). Raises :class:`DocBoundsError` for bad values, and
     for settings outside the server's calibration (``server.gate``; unless it only warns)."""
     custom_params = doc_params(custom_params) or {}
     mode = request_mode(custom_params, server.mode)
-    if mode == "off":
-        return None
+    if mode in EXACT_MODES:
+        return None  # served exactly (reorder's order is chosen in the tokenizer process)
     tokens = custom_params.get(RECOMPUTE_TOKENS_PARAM, server.tokens)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         raise DocBoundsError(f"{RECOMPUTE_TOKENS_PARAM} must be an integer >= 0, got {tokens!r}")

@@ -12,7 +12,7 @@ import functools
 from typing import Optional
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
-from pcr_sglang.reuse.bounds import DocLimits, Recompute
+from pcr_sglang.reuse.bounds import EXACT_MODES, DocLimits, Recompute
 from pcr_sglang.reuse.calibration import CalibrationError, DocReuseCalibration, ModeCalibration
 from pcr_sglang.reuse.gate import CalibrationGate
 from pcr_sglang.reuse.warmup import WarmupPolicy
@@ -51,8 +51,8 @@ def calibration(config: PCRConfig) -> Optional[DocReuseCalibration]:
 def calibration_verdict(config: PCRConfig) -> Optional[ModeCalibration]:
     """The calibration's verdict for the server's mode (None without a calibration)."""
     found = calibration(config)
-    if found is None or config.doc_reuse == "off":
-        return None
+    if found is None or config.doc_reuse in EXACT_MODES:
+        return None  # nothing approximated: nothing for a calibration to vouch for
     verdict = found.modes.get(config.doc_reuse)
     if verdict is None:
         raise PCRConfigError(f"--pcr-doc-reuse-calibration {config.doc_reuse_calibration} has no measurement of "

@@ -22,7 +22,7 @@ from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.reuse import settings as reuse_settings
 from pcr_sglang.reuse.blend_select import BlendProbe, probe_support
-from pcr_sglang.reuse.bounds import RECOMPUTE_ATTENTION_BACKENDS, RECOMPUTE_MODES
+from pcr_sglang.reuse.bounds import EXACT_MODES, RECOMPUTE_ATTENTION_BACKENDS, RECOMPUTE_MODES
 from pcr_sglang.reuse.calibration import CalibrationConditions
 from pcr_sglang.reuse.gate import CalibrationGate
 from pcr_sglang.reuse.model_rope import UnsupportedRope, model_rope_spec
@@ -117,8 +117,8 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
     ``row_flags_problem``: why the server's flags cannot run a permuted row
     (``refusals.permuted_row_flags``); ``concat`` then stops reusing at the first
     document that is not cached instead of computing it in place."""
-    if config.doc_reuse == "off":
-        return None
+    if config.doc_reuse in EXACT_MODES:
+        return None  # reorder's order is chosen in the tokenizer process; the scheduler serves it exactly
     flag = f"--pcr-doc-reuse {config.doc_reuse}"
     model = getattr(getattr(tp_worker, "model_runner", None), "model", None)
     if model is None:

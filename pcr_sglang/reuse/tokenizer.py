@@ -20,6 +20,11 @@ warmed before the request that needs them.
   process for a free place, so one request marking many documents cannot flood the
   scheduler with prefills.
 
+In the same two hooks, first: a marked request in mode ``reorder`` gets its documents in an
+order this server served them in before (:mod:`pcr_sglang.reuse.reorder`). Here and not at
+validation: SGLang hands validation the prompt's list, which a batch's samples (``n`` > 1)
+share, while each tokenized request owns its tokens.
+
 The warm-up requests are sent below ``generate_request``: the marked request already holds
 the tokenizer manager's pause condition and model-update reader lock, and taking them
 again would deadlock against a waiting writer (a weight update) or an abort-mode pause.
@@ -47,6 +52,7 @@ from pcr_sglang.reuse import settings as reuse_settings
 from pcr_sglang.reuse.bounds import (
     CANONICAL_PARAM,
     DOC_BOUNDS_PARAM,
+    EXACT_MODES,
     DocBoundsError,
     DocLimits,
     DocSpan,
@@ -57,6 +63,7 @@ from pcr_sglang.reuse.bounds import (
     request_warm_now,
 )
 from pcr_sglang.reuse.plan import canonical_tokens
+from pcr_sglang.reuse.reorder import reorder_request
 from pcr_sglang.reuse.warmup import WarmupLedger, WarmupPolicy, WarmupStats
 
 logger = logging.getLogger(__name__)
@@ -303,7 +310,7 @@ def _warmer_for(manager: Any) -> Optional[DocWarmer]:
     if warmer is not None:
         return warmer if warmer is not False else None
     args = getattr(manager, "server_args", None)
-    if not getattr(args, "enable_pcr", False) or getattr(args, "pcr_doc_reuse", "off") == "off":
+    if not getattr(args, "enable_pcr", False) or getattr(args, "pcr_doc_reuse", "off") in EXACT_MODES:
         manager._pcr_doc_warmer = False
         return None
     from pcr_sglang.config import PCRConfig
@@ -357,9 +364,18 @@ def _resend_aborts(manager: Any, marked: list[Any]) -> None:
             manager._dispatch_to_scheduler(AbortReq(rid=tokenized.rid))
 
 
+def _reorder(manager: Any, tokenized: Any) -> None:
+    """``reorder`` (:mod:`pcr_sglang.reuse.reorder`): a marked request's documents put in an
+    order served before, here, where every marked request passes (text documents included)."""
+    args = getattr(manager, "server_args", None)
+    if getattr(args, "enable_pcr", False) and _marked(tokenized):
+        reorder_request(manager, tokenized, getattr(args, "pcr_doc_reuse", "off"))
+
+
 async def send_after_warming(original: Callable[..., Any], manager: Any, tokenized: Any, *args: Any,
                              **kwargs: Any) -> Any:
     """AROUND ``TokenizerManager._send_one_request``."""
+    _reorder(manager, tokenized)
     if not _marked(tokenized):
         return await original(manager, tokenized, *args, **kwargs)
     await _warm_all(manager, [tokenized], original)
@@ -371,6 +387,8 @@ async def send_after_warming(original: Callable[..., Any], manager: Any, tokeniz
 async def send_batch_after_warming(original: Callable[..., Any], manager: Any, tokenized_objs: Any, *args: Any,
                                    **kwargs: Any) -> Any:
     """AROUND ``TokenizerManager._send_batch_request`` (batches of token prompts)."""
+    for tokenized in tokenized_objs:
+        _reorder(manager, tokenized)
     marked = [t for t in tokenized_objs if _marked(t)]
     if not marked:
         return await original(manager, tokenized_objs, *args, **kwargs)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
-from pcr_sglang.reuse.bounds import RECOMPUTE_ATTENTION_BACKENDS, RECOMPUTE_MODES
+from pcr_sglang.reuse.bounds import EXACT_MODES, RECOMPUTE_ATTENTION_BACKENDS, RECOMPUTE_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def check_doc_reuse(x: SupportInputs) -> Optional[str]:
     """Document reuse rotates cached K in place of recomputing it: quantized KV and RoPE
     variants where a rotation is not a move are refused here; the loaded model's own RoPE
     is checked again at startup (``doc_reuse_setup.layer0_self_test``)."""
-    if x.pcr.doc_reuse == "off":
+    if x.pcr.doc_reuse in EXACT_MODES:
         return None
     flag = f"--pcr-doc-reuse {x.pcr.doc_reuse}"
     dtype = str(getattr(x.cfg, "kv_cache_dtype", "auto") or "auto")
