@@ -665,7 +665,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="unit",
         file="pcr_sglang/reuse/documents.py",
         original="        start, end = rendered.index(marks[0]), rendered.index(text_mark) + len(text_mark)",
-        replacement="        start, end = cursor, rendered.index(text_mark) + len(text_mark)",
+        replacement="        start, end = (cursor if i else rendered.index(marks[0])), rendered.index(text_mark) + len(text_mark)",
         tests=(UNIT + "reuse/test_documents.py",),
         k="takes_documents",
         claim="docs/document-reuse.md, Entry points: a documents= template's running index is not marked",
