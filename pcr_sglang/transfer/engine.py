@@ -139,7 +139,9 @@ class TransferEngine:
         if self.device.type == "cuda" and host_buffer.device.type == "cpu":
             self._host = resolve_host_pointer(host_buffer, self.device)
         if streams is None and self.device.type == "cuda":
-            streams = CudaStreams(self.device)
+            # Event rings sized for what one step holds: a load's event per layer, a
+            # re-placement's per layer, completions.
+            streams = CudaStreams(self.device, events_per_stream=4 * self.num_layers + 16)
         self._streams = streams
         self._stream = streams.new_stream("pcr-copy") if streams is not None else None
         self._forward_stream: Any = None  # CUDA: the stream the last forward ran on
@@ -186,9 +188,10 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ issuing
     def _make(self, direction: Direction, device_slots: torch.Tensor, host_slots: Sequence[int]) -> _Transfer:
-        index = torch.tensor(list(host_slots), dtype=torch.int64)
-        if self.device.type == "cuda":
-            index = index.pin_memory().to(self.device, non_blocking=True)
+        if self._streams is not None:  # staged through pinned memory allocated once (CUDA)
+            index = self._streams.index_tensor(host_slots)
+        else:
+            index = torch.tensor(list(host_slots), dtype=torch.int64)
         # A copy: the caller's slot tensor may be a row of SGLang's req_to_token, rewritten later.
         transfer = _Transfer(direction, device_slots.to(torch.int64, copy=True), index, tuple(host_slots))
         for slot in transfer.host_slots:

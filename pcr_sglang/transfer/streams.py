@@ -26,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
+
+from pcr_sglang.transfer.staging import DEFAULT_CAPACITY, PinnedStaging
 
 logger = logging.getLogger(__name__)
 
@@ -75,43 +77,90 @@ class Streams(Protocol):
 
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None: ...
 
+    def index_tensor(self, values: Sequence[int]) -> torch.Tensor:
+        """Host integers as an int64 tensor on the device, without a host-side wait."""
+        ...
+
     def accesses(self, stream: Any, reads: Sequence[Region], writes: Sequence[Region], what: str) -> None: ...
 
 
+def _pinned_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(n, dtype=dtype, pin_memory=True)
+
+
 class CudaStreams:
-    """``torch.cuda``'s streams and events on ``device``."""
+    """``torch.cuda``'s streams and events on ``device``, with what the engine would
+    otherwise allocate per layer and per transfer taken from pools made once:
+
+    * events: a ring of ``events_per_stream`` per stream, made with the stream (or the first
+      time an event is recorded on a stream made elsewhere), then re-recorded in turn.
+      Re-recording an event on the same stream only makes it later: a ``query()`` of a
+      re-recorded event is true only once the later work, and so the earlier (a stream runs
+      in order), is done; a wait already issued keeps what it waited for (CUDA takes the
+      event's state at the wait). So a ring too small for what is held costs overlap, never
+      order.
+    * index tensors: :class:`~pcr_sglang.transfer.staging.PinnedStaging`, one pinned
+      buffer allocated here.
+
+    ``cuda`` and ``pin``: ``torch.cuda`` and a pinned allocator; tests pass recording
+    stand-ins to check, on CPU, what this class calls."""
 
     records_accesses = False
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, events_per_stream: int = 256, cuda: Any = None,
+                 pin: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None,
+                 staging_capacity: int = DEFAULT_CAPACITY):
         self.device = device
+        self.cuda = cuda if cuda is not None else torch.cuda
+        self.events_per_stream = max(int(events_per_stream), 2)
+        self._rings: list[tuple[Any, list[Any], list[int]]] = []  # (stream, events, [next])
+        self.staging = PinnedStaging(device, pin or _pinned_empty,
+                                     lambda: self.record_event(self.current_stream()), staging_capacity)
 
-    def current_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+    def _ring(self, stream: Any) -> tuple[list[Any], list[int]]:
+        for own, events, turn in self._rings:
+            if own == stream:
+                return events, turn
+        events = [self.cuda.Event() for _ in range(self.events_per_stream)]
+        self._rings.append((stream, events, [0]))
+        return events, self._rings[-1][2]
 
-    def new_stream(self, name: str) -> torch.cuda.Stream:
-        return torch.cuda.Stream(self.device)
+    def current_stream(self) -> Any:
+        return self.cuda.current_stream(self.device)
 
-    def use(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(stream)
+    def new_stream(self, name: str) -> Any:
+        stream = self.cuda.Stream(self.device)
+        self._ring(stream)  # its events, made now
+        return stream
 
-    def record_event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        event = torch.cuda.Event()
+    def use(self, stream: Any) -> contextlib.AbstractContextManager:
+        return self.cuda.stream(stream)  # type: ignore[no-any-return]
+
+    def record_event(self, stream: Any) -> Any:
+        events, turn = self._ring(stream)
+        event = events[turn[0]]
+        turn[0] = (turn[0] + 1) % len(events)
         event.record(stream)
         return event
 
-    def wait_event(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+    def wait_event(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
-    def wait_stream(self, stream: torch.cuda.Stream, other: torch.cuda.Stream) -> None:
+    def wait_stream(self, stream: Any, other: Any) -> None:
         stream.wait_stream(other)
 
     def is_capturing(self) -> bool:
-        return torch.cuda.is_current_stream_capturing()
+        return bool(self.cuda.is_current_stream_capturing())
 
-    def keep_alive(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        """The caching allocator must not reuse ``tensor``'s memory before ``stream`` is done with it."""
-        tensor.record_stream(stream)
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        """The caching allocator must not reuse ``tensor``'s memory before ``stream`` is done with it
+        (a CPU tensor, as in the recorded tests, has no such allocator)."""
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+    def index_tensor(self, values: Sequence[int]) -> torch.Tensor:
+        """``values`` on the device: staged in the pinned ring, copied without blocking."""
+        return self.staging.to_device(values)
 
     def accesses(self, stream: Any, reads: Sequence[Region], writes: Sequence[Region], what: str) -> None:
         return None
@@ -240,6 +289,9 @@ class OrderingModel:
 
     def keep_alive(self, tensor: torch.Tensor, stream: ModelStream) -> None:
         return None  # no caching allocator here
+
+    def index_tensor(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64)
 
     def accesses(self, stream: ModelStream, reads: Sequence[Region], writes: Sequence[Region],
                  what: str = "access") -> None:
