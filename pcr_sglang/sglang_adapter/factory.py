@@ -21,6 +21,7 @@ from pcr_sglang.sglang_adapter.fingerprint import IN_MEMORY_UPDATE_TAG, adapters
 from pcr_sglang.sglang_adapter.kv_events import PCRKvEvents
 from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
 from pcr_sglang.sglang_adapter.refusals import collect_inputs, permuted_row_flags, unsupported_reasons
+from pcr_sglang.sglang_adapter.remote_follow import RemoteFollower, io_config_under
 from pcr_sglang.sglang_adapter.scheduler_side import SchedulerSide
 from pcr_sglang.sglang_adapter.tp_group import TpGroup, min_max
 from pcr_sglang.sglang_adapter.weight_updates import WeightsIdentity
@@ -204,6 +205,7 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
     cache = PCRPrefixCache(params, state, scheduler, namespace=namespace, host_pool=host_pool, store=store,
                            kv_events=kv_events)
     cache.namespace_mover = move_namespace
+    cache.remote_follower = RemoteFollower.of(scheduler)  # no remote tier under an in-memory update's namespace
     if store is not None:
         cache.ssd_namespaces = KeptNamespaces(store.root)
     if io is not None:
@@ -320,7 +322,8 @@ def move_namespace(cache: PCRPrefixCache, namespace: CacheNamespace) -> None:
         return
     scheduler.state.resize_ssd(_agreed_capacity(store, tp))
     _restore(scheduler.state, store, tp)
-    if not scheduler.io.restart(msgspec.structs.replace(scheduler.io.config, **_store_fields(store))):
+    if not scheduler.io.restart(io_config_under(cache, namespace,
+                                                msgspec.structs.replace(scheduler.io.config, **_store_fields(store)))):
         logger.warning("PCR I/O process did not start on the new namespace; the SSD tier waits for its restart")
     cache.store = store
     old_store.close()

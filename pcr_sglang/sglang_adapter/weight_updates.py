@@ -12,7 +12,8 @@ a new namespace:
 * an in-memory update (tensor, distributed, IPC, or a ``begin_weight_update`` session whose
   weights were written into device memory directly: every session end moves too) to a
   fingerprint made of a nonce the TP ranks agree on: nothing can ever be shared with it,
-  and its SSD directory is purged when the server leaves it;
+  its SSD directory is purged when the server leaves it, and nothing is written through to
+  the remote tier under it (``remote_follow``);
 * the opening of a session (``begin_weight_update``), a ``check_weights`` that resets the
   tensors, and a ``resume_memory_occupation`` of weights kept without a CPU backup, to a
   nonce namespace too, before SGLang's call: requests served while weights are being
@@ -50,6 +51,7 @@ from typing import Any, Callable, Optional
 from pcr_sglang.core.keys import CacheNamespace
 from pcr_sglang.reuse.setup import recheck_calibration
 from pcr_sglang.sglang_adapter.fingerprint import WeightsNotLocal, in_memory_update_fingerprint, model_fingerprint
+from pcr_sglang.sglang_adapter.remote_follow import leave_for_pending
 from pcr_sglang.sglang_adapter.tp_group import TpGroup, min_max
 
 logger = logging.getLogger(__name__)
@@ -230,6 +232,7 @@ def begin(cache: Any, namespace: CacheNamespace) -> None:
     the next reset."""
     cache.pending_namespace = namespace
     cache.scheduler.rekey(namespace.chain_digest())
+    leave_for_pending(cache, namespace)  # an in-memory update's keys: nothing more to the remote tier
     # A document-reuse calibration holds for the weights it was measured on only.
     recheck_calibration(cache.scheduler.docs, namespace.model_fingerprint)
 

@@ -600,6 +600,26 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="pcr_tools/models/merged.py: adapter_config.json is checked and stamped like the weights (review N12)",
         breaks="an edited adapter_config.json is merged without notice and a merged folder is returned stale",
     ),
+    Mutant(
+        name="remote-write-through-under-an-in-memory-namespace",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/remote_follow.py",
+        original="    on = shared(namespace)\n",
+        replacement="    on = True\n",
+        tests=(UNIT + "sglang_adapter/test_remote_follow.py",),
+        claim="docs/scale-out.md: nothing is written through under an in-memory update's namespace (review N13b)",
+        breaks="every RL step's nonce namespace writes objects no server can read into the fleet's remote store",
+    ),
+    Mutant(
+        name="remote-write-through-while-a-nonce-namespace-is-pending",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/weight_updates.py",
+        original="    leave_for_pending(cache, namespace)  # an in-memory update's keys: nothing more to the remote tier",
+        replacement="    pass",
+        tests=(UNIT + "sglang_adapter/test_remote_follow.py",),
+        claim="docs/scale-out.md: nothing is written through under an in-memory update's namespace (review N13b)",
+        breaks="KV computed between begin_weight_update and the next flush is written through under nonce keys",
+    ),
     # ---------------------------------------------------------------- issue 40, item 4: review N4, N5, N11
     Mutant(
         name="calibration-gate-judges-the-server-mode-only",

@@ -47,7 +47,7 @@ class FakeReq:
 class Harness:
     def __init__(self, *, host_slots: int = 0, ssd_path=None, layerwise: str = "both", ssd_write: str = "through",
                  lookahead_window: int = 0, prefetch_window: int = 0, pool: int = POOL, tp=None, tp_rank: int = 0,
-                 model_fingerprint: str = "m", hint_to_device: str = "auto"):
+                 model_fingerprint: str = "m", hint_to_device: str = "auto", remote_config: Optional[str] = None):
         self.kvcache = MHATokenToKVPool(pool, 1, torch.float32, HEADS, DIM, LAYERS, "cpu", False)
         self.allocator = TokenToKVPoolAllocator(pool, torch.float32, "cpu", self.kvcache, need_sort=False)
         params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
@@ -56,7 +56,8 @@ class Harness:
                            dram_gb=(host_slots + 0.5) * SLOT_BYTES / 2**30 if host_slots else 0.0,
                            layerwise=layerwise, ssd_path=str(ssd_path) if ssd_path else None,
                            ssd_gb=0.01 if ssd_path else 0.0, ssd_reserve_gb=0.0, ssd_write=ssd_write,
-                           prefetch_window=prefetch_window, hint_to_device=hint_to_device)
+                           prefetch_window=prefetch_window, hint_to_device=hint_to_device,
+                           remote="mooncake" if remote_config else "off", remote_config=remote_config)
         self.pool = pool
         namespace = CacheNamespace(model_fingerprint, "float32", CHUNK, tp_rank=tp_rank, tp_size=tp.size if tp else 1)
         self.cache = assemble_pcr_cache(params, config, namespace, tp, tp_rank)
