@@ -45,19 +45,25 @@ def mooncake(tmp_path_factory):
 REMOTE_CHUNK = 64
 
 
-def remote_server(model, path, mooncake, env=None, **config) -> ServerProcess:
+def remote_server(model, path, mooncake, env=None, extra=(), **config) -> ServerProcess:
     remote = json.dumps(client_config(mooncake["master"], mooncake["key"], **config))
     return ServerProcess(model, (*TIERED_ARGS, "--pcr-chunk-size", str(REMOTE_CHUNK), "--pcr-ssd-path", str(path),
                                  "--pcr-ssd-gb", "0.5", "--pcr-ssd-reserve-gb", "0", "--enable-metrics",
-                                 "--pcr-remote", "mooncake", "--pcr-remote-config", remote), env=env or {})
+                                 "--pcr-remote", "mooncake", "--pcr-remote-config", remote, *extra), env=env or {})
+
+
+# A and B also serve document reuse (concat): a request that marks nothing is served as
+# without it, so the prefix tests below are unchanged, and a document one server computed
+# is reused by the other at another position (test at the end).
+DOC_REUSE = ("--pcr-doc-reuse", "concat")
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_model, mooncake, tmp_path_factory, baseline_server):
     root = tmp_path_factory.mktemp("pcr-remote")
     everything = {
-        "a": remote_server(tiny_model, root / "a", mooncake),
-        "b": remote_server(tiny_model, root / "b", mooncake),
+        "a": remote_server(tiny_model, root / "a", mooncake, extra=DOC_REUSE),
+        "b": remote_server(tiny_model, root / "b", mooncake, extra=DOC_REUSE),
         # Every remote read takes 2 s there (probes are quick): its requests stop waiting
         # for them and recompute, and the test can evict objects between probe and read.
         "slow": remote_server(tiny_model, root / "slow", mooncake,
@@ -362,3 +368,45 @@ def test_a_dead_store_costs_hits_then_comes_back(servers, mooncake, rag_prompt_i
     assert remote_up(b) == 1.0
     # And it is written again: a new prompt's chunks go through to the restarted store.
     served(b, [rag_prompt_ids[16]])
+
+
+def test_a_document_one_server_computed_is_reused_by_another_at_another_position(servers, tokenizer):
+    """Documents across a fleet: A computes three documents' canonical KV (``S ‖ d ‖ pad``)
+    for its request; B, which never saw them, gets them in another order behind the same
+    leading tokens and reuses all three through the Mooncake tier, with the outputs of the
+    same request when B computes the documents itself (another tenant's salt: nothing of
+    A's is found), in the same mode."""
+    from pcr_sglang.reuse.prompt import build_doc_prompt
+    from pcr_tools.data import load_wiki_articles
+
+    a, b = servers["a"], servers["b"]
+    articles = load_wiki_articles()
+    docs = [articles[i].text[:700] for i in (610, 611, 612)]
+    system = "Answer the question from the documents below."
+    on_a = build_doc_prompt(tokenizer, system, docs, "Which of these is the oldest?")
+    before_written = written(a)
+    out_a = a.generate({"input_ids": on_a.input_ids,
+                        "sampling_params": {**on_a.sampling_params(**GREEDY),
+                                            "custom_params": {**on_a.custom_params(), "pcr_doc_warm": True}}})
+    assert out_a["meta_info"]["cached_tokens"] >= on_a.doc_bounds[-1] - REMOTE_CHUNK  # A reused its warm-ups
+    wait_for_write_back(a)
+    deadline = time.monotonic() + 60
+    while written(a) <= before_written or (remote(a)["store"] or {}).get("queued_writes", 1):
+        assert time.monotonic() < deadline, remote(a)
+        time.sleep(0.3)
+
+    on_b = build_doc_prompt(tokenizer, system, [docs[2], docs[0], docs[1]], "Which of these mentions a river?")
+    counters = b.pcr_state()["doc_reuse"]["counters"]
+    found = remote(b)["probes"]["found_chunks"]
+    out_b = b.generate({"input_ids": on_b.input_ids, "sampling_params": on_b.sampling_params(**GREEDY)})
+    after = b.pcr_state()["doc_reuse"]["counters"]
+    assert after["docs_reused"] - counters["docs_reused"] == 3, (counters, after)
+    assert after["canonical_requests"] == counters["canonical_requests"]  # B computed none of them
+    assert remote(b)["probes"]["found_chunks"] > found
+    assert out_b["meta_info"]["cached_tokens"] >= on_b.doc_bounds[-1] - REMOTE_CHUNK, out_b["meta_info"]
+
+    own = {**on_b.custom_params(), "pcr_doc_warm": True}  # B computes them itself, for another tenant
+    reference = b.generate({"input_ids": on_b.input_ids, "cache_salt": "b-computes-its-own",
+                            "sampling_params": {**on_b.sampling_params(**GREEDY), "custom_params": own}})
+    assert reference["meta_info"]["cached_tokens"] >= on_b.doc_bounds[-1] - REMOTE_CHUNK
+    assert out_b["output_ids"] == reference["output_ids"]
