@@ -159,8 +159,23 @@ def check_full_prefill_graph(x: SupportInputs) -> Optional[str]:
         return (f"--pcr-layerwise {x.pcr.layerwise} has each layer's copies waited for (or, for a reused "
                 "document, run) where the forward first reads the layer, which a full prefill CUDA graph "
                 "replays without: pass --pcr-layerwise offload (or off), or --cuda-graph-backend-prefill "
-                "breakable")
+                "disabled (--cuda-graph-backend-prefill breakable is refused with it too, see below)")
     return None
+
+
+def check_graph_prefill_layerwise(x: SupportInputs) -> Optional[str]:
+    """Layer-wise loads with a prefill CUDA graph that is not full (``breakable`` or
+    another backend): SGLang runs the attention eagerly between graph segments there, so
+    the per-layer read hook (``get_key_buffer``: the loads' wait) should run at replay, but
+    no GPU run has shown it yet; a hook captured instead would let attention read slots
+    whose copies were never waited for. Refused until a GPU run shows the hook order at
+    capture and replay (issue 42)."""
+    backend = prefill_graph_backend(x.cfg)
+    if not x.host_tier or x.pcr.layerwise not in LOADING_LAYERWISE_MODES or backend in ("disabled", "none", "full"):
+        return None
+    return (f"--pcr-layerwise {x.pcr.layerwise} with --cuda-graph-backend-prefill {backend}: that each layer's "
+            "copies are waited for at a prefill graph's replay has not been shown on a GPU yet: pass "
+            "--pcr-layerwise offload (or off), or --cuda-graph-backend-prefill disabled")
 
 
 def check_two_batch_overlap(x: SupportInputs) -> Optional[str]:
@@ -328,6 +343,7 @@ RULES: tuple[Rule, ...] = (
     check_token_major_layout,
     check_two_batch_overlap,
     check_full_prefill_graph,
+    check_graph_prefill_layerwise,
     check_eviction_policy,
 )
 
