@@ -31,7 +31,7 @@ def recompute(config: PCRConfig) -> Recompute:
             ratio = float(verdict.value)
     found = calibration(config) if verdict is not None else None
     gate = None
-    if found is not None and config.doc_reuse_calibration:
+    if found is not None and verdict is not None and config.doc_reuse_calibration:
         gate = CalibrationGate(config.doc_reuse_calibration, found.model_fingerprint, config.doc_reuse, int(tokens),
                                ratio, found.conditions.selector, found.conditions.anchor_tokens,
                                warn=config.doc_reuse_calibration_warn, meets=verdict.meets)
