@@ -164,6 +164,8 @@ def render_chat_template(original: Callable[..., Any], serving: Any, messages: A
     from pcr_sglang.reuse.doc_requests import marking_rules
 
     template_kwargs = dict(kwargs.get("template_kwargs") or {})
+    if DOCUMENTS_FIELD in template_kwargs:
+        raise DocumentsError(f"{DOCUMENTS_FIELD} given twice: as the request's field and in chat_template_kwargs")
     job.marked = render_chat(serving.tokenizer_manager.tokenizer, list(messages), job.documents,
                              marking_rules(serving.tokenizer_manager), tools=kwargs.get("tools"),
                              add_generation_prompt=kwargs.get("add_generation_prompt", True), **template_kwargs)

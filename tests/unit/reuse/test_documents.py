@@ -172,3 +172,37 @@ def test_a_custom_document_format(chat_tokenizer):
     for bad in ("no field", "{doc} {title}", "{doc", "{}"):
         with pytest.raises(DocumentsError, match="--pcr-doc-format"):
             check_doc_format(bad)
+
+
+def test_reused_document_tokens_are_reported_apart_from_the_tiers():
+    from pcr_sglang.reuse.usage import split_details
+
+    assert split_details({"device": 112, "host": 180}, 180) == {"device": 112, "host": 0, "documents": 180}
+    # Where SGLang counted part of them on the device, the rest comes from there; the sum stays.
+    assert split_details({"device": 100, "host": 20}, 50) == {"device": 70, "host": 0, "documents": 50}
+    assert split_details({"device": 5, "host": 0, "storage_backend": "x"}, 0) == {"device": 5, "host": 0,
+                                                                                  "storage_backend": "x"}
+    assert split_details(None, 10) is None
+
+
+def test_documents_ride_in_custom_params_from_every_entry_point():
+    from pcr_sglang.reuse.doc_requests import engine_generate, with_documents
+
+    assert with_documents(None, ["d"]) == {"custom_params": {"pcr_documents": ["d"]}}
+    assert with_documents({"temperature": 0, "custom_params": {"pcr_doc_reuse": "concat"}}, ["d"]) == {
+        "temperature": 0, "custom_params": {"pcr_doc_reuse": "concat", "pcr_documents": ["d"]}}
+    with pytest.raises(DocumentsError, match="one prompt"):
+        with_documents([{}, {}], ["d"])
+    with pytest.raises(DocumentsError, match="custom_params must be an object"):
+        with_documents({"custom_params": "x"}, ["d"])
+    with pytest.raises(DocumentsError, match=r"documents\[0\] is empty"):
+        with_documents({}, [""])
+
+    def generate(engine, prompt=None, sampling_params=None, input_ids=None):
+        return prompt, sampling_params
+
+    # Engine.generate's sampling_params given by keyword or by position.
+    assert engine_generate(generate, None, "q", documents=["d"]) == ("q", {"custom_params": {"pcr_documents": ["d"]}})
+    assert engine_generate(generate, None, "q", {"temperature": 0}, documents=["d"]) == (
+        "q", {"temperature": 0, "custom_params": {"pcr_documents": ["d"]}})
+    assert engine_generate(generate, None, "q", {"temperature": 0}) == ("q", {"temperature": 0})
