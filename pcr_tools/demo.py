@@ -8,8 +8,10 @@ these answers are full prefill's.
 
 Then a second pass, on a server with ``--pcr-doc-reuse`` (default ``blend``) and the
 document-reuse tuned SmolLM2 (``pcr_tools.tune``), asks questions about documents that
-are never first in their prompt, marking the documents (``custom_params["pcr_doc_bounds"]``):
-a prefix cache reuses only up to the first document, document reuse reuses them all.
+are never first in their prompt, as an application would: through ``/v1/chat/completions``
+with the OpenAI client, the retrieved documents in the request's ``documents`` field (no
+tokenizer on the client; the server marks them). A prefix cache reuses only up to the
+first document, document reuse reuses them all.
 **Document reuse changes answers**: the pass prints, per question, the gold answer, the
 answer with reuse and the full-prefill answer, each gold score, and whether they are
 equal. ``--no-doc-reuse`` skips that pass.
@@ -22,13 +24,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from pcr_sglang.reuse.prompt import DocPrompt
+from pcr_sglang.reuse.prompt import DEFAULT_QUESTION_FORMAT, DocPrompt
 from pcr_tools.launcher import ServerProcess
-from pcr_tools.workload import RagWorkloadParams, chat_prompt, make_rag_workload
+from pcr_tools.workload import SYSTEM_PROMPT, RagWorkloadParams, chat_prompt, make_rag_workload
 
 
 @dataclass
@@ -66,6 +69,34 @@ def generate_ids(server: ServerProcess, prompt: DocPrompt, max_new_tokens: int, 
                       latency_s=response.latency_s, answer=response.final.get("text", "").strip())
 
 
+def chat_with_documents(server: ServerProcess, system: str, user: str, documents: list[str],
+                        max_new_tokens: int) -> DemoResult:
+    """A chat request as a RAG application sends it (the OpenAI client, streaming, the
+    documents in ``extra_body``); TTFT to the first content token, the usage from the
+    last chunk (the server runs ``--enable-cache-report``)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    start = time.perf_counter()
+    ttft, text, usage, rid = None, [], None, ""
+    stream = client.chat.completions.create(
+        model="default", messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        max_tokens=max_new_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"documents": documents})
+    for chunk in stream:
+        rid = rid or chunk.id
+        if chunk.choices and chunk.choices[0].delta.content:
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            text.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    latency = time.perf_counter() - start
+    details = getattr(usage, "prompt_tokens_details", None)
+    return DemoResult(rid=rid, prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
+                      cached_tokens=int(getattr(details, "cached_tokens", 0) or 0),
+                      ttft_s=ttft if ttft is not None else latency, latency_s=latency, answer="".join(text).strip())
+
+
 @dataclass
 class ReuseAnswer:
     """One question of the document-reuse pass: the answer with the documents reused and
@@ -88,8 +119,9 @@ def doc_reuse_pass(model_path: str, tokenizer: Any, questions: int, mode: str, m
     """Questions about documents that are never first in their prompt (test-split articles,
     ``pcr_tools.tune.questions``), on ``model_path`` with ``--pcr-doc-reuse``: each prompt's
     documents are warmed (their canonical KV computed, as a precomputed corpus would have
-    it), then the question is answered with them reused, then without marks (full prefill
-    and exact prefix caching: the answer to compare with). With ``calibration`` (the tuned
+    it), then the question is answered with them reused, as a chat request with the
+    documents in its ``documents`` field, then as the same prompt's token ids without marks
+    (full prefill and exact prefix caching: the answer to compare with). With ``calibration`` (the tuned
     model's committed file) the server takes the K or R it found and says whether the mode
     met its accuracy target; a mode that missed it is served with a warning."""
     from pcr_tools.launcher import cpu_only
@@ -97,7 +129,7 @@ def doc_reuse_pass(model_path: str, tokenizer: Any, questions: int, mode: str, m
 
     flags = ("--enable-pcr", "--pcr-chunk-size", str(chunk_size), "--pcr-doc-reuse", mode,
              "--pcr-doc-warmup-after", "1", "--max-total-tokens", "16384", "--context-length", "4096",
-             "--log-level", "warning")
+             "--enable-cache-report", "--log-level", "warning")
     if calibration is not None and not cpu_only():
         # Measured with float32 KV on the CPU; a GPU server's KV dtype may differ, and the
         # server refuses a calibration measured under other conditions.
@@ -123,10 +155,15 @@ def doc_reuse_pass(model_path: str, tokenizer: Any, questions: int, mode: str, m
         else:
             print(f"[demo] {mode}'s accuracy on this model is unmeasured (no calibration)")
         for i, q in enumerate(question_set("test", questions, seed)):
-            prompt = q.prompt(tokenizer)
-            generate_ids(server, prompt, 1, marked=True)  # warm: the documents' canonical KV
-            reused = generate_ids(server, prompt, max_new_tokens, marked=True)
+            prompt = q.prompt(tokenizer)  # the same tokens the server renders for the chat request
+            user = DEFAULT_QUESTION_FORMAT.format(question=q.question)
+            documents = list(q.documents)
+            chat_with_documents(server, SYSTEM_PROMPT, user, documents, 1)  # warm: the documents' canonical KV
+            reused = chat_with_documents(server, SYSTEM_PROMPT, user, documents, max_new_tokens)
             full = generate_ids(server, prompt, max_new_tokens, marked=False)
+            if reused.prompt_tokens != len(prompt.input_ids):
+                print(f"[demo] note: the chat request's prompt is {reused.prompt_tokens} tokens, the token-id "
+                      f"prompt {len(prompt.input_ids)}: the answers below are not of the same prompt")
             answer = ReuseAnswer(q.kind, q.question, q.gold, reused, full)
             answers.append(answer)
             print(f"\n[{i + 1:2d}] {q.kind}: {q.question}  (asked-about document at position "
