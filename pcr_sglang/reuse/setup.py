@@ -28,6 +28,7 @@ from pcr_sglang.reuse.gate import CalibrationGate
 from pcr_sglang.reuse.model_rope import UnsupportedRope, model_rope_spec
 from pcr_sglang.reuse.placement import DocReuse
 from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
+from pcr_sglang.transfer.warmup import warm_up_on_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
     if problem is not None:
         raise PCRConfigError(f"{flag} is refused for this model: {problem}")
     kv_layers = list(zip(k_buffers, v_buffers))
+    warm_up_on_cuda(kv_layers=kv_layers, rope=spec)  # the rotation kernel compiled now, not at the first admission
     probe = None
     if config.doc_reuse in RECOMPUTE_MODES:
         problem = recompute_support(tp_worker, model, tp_size)

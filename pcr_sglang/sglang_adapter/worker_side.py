@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from pcr_sglang.transfer.engine import LayerwiseMode, TransferEngine
+from pcr_sglang.transfer.warmup import warm_up_on_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -114,4 +115,5 @@ def attach_worker_side(allocator: Any, host_buffer: torch.Tensor, layout: Any, m
     kvcache = allocator.get_kvcache()
     engine = TransferEngine(list(zip(kvcache.k_buffer, kvcache.v_buffer)), host_buffer, layout,
                             LayerwiseMode(mode))
+    warm_up_on_cuda(engine=engine)  # the copy kernel compiled now, not at the first host hit
     return WorkerSide(kvcache, engine)

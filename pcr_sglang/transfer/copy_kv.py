@@ -108,7 +108,10 @@ def _triton_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # ``layer`` is not specialized on (1 and multiples of 16 would each compile a variant),
+    # nor the index tensors on their alignment (views of a larger tensor may be unaligned):
+    # the kernels the startup warm-up compiles are the ones every later launch uses.
+    @triton.jit(do_not_specialize=["layer"], do_not_specialize_on_alignment=["token_slots_ptr", "host_slots_ptr"])
     def copy_layer_kernel(
         dev_k_ptr, dev_v_ptr, host_ptr, token_slots_ptr, host_slots_ptr,
         layer, num_layers, chunk_size, row_bytes,

@@ -160,6 +160,12 @@ class TransferEngine:
         # Concatenated indices of a set of transfers copied together, until one completes.
         self._merged: dict[tuple[_Transfer, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
+    def kernel_operands(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, Host]:
+        """Layer ``layer``'s K and V buffers and the host pool as the copy kernel gets them
+        (on CUDA its resolved device address): what the startup warm-up launches on."""
+        k, v = self._kv_layers[layer]
+        return k, v, self._host
+
     # ------------------------------------------------------------------ streams
     def note_forward_stream(self) -> None:
         """Called as a forward starts: the overlap scheduler runs forwards on a stream of

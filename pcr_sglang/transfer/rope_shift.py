@@ -274,7 +274,10 @@ def _triton_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Slot and delta tensors are not specialized on their alignment (the re-placement's
+    # deltas are a row of a stacked index tensor, aligned or not by its length): the
+    # kernel the startup warm-up compiles is the one every later launch uses.
+    @triton.jit(do_not_specialize_on_alignment=["src_ptr", "dst_ptr", "delta_ptr"])
     def _rope_shift_kernel(
         k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr,
         num_heads, k_stride_tok, k_stride_head, v_stride_tok, v_stride_head,
