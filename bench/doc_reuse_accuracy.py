@@ -4,6 +4,7 @@
     python -m bench.doc_reuse_accuracy --quick        # 12 questions
     python -m bench.doc_reuse_accuracy --models base --modes concat,blend,blend:0.15:16,lego:16
     python -m bench.doc_reuse_accuracy --workload trace --requests 80   # the ragbench trace (below)
+    python -m bench.doc_reuse_accuracy --reorder-applicability      # how often reorder applies (no server)
 
 Two workloads. ``questions`` (the default, ``bench/reuse_questions.py``): test-split
 questions about documents that are never first in their prompt, scored against gold
@@ -18,7 +19,7 @@ document-marked token prompts (``Trace.doc_prompt``), served by SmolLM2-135M-Ins
 
 1. **full prefill** (``--disable-radix-cache``): the reference. Each prompt's greedy answer
    (temperature 0), and the teacher-forced NLL of that answer under full prefill.
-2. each ``--modes`` entry (``concat``, ``lego[:K]``, ``blend[:R]``), all on one server
+2. each ``--modes`` entry (``concat``, ``lego[:K]``, ``blend[:R]``, ``reorder``), all on one server
    (``--enable-pcr --pcr-doc-reuse blend``, or ``concat`` when no entry recomputes, with
    ``--pcr-doc-warmup request --pcr-doc-warmup-after 1``; each
    request asks for its mode, K or R in ``custom_params``): every prompt is sent
@@ -30,6 +31,9 @@ document-marked token prompts (``Trace.doc_prompt``), served by SmolLM2-135M-Ins
    Then the reference answer is teacher-forced under the mode's KV (prompt + answer ids,
    ``return_logprob``, ``logprob_start_len = len(prompt) - 1``; SGLang reuses at most
    ``logprob_start_len`` tokens, which is past the documents, so they are still reused).
+   ``reorder`` (exact) is not warmed: the trace's earlier requests in its namespace are
+   the orders it follows, so each request is served in the order of a sequence served
+   before where one fits (``reordered``: how often it moved the documents), else as given.
 3. **exact prefix cache** (the control), on the same server after the marked
    requests: the same prompts without marks, sent twice, then teacher-forced. Prefix
    caching is exact: its answers must equal full prefill's (100%).
@@ -39,6 +43,12 @@ ids, the mean SQuAD-style token F1 of the decoded answers (:func:`token_f1`), th
 per-token NLL of full prefill's answer and its ratio to full prefill's own, and the
 first-token agreement. Prints a markdown table and writes everything, per-request rows
 included, to ``--out/<timestamp>.json``.
+
+``--reorder-applicability`` runs no server: it replays the trace's first turns (both of
+its document orders, ``retrieval`` and ``shuffled``) through reorder's own order store
+(:class:`pcr_sglang.reuse.reorder.OrderStore`) and prints how often reorder moves a
+request's documents and the share of document tokens that are then an exact prefix hit,
+beside the share a prefix cache hits with the documents as sent.
 
 Why ``len(prompt) - 1``: SGLang's ``input_token_logprobs`` has one entry per token from
 ``logprob_start_len`` on, each the log-probability of that token given the ones before;
@@ -108,8 +118,11 @@ def answer_nll(input_token_logprobs: Sequence[Sequence[Any]], answer_ids: Sequen
 
 
 def server_mode(specs: Sequence[ModeSpec]) -> str:
-    """The ``--pcr-doc-reuse`` that serves every spec (a recompute server serves concat too)."""
-    return "blend" if any(s.mode != "concat" for s in specs) else "concat"
+    """The ``--pcr-doc-reuse`` that serves every spec (a recompute server serves concat
+    too; any server serves reorder, chosen in its tokenizer process)."""
+    from pcr_sglang.reuse.bounds import RECOMPUTE_MODES
+
+    return "blend" if any(s.mode in RECOMPUTE_MODES for s in specs) else "concat"
 
 
 def doc_reuse_server_flags(reuse: str, chunk_size: int) -> tuple[str, ...]:
@@ -180,28 +193,43 @@ def measure_reference(server: Any, prompt: Prompt, max_new_tokens: int) -> dict[
             "finish": (reply["meta_info"].get("finish_reason") or {}).get("type"), "nll": nll}
 
 
+def _docs_reused(prompt: Prompt, spec: Optional[ModeSpec], cached: int, chunk_size: int) -> Optional[bool]:
+    """Marked: reuse ends at the last document (past it, blended KV is never cached);
+    recomputed tokens are not cached tokens, so they count as reused here; ``reorder``'s
+    exact hit is whole chunks, and reaches the last one before the documents' end.
+    Unmarked (the control): prefix caching, documents are not reused as such (None)."""
+    if spec is None:
+        return None
+    if spec.mode == "reorder":
+        return cached >= prompt.last_doc_end - prompt.last_doc_end % max(1, chunk_size)
+    return cached + spec.recomputed_if_all_reused(prompt.doc_bounds) == prompt.last_doc_end
+
+
 def measure_mode(server: Any, prompt: Prompt, reference: dict[str, Any], max_new_tokens: int,
-                 spec: Optional[ModeSpec], decode: Callable[[list[int]], str]) -> dict[str, Any]:
+                 spec: Optional[ModeSpec], decode: Callable[[list[int]], str], chunk_size: int = 1) -> dict[str, Any]:
     """Warm, measured greedy answer, teacher-forced NLL of the reference answer (``spec``
-    None: the documents unmarked, the exact prefix cache's control)."""
-    marked = spec is not None
-    warm = server.generate(mode_request(prompt, spec, **greedy(1)))
+    None: the documents unmarked, the exact prefix cache's control). ``reorder`` is not
+    warmed: it follows the orders of the trace's earlier requests."""
+    from pcr_tools.tune.measure import served_order
+
+    warm = None if spec is not None and spec.mode == "reorder" else \
+        server.generate(mode_request(prompt, spec, **greedy(1)))
     reply = server.generate(mode_request(prompt, spec, **greedy(max_new_tokens)))
     answer = list(reply["output_ids"])
     cached = int(reply["meta_info"].get("cached_tokens", 0))
     nll, tf_cached = teacher_forced(server, prompt, reference["answer_ids"], spec)
     recomputed = spec.recomputed_if_all_reused(prompt.doc_bounds) if spec is not None else 0
     ref_ids = reference["answer_ids"]
+    order = served_order(reply["meta_info"])
     return {
-        "warm_cached_tokens": int(warm["meta_info"].get("cached_tokens", 0)),
+        "warm_cached_tokens": None if warm is None else int(warm["meta_info"].get("cached_tokens", 0)),
         "cached_tokens": cached,
-        # Marked: reuse ends at the last document (past it, blended KV is never cached);
-        # recomputed tokens are not cached tokens, so they count as reused here.
-        # Unmarked (the control): prefix caching, documents are not reused as such.
-        "all_docs_reused": cached + recomputed == prompt.last_doc_end if marked else None,
+        "all_docs_reused": _docs_reused(prompt, spec, cached, chunk_size),
         "recomputed_tokens": recomputed,
         "tf_cached_tokens": tf_cached,
-        "tf_all_docs_reused": tf_cached + recomputed == prompt.last_doc_end if marked else None,
+        "tf_all_docs_reused": _docs_reused(prompt, spec, tf_cached, chunk_size),
+        "served_order": order,
+        "reordered": None if order is None else order != sorted(order),
         "answer_ids": answer,
         "answer": reply.get("text", decode(answer)),
         "identical": answer == ref_ids,
@@ -255,7 +283,14 @@ def summarize(rows: Sequence[dict[str, Any]], reference_nll: Optional[float],
         "nll": nll,
         "nll_ratio": nll / reference_nll if nll is not None and reference_nll else None,
         "first_token_agreement": sum(r["first_token_agrees"] for r in ok) / len(ok) if ok else None,
+        # reorder: the share served in another order than sent (None for the other modes).
+        "reordered": _share([r.get("reordered") for r in ok]),
     }
+
+
+def _share(flags: Sequence[Optional[bool]]) -> Optional[float]:
+    known = [bool(f) for f in flags if f is not None]
+    return sum(known) / len(known) if known else None
 
 
 def _pct(value: Optional[float]) -> str:
@@ -267,11 +302,12 @@ def _num(value: Optional[float], digits: int = 3) -> str:
 
 
 def markdown_table(summaries: dict[str, dict[str, Any]]) -> str:
-    lines = ["| mode | requests | all docs reused | identical answers | mean F1 | NLL | NLL / full "
+    lines = ["| mode | requests | all docs reused | reordered | identical answers | mean F1 | NLL | NLL / full "
              "| first-token agreement |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, s in summaries.items():
-        lines.append(f"| {mode} | {s['requests']} | {_pct(s['all_docs_reused'])} | {_pct(s['identical_answers'])} "
+        lines.append(f"| {mode} | {s['requests']} | {_pct(s['all_docs_reused'])} | {_pct(s.get('reordered'))} "
+                     f"| {_pct(s['identical_answers'])} "
                      f"| {_num(s['mean_f1'])} | {_num(s['nll'])} | {_num(s['nll_ratio'], 2)} "
                      f"| {_pct(s['first_token_agreement'])} |")
     return "\n".join(lines)
@@ -295,6 +331,72 @@ def target_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------------------- reorder, offline
+def reorder_applicability(prompts: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict[str, Any]:
+    """How often ``reorder`` applies over ``prompts`` (``(input_ids, doc_bounds)``, in
+    arrival order, one tenant), replayed through its own order store: the share of
+    requests it serves in another order than sent, that follow a served sequence's run,
+    whose documents all follow one; and the share of document tokens in those runs (an
+    exact prefix hit while the prefix cache keeps them) beside the share a prefix cache
+    hits with the documents as sent (the longest served sequence their order begins)."""
+    from pcr_sglang.reuse.bounds import parse_doc_bounds
+    from pcr_sglang.reuse.reorder import OrderStore, Tenant
+
+    store = OrderStore()
+    as_sent: set[tuple[tuple[int, ...], ...]] = set()
+    doc_tokens = run_tokens = sent_tokens = all_docs = 0
+    for ids, bounds in prompts:
+        ids = list(ids)
+        spans = parse_doc_bounds(list(bounds), len(ids))
+        result = store.plan(ids, spans, Tenant())
+        lengths = [span.length for span in spans]
+        doc_tokens += sum(lengths)
+        run_tokens += sum(lengths[i] for i in result.order[:result.matched])
+        all_docs += result.matched == len(spans)
+        docs = [tuple(ids[span.start:span.end]) for span in spans]
+        prefix = 0  # as sent: the longest prefix of this order a request was served with before
+        while prefix < len(docs) and (tuple(ids[:spans[0].start]), *docs[:prefix + 1]) in as_sent:
+            prefix += 1
+        sent_tokens += sum(lengths[:prefix])
+        for k in range(1, len(docs) + 1):
+            as_sent.add((tuple(ids[:spans[0].start]), *docs[:k]))
+    n = max(1, len(prompts))
+    stats = store.stats
+    return {"requests": len(prompts), "reordered": stats.moved / n, "follow_a_served_run": stats.hits / n,
+            "all_documents_follow": all_docs / n,
+            "doc_tokens_exact_hit_reorder": run_tokens / doc_tokens if doc_tokens else None,
+            "doc_tokens_exact_hit_as_sent": sent_tokens / doc_tokens if doc_tokens else None}
+
+
+def reorder_applicability_table(rows: dict[str, dict[str, Any]]) -> str:
+    lines = ["| trace | requests | reordered | follow a served run | all documents follow one "
+             "| document tokens hit, reorder | document tokens hit, as sent |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['requests']} | {_pct(r['reordered'])} | {_pct(r['follow_a_served_run'])} "
+                     f"| {_pct(r['all_documents_follow'])} | {_pct(r['doc_tokens_exact_hit_reorder'])} "
+                     f"| {_pct(r['doc_tokens_exact_hit_as_sent'])} |")
+    return "\n".join(lines)
+
+
+def run_reorder_applicability(args: argparse.Namespace, requests_n: int) -> int:
+    """``--reorder-applicability``: the trace's first turns in both document orders, no server."""
+    from transformers import AutoTokenizer
+
+    from bench.ragbench.workload import WorkloadParams, make_trace
+    from pcr_tools.models.smollm2 import build_smollm2
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path or str(build_smollm2()))
+    rows = {}
+    for order in ("retrieval", "shuffled"):
+        trace = make_trace(WorkloadParams(num_requests=requests_n, max_doc_chars=args.max_doc_chars or None,
+                                          seed=args.seed, max_new_tokens=args.max_new_tokens, doc_order=order))
+        prompts = [trace.doc_prompt(r, tokenizer) for r in trace.first_turns()[:requests_n]]
+        rows[f"ragbench, {order} order"] = reorder_applicability([(p.input_ids, p.doc_bounds) for p in prompts])
+    print(reorder_applicability_table(rows))
+    return 0
+
+
 # ---------------------------------------------------------------------------- main
 def _counters(server: Any) -> dict[str, Any]:
     try:
@@ -314,7 +416,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--modes", type=parse_modes, default=parse_modes("concat,lego,blend"),
                         help="comma-separated configurations to measure: concat, lego[:K], blend[:R[:A][:S]] "
-                             "(A: anchor tokens, S: deviation, gradual, query or prophet) "
+                             "(A: anchor tokens, S: deviation, gradual, query or prophet), reorder (exact) "
                              "(default: concat,lego,blend at the server's K and R)")
     parser.add_argument("--requests", type=int, default=None,
                         help=f"first turns of the trace (default {DEFAULT_REQUESTS}; --quick: {QUICK_REQUESTS})")
@@ -346,11 +448,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seeds", default="0", help="questions workload: comma-separated seeds (repeats)")
     parser.add_argument("--top-k", type=int, default=10,
                         help="questions workload: full prefill's top-k tokens per position for the KL (default 10)")
+    parser.add_argument("--reorder-applicability", action="store_true",
+                        help="start no server: replay the ragbench trace's first turns (--requests, in its "
+                             "retrieval and shuffled document orders) through reorder's order store and print "
+                             "how often reorder applies")
     args = parser.parse_args(argv)
     requests_n = args.requests if args.requests is not None else (QUICK_REQUESTS if args.quick else DEFAULT_REQUESTS)
     if requests_n < 1 or args.max_new_tokens < 1 or args.concurrency < 1:
         parser.error("--requests, --max-new-tokens and --concurrency must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.reorder_applicability:
+        return run_reorder_applicability(args, requests_n)
     if args.workload == "questions":
         from bench.reuse_questions import run_questions
 
@@ -427,7 +535,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for spec in args.modes:
             before = _counters(server)
             results[spec.name] = timed_phase(spec.name, measured, lambda p: measure_mode(
-                server, p, references[p.index], args.max_new_tokens, spec, decode))
+                server, p, references[p.index], args.max_new_tokens, spec, decode, args.chunk_size))
             after = _counters(server)
             counters[spec.name] = {"total": after, "this_phase": _delta(after, before)}
         results[EXACT] = timed_phase(EXACT, measured, lambda p: measure_mode(

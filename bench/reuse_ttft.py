@@ -1,6 +1,6 @@
 """TTFT of the base and the document-reuse tuned model, over several server starts, side by side.
 
-    python -m bench.reuse_ttft [--rounds 4] [--questions 12] [--modes concat,blend:0.15:gradual]
+    python -m bench.reuse_ttft [--rounds 4] [--questions 12] [--modes concat,blend:0.15:gradual,reorder]
 
 The accuracy benchmark (``python -m bench.doc_reuse_accuracy``) measures TTFT on one server
 start per model and server kind, between its other requests (teacher-forced and shuffled
@@ -17,7 +17,12 @@ round every model gets two server starts, one after the other:
   marked, warmed once under a namespace of its own (its documents' canonical KV
   computed), then streamed. A marked request must reuse every document (its cached plus
   recomputed tokens reach the last document's end); one that does not is counted and left
-  out of the medians.
+  out of the medians. ``reorder`` (exact) is warmed instead with the documents in another
+  order (the accuracy benchmark's shuffled one) and no question, so the measured request
+  is served in that order; with it, ``exact prefix hit`` is measured too, its reference:
+  the question unmarked after its own leading tokens and documents were sent (unmarked,
+  no question), a prefix hit of the same length (both reach the last whole chunk before
+  the documents' end, or are left out).
 
 Every request generates one token, so TTFT is the whole request, streamed. ``--warmup``
 questions of another seed are sent first on every start and not counted (a fresh server's
@@ -51,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 FULL = "full"  # unmarked, on the document-reuse server
 FULL_NO_CACHE = "full (no cache)"  # unmarked, on a --disable-radix-cache server
+EXACT_HIT = "exact prefix hit"  # unmarked, its leading tokens and documents cached: reorder's reference
 WARMUP_SEED_OFFSET = 10_000  # the warm-up questions' seed: seed + this, never a measured question
 
 
@@ -124,6 +130,11 @@ def markdown(summary: dict[str, Any], models: Sequence[str], modes: Sequence[str
             spread = "n/a" if s["spread"] is None else f"{(s['spread'] - 1) * 100:.0f}%"
             lines.append(f"| {model} | {mode} | {ms(s['median_s'])} | {', '.join(ms(v) for v in s['starts'])} "
                          f"| {spread} |")
+    if "reorder" in modes and EXACT_HIT in modes:
+        lines += ["", "| model | reorder / exact prefix hit (medians; target within 10%) |", "| --- | ---: |"]
+        for model in models:
+            mine, ref = (summary["per_model"][model][m]["median_s"] for m in ("reorder", EXACT_HIT))
+            lines.append(f"| {model} | {'n/a' if not mine or not ref else f'{(mine / ref - 1) * 100:+.1f}%'} |")
     for model, by_mode in summary["ratio_to_base"].items():
         lines += ["", f"| {model} / {base}, same round | median | per round |", "| --- | ---: | --- |"]
         for mode in modes:
@@ -134,14 +145,14 @@ def markdown(summary: dict[str, Any], models: Sequence[str], modes: Sequence[str
 
 
 def measure_start(server: Any, warmup_prompts: Sequence[Any], prompts: Sequence[Any], specs: Sequence[Any],
-                  full_mode: str = FULL) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+                  full_mode: str = FULL, chunk_size: int = 1
+                  ) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
     """On one server: ``warmup_prompts`` sent once in every mode, not counted; then every
     prompt unmarked (as ``full_mode``) and in every spec. Returns the median TTFT per mode,
     and per mode the failed requests and those not served as measured (an unmarked one that
     hit the cache, a marked one that did not reuse every document), both left out of the
     medians."""
-    from pcr_sglang.reuse.bounds import WARM_NOW_PARAM
-    from pcr_tools.tune.measure import all_docs_reused, marked_request
+    from pcr_tools.tune.measure import all_docs_reused, marked_request, warm_request
 
     def streamed_meta(body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         """TTFT and ``meta_info`` of a streamed request; an error SGLang sent inside the
@@ -156,16 +167,24 @@ def measure_start(server: Any, warmup_prompts: Sequence[Any], prompts: Sequence[
 
     def one(p: Any, spec: Any, key: str) -> tuple[float, bool]:
         """(TTFT, whether it was served as measured: unmarked, from a cold cache; marked,
-        reusing every document)."""
+        reusing every document; the exact prefix hit, hitting its documents)."""
+        sampling = {"temperature": 0.0, "max_new_tokens": 1}
         if spec is None:
-            sampling = {"temperature": 0.0, "max_new_tokens": 1}
             ttft, meta = streamed_meta({"input_ids": p.input_ids, "sampling_params": sampling, "extra_key": key})
             return ttft, int(meta.get("cached_tokens", 0)) == 0
-        server.generate(marked_request(p, spec, 1, key, **{WARM_NOW_PARAM: True}))
+        if spec == EXACT_HIT:
+            server.generate({"input_ids": p.input_ids[:p.last_doc_end], "sampling_params": sampling,
+                             "extra_key": key})
+            ttft, meta = streamed_meta({"input_ids": p.input_ids, "sampling_params": sampling, "extra_key": key})
+            cached = int(meta.get("cached_tokens", 0))
+            return ttft, cached >= p.last_doc_end - p.last_doc_end % max(1, chunk_size)
+        server.generate(warm_request(p, spec, key))
         ttft, meta = streamed_meta(marked_request(p, spec, 1, key))
-        return ttft, all_docs_reused(p, spec, int(meta.get("cached_tokens", 0)))
+        return ttft, all_docs_reused(p, spec, int(meta.get("cached_tokens", 0)), chunk_size)
 
     runs: list[tuple[str, Any]] = [(full_mode, None), *((spec.name, spec) for spec in specs)]
+    if any(getattr(spec, "mode", None) == "reorder" for spec in specs):
+        runs.append((EXACT_HIT, EXACT_HIT))
     for i, p in enumerate(warmup_prompts):
         for name, spec in runs:
             try:
@@ -209,7 +228,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the measured questions' seed (default 0)")
     parser.add_argument("--modes", type=parse_modes, default=parse_modes("concat,blend:0.15:gradual"),
                         help="document-reuse configurations, as bench.doc_reuse_accuracy names them "
-                             "(default: concat,blend:0.15:gradual); full prefill is always measured")
+                             "(default: concat,blend:0.15:gradual; reorder adds its reference, an exact prefix "
+                             "hit of the same length); full prefill is always measured")
     parser.add_argument("--chunk-size", type=int, default=16, help="--pcr-chunk-size (default 16)")
     parser.add_argument("--max-total-tokens", type=int, default=60000,
                         help="device KV pool of every server (default 60000)")
@@ -240,6 +260,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     warmup_seed = args.seed + WARMUP_SEED_OFFSET
     warmup_prompts = gold_prompts(question_set("test", args.warmup, warmup_seed), tokenizer, warmup_seed)
     modes = [FULL_NO_CACHE, FULL, *(spec.name for spec in args.modes)]
+    if any(spec.mode == "reorder" for spec in args.modes):
+        modes.append(EXACT_HIT)
     common = ("--max-total-tokens", str(args.max_total_tokens), *COMMON_SERVER_ARGS)
     servers: dict[str, tuple[tuple[str, ...], str, Sequence[Any]]] = {
         "no-cache": (("--disable-radix-cache", *common), FULL_NO_CACHE, ()),
@@ -272,7 +294,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 server = ServerProcess(paths[model], flags)
                 try:
                     server.start()
-                    medians, errors, not_reused = measure_start(server, warmup_prompts, measured, specs, full_mode)
+                    medians, errors, not_reused = measure_start(server, warmup_prompts, measured, specs, full_mode,
+                                                                args.chunk_size)
                 except Exception as e:  # noqa: BLE001 - a failed start must not lose the other rounds
                     logger.error("round %d: the %s %s server failed: %s", r + 1, model, kind, e)
                     failed_starts.append(f"round {r + 1} {model} {kind}: {type(e).__name__}")

@@ -1,6 +1,6 @@
 """Measuring document reuse through a running server, shared by ``bench.doc_reuse_accuracy``
 and ``python -m pcr_tools.calibrate``: the modes and their settings (``concat``,
-``lego[:K]``, ``blend[:R[:A]]``), questions as token prompts, teacher forcing with top-k
+``lego[:K]``, ``blend[:R[:A]]``, ``reorder``), questions as token prompts, teacher forcing with top-k
 log-probabilities, the top-k KL, gold scores, bootstrap intervals, and one question's
 measurement under full prefill and under a mode.
 
@@ -15,7 +15,7 @@ import argparse
 import math
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from pcr_sglang.reuse.bounds import SELECTORS
@@ -23,7 +23,7 @@ from pcr_tools.tune.questions import Question
 from pcr_tools.tune.scores import contains_answer, rouge_l, token_f1
 
 BOOTSTRAP_RESAMPLES = 1000
-MODES = ("concat", "lego", "blend")
+MODES = ("concat", "lego", "blend", "reorder")
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class ModeSpec:
         if self.mode == "blend":
             r = float(self.value if self.value is not None else DEFAULT_DOC_RECOMPUTE_RATIO)
             return min(sum(lengths), int(round(r * sum(lengths))))
-        return 0
+        return 0  # concat; reorder (exact: nothing re-placed, nothing recomputed)
 
     def custom_params(self) -> dict[str, Any]:
         from pcr_sglang.reuse.bounds import (
@@ -89,8 +89,8 @@ def parse_mode(text: str) -> ModeSpec:
                                          "(lego:K and blend:R set the recompute)")
     if not value:
         return ModeSpec(name)
-    if name == "concat":
-        raise argparse.ArgumentTypeError("concat recomputes nothing: it takes no :value")
+    if name in ("concat", "reorder"):
+        raise argparse.ArgumentTypeError(f"{name} recomputes nothing: it takes no :value")
     anchors: Optional[int] = None
     selector: Optional[str] = None
     if name == "blend" and ":" in value:
@@ -136,6 +136,7 @@ class GoldPrompt:
     doc_bounds: list[int]
     shuffled_ids: list[int]
     gold_ids: list[int]
+    shuffled_bounds: list[int] = field(default_factory=list)  # the documents of shuffled_ids
 
     @property
     def kind(self) -> str:
@@ -157,7 +158,7 @@ def gold_prompts(questions: Sequence[Question], tokenizer: Any, seed: int) -> li
         prompt, shuffled = q.prompt(tokenizer), q.shuffled(rng).prompt(tokenizer)
         gold_ids = list(tokenizer.encode(q.gold, add_special_tokens=False))
         out.append(GoldPrompt(i, f"{q.kind}-{seed}-{i}", q, list(prompt.input_ids), list(prompt.doc_bounds),
-                              list(shuffled.input_ids), gold_ids))
+                              list(shuffled.input_ids), gold_ids, list(shuffled.doc_bounds)))
     return out
 
 
@@ -290,24 +291,55 @@ def marked_request(p: GoldPrompt, spec: ModeSpec, max_new_tokens: int, extra_key
     return {"input_ids": p.input_ids, "sampling_params": sampling, "extra_key": extra_key}
 
 
-def all_docs_reused(p: GoldPrompt, spec: ModeSpec, cached_tokens: int) -> bool:
+def all_docs_reused(p: GoldPrompt, spec: ModeSpec, cached_tokens: int, chunk_size: int = 1) -> bool:
     """Whether a marked request reused every document: its cached tokens and the ones
-    ``spec`` recomputes reach the last document's end."""
+    ``spec`` recomputes reach the last document's end. ``reorder``'s reuse is an exact
+    prefix hit, matched in whole chunks (``chunk_size``, ``--pcr-chunk-size``): it reached
+    the last whole chunk before the last document's end."""
+    if spec.mode == "reorder":
+        return cached_tokens >= p.last_doc_end - p.last_doc_end % max(1, chunk_size)
     return cached_tokens + spec.recomputed_if_all_reused(p.doc_bounds) == p.last_doc_end
 
 
+def warm_request(p: GoldPrompt, spec: ModeSpec, extra_key: str) -> dict[str, Any]:
+    """What a benchmark sends before measuring ``p`` in ``spec``: every document's
+    canonical KV computed and cached, whatever the server's warm-up policy (a first
+    sighting served by plain prefill would be cached exactly, and the measured request
+    would reuse that exact prefix instead). ``reorder``: the documents once served in
+    another order, the noise floor's (``shuffled_ids``), with no question after them, as
+    a retriever returns them for another question; the measured request is then served
+    in that order, its leading tokens and documents an exact prefix hit."""
+    from pcr_sglang.reuse.bounds import WARM_NOW_PARAM
+    from pcr_sglang.reuse.prompt import DocPrompt
+
+    if spec.mode != "reorder":
+        return marked_request(p, spec, 1, extra_key, **{WARM_NOW_PARAM: True})
+    if not p.shuffled_bounds:
+        raise ValueError(f"{p.rid}: reorder is measured after the shuffled order; this prompt has no shuffled bounds")
+    ids = p.shuffled_ids[:p.shuffled_bounds[-1]]
+    sampling = DocPrompt(ids, p.shuffled_bounds).sampling_params(temperature=0.0, max_new_tokens=1)
+    sampling["custom_params"].update(spec.custom_params())
+    return {"input_ids": ids, "sampling_params": sampling, "extra_key": extra_key}
+
+
+def served_order(meta: dict[str, Any]) -> Optional[list[int]]:
+    """``reorder``: the client's document indices in the order served (None: not reordered)."""
+    from pcr_sglang.reuse.reorder import ORDER_META_KEY
+
+    order = meta.get(ORDER_META_KEY)
+    return [int(i) for i in order] if isinstance(order, list) else None
+
+
 def measure_reuse(server: Any, p: GoldPrompt, reference: dict[str, Any], spec: Any, max_new_tokens: int,
-                  decode: Callable[[list[int]], str]) -> dict[str, Any]:
-    """``spec``: a ``bench.doc_reuse_accuracy.ModeSpec`` (mode, K or R, custom params)."""
-    from pcr_sglang.reuse.bounds import QUESTION_END_PARAM, WARM_NOW_PARAM
+                  decode: Callable[[list[int]], str], chunk_size: int = 1) -> dict[str, Any]:
+    """``spec``: a ``bench.doc_reuse_accuracy.ModeSpec`` (mode, K or R, custom params);
+    ``chunk_size``: the server's ``--pcr-chunk-size`` (``reorder``'s exact hits are whole chunks)."""
+    from pcr_sglang.reuse.bounds import QUESTION_END_PARAM
 
     def body(tokens: int, **custom: Any) -> dict[str, Any]:
         return marked_request(p, spec, tokens, f"pcr-accuracy:{spec.name}", **custom)
 
-    # Warm: every document's canonical KV computed and cached before the measured request,
-    # whatever the server's warm-up policy (a first sighting served by plain prefill would
-    # be cached exactly, and the measured request would reuse that exact prefix instead).
-    server.generate(body(1, **{WARM_NOW_PARAM: True}))
+    server.generate(warm_request(p, spec, f"pcr-accuracy:{spec.name}"))
     # Teacher-forced requests carry the answer after the prompt: the question selectors'
     # question ends where the prompt does, as when the answer is generated.
     forced_body = body(0, **{QUESTION_END_PARAM: len(p.input_ids)})
@@ -320,7 +352,11 @@ def measure_reuse(server: Any, p: GoldPrompt, reference: dict[str, Any], spec: A
                            "identical": float(answer == ref_ids), "f1": token_f1(text, reference["answer"]),
                            "recomputed_tokens": spec.recomputed_if_all_reused(p.doc_bounds),
                            **gold_scores(p.kind, text, p.question.gold)}
-    row["all_docs_reused"] = all_docs_reused(p, spec, row["cached_tokens"])
+    row["all_docs_reused"] = all_docs_reused(p, spec, row["cached_tokens"], chunk_size)
+    order = served_order(streamed.final["meta_info"])
+    if order is not None:
+        row["served_order"] = order
+        row["reordered"] = float(order != sorted(order))
     if ref_ids:
         ids = {t for top in reference["top"] for t in top} | set(ref_ids)
         forced = teacher_forced(server, forced_body, len(p.input_ids), ref_ids, top_k=1, token_ids=ids)

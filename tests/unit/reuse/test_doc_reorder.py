@@ -32,7 +32,7 @@ from pcr_sglang.reuse.reorder import (
 
 LEAD = [1, 2, 3]
 QUESTION = [90, 91, 92]
-DOCS = {name: [ord(name) * 10 + i for i in range(4)] for name in "ABCDEFG"}
+DOCS = {name: [ord(name) * 10 + i for i in range(3 + k)] for k, name in enumerate("ABCDEFG")}  # all lengths apart
 
 
 def prompt(names: str, gaps: list[list[int]] | None = None, lead: list[int] = LEAD,
