@@ -15,10 +15,13 @@ warmed before the request that needs them.
   before it is sent, so it reuses them itself; ``idle``: queued, one at a time while no
   request is in flight, and the request is sent at once. One being warmed is waited for
   (``request``), not sent twice. A failed warm-up only costs reuse: the request is served
-  either way. Warm-ups in flight are capped per request and per server
+  either way. Warm-ups in flight are capped per request, per tenant and per server
   (:class:`WarmupCaps`; ``pcr_doc_warm: true`` obeys the same caps): the rest wait in this
   process for a free place, so one request marking many documents cannot flood the
-  scheduler with prefills.
+  scheduler with prefills, and one tenant sending many such requests holds at most
+  ``per_tenant`` of the server's places: another tenant's warm-ups always find one. A
+  request waits for its warm-ups at most a small multiple of one warm-up prefill as
+  recently measured (:class:`WarmupWait`), then is sent without the ones not done.
 
 In the same two hooks, first: a marked request in mode ``reorder`` gets its documents in an
 order this server served them in before (:mod:`pcr_sglang.reuse.reorder`). Here and not at
@@ -42,9 +45,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import statistics
 import time
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -70,9 +74,11 @@ logger = logging.getLogger(__name__)
 
 IDLE_QUEUE_MAX = 1024  # documents waiting for idle time; the oldest are forgotten first
 IDLE_POLL_S = 0.05
-# A request waits at most this long for its documents' warm-ups (then goes without them);
-# the idle drain moves on after it too. A warm-up is a prefill: far less on a live server.
+# The longest a request waits for its documents' warm-ups (then goes without them), and
+# the idle drain for one warm-up; a request's own wait is shorter once prefills have been
+# measured (:class:`WarmupWait`). A warm-up is a prefill: far less on a live server.
 WARM_TIMEOUT_S = 120.0
+DEFAULT_TENANT = "default"
 _TOKEN_TYPECODE = "q"  # canonical sequences hashed as int64, as chunk keys hash tokens
 
 
@@ -85,7 +91,64 @@ class WarmupCaps:
     default (``per_request`` is above what most requests mark)."""
 
     per_request: int = 8
+    per_tenant: int = 8  # (``cache_salt``, else ``extra_key``): half the server's places
     per_server: int = 16
+
+
+@dataclass(frozen=True)
+class WarmupWait:
+    """How long a request waits for its warm-ups before it is sent without them:
+    ``multiple`` times the median of the last ``window`` warm-up prefills (their time in
+    the scheduler, from send to answer), at least ``floor_s``; ``initial_s`` before any
+    has been measured; never over ``WARM_TIMEOUT_S``. A request whose warm-ups sit behind
+    others' is then served at about what a cold prefill costs, not after the whole queue."""
+
+    multiple: float = 4.0
+    floor_s: float = 2.0
+    initial_s: float = 30.0
+    window: int = 32
+
+
+def warm_tenant(extra_key: Optional[str], cache_salt: Optional[str]) -> str:
+    """Whose warm-up place a warm-up takes: the request's ``cache_salt``, else its
+    ``extra_key`` (the namespaces its keys fold in), else the default tenant."""
+    if cache_salt is not None:
+        return "salt:" + cache_salt
+    if extra_key is not None:
+        return "extra:" + extra_key
+    return DEFAULT_TENANT
+
+
+class TenantPlaces:
+    """At most ``per_tenant`` warm-ups of one tenant in flight. A tenant's entry lives only
+    while one of its warm-ups holds or waits for a place, so memory is bounded by the
+    warm-ups in flight, however many tenants a client invents."""
+
+    def __init__(self, per_tenant: int):
+        self.per_tenant = per_tenant
+        self._places: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
+
+    async def acquire(self, tenant: str) -> None:
+        semaphore, users = self._places.setdefault(tenant, (asyncio.Semaphore(self.per_tenant), [0]))
+        users[0] += 1
+        try:
+            await semaphore.acquire()
+        except BaseException:
+            self._leave(tenant)
+            raise
+
+    def release(self, tenant: str) -> None:
+        self._places[tenant][0].release()
+        self._leave(tenant)
+
+    def _leave(self, tenant: str) -> None:
+        users = self._places[tenant][1]
+        users[0] -= 1
+        if users[0] == 0:
+            del self._places[tenant]
+
+    def __len__(self) -> int:
+        return len(self._places)
 
 
 def _custom_params(obj: Any) -> Any:
@@ -137,14 +200,18 @@ class DocWarmer:
 
     def __init__(self, chunk_size: int, pad_token_id: int, server: Recompute = Recompute(),
                  policy: WarmupPolicy = WarmupPolicy(), clock: Callable[[], float] = time.monotonic,
-                 limits: Optional[DocLimits] = None, caps: WarmupCaps = WarmupCaps()):
+                 limits: Optional[DocLimits] = None, caps: WarmupCaps = WarmupCaps(),
+                 wait: WarmupWait = WarmupWait()):
         self.server = server
         self.chunk = chunk_size
         self.pad_token_id = pad_token_id
         self.policy = policy
         self.limits = limits
         self.caps = caps
+        self.wait = wait
         self.ledger = WarmupLedger(policy, clock)
+        self._tenants = TenantPlaces(caps.per_tenant)
+        self._prefill_s: deque[float] = deque(maxlen=wait.window)  # the last warm-ups' prefill times
         self._in_flight: dict[bytes, asyncio.Future] = {}
         self._server_slots: Optional[asyncio.Semaphore] = None  # made in the event loop, on first use
         # ``idle``: documents waiting for a moment with no request in flight, oldest first.
@@ -154,6 +221,13 @@ class DocWarmer:
     @property
     def stats(self) -> WarmupStats:
         return self.ledger.stats
+
+    def wait_s(self) -> float:
+        """How long the next request waits for its warm-ups (:class:`WarmupWait`)."""
+        if not self._prefill_s:
+            return min(self.wait.initial_s, WARM_TIMEOUT_S)
+        one = statistics.median(self._prefill_s)
+        return min(max(self.wait.floor_s, self.wait.multiple * one), WARM_TIMEOUT_S)
 
     def _keys(self, tokens: Any, spans: tuple[DocSpan, ...], extra_key: Optional[str],
               cache_salt: Optional[str]) -> list[bytes]:
@@ -189,6 +263,7 @@ class DocWarmer:
             return  # checked at validation; the scheduler serves it without reuse
         extra_key, salt = getattr(tokenized, "extra_key", None), getattr(tokenized, "cache_salt", None)
         request_slots = asyncio.Semaphore(self.caps.per_request)
+        wait_s = self.wait_s()
         waits = []
         for span, key in zip(spans, self._keys(tokens, spans, extra_key, salt)):
             if key in self._in_flight:
@@ -209,34 +284,43 @@ class DocWarmer:
             # Shielded: a waiter cancelled (its client gone) must not cancel another's warm-up.
             try:
                 await asyncio.wait_for(asyncio.gather(*(asyncio.shield(w) for w in waits), return_exceptions=True),
-                                       WARM_TIMEOUT_S)
+                                       wait_s)
             except asyncio.TimeoutError:
-                logger.warning("PCR document reuse: warm-ups took over %.0f s; the request goes without them",
-                               WARM_TIMEOUT_S)
+                self.stats.wait_timeouts += 1
+                logger.info("PCR document reuse: warm-ups not done after %.1f s; the request goes without them",
+                            wait_s)
 
     def _start(self, manager: Any, send: Callable[..., Any], key: bytes, canonical: list[int],
                extra_key: Optional[str], salt: Optional[str], priority: Optional[int],
                request_slots: Optional[asyncio.Semaphore] = None) -> asyncio.Future:
         """Order one warm-up: registered at once (a request needing the same document
         waits for this one), sent once it has a place under both caps."""
-        future = asyncio.ensure_future(self._capped(request_slots, self._prefill(manager, send, canonical,
-                                                                                 extra_key, salt, priority)))
+        future = asyncio.ensure_future(self._capped(request_slots, warm_tenant(extra_key, salt),
+                                                    self._prefill(manager, send, canonical, extra_key, salt,
+                                                                  priority)))
         self._in_flight[key] = future
         future.add_done_callback(lambda f, key=key: self._done(key, f))
         return future
 
-    async def _capped(self, request_slots: Optional[asyncio.Semaphore], prefill: Any) -> None:
-        """Run ``prefill`` (a coroutine) holding a place of the request's and the server's caps."""
+    async def _capped(self, request_slots: Optional[asyncio.Semaphore], tenant: str, prefill: Any) -> None:
+        """Run ``prefill`` (a coroutine) holding a place of the request's, the tenant's and
+        the server's caps; its time, once it has them, is what :meth:`wait_s` measures."""
         if self._server_slots is None:
             self._server_slots = asyncio.Semaphore(self.caps.per_server)
-        held = False
+        held = tenant_held = False
         try:
             if request_slots is not None:
                 await request_slots.acquire()
                 held = True
+            await self._tenants.acquire(tenant)
+            tenant_held = True
             async with self._server_slots:
+                started = time.monotonic()
                 await prefill
+                self._prefill_s.append(time.monotonic() - started)
         finally:
+            if tenant_held:
+                self._tenants.release(tenant)
             if held:
                 request_slots.release()
             prefill.close()  # never awaited when cancelled while waiting for a place

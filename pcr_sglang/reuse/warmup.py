@@ -47,6 +47,7 @@ class WarmupStats:
     completed: int = 0
     failed: int = 0
     dropped: int = 0  # idle warm-ups forgotten because the queue was full
+    wait_timeouts: int = 0  # requests sent before their warm-ups were done (reuse/tokenizer.WarmupWait)
 
 
 class WarmupLedger:

@@ -134,7 +134,7 @@ def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows
     attn = object.__new__(TorchNativeAttnBackend) if backend == "torch_native" else FlashInferAttnBackend()
     kv = SimpleNamespace(k_buffer=[torch.zeros(8, KV_HEADS, HEAD_DIM)], v_buffer=[torch.zeros(8, KV_HEADS, HEAD_DIM)])
     worker = SimpleNamespace(model_runner=SimpleNamespace(model=_model(), attn_backend=attn))
-    scheduler = SimpleNamespace(keyer=SimpleNamespace(root=lambda extra_key, salt: b"root"),
+    scheduler = SimpleNamespace(keyer=SimpleNamespace(request_root=lambda tenant: b"root"),
                                 executor=SimpleNamespace(free_private=lambda slots: None), engine=None)
     with caplog.at_level(logging.INFO, logger="pcr_sglang.reuse.setup"):
         docs = attach_doc_reuse(PCRConfig(enabled=True, doc_reuse="concat"), None, scheduler,
@@ -386,7 +386,7 @@ def test_a_load_that_did_not_go_through_leaves_no_row_order_behind():
     docs.free_slots = freed.append
     docs.stats = DocReuseStats()
     docs.chunk, docs.pad_token_id, docs.fill_gaps = 4, 0, True
-    docs.keyer = SimpleNamespace(root=lambda extra_key, salt: b"root")
+    docs.keyer = SimpleNamespace(request_root=lambda tenant: b"root")
     docs.state = SimpleNamespace(match=lambda keys, touch=False: SimpleNamespace(device=0, host=0, nodes=[]))
     entry = _Planned((DocSpan(0, 2, 6), DocSpan(1, 6, 10)), Recompute("lego", 2))
     entry.slots, entry.row = torch.arange(8), RowOrder(2, (2, 3, 4, 5, 8, 9, 6, 7))

@@ -273,3 +273,64 @@ def test_the_warmers_keys_hash_the_leading_tokens_once_and_tell_documents_and_te
     assert warmer._keys(moved, parse_doc_bounds([2, 4, 4, 7], 8), None, None) == keys[::-1]
     assert len(set(keys)) == 2
     assert warmer._keys(PROMPT, spans, None, "other") != keys
+
+
+def test_one_tenants_flood_of_warm_ups_leaves_places_for_another_tenant():
+    """Review N9: the server's warm-up places were one FIFO for everyone, so a tenant
+    sending many requests of new documents (``pcr_doc_warm: true`` needs no privilege)
+    queued every other tenant's warm-ups behind its own. A tenant now holds at most
+    ``per_tenant`` places (red before: the second tenant got none of the 4)."""
+    from pcr_sglang.reuse.tokenizer import WarmupCaps
+
+    async def run():
+        manager = SimpleNamespace(rid_to_state={})
+        warmer = DocWarmer(CHUNK, PAD, Recompute("concat"), WarmupPolicy("request", after=1),
+                           caps=WarmupCaps(per_request=8, per_tenant=2, per_server=4))
+        recorder = Recorder(manager)
+        warmer._prefill = recorder  # type: ignore[method-assign]
+        recorder.hold = True
+        floods = [asyncio.ensure_future(warmer.warm(manager, _salted(_many(100 + 50 * i, 8, True), "flood"),
+                                                    send=None)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        assert recorder.concurrent == 2  # the flooding tenant's share of the server's 4
+        victim = asyncio.ensure_future(warmer.warm(manager, _salted(_many(900, 2, True), "victim"), send=None))
+        await asyncio.sleep(0.05)
+        assert [salt for _, salt in recorder.sent].count("victim") == 2 and recorder.concurrent == 4
+        recorder.release.set()
+        await asyncio.wait_for(asyncio.gather(*floods, victim), timeout=5)
+        assert len(warmer._tenants) == 0  # nothing kept for tenants with nothing in flight
+    asyncio.run(run())
+
+
+def test_a_request_waits_for_its_warm_ups_a_few_prefills_then_goes_without_them():
+    """Review N9: a request waited up to 120 s for its warm-ups. It now waits ``multiple``
+    times the median measured warm-up prefill (at least ``floor_s``), then is sent; the
+    warm-ups go on and serve later requests (red before: the request waited for the hold)."""
+    from pcr_sglang.reuse.tokenizer import WarmupWait
+
+    async def run():
+        manager = SimpleNamespace(rid_to_state={})
+        warmer = DocWarmer(CHUNK, PAD, Recompute("concat"), WarmupPolicy("request", after=1),
+                           wait=WarmupWait(multiple=3.0, floor_s=0.05, initial_s=5.0))
+        recorder = Recorder(manager)
+        warmer._prefill = recorder  # type: ignore[method-assign]
+        assert warmer.wait_s() == 5.0  # nothing measured yet
+        await warmer.warm(manager, _many(100, 2, True), send=None)  # quick prefills: measured
+        assert 0.05 <= warmer.wait_s() < 1.0
+        recorder.hold = True
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(warmer.warm(manager, _many(500, 2, True), send=None), timeout=2)
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert warmer.stats.wait_timeouts == 1 and len(warmer._in_flight) == 2  # still warming
+        recorder.release.set()
+        for _ in range(100):
+            if not warmer._in_flight:
+                break
+            await asyncio.sleep(0.01)
+        assert warmer.stats.completed == 4
+    asyncio.run(run())
+
+
+def _salted(request: SimpleNamespace, salt: str) -> SimpleNamespace:
+    request.cache_salt = salt
+    return request
