@@ -490,7 +490,9 @@ class PcrFlags(msgspec.Struct):
                 "Let any client ask /server_info?pcr_check_invariants=1 for PCR's full bookkeeping "
                 "check, a walk of the whole chunk tree in the scheduler thread (tests and "
                 "debugging). Without this flag only a caller with SGLang's --admin-api-key (as a "
-                "Bearer token) may ask; others get HTTP 403."
+                "Bearer token) may ask; others get HTTP 403. On CUDA it also checks every host-tier "
+                "copy's and document re-placement's slots on the device (asserts queued without a "
+                "host wait; a slip fails the server instead of corrupting KV): for first GPU runs."
             )
         ),
     ] = False

@@ -148,6 +148,8 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
     namespace = cache_namespace(ctx.server_args, ctx.model_config, _kv_dtype_name(ctx), config.chunk_size,
                                 ctx.tp_rank, ctx.tp_size)
     cache = assemble_pcr_cache(ctx.params, config, namespace, TpGroup.from_cache_params(ctx.params), ctx.tp_rank)
+    if cache.scheduler.engine is not None:  # --pcr-debug-checks: transfer slots checked on the device too
+        cache.scheduler.engine.debug_checks = bool(getattr(ctx.server_args, "pcr_debug_checks", False))
     cache.weights_identity = WeightsIdentity(
         ctx.model_config, ctx.server_args.model_path, getattr(ctx.server_args, "revision", None),
         getattr(ctx.server_args, "download_dir", None), adapters_text(ctx.server_args))

@@ -76,6 +76,20 @@ def _check(layout: HostChunkLayout, host: torch.Tensor, token_slots: torch.Tenso
         raise ValueError(f"layer {layer} out of range [0, {layout.num_layers})")
 
 
+def check_copy_slots_on_device(token_slots: torch.Tensor, host_slots: torch.Tensor, pool_tokens: int,
+                               num_host_slots: int) -> None:
+    """The copy's slot bounds as device-side asserts (``--pcr-debug-checks``): the kernel has
+    no bounds check, so an out-of-range slot would read or write outside the pools. Queued
+    on the current stream without a host wait (``torch._assert_async``); on CPU it raises
+    at once."""
+    if token_slots.numel():
+        torch._assert_async(((token_slots >= 0) & (token_slots < pool_tokens)).all(),
+                            f"PCR debug check: a copy's device token slot is outside the KV pool [0, {pool_tokens})")
+    if host_slots.numel():
+        torch._assert_async(((host_slots >= 0) & (host_slots < num_host_slots)).all(),
+                            f"PCR debug check: a copy's host slot is outside the host pool [0, {num_host_slots})")
+
+
 def copy_layer_torch(direction: Direction, device_k: torch.Tensor, device_v: torch.Tensor,
                      host: torch.Tensor, token_slots: torch.Tensor, host_slots: torch.Tensor,
                      layer: int, layout: HostChunkLayout) -> None:

@@ -58,9 +58,9 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from pcr_sglang.tiers.layout import HostChunkLayout
-from pcr_sglang.transfer.copy_kv import Direction, Host, copy_layer
+from pcr_sglang.transfer.copy_kv import Direction, Host, check_copy_slots_on_device, copy_layer
 from pcr_sglang.transfer.host_pointer import resolve as resolve_host_pointer
-from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
+from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots_on_device, replace_layer
 from pcr_sglang.transfer.streams import DEVICE_KV, HOST_KV, CudaStreams, Region, Streams
 
 logger = logging.getLogger(__name__)
@@ -123,12 +123,15 @@ class TransferEngine:
 
     def __init__(self, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], host_buffer: torch.Tensor,
                  layout: HostChunkLayout, mode: LayerwiseMode = LayerwiseMode.BOTH,
-                 streams: Optional[Streams] = None):
+                 streams: Optional[Streams] = None, debug_checks: bool = False):
         """``streams``: run the stream algorithm on these (default: CUDA's on a CUDA pool,
-        none on a CPU pool, which runs each copy inline)."""
+        none on a CPU pool, which runs each copy inline). ``debug_checks``
+        (``--pcr-debug-checks``): every transfer's and re-placement's slots are checked on
+        the device too (device-side asserts, no host wait), as the CPU path checks them."""
         if len(kv_layers) != layout.num_layers:
             raise ValueError(f"{len(kv_layers)} KV layers but the host layout has {layout.num_layers}")
         self._kv_layers = list(kv_layers)
+        self.debug_checks = debug_checks
         self.layout = layout
         self.num_layers = layout.num_layers
         self.mode = LayerwiseMode(mode)
@@ -166,6 +169,9 @@ class TransferEngine:
         k, v = self._kv_layers[layer]
         return k, v, self._host
 
+    def _pool_tokens(self) -> int:
+        return int(self._kv_layers[0][0].shape[0]) if self._kv_layers else 0
+
     # ------------------------------------------------------------------ streams
     def note_forward_stream(self) -> None:
         """Called as a forward starts: the overlap scheduler runs forwards on a stream of
@@ -200,6 +206,11 @@ class TransferEngine:
             index = torch.tensor(list(host_slots), dtype=torch.int64)
         # A copy: the caller's slot tensor may be a row of SGLang's req_to_token, rewritten later.
         transfer = _Transfer(direction, device_slots.to(torch.int64, copy=True), index, tuple(host_slots))
+        if self.debug_checks:
+            if transfer.device_slots.numel() != len(transfer.host_slots) * self.layout.chunk_size:
+                raise ValueError(f"{transfer.device_slots.numel()} device token slots for "
+                                 f"{len(transfer.host_slots)} chunks of {self.layout.chunk_size}")
+            check_copy_slots_on_device(transfer.device_slots, index, self._pool_tokens(), self.layout.num_slots)
         for slot in transfer.host_slots:
             self._by_host_slot[slot] = transfer
         return transfer
@@ -324,6 +335,8 @@ class TransferEngine:
         layers = layers if layers is not None else range(self.num_layers)
         if not len(layers):
             return
+        if self.debug_checks:
+            check_slots_on_device(src, dst, self._pool_tokens())
         job = _Replacement(src, dst, delta, rope, layers.start, layers.stop)
         if self._streams is None:
             if self.mode.loads:

@@ -194,6 +194,26 @@ def check_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor, pool_size: int
         raise ValueError("source and destination slots overlap; re-place into fresh slots")
 
 
+def check_slots_on_device(src_slots: torch.Tensor, dst_slots: torch.Tensor, pool_size: int) -> None:
+    """:func:`check_slots`'s three verdicts as device-side asserts (``--pcr-debug-checks``).
+
+    On CUDA, :func:`check_slots` would cost a device-to-host sync in the scheduler thread,
+    so the re-placement path leaves it out; with this check a bookkeeping slip is still an
+    error, not silent KV corruption: ``torch._assert_async`` queues the verdicts on the
+    current stream without waiting, and a violated one fails the CUDA context at the next
+    synchronization (a device-side assertion naming the message). On CPU it raises at once."""
+    if src_slots.numel() == 0:
+        return
+    both = torch.cat((src_slots, dst_slots))
+    ordered = torch.sort(dst_slots).values
+    torch._assert_async(((both >= 0) & (both < pool_size)).all(),
+                        f"PCR debug check: a re-placement slot is outside the KV pool [0, {pool_size})")
+    torch._assert_async((ordered[1:] != ordered[:-1]).all(),
+                        "PCR debug check: a re-placement destination slot appears twice")
+    torch._assert_async(torch.logical_not(torch.isin(src_slots, dst_slots).any()),
+                        "PCR debug check: re-placement source and destination slots overlap")
+
+
 def _check_layer(k_buffer: torch.Tensor, v_buffer: torch.Tensor, src_slots: torch.Tensor,
                  dst_slots: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec) -> None:
     if k_buffer.dim() != 3 or v_buffer.dim() != 3:
