@@ -47,9 +47,24 @@ class ForwardRows:
     rows: Optional[dict[int, tuple[int, torch.Tensor]]] = None
 
     def for_attention(self, req_pool_indices: torch.Tensor) -> Optional[dict[int, torch.Tensor]]:
-        """The positions by batch index, after checking the rows are this batch's."""
+        """The positions by batch index, after checking the rows are this batch's: on the
+        host for host indices, on the device (an assert queued without a host wait) for
+        device ones, whose ``.tolist()`` would wait for the forward in flight."""
         if not self.rows:
             return None
+        if req_pool_indices.device.type != "cpu":
+            size = int(req_pool_indices.shape[0])  # shapes are host metadata: no sync
+            outside = [i for i in self.rows if i >= size]
+            if outside:
+                raise RuntimeError(f"PCR document reuse: permuted rows for batch entries {outside}, but this forward "
+                                   f"has {size}; refusing to attend with wrong positions")
+            device = req_pool_indices.device
+            entries = to_device(torch.tensor(list(self.rows), dtype=torch.int64), device)
+            expected = to_device(torch.tensor([row for row, _ in self.rows.values()], dtype=torch.int64), device)
+            torch._assert_async((req_pool_indices[entries].to(torch.int64) == expected).all(),
+                                "PCR document reuse: a permuted row is not in this forward; refusing to attend "
+                                "with wrong positions")
+            return {i: positions for i, (_, positions) in self.rows.items()}
         pool = req_pool_indices.tolist()
         for i, (row, _) in self.rows.items():
             if i >= len(pool) or int(pool[i]) != row:
@@ -59,6 +74,28 @@ class ForwardRows:
 
 
 CURRENT = ForwardRows()
+
+# CUDA: index and position tensors reach the device through one pinned ring per device,
+# allocated once, with non-blocking copies: a pageable ``.to(device)`` is a copy PyTorch
+# makes synchronous, a wait for the forward in flight in the scheduler thread.
+_STAGING: dict[torch.device, Any] = {}
+
+
+def _staging(device: torch.device) -> Any:
+    staging = _STAGING.get(device)
+    if staging is None:
+        from pcr_sglang.transfer.streams import CudaStreams
+
+        staging = _STAGING[device] = CudaStreams(device).staging
+    return staging
+
+
+def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host integer tensor ``values`` on ``device``: through the pinned ring on CUDA
+    (int64, non-blocking), a plain ``.to`` elsewhere."""
+    if device.type != "cuda":
+        return values.to(device)
+    return _staging(device).to_device(values)  # type: ignore[no-any-return]
 
 
 def permute_extend_inputs(batch: Any, row_of: Callable[[str], Optional[RowOrder]]) -> Optional[dict[int, torch.Tensor]]:
@@ -75,8 +112,8 @@ def permute_extend_inputs(batch: Any, row_of: Callable[[str], Optional[RowOrder]
         if row is not None and row.permutes(prefix, prefix + extend):
             positions = row.positions_of_slots(0, prefix + extend)
             fill = req.get_fill_ids()
-            tokens = torch.tensor([fill[p] for p in positions[prefix:]], dtype=ids.dtype)
-            ids[offset: offset + extend] = tokens.to(ids.device)
+            tokens = torch.tensor([fill[p] for p in positions[prefix:]], dtype=torch.int64)
+            ids[offset: offset + extend] = to_device(tokens, ids.device).to(ids.dtype)
             rows[i] = torch.tensor(positions, dtype=torch.int64)
         offset += extend
     return rows or None
@@ -109,10 +146,10 @@ def apply_row_positions(forward_batch: Any, batch: Any, current: ForwardRows = C
         extend = int(extend)
         if i in rows:
             prefix = int(prefix_lens[i])
-            positions = rows[i]
+            positions = to_device(rows[i], device)  # one non-blocking copy per permuted request
             forward_batch.positions[start: start + extend] = positions[prefix: prefix + extend].to(
-                device=device, dtype=forward_batch.positions.dtype)
-            on_device[i] = (int(batch.reqs[i].kv.req_pool_idx), positions.to(device))
+                forward_batch.positions.dtype)
+            on_device[i] = (int(batch.reqs[i].kv.req_pool_idx), positions)
         start += extend
     current.rows = on_device
 
@@ -163,7 +200,7 @@ def triton_position_mask(rows: dict[int, torch.Tensor], seq_lens: list[int], pre
         mask = positions.unsqueeze(0) <= positions[prefix:seq_len].unsqueeze(1)
         masks.append(mask.reshape(-1))
         sizes.append(mask.numel())
-    indptr = torch.cumsum(torch.tensor(sizes, dtype=torch.int64), dim=0).to(device)
+    indptr = to_device(torch.cumsum(torch.tensor(sizes, dtype=torch.int64), dim=0), device)
     return torch.cat(masks).to(device), indptr
 
 

@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 1 << 16  # int64 entries: 512 KiB, far more host slot numbers than a step sends
+
+
+def _host_int64(values: Union[Sequence[int], torch.Tensor]) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.to(torch.int64)
+    return torch.tensor(list(values), dtype=torch.int64)
 
 
 class PinnedStaging:
@@ -50,9 +56,14 @@ class PinnedStaging:
     def _free(self, start: int, end: int) -> bool:
         return all(end <= s or e <= start for s, e, _ in self._in_use)
 
-    def to_device(self, values: Sequence[int]) -> torch.Tensor:
-        """``values`` as an int64 tensor on the device, copied from pinned memory without
-        blocking the host (ordered on the current stream)."""
+    def to_device(self, values: Union[Sequence[int], torch.Tensor]) -> torch.Tensor:
+        """``values`` (host integers, or a CPU integer tensor) as an int64 tensor on the
+        device, copied from pinned memory without blocking the host (ordered on the current
+        stream)."""
+        if isinstance(values, torch.Tensor):
+            if values.device.type != "cpu":
+                raise ValueError(f"staging takes host values; this tensor is on {values.device}")
+            values = values.reshape(-1)
         n = len(values)
         out = torch.empty(n, dtype=torch.int64, device=self.device)
         if n == 0:
@@ -66,11 +77,11 @@ class PinnedStaging:
                                "allocating pinned memory for this transfer (counted, logged once)",
                                n + sum(e - s for s, e, _ in self._in_use), self.capacity)
             staged = self._pin(n, torch.int64)
-            staged.copy_(torch.tensor(list(values), dtype=torch.int64))
+            staged.copy_(_host_int64(values))
             out.copy_(staged, non_blocking=True)
             return out
         region = self._buffer[start: start + n]
-        region.copy_(torch.tensor(list(values), dtype=torch.int64))
+        region.copy_(_host_int64(values))
         out.copy_(region, non_blocking=True)
         self._in_use.append((start, start + n, self._record_event()))
         self._head = start + n

@@ -1,0 +1,64 @@
+"""A step with permuted rows sends its positions and indices to the device without a
+scheduler-thread wait: through one pinned ring (non-blocking copies), and no host read of a
+tensor. Checked on CPU by what the code calls: the ring runs on the recording stand-in for
+``torch.cuda`` (tests/unit/transfer/cuda_recorder.py), which records pinned allocations,
+copies and host reads. Nothing here ran on a GPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pcr_sglang.reuse import rows as permuted_rows
+from pcr_sglang.reuse.bounds import ROWS_ATTR
+from pcr_sglang.reuse.rows import apply_row_positions, triton_position_mask
+from pcr_sglang.transfer.staging import PinnedStaging
+from tests.unit.transfer.cuda_recorder import HostTraffic, RecordingCuda
+
+
+@pytest.fixture
+def staged(monkeypatch):
+    """``rows.to_device`` as on CUDA: the pinned ring, here on the recording stand-in."""
+    cuda = RecordingCuda()
+    staging = PinnedStaging(torch.device("cpu"), cuda.pin, cuda.Event, capacity=256)
+    calls = []
+
+    def to_device(values, device):
+        calls.append(values.numel())
+        return staging.to_device(values)
+
+    monkeypatch.setattr(permuted_rows, "to_device", to_device)
+    return cuda, calls
+
+
+def test_on_cuda_host_values_go_through_the_pinned_ring(monkeypatch):
+    seen = []
+    monkeypatch.setattr(permuted_rows, "_staging", lambda device: SimpleNamespace(
+        to_device=lambda values: seen.append((device, values.tolist())) or values))
+    permuted_rows.to_device(torch.tensor([3, 1]), torch.device("cuda", 0))
+    assert seen == [(torch.device("cuda", 0), [3, 1])]
+    assert permuted_rows.to_device(torch.tensor([2]), torch.device("cpu")).tolist() == [2] and len(seen) == 1
+
+
+def test_a_step_with_permuted_rows_waits_for_nothing_and_allocates_no_pinned_memory(staged):
+    cuda, calls = staged
+    mode = SimpleNamespace(is_extend=lambda: True)
+    forward = SimpleNamespace(positions=torch.zeros(3 + 6, dtype=torch.int32), forward_mode=mode,
+                              extend_prefix_lens_cpu=[4, 2], extend_seq_lens_cpu=[3, 6], seq_lens_cpu=[7, 8])
+    order = torch.tensor([0, 1, 5, 4, 3, 2, 6, 7])
+    reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
+    current = permuted_rows.ForwardRows()
+    pinned = len(cuda.pinned)
+    traffic = HostTraffic(cuda)
+    with traffic:
+        for _ in range(3):  # three steps: the ring is reused, nothing new is pinned
+            apply_row_positions(forward, SimpleNamespace(reqs=reqs, **{ROWS_ATTR: {1: order}}), current)
+            mask, indptr = triton_position_mask({1: current.rows[1][1]}, [7, 8], [4, 2], torch.device("cpu"))
+    assert traffic.host_reads == [] and cuda.synchronizations == 0
+    assert len(cuda.pinned) == pinned
+    staged_copies = [c for c in traffic.copies if c[2]]
+    assert len(staged_copies) == len(calls) == 6 and all(non_blocking for _, non_blocking, _ in staged_copies)
+    assert forward.positions.tolist() == [0, 0, 0, 5, 4, 3, 2, 6, 7]
+    assert indptr.tolist() == [0, 3 * 7, 3 * 7 + 6 * 8]
