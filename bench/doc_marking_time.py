@@ -6,7 +6,8 @@ render and one encode of the whole prompt. This times both on the same conversat
 documents, with the model's real tokenizer and chat template, no server:
 
 * ``plain``: what SGLang does for the same prompt without marking (the documents written
-  into the user message by the client): ``apply_chat_template`` then one ``encode``;
+  into the user message by the client): ``apply_chat_template``, then SGLang's own
+  ``parallel_prompt_encode`` of the rendered text;
 * ``marked``: the server's path for ``documents``: parse them, render around the sentinel,
   encode the leading part, each document alone (one batched call) and the rest, assemble
   the bounds and check the limits.
@@ -84,9 +85,11 @@ def measure(tokenizer: Any, documents: list[str], repeats: int = 50) -> Timing:
     plain_messages = [messages[0], {"role": "user", "content": written}]
     rules = MarkingRules(limits=DocLimits(DEFAULT_DOC_MAX_DOCUMENTS, DEFAULT_DOC_MIN_TOKENS), context_len=1 << 20)
 
-    def plain() -> list[int]:
+    from sglang.srt.entrypoints.openai.parallel_prompt_encode import parallel_prompt_encode
+
+    def plain() -> list[int]:  # SGLang's chat path: render, then its parallel encode of the rendered text
         text = tokenizer.apply_chat_template(plain_messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return parallel_prompt_encode(tokenizer, text, {})
 
     def marked() -> list[int]:
         docs = parse_documents(documents, rules.limits)
