@@ -11,7 +11,9 @@
 # (default: $OUT, else gpu-check-results). Exits non-zero if a step failed or did not run.
 #   kernels-copy      tests/kernels compiled for the GPU (no TRITON_INTERPRET) but for the two
 #                     below: the copy kernel on pin_memory() and on the server's host pool
-#                     (POSIX shared memory + cudaHostRegister)
+#                     (POSIX shared memory + cudaHostRegister in pieces), given the pool's
+#                     device address resolved explicitly (never the CPU tensor); the startup
+#                     warm-up, after which serving-shaped launches compile nothing
 #   kernels-rope      the RoPE re-placement kernel against the torch path
 #   kernels-mask      SGLang's Triton extend attention with the position-causal mask; SKIP
 #                     where SGLang is not installed (the kernel is SGLang's)
@@ -32,7 +34,7 @@ OUTDIR=""
 for arg in "$@"; do
     case "$arg" in
         --cpu-dry-run) DRY_RUN=1 ;;
-        -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "gpu_check: unknown option $arg" >&2; exit 2 ;;
         *) OUTDIR=$arg ;;
     esac
