@@ -11,6 +11,7 @@ On the model: :mod:`~pcr_sglang.reuse.setup` (the startup gate),
 admission), :mod:`~pcr_sglang.reuse.blend_select` (blend's selectors and their probe),
 :mod:`~pcr_sglang.reuse.rows` (true positions and position-causal masks in the forward),
 :mod:`~pcr_sglang.reuse.tokenizer` (the HTTP side: bounds checked at the door, warm-ups),
+:mod:`~pcr_sglang.reuse.reorder` (``reorder``: documents put in an order already served, exact),
 :mod:`~pcr_sglang.reuse.disabled` (the null collaborator the scheduler holds without it).
 The SGLang adapter calls into this wing; the wing never imports the adapter.
 """

@@ -6,8 +6,8 @@ selector and anchor tokens, on the weights it was measured on. A request may ask
 recompute (``pcr_doc_recompute_ratio: 0`` is concat under another name), another mode,
 another selector or other anchors, none of which the file measured. So the gate compares
 each request with what was calibrated: the same mode, at least the calibrated K (``lego``)
-or R (``blend``), and for ``blend`` the same selector and anchor tokens. ``off`` (exact)
-is always allowed. A request outside it is refused (HTTP 400 at the tokenizer; a request
+or R (``blend``), and for ``blend`` the same selector and anchor tokens. The exact modes
+(``bounds.EXACT_MODES``: ``off``, ``reorder``) are always allowed. A request outside it is refused (HTTP 400 at the tokenizer; a request
 that reaches the scheduler anyway is served without document reuse), or, with
 ``--pcr-doc-reuse-calibration-warn``, served and counted by what it overrode
 (``sglang:pcr_doc_reuse_calibration_overrides_total``, ``/server_info``).
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 from pcr_sglang.reuse.bounds import (
     ANCHOR_TOKENS_PARAM,
     DOC_MODE_PARAM,
+    EXACT_MODES,
     RECOMPUTE_RATIO_PARAM,
     RECOMPUTE_TOKENS_PARAM,
     SELECTOR_PARAM,
@@ -74,7 +75,7 @@ class CalibrationGate:
 
     def allows(self) -> str:
         """What a request may ask for, in its parameters' names."""
-        parts = [f"{DOC_MODE_PARAM} {self.mode!r} (or 'off')"]
+        parts = [f"{DOC_MODE_PARAM} {self.mode!r} (or {' or '.join(map(repr, EXACT_MODES))})"]
         if self.mode == "lego":
             parts.append(f"{RECOMPUTE_TOKENS_PARAM} >= {self.tokens}")
         if self.mode == "blend":

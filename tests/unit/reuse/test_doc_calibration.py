@@ -214,7 +214,7 @@ def test_a_request_outside_the_calibration_is_refused_naming_it(asked, named):
         request_recompute(asked, server)
     message = str(refused.value)
     assert message.startswith(named + ": outside this server's calibration smollm2-135m-doc-reuse.json")
-    assert message.endswith("allows pcr_doc_reuse 'blend' (or 'off'), pcr_doc_recompute_ratio >= 0.15, "
+    assert message.endswith("allows pcr_doc_reuse 'blend' (or 'off' or 'reorder'), pcr_doc_recompute_ratio >= 0.15, "
                             "pcr_doc_selector 'gradual', pcr_doc_anchor_tokens 0")
 
 
@@ -226,13 +226,14 @@ def test_what_the_calibration_allows_is_served():
     assert request_recompute({"pcr_doc_recompute_ratio": 0.5}, server).ratio == 0.5  # more recompute
     assert request_recompute({"pcr_doc_recompute_tokens": 0}, server).mode == "blend"  # not blend's knob
     assert request_recompute({"pcr_doc_reuse": "off"}, server) is None  # exact
+    assert request_recompute({"pcr_doc_reuse": "reorder"}, server) is None  # exact too
     lego = _server("lego")
     assert request_recompute({"pcr_doc_recompute_tokens": 32}, lego).tokens == 32
     assert request_recompute({"pcr_doc_selector": "query"}, lego).mode == "lego"  # not lego's knob
     from pcr_sglang.reuse.bounds import DocBoundsError
 
     for asked in ({"pcr_doc_recompute_tokens": 8}, {"pcr_doc_reuse": "blend", "pcr_doc_recompute_ratio": 1.0}):
-        with pytest.raises(DocBoundsError, match="allows pcr_doc_reuse 'lego' \\(or 'off'\\), "
+        with pytest.raises(DocBoundsError, match="allows pcr_doc_reuse 'lego' \\(or 'off' or 'reorder'\\), "
                                                  "pcr_doc_recompute_tokens >= 16$"):
             request_recompute(asked, lego)
     # Without a calibration a request still asks for what it likes.
