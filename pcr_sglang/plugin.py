@@ -42,7 +42,7 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
   ``prepare_for_extend`` and ``SchedulerOutputStreamer.get_cached_tokens_details``
   (AFTER): reused document tokens are reported apart from exact hits (``reuse/usage``);
 * the scheduler's ``_add_request_to_queue`` (AROUND) and the tokenizer manager's
-  ``_validate_one_request`` (AFTER): KV hints (``kv_hints`` action
+  ``_validate_one_request`` and ``_init_req_state`` (AFTER): KV hints (``kv_hints`` action
   ``pcr.lookahead_prefetch``) are checked (HTTP 400), registered for the prefetcher, and a
   hint-only request finishes without a forward (``sglang_adapter/kv_hints``);
 * ``runtime_context.describe_kv_events_publisher`` (AFTER) and
@@ -176,6 +176,10 @@ def register() -> None:
         kv_hints.validate_kv_hints,
         HookType.AFTER,
     )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._init_req_state", kv_hints.stamp_caller,
+        HookType.AFTER,
+    )
 
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
@@ -234,13 +238,24 @@ def _register_documents_as_text(HookRegistry: Any, HookType: Any) -> None:
         HookRegistry.register(f"sglang.srt.entrypoints.engine.Engine.{method}", doc_requests.engine_generate,
                               HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
-                          usage.note_reused_documents, HookType.AFTER)
+                          _note_reused_documents, HookType.AFTER)
     HookRegistry.register(
         "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.get_cached_tokens_details",
         usage.split_cached_details, HookType.AFTER,
     )
     HookRegistry.register("sglang.srt.server_args.ServerArgs.resolve_once", doc_requests.check_format_flag,
                           HookType.AFTER)
+
+
+def _note_reused_documents(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """After SGLang prepares an extend batch: each request's reused document tokens, noted
+    for its ``cached_tokens_details`` (``reuse/usage``)."""
+    cache = _pcr_cache(batch)
+    if cache is not None:
+        from pcr_sglang.reuse import usage
+
+        usage.note_reused_documents(batch.reqs, cache.scheduler.admission.docs)
+    return result
 
 
 def _make_argv_guard(problem: str) -> Callable[..., Any]:

@@ -13,8 +13,8 @@ these details, so it then counts exact hits only; document reuse is counted by
 ``sglang:pcr_hit_chunks_total`` already leaves documents out): a composed hit is never
 reported as an exact one.
 
-* ``ScheduleBatch.prepare_for_extend`` (AFTER): a request's reused document tokens (its
-  reuse plan's) are noted on the request when its extend is prepared;
+* ``ScheduleBatch.prepare_for_extend`` (AFTER, in ``plugin.py``): a request's reused
+  document tokens (its reuse plan's) are noted on the request when its extend is prepared;
 * ``SchedulerOutputStreamer.get_cached_tokens_details`` (AFTER): they are moved out of
   the tiers into ``"documents"``.
 """
@@ -27,19 +27,13 @@ DETAILS_KEY = "documents"
 _ATTR = "_pcr_doc_reused_tokens"
 
 
-def note_reused_documents(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """AFTER ``ScheduleBatch.prepare_for_extend``."""
-    from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
-
-    cache = getattr(batch, "tree_cache", None)
-    if not isinstance(cache, PCRPrefixCache):
-        return result
-    docs = cache.scheduler.admission.docs
-    for req in batch.reqs:
+def note_reused_documents(reqs: Any, docs: Any) -> None:
+    """Note on each of ``reqs`` its reused document tokens (``docs``: the scheduler's
+    document reuse, whose ``reused(rid)`` is the plan a request was loaded with)."""
+    for req in reqs:
         plan = docs.reused(req.rid)
         if plan is not None and plan.prefix_tokens:
             setattr(req, _ATTR, int(plan.prefix_tokens))
-    return result
 
 
 def split_details(details: Any, reused: int) -> Any:
