@@ -1046,3 +1046,57 @@ def test_bad_documents_get_http_400_naming_the_field_on_every_entry_point(server
         response = requests.post(docs.base_url + path, json=body, timeout=60)
         assert response.status_code == 400, (path, response.text)
         assert re.search(message, response.text), (path, response.text)
+
+
+# ------------------------------------------------------------------------ reorder (exact)
+def _served_order(out: dict) -> list[int]:
+    return out["meta_info"]["pcr_doc_order"]
+
+
+def test_reorder_serves_documents_in_a_served_order_token_for_token_as_the_unmarked_prompt(servers, tokenizer):
+    """``pcr_doc_reuse: "reorder"``: documents sent in another order than a sequence served
+    before (or starting with a run of one) are served in that sequence's order, the question
+    last. Each answer equals the no-cache server's answer to the prompt in the served order,
+    unmarked; the documents' KV is an exact prefix hit (nothing reported as document reuse).
+    Another tenant (``cache_salt``) does not follow the first tenant's order."""
+    docs, ref = servers["docs"], servers["nocache"]
+    passages = [a.text[:300] for a in load_wiki_articles()[580:584]]
+    system = "Reorder: answer from the documents."
+
+    def ask(order, question, **extra):
+        prompt = build_doc_prompt(tokenizer, system, [passages[i] for i in order], question)
+        out = docs.generate({"input_ids": prompt.input_ids, **extra,
+                             "sampling_params": prompt.sampling_params(mode="reorder", **SAMPLING)})
+        served = [order[i] for i in _served_order(out)]
+        twin = build_doc_prompt(tokenizer, system, [passages[i] for i in served], question)
+        expected = ref.generate({"input_ids": twin.input_ids, "sampling_params": dict(SAMPLING)})
+        assert out["output_ids"] == expected["output_ids"], (order, served)
+        return out, served, twin
+
+    before = _doc_counters(docs)
+    out, served, _ = ask([0, 1, 2], "What do the documents describe?")
+    assert served == [0, 1, 2]  # nothing served before: as given
+    out, served, twin = ask([2, 0, 1], "Which document is the oldest?")
+    assert served == [0, 1, 2] and _served_order(out) == [1, 2, 0]
+    end = twin.doc_bounds[-1]
+    assert out["meta_info"]["cached_tokens"] >= end // CHUNK_SIZE * CHUNK_SIZE
+    assert out["meta_info"].get("cached_tokens_details", {}).get("documents", 0) == 0
+    out, served, _ = ask([3, 1, 0], "Name one place.")  # a run of two, then the new one
+    assert served == [0, 1, 3]
+    out, served, _ = ask([1, 0], "Who?", cache_salt="another-tenant")
+    assert served == [1, 0]
+    after = _doc_counters(docs)
+    assert after["docs_reused"] == before["docs_reused"]  # exact: no document KV re-placed
+
+
+def test_reorder_applies_to_documents_sent_as_text(servers):
+    docs = servers["docs"]
+    pair = [a.text[:300] for a in load_wiki_articles()[584:586]]
+    text = "Reorder, text documents.\n\n{{documents}}Question: Which?\nAnswer:"
+    sampling = {**SAMPLING, "custom_params": {"pcr_doc_reuse": "reorder"}}
+    first = docs.generate({"text": text, "documents": pair, "sampling_params": sampling})
+    assert _served_order(first) == [0, 1]
+    second = docs.generate({"text": text, "documents": pair[::-1], "sampling_params": sampling})
+    assert _served_order(second) == [1, 0]
+    assert second["output_ids"] == first["output_ids"]  # the same prompt, served twice
+    assert second["meta_info"]["cached_tokens"] > 0
