@@ -226,8 +226,9 @@ class PcrFlags(msgspec.Struct):
         Arg(
             help=(
                 "KV hints: most hints registered per second per tenant (the request's cache_salt, "
-                "else its extra_key; a token bucket of twice as many each); hints over it are "
-                f"answered and dropped. Default: {DEFAULT_HINT_RATE:g}."
+                "else its extra_key; a token bucket of twice as many each), and four times as many "
+                "per caller (the HTTP connection's peer host, whatever salts it sends); hints over "
+                f"either are answered and dropped. Default: {DEFAULT_HINT_RATE:g}."
             )
         ),
     ] = DEFAULT_HINT_RATE

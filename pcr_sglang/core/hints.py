@@ -18,7 +18,14 @@ in flight and landed, and at most a quarter of the host tier, so hints can neith
 out the waiting queue's prefetch nor grow without bound. The
 keys fold in the namespace, ``extra_key`` and ``cache_salt``: a hint can only reach chains
 of its own tenant. ``cache_salt`` is the client's word: a client inventing a new salt per
-request is a new tenant each time, bounded only by the server-wide ``max_live``.
+request is a new tenant each time. So hints also belong to a *caller*, the peer address of
+the HTTP connection that sent them (set by the tokenizer process, never by the client; the
+Engine's own requests are one local caller): each caller has a rate bucket too, of
+``CALLER_RATE_FACTOR`` tenants' rate, and over ``max_live`` the caller holding the most
+live hints loses one first (its fullest tenant's oldest): a client rotating salts is still
+one caller, bounded in rate and pushing out only its own hints. Among callers or tenants
+holding equally many, the newest (whose oldest live hint is the newest) loses, so a
+newcomer matching a victim's count cannot push out the victim's hints.
 
 SGLang-agnostic: the adapter parses the request's ``kv_hints`` and feeds this book.
 """
@@ -55,12 +62,13 @@ class HintPayload:
     ttl_s: float = 15.0
     group: Optional[str] = None  # candidates of one final prompt share a group
     rank: int = 0  # lower first among a group's candidates
+    caller: Optional[str] = None  # CALLER_FIELD: set by the tokenizer process, never taken from a client
 
     @classmethod
     def parse(cls, payload: object) -> HintPayload:
         if not isinstance(payload, dict):
             raise HintError(f"{HINT_ACTION} payload must be an object, got {type(payload).__name__}")
-        unknown = set(payload) - {"hint_only", "ttl_s", "group", "rank"}
+        unknown = set(payload) - {"hint_only", "ttl_s", "group", "rank", CALLER_FIELD}
         if unknown:
             raise HintError(f"{HINT_ACTION} payload has unknown fields {sorted(unknown)}")
         hint_only = payload.get("hint_only", True)
@@ -75,10 +83,21 @@ class HintPayload:
         rank = payload.get("rank", 0)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 1 << 16:
             raise HintError(f"{HINT_ACTION} rank must be an integer in [0, 65535], got {rank!r}")
-        return cls(hint_only, float(ttl), group, rank)
+        caller = payload.get(CALLER_FIELD)
+        if caller is not None and (not isinstance(caller, str) or len(caller) > 256):
+            raise HintError(f"{HINT_ACTION} {CALLER_FIELD} must be a string of at most 256 characters")
+        return cls(hint_only, float(ttl), group, rank, caller)
 
 
 DEFAULT_TENANT = "default"
+# The payload field that carries a hint's caller from the tokenizer process to the
+# scheduler's book (``sglang_adapter/kv_hints``: overwritten there on every request, so a
+# client never chooses it), and the caller of requests that name none.
+CALLER_FIELD = "pcr_caller"
+DEFAULT_CALLER = "local"
+# A caller's bucket holds this many tenants' rate and burst: one client may hint for a few
+# tenants of its own at full rate, never for as many as it can invent salts.
+CALLER_RATE_FACTOR = 4
 # A hint-only request marking documents also hints each one's canonical chain. Those hints
 # count against its tenant's live hints; the request's own rate token covers this many of
 # them, and each further this many take one more of the tenant's tokens (documents the
@@ -130,6 +149,7 @@ class Hint:
     deadline: float
     seq: int = 0  # registration order (newest first when ordering reads)
     tenant: str = DEFAULT_TENANT
+    caller: str = DEFAULT_CALLER
 
 
 @dataclass
@@ -147,16 +167,20 @@ class HintBook:
     stats: HintStats = field(default_factory=HintStats)
     _hints: OrderedDict[str, Hint] = field(default_factory=OrderedDict)  # registration order
     _by_tenant: dict[str, OrderedDict[str, Hint]] = field(default_factory=dict)
+    _by_caller: dict[str, OrderedDict[str, Hint]] = field(default_factory=dict)
     _buckets: dict[str, _Bucket] = field(default_factory=dict)
+    _caller_buckets: dict[str, _Bucket] = field(default_factory=dict)
     _seq: int = 0
     _live: Optional[tuple[Hint, ...]] = None  # live()'s order, until the book changes
 
     def register(self, hint_id: str, keys: Sequence[ChunkKey], payload: HintPayload, now: float,
-                 charge: bool = True, tenant: str = DEFAULT_TENANT) -> bool:
-        """False when ``tenant``'s bucket is empty (the hint is dropped, the request still
-        answered). ``charge=False``: part of a hint already charged (its documents' chains),
-        which still counts against the tenant's live hints."""
-        if charge and not self._take_token(tenant, now):
+                 charge: bool = True, tenant: str = DEFAULT_TENANT, caller: Optional[str] = None) -> bool:
+        """False when ``tenant``'s or ``caller``'s bucket is empty (the hint is dropped, the
+        request still answered; neither bucket is charged then). ``caller`` None: the
+        payload's, else the local caller. ``charge=False``: part of a hint already charged
+        (its documents' chains), which still counts against the tenant's live hints."""
+        caller = caller or payload.caller or DEFAULT_CALLER
+        if charge and not self._take_tokens(tenant, caller, now):
             self.stats.rate_limited += 1
             return False
         if not keys:
@@ -164,64 +188,66 @@ class HintBook:
         ttl = min(payload.ttl_s, self.limits.max_ttl_s)
         self._seq += 1
         self._remove(hint_id)
-        hint = Hint(hint_id, list(keys), payload.group, payload.rank, now + ttl, self._seq, tenant)
+        hint = Hint(hint_id, list(keys), payload.group, payload.rank, now + ttl, self._seq, tenant, caller)
         self._hints[hint_id] = hint
         self._by_tenant.setdefault(tenant, OrderedDict())[hint_id] = hint
+        self._by_caller.setdefault(caller, OrderedDict())[hint_id] = hint
         self._live = None
         self.stats.registered += charge  # hints asked for, not the chains they cover
         while len(self._hints) > self.limits.max_live:
-            self._remove(next(iter(self._by_tenant[self._fullest_tenant()])))
+            self._remove(self._victim())
             self.stats.expired += 1
         return True
 
     def register_documents(self, hint_id: str, chains: Sequence[Sequence[ChunkKey]], payload: HintPayload,
-                           now: float, tenant: str = DEFAULT_TENANT) -> int:
+                           now: float, tenant: str = DEFAULT_TENANT, caller: Optional[str] = None) -> int:
         """The per-document hints of hint-only request ``hint_id`` (registered, and
         charged, just before): ``{hint_id}#doc{n}``, one per marked document's canonical
         chain. The request's token covers the first ``DOC_HINTS_PER_TOKEN``; each further
         ``DOC_HINTS_PER_TOKEN`` take one more of ``tenant``'s tokens, and those the bucket
         cannot pay for are not hinted. Returns how many were registered."""
+        caller = caller or payload.caller or DEFAULT_CALLER
         paid = DOC_HINTS_PER_TOKEN
         for n, chain in enumerate(chains):
             if n == paid:
-                if not self._take_token(tenant, now):
+                if not self._take_tokens(tenant, caller, now):
                     self.stats.documents_unhinted += len(chains) - n
                     return n
                 paid += DOC_HINTS_PER_TOKEN
-            self.register(f"{hint_id}#doc{n}", chain, payload, now, charge=False, tenant=tenant)
+            self.register(f"{hint_id}#doc{n}", chain, payload, now, charge=False, tenant=tenant, caller=caller)
         return len(chains)
 
-    def _fullest_tenant(self) -> str:
-        """The tenant holding the most live hints (of equals, the one with the oldest)."""
-        return max(self._by_tenant, key=lambda t: (len(self._by_tenant[t]),
-                                                   -next(iter(self._by_tenant[t].values())).seq))
+    def _victim(self) -> str:
+        """The hint that goes over ``max_live``: the oldest of the fullest tenant of the
+        caller holding the most live hints."""
+        caller = _fullest(self._by_caller)
+        mine: dict[str, OrderedDict[str, Hint]] = {}
+        for hint_id, hint in self._by_caller[caller].items():
+            mine.setdefault(hint.tenant, OrderedDict())[hint_id] = hint
+        return next(iter(mine[_fullest(mine)]))
 
     def _remove(self, hint_id: str) -> Optional[Hint]:
         hint = self._hints.pop(hint_id, None)
         if hint is not None:
-            own = self._by_tenant[hint.tenant]
-            del own[hint_id]
-            if not own:
-                del self._by_tenant[hint.tenant]
+            for index, name in ((self._by_tenant, hint.tenant), (self._by_caller, hint.caller)):
+                own = index[name]
+                del own[hint_id]
+                if not own:
+                    del index[name]
             self._live = None
         return hint
 
-    def _take_token(self, tenant: str, now: float) -> bool:
-        bucket = self._buckets.get(tenant)
-        if bucket is None:
-            if len(self._buckets) >= _BUCKETS_KEPT:
-                self._forget_full_buckets(now)
-            bucket = self._buckets[tenant] = _Bucket(float(self.limits.burst), now)
-        bucket.tokens = min(float(self.limits.burst), bucket.tokens + (now - bucket.last) * self.limits.rate_per_s)
-        bucket.last = now
-        if bucket.tokens < 1.0:
+    def _take_tokens(self, tenant: str, caller: str, now: float) -> bool:
+        """One token from ``tenant``'s bucket and one from ``caller``'s, or none from either."""
+        rate, burst = self.limits.rate_per_s, float(self.limits.burst)
+        factor = CALLER_RATE_FACTOR
+        own = _refilled(self._buckets, tenant, now, rate, burst)
+        theirs = _refilled(self._caller_buckets, caller, now, rate * factor, burst * factor)
+        if own.tokens < 1.0 or theirs.tokens < 1.0:
             return False
-        bucket.tokens -= 1.0
+        own.tokens -= 1.0
+        theirs.tokens -= 1.0
         return True
-
-    def _forget_full_buckets(self, now: float) -> None:
-        burst, rate = float(self.limits.burst), self.limits.rate_per_s
-        self._buckets = {t: b for t, b in self._buckets.items() if b.tokens + (now - b.last) * rate < burst}
 
     def expire(self, now: float) -> list[Hint]:
         """Drop and return the hints past their deadline."""
@@ -264,13 +290,37 @@ class HintBook:
         self.stats.expired += len(self._hints)
         self._hints.clear()
         self._by_tenant.clear()
+        self._by_caller.clear()
         self._live = None
 
     def live_of(self, tenant: str) -> int:
         return len(self._by_tenant.get(tenant, ()))
 
+    def live_of_caller(self, caller: str) -> int:
+        return len(self._by_caller.get(caller, ()))
+
     def __len__(self) -> int:
         return len(self._hints)
+
+
+def _fullest(index: dict[str, OrderedDict[str, Hint]]) -> str:
+    """The name holding the most live hints; of equals, the newest (whose oldest live hint
+    is the newest): a newcomer that matches another's count loses first, never the other."""
+    return max(index, key=lambda name: (len(index[name]), next(iter(index[name].values())).seq))
+
+
+def _refilled(buckets: dict[str, _Bucket], name: str, now: float, rate: float, burst: float) -> _Bucket:
+    """``name``'s bucket, refilled up to ``now`` (a new one is full). Past ``_BUCKETS_KEPT``
+    buckets, the full ones (the same as a new bucket) are forgotten first."""
+    bucket = buckets.get(name)
+    if bucket is None:
+        if len(buckets) >= _BUCKETS_KEPT:
+            for gone in [n for n, b in buckets.items() if b.tokens + (now - b.last) * rate >= burst]:
+                del buckets[gone]
+        bucket = buckets[name] = _Bucket(burst, now)
+    bucket.tokens = min(burst, bucket.tokens + (now - bucket.last) * rate)
+    bucket.last = now
+    return bucket
 
 
 def _group_of(hint: Hint) -> tuple[str, int, str]:

@@ -10,13 +10,22 @@ look-ahead retrieval predicted) as an ordinary ``/generate`` request carrying::
 
 * ``_validate_one_request`` (AFTER, tokenizer manager): a malformed action is an HTTP 400
   naming the field; other actions are left to whoever implements them.
+* ``_init_req_state`` (AFTER, tokenizer manager): the action's payload gets the request's
+  *caller*, the peer address of the HTTP connection (``pcr_caller``, overwritten on every
+  request: a client never chooses it; the Engine's requests, which have no connection, are
+  one local caller). The hint book rate-limits and shares ``max_live`` per caller as well
+  as per tenant, so a client rotating ``cache_salt`` stays one caller. The peer's host is
+  used, not host and port: a client opening a connection per request would be a new caller
+  each time. SGLang knows one API key per server, which all clients present, so a key
+  says nothing of who sent a request; behind a proxy every client is the proxy's caller.
 * ``Scheduler._add_request_to_queue`` (AROUND): the prompt's chunk keys (under the request's
   namespace, ``extra_key`` and ``cache_salt``, exactly as the final request will hash them)
   are registered with the scheduler side's :class:`~pcr_sglang.core.hints.HintBook`; a
   ``hint_only`` request then finishes at once, with no forward: its ``finish_reason`` is
   ``{"type": "length", "length": 0, "pcr_hint": "registered"}`` (``"ignored"`` without an
   SSD tier, with ``--pcr-hint-budget-mb 0``, or over ``--pcr-hint-rate``, which each tenant
-  has to itself: the request's ``cache_salt``, else its ``extra_key``). Under TP every rank
+  has to itself: the request's ``cache_salt``, else its ``extra_key``; or over its caller's
+  rate, ``CALLER_RATE_FACTOR`` times that). Under TP every rank
   registers it at the clock the ranks agree on. Retracted re-queues and
   requests already finishing pass through untouched.
 
@@ -31,7 +40,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from pcr_sglang.core.hints import HintError, hint_payload
+import msgspec
+
+from pcr_sglang.core.hints import CALLER_FIELD, DEFAULT_CALLER, HINT_ACTION, HintError, hint_payload
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +56,37 @@ def validate_kv_hints(result: Any, manager: Any, obj: Any, *args: Any, **kwargs:
         hint_payload(envelope)
     except HintError as e:
         raise ValueError(str(e)) from None
+    return None
+
+
+def request_caller(request: Any) -> str:
+    """Who sent an HTTP request, as far as the server can tell: its connection's peer host
+    (``request``: the route's ``fastapi.Request``; None for the Engine's own requests)."""
+    client = getattr(request, "client", None) if request is not None else None
+    host = getattr(client, "host", None)
+    return f"peer:{host}" if host else DEFAULT_CALLER
+
+
+def _with_caller(envelope: Any, caller: str) -> Any:
+    if envelope is None or not any(getattr(a, "action_type", None) == HINT_ACTION for a in envelope.actions):
+        return envelope
+    actions = [msgspec.structs.replace(a, payload={**a.payload, CALLER_FIELD: caller})
+               if a.action_type == HINT_ACTION and isinstance(a.payload, dict) else a for a in envelope.actions]
+    return msgspec.structs.replace(envelope, actions=actions)
+
+
+def stamp_caller(result: Any, manager: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``TokenizerManager._init_req_state(obj, request)``: every hint action of the
+    request (one envelope, or one per prompt of a batch) names the request's caller,
+    whatever the client wrote there."""
+    hints = getattr(obj, "kv_hints", None)
+    if hints is None:
+        return None
+    caller = request_caller(request)
+    if isinstance(hints, list):
+        obj.kv_hints = [_with_caller(e, caller) for e in hints]
+    else:
+        obj.kv_hints = _with_caller(hints, caller)
     return None
 
 
