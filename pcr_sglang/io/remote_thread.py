@@ -29,6 +29,13 @@ the breaker trips, and a successor with a new Mooncake client takes the queued w
 (a daemon): it never sends, counts, or writes a host slot again, whenever its call returns,
 because a remote read lands in a buffer of the thread's own and is copied into its host
 slot under the lock that the replacement takes.
+
+Replies never block under that lock, which the main loop takes to hand work over: a reply
+is queued in the thread's outbox and sent without blocking; when the scheduler does not
+take replies (ZMQ's high-water mark reached), the thread takes no new work and retries every
+``OUTBOX_RETRY_S``, releasing the lock meanwhile, so the main loop's local SSD work and its
+watchdog go on. A replacement takes the outbox over and sends it first: replies decided
+before the replacement are delivered, none decided after it.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ _T = TypeVar("_T")
 
 MAX_BACKOFF_S = 30.0
 STATUS_INTERVAL_S = 1.0
+OUTBOX_RETRY_S = 0.01  # how often replies the scheduler has not taken yet are sent again
 
 
 @dataclass
@@ -127,6 +135,7 @@ class RemoteThread:
         self._running: Optional[_Running] = None
         self._replaced = False  # given up on: it never sends, counts or writes a slot again
         self._failed: list[tuple[Any, str]] = []  # a predecessor's hung order, answered first as failed
+        self._outbox: collections.deque[bytes] = collections.deque()  # replies decided, not sent yet (under _cv)
         self._ctx = ctx
         self._socket = ctx.socket(zmq.PUSH)  # this thread's own (ZMQ sockets are per thread)
         self._socket.setsockopt(zmq.LINGER, 1000)
@@ -176,9 +185,11 @@ class RemoteThread:
             self._probes, self._urgent, self._reads, self._writes = (collections.deque() for _ in range(4))
             counters, self.counters = self.counters, RemoteCounters()  # its late counts go nowhere
             on_read, self.on_read = self.on_read, None
+            outbox, self._outbox = self._outbox, collections.deque()  # decided before: the successor sends them
         successor = RemoteThread(self.new_store(), self._ctx, self._replies_endpoint, self.slot, self.faults,
                                  on_read, self.deadline_s, self.new_store)
         successor.counters = counters
+        successor._outbox = outbox
         successor._probes, successor._urgent, successor._reads, successor._writes = queues
         successor.healthy, successor._backoff_s = self.healthy, self._backoff_s
         counters.calls_timed_out += 1
@@ -214,6 +225,8 @@ class RemoteThread:
     def _run(self) -> None:
         self._socket.connect(self._replies_endpoint)
         try:
+            if not self._drain_outbox():
+                return
             for item, why in self._failed:  # a predecessor's hung order: failed, whatever the breaker says
                 self._fail(item, f"remote tier: {why}")
             self._failed = []
@@ -226,6 +239,8 @@ class RemoteThread:
                 return
             self._send_status(force=True)
             while True:
+                if not self._drain_outbox():  # no new work while the scheduler takes no replies
+                    return
                 item = queue = None
                 with self._cv:
                     while not (self._probes or self._urgent or self._reads or self._writes):
@@ -400,8 +415,28 @@ class RemoteThread:
                 memoryview(self.slot(into_slot)).cast("B")[:] = self._scratch
             if final:
                 self._running = None
-            self._socket.send(reply_encoder.encode(reply))
+            self._outbox.append(reply_encoder.encode(reply))
+            self._send_outbox()
             return True
+
+    def _send_outbox(self) -> bool:
+        """Send the outbox's replies in order without blocking (under ``_cv``); False when
+        some wait (the scheduler has not taken enough replies yet)."""
+        while self._outbox:
+            try:
+                self._socket.send(self._outbox[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            self._outbox.popleft()
+        return True
+
+    def _drain_outbox(self) -> bool:
+        """Wait until every reply decided is sent, releasing the lock between tries (the
+        main loop hands work over and runs its watchdog meanwhile); False: replaced."""
+        with self._cv:
+            while not self._replaced and not self._send_outbox():
+                self._cv.wait(OUTBOX_RETRY_S)
+            return not self._replaced
 
     def _send_status(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -583,6 +583,16 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/lookahead-retrieval.md, Hints per tenant: the caller is set over what the client wrote (review N14)",
         breaks="the pcr_caller a client writes in its hint's payload is taken as its caller",
     ),
+    Mutant(
+        name="remote-reply-sent-blocking-under-the-lock",
+        kind="unit",
+        file="pcr_sglang/io/remote_thread.py",
+        original="            self._outbox.append(reply_encoder.encode(reply))\n            self._send_outbox()",
+        replacement="            self._socket.send(reply_encoder.encode(reply))",
+        tests=(UNIT + "io/test_remote_replies.py",),
+        claim="docs/scale-out.md, The remote tier: replies never block the I/O process (issue 39, left open)",
+        breaks="a scheduler that takes no replies blocks the remote thread in its send under the main loop's lock",
+    ),
     # ---------------------------------------------------------------- issue 39, item 4: review N3, N10, N7, N12, N13(b)
     Mutant(
         name="weight-update-session-begin-keeps-the-namespace",
