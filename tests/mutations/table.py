@@ -835,6 +835,18 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/document-reuse.md, reorder: the answer is the unmarked prompt's in the order served",
         breaks="the response names an order the tokens were not served in",
     ),
+    Mutant(
+        name="reorder-not-applied-at-send",
+        kind="unit",
+        file="pcr_sglang/reuse/tokenizer.py",
+        original='''    """AROUND ``TokenizerManager._send_one_request``."""
+    _reorder(manager, tokenized)''',
+        replacement='''    """AROUND ``TokenizerManager._send_one_request``."""''',
+        tests=(UNIT + "reuse/test_doc_reorder.py",),
+        k="send_hooks",
+        claim="docs/document-reuse.md, reorder: every marked request passes the send hooks, text documents too",
+        breaks="a single request in mode reorder reaches the scheduler in the client's order",
+    ),
     # ---------------------------------------------------------------- issue 39, item 4: review N9
     Mutant(
         name="warm-ups-not-capped-per-tenant",

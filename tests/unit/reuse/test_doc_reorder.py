@@ -255,3 +255,30 @@ def test_a_reorder_server_needs_no_page_size_one_and_no_calibration_of_its_mode(
     config.validate(page_size=16)  # nothing re-placed: no token-by-token row
     assert reuse_settings.calibration_verdict(config) is None
     assert reuse_settings.recompute(config).mode == "reorder"
+
+
+def test_the_send_hooks_reorder_before_the_scheduler_sees_the_request_and_warm_nothing():
+    """What reaches SGLang's ``_send_one_request`` / ``_send_batch_request``: the request in
+    the order served before, on a reorder server (no warm-ups: nothing to re-place)."""
+    from pcr_sglang.reuse.tokenizer import send_after_warming, send_batch_after_warming
+
+    sent = []
+
+    async def original(manager, tokenized, *args, **kwargs):
+        sent.append(tokenized if isinstance(tokenized, list) else [tokenized])
+
+    class Manager(SimpleNamespace):
+        _send_one_request = original  # what a batch's warm-ups would be sent with
+
+    manager = Manager(server_args=SimpleNamespace(enable_pcr=True, pcr_doc_reuse="reorder"), rid_to_state={})
+    tokens, spans = prompt("ABC")
+    swapped, swapped_spans = prompt("BCA")
+    asyncio.run(send_after_warming(original, manager, tokenized(tokens, flat(spans), {DOC_BOUNDS_PARAM: flat(spans)})))
+    asyncio.run(send_batch_after_warming(original, manager, [
+        tokenized(swapped, flat(swapped_spans), {DOC_BOUNDS_PARAM: flat(swapped_spans)}, rid="b1")]))
+    assert [list(t.input_ids) for batch in sent for t in batch] == [tokens, tokens]
+    assert manager._pcr_doc_warmer is False  # an exact server warms nothing
+    off = SimpleNamespace(server_args=SimpleNamespace(enable_pcr=False, pcr_doc_reuse="off"), rid_to_state={})
+    request = tokenized(swapped, flat(swapped_spans))
+    asyncio.run(send_after_warming(original, off, request))  # no PCR: served as sent
+    assert list(request.input_ids) == swapped
