@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from pcr_sglang.core.hints import HintLimits
 from pcr_sglang.flags import (
+    DEFAULT_BLEND_PROBE_MB,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_DOC_MAX_DOCUMENTS,
     DEFAULT_DOC_MIN_TOKENS,
@@ -74,6 +75,7 @@ class PCRConfig:
     doc_recompute_tokens: int = DEFAULT_DOC_RECOMPUTE_TOKENS
     doc_recompute_ratio: float = DEFAULT_DOC_RECOMPUTE_RATIO
     doc_anchor_tokens: int = 0
+    blend_probe_mb: int = DEFAULT_BLEND_PROBE_MB
     doc_selector: str = DEFAULT_DOC_SELECTOR
     doc_reuse_calibration: Optional[str] = None  # a pcr_tools.calibrate file
     doc_reuse_calibration_warn: bool = False
@@ -109,6 +111,7 @@ class PCRConfig:
             doc_recompute_tokens=getattr(args, "pcr_doc_recompute_tokens", DEFAULT_DOC_RECOMPUTE_TOKENS),
             doc_recompute_ratio=getattr(args, "pcr_doc_recompute_ratio", DEFAULT_DOC_RECOMPUTE_RATIO),
             doc_anchor_tokens=getattr(args, "pcr_doc_anchor_tokens", 0),
+            blend_probe_mb=getattr(args, "pcr_blend_probe_mb", DEFAULT_BLEND_PROBE_MB),
             doc_selector=getattr(args, "pcr_doc_selector", DEFAULT_DOC_SELECTOR),
             doc_reuse_calibration=getattr(args, "pcr_doc_reuse_calibration", None) or None,
             doc_reuse_calibration_warn=bool(getattr(args, "pcr_doc_reuse_calibration_warn", False)),

@@ -41,6 +41,8 @@ DEFAULT_PREFETCH_BUDGET_MB = 256
 # The shared remote tier (pcr_sglang.tiers.remote_store): off, or the store it runs on.
 REMOTE_CHOICES = ["off", "mooncake"]
 DEFAULT_REMOTE = "off"
+# blend's probe (pcr_sglang.reuse.blend_select): scratch one selection may need at most.
+DEFAULT_BLEND_PROBE_MB = 1024
 # KV hints (pcr_sglang.core.hints): reads for hinted chains come after the queue's own.
 DEFAULT_HINT_BUDGET_MB = 128
 DEFAULT_HINT_MAX_TTL_S = 30.0
@@ -361,6 +363,18 @@ class PcrFlags(msgspec.Struct):
             )
         ),
     ] = 0
+    pcr_blend_probe_mb: A[
+        int,
+        Arg(
+            help=(
+                "--pcr-doc-reuse blend: the most scratch memory (MiB) its probe may need for one "
+                "request's selection (activations, gathered keys, one block of attention scores), "
+                "estimated before it runs beside the forward in flight; a request that would need "
+                "more is recomputed instead. Keep it inside what --mem-fraction-static leaves free. "
+                f"Default: {DEFAULT_BLEND_PROBE_MB}."
+            )
+        ),
+    ] = DEFAULT_BLEND_PROBE_MB
     pcr_doc_selector: A[
         str,
         Arg(

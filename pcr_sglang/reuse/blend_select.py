@@ -139,11 +139,63 @@ def _v_deviation(v: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> 
     return (v.float() - v_pool[slots].float()).square().sum(dim=(1, 2))
 
 
+class ProbeBudgetError(RuntimeError):
+    """The probe would need more scratch memory than ``--pcr-blend-probe-mb``: the request
+    is recomputed instead (the caller's fallback for any failed probe)."""
+
+
+def _width(module: Any, fallback: int) -> int:
+    """Output width of a (possibly tensor-parallel) linear layer, or ``fallback``."""
+    for name in ("output_size_per_partition", "out_features"):
+        value = getattr(module, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    weight = getattr(module, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else fallback
+
+
 class BlendProbe:
-    def __init__(self, model: Any, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, model: Any, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+                 scratch_bytes: Optional[int] = None):
+        """``scratch_bytes`` (``--pcr-blend-probe-mb``): the most scratch memory one
+        selection may need by :meth:`scratch_estimate`; a request that would need more is
+        refused before anything is allocated (:class:`ProbeBudgetError`), so the probe,
+        which runs beside a forward in flight, never takes more than this."""
         self.embed = model.model.embed_tokens
         self.layers = list(model.model.layers)[:probe_layers(len(kv_layers))]
         self.kv_layers = kv_layers
+        self.scratch_bytes = scratch_bytes
+
+    def scratch_estimate(self, tokens: int, prefix: int, question: int = 0) -> int:
+        """Bytes of scratch one selection over ``tokens`` probed tokens after ``prefix``
+        cached ones (and ``question`` question tokens) needs at most, approximately: per
+        probed token its residual stream, projections and MLP activations (model dtype);
+        the keys and values gathered for one layer (float32 at worst, twice: layer 0's are
+        kept); one block of attention scores (float32: the scores, their softmax and the
+        mask) of at most ``SCORE_ELEMENTS``."""
+        weight = getattr(self.embed, "weight", None)
+        element = weight.element_size() if isinstance(weight, torch.Tensor) else 4
+        hidden = int(weight.shape[1]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 4096
+        attn = self.layers[0].self_attn
+        heads = max(1, int(getattr(attn, "q_size", hidden)) // max(1, int(getattr(attn, "head_dim", 1))))
+        kv_size = int(getattr(attn, "kv_size", hidden))
+        mlp = getattr(self.layers[0], "mlp", None)
+        inter = _width(getattr(mlp, "gate_up_proj", mlp), 8 * hidden)
+        n = tokens + question
+        keys = prefix + n
+        activations = n * (4 * hidden + int(getattr(attn, "q_size", hidden)) + 2 * kv_size + inter * 3 // 2) * element
+        gathered = 2 * keys * 2 * kv_size * 4
+        scores = min(SCORE_ELEMENTS, heads * max(n, 1) * keys) * (4 + 4 + 1)
+        return int(activations + gathered + scores)
+
+    def _check_budget(self, tokens: int, prefix: int, question: int) -> None:
+        if self.scratch_bytes is None:
+            return
+        need = self.scratch_estimate(tokens, prefix, question)
+        if need > self.scratch_bytes:
+            raise ProbeBudgetError(
+                f"blend's probe would need about {need / 2**20:.0f} MiB of scratch for {tokens} tokens after a "
+                f"{prefix}-token prefix, over --pcr-blend-probe-mb {self.scratch_bytes / 2**20:.0f}: recomputed")
 
     def layers_read(self, selector: str) -> int:
         """How many leading layers of the pool ``selector`` reads (they must be copied first)."""
@@ -167,7 +219,10 @@ class BlendProbe:
         question selectors'; without them those rank by deviation). Nothing here waits
         for the device: the caller reads ``chosen`` back after writing ``exact``.
         ``gap_offsets``: tokens with no cached KV (the forward computes them in place),
-        which the question cannot see above layer 1 before then."""
+        which the question cannot see above layer 1 before then. A selection that would
+        need more than ``scratch_bytes`` raises :class:`ProbeBudgetError` first."""
+        self._check_budget(int(token_ids.shape[0]), int(prefix_slots.shape[0]),
+                           int(question_ids.shape[0]) if question_ids is not None else 0)
         first = self.layer1(token_ids, positions, prefix_slots, reused_slots)
         exact = [ExactKv(1, candidates, first.k1[candidates], first.v1[candidates])]
         if count <= 0:

@@ -149,7 +149,11 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
         problem = recompute_support(tp_worker, model, tp_size)
         if problem is not None:
             raise PCRConfigError(f"{flag} is refused: {problem}")
-        probe = BlendProbe(model, kv_layers)
+        if isinstance(config.blend_probe_mb, bool) or not isinstance(config.blend_probe_mb, int) \
+                or config.blend_probe_mb <= 0:
+            raise PCRConfigError(f"--pcr-blend-probe-mb must be a positive number of MiB, "
+                                 f"got {config.blend_probe_mb!r}")
+        probe = BlendProbe(model, kv_layers, scratch_bytes=config.blend_probe_mb << 20)
         fill_gaps = True  # DocReuse fills gaps in every recompute mode (its rows are permuted anyway)
     else:
         gap_problem = row_flags_problem or permuted_row_support(tp_worker, tp_size)

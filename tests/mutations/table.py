@@ -1024,3 +1024,19 @@ def by_name() -> dict[str, Mutant]:
         claim="docs/architecture.md, On a GPU: permuted rows' positions cross through the pinned ring",
         breaks="each permuted request's positions cross with a pageable (synchronous) copy",
     ),
+    Mutant(
+        name="gpu-blend-probe-over-its-budget-runs",
+        kind="unit",
+        file="pcr_sglang/reuse/blend_select.py",
+        original="        if need > self.scratch_bytes:",
+        replacement="        if False:",
+        tests=("tests/unit/reuse/test_blend_probe_budget.py",),
+        k="over_the_budget",
+        claim="docs/architecture.md, On a GPU: the blend probe's scratch is held to --pcr-blend-probe-mb",
+        breaks="a selection needing more scratch than --pcr-blend-probe-mb runs beside the forward in flight",
+    ),
+)
+
+
+def by_name() -> dict[str, Mutant]:
+    return {m.name: m for m in MUTANTS}
