@@ -234,6 +234,10 @@ def test_reorder_is_an_exact_mode_of_the_request_contract():
     assert "reorder" in EXACT_MODES and "reorder" in REQUEST_MODES
     for server in ("off", "reorder", "concat", "blend"):
         assert request_recompute({DOC_MODE_PARAM: "reorder"}, Recompute(server)) is None  # the scheduler: exact
+    from pcr_sglang.reuse.bounds import DocBoundsError
+
+    with pytest.raises(DocBoundsError, match="this server runs --pcr-doc-reuse reorder"):
+        request_recompute({DOC_MODE_PARAM: "blend"}, Recompute("reorder"))  # nothing re-placed on it: a 400
 
 
 def test_a_calibration_never_refuses_reorder():
