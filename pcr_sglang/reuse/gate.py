@@ -7,8 +7,9 @@ recompute (``pcr_doc_recompute_ratio: 0`` is concat under another name), another
 another selector or other anchors, none of which the file measured. So the gate compares
 each request with what was calibrated: the same mode, at least the calibrated K (``lego``)
 or R (``blend``), and for ``blend`` the same selector and anchor tokens. The exact modes
-(``bounds.EXACT_MODES``: ``off``, ``reorder``) are always allowed. A request outside it is refused (HTTP 400 at the tokenizer; a request
-that reaches the scheduler anyway is served without document reuse), or, with
+(``bounds.EXACT_MODES``: ``off``, ``reorder``) are always allowed. A request outside it is
+refused (HTTP 400 at the tokenizer; a request that reaches the scheduler anyway is served
+without document reuse), or, with
 ``--pcr-doc-reuse-calibration-warn``, served and counted by what it overrode
 (``sglang:pcr_doc_reuse_calibration_overrides_total``, ``/server_info``).
 
