@@ -21,7 +21,8 @@ Why these configurations, in short:
   two-batch overlap the second micro-batch has not written it yet;
 * layer-wise loads (and document re-placements) are waited for, or run, when the forward
   first reads layer ``i`` (SGLang's per-layer hook); a full prefill CUDA graph replays the
-  forward without running that hook;
+  forward without running that hook, and that a breakable one (SGLang's default on CUDA)
+  runs it at replay has not been shown on a GPU yet;
 * pipeline stages would share one cache namespace (and one SSD directory), and a read's
   outcome is agreed across TP ranks only, not across stages;
 * ``concat`` under TP: a document copy failing on one rank would change that rank's
