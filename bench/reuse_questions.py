@@ -153,9 +153,17 @@ def summarize_full(rows: Sequence[dict[str, Any]], prompts: Sequence[GoldPrompt]
 def target_lines(summaries: dict[str, dict[str, dict[str, Any]]], default_mode: str) -> list[str]:
     """Issue 28's targets for the tuned model, each with where it stands (never assumed met)."""
     tuned, base = summaries.get("tuned"), summaries.get("base")
-    if not tuned or not base:
-        return ["targets: need both the base and the tuned model (--models base,tuned)"]
     lines = []
+    for name, modes in summaries.items():  # reorder (issue 40): on every model measured
+        s, own_full = modes.get("reorder"), modes.get(FULL)
+        if s and own_full:
+            f1, floor = (s.get("f1") or {}).get("mean"), (own_full.get("noise_floor_f1") or {}).get("mean")
+            verdict = "n/a" if f1 is None or floor is None else \
+                f"{f1:.3f} vs {floor:.3f} -> {'met' if f1 >= floor else f'missed by {floor - f1:.3f}'}"
+            lines.append(f"{name}, reorder (exact; served in the noise floor's shuffled order): free-running F1 vs "
+                         f"own full prefill >= noise floor: {verdict}")
+    if not tuned or not base:
+        return lines + ["targets: need both the base and the tuned model (--models base,tuned)"]
 
     def pct(s: dict[str, Any], metric: str) -> Optional[float]:
         return (s.get(metric + "_pct_of_base_full") or {}).get("mean")
@@ -187,12 +195,6 @@ def target_lines(summaries: dict[str, dict[str, dict[str, Any]]], default_mode: 
         check("free-running F1 >= 90% of the noise floor", mean(s, "f1"), None if floor is None else 0.9 * floor)
         for metric in ("lead_f1", "em_needle", "em_two_hop"):
             check(f"{metric}, % of base full prefill >= 90%", pct(s, metric), 0.90)
-    for name in ("base", "tuned"):
-        if "reorder" in summaries[name]:
-            s, own_full = summaries[name]["reorder"], summaries[name][FULL]
-            lines.append(f"{name}, reorder (exact; served in the order the noise floor shuffles to):")
-            check("free-running F1 vs own full prefill >= noise floor", mean(s, "f1"),
-                  mean(own_full, "noise_floor_f1"))
     lines.append("tuned, unmarked (full prefill on the tuned weights):")
     for metric in ("lead_f1", "em_needle", "em_two_hop"):
         check(f"{metric}, % of base full prefill >= 98%", pct(tuned[FULL], metric), 0.98)

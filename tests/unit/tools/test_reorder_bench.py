@@ -142,3 +142,16 @@ def test_the_ttft_benchmark_measures_reorder_beside_an_exact_hit_of_the_same_len
     starts = [StartResult("base", 0, "doc-reuse", 1.0, {"reorder": 0.105, EXACT_HIT: 0.100})]
     text = markdown(summarize(starts, ["base"], ["reorder", EXACT_HIT]), ["base"], ["reorder", EXACT_HIT])
     assert "| base | +5.0% |" in text
+
+
+def test_the_accuracy_report_holds_reorder_to_the_noise_floor_on_every_model():
+    from bench.reuse_questions import FULL as QUESTIONS_FULL
+    from bench.reuse_questions import target_lines
+
+    summaries = {"base": {QUESTIONS_FULL: {"noise_floor_f1": {"mean": 0.6}}, "reorder": {"f1": {"mean": 0.6}}},
+                 "tuned": {QUESTIONS_FULL: {"noise_floor_f1": {"mean": 0.7}}, "reorder": {"f1": {"mean": 0.65}}}}
+    lines = target_lines({"base": summaries["base"]}, "blend")
+    assert "base, reorder" in lines[0] and lines[0].endswith("0.600 vs 0.600 -> met")
+    assert lines[-1].startswith("targets: need both")
+    both = "\n".join(target_lines(summaries, "blend"))
+    assert "tuned, reorder" in both and "0.650 vs 0.700 -> missed by 0.050" in both
