@@ -105,6 +105,17 @@ class EffectsExecutor:
             return
         self.io.submit(order)
 
+    def cancel_deferred(self) -> None:
+        """A reset (``/flush_cache``, a weight update's move): the orders kept back for
+        their host slot's copies never reach the I/O process; they end cancelled once the
+        ranks agree, which releases their slots. Sent after the reset, a write would persist
+        a chunk of the tree just forgotten (after a weight update, the old weights' chunk
+        into the new namespace's directory and the fleet's store). A released slot is safe
+        to reuse: an I/O order into it is kept back again until its copies complete."""
+        for order in self.deferred:
+            self.finished[order.seq] = (IoOutcome.CANCELLED, 0.0)
+        self.deferred = []
+
     def send_deferred(self) -> None:
         """Send the kept orders whose host slot is ready now, urgent reads first."""
         if not self.deferred or self.io is None or self.engine is None:

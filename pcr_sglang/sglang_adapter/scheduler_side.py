@@ -252,6 +252,7 @@ class SchedulerSide:
         self.probes.clear()
         self.docs.reset()
         self.keys.forget()
+        self.executor.cancel_deferred()  # CUDA: orders still waiting for their slot's copies
         self.executor.execute(self.state.reset(keep_persisted))
 
     def rekey(self, chain_digest: bytes) -> None:

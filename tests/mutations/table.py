@@ -593,6 +593,17 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/scale-out.md, The remote tier: replies never block the I/O process (issue 39, left open)",
         breaks="a scheduler that takes no replies blocks the remote thread in its send under the main loop's lock",
     ),
+    Mutant(
+        name="deferred-orders-survive-a-reset",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/scheduler_side.py",
+        original="        self.executor.cancel_deferred()  # CUDA: orders still waiting for their slot's copies\n",
+        replacement="",
+        tests=(UNIT + "sglang_adapter/test_ssd_namespaces.py::"
+               "test_orders_kept_back_for_their_copies_do_not_outlive_a_weight_update",),
+        claim="docs/ssd-store.md, The I/O process: orders kept back for their copies end at a reset (issue 39, left open)",
+        breaks="writes kept back for their host slot's copies are sent after a weight update, into the new namespace",
+    ),
     # ---------------------------------------------------------------- issue 39, item 4: review N3, N10, N7, N12, N13(b)
     Mutant(
         name="weight-update-session-begin-keeps-the-namespace",

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+from pcr_sglang.core.orders import WriteChunk
 from pcr_sglang.sglang_adapter.factory import move_namespace
 from pcr_sglang.sglang_adapter.fingerprint import IN_MEMORY_UPDATE_TAG
 from pcr_sglang.sglang_adapter.metrics import PCRMetrics
@@ -145,4 +146,27 @@ def test_the_ssd_tier_switching_its_writes_off_is_a_gauge_and_a_server_info_stat
     assert REGISTRY.get_sample_value("sglang:pcr_ssd_tier_up", up) == 0
     tier = build_report(h.cache)["ssd"]["tier"]
     assert tier["state"] == "writes_off" and target in tier["reason"] and "writable by other users" in tier["reason"]
+    h.check()
+
+
+def test_orders_kept_back_for_their_copies_do_not_outlive_a_weight_update(make, tmp_path, monkeypatch):
+    """On CUDA an SSD order waits in the executor until the copies touching its host slot
+    complete. Such orders used to survive the reset of a weight update and were sent after
+    it: the old weights' chunks were written into the new namespace's directory. Here the
+    copies are held back the way a GPU's would be (on the CPU they complete inline)."""
+    h = make(host_slots=8, ssd_path=tmp_path / "ssd")
+    h.serve(prompt(100))
+    engine = h.scheduler.executor.engine
+    monkeypatch.setattr(engine, "host_slot_ready", lambda slot: False)
+    h.cache.evict(EvictParams(num_tokens=10**6))  # demoted to host memory: their writes wait for the copies
+    assert len(h.scheduler.executor.deferred) == 3
+    move(h, "ckpt-b")
+    io, sent = h.scheduler.io, []
+    submit = io.submit
+    monkeypatch.undo()  # the copies complete
+    monkeypatch.setattr(io, "submit", lambda order: (sent.append(order), submit(order)))
+    h.drain_io()
+    assert [o for o in sent if isinstance(o, WriteChunk)] == []  # no write of the old weights' chunks
+    assert h.state.ssd_stats.cancelled_writes == 3
+    assert h.cache.store.scan() == []
     h.check()
