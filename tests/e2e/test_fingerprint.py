@@ -125,6 +125,18 @@ def test_a_weight_update_in_place_never_serves_the_old_weights_kv(tiny_model, mo
         assert server.pcr_state()["namespace"]["model_fingerprint"] == before
         outputs_again, cached_again = _run(server, prompts)
         state = server.pcr_state(check_invariants=True)
-    assert outputs_again == outputs_a
-    assert sum(cached_again) > 0 and state["ssd"]["counters"]["hit_chunks"] > hits_before
-    assert state["invariants"]["ok"]
+        assert outputs_again == outputs_a
+        assert sum(cached_again) > 0 and state["ssd"]["counters"]["hit_chunks"] > hits_before
+        assert state["invariants"]["ok"]
+
+        # review N3, through SGLang's real updater: opening a session moves the keys at
+        # once (weights may be written in device memory from then on), so what is served
+        # during it neither reads nor is kept under A's namespace; the flush moves the tiers.
+        for route in ("begin_weight_update", "flush_cache"):
+            r = requests.post(f"{server.base_url}/{route}", json={}, timeout=60)
+            assert r.status_code == 200, (route, r.text)
+        assert server.pcr_state()["namespace"]["model_fingerprint"].startswith("in-memory-update:")
+        outputs_session, cached_session = _run(server, prompts)
+        r = requests.post(f"{server.base_url}/end_weight_update", json={}, timeout=60)
+        assert r.status_code == 200, r.text
+    assert outputs_session == outputs_a and cached_session == [0] * len(prompts)

@@ -618,6 +618,16 @@ MUTANTS: tuple[Mutant, ...] = (
                "after a rollback",
     ),
     Mutant(
+        name="weight-update-session-begin-keeps-the-namespace-on-a-server",
+        kind="e2e",
+        file="pcr_sglang/sglang_adapter/weight_updates.py",
+        original='        return getattr(manager, "_session", None) is None  # SGLang refuses a second open session',
+        replacement="        return False",
+        tests=(E2E + "test_fingerprint.py::test_a_weight_update_in_place_never_serves_the_old_weights_kv",),
+        claim="docs/architecture.md, Weight updates in place: the opening of a session moves the namespace (review N3)",
+        breaks="through SGLang's real /begin_weight_update, what is served during a session is A's cached KV",
+    ),
+    Mutant(
         name="weight-update-session-begin-not-hooked",
         kind="unit",
         file="pcr_sglang/sglang_adapter/weight_updates.py",
