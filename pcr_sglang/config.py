@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from pcr_sglang.core.hints import HintLimits
 from pcr_sglang.flags import (
+    AUTO_LAYERWISE,
     DEFAULT_BLEND_PROBE_MB,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_DOC_MAX_DOCUMENTS,
@@ -49,6 +50,19 @@ from pcr_sglang.flags import (
 from pcr_sglang.tiers.remote_store import RemoteConfig, RemoteConfigError, load_fleet_key
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_layerwise(layerwise: str, args: Any) -> str:
+    """``--pcr-layerwise auto``: ``both``, or ``offload`` when SGLang's prefill CUDA graph
+    is on (``--cuda-graph-backend-prefill``, ``breakable`` by default on CUDA): loads
+    waited for layer by layer under a prefill graph are refused until a GPU run shows the
+    waits at replay, and a default that every GPU refuses would be no default. Other
+    values are the user's, kept as given (and refused there when they cannot run)."""
+    if layerwise != AUTO_LAYERWISE:
+        return layerwise
+    graphs = getattr(args, "cuda_graph_config", None)
+    backend = str(getattr(getattr(graphs, "prefill", None), "backend", "disabled") or "disabled").lower()
+    return DEFAULT_LAYERWISE if backend in ("disabled", "none") else "offload"
 
 
 class PCRConfigError(ValueError):
@@ -97,7 +111,7 @@ class PCRConfig:
             chunk_size=getattr(args, "pcr_chunk_size", DEFAULT_CHUNK_SIZE),
             lookahead_window=getattr(args, "pcr_lookahead_window", DEFAULT_LOOKAHEAD_WINDOW),
             dram_gb=getattr(args, "pcr_dram_gb", 0.0),
-            layerwise=getattr(args, "pcr_layerwise", DEFAULT_LAYERWISE),
+            layerwise=resolve_layerwise(getattr(args, "pcr_layerwise", AUTO_LAYERWISE), args),
             ssd_path=getattr(args, "pcr_ssd_path", None) or None,
             ssd_gb=getattr(args, "pcr_ssd_gb", 0.0),
             ssd_reserve_gb=getattr(args, "pcr_ssd_reserve_gb", 1.0),

@@ -23,7 +23,10 @@ DEFAULT_CHUNK_SIZE = 64
 # small capacities; 8 keeps the per-step cost (chunks matched by 8 queued requests) small.
 DEFAULT_LOOKAHEAD_WINDOW = 8
 LAYERWISE_CHOICES = ["off", "load", "offload", "both"]
-DEFAULT_LAYERWISE = "both"
+DEFAULT_LAYERWISE = "both"  # what "auto" is without a prefill CUDA graph
+# The flag's default: "both", or "offload" where a prefill CUDA graph is on (layer-wise
+# loads under one are refused until a GPU run shows their waits at replay).
+AUTO_LAYERWISE = "auto"
 SSD_WRITE_CHOICES = ["through", "on-evict"]
 DEFAULT_SSD_WRITE = "through"
 SSD_DURABILITY_CHOICES = ["record", "batch", "none"]
@@ -137,11 +140,13 @@ class PcrFlags(msgspec.Struct):
                 "host memory right after each layer writes them, so evicting them later "
                 "needs no copy), 'both', or 'off' (whole-chunk copies when a chunk is "
                 "admitted or evicted). Needs --pcr-dram-gb. "
-                f"Default: {DEFAULT_LAYERWISE}."
+                f"Default: {AUTO_LAYERWISE}: {DEFAULT_LAYERWISE}, or offload when a prefill CUDA graph "
+                "is on (--cuda-graph-backend-prefill), whose replay has not been shown to wait for "
+                "layer-wise loads yet."
             ),
-            choices=LAYERWISE_CHOICES,
+            choices=[AUTO_LAYERWISE, *LAYERWISE_CHOICES],
         ),
-    ] = DEFAULT_LAYERWISE
+    ] = AUTO_LAYERWISE
     pcr_ssd_path: A[
         Optional[str],
         Arg(

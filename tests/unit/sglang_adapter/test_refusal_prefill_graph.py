@@ -38,3 +38,20 @@ def test_the_rule_runs_with_the_others_and_the_full_graph_advice_is_not_refused_
     full = refusals.check_full_prefill_graph(inputs("both", "full"))
     assert full is not None and "--cuda-graph-backend-prefill disabled" in full
     assert refusals.unsupported_reasons(inputs("both", "disabled")) == []
+
+
+@pytest.mark.parametrize("backend, resolved", [("breakable", "offload"), ("full", "offload"),
+                                               ("disabled", "both"), (None, "both")])
+def test_the_default_layerwise_setting_is_served_under_sglangs_default_prefill_graph(backend, resolved):
+    """SGLang's prefill graph is ``breakable`` by default on CUDA, so a default of ``both``
+    would refuse ``--enable-pcr --pcr-dram-gb N`` on every GPU: ``auto`` (the flag's
+    default) takes ``offload`` there, ``both`` without a prefill graph (CPU); a value the
+    user gives is kept, and refused as above."""
+    graphs = None if backend is None else SimpleNamespace(prefill=SimpleNamespace(backend=backend))
+    args = SimpleNamespace(enable_pcr=True, pcr_dram_gb=0.01, pcr_layerwise="auto", cuda_graph_config=graphs)
+    config = PCRConfig.from_server_args(args)
+    assert config.layerwise == resolved
+    assert refusals.unsupported_reasons(SupportInputs(args, config)) == []
+    given = PCRConfig.from_server_args(SimpleNamespace(**{**vars(args), "pcr_layerwise": "both"}))
+    assert given.layerwise == "both"
+    assert (refusals.unsupported_reasons(SupportInputs(args, given)) != []) == (backend not in (None, "disabled"))
