@@ -909,17 +909,21 @@ def test_chat_documents_report_reuse_apart_and_keep_n_stop_and_logprobs(servers,
     prompt = build_doc_prompt(chat_tokenizer, "", [text_passages[4], "First\n" + text_passages[3]], "Summarize.",
                               question_format="{question}")
     exact_before = prometheus_counts(docs, "sglang:cached_tokens_total", "cache_source")
+    reused_before = _doc_counters(docs)["tokens_reused"]
     reply = openai_client.chat.completions.create(
         model="default", messages=messages, max_tokens=6, temperature=0,
         extra_body={"documents": documents[::-1], "return_meta_info": True})
     exact_after = prometheus_counts(docs, "sglang:cached_tokens_total", "cache_source")
+    reused = _doc_counters(docs)["tokens_reused"] - reused_before
     details = reply.choices[0].meta_info["cached_tokens_details"]
     tiers = {k: v for k, v in details.items() if isinstance(v, int)}
     moved = prompt.doc_bounds[-1] - prompt.doc_bounds[2]  # the second document, past the exact prefix
     assert tiers["documents"] >= moved and sum(tiers.values()) == prompt.doc_bounds[-1], details
     assert reply.usage.prompt_tokens_details.cached_tokens == prompt.doc_bounds[-1]
-    # SGLang's cached-token counter gets the exact part only, never the documents' tokens.
+    # SGLang's cached-token counter gets the exact part only, never the documents' tokens,
+    # which PCR's document-reuse counter (sglang:pcr_doc_reuse_total{kind="tokens_reused"}) has.
     assert sum(exact_after.values()) - sum(exact_before.values()) == prompt.doc_bounds[-1] - tiers["documents"]
+    assert reused == tiers["documents"]
     twin = _marked_twin(docs, prompt, max_new_tokens=6)
     assert reply.choices[0].message.content == twin["text"]
     several = openai_client.chat.completions.create(
@@ -928,6 +932,17 @@ def test_chat_documents_report_reuse_apart_and_keep_n_stop_and_logprobs(servers,
     assert [c.message.content for c in several.choices] == [twin["text"]] * 2
     assert all(len(c.logprobs.content) == 6 and len(c.logprobs.content[0].top_logprobs) == 2
                for c in several.choices)
+    # Tools go to the template as without documents (this one ignores them: the same prompt).
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "word": {"type": "string"}}, "required": ["word"]}}}]
+    with_tools = openai_client.chat.completions.create(
+        model="default", messages=messages, max_tokens=6, temperature=0, tools=tools, tool_choice="auto",
+        extra_body={"documents": documents[::-1]})
+    assert with_tools.usage.prompt_tokens == len(prompt.input_ids)
+    # With tools SGLang keeps special tokens in the text (for a tool parser to see them).
+    kept = _marked_twin(docs, prompt, max_new_tokens=6, skip_special_tokens=False)["text"]
+    assert with_tools.choices[0].message.content == kept
     words = twin["text"].split()
     if len(words) > 1:
         stopped = openai_client.chat.completions.create(
