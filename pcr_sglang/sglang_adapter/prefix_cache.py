@@ -208,11 +208,14 @@ class PCRPrefixCache(BasePrefixCache):
         """Hand the request's whole chunks in ``[0, up_to)`` to the tree.
 
         Chunks another request cached meanwhile are deduplicated: the request's own
-        copies are freed and its row is repointed at the tree's slots. The partial last
+        copies are freed and its row is repointed at the tree's slots. A request admitted
+        before the weights last changed in place (``flush_cache: false``) inserts nothing. The partial last
         chunk stays the request's; ``cache_protected_len`` marks where the tree's part
         ends, so SGLang's ``release_kv_cache`` frees the rest. Chunks offloaded to host
         memory during their forward become host-resident too.
         """
+        if self.scheduler.computed_before_an_update(req.rid):
+            return  # its KV is partly the old weights' (an update without flush): it stays its own
         kv = req.kv
         exact_end = self.scheduler.docs.exact_end(req.rid)
         if exact_end is not None:  # blended KV (reused documents and all after them) stays out

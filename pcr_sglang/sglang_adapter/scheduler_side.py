@@ -68,6 +68,10 @@ class SchedulerSide:
         self.keyer = ChainKeyer(chain_digest, config.chunk_size)  # the one key derivation of this server
         self.keys = RequestKeys(self.keyer, state)
         self.requests = RequestRegistry()
+        # Keys' generation: one more at every rekey (a weight update). A request admitted
+        # under an older one computed KV with the old weights: its checkpoints insert nothing.
+        self.generation = 0
+        self._admitted_in: dict[str, int] = {}  # rid -> the generation it was admitted under
         self.executor = EffectsExecutor(state, allocator, self.engine, io)
         self.offloads = Offloads(state, self.engine, self.requests, config.chunk_size)
         # The remote tier (--pcr-remote, parsed by the factory): probes in flight, by probe seq.
@@ -169,6 +173,13 @@ class SchedulerSide:
     def admitted(self, req: PcrReq) -> None:
         """``req``'s first extend was prepared: count its hits once (:meth:`Admission.admitted`)."""
         self.admission.admitted(req)
+        self._admitted_in.setdefault(req.rid, self.generation)
+
+    def computed_before_an_update(self, rid: str) -> bool:
+        """Whether request ``rid`` was admitted before the weights last changed in place
+        (``flush_cache: false`` lets it run on): its KV is partly the old weights', and
+        must never be keyed under the new ones."""
+        return self._admitted_in.get(rid, self.generation) != self.generation
 
     def rows_written(self, reqs: Sequence[PcrReq]) -> None:
         """``prepare_for_extend`` wrote these requests' rows: private document slots in
@@ -197,6 +208,7 @@ class SchedulerSide:
         """The request left (finished, retracted or aborted): give back what it held.
         ``row_released`` False: SGLang dropped the request's state before releasing its row
         (an abort in the waiting queue); what the row's checkpoint needs stays until then."""
+        self._admitted_in.pop(rid, None)
         if self.engine is not None:
             self.engine.drop_plans(rid)  # offloads no batch of its ran
         self.docs.release(rid, keep_row_state=not row_released)
@@ -261,6 +273,7 @@ class SchedulerSide:
         before and kept (live hints, remote probes in flight, waiting requests' document
         chains) are dropped or derived again."""
         self.keyer.rekey(chain_digest)
+        self.generation += 1
         self.keys.forget()
         self.hints.clear()
         self.probes.clear()

@@ -33,9 +33,10 @@ matches anything derived before); the tiers move at the cache's reset, which SGL
 flush after the update runs (``factory.move_namespace``). An update that fails, or whose
 outcome is unknown, moves to a nonce namespace too: the weights may be partly new. An
 update with ``flush_cache: false`` keeps the old weights' KV on the device, as SGLang's
-own radix cache does, and none of what is cached matches a new request's keys; but a
-request already running across such an update inserts its KV (computed partly with the old
-weights) under the new keys when it finishes, as SGLang's radix cache would serve it too.
+own radix cache does, and none of what is cached matches a new request's keys; a request
+already running across such an update inserts nothing when it finishes (its KV is partly
+the old weights'): it was admitted under an older generation of keys
+(``SchedulerSide.computed_before_an_update``).
 A flushing update (the default) needs an idle server, where that cannot happen. The SSD
 tier moves at the next ``/flush_cache``.
 """

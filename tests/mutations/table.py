@@ -604,6 +604,17 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/ssd-store.md, The I/O process: orders kept back for their copies end at a reset (issue 39, left open)",
         breaks="writes kept back for their host slot's copies are sent after a weight update, into the new namespace",
     ),
+    Mutant(
+        name="update-without-flush-keys-old-kv-anew",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/prefix_cache.py",
+        original="        if self.scheduler.computed_before_an_update(req.rid):",
+        replacement="        if False:",
+        tests=(UNIT + "sglang_adapter/test_update_without_flush.py",),
+        claim="docs/architecture.md, Weight updates in place: a request running across an update without "
+              "flush inserts nothing (issue 39, left open)",
+        breaks="a request admitted before a flush_cache: false update inserts its old-weights KV under the new keys",
+    ),
     # ---------------------------------------------------------------- issue 39, item 4: review N3, N10, N7, N12, N13(b)
     Mutant(
         name="weight-update-session-begin-keeps-the-namespace",
@@ -890,11 +901,6 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/document-reuse.md, warm-ups: a request waits a few prefills at most (review N9)",
         breaks="a request behind other tenants' warm-ups waits up to WARM_TIMEOUT_S before it is sent",
     ),
-)
-
-
-def by_name() -> dict[str, Mutant]:
-    return {m.name: m for m in MUTANTS}
     # ---------------------------------------------------------------- docs/architecture.md, "On a GPU" (issue 42)
     Mutant(
         name="gpu-host-pool-pinned-in-one-call",
