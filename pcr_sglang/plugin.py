@@ -435,6 +435,15 @@ _CONFLICTS = (
     ("enable_streaming_session", "--enable-streaming-session"),
     ("enable_session_radix_cache", "--enable-session-radix-cache"),
 )
+# What to do instead, where the refusal alone would leave a user stuck.
+_CONFLICT_ADVICE = {
+    "enable_streaming_session": (
+        ": SGLang keeps a streaming session's KV in session slots of its own radix cache "
+        "(UnifiedRadixCache), outside any tree, which PCR's chunk tree does not provide yet. "
+        "Drop the flag and send each turn with the whole conversation so far (no session): "
+        "PCR's tree then serves the history from its device, host and SSD tiers, all but the "
+        "last partial chunk (docs/testing.md, 'Streaming sessions')"),
+}
 
 
 def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
@@ -455,7 +464,7 @@ def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwar
     reuse_settings.validate(config)
     for field, flag in _CONFLICTS:
         if getattr(cfg, field, False):
-            raise PCRStartupError(f"--enable-pcr cannot be combined with {flag}")
+            raise PCRStartupError(f"--enable-pcr cannot be combined with {flag}{_CONFLICT_ADVICE.get(field, '')}")
     backend = getattr(cfg, "radix_cache_backend", None)
     if backend not in (None, BACKEND_NAME):
         raise PCRStartupError(
