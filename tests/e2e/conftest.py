@@ -10,10 +10,11 @@ from tests.e2e.helpers import BASELINE_ARGS, generate_greedy
 # The modules run two at a time on pytest-xdist workers (scripts/test.sh), which take them
 # in collection order: the longest first, so that the last to start is a short one and no
 # worker idles while the other finishes a long module. Wall time of each, servers included,
-# on the 2-core machine (2026-12-06): doc_reuse ~9 min, http_server ~8, fingerprint ~4.5,
-# torch_native_extend ~3, ragbench ~2.5, flags ~1.5, engine ~1. A module not listed goes
-# first (its weight is unknown); the paced modules run one after another, in any order.
-MODULES_LONGEST_FIRST = ("test_doc_reuse.py", "test_http_server.py", "test_fingerprint.py",
+# on the 2-core machine (2026-12-06): doc_reuse ~9 min, http_server ~8, sglang_kits ~5 (with
+# other work beside it), fingerprint ~4.5, torch_native_extend ~3, ragbench ~2.5, flags ~1.5,
+# engine ~1. A module not listed goes first (its weight is unknown); the paced modules run
+# one after another, in any order.
+MODULES_LONGEST_FIRST = ("test_doc_reuse.py", "test_http_server.py", "test_sglang_kits.py", "test_fingerprint.py",
                          "test_torch_native_extend.py", "test_ragbench.py", "test_flags.py", "test_engine.py")
 
 
