@@ -62,4 +62,8 @@ def test_a_scheduler_that_takes_no_replies_never_blocks_the_main_loop(tmp_path):
                 assert reply.seq not in done and reply.outcome == IoOutcome.BAD
                 done.add(reply.seq)
     thread.replace("the test is over")  # the thread stops at its next reply or wait; the successor never starts
-    pull.close(linger=0)
+    thread._thread.join(timeout=10)
+    # Every socket closed here: a context left to the garbage collector with a socket still
+    # open (the successor's, never started) blocks the next collection in this worker
+    # forever (``Context.__del__`` terminates it).
+    ctx.destroy(linger=0)
