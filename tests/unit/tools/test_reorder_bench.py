@@ -155,3 +155,33 @@ def test_the_accuracy_report_holds_reorder_to_the_noise_floor_on_every_model():
     assert lines[-1].startswith("targets: need both")
     both = "\n".join(target_lines(summaries, "blend"))
     assert "tuned, reorder" in both and "0.650 vs 0.700 -> missed by 0.050" in both
+
+
+class _TraceServer:
+    """The trace workload's server as far as a measurement sees it: every answer is [7, 8],
+    a marked request reports ``cached`` tokens and the order ``served``."""
+
+    def __init__(self, cached: int, served: list[int]):
+        self.bodies, self.cached, self.served = [], cached, served
+
+    def generate(self, body):
+        self.bodies.append(body)
+        tail = body["input_ids"][body.get("logprob_start_len", len(body["input_ids"])):]
+        logprobs = [[None if i == 0 else -1.0, t, None] for i, t in enumerate(tail)]
+        return {"output_ids": [7, 8], "text": "a b", "meta_info": {
+            "cached_tokens": self.cached, "input_token_logprobs": logprobs, "pcr_doc_order": self.served}}
+
+
+def test_the_trace_workload_sends_reorder_unwarmed_and_records_the_order_served():
+    from bench.doc_reuse_accuracy import Prompt, measure_mode, summarize
+
+    prompt = Prompt(0, "r0", "Why?", ["d1", "d2"], list(range(40)), [3, 13, 13, 30])
+    server = _TraceServer(cached=16, served=[1, 0])
+    row = measure_mode(server, prompt, {"answer_ids": [7, 8]}, 2, ModeSpec("reorder"), lambda ids: "a b",
+                       chunk_size=16)
+    assert len(server.bodies) == 2 and row["warm_cached_tokens"] is None  # measured, teacher-forced: no warm-up
+    assert row["served_order"] == [1, 0] and row["reordered"] and row["all_docs_reused"]  # 16: the last whole chunk
+    short = measure_mode(_TraceServer(cached=0, served=[0, 1]), prompt, {"answer_ids": [7, 8]}, 2,
+                         ModeSpec("reorder"), lambda ids: "a b", chunk_size=16)
+    assert not short["reordered"] and not short["all_docs_reused"]
+    assert summarize([row, short], reference_nll=1.0)["reordered"] == 0.5
