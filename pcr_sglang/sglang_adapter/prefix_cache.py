@@ -35,8 +35,9 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 
 from pcr_sglang.core.chunk_tree import ChunkNode
-from pcr_sglang.core.keys import CacheNamespace
+from pcr_sglang.core.keys import CacheNamespace, RequestTenant
 from pcr_sglang.core.residency import CacheState
+from pcr_sglang.req import request_tenant
 from pcr_sglang.sglang_adapter.kv_events import PCRKvEvents
 from pcr_sglang.sglang_adapter.metrics import PCRMetrics
 from pcr_sglang.sglang_adapter.report import build_report
@@ -51,6 +52,11 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
 logger = logging.getLogger(__name__)
+
+
+def radix_key_tenant(key: RadixKey) -> RequestTenant:
+    """The tenant of a key SGLang passes without its request: its ``extra_key`` whole."""
+    return RequestTenant(extra_key=key.extra_key, cache_salt=key.cache_salt)
 
 
 class PCRPrefixCache(BasePrefixCache):
@@ -130,8 +136,8 @@ class PCRPrefixCache(BasePrefixCache):
         device_node = host_node = self.root_node
         host_chunks = 0
         if len(tokens) >= self.chunk_size:
-            match = self.state.match(
-                self.scheduler.keyer.iter_keys(tokens, key.extra_key, key.cache_salt))
+            tenant = request_tenant(params.req) if params.req is not None else radix_key_tenant(key)
+            match = self.state.match(self.scheduler.keyer.iter_request_keys(tokens, tenant))
             if self.kv_events is not None:
                 self.kv_events.learn(match.nodes, tokens, key.cache_salt)
             device_node = match.nodes[match.device - 1] if match.device else self.root_node
@@ -156,8 +162,10 @@ class PCRPrefixCache(BasePrefixCache):
         )
 
     def touch_prefix(self, key: RadixKey) -> None:
-        self.state.tree.match(
-            self.scheduler.keyer.iter_keys(key.raw_token_ids(), key.extra_key, key.cache_salt))
+        """LRU order only. The key comes without its request, so a LoRA request's adapter
+        is not apart from its ``extra_key`` here: such a touch finds nothing of the
+        adapter's chains (the look-ahead window, fed the requests, keeps them warm)."""
+        self.state.tree.match(self.scheduler.keyer.iter_request_keys(key.raw_token_ids(), radix_key_tenant(key)))
 
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
         """Admission: copy the host hit to the device (all of it, or none: then 0)."""
@@ -187,20 +195,23 @@ class PCRPrefixCache(BasePrefixCache):
         """Insert whole chunks of ``params.key`` with slots ``params.value``.
 
         Returns the length that was already cached: the caller still owns (and must
-        free) its slots for that part, as with SGLang's ``RadixCache.insert``.
+        free) its slots for that part, as with SGLang's ``RadixCache.insert``. A key comes
+        without its request, so its ``extra_key`` is keyed whole (PCR's own inserts go
+        through :meth:`checkpoint`, which keys the request's adapter apart).
         """
-        key = params.key
-        tokens = key.raw_token_ids()
+        return self._insert(params.key.raw_token_ids(), params.value, radix_key_tenant(params.key))
+
+    def _insert(self, tokens: Any, value: Optional[torch.Tensor], tenant: RequestTenant) -> InsertResult:
         num_chunks = len(tokens) // self.chunk_size
         if num_chunks == 0:
             return InsertResult(prefix_len=0, last_device_node=self.root_node)
-        if params.value is None:
+        if value is None:
             raise ValueError("PCRPrefixCache.insert needs the KV slot indices (params.value)")
-        values = params.value[: num_chunks * self.chunk_size].to(dtype=torch.int64, copy=True)
-        keys = self.scheduler.keyer.keys(tokens[: num_chunks * self.chunk_size], key.extra_key, key.cache_salt)
+        values = value[: num_chunks * self.chunk_size].to(dtype=torch.int64, copy=True)
+        keys = self.scheduler.keyer.request_keys(tokens[: num_chunks * self.chunk_size], tenant)
         outcome = self.state.insert(keys, list(values.split(self.chunk_size)))
         if self.kv_events is not None:
-            self.kv_events.learn(outcome.nodes, tokens, key.cache_salt)
+            self.kv_events.learn(outcome.nodes, tokens, tenant.cache_salt)
         return InsertResult(prefix_len=outcome.num_existing * self.chunk_size,
                             total_len=num_chunks * self.chunk_size, last_device_node=outcome.last_node)
 
@@ -225,10 +236,7 @@ class PCRPrefixCache(BasePrefixCache):
         if aligned_len <= kv.cache_protected_len:
             return
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned_len]
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        result = self.insert(InsertParams(
-            key=RadixKey(token_ids[:aligned_len], req.extra_key, cache_salt=req.cache_salt), value=row))
+        result = self._insert(token_ids[:aligned_len], row, request_tenant(req))
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned_len)
         if result.prefix_len > kv.cache_protected_len:  # our duplicates of chunks the tree had
             self.state.note_duplicates((result.prefix_len - kv.cache_protected_len) // self.chunk_size)
