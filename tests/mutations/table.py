@@ -1103,6 +1103,18 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/architecture.md, On a GPU: the blend probe's scratch is held to --pcr-blend-probe-mb",
         breaks="a selection needing more scratch than --pcr-blend-probe-mb runs beside the forward in flight",
     ),
+    # --- SGLang's server test kits (docs/testing.md, SGLang's own server test kits) ------------
+    Mutant(
+        name="streaming-session-refusal-without-advice",
+        kind="e2e",
+        file="pcr_sglang/plugin.py",
+        original="""raise PCRStartupError(f"--enable-pcr cannot be combined with {flag}{_CONFLICT_ADVICE.get(field, '')}")""",
+        replacement="""raise PCRStartupError(f"--enable-pcr cannot be combined with {flag}")""",
+        tests=("tests/e2e/test_sglang_kits.py",),
+        k="refuses_streaming_sessions",
+        claim="docs/testing.md, Streaming sessions: the refusal names what to do instead",
+        breaks="--enable-pcr --enable-streaming-session is refused without saying why or what works instead",
+    ),
 )
 
 
