@@ -100,13 +100,14 @@ def summarize(name: str, records: list[RequestRecord], servers: list[ServerProce
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# Fleets through the gateway ({meta['date']})", "", f"Command: `{meta['command']}`.", "",
              f"- trace: {meta['trace']}", f"- per server: {meta['budgets']}", f"- rate: {meta['rate']:g} req/s",
-             "", "| fleet | hit ratio | device | host | storage (remote reads) | per-server prompt share | "
-             "TTFT mean | P99 | outputs = single's |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| fleet | hit ratio | device | host | storage (remote reads) | documents reused | "
+             "per-server prompt share | TTFT mean | P99 | outputs = single's |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         t = r["by_tier"]
         lines.append(
             f"| {r['fleet']} | {r['hit_ratio']:.1%} | {t.get('device', 0):.1%} | {t.get('host', 0):.1%} | "
-            f"{t.get('storage', 0):.1%} ({r['remote_tokens_share']:.1%}) | "
+            f"{t.get('storage', 0):.1%} ({r['remote_tokens_share']:.1%}) | {t.get('documents', 0):.1%} | "
             f"{' / '.join(f'{s:.0%}' for s in r['server_prompt_share'])} | {r['ttft_mean_ms']:.0f} ms | "
             f"{r['ttft_p99_ms']:.0f} ms | {r.get('outputs_match_single', '-')} |")
     single = next((r for r in rows if r["fleet"] == "single"), None)
