@@ -41,6 +41,8 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
   the server renders, tokenizes and marks them (``reuse/chat``, ``reuse/doc_requests``);
   ``prepare_for_extend`` and ``SchedulerOutputStreamer.get_cached_tokens_details``
   (AFTER): reused document tokens are reported apart from exact hits (``reuse/usage``);
+* the tokenizer manager's ``_validate_one_request`` (AFTER): session fields of the wrong
+  type get HTTP 400 instead of killing SGLang's scheduler (``sglang_adapter/session_checks``);
 * the scheduler's ``_add_request_to_queue`` (AROUND) and the tokenizer manager's
   ``_validate_one_request`` and ``_init_req_state`` (AFTER): KV hints (``kv_hints`` action
   ``pcr.lookahead_prefetch``) are checked (HTTP 400), registered for the prefetcher, and a
@@ -158,7 +160,7 @@ def register() -> None:
     )
     from pcr_sglang.reuse import reorder as reuse_reorder
     from pcr_sglang.reuse import tokenizer as reuse_tokenizer
-    from pcr_sglang.sglang_adapter import invariant_route, kv_hints, weight_updates
+    from pcr_sglang.sglang_adapter import invariant_route, kv_hints, session_checks, weight_updates
 
     for method in weight_updates.WRAPPED_METHODS:
         HookRegistry.register(
@@ -174,6 +176,11 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
         kv_hints.validate_kv_hints,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        session_checks.validate_session_fields,
         HookType.AFTER,
     )
     HookRegistry.register(

@@ -145,6 +145,20 @@ def test_no_route_answers_with_the_admin_key_and_admin_routes_still_need_it(serv
     assert allowed.status_code == 200, allowed.text
 
 
+def test_a_session_id_that_is_not_a_string_gets_400_and_the_server_serves_on(servers, rag_prompt_ids,
+                                                                               baseline_outputs):
+    """SGLang 0.5.23's scheduler died on ``session_params.id`` = a JSON object (``TypeError:
+    unhashable type: 'dict'`` in its session lookup), taking every request with it; the
+    request is now refused at the door, and the server answers the next one."""
+    import requests
+
+    server = servers["pcr"]
+    bad = requests.post(f"{server.base_url}/generate", timeout=60, json={
+        "input_ids": rag_prompt_ids[0], "sampling_params": GREEDY, "session_params": {"id": {"error": "x"}}})
+    assert bad.status_code == 400 and "session_params.id" in bad.text, bad.text
+    assert generate_greedy(server, rag_prompt_ids[:1])[0][0] == baseline_outputs[0]
+
+
 def test_concurrent_requests_keep_outputs_and_locks(servers, rag_prompt_ids, baseline_outputs):
     # Same prompts, 8 at a time: batching changes scheduling, never tokens or lock counts.
     results = generate_greedy(servers["pcr"], rag_prompt_ids, concurrency=8)

@@ -1115,6 +1115,16 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/testing.md, Streaming sessions: the refusal names what to do instead",
         breaks="--enable-pcr --enable-streaming-session is refused without saying why or what works instead",
     ),
+    Mutant(
+        name="session-id-of-any-type-reaches-the-scheduler",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/session_checks.py",
+        original="    if problem is not None:\n        raise ValueError(problem)",
+        replacement="    if False:\n        raise ValueError(problem)",
+        tests=(UNIT + "sglang_adapter/test_session_checks.py",),
+        claim="README, Trust: no request can take the server down (a session id that is not a string)",
+        breaks="a /generate request with session_params.id a JSON object kills SGLang's scheduler",
+    ),
 )
 
 
