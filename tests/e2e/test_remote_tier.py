@@ -167,6 +167,48 @@ def test_a_prompt_one_server_computed_hits_on_another(servers, rag_prompt_ids, b
     assert counts.get("read", 0) > 0 and counts.get("found", 0) > 0, counts
 
 
+def test_a_document_one_server_computed_is_reused_by_another_at_another_position(servers, tokenizer):
+    """Documents across a fleet: A computes three documents' canonical KV (``S ‖ d ‖ pad``)
+    for its request; B, which never saw them, gets them in another order behind the same
+    leading tokens and reuses all three through the Mooncake tier, with the outputs of the
+    same request when B computes the documents itself (another tenant's salt: nothing of
+    A's is found), in the same mode. Runs while A is alive (a later test kills it)."""
+    from pcr_sglang.reuse.prompt import build_doc_prompt
+    from pcr_tools.data import load_wiki_articles
+
+    a, b = servers["a"], servers["b"]
+    articles = load_wiki_articles()
+    docs = [articles[i].text[:700] for i in (610, 611, 612)]
+    system = "Answer the question from the documents below."
+    on_a = build_doc_prompt(tokenizer, system, docs, "Which of these is the oldest?")
+    before_written = written(a)
+    out_a = a.generate({"input_ids": on_a.input_ids,
+                        "sampling_params": {**on_a.sampling_params(**GREEDY),
+                                            "custom_params": {**on_a.custom_params(), "pcr_doc_warm": True}}})
+    assert out_a["meta_info"]["cached_tokens"] >= on_a.doc_bounds[-1] - REMOTE_CHUNK  # A reused its warm-ups
+    wait_for_write_back(a)
+    deadline = time.monotonic() + 60
+    while written(a) <= before_written or (remote(a)["store"] or {}).get("queued_writes", 1):
+        assert time.monotonic() < deadline, remote(a)
+        time.sleep(0.3)
+
+    on_b = build_doc_prompt(tokenizer, system, [docs[2], docs[0], docs[1]], "Which of these mentions a river?")
+    counters = b.pcr_state()["doc_reuse"]["counters"]
+    found = remote(b)["probes"]["found_chunks"]
+    out_b = b.generate({"input_ids": on_b.input_ids, "sampling_params": on_b.sampling_params(**GREEDY)})
+    after = b.pcr_state()["doc_reuse"]["counters"]
+    assert after["docs_reused"] - counters["docs_reused"] == 3, (counters, after)
+    assert after["canonical_requests"] == counters["canonical_requests"]  # B computed none of them
+    assert remote(b)["probes"]["found_chunks"] > found
+    assert out_b["meta_info"]["cached_tokens"] >= on_b.doc_bounds[-1] - REMOTE_CHUNK, out_b["meta_info"]
+
+    own = {**on_b.custom_params(), "pcr_doc_warm": True}  # B computes them itself, for another tenant
+    reference = b.generate({"input_ids": on_b.input_ids, "cache_salt": "b-computes-its-own",
+                            "sampling_params": {**on_b.sampling_params(**GREEDY), "custom_params": own}})
+    assert reference["meta_info"]["cached_tokens"] >= on_b.doc_bounds[-1] - REMOTE_CHUNK
+    assert out_b["output_ids"] == reference["output_ids"]
+
+
 def test_another_tenants_salt_never_hits_the_remote_tier(servers, rag_prompt_ids, baseline_outputs):
     b = servers["b"]
     prompt = rag_prompt_ids[4]
@@ -368,45 +410,3 @@ def test_a_dead_store_costs_hits_then_comes_back(servers, mooncake, rag_prompt_i
     assert remote_up(b) == 1.0
     # And it is written again: a new prompt's chunks go through to the restarted store.
     served(b, [rag_prompt_ids[16]])
-
-
-def test_a_document_one_server_computed_is_reused_by_another_at_another_position(servers, tokenizer):
-    """Documents across a fleet: A computes three documents' canonical KV (``S ‖ d ‖ pad``)
-    for its request; B, which never saw them, gets them in another order behind the same
-    leading tokens and reuses all three through the Mooncake tier, with the outputs of the
-    same request when B computes the documents itself (another tenant's salt: nothing of
-    A's is found), in the same mode."""
-    from pcr_sglang.reuse.prompt import build_doc_prompt
-    from pcr_tools.data import load_wiki_articles
-
-    a, b = servers["a"], servers["b"]
-    articles = load_wiki_articles()
-    docs = [articles[i].text[:700] for i in (610, 611, 612)]
-    system = "Answer the question from the documents below."
-    on_a = build_doc_prompt(tokenizer, system, docs, "Which of these is the oldest?")
-    before_written = written(a)
-    out_a = a.generate({"input_ids": on_a.input_ids,
-                        "sampling_params": {**on_a.sampling_params(**GREEDY),
-                                            "custom_params": {**on_a.custom_params(), "pcr_doc_warm": True}}})
-    assert out_a["meta_info"]["cached_tokens"] >= on_a.doc_bounds[-1] - REMOTE_CHUNK  # A reused its warm-ups
-    wait_for_write_back(a)
-    deadline = time.monotonic() + 60
-    while written(a) <= before_written or (remote(a)["store"] or {}).get("queued_writes", 1):
-        assert time.monotonic() < deadline, remote(a)
-        time.sleep(0.3)
-
-    on_b = build_doc_prompt(tokenizer, system, [docs[2], docs[0], docs[1]], "Which of these mentions a river?")
-    counters = b.pcr_state()["doc_reuse"]["counters"]
-    found = remote(b)["probes"]["found_chunks"]
-    out_b = b.generate({"input_ids": on_b.input_ids, "sampling_params": on_b.sampling_params(**GREEDY)})
-    after = b.pcr_state()["doc_reuse"]["counters"]
-    assert after["docs_reused"] - counters["docs_reused"] == 3, (counters, after)
-    assert after["canonical_requests"] == counters["canonical_requests"]  # B computed none of them
-    assert remote(b)["probes"]["found_chunks"] > found
-    assert out_b["meta_info"]["cached_tokens"] >= on_b.doc_bounds[-1] - REMOTE_CHUNK, out_b["meta_info"]
-
-    own = {**on_b.custom_params(), "pcr_doc_warm": True}  # B computes them itself, for another tenant
-    reference = b.generate({"input_ids": on_b.input_ids, "cache_salt": "b-computes-its-own",
-                            "sampling_params": {**on_b.sampling_params(**GREEDY), "custom_params": own}})
-    assert reference["meta_info"]["cached_tokens"] >= on_b.doc_bounds[-1] - REMOTE_CHUNK
-    assert out_b["output_ids"] == reference["output_ids"]
