@@ -1125,6 +1125,16 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="README, Trust: no request can take the server down (a session id that is not a string)",
         breaks="a /generate request with session_params.id a JSON object kills SGLang's scheduler",
     ),
+    Mutant(
+        name="kv-hints-upstream-action-name-ignored",
+        kind="unit",
+        file="pcr_sglang/core/hints.py",
+        original="    return getattr(action, \"action_type\", None) in HINT_ACTION_VERSIONS",
+        replacement="    return getattr(action, \"action_type\", None) == HINT_ACTION",
+        tests=(UNIT + "sglang_adapter/test_kv_hints.py::test_the_upstream_action_name_is_a_synonym_with_its_own_version",),
+        claim="docs/lookahead-retrieval.md, KV hints: kv.prefetch@1.0 is a synonym (issue 40.6)",
+        breaks="a hint sent as kv.prefetch is left unread: no prefetch, no hint-only finish",
+    ),
 )
 
 
