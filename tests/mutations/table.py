@@ -1135,6 +1135,17 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/lookahead-retrieval.md, KV hints: kv.prefetch@1.0 is a synonym (issue 40.6)",
         breaks="a hint sent as kv.prefetch is left unread: no prefetch, no hint-only finish",
     ),
+    Mutant(
+        name="layerwise-auto-reads-the-unresolved-record",
+        kind="unit",
+        file="pcr_sglang/config.py",
+        original="    graphs = getattr(_resolved(args), \"cuda_graph_config\", None)",
+        replacement="    graphs = getattr(args, \"cuda_graph_config\", None)",
+        tests=(UNIT + "sglang_adapter/test_refusal_prefill_graph.py",),
+        k="default_layerwise",
+        claim="docs/flags.md, --pcr-layerwise auto: offload under a prefill CUDA graph",
+        breaks="auto reads the flags as given (no prefill graph), takes both, and the default flags are refused",
+    ),
 )
 
 
