@@ -1146,6 +1146,16 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/flags.md, --pcr-layerwise auto: offload under a prefill CUDA graph",
         breaks="auto reads the flags as given (no prefill graph), takes both, and the default flags are refused",
     ),
+    Mutant(
+        name="reorder-writes-the-samples-shared-sampling-params",
+        kind="unit",
+        file="pcr_sglang/reuse/reorder.py",
+        original="        tokenized.sampling_params = copy.copy(tokenized.sampling_params)\n",
+        replacement="",
+        tests=(UNIT + "reuse/test_doc_reorder.py::test_every_sample_of_a_request_is_served_in_the_same_order",),
+        claim="docs/document-reuse.md, reorder: n > 1 behaves as without it (review R2)",
+        breaks="the samples after the first carry the first's reordered bounds over the client's tokens",
+    ),
 )
 
 
