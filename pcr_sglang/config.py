@@ -60,9 +60,21 @@ def resolve_layerwise(layerwise: str, args: Any) -> str:
     values are the user's, kept as given (and refused there when they cannot run)."""
     if layerwise != AUTO_LAYERWISE:
         return layerwise
-    graphs = getattr(args, "cuda_graph_config", None)
+    graphs = getattr(_resolved(args), "cuda_graph_config", None)
     backend = str(getattr(getattr(graphs, "prefill", None), "backend", "disabled") or "disabled").lower()
     return DEFAULT_LAYERWISE if backend in ("disabled", "none") else "offload"
+
+
+def _resolved(args: Any) -> Any:
+    """SGLang's resolved view of its server arguments: its decisions (the prefill graph's
+    backend among them) live in overrides and are not written back to the record, which
+    keeps the flags as given. ``args`` itself where it is not SGLang's record (tests)."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        return resolving_view(args)
+    except Exception:  # not a ServerArgs, or no SGLang: the fields as given
+        return args
 
 
 class PCRConfigError(ValueError):

@@ -241,6 +241,10 @@ class ServerClient(ServerRequests):
         return self.api_key
 
 
+# SGLang flags that are prefixes of a secret flag without being secret themselves.
+_FLAGS_NAMED_LIKE_A_SECRET = frozenset({"--ssl-keyfile"})
+
+
 @dataclass
 class ServerProcess(ServerRequests):
     """A server subprocess; use as a context manager or call ``start``/``stop``."""
@@ -291,6 +295,12 @@ class ServerProcess(ServerRequests):
         i = 0
         while i < len(args):
             flag, eq, value = args[i].partition("=")
+            if flag.startswith("--") and flag not in SECRET_FLAGS and flag not in _FLAGS_NAMED_LIKE_A_SECRET \
+                    and any(secret.startswith(flag) for secret in SECRET_FLAGS):
+                # SGLang's parser takes an abbreviation (--admin-api-k) for the whole flag;
+                # the launcher keeps only whole secret flags off the command line.
+                raise ValueError(f"{flag}: spell the flag out (one of {sorted(SECRET_FLAGS)}), so its value is "
+                                 "kept off the server's command line")
             if flag in SECRET_FLAGS and (eq or i + 1 < len(args)):
                 secrets[flag[2:]] = value if eq else args[i + 1]
                 i += 1 if eq else 2

@@ -40,6 +40,19 @@ from pcr_sglang.core.keys import ChunkKey
 
 HINT_ACTION = "pcr.lookahead_prefetch"
 HINT_ACTION_VERSION = "1"
+# The same action in the words SGLang's kv_hints envelope is converging on (its fork and
+# PR #38891, Dynamo's ``kv.fetch@1.0``): accepted as a synonym, with the same payload.
+UPSTREAM_HINT_ACTION = "kv.prefetch"
+UPSTREAM_HINT_ACTION_VERSION = "1.0"
+HINT_ACTION_VERSIONS = {HINT_ACTION: HINT_ACTION_VERSION, UPSTREAM_HINT_ACTION: UPSTREAM_HINT_ACTION_VERSION}
+# What /server_info advertises: the upstream capability string, then PCR's own name.
+HINT_CAPABILITIES = ("kv_hint.prefetch.v1", "pcr.lookahead_prefetch.v1")
+
+
+def is_hint_action(action: Any) -> bool:
+    """Whether a ``kv_hints`` action is a prefetch hint this server implements (under either
+    name); other actions are left to whoever implements them."""
+    return getattr(action, "action_type", None) in HINT_ACTION_VERSIONS
 
 
 def hint_envelope(payload: dict[str, Any], message_id: str, version: str = HINT_ACTION_VERSION) -> dict[str, Any]:
@@ -132,8 +145,9 @@ class HintLimits:
 
 @dataclass
 class HintStats:
-    registered: int = 0
-    rate_limited: int = 0
+    registered: int = 0  # accepted
+    rate_limited: int = 0  # rejected (a malformed hint gets HTTP 400 before it reaches the book)
+    clipped: int = 0  # accepted with its ttl_s cut to the server's --pcr-hint-max-ttl-s
     expired: int = 0
     consumed: int = 0  # a request covering the hint's chain was admitted
     documents_unhinted: int = 0  # marked documents of hint-only requests over the rate
@@ -186,6 +200,8 @@ class HintBook:
         if not keys:
             return True  # nothing a chunk could hold (a prompt under one chunk): registered, empty
         ttl = min(payload.ttl_s, self.limits.max_ttl_s)
+        if charge and payload.ttl_s > self.limits.max_ttl_s:
+            self.stats.clipped += 1
         self._seq += 1
         self._remove(hint_id)
         hint = Hint(hint_id, list(keys), payload.group, payload.rank, now + ttl, self._seq, tenant, caller)
@@ -333,13 +349,15 @@ def hint_payload(envelope: Any) -> Optional[HintPayload]:
     duck-typed: SGLang's envelope or anything with its ``actions``).
     Raises :class:`HintError` for a malformed one."""
     actions = getattr(envelope, "actions", None) or ()
-    ours = [a for a in actions if getattr(a, "action_type", None) == HINT_ACTION]
+    ours = [a for a in actions if is_hint_action(a)]
     if not ours:
         return None
     if len(ours) > 1:
-        raise HintError(f"kv_hints carries {len(ours)} {HINT_ACTION} actions; send one per request")
+        names = " and ".join(sorted({a.action_type for a in ours}))
+        raise HintError(f"kv_hints carries {len(ours)} prefetch actions ({names}); send one per request")
     action = ours[0]
-    if action.action_version != HINT_ACTION_VERSION:
-        raise HintError(f"{HINT_ACTION} action_version {action.action_version!r} is not supported "
-                        f"(this server implements {HINT_ACTION_VERSION!r})")
+    version = HINT_ACTION_VERSIONS[action.action_type]
+    if action.action_version != version:
+        raise HintError(f"{action.action_type} action_version {action.action_version!r} is not supported "
+                        f"(this server implements {version!r})")
     return HintPayload.parse(action.payload)

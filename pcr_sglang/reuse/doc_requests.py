@@ -94,7 +94,9 @@ def engine_generate(original: Callable[..., Any], engine: Any, *args: Any, docum
                     **kwargs: Any) -> Any:
     """AROUND ``Engine.generate`` and ``Engine.async_generate``: ``documents=``."""
     if documents is not None:
-        if len(args) > 1:
+        if len(args) > 2:  # (prompt, sampling_params, ...): name the rest, as the documents' path reads them
+            raise TypeError(f"with {DOCUMENTS_FIELD}=, pass the arguments after sampling_params by name")
+        if len(args) == 2:
             kwargs["sampling_params"] = args[1]
             args = args[:1]
         kwargs["sampling_params"] = with_documents(kwargs.get("sampling_params"), documents)

@@ -34,6 +34,7 @@ promise: a sequence evicted meanwhile only costs the hit, never exactness.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 from array import array
@@ -271,9 +272,11 @@ def reorder_request(manager: Any, tokenized: Any, server_mode: str) -> Optional[
                     _str_or_none(getattr(tokenized, "lora_name", None)))
     result = _store_for(manager).plan(list(tokens), spans, tenant)
     if result.moved:
-        # New objects, never edits: a batch's items (``n`` > 1) share their custom_params dict.
+        # New objects, never edits: the samples of a request (``n`` > 1) are shallow copies of
+        # one tokenized request, sharing its ``sampling_params`` (and its custom_params dict).
         tokenized.input_ids = (array(tokens.typecode, result.input_ids) if isinstance(tokens, array)
                                else list(result.input_ids))
+        tokenized.sampling_params = copy.copy(tokenized.sampling_params)
         tokenized.sampling_params.custom_params = {**custom, DOC_BOUNDS_PARAM: result.doc_bounds}
     state = getattr(manager, "rid_to_state", {}).get(getattr(tokenized, "rid", None))
     if state is not None:

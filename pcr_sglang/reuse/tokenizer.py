@@ -18,8 +18,8 @@ warmed before the request that needs them.
   either way. Warm-ups in flight are capped per request, per tenant and per server
   (:class:`WarmupCaps`; ``pcr_doc_warm: true`` obeys the same caps): the rest wait in this
   process for a free place, so one request marking many documents cannot flood the
-  scheduler with prefills, and one tenant sending many such requests holds at most
-  ``per_tenant`` of the server's places: another tenant's warm-ups always find one. A
+  scheduler with prefills, and one tenant (a ``cache_salt``, which the client chooses)
+  sending many such requests holds at most ``per_tenant`` of the server's places. A
   request waits for its warm-ups at most a small multiple of one warm-up prefill as
   recently measured (:class:`WarmupWait`), then is sent without the ones not done.
 

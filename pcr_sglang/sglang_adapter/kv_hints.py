@@ -1,4 +1,6 @@
-"""KV hints through SGLang's ``kv_hints`` request field: the ``pcr.lookahead_prefetch`` action.
+"""KV hints through SGLang's ``kv_hints`` request field: the ``pcr.lookahead_prefetch`` action
+(version ``1``), also accepted as ``kv.prefetch`` version ``1.0``, the name SGLang's envelope
+is converging on, with the same payload; ``/server_info`` advertises ``kv_hint.prefetch.v1``.
 
 A RAG pipeline sends the prompt it expects to send next (rendered from the documents the
 look-ahead retrieval predicted) as an ordinary ``/generate`` request carrying::
@@ -42,7 +44,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from pcr_sglang.core.hints import CALLER_FIELD, DEFAULT_CALLER, HINT_ACTION, HintError, hint_payload
+from pcr_sglang.core.hints import CALLER_FIELD, DEFAULT_CALLER, HintError, hint_payload, is_hint_action
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +70,10 @@ def request_caller(request: Any) -> str:
 
 
 def _with_caller(envelope: Any, caller: str) -> Any:
-    if envelope is None or not any(getattr(a, "action_type", None) == HINT_ACTION for a in envelope.actions):
+    if envelope is None or not any(is_hint_action(a) for a in envelope.actions):
         return envelope
     actions = [msgspec.structs.replace(a, payload={**a.payload, CALLER_FIELD: caller})
-               if a.action_type == HINT_ACTION and isinstance(a.payload, dict) else a for a in envelope.actions]
+               if is_hint_action(a) and isinstance(a.payload, dict) else a for a in envelope.actions]
     return msgspec.structs.replace(envelope, actions=actions)
 
 

@@ -49,7 +49,7 @@ _SSD_FIELDS = {
     "bytes_read_on_demand": ("ssd_read_bytes", {"reason": "on_demand"}),
 }
 
-_HINT_KINDS = ("registered", "rate_limited", "expired", "consumed")
+_HINT_KINDS = ("registered", "rate_limited", "clipped", "expired", "consumed")
 # The remote tier: the scheduler's probe counters, then the I/O process's store counters.
 _REMOTE_PROBE_FIELDS = {"probes": ("remote_probes", {"kind": "sent"}),
                         "answered": ("remote_probes", {"kind": "answered"}),
@@ -165,9 +165,10 @@ class PCRMetrics:
         )
         self.hints = Counter(
             "sglang:pcr_hints_total",
-            "PCR KV hints (kv_hints action 'pcr.lookahead_prefetch'): registered, dropped over "
-            "--pcr-hint-rate (rate_limited), ended by their TTL (expired) or by an admitted "
-            "request covering them (consumed).",
+            "PCR KV hints (kv_hints action 'pcr.lookahead_prefetch' or 'kv.prefetch'): registered "
+            "(accepted), dropped over --pcr-hint-rate (rate_limited), accepted with their ttl_s cut to "
+            "the server's maximum (clipped), ended by their TTL (expired) or by an admitted request "
+            "covering them (consumed).",
             labelnames=names + ["kind"],
         )
         self.remote_probes = Counter(

@@ -102,9 +102,11 @@ def _redact(value: Any, secrets: tuple[str, ...]) -> Any:
             if isinstance(key, str) and key in SECRET_FIELDS and item is not None:
                 out[key] = REDACTED
             elif isinstance(key, str) and key in COMMAND_FIELDS and isinstance(item, str):
-                out[key] = _scrub(redact_command_line(item), secrets)
+                # Values first: SGLang joins argv with spaces, so a key holding a space is
+                # several words there, of which the flag's rule would take only the first.
+                out[key] = redact_command_line(_scrub(item, secrets))
             elif isinstance(key, str) and key in COMMAND_FIELDS and isinstance(item, (list, tuple)):
-                out[key] = [_scrub(arg, secrets) for arg in redact_argv(map(str, item))]
+                out[key] = redact_argv(_scrub(str(arg), secrets) for arg in item)
             else:
                 out[key] = _redact(item, secrets)
         return out

@@ -6,6 +6,8 @@ import logging
 from dataclasses import asdict
 from typing import Any, Optional
 
+from pcr_sglang.core.hints import HINT_CAPABILITIES
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,7 +66,8 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
                # Rounds in which the ranks' digests of admitted prefix lengths differed.
                "prefix_digest_mismatches": scheduler.digest_mismatches},
         "ssd": _ssd_report(cache) if state.ssd_enabled else None,
-        "hints": {"live": len(scheduler.hints), "counters": asdict(scheduler.hints.stats)},
+        "hints": {"live": len(scheduler.hints), "counters": asdict(scheduler.hints.stats),
+                  "capabilities": list(HINT_CAPABILITIES)},
         "remote": remote_report(scheduler) if scheduler.remote else None,
         "kv_events": cache.kv_events.report() if cache.kv_events is not None else None,
         "doc_reuse": {"mode": scheduler.docs.mode, "rope": scheduler.docs.rope.signature(),

@@ -196,6 +196,24 @@ def test_a_kv_hint_under_another_tenants_salt_prefetches_nothing(servers, rag_pr
         [ssd["cost_model"], ssd["counters"], ssd["prefetch_timeliness"]])
 
 
+def test_a_kv_hint_in_upstreams_words_is_registered_and_the_capability_advertised(servers, rag_prompt_ids):
+    """``kv.prefetch`` version ``1.0`` (SGLang's envelope as it is converging) is the same
+    hint as ``pcr.lookahead_prefetch``; /server_info says so with ``kv_hint.prefetch.v1``."""
+    server = servers["ssd"]
+    before = _hint_counters(server)
+    envelope = _hint()
+    envelope["actions"][0].update(action_type="kv.prefetch", action_version="1.0")
+    out = server.generate({"input_ids": rag_prompt_ids[43], "sampling_params": {"max_new_tokens": 0},
+                           "kv_hints": envelope})
+    assert out["meta_info"]["finish_reason"]["pcr_hint"] == "registered"
+    assert _hint_counters(server)["registered"] == before["registered"] + 1
+    assert server.pcr_state()["hints"]["capabilities"][0] == "kv_hint.prefetch.v1"
+    envelope["actions"][0]["action_version"] = "1"
+    refused = requests.post(server.base_url + "/generate", timeout=60, json={
+        "input_ids": rag_prompt_ids[43], "sampling_params": {"max_new_tokens": 0}, "kv_hints": envelope})
+    assert refused.status_code == 400 and "kv.prefetch action_version '1' is not supported" in refused.text
+
+
 def test_a_hyde_pipeline_on_the_frontend_sends_its_hint_and_searches_exactly(servers):
     """The DSL program runs its pre-retrieval generation while the look-ahead and the KV
     hint go out; its search is faiss's IVF search of its query, and its answer is what the

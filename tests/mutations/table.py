@@ -1125,6 +1125,37 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="README, Trust: no request can take the server down (a session id that is not a string)",
         breaks="a /generate request with session_params.id a JSON object kills SGLang's scheduler",
     ),
+    Mutant(
+        name="kv-hints-upstream-action-name-ignored",
+        kind="unit",
+        file="pcr_sglang/core/hints.py",
+        original="    return getattr(action, \"action_type\", None) in HINT_ACTION_VERSIONS",
+        replacement="    return getattr(action, \"action_type\", None) == HINT_ACTION",
+        tests=(UNIT + "sglang_adapter/test_kv_hints.py::test_the_upstream_action_name_is_a_synonym_with_its_own_version",),
+        claim="docs/lookahead-retrieval.md, KV hints: kv.prefetch@1.0 is a synonym (issue 40.6)",
+        breaks="a hint sent as kv.prefetch is left unread: no prefetch, no hint-only finish",
+    ),
+    Mutant(
+        name="layerwise-auto-reads-the-unresolved-record",
+        kind="unit",
+        file="pcr_sglang/config.py",
+        original="    graphs = getattr(_resolved(args), \"cuda_graph_config\", None)",
+        replacement="    graphs = getattr(args, \"cuda_graph_config\", None)",
+        tests=(UNIT + "sglang_adapter/test_refusal_prefill_graph.py",),
+        k="default_layerwise",
+        claim="docs/flags.md, --pcr-layerwise auto: offload under a prefill CUDA graph",
+        breaks="auto reads the flags as given (no prefill graph), takes both, and the default flags are refused",
+    ),
+    Mutant(
+        name="reorder-writes-the-samples-shared-sampling-params",
+        kind="unit",
+        file="pcr_sglang/reuse/reorder.py",
+        original="        tokenized.sampling_params = copy.copy(tokenized.sampling_params)\n",
+        replacement="",
+        tests=(UNIT + "reuse/test_doc_reorder.py::test_every_sample_of_a_request_is_served_in_the_same_order",),
+        claim="docs/document-reuse.md, reorder: n > 1 behaves as without it (review R2)",
+        breaks="the samples after the first carry the first's reordered bounds over the client's tokens",
+    ),
 )
 
 

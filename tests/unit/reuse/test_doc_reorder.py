@@ -190,6 +190,28 @@ def test_the_tokenized_request_is_rewritten_and_its_state_notes_the_order():
     assert list(sample.input_ids) == tokens
 
 
+def test_every_sample_of_a_request_is_served_in_the_same_order():
+    """``n`` > 1: SGLang's tokenizer manager sends shallow copies of one tokenized request
+    (``copy.copy``), sharing its ``SamplingParams``. Red before (review R2): the first sample's
+    reordered bounds were written into the shared object, so the others carried them over
+    the client's tokens, unreordered and framing no document."""
+    import copy
+
+    manager = SimpleNamespace(rid_to_state={})
+    tokens, spans = prompt("ABC")
+    reorder_request(manager, tokenized(tokens, flat(spans), rid="earlier"), "concat")
+    tokens2, spans2 = prompt("CBA")
+    base = tokenized(tokens2, flat(spans2), rid="base")
+    samples = [copy.copy(base) for _ in range(3)]
+    for k, sample in enumerate(samples):
+        sample.rid = f"s{k}"
+        assert reorder_request(manager, sample, "concat").order == (2, 1, 0)
+    for sample in samples:
+        assert list(sample.input_ids) == tokens
+        assert sample.sampling_params.custom_params[DOC_BOUNDS_PARAM] == flat(spans)
+    assert base.sampling_params.custom_params[DOC_BOUNDS_PARAM] == flat(spans2)  # the shared one, as sent
+
+
 @pytest.mark.parametrize("custom, server_mode", [
     ({DOC_MODE_PARAM: "concat"}, "concat"),  # another mode: as given
     ({}, "concat"),  # the server's mode, not reorder

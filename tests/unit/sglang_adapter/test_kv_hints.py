@@ -198,3 +198,26 @@ def test_a_hint_promotes_nothing_the_queue_prefetch_read_for_a_waiting_request()
     assert list(d.state.promotable(chain[2:])) == [chain[2]]  # the hint's own read
     d.state.count_hinted(chain[2:])
     assert d.state.ssd_stats.hint_in_time == 1
+
+
+def test_the_upstream_action_name_is_a_synonym_with_its_own_version():
+    """SGLang's kv_hints envelope is converging on ``kv.prefetch`` version ``1.0``: the same
+    hint, the same payload; each name is held to its own version, and one request carries
+    one prefetch action whatever its name."""
+    from pcr_sglang.core.hints import HINT_CAPABILITIES, UPSTREAM_HINT_ACTION
+
+    upstream = _Action({"ttl_s": 5, "group": "g"}, action_type=UPSTREAM_HINT_ACTION, version="1.0")
+    assert hint_payload(_Envelope(upstream)) == HintPayload(True, 5.0, "g", 0)
+    with pytest.raises(HintError, match=r"kv.prefetch action_version '1' is not supported \(this server implements"):
+        hint_payload(_Envelope(_Action({}, action_type=UPSTREAM_HINT_ACTION, version="1")))
+    with pytest.raises(HintError, match=r"2 prefetch actions \(kv.prefetch and pcr.lookahead_prefetch\)"):
+        hint_payload(_Envelope(upstream, _Action({})))
+    assert HINT_CAPABILITIES[0] == "kv_hint.prefetch.v1"
+
+
+def test_a_hint_over_the_servers_ttl_is_accepted_clipped_and_counted():
+    book = HintBook(HintLimits(max_ttl_s=10.0))
+    book.register("long", ["k"], HintPayload(ttl_s=60.0), now=0.0)
+    book.register("short", ["j"], HintPayload(ttl_s=5.0), now=0.0)
+    assert book.stats.registered == 2 and book.stats.clipped == 1
+    assert {h.hint_id: h.deadline for h in book.live()} == {"long": 10.0, "short": 5.0}

@@ -69,3 +69,15 @@ def test_short_values_are_redacted_by_name_but_not_searched_for():
 
     assert secret_values(Args()) == [ADMIN]
     assert redact({"api_key": "ab", "text": "abc"}, secret_values(Args())) == {"api_key": REDACTED, "text": "abc"}
+
+
+def test_a_key_with_spaces_leaves_no_word_in_the_launch_command():
+    """SGLang joins argv with spaces (review R3: the flag's rule took the first word, and the
+    whole value was no longer there to find)."""
+    class Args:
+        api_key = "open sesame 42"
+        admin_api_key = None
+
+    answer = redact({"launch_command": "python -m sglang.launch_server --api-key open sesame 42 --port 1"},
+                    secret_values(Args()))
+    assert "sesame" not in answer["launch_command"] and answer["launch_command"].endswith("--port 1")

@@ -40,18 +40,29 @@ def test_the_rule_runs_with_the_others_and_the_full_graph_advice_is_not_refused_
     assert refusals.unsupported_reasons(inputs("both", "disabled")) == []
 
 
-@pytest.mark.parametrize("backend, resolved", [("breakable", "offload"), ("full", "offload"),
-                                               ("disabled", "both"), (None, "both")])
-def test_the_default_layerwise_setting_is_served_under_sglangs_default_prefill_graph(backend, resolved):
+@pytest.mark.parametrize("graph_flags, resolved", [(("--cuda-graph-backend-prefill", "breakable"), "offload"),
+                                                  ((), "both")])
+def test_the_default_layerwise_setting_is_served_under_sglangs_default_prefill_graph(tiny_model, graph_flags,
+                                                                                     resolved):
     """SGLang's prefill graph is ``breakable`` by default on CUDA, so a default of ``both``
     would refuse ``--enable-pcr --pcr-dram-gb N`` on every GPU: ``auto`` (the flag's
     default) takes ``offload`` there, ``both`` without a prefill graph (CPU); a value the
-    user gives is kept, and refused as above."""
-    graphs = None if backend is None else SimpleNamespace(prefill=SimpleNamespace(backend=backend))
-    args = SimpleNamespace(enable_pcr=True, pcr_dram_gb=0.01, pcr_layerwise="auto", cuda_graph_config=graphs)
-    config = PCRConfig.from_server_args(args)
-    assert config.layerwise == resolved
-    assert refusals.unsupported_reasons(SupportInputs(args, config)) == []
-    given = PCRConfig.from_server_args(SimpleNamespace(**{**vars(args), "pcr_layerwise": "both"}))
-    assert given.layerwise == "both"
-    assert (refusals.unsupported_reasons(SupportInputs(args, given)) != []) == (backend not in (None, "disabled"))
+    user gives is kept, and refused as above. Through SGLang's own ``prepare_server_args``
+    and ``resolve_once`` (with the plugin's hooks): SGLang keeps its resolved graph backend
+    in overrides, not in the record (red before: ``auto`` read the record, took ``both``
+    and was refused)."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+    base = ["--model-path", tiny_model, "--device", "cpu", "--enable-pcr", "--pcr-dram-gb", "0.01", *graph_flags]
+    args = prepare_server_args(base)
+    args.resolve_once()  # the plugin's refusals run here
+    assert PCRConfig.from_server_args(args).layerwise == resolved
+    given = prepare_server_args([*base, "--pcr-layerwise", "both"])
+    if graph_flags:
+        with pytest.raises(Exception, match="--pcr-layerwise both with --cuda-graph-backend-prefill breakable"):
+            given.resolve_once()
+    else:
+        given.resolve_once()
+        assert PCRConfig.from_server_args(given).layerwise == "both"

@@ -273,3 +273,10 @@ def test_the_key_file_is_removed_once_the_server_is_ready():
     server = SecretsReporter("unused", ("--admin-api-key", SECRET), startup_timeout_s=60)
     with server:
         assert not server.config_path.exists() and not server.config_path.parent.exists()
+
+
+def test_an_abbreviated_key_flag_is_refused_not_left_on_the_command_line():
+    """SGLang's parser takes ``--admin-api-k`` for ``--admin-api-key`` (review R4)."""
+    with pytest.raises(ValueError, match="--admin-api-k: spell the flag out"):
+        ServerProcess("m", ("--admin-api-k", SECRET)).argv()
+    assert ServerProcess("m", ("--ssl-keyfile", "key.pem")).argv()[-2:] == ["--ssl-keyfile", "key.pem"]
