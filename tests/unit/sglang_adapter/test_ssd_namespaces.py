@@ -21,16 +21,7 @@ from pcr_sglang.sglang_adapter.metrics import PCRMetrics
 from pcr_sglang.sglang_adapter.report import build_report
 from pcr_sglang.tiers.ssd_store import list_namespaces
 from tests.unit.adapter_harness import CHUNK, Harness, make  # noqa: F401
-
-
-def prompt(start: int, chunks: int = 3) -> list[int]:
-    return list(range(start, start + chunks * CHUNK))
-
-
-def persisted(h: Harness, tokens: list[int]) -> None:
-    h.serve(tokens)
-    h.cache.evict(EvictParams(num_tokens=10**6))
-    h.drain_io()
+from tests.unit.sglang_adapter.test_weight_updates import persisted, prompt
 
 
 def configure(h: Harness, **fields) -> None:
