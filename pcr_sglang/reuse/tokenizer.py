@@ -52,6 +52,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from pcr_sglang.core.hints import hint_tenant
 from pcr_sglang.reuse import settings as reuse_settings
 from pcr_sglang.reuse.bounds import (
     CANONICAL_PARAM,
@@ -78,7 +79,6 @@ IDLE_POLL_S = 0.05
 # the idle drain for one warm-up; a request's own wait is shorter once prefills have been
 # measured (:class:`WarmupWait`). A warm-up is a prefill: far less on a live server.
 WARM_TIMEOUT_S = 120.0
-DEFAULT_TENANT = "default"
 _TOKEN_TYPECODE = "q"  # canonical sequences hashed as int64, as chunk keys hash tokens
 
 
@@ -107,16 +107,6 @@ class WarmupWait:
     floor_s: float = 2.0
     initial_s: float = 30.0
     window: int = 32
-
-
-def warm_tenant(extra_key: Optional[str], cache_salt: Optional[str]) -> str:
-    """Whose warm-up place a warm-up takes: the request's ``cache_salt``, else its
-    ``extra_key`` (the namespaces its keys fold in), else the default tenant."""
-    if cache_salt is not None:
-        return "salt:" + cache_salt
-    if extra_key is not None:
-        return "extra:" + extra_key
-    return DEFAULT_TENANT
 
 
 class TenantPlaces:
@@ -295,7 +285,7 @@ class DocWarmer:
                request_slots: Optional[asyncio.Semaphore] = None) -> asyncio.Future:
         """Order one warm-up: registered at once (a request needing the same document
         waits for this one), sent once it has a place under both caps."""
-        future = asyncio.ensure_future(self._capped(request_slots, warm_tenant(extra_key, salt),
+        future = asyncio.ensure_future(self._capped(request_slots, hint_tenant(salt, extra_key),
                                                     self._prefill(manager, send, canonical, extra_key, salt,
                                                                   priority)))
         self._in_flight[key] = future

@@ -117,6 +117,15 @@ def test_startup_verdicts(tmp_path, caplog):
     assert "accuracy on this model is unmeasured" in caplog.text
 
 
+def _edited_file(tmp_path, edit):
+    """The committed-shape calibration with ``edit`` applied to its JSON, written to a file."""
+    raw = json.loads(_calibration().to_json())
+    edit(raw)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda raw: raw["modes"]["concat"].update(meets="true"), "modes.concat.meets must be true or false"),
     (lambda raw: raw["modes"]["blend"].update(value=1.5), r"modes.blend.value must be a number in \[0, 1\]"),
@@ -128,12 +137,8 @@ def test_startup_verdicts(tmp_path, caplog):
 def test_values_a_hand_edit_could_break_are_refused(tmp_path, edit, message):
     """Review: ``"meets": "false"`` read as True passed the gate; an R of 1.5 started the
     server and then failed every marked request; a string target crashed startup."""
-    raw = json.loads(_calibration().to_json())
-    edit(raw)
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps(raw))
     with pytest.raises(CalibrationError, match=message):
-        DocReuseCalibration.load(path)
+        DocReuseCalibration.load(_edited_file(tmp_path, edit))
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -161,12 +166,8 @@ def test_values_a_hand_edit_could_break_are_refused(tmp_path, edit, message):
 def test_a_file_whose_verdicts_disagree_with_its_measurements_is_refused(tmp_path, edit, message):
     """Review N11: the server trusted ``meets`` and ``value`` as written; they are recomputed
     from ``measured`` and ``target`` when the file is read."""
-    raw = json.loads(_calibration().to_json())
-    edit(raw)
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps(raw))
     with pytest.raises(CalibrationError, match=message):
-        DocReuseCalibration.load(path)
+        DocReuseCalibration.load(_edited_file(tmp_path, edit))
 
 
 def test_the_committed_calibrations_agree_with_their_measurements():

@@ -118,9 +118,10 @@ class Recorder:
             self.concurrent -= 1
 
 
-def _warmer(policy: WarmupPolicy) -> tuple[DocWarmer, Recorder, SimpleNamespace]:
+def _warmer(policy: WarmupPolicy, **options) -> tuple[DocWarmer, Recorder, SimpleNamespace]:
+    """A warmer whose prefills the recorder stands in for (``options``: caps, wait)."""
     manager = SimpleNamespace(rid_to_state={})
-    warmer = DocWarmer(CHUNK, PAD, Recompute("concat"), policy)
+    warmer = DocWarmer(CHUNK, PAD, Recompute("concat"), policy, **options)
     recorder = Recorder(manager)
     warmer._prefill = recorder  # type: ignore[method-assign]
     return warmer, recorder, manager
@@ -283,11 +284,8 @@ def test_one_tenants_flood_of_warm_ups_leaves_places_for_another_tenant():
     from pcr_sglang.reuse.tokenizer import WarmupCaps
 
     async def run():
-        manager = SimpleNamespace(rid_to_state={})
-        warmer = DocWarmer(CHUNK, PAD, Recompute("concat"), WarmupPolicy("request", after=1),
-                           caps=WarmupCaps(per_request=8, per_tenant=2, per_server=4))
-        recorder = Recorder(manager)
-        warmer._prefill = recorder  # type: ignore[method-assign]
+        warmer, recorder, manager = _warmer(WarmupPolicy("request", after=1),
+                                            caps=WarmupCaps(per_request=8, per_tenant=2, per_server=4))
         recorder.hold = True
         floods = [asyncio.ensure_future(warmer.warm(manager, _salted(_many(100 + 50 * i, 8, True), "flood"),
                                                     send=None)) for i in range(3)]
@@ -309,11 +307,8 @@ def test_a_request_waits_for_its_warm_ups_a_few_prefills_then_goes_without_them(
     from pcr_sglang.reuse.tokenizer import WarmupWait
 
     async def run():
-        manager = SimpleNamespace(rid_to_state={})
-        warmer = DocWarmer(CHUNK, PAD, Recompute("concat"), WarmupPolicy("request", after=1),
-                           wait=WarmupWait(multiple=3.0, floor_s=0.05, initial_s=5.0))
-        recorder = Recorder(manager)
-        warmer._prefill = recorder  # type: ignore[method-assign]
+        warmer, recorder, manager = _warmer(WarmupPolicy("request", after=1),
+                                            wait=WarmupWait(multiple=3.0, floor_s=0.05, initial_s=5.0))
         assert warmer.wait_s() == 5.0  # nothing measured yet
         await warmer.warm(manager, _many(100, 2, True), send=None)  # quick prefills: measured
         assert 0.05 <= warmer.wait_s() < 1.0
