@@ -141,7 +141,7 @@ def test_the_ttft_benchmark_measures_reorder_beside_an_exact_hit_of_the_same_len
     assert short == {FULL: 0, "reorder": 1, EXACT_HIT: 1}  # 8 cached: the last chunk of the documents missed
     starts = [StartResult("base", 0, "doc-reuse", 1.0, {"reorder": 0.105, EXACT_HIT: 0.100})]
     text = markdown(summarize(starts, ["base"], ["reorder", EXACT_HIT]), ["base"], ["reorder", EXACT_HIT])
-    assert "| base | +5.0% |" in text
+    assert "| base | reorder | 105 | exact prefix hit | 100 | 1.05x | <= 1.10x: met |" in text
 
 
 def test_the_accuracy_report_holds_reorder_to_the_noise_floor_on_every_model():

@@ -7,7 +7,17 @@ from dataclasses import dataclass
 
 import pytest
 
-from bench.reuse_ttft import FULL, StartResult, markdown, measure_start, model_order, summarize
+from bench.reuse_ttft import (
+    EXACT_HIT,
+    FULL,
+    StartResult,
+    markdown,
+    measure_start,
+    model_order,
+    recompute_bound_name,
+    reference_rows,
+    summarize,
+)
 from pcr_sglang.reuse.bounds import WARM_NOW_PARAM
 from pcr_tools.launcher import StreamedResponse
 from pcr_tools.tune.measure import ModeSpec
@@ -82,8 +92,12 @@ class _Server:
         self.warmed: list[dict] = []
         self.failing, self.not_reusing, self.error_chunks = set(failing), set(not_reusing), set(error_chunks)
         self.cached_marked, self.cached_unmarked = cached_marked, set(cached_unmarked)
+        self.prefixes: dict[str, list[int]] = {}  # an exact hit's prefix, sent unmarked, per namespace
 
     def generate(self, body):
+        if "custom_params" not in body["sampling_params"]:
+            self.prefixes[body["extra_key"]] = body["input_ids"]
+            return {}
         assert body["sampling_params"]["custom_params"][WARM_NOW_PARAM] is True
         self.warmed.append(body)
         return {}
@@ -98,6 +112,8 @@ class _Server:
         marked = "custom_params" in body["sampling_params"]
         if marked:
             cached = 0 if first in self.not_reusing else self.cached_marked
+        elif body["extra_key"] in self.prefixes:
+            cached = len(self.prefixes[body["extra_key"]])
         else:
             cached = 4 if first in self.cached_unmarked else 0
         return StreamedResponse(ttft_s=first / 1000, latency_s=first / 1000, final={"meta_info": {
@@ -112,9 +128,10 @@ def test_warm_up_questions_are_sent_but_not_counted():
     server = _Server()
     medians, errors, not_reused = measure_start(server, _prompts([900, 800]), _prompts([10, 20, 30]),
                                                 [ModeSpec("concat")])
-    assert medians == {FULL: pytest.approx(0.020), "concat": pytest.approx(0.020)}  # 900 and 800 left out
-    assert len(server.streamed) == 2 * 5 and len(server.warmed) == 5  # every question, every mode, once
-    assert errors == {FULL: 0, "concat": 0} and not_reused == {FULL: 0, "concat": 0}
+    assert medians == {FULL: pytest.approx(0.020), "concat": pytest.approx(0.020),
+                       EXACT_HIT: pytest.approx(0.020)}  # 900 and 800 left out
+    assert len(server.streamed) == 3 * 5 and len(server.warmed) == 5  # every question, every mode, once
+    assert errors == {FULL: 0, "concat": 0, EXACT_HIT: 0} and not_reused == {FULL: 0, "concat": 0, EXACT_HIT: 0}
     # Each request under a namespace of its own: nothing one caches is another's prefix.
     keys = [b["extra_key"] for b in server.streamed]
     assert len(set(keys)) == len(keys)
@@ -123,8 +140,8 @@ def test_warm_up_questions_are_sent_but_not_counted():
 def test_failed_and_not_reusing_requests_are_counted_and_left_out():
     server = _Server(failing={30}, not_reusing={20})
     medians, errors, not_reused = measure_start(server, [], _prompts([10, 20, 30, 40]), [ModeSpec("concat")])
-    assert errors == {FULL: 1, "concat": 1}
-    assert not_reused == {FULL: 0, "concat": 1}
+    assert errors == {FULL: 1, "concat": 1, EXACT_HIT: 1}
+    assert not_reused == {FULL: 0, "concat": 1, EXACT_HIT: 0}
     assert medians[FULL] == pytest.approx(0.020)  # 10, 20, 40
     assert medians["concat"] == pytest.approx(0.025)  # 10, 40
 
@@ -132,7 +149,7 @@ def test_failed_and_not_reusing_requests_are_counted_and_left_out():
 def test_an_error_inside_the_stream_is_a_failure_not_a_fast_answer():
     server = _Server(error_chunks={20})
     medians, errors, _ = measure_start(server, [], _prompts([10, 20, 30]), [ModeSpec("concat")])
-    assert errors == {FULL: 1, "concat": 1}
+    assert errors == {FULL: 1, "concat": 1, EXACT_HIT: 1}
     assert medians[FULL] == pytest.approx(0.020)  # 10 and 30: the error's 1 ms left out
 
 
@@ -153,4 +170,29 @@ def test_a_recomputing_mode_counts_its_recomputed_tokens_as_reused():
     tokens are all of them reused; for concat, 4 of 6 are not."""
     _, _, not_reused = measure_start(_Server(cached_marked=4), [], _prompts([10]),
                                      [ModeSpec("concat"), ModeSpec("blend", 0.5)])
-    assert not_reused == {FULL: 0, "concat": 1, "blend:0.5": 0}
+    assert not_reused == {FULL: 0, "concat": 1, "blend:0.5": 0, EXACT_HIT: 0, recompute_bound_name("blend:0.5"): 0}
+
+
+def test_a_recompute_modes_bound_is_an_exact_hit_short_by_its_recomputed_tokens():
+    """Blend at R=0.5 recomputes 2 of the re-placed document's 3 tokens, so its bound's exact
+    hit caches the prompt's first 6 - 2 = 4 tokens; the plain exact hit caches all 6."""
+    server = _Server(cached_marked=4)  # 4 cached + 2 recomputed: every document reused
+    medians, _, not_reused = measure_start(server, [], _prompts([10]), [ModeSpec("blend", 0.5)])
+    assert sorted(len(p) for p in server.prefixes.values()) == [4, 6]
+    assert not any(not_reused.values()) and recompute_bound_name("blend:0.5") in medians
+
+
+def test_each_mode_is_set_against_its_reference():
+    """concat and reorder against the exact hit; blend against concat + (its bound's exact
+    hit - the exact hit): 0.200 + (0.150 - 0.100) = 0.250, so 0.300 is 1.2x."""
+    modes = ["concat", "reorder", "blend:0.15", EXACT_HIT, recompute_bound_name("blend:0.15")]
+    starts = [StartResult("tuned", 0, "doc-reuse", 1.0, dict(zip(modes, [0.200, 0.105, 0.300, 0.100, 0.150])))]
+    summary = summarize(starts, ["tuned"], modes)
+    rows = {r["mode"]: r for r in reference_rows(summary, ["tuned"], modes)}
+    assert rows["concat"]["ratio"] == pytest.approx(2.0) and rows["concat"]["target"] == 1.3
+    assert rows["reorder"]["ratio"] == pytest.approx(1.05) and rows["reorder"]["target"] == 1.10
+    assert rows["blend:0.15"]["reference_s"] == pytest.approx(0.250)
+    assert rows["blend:0.15"]["ratio"] == pytest.approx(1.2)
+    text = markdown(summary, ["tuned"], modes)
+    assert "| 2.00x | <= 1.30x: missed |" in text and "| 1.20x | <= 1.30x: met |" in text
+    assert "tuned / base" not in text  # one model: no ratio to a base it did not run
