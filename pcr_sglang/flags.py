@@ -8,7 +8,8 @@ class is ours. Every field here becomes a ``--flag`` in ``launch_server --help``
 keyword of ``sglang.Engine``.
 
 This module is imported while ``sglang.srt.server_args`` itself is being imported, so it
-may import only msgspec and SGLang's argument helpers.
+may import only msgspec, SGLang's argument helpers and modules that import nothing
+(``reuse/selectors.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Optional
 
 import msgspec
 from sglang.srt.arg_groups.arg_utils import A, Arg
+
+from pcr_sglang.reuse.selectors import DEFAULT_SELECTOR, SELECTORS
 
 DEFAULT_CHUNK_SIZE = 64
 # From bench/lookahead_sim.py: hit ratio grows with the window up to 16, gaining most at
@@ -70,11 +73,9 @@ DEFAULT_DOC_RECOMPUTE_RATIO = 0.15
 # --unique-docs measured warming every first sighting several times slower than radix
 # (bench/README.md, "When documents are warmed").
 DOC_WARMUP_CHOICES = ["request", "idle"]
-# What ranks blend's recomputed tokens (reuse.bounds.SELECTORS, request-side, is the same list).
-DOC_SELECTOR_CHOICES = ["deviation", "gradual", "query", "prophet"]
-# gradual: the most accurate at the same budget in bench/doc_reuse_accuracy (2026-12-06,
-# docs/document-reuse.md "Choosing the recomputed tokens").
-DEFAULT_DOC_SELECTOR = "gradual"
+# What ranks blend's recomputed tokens: the one list, which a request chooses from too.
+DOC_SELECTOR_CHOICES = list(SELECTORS)
+DEFAULT_DOC_SELECTOR = DEFAULT_SELECTOR
 DEFAULT_DOC_WARMUP = "request"
 DEFAULT_DOC_WARMUP_AFTER = 2
 # What one request may mark (bench/doc_bounds_step.py measures the worst allowed request).

@@ -11,7 +11,7 @@ prefix and the just re-placed documents), then layer 1's projections. Its layer-
 also replace the reused ones in the private slots, as CacheBlend keeps its check layer's
 fresh KV: the kept tokens are then exact through layer 1.
 
-Selectors (``SELECTORS`` in ``reuse/bounds.py``), all at one recompute budget:
+Selectors (``SELECTORS`` in ``reuse/selectors.py``), all at one recompute budget:
 
 * ``deviation`` (CacheBlend's released code): the squared difference of layer-1 V, summed
   over heads and dimensions (V carries no position, so rotation error cannot enter).
@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 import torch
 
-from pcr_sglang.reuse.bounds import QUESTION_SELECTORS
+from pcr_sglang.reuse.selectors import QUESTION_SELECTORS
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from pcr_sglang.req import PcrReq
+from pcr_sglang.reuse.selectors import DEFAULT_SELECTOR, SELECTORS
 
 if TYPE_CHECKING:
     from pcr_sglang.reuse.gate import CalibrationGate
@@ -25,15 +26,8 @@ RECOMPUTE_RATIO_PARAM = "pcr_doc_recompute_ratio"
 # ``blend``: the first N tokens of each re-placed document always recomputed, inside the R
 # budget; the rest of the budget by the selector (with deviation: the "hybrid" selector).
 ANCHOR_TOKENS_PARAM = "pcr_doc_anchor_tokens"
-# ``blend``: what ranks the re-placed tokens (reuse/blend_select.py): ``deviation``
-# (CacheBlend: layer-1 V against full prefill's), ``gradual`` (the paper's gradual
-# filtering: layer 1 keeps twice the budget, layer 2's deviation picks), ``query`` (the
-# question's layer-1 attention on each token) or ``prophet`` (the question's attention
-# fused over layers 1-4, the upper ones over the re-placed KV, as ProphetKV).
+# ``blend``: what ranks the re-placed tokens, one of ``SELECTORS`` (reuse/selectors.py).
 SELECTOR_PARAM = "pcr_doc_selector"
-SELECTORS = ("deviation", "gradual", "query", "prophet")
-DEFAULT_SELECTOR = "gradual"  # flags.DEFAULT_DOC_SELECTOR, the server's default, is the same
-QUESTION_SELECTORS = ("query", "prophet")  # the selectors that read the question
 # The question selectors: where the question ends (a token offset; default: the end of the
 # input). A client that teacher-forces an answer after the prompt sets it to the prompt's
 # length, so the selection sees the question alone, as it does when the answer is generated.

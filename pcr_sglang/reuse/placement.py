@@ -46,7 +46,6 @@ from pcr_sglang.core.residency import CacheState
 from pcr_sglang.req import PcrReq, request_tenant
 from pcr_sglang.reuse.blend_select import BlendProbe
 from pcr_sglang.reuse.bounds import (
-    QUESTION_SELECTORS,
     RECOMPUTE_MODES,
     DocBoundsError,
     DocLimits,
@@ -57,6 +56,7 @@ from pcr_sglang.reuse.bounds import (
 )
 from pcr_sglang.reuse.calibration import CalibrationConditions
 from pcr_sglang.reuse.plan import ReusePlan, RowOrder, canonical_chain_keys, plan_reuse, row_order, with_recompute
+from pcr_sglang.reuse.selectors import QUESTION_SELECTORS
 from pcr_sglang.transfer.engine import TransferEngine
 from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots, replace_layer
 

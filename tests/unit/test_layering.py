@@ -82,12 +82,11 @@ def test_the_config_imports_no_feature():
     assert not {m for m in features if m.split(".")[1] in ("reuse", "rag", "sglang_adapter", "io")}, features
 
 
-def test_the_request_side_selectors_are_the_flags_choices():
-    from pcr_sglang.flags import DEFAULT_DOC_SELECTOR, DOC_SELECTOR_CHOICES
-    from pcr_sglang.reuse.bounds import DEFAULT_SELECTOR, SELECTORS
-
-    assert SELECTORS == tuple(DOC_SELECTOR_CHOICES)
-    assert DEFAULT_SELECTOR == DEFAULT_DOC_SELECTOR
+def test_the_selector_list_imports_nothing():
+    """Blend's selectors are one list (reuse/selectors.py), which the flag declarations read
+    while SGLang is still assembling ``ServerArgs``: it may import nothing of the package."""
+    selectors = REPO / "pcr_sglang" / "reuse" / "selectors.py"
+    assert imported_modules(selectors, REPO / "pcr_sglang") <= {"__future__", "__future__.annotations"}
 
 
 def test_every_end_to_end_module_is_marked_as_such():
