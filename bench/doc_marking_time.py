@@ -43,7 +43,7 @@ class Timing:
 
 def default_model() -> str:
     """SmolLM2 (a real chat template) where it was fetched, else the tiny test model."""
-    from pcr_sglang.paths import cache_root
+    from pcr_client.paths import cache_root
 
     smol = cache_root() / "models" / "SmolLM2-135M-Instruct"
     if smol.exists():

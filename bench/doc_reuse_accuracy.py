@@ -155,7 +155,7 @@ def greedy(max_new_tokens: int) -> dict[str, Any]:
 
 def _sampling(prompt: Prompt, spec: Optional[ModeSpec], **sampling: Any) -> dict[str, Any]:
     """Sampling parameters; with ``spec``, the documents marked and the mode asked for."""
-    from pcr_sglang.reuse.prompt import DocPrompt
+    from pcr_client.prompt import DocPrompt
 
     if spec is None:
         return sampling

@@ -1,7 +1,7 @@
 """GPU check for look-ahead retrieval's fast tier (run it when a CUDA machine is at hand).
 
 1. Copy bandwidth: clusters of an IVF table copied into the GPU fast tier
-   (:class:`~pcr_sglang.rag.fast_device.DeviceClusterTier`: staged in pinned memory, copied
+   (:class:`~pcr_client.rag.fast_device.DeviceClusterTier`: staged in pinned memory, copied
    on the tier's own stream, an event per cluster), against one ``copy_`` of a contiguous
    pinned buffer of the same size (what the copy engine reaches at best).
 2. Overlap with decoding: a decode-loop stand-in (a stack of ``[batch, hidden] x [hidden,
@@ -35,9 +35,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pcr_sglang.rag.fast_device import DeviceClusterTier
-from pcr_sglang.rag.ivf import IVFDatastore, normalized
-from pcr_sglang.rag.lookahead import LookaheadRetriever
+from pcr_client.rag.fast_device import DeviceClusterTier
+from pcr_client.rag.ivf import IVFDatastore, normalized
+from pcr_client.rag.lookahead import LookaheadRetriever
 
 
 def synthetic_vectors(count: int, dim: int, centres: int, seed: int) -> np.ndarray:

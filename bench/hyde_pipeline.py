@@ -52,13 +52,13 @@ import time
 from pathlib import Path
 
 from bench.lookahead_retrieval import build_table, open_cold
-from pcr_sglang.paths import cache_root
-from pcr_sglang.rag.budget import BudgetModel, measure_read_bandwidth
-from pcr_sglang.rag.embedder import embed_texts, load_embedder
-from pcr_sglang.rag.fast_device import FAST_TIERS, make_fast_tier
-from pcr_sglang.rag.ivf import IVFDatastore
-from pcr_sglang.rag.lookahead import LookaheadRetriever
-from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, run_batch
+from pcr_client.paths import cache_root
+from pcr_client.rag.budget import BudgetModel, measure_read_bandwidth
+from pcr_client.rag.embedder import embed_texts, load_embedder
+from pcr_client.rag.fast_device import FAST_TIERS, make_fast_tier
+from pcr_client.rag.ivf import IVFDatastore
+from pcr_client.rag.lookahead import LookaheadRetriever
+from pcr_client.rag.pipelines import KVHinter, PipelineConfig, Pipelines, run_batch
 from pcr_tools.data import load_wiki_articles
 from pcr_tools.launcher import ServerProcess
 

@@ -38,12 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pcr_sglang.paths import cache_root
-from pcr_sglang.rag.budget import BudgetModel, measure_read_bandwidth
-from pcr_sglang.rag.embedder import embed_texts, load_embedder
-from pcr_sglang.rag.fast_device import FAST_TIERS, make_fast_tier
-from pcr_sglang.rag.ivf import IVFDatastore, normalized
-from pcr_sglang.rag.lookahead import LookaheadRetriever
+from pcr_client.paths import cache_root
+from pcr_client.rag.budget import BudgetModel, measure_read_bandwidth
+from pcr_client.rag.embedder import embed_texts, load_embedder
+from pcr_client.rag.fast_device import FAST_TIERS, make_fast_tier
+from pcr_client.rag.ivf import IVFDatastore, normalized
+from pcr_client.rag.lookahead import LookaheadRetriever
 from pcr_tools.data import load_wiki_articles
 
 logger = logging.getLogger(__name__)

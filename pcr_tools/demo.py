@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from pcr_sglang.reuse.prompt import DEFAULT_QUESTION_FORMAT, DocPrompt
+from pcr_client.prompt import DEFAULT_QUESTION_FORMAT, DocPrompt
 from pcr_tools.launcher import ServerProcess
 from pcr_tools.workload import SYSTEM_PROMPT, RagWorkloadParams, chat_prompt, make_rag_workload
 

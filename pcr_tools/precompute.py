@@ -6,7 +6,7 @@ For every document of a JSONL corpus, one request ``S ‖ d`` marking ``d`` as a
 KV (``S ‖ d ‖ pad``, see :mod:`pcr_sglang.reuse.plan`) and keeps it in its tiers; with
 an SSD tier (write-through) it is on disk once the command returns, so a server started
 later on the same store serves these documents from SSD without ever having seen them in
-traffic. ``S`` is what :func:`~pcr_sglang.reuse.prompt.build_doc_prompt` puts before the
+traffic. ``S`` is what :func:`~pcr_client.prompt.build_doc_prompt` puts before the
 documents for the given system prompt, so the traffic must be built the same way (same
 system prompt, same document format).
 
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import requests
 
-from pcr_sglang.reuse.prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
+from pcr_client.prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
 
 logger = logging.getLogger(__name__)
 

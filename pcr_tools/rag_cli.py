@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pcr_sglang.rag.fast_device import FAST_TIERS
-from pcr_sglang.rag.pipelines import PIPELINES
+from pcr_client.rag.fast_device import FAST_TIERS
+from pcr_client.rag.pipelines import PIPELINES
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ def _texts(directory: Path) -> list[str]:
 
 
 def build(args: argparse.Namespace) -> int:
-    from pcr_sglang.rag.embedder import embed_texts
-    from pcr_sglang.rag.ivf import IVFDatastore
+    from pcr_client.rag.embedder import embed_texts
+    from pcr_client.rag.ivf import IVFDatastore
     from pcr_tools.data import load_wiki_articles
 
     articles = list(load_wiki_articles())[: args.docs] if args.docs else list(load_wiki_articles())
@@ -75,12 +75,12 @@ def _questions(texts: list[str], count: int, seed: int, path: Optional[Path]) ->
 def run(args: argparse.Namespace) -> int:
     from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
-    from pcr_sglang.rag.budget import BudgetModel, measure_read_bandwidth
-    from pcr_sglang.rag.embedder import load_embedder
-    from pcr_sglang.rag.fast_device import make_fast_tier
-    from pcr_sglang.rag.ivf import IVFDatastore
-    from pcr_sglang.rag.lookahead import LookaheadRetriever
-    from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, run_batch
+    from pcr_client.rag.budget import BudgetModel, measure_read_bandwidth
+    from pcr_client.rag.embedder import load_embedder
+    from pcr_client.rag.fast_device import make_fast_tier
+    from pcr_client.rag.ivf import IVFDatastore
+    from pcr_client.rag.lookahead import LookaheadRetriever
+    from pcr_client.rag.pipelines import KVHinter, PipelineConfig, Pipelines, run_batch
 
     datastore = IVFDatastore.load(args.datastore, mmap=True)
     texts = _texts(args.datastore)
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     budget = BudgetModel(bandwidth_bytes_s=measure_read_bandwidth(datastore.table.codes))
     retriever = LookaheadRetriever(datastore, embedder.encode, nprobe=args.nprobe, k=args.k, tier=tier, budget=budget)
     if args.mark_documents:
-        from pcr_sglang.reuse.frontend import DocReuseEndpoint
+        from pcr_client.frontend import DocReuseEndpoint
 
         backend = DocReuseEndpoint(args.url)
     else:

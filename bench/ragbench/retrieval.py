@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pcr_sglang.rag.embedder import embed_texts, load_embedder
+from pcr_client.rag.embedder import embed_texts, load_embedder
 
 
 class EmbeddingIndex:

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from pcr_sglang.reuse.prompt import DocPrompt, build_doc_prompt
+from pcr_client.prompt import DocPrompt, build_doc_prompt
 from pcr_tools.data import Article, load_wiki_articles
 
 logger = logging.getLogger(__name__)

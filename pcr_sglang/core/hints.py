@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from pcr_sglang.core.keys import ChunkKey
+from pcr_wire import HINT_ACTION, HINT_ACTION_VERSION
 
-HINT_ACTION = "pcr.lookahead_prefetch"
-HINT_ACTION_VERSION = "1"
 # The same action in the words SGLang's kv_hints envelope is converging on (its fork and
 # PR #38891, Dynamo's ``kv.fetch@1.0``): accepted as a synonym, with the same payload.
 UPSTREAM_HINT_ACTION = "kv.prefetch"
@@ -53,14 +52,6 @@ def is_hint_action(action: Any) -> bool:
     """Whether a ``kv_hints`` action is a prefetch hint this server implements (under either
     name); other actions are left to whoever implements them."""
     return getattr(action, "action_type", None) in HINT_ACTION_VERSIONS
-
-
-def hint_envelope(payload: dict[str, Any], message_id: str, version: str = HINT_ACTION_VERSION) -> dict[str, Any]:
-    """The ``kv_hints`` field of a request carrying one ``pcr.lookahead_prefetch`` action
-    (SGLang's ``KvHintsEnvelope`` as JSON)."""
-    return {"protocol_version": "1", "message_id": message_id,
-            "actions": [{"action_id": "lookahead", "action_type": HINT_ACTION, "action_version": version,
-                         "payload": payload}]}
 
 
 class HintError(ValueError):

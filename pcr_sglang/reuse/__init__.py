@@ -4,8 +4,7 @@ Pure (no torch, no SGLang): :mod:`~pcr_sglang.reuse.bounds` (the request contrac
 :mod:`~pcr_sglang.reuse.plan` (what is reused where; the row order),
 :mod:`~pcr_sglang.reuse.warmup` (when a document's KV is computed),
 :mod:`~pcr_sglang.reuse.calibration` (the per-model gate's file),
-:mod:`~pcr_sglang.reuse.settings` (its settings from ``PCRConfig``),
-:mod:`~pcr_sglang.reuse.prompt` and :mod:`~pcr_sglang.reuse.frontend` (marked prompts, the DSL's ``doc()``).
+:mod:`~pcr_sglang.reuse.settings` (its settings from ``PCRConfig``).
 On the model: :mod:`~pcr_sglang.reuse.setup` (the startup gate),
 :mod:`~pcr_sglang.reuse.model_rope`, :mod:`~pcr_sglang.reuse.placement` (copy and rotate at
 admission), :mod:`~pcr_sglang.reuse.blend_select` (blend's selectors and their probe),
@@ -13,5 +12,6 @@ admission), :mod:`~pcr_sglang.reuse.blend_select` (blend's selectors and their p
 :mod:`~pcr_sglang.reuse.tokenizer` (the HTTP side: bounds checked at the door, warm-ups),
 :mod:`~pcr_sglang.reuse.reorder` (``reorder``: documents put in an order already served, exact),
 :mod:`~pcr_sglang.reuse.disabled` (the null collaborator the scheduler holds without it).
-The SGLang adapter calls into this wing; the wing never imports the adapter.
+The SGLang adapter calls into this wing; the wing never imports the adapter. The client's
+side (marked prompts, the DSL's ``doc()``) is :mod:`pcr_client`.
 """

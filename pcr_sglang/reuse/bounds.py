@@ -2,9 +2,10 @@
 ``sampling_params.custom_params`` (its documents' bounds, the mode, K and R, blend's
 anchors and selector), how it is parsed and checked, and what the server's modes need.
 
-Pure and torch-free, so the HTTP side, the hook table (``plugin.py``), the planner and the
-client helpers share one definition of every name. :func:`parse_doc_bounds` is the one
-parser of ``pcr_doc_bounds``; :mod:`pcr_sglang.reuse.plan` plans over its spans.
+Pure and torch-free, so the HTTP side, the hook table (``plugin.py``) and the planner share
+one definition of every name (the two the client library writes too are :mod:`pcr_wire`'s).
+:func:`parse_doc_bounds` is the one parser of ``pcr_doc_bounds``; :mod:`pcr_sglang.reuse.plan`
+plans over its spans.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pcr_sglang.req import PcrReq
 from pcr_sglang.reuse.selectors import DEFAULT_SELECTOR, SELECTORS
+from pcr_wire import DOC_BOUNDS_PARAM, DOC_MODE_PARAM
 
 if TYPE_CHECKING:
     from pcr_sglang.reuse.gate import CalibrationGate
 
 CUSTOM_PARAMS_FIELD = "sampling_params.custom_params"
-DOC_BOUNDS_PARAM = "pcr_doc_bounds"
-DOC_MODE_PARAM = "pcr_doc_reuse"
 RECOMPUTE_TOKENS_PARAM = "pcr_doc_recompute_tokens"
 RECOMPUTE_RATIO_PARAM = "pcr_doc_recompute_ratio"
 # ``blend``: the first N tokens of each re-placed document always recomputed, inside the R

@@ -9,8 +9,8 @@ produce what a client of the marked-token-id path sends (``input_ids`` and
 ``pcr_doc_bounds``), so the rest of the server sees no difference.
 
 A document must be the same tokens wherever it appears, so it is tokenized alone, with the
-text around it tokenized apart (as :func:`pcr_sglang.reuse.prompt.build_doc_prompt` does
-on the client side). Where a document goes:
+text around it tokenized apart (as :func:`pcr_client.prompt.build_doc_prompt` does on the
+client side). Where a document goes:
 
 * chat, with a template that takes ``documents=`` (Hugging Face's RAG templates): the
   template renders them; each document's span is its rendered title and text (with what
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from pcr_sglang.reuse.bounds import DocLimits
+from pcr_wire import DEFAULT_DOC_FORMAT
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,6 @@ DOCUMENTS_FIELD = "documents"
 # clients may use directly): sampling_params.custom_params["pcr_documents"].
 DOCUMENTS_PARAM = "pcr_documents"
 DOC_FORMAT_FLAG = "--pcr-doc-format"
-DEFAULT_DOC_FORMAT = "Document: {doc}\n\n"  # pcr_sglang.reuse.prompt.DEFAULT_DOC_FORMAT, the client's
 DOCUMENTS_PLACEHOLDER = "{{documents}}"
 DOCUMENT_KEYS = ("title", "text")
 _SENTINEL = "\x00PCR-DOCUMENTS\x00"

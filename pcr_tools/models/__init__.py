@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from pcr_sglang.paths import cache_root
+from pcr_client.paths import cache_root
 
 __all__ = ["STAMP_FILE", "build_cached", "cache_root", "weights_sha256"]
 

@@ -284,7 +284,7 @@ def marked_request(p: GoldPrompt, spec: ModeSpec, max_new_tokens: int, extra_key
                    **custom: Any) -> dict[str, Any]:
     """A greedy ``/generate`` body for ``p`` with its documents marked, served as ``spec``
     (``custom``: more ``custom_params``), under the cache namespace ``extra_key``."""
-    from pcr_sglang.reuse.prompt import DocPrompt
+    from pcr_client.prompt import DocPrompt
 
     sampling = DocPrompt(p.input_ids, p.doc_bounds).sampling_params(temperature=0.0, max_new_tokens=max_new_tokens)
     sampling["custom_params"].update({**spec.custom_params(), **custom})
@@ -309,8 +309,8 @@ def warm_request(p: GoldPrompt, spec: ModeSpec, extra_key: str) -> dict[str, Any
     another order, the noise floor's (``shuffled_ids``), with no question after them, as
     a retriever returns them for another question; the measured request is then served
     in that order, its leading tokens and documents an exact prefix hit."""
+    from pcr_client.prompt import DocPrompt
     from pcr_sglang.reuse.bounds import WARM_NOW_PARAM
-    from pcr_sglang.reuse.prompt import DocPrompt
 
     if spec.mode != "reorder":
         return marked_request(p, spec, 1, extra_key, **{WARM_NOW_PARAM: True})

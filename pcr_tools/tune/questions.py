@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence
 
-from pcr_sglang.reuse.prompt import DocPrompt, build_doc_prompt
+from pcr_client.prompt import DocPrompt, build_doc_prompt
 from pcr_tools.data import Article, load_wiki_articles
 from pcr_tools.workload import SYSTEM_PROMPT
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from pcr_sglang.core.hints import hint_envelope
+from pcr_client.hints import hint_envelope
+from pcr_client.prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
 from pcr_sglang.reuse import settings as reuse_settings
-from pcr_sglang.reuse.prompt import DEFAULT_DOC_FORMAT, build_doc_prompt
 from pcr_tools.data import load_wiki_articles
 from pcr_tools.launcher import ServerProcess
 from tests.conftest import CHUNK_SIZE
@@ -606,7 +606,7 @@ def test_a_passage_with_no_cached_kv_between_reused_documents_is_computed_in_pla
     makes every re-placed token exact on the tiny model's two layers, so that control
     cannot tell.) With the passage's tokens treated as the end of the reuse (as before
     gap filling), the cached-token check fails."""
-    from pcr_sglang.reuse.prompt import DocPrompt
+    from pcr_client.prompt import DocPrompt
 
     model = hf_model
     docs = servers["docs"]
@@ -729,7 +729,7 @@ def test_frontend_dsl_programs_mark_documents(servers, tokenizer, passages):
     ids and bounds), and answers as the same request sent to /generate does."""
     import sglang as sgl
 
-    from pcr_sglang.reuse.frontend import DocReuseEndpoint, doc, marked_input
+    from pcr_client.frontend import DocReuseEndpoint, doc, marked_input
 
     docs = servers["docs"]
     chosen = passages[40:43]
@@ -762,11 +762,11 @@ def test_a_hyde_pipeline_marking_its_documents_reuses_them_and_hints_them(server
     as token ids with the documents' bounds; the hint registers (with each predicted
     document's canonical chain beside the prompt's), the answer is what the same marked
     prompt gets sent directly, and the pipeline's second run reuses every document."""
-    from pcr_sglang.rag.embedder import embed_texts, load_embedder
-    from pcr_sglang.rag.ivf import IVFDatastore
-    from pcr_sglang.rag.lookahead import LookaheadRetriever
-    from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, render_rag_prompt
-    from pcr_sglang.reuse.frontend import DocReuseEndpoint, marked_input
+    from pcr_client.frontend import DocReuseEndpoint, marked_input
+    from pcr_client.rag.embedder import embed_texts, load_embedder
+    from pcr_client.rag.ivf import IVFDatastore
+    from pcr_client.rag.lookahead import LookaheadRetriever
+    from pcr_client.rag.pipelines import KVHinter, PipelineConfig, Pipelines, render_rag_prompt
 
     docs = servers["docs"]
     texts = passages[44:56]
@@ -969,7 +969,7 @@ def test_a_langchain_retriever_and_chat_model_reuse_documents_with_no_client_tok
     from langchain_core.vectorstores import InMemoryVectorStore
     from langchain_openai import ChatOpenAI
 
-    from pcr_sglang.rag.embedder import load_embedder
+    from pcr_client.rag.embedder import load_embedder
 
     class ProjectEmbeddings(Embeddings):
         def __init__(self):

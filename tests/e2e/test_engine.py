@@ -43,7 +43,7 @@ def documents_job(engine, documents):
 
     from transformers import AutoTokenizer
 
-    from pcr_sglang.reuse.prompt import build_doc_prompt
+    from pcr_client.prompt import build_doc_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(engine.server_args.model_path)
     first = engine.generate(prompt=DOC_TEXT, sampling_params=GREEDY, documents=documents)

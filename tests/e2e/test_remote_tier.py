@@ -173,7 +173,7 @@ def test_a_document_one_server_computed_is_reused_by_another_at_another_position
     leading tokens and reuses all three through the Mooncake tier, with the outputs of the
     same request when B computes the documents itself (another tenant's salt: nothing of
     A's is found), in the same mode. Runs while A is alive (a later test kills it)."""
-    from pcr_sglang.reuse.prompt import build_doc_prompt
+    from pcr_client.prompt import build_doc_prompt
     from pcr_tools.data import load_wiki_articles
 
     a, b = servers["a"], servers["b"]

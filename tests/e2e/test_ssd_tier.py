@@ -124,7 +124,7 @@ HINTED = slice(40, 43)  # prompts no other test sends before these
 
 
 def _hint(payload=None, version="1") -> dict:
-    from pcr_sglang.core.hints import hint_envelope
+    from pcr_client.hints import hint_envelope
 
     return hint_envelope({"hint_only": True, "ttl_s": 20} if payload is None else payload, uuid.uuid4().hex, version)
 
@@ -220,12 +220,12 @@ def test_a_hyde_pipeline_on_the_frontend_sends_its_hint_and_searches_exactly(ser
     same final prompt gets when sent directly."""
     from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
-    from pcr_sglang.rag.budget import BudgetModel
-    from pcr_sglang.rag.embedder import embed_texts, load_embedder
-    from pcr_sglang.rag.fast_host import HostClusterTier
-    from pcr_sglang.rag.ivf import IVFDatastore
-    from pcr_sglang.rag.lookahead import LookaheadRetriever
-    from pcr_sglang.rag.pipelines import KVHinter, PipelineConfig, Pipelines, render_rag_prompt
+    from pcr_client.rag.budget import BudgetModel
+    from pcr_client.rag.embedder import embed_texts, load_embedder
+    from pcr_client.rag.fast_host import HostClusterTier
+    from pcr_client.rag.ivf import IVFDatastore
+    from pcr_client.rag.lookahead import LookaheadRetriever
+    from pcr_client.rag.pipelines import KVHinter, PipelineConfig, Pipelines, render_rag_prompt
     from pcr_tools.data import load_wiki_articles
 
     server = servers["ssd"]

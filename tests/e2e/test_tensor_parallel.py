@@ -72,7 +72,7 @@ def test_tp2_a_kv_hint_reads_its_chain_ahead_on_both_ranks(servers, rag_prompt_i
     nothing else runs; the prompt then finds part of its chain in host memory (the hint
     budget is a quarter of the host tier: the rest is read on demand), with the TP 2
     baseline's tokens, and the ranks never disagreed."""
-    from pcr_sglang.core.hints import hint_envelope
+    from pcr_client.hints import hint_envelope
 
     server = servers["pcr"]
     prompts = rag_prompt_ids[:2]

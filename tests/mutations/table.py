@@ -55,7 +55,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="rag-exact-mode-searches-every-landed-cluster",
         kind="unit",
-        file="pcr_sglang/rag/lookahead.py",
+        file="pcr_client/rag/lookahead.py",
         original='if self.mode == "exact":\n                mine = [[int(c) for c in row[h]] for row, h in zip(probe, hit)]',
         replacement='if False:\n                mine = [[int(c) for c in row[h]] for row, h in zip(probe, hit)]',
         tests=(UNIT + "rag/test_rag_retriever.py::test_merged_search_equals_faiss_ivf_whatever_the_fast_tier_holds",),
@@ -65,7 +65,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="rag-unlanded-clusters-searched",
         kind="unit",
-        file="pcr_sglang/rag/fast_host.py",
+        file="pcr_client/rag/fast_host.py",
         original='if c in self._clusters and self._clusters[c].state == "landed"]',
         replacement="if c in self._clusters]",
         tests=(UNIT + "rag/test_rag_retriever.py::test_a_cluster_still_copying_is_a_miss_searched_by_faiss",),

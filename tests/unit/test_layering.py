@@ -1,7 +1,16 @@
 """The house's import rules, checked over the source (every import, lazy ones included):
 
 * the server package never imports the tools (``pcr_tools``), the benchmarks or the tests;
-* ``pcr_sglang/core`` imports neither SGLang nor torch (DESIGN.md: the core is pure Python).
+* ``pcr_sglang/core`` imports neither SGLang nor torch (the core is pure Python);
+* the client library (``pcr_client``: retrieval, the prompt builder, the DSL helpers, the
+  hint envelope) imports nothing of the server package, and the server package imports
+  nothing of it: an application installs the client without the server's floors, and
+  the server never grows a dependency on what runs in its clients;
+* what both must spell alike (the ``custom_params`` that mark documents, the document
+  format, the ``kv_hints`` action's name and version) is defined once, in ``pcr_wire``, a
+  package that imports nothing at all, so either side may import it: a name both sides
+  copied could drift apart, and a name one side took from the other would break the
+  rule above.
 """
 
 from __future__ import annotations
@@ -49,6 +58,21 @@ def violations(package_root: Path, forbidden: tuple[str, ...]) -> list[str]:
 
 def test_the_server_package_imports_no_tool_benchmark_or_test():
     assert violations(REPO / "pcr_sglang", ("pcr_tools", "bench", "tests")) == []
+
+
+def test_the_client_library_imports_nothing_of_the_server():
+    assert violations(REPO / "pcr_client", ("pcr_sglang", "pcr_tools", "bench", "tests")) == []
+
+
+def test_the_server_package_imports_no_client_module():
+    assert violations(REPO / "pcr_sglang", ("pcr_client",)) == []
+
+
+def test_the_wire_words_import_nothing():
+    """``pcr_wire`` sits below both the client and the server, so it may import neither,
+    nor anything else that could pull one in."""
+    for path in sorted((REPO / "pcr_wire").rglob("*.py")):
+        assert imported_modules(path, REPO / "pcr_wire") <= {"__future__", "__future__.annotations"}, path
 
 
 def test_the_core_imports_neither_sglang_nor_torch():

@@ -1,4 +1,4 @@
-"""The retriever (``pcr_sglang.rag``): the IVF datastore, the host fast tier, the budget
+"""The retriever (``pcr_client.rag``): the IVF datastore, the host fast tier, the budget
 fill and the merged search, on random vectors (no embedder)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import threading
 import numpy as np
 import pytest
 
-from pcr_sglang.rag.budget import BudgetModel, fill_budget
-from pcr_sglang.rag.fast_device import DeviceClusterTier, make_fast_tier
-from pcr_sglang.rag.fast_host import HostClusterTier, top_k
-from pcr_sglang.rag.ivf import ClusterTable, DatastoreError, IVFDatastore, normalized
-from pcr_sglang.rag.lookahead import LookaheadRetriever, merge_top_k
+from pcr_client.rag.budget import BudgetModel, fill_budget
+from pcr_client.rag.fast_device import DeviceClusterTier, make_fast_tier
+from pcr_client.rag.fast_host import HostClusterTier, top_k
+from pcr_client.rag.ivf import ClusterTable, DatastoreError, IVFDatastore, normalized
+from pcr_client.rag.lookahead import LookaheadRetriever, merge_top_k
 
 DIM, NLIST, NPROBE, K = 24, 32, 4, 5
 
@@ -346,7 +346,7 @@ def test_a_lookahead_without_prediction_searches_nothing(datastore, queries, mon
 def test_a_pipeline_predicts_documents_only_when_it_sends_hints(hints):
     from types import SimpleNamespace
 
-    from pcr_sglang.rag.pipelines import PipelineConfig, Pipelines
+    from pcr_client.rag.pipelines import PipelineConfig, Pipelines
 
     calls = []
     retriever = SimpleNamespace(lookahead=lambda query, **kwargs: calls.append(kwargs))
@@ -358,7 +358,7 @@ def test_a_pipeline_predicts_documents_only_when_it_sends_hints(hints):
 
 
 def test_similar_questions_are_grouped_together():
-    from pcr_sglang.rag.pipelines import group_queries
+    from pcr_client.rag.pipelines import group_queries
 
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal(16), rng.standard_normal(16)
@@ -372,7 +372,7 @@ def test_similar_questions_are_grouped_together():
 
 
 def test_the_final_prompt_keeps_retrieval_order():
-    from pcr_sglang.rag.pipelines import render_rag_prompt
+    from pcr_client.rag.pipelines import render_rag_prompt
 
     prompt = render_rag_prompt(["first doc ", "second doc"], "Why?")
     assert prompt.index("first doc") < prompt.index("second doc") < prompt.index("Question: Why?")
@@ -384,9 +384,9 @@ def test_a_marked_prompt_is_hinted_as_the_final_request_sends_it(tokenizer):
     same ones the DSL endpoint sends for the final prompt (so the hinted chains, the
     prompt's and each document's canonical one, are the final request's); without a
     tokenizer a marked prompt cannot be hinted, and the markers strip to the plain prompt."""
-    from pcr_sglang.rag.pipelines import KVHinter, render_rag_prompt
+    from pcr_client.frontend import marked_input, strip_markers
+    from pcr_client.rag.pipelines import KVHinter, render_rag_prompt
     from pcr_sglang.reuse.bounds import DOC_BOUNDS_PARAM
-    from pcr_sglang.reuse.frontend import marked_input, strip_markers
 
     docs = ["The Nile is a river in Africa.", "Mount Fuji is a volcano in Japan."]
     marked = render_rag_prompt(docs, "Which is older?", mark_documents=True)

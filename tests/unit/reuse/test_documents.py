@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from pcr_client.prompt import DEFAULT_DOC_FORMAT as CLIENT_DOC_FORMAT
+from pcr_client.prompt import build_doc_prompt
 from pcr_sglang.reuse.bounds import DocLimits, parse_doc_bounds
 from pcr_sglang.reuse.documents import (
     DEFAULT_DOC_FORMAT,
@@ -25,8 +27,6 @@ from pcr_sglang.reuse.documents import (
     render_chat,
     template_takes_documents,
 )
-from pcr_sglang.reuse.prompt import DEFAULT_DOC_FORMAT as CLIENT_DOC_FORMAT
-from pcr_sglang.reuse.prompt import build_doc_prompt
 
 CHATML = (Path(__file__).parents[2] / "e2e" / "data" / "chatml.jinja").read_text()
 # A RAG template in the style of Hugging Face's (Command-R's document block): a running
@@ -53,7 +53,11 @@ def chat_tokenizer(tokenizer):
 
 
 def test_the_client_and_the_server_format_agree():
-    assert DEFAULT_DOC_FORMAT == CLIENT_DOC_FORMAT
+    """One definition (pcr_wire) for the client's prompt builder and the server's renderer;
+    the flag's default must be the same text."""
+    from pcr_sglang.flags import DEFAULT_DOC_FORMAT as FLAG_DOC_FORMAT
+
+    assert DEFAULT_DOC_FORMAT == CLIENT_DOC_FORMAT == FLAG_DOC_FORMAT
 
 
 @pytest.mark.parametrize("raw, message", [

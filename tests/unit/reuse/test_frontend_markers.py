@@ -1,10 +1,10 @@
-"""Document markers of the frontend DSL endpoint (pcr_sglang.reuse.frontend): token ids and bounds."""
+"""Document markers of the frontend DSL endpoint (pcr_client.frontend): token ids and bounds."""
 
 from __future__ import annotations
 
 import pytest
 
-from pcr_sglang.reuse.frontend import DOC_CLOSE, DOC_OPEN, doc, marked_input, strip_markers
+from pcr_client.frontend import DOC_CLOSE, DOC_OPEN, doc, marked_input, strip_markers
 
 
 def test_documents_are_tokenized_alone_and_bounded(tokenizer):

@@ -11,6 +11,7 @@ import pytest
 from sglang.srt.managers.io_struct import GenerateReqInput
 from starlette.requests import Request
 
+from pcr_client.hints import hint_envelope
 from pcr_sglang.core.hints import (
     CALLER_FIELD,
     CALLER_RATE_FACTOR,
@@ -18,7 +19,6 @@ from pcr_sglang.core.hints import (
     HintBook,
     HintLimits,
     HintPayload,
-    hint_envelope,
     hint_payload,
 )
 from pcr_sglang.sglang_adapter.kv_hints import stamp_caller, validate_kv_hints

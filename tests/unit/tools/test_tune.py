@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pcr_sglang.reuse.prompt import build_doc_prompt
+from pcr_client.prompt import build_doc_prompt
 from pcr_tools.tune import questions, scores
 from pcr_tools.tune.served_pattern import MarkedPrompt, rotate_keys, served_generate, served_logits
 

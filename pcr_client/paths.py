@@ -1,7 +1,8 @@
 """Where pcr-sglang keeps what it builds or derives on disk (models, embeddings, bench data).
 
-One function, here and not with the model builders, because the server's retrieval side
-(:mod:`pcr_sglang.rag.embedder`) caches into it too and must not import the tools.
+One function, here and not with the model builders (``pcr_tools.models``), because the
+client's retrieval (:mod:`pcr_client.rag.embedder`) caches into it too and must not import
+the tools.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Collection, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from pcr_sglang.rag.ivf import ClusterTable
+from pcr_client.rag.ivf import ClusterTable
 
 logger = logging.getLogger(__name__)
 

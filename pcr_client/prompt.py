@@ -21,10 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from pcr_sglang.reuse.bounds import DOC_BOUNDS_PARAM, DOC_MODE_PARAM
+from pcr_wire import DEFAULT_DOC_FORMAT, DOC_BOUNDS_PARAM, DOC_MODE_PARAM
 
 _SENTINEL = "\x00PCR-DOCUMENTS\x00"
-DEFAULT_DOC_FORMAT = "Document: {doc}\n\n"
 DEFAULT_QUESTION_FORMAT = "Question: {question}"
 
 

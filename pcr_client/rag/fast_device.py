@@ -32,8 +32,8 @@ from typing import Sequence
 
 import numpy as np
 
-from pcr_sglang.rag.fast_host import DEFAULT_PAGE_ROWS, HostClusterTier, _Cluster
-from pcr_sglang.rag.ivf import ClusterTable
+from pcr_client.rag.fast_host import DEFAULT_PAGE_ROWS, HostClusterTier, _Cluster
+from pcr_client.rag.ivf import ClusterTable
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ def _faiss():
     try:
         import faiss
     except ImportError as e:  # pragma: no cover - installed by scripts/install.sh
-        raise ImportError("pcr_sglang.rag needs faiss-cpu: pip install faiss-cpu==1.15.1 "
+        raise ImportError("pcr_client.rag needs faiss-cpu: pip install faiss-cpu==1.15.1 "
                           "(scripts/install.sh installs it)") from e
     return faiss
 

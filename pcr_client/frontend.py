@@ -7,7 +7,7 @@ turns the text into ``input_ids``, the leading text, each marked document and th
 tokenized one by one, with ``custom_params["pcr_doc_bounds"]``::
 
     import sglang as sgl
-    from pcr_sglang.reuse.frontend import DocReuseEndpoint, doc
+    from pcr_client.frontend import DocReuseEndpoint, doc
 
     @sgl.function
     def rag(s, documents, question):
@@ -33,7 +33,7 @@ from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.lang.interpreter import StreamExecutor
 from sglang.lang.ir import SglSamplingParams
 
-from pcr_sglang.reuse.bounds import DOC_BOUNDS_PARAM
+from pcr_wire import DOC_BOUNDS_PARAM
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def marked_input(tokenizer: Any, text: str) -> Optional[tuple[list[int], list[in
     pieces = (DOC_OPEN + rest).split(DOC_OPEN)[1:]
     for piece in pieces:
         if piece.count(DOC_CLOSE) != 1:
-            raise ValueError("document markers are unbalanced (use pcr_sglang.reuse.frontend.doc)")
+            raise ValueError("document markers are unbalanced (use pcr_client.frontend.doc)")
         body, after = piece.split(DOC_CLOSE)
         body_ids = tokenizer.encode(body, add_special_tokens=False)
         if body_ids:

@@ -27,9 +27,9 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from pcr_sglang.rag.budget import BudgetModel, fill_budget
-from pcr_sglang.rag.fast_host import HostClusterTier, top_k
-from pcr_sglang.rag.ivf import IVFDatastore, normalized
+from pcr_client.rag.budget import BudgetModel, fill_budget
+from pcr_client.rag.fast_host import HostClusterTier, top_k
+from pcr_client.rag.ivf import IVFDatastore, normalized
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ text: the KV hint sends the same text, so the server tokenizes both alike and th
 chain is the final request's (the DSL's chat-role wrappers would template it their own way).
 
 With ``PipelineConfig(mark_documents=True)`` (for a server with ``--pcr-doc-reuse``) each
-document of the final prompt is marked (:func:`pcr_sglang.reuse.frontend.doc`) and the backend
-must be a :class:`~pcr_sglang.reuse.frontend.DocReuseEndpoint`, which sends the prompt as token
+document of the final prompt is marked (:func:`pcr_client.frontend.doc`) and the backend
+must be a :class:`~pcr_client.frontend.DocReuseEndpoint`, which sends the prompt as token
 ids with the documents' bounds: the server reuses each document's KV wherever it appears.
 The hint is the same marked prompt, tokenized alike by the hinter, so besides the prompt's
 own chain the server reads each predicted document's canonical chain ahead, order-free:
@@ -41,10 +41,10 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import requests
 
-from pcr_sglang.core.hints import hint_envelope
-from pcr_sglang.rag.ivf import normalized
-from pcr_sglang.rag.lookahead import LookaheadRetriever, SearchResult, SearchStats
-from pcr_sglang.reuse.bounds import DOC_BOUNDS_PARAM
+from pcr_client.hints import hint_envelope
+from pcr_client.rag.ivf import normalized
+from pcr_client.rag.lookahead import LookaheadRetriever, SearchResult, SearchStats
+from pcr_wire import DOC_BOUNDS_PARAM
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def render_rag_prompt(documents: Sequence[str], question: str, mark_documents: b
     once the markers are stripped)."""
     blocks = [f"Document: {d.strip()}\n\n" for d in documents]
     if mark_documents:
-        from pcr_sglang.reuse.frontend import doc
+        from pcr_client.frontend import doc
 
         blocks = [doc(block) for block in blocks]
     return f"{SYSTEM}{''.join(blocks)}Question: {question}\nAnswer:"
@@ -140,7 +140,7 @@ class KVHinter:
         return registered
 
     def _prompt_fields(self, prompt: str) -> dict[str, Any]:
-        from pcr_sglang.reuse.frontend import DOC_OPEN, marked_input
+        from pcr_client.frontend import DOC_OPEN, marked_input
 
         if DOC_OPEN not in prompt:
             return {"text": prompt, "sampling_params": {"max_new_tokens": 0}}
@@ -202,11 +202,11 @@ class Pipelines:
         self.hinter = hinter
         self.config = config
         if config.mark_documents:
-            from pcr_sglang.reuse.frontend import DocReuseEndpoint
+            from pcr_client.frontend import DocReuseEndpoint
 
             if not isinstance(backend, DocReuseEndpoint):
                 raise ValueError("PipelineConfig(mark_documents=True) needs a "
-                                 "pcr_sglang.reuse.frontend.DocReuseEndpoint backend: a RuntimeEndpoint would send "
+                                 "pcr_client.frontend.DocReuseEndpoint backend: a RuntimeEndpoint would send "
                                  "the markers as text")
             if hinter is not None and config.hints and hinter.tokenizer is None:
                 raise ValueError("PipelineConfig(mark_documents=True) with hints needs "

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pcr_sglang.paths import cache_root
+from pcr_client.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
