@@ -17,11 +17,11 @@
 #   kernels-rope      the RoPE re-placement kernel against the torch path
 #   kernels-mask      SGLang's Triton extend attention with the position-causal mask; SKIP
 #                     where SGLang is not installed (the kernel is SGLang's)
-#   ordering          bench/gpu_ordering_check.py: the transfer engine's CUDA branch
+#   ordering          tests/gpu/gpu_ordering_check.py: the transfer engine's CUDA branch
 #                     (CudaStreams, deliberately slow copies) against the CPU ordering model
-#   transfer          bench/gpu_transfer_check.py: copy bandwidth, exposed transfer time,
+#   transfer          tests/gpu/gpu_transfer_check.py: copy bandwidth, exposed transfer time,
 #                     the document re-placement
-#   retrieval         bench/gpu_retrieval_check.py: the GPU fast tier of look-ahead retrieval
+#   retrieval         tests/gpu/gpu_retrieval_check.py: the GPU fast tier of look-ahead retrieval
 # --cpu-dry-run runs the reduced CPU form of every step under TRITON_INTERPRET=1, so the
 # script does not rot where no GPU is at hand; its figures are not GPU figures.
 set -uo pipefail
@@ -143,18 +143,18 @@ if [[ $DRY_RUN == 1 ]]; then
         --ignore=tests/kernels/test_rope_shift_triton.py --ignore=tests/kernels/test_position_mask_triton.py
     step kernels-rope 600 "${PYTEST[@]}" tests/kernels/test_rope_shift_triton.py
     step kernels-mask 300 "${PYTEST[@]}" tests/kernels/test_position_mask_triton.py
-    step ordering 300 "$PYTHON" bench/gpu_ordering_check.py
-    step transfer 300 "$PYTHON" bench/gpu_transfer_check.py --prefix 256 --new 64 --doc 64 --bw-chunks 8 --repeats 1
-    step retrieval 300 "$PYTHON" bench/gpu_retrieval_check.py --vectors 5000 --queries 10 --steps 5 --copy-gb 0.01 \
+    step ordering 300 "$PYTHON" tests/gpu/gpu_ordering_check.py
+    step transfer 300 "$PYTHON" tests/gpu/gpu_transfer_check.py --prefix 256 --new 64 --doc 64 --bw-chunks 8 --repeats 1
+    step retrieval 300 "$PYTHON" tests/gpu/gpu_retrieval_check.py --vectors 5000 --queries 10 --steps 5 --copy-gb 0.01 \
         --json "$OUTDIR/retrieval.json"
 else
     step kernels-copy 150 "${PYTEST[@]}" tests/kernels \
         --ignore=tests/kernels/test_rope_shift_triton.py --ignore=tests/kernels/test_position_mask_triton.py
     step kernels-rope 90 "${PYTEST[@]}" tests/kernels/test_rope_shift_triton.py
     step kernels-mask 60 "${PYTEST[@]}" tests/kernels/test_position_mask_triton.py
-    step ordering 90 "$PYTHON" bench/gpu_ordering_check.py
-    step transfer 150 "$PYTHON" bench/gpu_transfer_check.py --layers 32 --prefix 4096 --new 1024 --doc 1024 --repeats 10
-    step retrieval 180 "$PYTHON" bench/gpu_retrieval_check.py --vectors 500000 --nlist 1024 --copy-gb 1 \
+    step ordering 90 "$PYTHON" tests/gpu/gpu_ordering_check.py
+    step transfer 150 "$PYTHON" tests/gpu/gpu_transfer_check.py --layers 32 --prefix 4096 --new 1024 --doc 1024 --repeats 10
+    step retrieval 180 "$PYTHON" tests/gpu/gpu_retrieval_check.py --vectors 500000 --nlist 1024 --copy-gb 1 \
         --json "$OUTDIR/retrieval.json"
 fi
 

@@ -4,7 +4,7 @@
 # in .whl/ (git-ignored): carry that folder to the GPU machine beside the working tree.
 #
 # What the checks import beyond torch, triton, numpy and pytest (traced with the imports
-# blocked, see tests/unit/tools/test_gpu_check_script.py): faiss-cpu, for bench/gpu_retrieval_check.py
+# blocked, see tests/unit/tools/test_gpu_check_script.py): faiss-cpu, for tests/gpu/gpu_retrieval_check.py
 # (the IVF index the GPU fast tier merges its results with), and msgspec, which pcr_sglang.core
 # imports (the position-mask test reaches it where SGLang is installed). Nothing else: the
 # kernel tests, the ordering check and the transfer check need neither SGLang nor blake3,

@@ -1,4 +1,4 @@
-"""bench/gpu_retrieval_check.py runs on the CPU (so it is ready when a GPU is lent) and its
+"""tests/gpu/gpu_retrieval_check.py runs on the CPU (so it is ready when a GPU is lent) and its
 search part checks what it claims: the merged search through the device tier equals
 faiss's IVF search."""
 
@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from bench import gpu_retrieval_check
+from tests.gpu import gpu_retrieval_check
 
 
 def test_the_gpu_retrieval_check_runs_on_the_cpu_and_finds_the_searches_identical(tmp_path, capsys):

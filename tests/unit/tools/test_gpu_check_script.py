@@ -53,20 +53,20 @@ def test_every_step_is_run_on_the_gpu_and_in_the_dry_run_and_its_files_exist():
     text = _script_text()
     names = re.findall(r"^\s*step ([\w-]+) \d+ ", text, flags=re.M)
     assert names == STEPS + STEPS  # the dry-run branch, then the GPU branch
-    for path in set(re.findall(r"((?:bench|tests/kernels)/[\w/.]*)", text)):
+    for path in set(re.findall(r"((?:tests/gpu|tests/kernels)/[\w/.]*)", text)):
         assert (ROOT / path.rstrip("/")).exists(), path
 
 
 def _python_files_run() -> list[str]:
     text = _script_text()
-    files = set(re.findall(r"bench/\w+\.py", text))
+    files = set(re.findall(r"tests/gpu/\w+\.py", text))
     files |= {str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "kernels").glob("*.py") if p.name != "__init__.py"}
     return sorted(files)
 
 
 def test_every_python_file_a_step_runs_imports_without_sglang():
     files = _python_files_run()
-    assert "bench/gpu_ordering_check.py" in files and "tests/kernels/test_copy_kv_host_pool.py" in files
+    assert "tests/gpu/gpu_ordering_check.py" in files and "tests/kernels/test_copy_kv_host_pool.py" in files
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, "-c", IMPORT_ALL, ",".join(BLOCKED), *files], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
@@ -83,7 +83,7 @@ def test_the_blocker_does_block():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, "-c",
                              IMPORT_ALL.replace("import_module(module)", "import_module('sglang')"),
-                             ",".join(BLOCKED), "bench/gpu_ordering_check.py"], cwd=ROOT, env=env,
+                             ",".join(BLOCKED), "tests/gpu/gpu_ordering_check.py"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "blocked on purpose: sglang" in result.stderr
 

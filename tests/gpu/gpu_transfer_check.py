@@ -26,7 +26,7 @@
 Without a GPU it runs a reduced version on the CPU (torch copy path, no streams) so the
 script does not rot, and says so: those figures are not GPU figures.
 
-Usage: python bench/gpu_transfer_check.py [--layers 32] [--prefix 4096] [--new 1024] [--doc 1024]
+Usage: python tests/gpu/gpu_transfer_check.py [--layers 32] [--prefix 4096] [--new 1024] [--doc 1024]
 """
 
 from __future__ import annotations

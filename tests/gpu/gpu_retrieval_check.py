@@ -19,7 +19,7 @@ The table is synthetic: ``--vectors`` jittered copies of ``--centres`` random ce
 runs on the CPU (``--device cpu``, the same classes with a torch buffer and no streams) so
 the script does not rot, and says so: those figures are not GPU figures.
 
-Usage: python -m bench.gpu_retrieval_check [--vectors 1000000] [--nlist 1024] [--nprobe 32]
+Usage: python -m tests.gpu.gpu_retrieval_check [--vectors 1000000] [--nlist 1024] [--nprobe 32]
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ def same_results(d: np.ndarray, i: np.ndarray, ref_d: np.ndarray, ref_i: np.ndar
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_retrieval_check", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m tests.gpu.gpu_retrieval_check",
+                                     description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--vectors", type=int, default=None, help="default 1,000,000 on a GPU, 20,000 on the CPU")

@@ -22,7 +22,7 @@ every ``wait_event`` / ``wait_stream`` dropped and counts the reads that then go
 Without a GPU it runs a reduced form and says so: the scenarios on the ordering model
 against the engine's inline CPU algorithm (no streams), so the script does not rot.
 
-Usage: python bench/gpu_ordering_check.py [--layers 4] [--tokens 4096] [--sleep-ms 2]
+Usage: python tests/gpu/gpu_ordering_check.py [--layers 4] [--tokens 4096] [--sleep-ms 2]
 """
 
 from __future__ import annotations
