@@ -29,6 +29,8 @@ The limits are those of marked token prompts (``--pcr-doc-max-documents``,
 
 from __future__ import annotations
 
+import re
+
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -197,10 +199,24 @@ def mark_text(tokenizer: Any, text: str, documents: Sequence[Document], rules: M
 
 def template_takes_documents(chat_template: Any) -> bool:
     """Whether a chat template renders ``documents=`` itself (Hugging Face's RAG templates:
-    a template naming ``documents``, or a set of named templates with a ``rag`` one)."""
+    a template reading a ``documents`` variable, or a set of named templates with a ``rag``
+    one). The word in the template's text (a system prompt saying "answer from the
+    documents") is not the variable: the template is parsed, as Jinja reads it, and a
+    template Jinja cannot parse alone (a tag of an extension) is searched for the name
+    inside its ``{{ }}`` and ``{% %}`` blocks."""
     if isinstance(chat_template, dict):
         return "rag" in chat_template
-    return isinstance(chat_template, str) and "documents" in chat_template
+    if not isinstance(chat_template, str):
+        return False
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template)
+    except jinja2.TemplateSyntaxError:
+        return any(re.search(r"\bdocuments\b", block)
+                   for block in re.findall(r"\{[{%](.*?)[%}]\}", chat_template, flags=re.DOTALL))
+    return "documents" in meta.find_undeclared_variables(parsed)
 
 
 def _with_sentinel(messages: list[dict]) -> list[dict]:

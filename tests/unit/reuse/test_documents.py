@@ -120,6 +120,22 @@ def test_documents_go_before_the_last_user_message(chat_tokenizer):
         render_chat(chat_tokenizer, [{"role": "system", "content": "s"}], parse_documents(DOCS[:1]), RULES)
 
 
+@pytest.mark.parametrize("template, takes", [
+    (RAG_TEMPLATE, True),
+    (CHATML, False),
+    # The word in the template's text, not a variable it reads: rendered with the sentinel.
+    ("{% for m in messages %}Answer from the documents below. {{ m['content'] }}{% endfor %}", False),
+    ("{{ '<|documents|>' }}{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
+    # A tag Jinja alone does not know (Hugging Face's {% generation %}): the name in a block.
+    ("{% generation %}{% for d in documents %}{{ d.text }}{% endfor %}{% endgeneration %}", True),
+    ("{% generation %}the documents{% endgeneration %}", False),
+    ({"default": CHATML, "rag": RAG_TEMPLATE}, True),
+    (None, False),
+])
+def test_a_template_takes_documents_when_it_reads_the_variable(template, takes):
+    assert template_takes_documents(template) is takes
+
+
 def test_a_template_that_takes_documents_renders_them_and_only_their_fields_are_marked(tokenizer):
     import copy
 
