@@ -4,6 +4,7 @@
     python -m bench.ragbench --quick         # the headline trace only: no sweeps, no cross-check
     python -m bench.ragbench generate --out trace.jsonl [--followups 2] [--source synthetic]
     python -m bench.ragbench operating-points   # document reuse at 50% / 80% of no-cache capacity, repeated
+    python -m bench.ragbench headline [--quick]  # the tuned model at 30/60/90% load: radix, HiCache, PCR, reuse
 
 The full comparison: one seeded retrieval trace with the device pool at 5% of its working
 set, every configuration at each ``--rates`` entry (ablations at the highest rate); then,
@@ -115,6 +116,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["generate"]:
         return generate(argv[1:])
+    if argv[:1] == ["headline"]:
+        from bench.ragbench.headline import main as headline
+
+        return headline(argv[1:])
     if argv[:1] == ["operating-points"]:
         from bench.ragbench.operating_points import main as operating_points
 

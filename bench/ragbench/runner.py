@@ -13,6 +13,8 @@ trace's working set); the tiered ones get the same host-memory and disk budgets:
 * ``pcr``            PCR with host memory, the SSD tier, prefetch, layer-wise copies and
                      look-ahead eviction.
 * ``pcr-layerwise``, ``pcr-prefetch``, ``pcr-lookahead``: PCR without that one feature.
+* ``pcr-docs``, ``pcr-blend`` (``-pre``, ``-eager``, ``-idle``), ``pcr-blend-cal`` (``-pre``),
+  ``pcr-reorder``: PCR with document reuse (``DOC_REUSE_CONFIGS`` below).
 
 The client sends each first turn at its Poisson arrival time (scaled to the rate) and each
 follow-up after its session's previous answer plus the think time, streams the reply, and
@@ -41,11 +43,13 @@ import requests
 
 from bench.ragbench.workload import Trace, TraceRequest
 from pcr_tools.launcher import ServerProcess
+from pcr_tools.models.smollm2 import TUNED_CALIBRATION
 
 logger = logging.getLogger(__name__)
 
 CONFIG_NAMES = ("radix", "nocache", "hicache", "oracle", "pcr", "pcr-docs", "pcr-docs-pre", "pcr-blend",
-                "pcr-blend-pre", "pcr-docs-eager", "pcr-docs-idle", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead")
+                "pcr-blend-pre", "pcr-docs-eager", "pcr-docs-idle", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead",
+                "pcr-blend-cal", "pcr-blend-cal-pre", "pcr-reorder")
 # PCR with document reuse in any order: requests mark their documents; "docs" is concat
 # (no recompute), "blend" recomputes the default 15% of re-placed tokens (CacheBlend);
 # "-pre" first fills the store with every trace document's canonical KV (TurboRAG's
@@ -58,10 +62,21 @@ DOC_REUSE_CONFIGS = {"pcr-docs": ("--pcr-doc-reuse", "concat"), "pcr-docs-pre": 
                      "pcr-blend": ("--pcr-doc-reuse", "blend"), "pcr-blend-pre": ("--pcr-doc-reuse", "blend"),
                      "pcr-docs-eager": ("--pcr-doc-reuse", "concat", "--pcr-doc-warmup-after", "1"),
                      "pcr-docs-idle": ("--pcr-doc-reuse", "concat", "--pcr-doc-warmup", "idle",
-                                       "--pcr-doc-warmup-after", "1")}
-# What runs without --configs: the warm-up variants only when asked for.
-DEFAULT_CONFIGS = tuple(c for c in CONFIG_NAMES if c not in ("nocache", "pcr-docs-eager", "pcr-docs-idle"))
-PRECOMPUTED_CONFIGS = ("pcr-docs-pre", "pcr-blend-pre")
+                                       "--pcr-doc-warmup-after", "1"),
+                     # The tuned model's calibrated default (its committed calibration chooses the
+                     # mode's R and selector, and refuses other weights), and the exact mode that
+                     # serves documents in an order already cached.
+                     "pcr-blend-cal": ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration",
+                                       str(TUNED_CALIBRATION)),
+                     "pcr-blend-cal-pre": ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration",
+                                           str(TUNED_CALIBRATION)),
+                     "pcr-reorder": ("--pcr-doc-reuse", "reorder")}
+# Configurations that need the document-reuse tuned model (its calibration refuses others).
+TUNED_ONLY_CONFIGS = ("pcr-blend-cal", "pcr-blend-cal-pre")
+# What runs without --configs: the warm-up variants and the tuned model's only when asked for.
+DEFAULT_CONFIGS = tuple(c for c in CONFIG_NAMES
+                        if c not in ("nocache", "pcr-docs-eager", "pcr-docs-idle", "pcr-reorder", *TUNED_ONLY_CONFIGS))
+PRECOMPUTED_CONFIGS = ("pcr-docs-pre", "pcr-blend-pre", "pcr-blend-cal-pre")
 # PCR without one feature: the flag that turns it off.
 ABLATIONS = {
     "pcr-layerwise": ("--pcr-layerwise", "off"),

@@ -1,0 +1,390 @@
+"""The headline comparison: accurate document reuse against SGLang's radix cache and HiCache
+on the retrieval trace, at three loads, with the answers checked on the same requests.
+
+    python -m bench.ragbench headline            # 30 requests at 30%, 60% and 90% load (about 40 min on 2 cores)
+    python -m bench.ragbench headline --quick    # 12 requests at 60% load (under 10 min)
+
+1. The served model is the document-reuse tuned SmolLM2-135M-Instruct (its committed
+   calibration sets the calibrated default mode). The trace is ragbench's retrieval trace:
+   Wikipedia extracts from the shipped corpus retrieved per question by all-MiniLM-L6-v2,
+   Zipf-popular topics, each request listing its documents in retrieval order (so a
+   document recurs, often at another position). The device pool holds ``--batch-prompts``
+   of the longest prompts; every tiered configuration gets the same host memory and disk.
+2. A ``--disable-radix-cache`` server is sent every request at once: its makespan sets the
+   no-cache capacity (requests/s), and its greedy answers are full prefill's, the
+   reference. The same server then answers every request with its documents shuffled (one
+   at a time): the noise floor, how far merely reordering the documents moves full
+   prefill's answers.
+3. Every configuration replays the trace at each load (a fraction of that capacity), the
+   configurations interleaved within a load (their order reversed at every other load, so
+   none always runs first):
+
+   * ``radix``: SGLang's radix cache (exact prefix reuse, device only);
+   * ``hicache``: SGLang's HiCache, host tier plus the ``file`` storage backend, equal memory;
+   * ``pcr``: PCR prefix-only (exact), host memory and SSD tiers;
+   * ``pcr-blend-cal``: PCR with document reuse in the tuned model's calibrated default mode
+     (``blend`` with the calibration's R and selector), documents warmed online;
+   * ``pcr-blend-cal-pre``: the same after every trace document was precomputed into the
+     store (TurboRAG's offline phase, ``python -m pcr_tools.precompute``);
+   * ``pcr-reorder``: exact document reuse: documents already cached in another order are
+     served in that order (a prefix hit), no KV approximated.
+
+4. Per configuration and load: TTFT median and P99, end-to-end P99, prompt tokens reused,
+   failed requests, and the answers' token F1 against full prefill's on the same requests
+   (and the share identical), beside the noise floor's. The targets are checked and printed
+   as met or missed; ``headline.md`` holds the table as the README shows it,
+   ``headline.png`` TTFT against load.
+
+Writes ``report.json`` / ``report.md`` (every run, as the main benchmark does),
+``headline.json``, ``headline.md`` and ``headline.png`` under ``--out``. Exits 1 if a run
+failed or a request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import random
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import requests
+
+from bench.ragbench.common import (
+    Model,
+    budgets_for,
+    config_list,
+    float_list,
+    trace_shape,
+    workload_args,
+    workload_params,
+)
+from bench.ragbench.operating_points import Capacity, _machine
+from bench.ragbench.report import build_report, percentile, write_report
+from bench.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run, replay, run_planned
+from bench.ragbench.workload import Trace, make_trace, save_trace
+
+logger = logging.getLogger(__name__)
+
+HEADLINE_CONFIGS = ("radix", "hicache", "pcr", "pcr-blend-cal", "pcr-blend-cal-pre", "pcr-reorder")
+LOADS = (0.3, 0.6, 0.9)
+QUICK_LOADS = (0.6,)
+QUICK_REQUESTS = 12
+TARGET_LOAD = 0.6  # where document reuse is held against HiCache
+DOC_REUSE = ("pcr-blend-cal", "pcr-blend-cal-pre")  # the calibrated default, online and precomputed
+# At TARGET_LOAD: HiCache's TTFT over document reuse's, at least this (2x lower).
+VS_HICACHE_TARGET = 2.0
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Full prefill's greedy answers (output ids per request) in the trace's document order,
+    and in a shuffled order (the noise floor)."""
+
+    full: dict[str, list[int]]
+    shuffled: dict[str, list[int]]
+
+
+def shuffled_prompt(ids: Sequence[int], bounds: Sequence[int], rng: random.Random) -> list[int]:
+    """``ids`` with its documents (``bounds``: start, end pairs) in another order, each
+    document moved whole into another's place and everything between them kept where it is.
+    One document, or none, is left as it is."""
+    docs = [list(ids[s:e]) for s, e in zip(bounds[::2], bounds[1::2])]
+    if len(docs) < 2:
+        return list(ids)
+    order = list(range(len(docs)))
+    while order == sorted(order):
+        rng.shuffle(order)
+    out: list[int] = list(ids[:bounds[0]])
+    for i, (start, end) in enumerate(zip(bounds[::2], bounds[1::2])):
+        out += docs[order[i]]
+        following = bounds[2 * i + 2] if 2 * i + 2 < len(bounds) else len(ids)
+        out += list(ids[end:following])
+    return out
+
+
+def measure_reference(model: Model, trace: Trace, budgets: Budgets, work_dir: Path, seed: int
+                      ) -> tuple[Capacity, Reference]:
+    """One ``--disable-radix-cache`` server: every request at once (the capacity, and full
+    prefill's answers), then every request with its documents shuffled, one at a time."""
+    run = plan_run("nocache", budgets, trace, 1e6, "reference", 0.0, work_dir)
+    rng = random.Random(seed)
+    with ServerPool(model.path, [run.plan]) as servers:
+        server, _ = servers.acquire(0)
+        try:
+            records, makespan, _ = replay(server, trace, lambda r, a: model.prompt(trace, r, a), model.decode, 1e6)
+            failed = [r for r in records if r.error is not None]
+            if failed:
+                raise RuntimeError(f"reference run: {len(failed)} of {len(records)} requests failed: {failed[0].error}")
+            shuffled: dict[str, list[int]] = {}
+            for request in trace.first_turns():
+                ids, bounds = model.prompt(trace, request, {})
+                reply = server.generate({"input_ids": shuffled_prompt(ids, bounds, rng), "sampling_params": {
+                    "temperature": 0.0, "max_new_tokens": request.max_new_tokens}})
+                shuffled[request.rid] = list(reply.get("output_ids") or [])
+        finally:
+            servers.release(0, server)
+    return Capacity(len(records), makespan), Reference({r.rid: r.output_ids for r in records}, shuffled)
+
+
+def agreement(outputs: dict[str, list[int]], reference: dict[str, list[int]],
+              decode: Any) -> dict[str, Optional[float]]:
+    """Mean token F1 of ``outputs`` against ``reference`` (decoded answers, SQuAD's
+    normalization) and the share identical token for token, over the requests both have."""
+    from pcr_tools.tune.scores import token_f1
+
+    rids = [rid for rid in outputs if rid in reference]
+    if not rids:
+        return {"f1": None, "identical": None, "requests": 0}
+    f1 = [token_f1(decode(outputs[rid]), decode(reference[rid])) for rid in rids]
+    same = [outputs[rid] == reference[rid] for rid in rids]
+    return {"f1": statistics.mean(f1), "identical": sum(same) / len(same), "requests": len(rids)}
+
+
+def run_row(run: RunResult, load: float, reference: Reference, decode: Any) -> dict[str, Any]:
+    """One configuration at one load: the figures of the headline table."""
+    ok: list[RequestRecord] = [r for r in run.records if r.error is None]
+    ttft = [1000 * r.ttft_s for r in ok]
+    e2e = [1000 * r.e2e_s for r in ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    answers = agreement({r.rid: r.output_ids for r in ok}, reference.full, decode)
+
+    def stat(values: list[float], q: float) -> Optional[float]:
+        return percentile(values, q) if values else None
+
+    return {"config": run.config, "load": load, "rate": run.rate, "requests": len(run.records),
+            "failed": len(run.records) - len(ok),
+            "ttft_median_ms": stat(ttft, 50), "ttft_p99_ms": stat(ttft, 99),
+            "ttft_mean_ms": statistics.mean(ttft) if ttft else None,
+            "e2e_p99_ms": stat(e2e, 99), "reused_tokens": cached, "prompt_tokens": prompt,
+            "reused_share": cached / prompt if prompt else None,
+            "f1_vs_full": answers["f1"], "identical_to_full": answers["identical"]}
+
+
+def check_targets(rows: Sequence[dict[str, Any]], noise_floor_f1: Optional[float]) -> list[dict[str, Any]]:
+    """The issue's targets: document reuse against HiCache at TARGET_LOAD (P99 and mean at
+    least 2x lower, answers at or above the noise floor), and no PCR configuration slower
+    than radix (mean TTFT) at any load."""
+    by = {(r["config"], r["load"]): r for r in rows}
+    checks: list[dict[str, Any]] = []
+    for config in DOC_REUSE:
+        mine, hicache = by.get((config, TARGET_LOAD)), by.get(("hicache", TARGET_LOAD))
+        for figure, key in (("P99 TTFT", "ttft_p99_ms"), ("mean TTFT", "ttft_mean_ms")):
+            value = (hicache[key] / mine[key] if mine and hicache and mine[key] and hicache[key] else None)
+            checks.append({"what": f"{config} at {TARGET_LOAD:.0%} load: HiCache's {figure} / its own",
+                           "target": f">= {VS_HICACHE_TARGET:.1f}x", "value": value, "format": "{:.2f}x",
+                           "met": None if value is None else value >= VS_HICACHE_TARGET})
+        value = mine["f1_vs_full"] if mine else None
+        checks.append({"what": f"{config} at {TARGET_LOAD:.0%} load: answers' F1 vs full prefill",
+                       "target": f">= noise floor ({'-' if noise_floor_f1 is None else f'{noise_floor_f1:.3f}'})",
+                       "value": value, "format": "{:.3f}",
+                       "met": None if value is None or noise_floor_f1 is None else value >= noise_floor_f1})
+    for (config, load), row in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        radix = by.get(("radix", load))
+        if not config.startswith("pcr") or radix is None or not radix["ttft_mean_ms"] or not row["ttft_mean_ms"]:
+            continue
+        value = row["ttft_mean_ms"] / radix["ttft_mean_ms"]
+        checks.append({"what": f"{config} at {load:.0%} load: mean TTFT / radix's", "target": "<= 1.00x",
+                       "value": value, "format": "{:.2f}x", "met": value <= 1.0})
+    return checks
+
+
+def _fmt(value: Any, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def table(rows: Sequence[dict[str, Any]], noise_floor: dict[str, Optional[float]]) -> str:
+    """The headline table, as the README shows it."""
+    lines = ["| load | config | TTFT median | TTFT P99 | E2E P99 | prompt tokens reused | failed "
+             "| F1 vs full prefill | identical |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(
+            f"| {r['load']:.0%} ({r['rate']:.2f}/s) | {r['config']} | {_fmt(r['ttft_median_ms'], '{:.0f} ms')} "
+            f"| {_fmt(r['ttft_p99_ms'], '{:.0f} ms')} | {_fmt(r['e2e_p99_ms'], '{:.0f} ms')} "
+            f"| {_fmt(r['reused_share'], '{:.0%}')} | {r['failed']} | {_fmt(r['f1_vs_full'], '{:.3f}')} "
+            f"| {_fmt(r['identical_to_full'], '{:.0%}')} |")
+    lines.append(f"| | full prefill, documents shuffled (noise floor) | | | | | "
+                 f"| {_fmt(noise_floor['f1'], '{:.3f}')} | {_fmt(noise_floor['identical'], '{:.0%}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], noise_floor: dict[str, Optional[float]],
+             checks: Sequence[dict[str, Any]]) -> str:
+    lines = [f"# Headline: document reuse against HiCache on the retrieval trace ({meta['date']})", "",
+             f"`{meta['command']}` on {meta['commit']}: {meta['machine']}, {meta['elapsed_s'] / 60:.1f} min.", "",
+             f"- model: {meta['model']}",
+             f"- trace: {meta['trace']}",
+             f"- device pool {meta['pool_tokens']} tokens (the working set is {meta['working_set_over_pool']:.1f}x "
+             f"it); host {meta['host_gb']:g} GB and disk {meta['ssd_gb']:g} GB for every tiered configuration",
+             f"- no-cache capacity {meta['capacity_rps']:.3f} requests/s ({meta['capacity_requests']} at once in "
+             f"{meta['capacity_makespan_s']:.1f} s); loads "
+             + ", ".join(f"{load:.0%} = {rate:.3f}/s" for load, rate in meta["rates"].items()),
+             "", table(rows, noise_floor),
+             "F1: SQuAD token F1 of each greedy answer against full prefill's answer to the same request "
+             "(a `--disable-radix-cache` server), averaged; the noise floor is full prefill's own answer with "
+             "the request's documents shuffled. P99 over this few requests is the slowest one or two.", "",
+             "Targets:", ""]
+    for c in checks:
+        verdict = "not measured" if c["met"] is None else ("met" if c["met"] else "MISSED")
+        lines.append(f"- {c['what']} {c['target']}: {_fmt(c['value'], c['format'])} ({verdict})")
+    if meta.get("failed_runs"):
+        lines += ["", "Failed runs: " + "; ".join(meta["failed_runs"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict[str, Any]], out_dir: Path) -> Optional[Path]:
+    """TTFT median and P99 against load, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for config in configs:
+        points = sorted((r["rate"], r["ttft_median_ms"], r["ttft_p99_ms"]) for r in rows
+                        if r["config"] == config and r["ttft_median_ms"] is not None)
+        for ax, index in zip(axes, (1, 2)):
+            ax.plot([p[0] for p in points], [p[index] / 1000 for p in points], marker="o", label=config)
+    for ax, title in zip(axes, ("median TTFT", "P99 TTFT")):
+        ax.set(xlabel="request rate (requests/s)", ylabel="TTFT (s)", title=title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "headline.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str]) -> int:
+    intro, _, details = (__doc__ or "").partition("\n\n")
+    parser = argparse.ArgumentParser(prog="python -m bench.ragbench headline", description=intro,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=details)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_REQUESTS} requests at {QUICK_LOADS[0] * 100:.0f}%% of the capacity only")
+    parser.add_argument("--out", type=Path,
+                        default=Path(f"bench/results/{datetime.date.today().isoformat()}/headline"),
+                        help="where the reports, plot, trace and server logs go "
+                             "(default: bench/results/<today>/headline)")
+    parser.add_argument("--configs", type=config_list, default=HEADLINE_CONFIGS,
+                        help=f"comma-separated configurations (default: {','.join(HEADLINE_CONFIGS)})")
+    parser.add_argument("--loads", type=float_list, default=None,
+                        help="fractions of the no-cache capacity (default 0.3,0.6,0.9; --quick: 0.6)")
+    parser.add_argument("--batch-prompts", type=int, default=3,
+                        help="device pool in longest prompts (plus slack): how many requests can batch")
+    parser.add_argument("--host-fraction", type=float, default=0.25,
+                        help="host memory (PCR and HiCache alike) as a fraction of the working set")
+    parser.add_argument("--chunk-size", type=int, default=16, help="PCR chunk and HiCache page, in tokens")
+    parser.add_argument("--capacity-rps", type=float, default=None,
+                        help="use this no-cache capacity instead of the measured one (the reference answers "
+                             "are measured either way)")
+    workload_args(parser)
+    parser.set_defaults(requests=None, max_new_tokens=16)
+    args = parser.parse_args(argv)
+    loads = tuple(args.loads or (QUICK_LOADS if args.quick else LOADS))
+    if any(not 0 < load <= 2 for load in loads):
+        parser.error("--loads: fractions of the capacity in (0, 2]")
+    if args.batch_prompts < 1 or (args.capacity_rps is not None and args.capacity_rps <= 0):
+        parser.error("--batch-prompts must be >= 1 and --capacity-rps > 0")
+    if args.requests is None:
+        args.requests = QUICK_REQUESTS if args.quick else 30
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from tqdm import tqdm
+
+    from bench.ragbench.runner import build_hicache_extension
+    from pcr_tools.models.smollm2 import build_smollm2
+
+    started = time.monotonic()
+    out_dir: Path = args.out
+    work = out_dir / "runs"
+    work.mkdir(parents=True, exist_ok=True)
+    model = Model(str(build_smollm2(doc_reuse_tuned=True)))
+    trace = make_trace(workload_params(args), count_tokens=model.count_tokens)
+    save_trace(trace, out_dir / "trace.jsonl")
+    shape = trace_shape(trace, model, args.chunk_size)
+    pool_tokens = args.batch_prompts * shape["longest"] + 256
+    fraction = pool_tokens / shape["working_set"]
+    budgets = budgets_for(shape, fraction, args.host_fraction, args.chunk_size, model.kv_bytes_per_token())
+    budgets = replace(budgets, device_pool_tokens=pool_tokens)
+    logger.info("pool %d tokens; working set %d tokens (%.1fx the pool)", pool_tokens, shape["working_set"],
+                shape["working_set"] / pool_tokens)
+    if "hicache" in args.configs:
+        build_hicache_extension()
+    measured, reference = measure_reference(model, trace, budgets, work, args.seed)
+    capacity = measured if args.capacity_rps is None else Capacity(
+        len(trace.first_turns()), len(trace.first_turns()) / args.capacity_rps)
+    rates = {load: round(load * capacity.rps, 4) for load in loads}
+    logger.info("no-cache capacity %.3f requests/s: rates %s", capacity.rps, rates)
+
+    planned = []
+    for i, load in enumerate(loads):
+        configs = args.configs if i % 2 == 0 else tuple(reversed(args.configs))
+        planned += [(load, plan_run(config, budgets, trace, rates[load], f"load-{load:g}", fraction, work))
+                    for config in configs]
+    runs: list[tuple[float, RunResult]] = []
+    failed: list[str] = []
+    servers = ServerPool(model.path, [run.plan for _, run in planned])
+    with tqdm(total=len(planned) * len(trace.requests), unit="req", dynamic_ncols=True) as bar, servers:
+        for index, (load, run) in enumerate(planned):
+            bar.set_description(f"{run.config} @{load:.0%}")
+            try:
+                result = run_planned(run, servers, index, lambda r, a: model.prompt(trace, r, a), model.decode,
+                                     on_done=lambda: bar.update(1))
+            except (RuntimeError, TimeoutError, OSError, requests.RequestException) as e:
+                logger.error("%s at %.0f%% failed: %s", run.config, 100 * load, e)
+                reason = str(e).splitlines()[-1][:200] if str(e) else type(e).__name__
+                failed.append(f"{run.config}@{load:.0%}: {reason}")
+                continue
+            result.server_state["budgets"] = run.budgets.__dict__
+            runs.append((load, result))
+
+    noise_floor = agreement(reference.shuffled, reference.full, model.decode)
+    order = {c: i for i, c in enumerate(args.configs)}
+    rows = sorted((run_row(run, load, reference, model.decode) for load, run in runs),
+                  key=lambda r: (r["load"], order[r["config"]]))
+    checks = check_targets(rows, noise_floor["f1"])
+    meta: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": _machine(),
+        "command": "python -m bench.ragbench headline " + shlex.join(argv), "commit": _commit(),
+        "model": f"{Path(model.path).name} (the document-reuse tuned SmolLM2-135M-Instruct)",
+        "trace": (f"{len(trace.requests)} requests, {shape['working_set']} working-set tokens, longest prompt "
+                  f"{shape['longest']} tokens, documents in {trace.params.doc_order} order, "
+                  f"{trace.params.max_new_tokens} output tokens at most (greedy)"),
+        "pool_tokens": pool_tokens, "working_set_over_pool": shape["working_set"] / pool_tokens,
+        "host_gb": budgets.host_gb, "ssd_gb": budgets.ssd_gb, "capacity_rps": capacity.rps,
+        "capacity_requests": capacity.requests, "capacity_makespan_s": capacity.makespan_s,
+        "rates": rates, "failed_runs": failed, "headline_label": None}
+    report = build_report([run for _, run in runs], meta)
+    write_report(report, out_dir)
+    meta["elapsed_s"] = time.monotonic() - started
+    (out_dir / "headline.json").write_text(json.dumps(
+        {"meta": meta, "rows": rows, "noise_floor": noise_floor, "targets": checks}, indent=1))
+    text = markdown(meta, rows, noise_floor, checks)
+    (out_dir / "headline.md").write_text(text)
+    plot(rows, out_dir)
+    print(text)
+    return 0 if not failed and not any(r["failed"] for r in rows) else 1
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "an unknown commit"
+    except (OSError, subprocess.SubprocessError):
+        return "an unknown commit"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,81 @@
+"""The headline benchmark's own logic: the noise floor's shuffled prompts, the agreement
+with full prefill, the table's figures and the targets."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.ragbench.headline import (
+    Reference,
+    agreement,
+    check_targets,
+    run_row,
+    shuffled_prompt,
+    table,
+)
+from bench.ragbench.runner import RequestRecord, RunResult
+
+
+def test_a_shuffled_prompt_moves_whole_documents_and_keeps_what_lies_between():
+    # [sys 1 2][doc 10 11][sep 0][doc 20][sep 0][doc 30 31 32][question 9]
+    ids = [1, 2, 10, 11, 0, 20, 0, 30, 31, 32, 9]
+    bounds = [2, 4, 5, 6, 7, 10]
+    for seed in range(5):
+        out = shuffled_prompt(ids, bounds, random.Random(seed))
+        assert out != ids and sorted(out) == sorted(ids)
+        assert out[:2] == [1, 2] and out[-1] == 9
+        docs = {(10, 11), (20,), (30, 31, 32)}
+        # Every document whole, separated by the separators in their places.
+        text = " ".join(map(str, out[2:-1]))
+        assert text.count(" 0 ") == 2 and {tuple(map(int, part.split())) for part in text.split(" 0 ")} == docs
+
+
+def test_a_prompt_with_one_document_is_not_shuffled():
+    assert shuffled_prompt([1, 5, 6, 9], [1, 3], random.Random(0)) == [1, 5, 6, 9]
+
+
+def test_agreement_is_token_f1_over_decoded_answers_and_the_identical_share():
+    decode = {(1, 2): "Paris France", (1, 3): "Paris", (4,): "Berlin"}.__getitem__
+    out = agreement({"a": [1, 2], "b": [1, 3], "c": [4]}, {"a": [1, 2], "b": [1, 2], "c": [1, 3]},
+                    lambda ids: decode(tuple(ids)))
+    # a: identical (1.0); b: "paris" vs "paris france" (2/3); c: nothing shared (0).
+    assert out["f1"] == pytest.approx((1 + 2 / 3 + 0) / 3)
+    assert out["identical"] == pytest.approx(1 / 3) and out["requests"] == 3
+
+
+def _record(rid: str, ttft: float, cached: int, output: list[int], error: str | None = None) -> RequestRecord:
+    return RequestRecord(rid=rid, session=rid, turn=0, scheduled_s=0.0, sent_s=0.0, ttft_s=ttft, e2e_s=2 * ttft,
+                         itl_s=None, prompt_tokens=100, cached_tokens=cached, cached_by_tier={},
+                         output_ids=output, error=error)
+
+
+def test_a_rows_figures_leave_failed_requests_out_and_count_them():
+    run = RunResult("pcr-blend-cal", 0.5, "load-0.6", 0.1,
+                    [_record("a", 0.1, 80, [1]), _record("b", 0.3, 60, [2]), _record("c", float("nan"), 0, [], "x")],
+                    makespan_s=10.0, startup_s=0.0, queue_depth_mean=0.0, queue_depth_max=0.0)
+    row = run_row(run, 0.6, Reference({"a": [1], "b": [3], "c": [1]}, {}), lambda ids: str(ids))
+    assert row["failed"] == 1 and row["reused_share"] == pytest.approx(140 / 200)
+    assert row["ttft_median_ms"] == pytest.approx(200) and row["ttft_mean_ms"] == pytest.approx(200)
+    assert row["identical_to_full"] == pytest.approx(0.5)
+    assert "| 60% (0.50/s) | pcr-blend-cal | 200 ms |" in table([row], {"f1": 0.5, "identical": 0.25})
+
+
+def _row(config, load, mean, p99, f1=0.8):
+    return {"config": config, "load": load, "ttft_mean_ms": mean, "ttft_p99_ms": p99, "f1_vs_full": f1}
+
+
+def test_the_targets_hold_document_reuse_to_hicache_the_noise_floor_and_radix():
+    rows = [_row("radix", 0.6, 500, 900), _row("hicache", 0.6, 400, 1000), _row("pcr-blend-cal", 0.6, 150, 600),
+            _row("pcr-blend-cal-pre", 0.6, 100, 400, f1=0.5), _row("pcr", 0.3, 300, 500), _row("radix", 0.3, 250, 400)]
+    checks = {c["what"]: c for c in check_targets(rows, noise_floor_f1=0.6)}
+    p99 = checks["pcr-blend-cal at 60% load: HiCache's P99 TTFT / its own"]
+    assert p99["value"] == pytest.approx(1000 / 600) and p99["met"] is False
+    assert checks["pcr-blend-cal at 60% load: HiCache's mean TTFT / its own"]["met"] is True
+    assert checks["pcr-blend-cal-pre at 60% load: HiCache's P99 TTFT / its own"]["met"] is True
+    assert checks["pcr-blend-cal at 60% load: answers' F1 vs full prefill"]["met"] is True
+    assert checks["pcr-blend-cal-pre at 60% load: answers' F1 vs full prefill"]["met"] is False
+    assert checks["pcr at 30% load: mean TTFT / radix's"]["met"] is False  # 300 vs 250
+    assert checks["pcr-blend-cal at 60% load: mean TTFT / radix's"]["met"] is True
+    assert not any(c["what"].startswith(("radix", "hicache")) for c in checks.values())
