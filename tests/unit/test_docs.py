@@ -1,0 +1,99 @@
+"""The docs against the tree: a link that points nowhere, or a layout that no longer matches
+the folders, misleads a reader more than a missing page would.
+
+* every relative link in the repository's markdown names a file (or folder) that exists,
+  and every ``#anchor`` a heading of its target;
+* the layout in ``docs/architecture.md`` names every package folder and top-level folder
+  of the tree, names none that does not exist, and keeps no line counts (they went stale).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^\s*```")
+
+
+def tracked_files() -> list[str]:
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [line for line in out.stdout.splitlines() if (REPO / line).exists()]
+
+
+def prose_lines(path: Path) -> list[str]:
+    """The file's lines outside fenced code blocks."""
+    lines, fenced = [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = heading.strip().lstrip("#").strip().replace("`", "").lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    return {slug(line) for line in prose_lines(path) if line.startswith("#")}
+
+
+def test_every_relative_link_in_the_markdown_resolves():
+    broken = []
+    for name in tracked_files():
+        if not name.endswith(".md"):
+            continue
+        source = REPO / name
+        for line in prose_lines(source):
+            for target in LINK.findall(line):
+                if re.match(r"^[a-z]+:", target):
+                    continue  # http(s), mailto: not checked here
+                file_part, _, anchor = target.partition("#")
+                dest = (source.parent / file_part).resolve() if file_part else source
+                if not dest.exists():
+                    broken.append(f"{name}: {target} (no such file)")
+                elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                    broken.append(f"{name}: {target} (no such heading)")
+    assert broken == []
+
+
+def layout_block() -> list[str]:
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Repository layout", 1)[1]
+    return section.split("```", 2)[1].strip("\n").splitlines()
+
+
+def layout_paths() -> set[str]:
+    """The folders the layout names, as repository paths (indentation is nesting)."""
+    paths, parents = set(), []
+    for line in layout_block():
+        name = line.split()[0]
+        depth = (len(line) - len(line.lstrip())) // 2
+        parents = parents[:depth] + [name.rstrip("/")]
+        paths.add("/".join(parents))
+    return paths
+
+
+def test_the_layout_in_architecture_md_matches_the_tree():
+    files = tracked_files()
+    listed = layout_paths()
+    top = {f.split("/")[0] for f in files if "/" in f and not f.startswith(".")}
+    roots = {"pcr_sglang", "pcr_client", "pcr_wire", "pcr_tools", "bench"}
+    packages = {str(Path(f).parent) for f in files if f.endswith("/__init__.py") and f.split("/")[0] in roots}
+    assert sorted(p for p in listed if not (REPO / p).is_dir()) == [], "the layout names folders that do not exist"
+    assert sorted((top | packages) - listed) == [], "folders missing from the layout in docs/architecture.md"
+
+
+def test_the_layout_keeps_no_line_counts():
+    assert [line for line in layout_block() if re.search(r"\s\d+\s*$", line)] == []
