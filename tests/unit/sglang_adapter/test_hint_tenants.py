@@ -8,7 +8,6 @@ from dataclasses import asdict
 
 import pytest
 
-from bench.hint_step import old_plan_prefetch
 from pcr_sglang.core import Effects, IoOutcome
 from pcr_sglang.core.hints import DEFAULT_TENANT, Hint, HintBook, HintLimits, HintPayload, hint_tenant
 from pcr_sglang.core.orders import ReadChunk, Reorder, WriteChunk
@@ -286,9 +285,10 @@ def _answer(d: Driver, picks: list[int], bad: set[int]) -> None:
 
 def test_kept_chains_plan_exactly_what_matching_every_step_planned():
     """The same random run (requests, evictions, I/O completions and failures, hints
-    registered and ended, promotions, a reset) on two caches: one planned with the chains
-    matched every step (the code before, kept in bench/hint_step.py), one with the kept
-    chains. Every order, counter and tier of every chunk is the same."""
+    registered and ended, promotions, a reset) on two caches: one whose hint chains are
+    matched again from the root every step (its index reset before each plan, as the
+    scheduler matched them before the chains were kept), one with the kept chains. Every
+    order, counter and tier of every chunk is the same."""
     rng = random.Random(11)
     config = dict(host_slots=20, ssd_capacity_chunks=70, prefetch_budget_chunks=6, hint_budget_chunks=5)
     old, new = Driver(device_slots=30, **config), Driver(device_slots=30, **config)
@@ -323,8 +323,8 @@ def test_kept_chains_plan_exactly_what_matching_every_step_planned():
             effects = Effects()
             chains = [d.state.match(iter(k), touch=False).nodes for k in queue]
             if d is old:
-                matched = [n for h in hints if (n := d.state.match(iter(h.keys), touch=False).nodes)]
-                old_plan_prefetch(d.state, chains, [], effects, len(queue), matched)
+                d.state.hint_chains.reset()  # every chain matched afresh from the root
+                d.state.plan_prefetch(chains, [], effects, len(queue), hints)
                 runs = [list(d.state.promotable(d.state.match(iter(h.keys), touch=False).host_nodes))
                         for h in hints]
             else:
