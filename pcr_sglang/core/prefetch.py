@@ -5,8 +5,8 @@ prefetch read ahead, or for a live KV hint. Until a request uses it, it is *unus
 host memory (host eviction takes it last), counted as in time, late or wasted once, and,
 for a hint's read, possibly promoted on to the device ahead of its request.
 :class:`UnusedReads` is that ledger; :func:`prefetch_budgets` is the budget arithmetic of a
-prefetch plan. Both belong to :class:`~pcr_sglang.core.residency.CacheState`, the one owner of
-residency, which drives them: nothing here changes where a chunk lives.
+prefetch plan. The prefetch planner (:mod:`pcr_sglang.core.prefetch_plan`), a part of
+:class:`~pcr_sglang.core.residency.CacheState`, drives them: nothing here changes where a chunk lives.
 """
 
 from __future__ import annotations

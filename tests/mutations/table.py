@@ -75,9 +75,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="hint-budget-counts-only-reads-in-flight",
         kind="unit",
-        file="pcr_sglang/core/ssd_residency.py",
+        file="pcr_sglang/core/prefetch_plan.py",
         original="hinted_held = len(self.unused.hinted)",
-        replacement="hinted_held = sum(1 for n in self.unused.hinted if n in self._reading)",
+        replacement="hinted_held = sum(1 for n in self.unused.hinted if self.ledger.reading(n))",
         tests=(UNIT + "sglang_adapter/test_kv_hints.py::test_landed_hinted_chunks_count_against_the_hint_budget_and_never_take_the_queues",),
         claim="docs/testing.md, Watched go red: the hint budget holding landed hinted chunks too",
         breaks="landed hinted chunks no longer count against the hint budget",

@@ -222,7 +222,7 @@ def test_ranks_restoring_the_same_records_in_any_order_evict_the_same_chunks():
         state.restore(order)
         survivors.append(sorted(n.key for n in state.tree.iter_nodes()))
         effects = Effects()
-        state._evict_ssd(3, effects)
+        state.ssd.evict(3, effects)
         victims.append(sorted(o.key for o in effects.orders))
         del junk
     assert survivors[0] == survivors[1] == survivors[2] and len(survivors[0]) == 12
@@ -300,7 +300,7 @@ def test_reads_a_departed_request_waited_for_are_cancelled_unless_still_needed()
     plan = Effects()
     d.state.plan_prefetch([still_needed], [], plan, queue_depth=1)
     cancels = [o for o in plan.orders if isinstance(o, Reorder) and o.cancel]
-    assert [o.target for o in cancels] == [d.state._reading[chain[2]]]  # the third: nobody needs it
+    assert [o.target for o in cancels] == [d.state.ledger.read_seq(chain[2])]  # the third: nobody needs it
 
 
 def test_chunks_a_remote_probe_found_enter_the_ssd_level_past_the_match_only():

@@ -140,7 +140,7 @@ def test_a_hinted_chain_follows_inserts_evictions_and_deletes_without_being_matc
     d.run(effects)
     d.answer()
     effects = Effects()
-    d.state._evict_host(1000, effects)
+    d.state.host.evict(1000, effects)
     d.run(effects)
     assert all(n.on_ssd and not n.on_host and not n.on_device for n in tracked.nodes)
     plan, matches = _planned(d, hint)
@@ -149,9 +149,9 @@ def test_a_hinted_chain_follows_inserts_evictions_and_deletes_without_being_matc
     # Deleted: the chain's last record is found bad and dropped, so that chunk leaves the tree.
     last = tracked.nodes[-1]
     assert not last.on_host
-    d.state._bad.append(last)
+    d.state.ssd.bad.append(last)
     effects = Effects()
-    d.state._drop_bad_records(effects)
+    d.state.ssd.drop_bad_records(effects)
     d.run(effects)
     assert _planned(d, hint)[1] == 0
     assert tracked.nodes == d.state.match(iter(keys(tokens)), touch=False).nodes and len(tracked.nodes) == 5
@@ -178,7 +178,7 @@ def test_a_chunk_that_leaves_host_memory_is_read_again_for_its_hint():
     d.state.plan_prefetch([], [], quiet, queue_depth=0, hinted=[hint])
     assert not [o for o in quiet.orders if isinstance(o, ReadChunk)]
     effects = Effects()
-    d.state._evict_host(1, effects)  # the chain's last chunk (its host leaf) goes to SSD only
+    d.state.host.evict(1, effects)  # the chain's last chunk (its host leaf) goes to SSD only
     assert not chain[-1].on_host and chain[-1].on_ssd
     plan = Effects()
     d.state.plan_prefetch([], [], plan, queue_depth=0, hinted=[hint])
@@ -274,7 +274,7 @@ def _answer(d: Driver, picks: list[int], bad: set[int]) -> None:
     done = [pending[i] for i in picks if i < len(pending)]
     outcomes = []
     for seq in done:
-        if seq in d.state._cancelling:
+        if d.state.ledger.cancelling(seq):
             outcomes.append((seq, IoOutcome.CANCELLED, 0.001))
         else:
             outcomes.append((seq, IoOutcome.BAD if seq in bad else IoOutcome.OK, 0.001))
