@@ -3,6 +3,9 @@ the folders, misleads a reader more than a missing page would.
 
 * every relative link in the repository's markdown names a file (or folder) that exists,
   and every ``#anchor`` a heading of its target;
+* every file the docs name in code spans (``core/keys.py``, ``test_faults.py``) is in the tree,
+  so a moved or deleted module cannot linger in a page (result pages under ``bench/results``
+  keep the names of their date and are not checked);
 * the layout in ``docs/architecture.md`` names every package folder and top-level folder
   of the tree, names none that does not exist, and keeps no line counts (they went stale).
 """
@@ -66,6 +69,34 @@ def test_every_relative_link_in_the_markdown_resolves():
                 elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                     broken.append(f"{name}: {target} (no such heading)")
     assert broken == []
+
+
+CODE_PATH = re.compile(r"`([\w./-]+\.(?:py|sh|md|json|txt|patch))(?:::\w+)?`")
+RUNTIME_FILES = {"namespace.json"}  # written by the server into a store, not the repository's
+
+
+def runtime(path: str) -> bool:
+    """A file a server or tool writes at run time: under a placeholder (``DIR/``), or a store file."""
+    return path.split("/")[0].isupper() or path in RUNTIME_FILES
+
+
+def test_every_file_the_docs_name_is_in_the_tree():
+    files = tracked_files()
+    names = {Path(f).name for f in files}
+    missing = []
+    for name in files:
+        if not name.endswith(".md") or name.startswith("bench/results/"):
+            continue
+        for path in CODE_PATH.findall((REPO / name).read_text(encoding="utf-8")):
+            if runtime(path):
+                continue
+            if "/" in path:
+                found = path in files or any(f.endswith("/" + path) for f in files)
+            else:
+                found = path in names
+            if not found:
+                missing.append(f"{name}: {path}")
+    assert missing == []
 
 
 def layout_block() -> list[str]:
