@@ -171,12 +171,12 @@ def test_a_file_whose_verdicts_disagree_with_its_measurements_is_refused(tmp_pat
 
 
 def test_the_committed_calibrations_agree_with_their_measurements():
-    """Both committed files load (their verdicts are what their figures give)."""
+    """Every committed file loads (its verdicts are what its figures give)."""
     from pathlib import Path
 
     folder = Path(__file__).resolve().parents[3] / "pcr_tools" / "models" / "calibrations"
     files = sorted(folder.glob("*.json"))
-    assert len(files) >= 2
+    assert files
     for path in files:
         calibration = DocReuseCalibration.load(path)
         for verdict in calibration.modes.values():
