@@ -1115,3 +1115,36 @@ def test_reorder_applies_to_documents_sent_as_text(servers):
     assert _served_order(second) == [1, 0]
     assert second["output_ids"] == first["output_ids"]  # the same prompt, served twice
     assert second["meta_info"]["cached_tokens"] > 0
+
+
+def test_a_hint_only_request_with_text_documents_hints_each_documents_chain(servers, tokenizer, text_passages):
+    """A KV hint in upstream's words (``kv.prefetch@1.0``) sent with ``text`` plus
+    ``documents``, as a RAG application sends it: the server renders and marks the documents,
+    and registers the prompt's hint and one per document (their canonical chains), exactly
+    as the same hint sent as token ids with bounds does."""
+    docs = servers["docs"]
+    pair = text_passages[12:14]
+    text = "Answer from the documents.\n\n{{documents}}Question: Which is older?\nAnswer:"
+
+    def envelope(message_id: str) -> dict:
+        hint = hint_envelope({"ttl_s": 60}, message_id)
+        hint["actions"][0].update(action_type="kv.prefetch", action_version="1.0")
+        return hint
+
+    def live_hints() -> int:
+        return docs.pcr_state()["hints"]["live"]
+
+    before = live_hints()
+    out = docs.generate({"text": text, "documents": pair, "sampling_params": {"max_new_tokens": 0},
+                         "kv_hints": envelope("text-docs")})
+    assert out["meta_info"]["finish_reason"]["pcr_hint"] == "registered"
+    by_text = live_hints() - before
+    client = build_doc_prompt(tokenizer, "Answer from the documents.", pair, "Which is older?",
+                              use_chat_template=False)
+    ids, bounds = client.input_ids[1:], [b - 1 for b in client.doc_bounds]  # the tiny tokenizer adds no BOS
+    assert out["meta_info"]["prompt_tokens"] == len(ids)
+    before = live_hints()
+    out = docs.generate({"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 0, "custom_params": {"pcr_doc_bounds": bounds}}, "kv_hints": envelope("ids")})
+    assert out["meta_info"]["finish_reason"]["pcr_hint"] == "registered"
+    assert by_text == live_hints() - before == 1 + len(pair)  # the prompt's chain and each document's
