@@ -169,6 +169,78 @@ def run_row(run: RunResult, load: float, reference: Reference, decode: Any) -> d
             "f1_vs_full": answers["f1"], "identical_to_full": answers["identical"]}
 
 
+PREFIX_CONFIGS = ("radix", "hicache", "pcr")  # exact prefix reuse: where PCR's P99 edge over HiCache is read
+
+
+def anatomy(run: RunResult, load: float) -> dict[str, Any]:
+    """Where one prefix-only run's TTFT goes: a least-squares line of TTFT against the
+    request's uncached prompt tokens over all but the slowest request (its slope the prefill
+    cost per token, its intercept the cost of a request with nothing to compute), the
+    slowest request's uncached tokens and its distance above that line (waiting: queueing,
+    reads, scheduling), the reuse by
+    tier; for PCR, its own scheduler-step time beside the whole iteration's and its reads."""
+    ok = [r for r in run.records if r.error is None]
+    xs = [float(r.prompt_tokens - r.cached_tokens) for r in ok]
+    ys = [1000 * r.ttft_s for r in ok]
+    slowest = max(ok, key=lambda r: r.ttft_s) if ok else None
+    # The line is fitted to the other requests: the slowest one's wait is read against them.
+    others = [(x, y) for r, x, y in zip(ok, xs, ys) if r is not slowest]
+    slope = intercept = None
+    if len(others) >= 2 and len({x for x, _ in others}) > 1:
+        mx, my = statistics.mean(x for x, _ in others), statistics.mean(y for _, y in others)
+        slope = sum((x - mx) * (y - my) for x, y in others) / sum((x - mx) ** 2 for x, _ in others)
+        intercept = my - slope * mx
+    prompt = sum(r.prompt_tokens for r in ok)
+    tiers: dict[str, int] = {}
+    for r in ok:
+        for tier, tokens in r.cached_by_tier.items():
+            tiers[tier] = tiers.get(tier, 0) + tokens
+    row: dict[str, Any] = {
+        "config": run.config, "load": load, "ttft_p99_ms": percentile(ys, 99) if ys else None,
+        "ms_per_uncached_token": slope, "intercept_ms": intercept,
+        "uncached_mean": statistics.mean(xs) if xs else None,
+        "slowest_ttft_ms": 1000 * slowest.ttft_s if slowest else None,
+        "slowest_uncached": slowest.prompt_tokens - slowest.cached_tokens if slowest else None,
+        "slowest_wait_ms": (1000 * slowest.ttft_s - (intercept + slope * (slowest.prompt_tokens
+                                                                         - slowest.cached_tokens))
+                            if slowest and slope is not None and intercept is not None else None),
+        "reused_by_tier": {t: v / prompt for t, v in sorted(tiers.items())} if prompt else {},
+        "queue_depth_mean": run.queue_depth_mean}
+    state = run.server_state or {}
+    steps = state.get("scheduler_step") or {}
+    if steps:
+        row["pcr_step_p50_ms"] = (steps.get("pcr") or {}).get("p50_ms")
+        row["pcr_step_p99_ms"] = (steps.get("pcr") or {}).get("p99_ms")
+        row["iteration_p50_ms"] = (steps.get("iteration") or {}).get("p50_ms")
+        row["iteration_p99_ms"] = (steps.get("iteration") or {}).get("p99_ms")
+    ssd = (state.get("ssd") or {}).get("counters") or {}
+    if ssd:
+        row["ssd"] = {k: ssd.get(k) for k in ("hit_chunks", "on_demand_reads", "prefetch_in_time", "prefetch_late",
+                                              "recompute_chosen_chunks", "bytes_read_on_demand")}
+    return row
+
+
+def anatomy_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| load | config | TTFT P99 | ms per uncached token | intercept | uncached tokens, mean "
+             "| slowest: TTFT, uncached, above the line | reused by tier | queue | PCR step p50 / p99 "
+             "| iteration p50 / p99 | SSD: hits, on-demand reads, prefetch late |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | --- | --- |"]
+    for r in rows:
+        tiers = ", ".join(f"{t} {v:.0%}" for t, v in r["reused_by_tier"].items()) or "-"
+        ssd = r.get("ssd") or {}
+        lines.append(
+            f"| {r['load']:.0%} | {r['config']} | {_fmt(r['ttft_p99_ms'], '{:.0f} ms')} "
+            f"| {_fmt(r['ms_per_uncached_token'], '{:.2f}')} | {_fmt(r['intercept_ms'], '{:.0f} ms')} "
+            f"| {_fmt(r['uncached_mean'], '{:.0f}')} | {_fmt(r['slowest_ttft_ms'], '{:.0f} ms')}, "
+            f"{_fmt(r['slowest_uncached'], '{}')}, {_fmt(r['slowest_wait_ms'], '{:+.0f} ms')} | {tiers} "
+            f"| {r['queue_depth_mean']:.1f} "
+            f"| {_fmt(r.get('pcr_step_p50_ms'), '{:g}')} / {_fmt(r.get('pcr_step_p99_ms'), '{:g}')} ms "
+            f"| {_fmt(r.get('iteration_p50_ms'), '{:g}')} / {_fmt(r.get('iteration_p99_ms'), '{:g}')} ms "
+            f"| {_fmt(ssd.get('hit_chunks'), '{}')}, {_fmt(ssd.get('on_demand_reads'), '{}')}, "
+            f"{_fmt(ssd.get('prefetch_late'), '{}')} |")
+    return "\n".join(lines) + "\n"
+
+
 def check_targets(rows: Sequence[dict[str, Any]], noise_floor_f1: Optional[float]) -> list[dict[str, Any]]:
     """The issue's targets: document reuse against HiCache at TARGET_LOAD (P99 and mean at
     least 2x lower, answers at or above the noise floor), and no PCR configuration slower
@@ -218,7 +290,7 @@ def table(rows: Sequence[dict[str, Any]], noise_floor: dict[str, Optional[float]
 
 
 def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], noise_floor: dict[str, Optional[float]],
-             checks: Sequence[dict[str, Any]]) -> str:
+             checks: Sequence[dict[str, Any]], anatomy_rows: Sequence[dict[str, Any]] = ()) -> str:
     lines = [f"# Headline: document reuse against HiCache on the retrieval trace ({meta['date']})", "",
              f"`{meta['command']}` on {meta['commit']}: {meta['machine']}, {meta['elapsed_s'] / 60:.1f} min.", "",
              f"- model: {meta['model']}",
@@ -236,6 +308,14 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], noise_floor: 
     for c in checks:
         verdict = "not measured" if c["met"] is None else ("met" if c["met"] else "MISSED")
         lines.append(f"- {c['what']} {c['target']}: {_fmt(c['value'], c['format'])} ({verdict})")
+    if anatomy_rows:
+        lines += ["", "## Prefix-only: where the TTFT goes", "",
+                  "Each run's TTFT against its requests' uncached prompt tokens, as a least-squares line over all "
+                  "but the slowest request: the slope "
+                  "is the prefill cost per token, the intercept what a request with nothing to compute waits; the "
+                  "slowest request's distance above the line is its waiting (queue, reads, scheduling). PCR's "
+                  "step is its own work in each scheduler iteration (histogram bucket edges).", "",
+                  anatomy_table(anatomy_rows)]
     if meta.get("failed_runs"):
         lines += ["", "Failed runs: " + "; ".join(meta["failed_runs"])]
     return "\n".join(lines) + "\n"
@@ -353,6 +433,8 @@ def main(argv: list[str]) -> int:
     rows = sorted((run_row(run, load, reference, model.decode) for load, run in runs),
                   key=lambda r: (r["load"], order[r["config"]]))
     checks = check_targets(rows, noise_floor["f1"])
+    anatomy_rows = sorted((anatomy(run, load) for load, run in runs if run.config in PREFIX_CONFIGS),
+                          key=lambda r: (r["load"], order[r["config"]]))
     meta: dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": _machine(),
         "command": "python -m bench.ragbench headline " + shlex.join(argv), "commit": _commit(),
@@ -368,8 +450,9 @@ def main(argv: list[str]) -> int:
     write_report(report, out_dir)
     meta["elapsed_s"] = time.monotonic() - started
     (out_dir / "headline.json").write_text(json.dumps(
-        {"meta": meta, "rows": rows, "noise_floor": noise_floor, "targets": checks}, indent=1))
-    text = markdown(meta, rows, noise_floor, checks)
+        {"meta": meta, "rows": rows, "noise_floor": noise_floor, "targets": checks, "anatomy": anatomy_rows},
+        indent=1))
+    text = markdown(meta, rows, noise_floor, checks, anatomy_rows)
     (out_dir / "headline.md").write_text(text)
     plot(rows, out_dir)
     print(text)

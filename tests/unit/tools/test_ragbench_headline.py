@@ -10,6 +10,8 @@ import pytest
 from bench.ragbench.headline import (
     Reference,
     agreement,
+    anatomy,
+    anatomy_table,
     check_targets,
     run_row,
     shuffled_prompt,
@@ -79,3 +81,18 @@ def test_the_targets_hold_document_reuse_to_hicache_the_noise_floor_and_radix():
     assert checks["pcr at 30% load: mean TTFT / radix's"]["met"] is False  # 300 vs 250
     assert checks["pcr-blend-cal at 60% load: mean TTFT / radix's"]["met"] is True
     assert not any(c["what"].startswith(("radix", "hicache")) for c in checks.values())
+
+
+def test_the_anatomy_fits_ttft_to_uncached_tokens_and_finds_the_slowest_requests_wait():
+    """TTFT = 50 ms + 1 ms per uncached token, except one request that waited 300 ms more."""
+    records = [_record(rid, (50 + uncached + extra) / 1000, 100 - uncached, [1])
+               for rid, uncached, extra in (("a", 10, 0), ("b", 40, 0), ("c", 70, 0), ("d", 20, 300))]
+    run = RunResult("pcr", 0.4, "load-0.6", 0.1, records, makespan_s=10.0, startup_s=0.0, queue_depth_mean=1.5,
+                    queue_depth_max=3.0, server_state={"scheduler_step": {"pcr": {"p50_ms": 0.5, "p99_ms": 2.0},
+                                                                          "iteration": {"p50_ms": 40, "p99_ms": 90}}})
+    row = anatomy(run, 0.6)
+    assert row["slowest_uncached"] == 20 and row["slowest_ttft_ms"] == pytest.approx(370)
+    assert row["ms_per_uncached_token"] == pytest.approx(1.0) and row["intercept_ms"] == pytest.approx(50)
+    assert row["slowest_wait_ms"] == pytest.approx(300)
+    assert row["pcr_step_p99_ms"] == 2.0 and row["iteration_p50_ms"] == 40
+    assert "| 60% | pcr |" in anatomy_table([row])
