@@ -8,45 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
-from typing import Any, Optional
+import typing
+from dataclasses import dataclass, field, fields
+from functools import cache
+from typing import Any, Optional, Union
+
+from sglang.srt.arg_groups.arg_utils import Arg
 
 from pcr_sglang.core.hints import HintLimits
-from pcr_sglang.flags import (
-    AUTO_LAYERWISE,
-    DEFAULT_BLEND_PROBE_MB,
-    DEFAULT_CHUNK_SIZE,
-    DEFAULT_DOC_MAX_DOCUMENTS,
-    DEFAULT_DOC_MIN_TOKENS,
-    DEFAULT_DOC_RECOMPUTE_RATIO,
-    DEFAULT_DOC_RECOMPUTE_TOKENS,
-    DEFAULT_DOC_REUSE,
-    DEFAULT_DOC_SELECTOR,
-    DEFAULT_DOC_WARMUP,
-    DEFAULT_DOC_WARMUP_AFTER,
-    DEFAULT_HINT_BUDGET_MB,
-    DEFAULT_HINT_MAX_TTL_S,
-    DEFAULT_HINT_RATE,
-    DEFAULT_HINT_TO_DEVICE,
-    DEFAULT_LAYERWISE,
-    DEFAULT_LOOKAHEAD_WINDOW,
-    DEFAULT_PREFETCH_BUDGET_MB,
-    DEFAULT_PREFETCH_WINDOW,
-    DEFAULT_REMOTE,
-    DEFAULT_SSD_DURABILITY,
-    DEFAULT_SSD_KEEP_NAMESPACES,
-    DEFAULT_SSD_READ_THREADS,
-    DEFAULT_SSD_WRITE,
-    DOC_REUSE_CHOICES,
-    DOC_SELECTOR_CHOICES,
-    DOC_WARMUP_CHOICES,
-    HINT_TO_DEVICE_CHOICES,
-    LAYERWISE_CHOICES,
-    MAX_SSD_READ_THREADS,
-    REMOTE_CHOICES,
-    SSD_DURABILITY_CHOICES,
-    SSD_WRITE_CHOICES,
-)
+from pcr_sglang.flags import AUTO_LAYERWISE, DEFAULT_LAYERWISE, LAYERWISE_CHOICES, PcrFlags, Range, flag_value
 from pcr_sglang.tiers.remote_store import RemoteConfig, RemoteConfigError, load_fleet_key
 
 logger = logging.getLogger(__name__)
@@ -82,76 +52,132 @@ class PCRConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class FlagRule:
+    """What one flag field's declaration allows: its type, its ``Arg`` choices, its
+    :class:`~pcr_sglang.flags.Range`. ``problem`` words what is wrong with a value."""
+
+    name: str  # the field of PcrFlags: pcr_chunk_size
+    kind: type  # int, float, str or bool (Optional[...] unwrapped)
+    optional: bool
+    choices: Optional[tuple[Any, ...]] = None
+    range: Optional[Range] = None
+
+    @property
+    def cli(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def problem(self, value: Any) -> Optional[str]:
+        """Why ``value`` is refused, naming the flag (None: it is allowed)."""
+        if self.choices is not None and value not in self.choices:
+            return f"{self.cli} must be one of {', '.join(map(str, self.choices))}, got {value!r}"
+        if self.range is None:
+            return None
+        r = self.range
+        number = self.kind is float
+        allowed = (int, float) if number else int
+        fits = not isinstance(value, bool) and isinstance(value, allowed)
+        fits = fits and (r.ge is None or value >= r.ge) and (r.gt is None or value > r.gt)
+        if fits and (r.le is None or value <= r.le):
+            return None
+        noun = ("number" if number else "integer") + (f" of {r.unit}" if r.unit else "")
+        article = "a" if number else "an"
+        if r.le is not None:
+            span = f"in [{r.ge:g}, {r.le:g}]" if number else f"from {r.ge:g} to {r.le:g}"
+            wanted = f"{article} {noun} {span}"
+        elif r.gt == 0:
+            wanted = f"a positive {noun}"
+        else:
+            wanted = f"{article} {noun} >= {r.ge:g}" if r.ge is not None else f"{article} {noun} > {r.gt:g}"
+        return f"{self.cli} must be {wanted}, got {value!r}"
+
+    def normalized(self, value: Any) -> Any:
+        """A server argument as the config holds it: a bool flag as a bool, an empty
+        optional string as None."""
+        if self.kind is bool:
+            return bool(value)
+        if self.optional and self.kind is str:
+            return value or None
+        return value
+
+
+@cache
+def _declarations() -> dict[str, Any]:
+    return typing.get_type_hints(PcrFlags, include_extras=True)
+
+
+def flag_rule(name: str) -> FlagRule:
+    """The rule the declaration of flag field ``name`` gives."""
+    declared, *extras = typing.get_args(_declarations()[name])
+    inner = [t for t in typing.get_args(declared) if t is not type(None)]
+    optional = typing.get_origin(declared) is Union
+    arg = next((e for e in extras if isinstance(e, Arg)), None)
+    return FlagRule(name, inner[0] if optional else declared, optional,
+                    tuple(arg.choices) if arg is not None and arg.choices else None,
+                    next((e for e in extras if isinstance(e, Range)), None))
+
+
+def flag(name: str, **resolved: Any) -> Any:
+    """A :class:`PCRConfig` field taken from flag field ``name``: its declared default and
+    rule. ``resolved`` (``default``, ``choices``) where the config holds the flag resolved
+    rather than as given (``--pcr-layerwise auto``)."""
+    rule = flag_rule(name)
+    choices = resolved.get("choices")
+    if choices is not None:
+        rule = FlagRule(rule.name, rule.kind, rule.optional, tuple(choices), rule.range)
+    return field(default=resolved.get("default", flag_value(None, name)), metadata={"flag": rule})
+
+
+@dataclass(frozen=True)
 class PCRConfig:
-    enabled: bool = False
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    lookahead_window: int = DEFAULT_LOOKAHEAD_WINDOW
-    dram_gb: float = 0.0
-    layerwise: str = DEFAULT_LAYERWISE
-    ssd_path: Optional[str] = None
-    ssd_gb: float = 0.0
-    ssd_reserve_gb: float = 1.0
-    ssd_write: str = DEFAULT_SSD_WRITE
-    ssd_durability: str = DEFAULT_SSD_DURABILITY
-    ssd_read_threads: int = DEFAULT_SSD_READ_THREADS
-    ssd_keep_namespaces: int = DEFAULT_SSD_KEEP_NAMESPACES
-    prefetch_window: int = DEFAULT_PREFETCH_WINDOW
-    prefetch_budget_mb: int = DEFAULT_PREFETCH_BUDGET_MB
-    doc_reuse: str = DEFAULT_DOC_REUSE
-    doc_recompute_tokens: int = DEFAULT_DOC_RECOMPUTE_TOKENS
-    doc_recompute_ratio: float = DEFAULT_DOC_RECOMPUTE_RATIO
-    doc_anchor_tokens: int = 0
-    blend_probe_mb: int = DEFAULT_BLEND_PROBE_MB
-    doc_selector: str = DEFAULT_DOC_SELECTOR
-    doc_reuse_calibration: Optional[str] = None  # a pcr_tools.calibrate file
-    doc_reuse_calibration_warn: bool = False
-    doc_warmup: str = DEFAULT_DOC_WARMUP
-    doc_warmup_after: int = DEFAULT_DOC_WARMUP_AFTER
-    doc_max_documents: int = DEFAULT_DOC_MAX_DOCUMENTS
-    doc_min_tokens: int = DEFAULT_DOC_MIN_TOKENS
-    hint_budget_mb: int = DEFAULT_HINT_BUDGET_MB
-    hint_max_ttl_s: float = DEFAULT_HINT_MAX_TTL_S
-    hint_rate: float = DEFAULT_HINT_RATE
-    hint_to_device: str = DEFAULT_HINT_TO_DEVICE
-    remote: str = DEFAULT_REMOTE
-    remote_config: Optional[str] = None  # as given (JSON or @path); parsed by remote_settings()
+    """The PCR flags, each field taken from its declaration in ``PcrFlags`` (its default and
+    what it allows): build one with :meth:`from_server_args`, check it with :meth:`validate`.
+    ``--pcr-doc-format`` and ``--pcr-debug-checks`` are read where they are used (the
+    tokenizer process, the ``/server_info`` route)."""
+
+    enabled: bool = flag("enable_pcr")
+    chunk_size: int = flag("pcr_chunk_size")
+    lookahead_window: int = flag("pcr_lookahead_window")
+    dram_gb: float = flag("pcr_dram_gb")
+    # Resolved: ``auto`` is both, or offload under a prefill CUDA graph (resolve_layerwise).
+    layerwise: str = flag("pcr_layerwise", default=DEFAULT_LAYERWISE, choices=LAYERWISE_CHOICES)
+    ssd_path: Optional[str] = flag("pcr_ssd_path")
+    ssd_gb: float = flag("pcr_ssd_gb")
+    ssd_reserve_gb: float = flag("pcr_ssd_reserve_gb")
+    ssd_write: str = flag("pcr_ssd_write")
+    ssd_durability: str = flag("pcr_ssd_durability")
+    ssd_read_threads: int = flag("pcr_ssd_read_threads")
+    ssd_keep_namespaces: int = flag("pcr_ssd_keep_namespaces")
+    prefetch_window: int = flag("pcr_prefetch_window")
+    prefetch_budget_mb: int = flag("pcr_prefetch_budget_mb")
+    doc_reuse: str = flag("pcr_doc_reuse")
+    doc_recompute_tokens: int = flag("pcr_doc_recompute_tokens")
+    doc_recompute_ratio: float = flag("pcr_doc_recompute_ratio")
+    doc_anchor_tokens: int = flag("pcr_doc_anchor_tokens")
+    blend_probe_mb: int = flag("pcr_blend_probe_mb")  # checked by reuse.setup, in the recompute modes
+    doc_selector: str = flag("pcr_doc_selector")
+    doc_reuse_calibration: Optional[str] = flag("pcr_doc_reuse_calibration")  # a pcr_tools.calibrate file
+    doc_reuse_calibration_warn: bool = flag("pcr_doc_reuse_calibration_warn")
+    doc_warmup: str = flag("pcr_doc_warmup")
+    doc_warmup_after: int = flag("pcr_doc_warmup_after")
+    doc_max_documents: int = flag("pcr_doc_max_documents")
+    doc_min_tokens: int = flag("pcr_doc_min_tokens")
+    hint_budget_mb: int = flag("pcr_hint_budget_mb")
+    hint_max_ttl_s: float = flag("pcr_hint_max_ttl_s")
+    hint_rate: float = flag("pcr_hint_rate")
+    hint_to_device: str = flag("pcr_hint_to_device")
+    remote: str = flag("pcr_remote")
+    remote_config: Optional[str] = flag("pcr_remote_config")  # as given (JSON or @path); parsed by remote_settings()
 
     @classmethod
     def from_server_args(cls, args: Any) -> PCRConfig:
-        return cls(
-            enabled=bool(getattr(args, "enable_pcr", False)),
-            chunk_size=getattr(args, "pcr_chunk_size", DEFAULT_CHUNK_SIZE),
-            lookahead_window=getattr(args, "pcr_lookahead_window", DEFAULT_LOOKAHEAD_WINDOW),
-            dram_gb=getattr(args, "pcr_dram_gb", 0.0),
-            layerwise=resolve_layerwise(getattr(args, "pcr_layerwise", AUTO_LAYERWISE), args),
-            ssd_path=getattr(args, "pcr_ssd_path", None) or None,
-            ssd_gb=getattr(args, "pcr_ssd_gb", 0.0),
-            ssd_reserve_gb=getattr(args, "pcr_ssd_reserve_gb", 1.0),
-            ssd_write=getattr(args, "pcr_ssd_write", DEFAULT_SSD_WRITE),
-            ssd_durability=getattr(args, "pcr_ssd_durability", DEFAULT_SSD_DURABILITY),
-            ssd_read_threads=getattr(args, "pcr_ssd_read_threads", DEFAULT_SSD_READ_THREADS),
-            ssd_keep_namespaces=getattr(args, "pcr_ssd_keep_namespaces", DEFAULT_SSD_KEEP_NAMESPACES),
-            prefetch_window=getattr(args, "pcr_prefetch_window", DEFAULT_PREFETCH_WINDOW),
-            prefetch_budget_mb=getattr(args, "pcr_prefetch_budget_mb", DEFAULT_PREFETCH_BUDGET_MB),
-            doc_reuse=getattr(args, "pcr_doc_reuse", DEFAULT_DOC_REUSE),
-            doc_recompute_tokens=getattr(args, "pcr_doc_recompute_tokens", DEFAULT_DOC_RECOMPUTE_TOKENS),
-            doc_recompute_ratio=getattr(args, "pcr_doc_recompute_ratio", DEFAULT_DOC_RECOMPUTE_RATIO),
-            doc_anchor_tokens=getattr(args, "pcr_doc_anchor_tokens", 0),
-            blend_probe_mb=getattr(args, "pcr_blend_probe_mb", DEFAULT_BLEND_PROBE_MB),
-            doc_selector=getattr(args, "pcr_doc_selector", DEFAULT_DOC_SELECTOR),
-            doc_reuse_calibration=getattr(args, "pcr_doc_reuse_calibration", None) or None,
-            doc_reuse_calibration_warn=bool(getattr(args, "pcr_doc_reuse_calibration_warn", False)),
-            doc_warmup=getattr(args, "pcr_doc_warmup", DEFAULT_DOC_WARMUP),
-            doc_warmup_after=getattr(args, "pcr_doc_warmup_after", DEFAULT_DOC_WARMUP_AFTER),
-            doc_max_documents=getattr(args, "pcr_doc_max_documents", DEFAULT_DOC_MAX_DOCUMENTS),
-            doc_min_tokens=getattr(args, "pcr_doc_min_tokens", DEFAULT_DOC_MIN_TOKENS),
-            hint_budget_mb=getattr(args, "pcr_hint_budget_mb", DEFAULT_HINT_BUDGET_MB),
-            hint_max_ttl_s=getattr(args, "pcr_hint_max_ttl_s", DEFAULT_HINT_MAX_TTL_S),
-            hint_rate=getattr(args, "pcr_hint_rate", DEFAULT_HINT_RATE),
-            hint_to_device=getattr(args, "pcr_hint_to_device", DEFAULT_HINT_TO_DEVICE),
-            remote=getattr(args, "pcr_remote", DEFAULT_REMOTE),
-            remote_config=getattr(args, "pcr_remote_config", None) or None,
-        )
+        """The flags of ``args`` (SGLang's ``ServerArgs``, a namespace, or None), each
+        missing one at its declared default; ``--pcr-layerwise auto`` resolved."""
+        values = {}
+        for f in fields(cls):
+            rule: FlagRule = f.metadata["flag"]
+            values[f.name] = rule.normalized(flag_value(args, rule.name))
+        values["layerwise"] = resolve_layerwise(values["layerwise"], args)
+        return cls(**values)
 
     def hint_limits(self) -> HintLimits:
         return HintLimits(max_ttl_s=float(self.hint_max_ttl_s), rate_per_s=float(self.hint_rate),
@@ -181,115 +207,51 @@ class PCRConfig:
         return int(self.ssd_gb * (1 << 30)) if self.ssd_path else 0
 
     def validate(self, page_size: int) -> None:
-        """Raise :class:`PCRConfigError` naming the offending flag."""
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
-            raise PCRConfigError(
-                f"--pcr-chunk-size must be an integer, got {self.chunk_size!r}"
-            )
-        if self.chunk_size <= 0:
-            raise PCRConfigError(
-                f"--pcr-chunk-size must be a positive number of tokens, got {self.chunk_size}"
-            )
-        window = self.lookahead_window
-        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-            raise PCRConfigError(
-                f"--pcr-lookahead-window must be a non-negative integer, got {self.lookahead_window!r}"
-            )
-        dram = self.dram_gb
-        if isinstance(dram, bool) or not isinstance(dram, (int, float)) or not dram >= 0:
-            raise PCRConfigError(f"--pcr-dram-gb must be a number of GB >= 0, got {dram!r}")
-        if self.layerwise not in LAYERWISE_CHOICES:
-            raise PCRConfigError(
-                f"--pcr-layerwise must be one of {', '.join(LAYERWISE_CHOICES)}, got {self.layerwise!r}"
-            )
-        ssd = self.ssd_gb
-        if isinstance(ssd, bool) or not isinstance(ssd, (int, float)) or not ssd >= 0:
-            raise PCRConfigError(f"--pcr-ssd-gb must be a number of GB >= 0, got {ssd!r}")
-        reserve = self.ssd_reserve_gb
-        if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not reserve >= 0:
-            raise PCRConfigError(f"--pcr-ssd-reserve-gb must be a number of GB >= 0, got {reserve!r}")
-        if ssd > 0 and not self.ssd_path:
-            raise PCRConfigError("--pcr-ssd-gb needs --pcr-ssd-path (the directory of the SSD tier)")
-        if self.ssd_path and ssd == 0:
-            raise PCRConfigError("--pcr-ssd-path needs --pcr-ssd-gb > 0 (the size of the SSD tier)")
-        if self.ssd_path and not dram > 0:
-            raise PCRConfigError("--pcr-ssd-path needs --pcr-dram-gb > 0: SSD chunks are read through host memory")
-        for flag, value in (("--pcr-prefetch-window", self.prefetch_window),
-                            ("--pcr-prefetch-budget-mb", self.prefetch_budget_mb),
-                            ("--pcr-hint-budget-mb", self.hint_budget_mb)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise PCRConfigError(f"{flag} must be a non-negative integer, got {value!r}")
-        if self.hint_to_device not in HINT_TO_DEVICE_CHOICES:
-            raise PCRConfigError(
-                f"--pcr-hint-to-device must be one of {', '.join(HINT_TO_DEVICE_CHOICES)}, got {self.hint_to_device!r}"
-            )
-        if self.ssd_write not in SSD_WRITE_CHOICES:
-            raise PCRConfigError(
-                f"--pcr-ssd-write must be one of {', '.join(SSD_WRITE_CHOICES)}, got {self.ssd_write!r}"
-            )
-        if self.ssd_durability not in SSD_DURABILITY_CHOICES:
-            raise PCRConfigError(
-                f"--pcr-ssd-durability must be one of {', '.join(SSD_DURABILITY_CHOICES)}, "
-                f"got {self.ssd_durability!r}"
-            )
-        threads = self.ssd_read_threads
-        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_SSD_READ_THREADS:
-            raise PCRConfigError(
-                f"--pcr-ssd-read-threads must be an integer from 1 to {MAX_SSD_READ_THREADS}, got {threads!r}"
-            )
-        keep = self.ssd_keep_namespaces
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-            raise PCRConfigError(f"--pcr-ssd-keep-namespaces must be an integer >= 0, got {keep!r}")
-        if self.doc_reuse not in DOC_REUSE_CHOICES:
-            raise PCRConfigError(
-                f"--pcr-doc-reuse must be one of {', '.join(DOC_REUSE_CHOICES)}, got {self.doc_reuse!r}"
-            )
-        tokens = self.doc_recompute_tokens
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise PCRConfigError(f"--pcr-doc-recompute-tokens must be an integer >= 0, got {tokens!r}")
-        anchors = self.doc_anchor_tokens
-        if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 0:
-            raise PCRConfigError(f"--pcr-doc-anchor-tokens must be an integer >= 0, got {anchors!r}")
-        if self.doc_selector not in DOC_SELECTOR_CHOICES:
-            raise PCRConfigError(f"--pcr-doc-selector must be one of {', '.join(DOC_SELECTOR_CHOICES)}, "
-                                 f"got {self.doc_selector!r}")
-        if self.doc_reuse_calibration and self.doc_reuse == "off":
-            raise PCRConfigError("--pcr-doc-reuse-calibration needs --pcr-doc-reuse")
-        ratio = self.doc_recompute_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-            raise PCRConfigError(f"--pcr-doc-recompute-ratio must be a number in [0, 1], got {ratio!r}")
-        for flag, value in (("--pcr-hint-max-ttl-s", self.hint_max_ttl_s), ("--pcr-hint-rate", self.hint_rate)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise PCRConfigError(f"{flag} must be a positive number, got {value!r}")
-        if self.doc_warmup not in DOC_WARMUP_CHOICES:
-            raise PCRConfigError(
-                f"--pcr-doc-warmup must be one of {', '.join(DOC_WARMUP_CHOICES)}, got {self.doc_warmup!r}"
-            )
-        after = self.doc_warmup_after
-        if isinstance(after, bool) or not isinstance(after, int) or after < 1:
-            raise PCRConfigError(f"--pcr-doc-warmup-after must be an integer >= 1, got {after!r}")
-        for flag, value in (("--pcr-doc-max-documents", self.doc_max_documents),
-                            ("--pcr-doc-min-tokens", self.doc_min_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PCRConfigError(f"{flag} must be an integer >= 1, got {value!r}")
-        if self.remote not in REMOTE_CHOICES:
-            raise PCRConfigError(f"--pcr-remote must be one of {', '.join(REMOTE_CHOICES)}, got {self.remote!r}")
-        if self.remote != "off":
-            if not self.ssd_path:
-                raise PCRConfigError(f"--pcr-remote {self.remote} needs the SSD tier (--pcr-ssd-path, --pcr-ssd-gb): "
-                                     "remote chunks are read by its I/O process and tracked at its level")
-            if not self.remote_config:
-                raise PCRConfigError(f"--pcr-remote {self.remote} needs --pcr-remote-config (JSON or @path)")
-            self.remote_settings()
-        elif self.remote_config:
-            raise PCRConfigError("--pcr-remote-config needs --pcr-remote mooncake")
-        if self.doc_reuse not in ("off", "reorder") and page_size > 1:  # reuse.bounds.EXACT_MODES: nothing re-placed
-            raise PCRConfigError(
-                f"--pcr-doc-reuse {self.doc_reuse} needs --page-size 1: a re-placed document's "
-                "slots are appended to the row token by token"
-            )
-        if page_size > 0 and self.chunk_size % page_size != 0:
-            raise PCRConfigError(
-                f"--pcr-chunk-size ({self.chunk_size}) must be a multiple of "
-                f"--page-size ({page_size}): a chunk is a whole number of KV pages"
-            )
+        """Raise :class:`PCRConfigError` naming the offending flag: first any value its
+        declaration does not allow (field order), then the flags that need each other."""
+        for f in fields(self):
+            problem = f.metadata["flag"].problem(getattr(self, f.name))
+            if problem is not None:
+                raise PCRConfigError(problem)
+        for needs in (_ssd_needs, _calibration_needs, _remote_needs, _page_needs):
+            problem = needs(self, page_size)
+            if problem is not None:
+                raise PCRConfigError(problem)
+
+
+def _ssd_needs(c: PCRConfig, page_size: int) -> Optional[str]:
+    if c.ssd_gb > 0 and not c.ssd_path:
+        return "--pcr-ssd-gb needs --pcr-ssd-path (the directory of the SSD tier)"
+    if c.ssd_path and c.ssd_gb == 0:
+        return "--pcr-ssd-path needs --pcr-ssd-gb > 0 (the size of the SSD tier)"
+    if c.ssd_path and not c.dram_gb > 0:
+        return "--pcr-ssd-path needs --pcr-dram-gb > 0: SSD chunks are read through host memory"
+    return None
+
+
+def _calibration_needs(c: PCRConfig, page_size: int) -> Optional[str]:
+    if c.doc_reuse_calibration and c.doc_reuse == "off":
+        return "--pcr-doc-reuse-calibration needs --pcr-doc-reuse"
+    return None
+
+
+def _remote_needs(c: PCRConfig, page_size: int) -> Optional[str]:
+    if c.remote == "off":
+        return "--pcr-remote-config needs --pcr-remote mooncake" if c.remote_config else None
+    if not c.ssd_path:
+        return (f"--pcr-remote {c.remote} needs the SSD tier (--pcr-ssd-path, --pcr-ssd-gb): "
+                "remote chunks are read by its I/O process and tracked at its level")
+    if not c.remote_config:
+        return f"--pcr-remote {c.remote} needs --pcr-remote-config (JSON or @path)"
+    c.remote_settings()  # raises what is wrong with the configuration or its key file
+    return None
+
+
+def _page_needs(c: PCRConfig, page_size: int) -> Optional[str]:
+    if c.doc_reuse not in ("off", "reorder") and page_size > 1:  # reuse.bounds.EXACT_MODES: nothing re-placed
+        return (f"--pcr-doc-reuse {c.doc_reuse} needs --page-size 1: a re-placed document's "
+                "slots are appended to the row token by token")
+    if page_size > 0 and c.chunk_size % page_size != 0:
+        return (f"--pcr-chunk-size ({c.chunk_size}) must be a multiple of "
+                f"--page-size ({page_size}): a chunk is a whole number of KV pages")
+    return None

@@ -9,28 +9,49 @@ keyword of ``sglang.Engine``.
 
 This module is imported while ``sglang.srt.server_args`` itself is being imported, so it
 may import only msgspec, SGLang's argument helpers and modules that import nothing
-(``reuse/selectors.py``).
+(``reuse/selectors.py``, ``pcr_wire``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import msgspec
+import msgspec.structs
 from sglang.srt.arg_groups.arg_utils import A, Arg
 
 from pcr_sglang.reuse.selectors import DEFAULT_SELECTOR, SELECTORS
+from pcr_wire import DEFAULT_DOC_FORMAT
+
+
+@dataclass(frozen=True)
+class Range:
+    """A numeric flag's allowed values, beside its ``Arg`` in the annotation: at least ``ge``
+    (or more than ``gt``), at most ``le``; ``unit`` names what it counts in messages
+    ("a number of GB >= 0"). ``PCRConfig.validate`` checks every flag that has one, and the
+    type its annotation gives (an int flag takes no bool or float); msgspec and argparse
+    ignore it."""
+
+    ge: Optional[float] = None
+    gt: Optional[float] = None
+    le: Optional[float] = None
+    unit: str = ""
+
 
 DEFAULT_CHUNK_SIZE = 64
 # From bench/lookahead_sim.py: hit ratio grows with the window up to 16, gaining most at
 # small capacities; 8 keeps the per-step cost (chunks matched by 8 queued requests) small.
 DEFAULT_LOOKAHEAD_WINDOW = 8
 LAYERWISE_CHOICES = ["off", "load", "offload", "both"]
+DEFAULT_DRAM_GB = 0.0  # no host tier
 DEFAULT_LAYERWISE = "both"  # what "auto" is without a prefill CUDA graph
 # The flag's default: "both", or "offload" where a prefill CUDA graph is on (layer-wise
 # loads under one are refused until a GPU run shows their waits at replay).
 AUTO_LAYERWISE = "auto"
 SSD_WRITE_CHOICES = ["through", "on-evict"]
+DEFAULT_SSD_GB = 0.0  # no SSD tier
+DEFAULT_SSD_RESERVE_GB = 1.0
 DEFAULT_SSD_WRITE = "through"
 SSD_DURABILITY_CHOICES = ["record", "batch", "none"]
 # From bench/ssd_store_bench.py (see bench/README.md).
@@ -59,9 +80,8 @@ HINT_TO_DEVICE_CHOICES = ["auto", "on", "off"]
 DEFAULT_HINT_TO_DEVICE = "off"  # until it has been measured on a GPU
 # Promotion stops while fewer device slots than this share of the pool would stay free.
 HINT_TO_DEVICE_FREE_SHARE = 0.5
-# Documents sent as text (pcr_sglang.reuse.documents): each one written into the prompt
-# so, where the chat template does not take documents= itself.
-DEFAULT_DOC_FORMAT = "Document: {doc}\n\n"
+# Documents sent as text (pcr_sglang.reuse.documents) are written into the prompt in
+# pcr_wire.DEFAULT_DOC_FORMAT, where the chat template does not take documents= itself.
 # Document KV reuse in any order (docs/document-reuse.md): off, or the re-placement mode.
 DOC_REUSE_CHOICES = ["off", "reorder", "concat", "lego", "blend"]
 DEFAULT_DOC_REUSE = "off"
@@ -69,6 +89,7 @@ DEFAULT_DOC_REUSE = "off"
 # bench/doc_reuse_accuracy.py measures both on SmolLM2 (docs/document-reuse.md).
 DEFAULT_DOC_RECOMPUTE_TOKENS = 32
 DEFAULT_DOC_RECOMPUTE_RATIO = 0.15
+DEFAULT_DOC_ANCHOR_TOKENS = 0  # blend's selector picks every recomputed token
 # When a document's canonical KV is computed (pcr_sglang.reuse.warmup): bench/ragbench
 # --unique-docs measured warming every first sighting several times slower than radix
 # (bench/README.md, "When documents are warmed").
@@ -108,6 +129,7 @@ class PcrFlags(msgspec.Struct):
                 f"Default: {DEFAULT_CHUNK_SIZE}."
             )
         ),
+        Range(gt=0),
     ] = DEFAULT_CHUNK_SIZE
     pcr_lookahead_window: A[
         int,
@@ -118,6 +140,7 @@ class PcrFlags(msgspec.Struct):
                 f"Default: {DEFAULT_LOOKAHEAD_WINDOW}."
             )
         ),
+        Range(ge=0),
     ] = DEFAULT_LOOKAHEAD_WINDOW
     pcr_dram_gb: A[
         float,
@@ -127,10 +150,11 @@ class PcrFlags(msgspec.Struct):
                 "TP rank: with --tp N the server takes N times this much. Chunks evicted "
                 "from the GPU KV pool are kept there and copied back when a request that "
                 "reuses them is admitted, instead of being recomputed. 0 disables the tier. "
-                "Default: 0."
+                f"Default: {DEFAULT_DRAM_GB:g}."
             )
         ),
-    ] = 0.0
+        Range(ge=0, unit="GB"),
+    ] = DEFAULT_DRAM_GB
     pcr_layerwise: A[
         str,
         Arg(
@@ -170,19 +194,21 @@ class PcrFlags(msgspec.Struct):
                 "Size in GB of PCR's SSD tier under --pcr-ssd-path, per TP rank (each rank "
                 "stores its share of the KV); reduced (with a warning) to what the disk has "
                 "free above --pcr-ssd-reserve-gb, and with --tp to the smallest rank's. 0: "
-                "no SSD tier. Default: 0."
+                f"no SSD tier. Default: {DEFAULT_SSD_GB:g}."
             )
         ),
-    ] = 0.0
+        Range(ge=0, unit="GB"),
+    ] = DEFAULT_SSD_GB
     pcr_ssd_reserve_gb: A[
         float,
         Arg(
             help=(
                 "Free space in GB the SSD tier leaves on its disk: a write that would go below "
-                "it fails like a full disk (write-back stops, serving goes on). Default: 1."
+                f"it fails like a full disk (write-back stops, serving goes on). Default: {DEFAULT_SSD_RESERVE_GB:g}."
             )
         ),
-    ] = 1.0
+        Range(ge=0, unit="GB"),
+    ] = DEFAULT_SSD_RESERVE_GB
     pcr_prefetch_window: A[
         int,
         Arg(
@@ -194,6 +220,7 @@ class PcrFlags(msgspec.Struct):
                 f"most about what recomputing them would take. Default: {DEFAULT_PREFETCH_WINDOW}."
             )
         ),
+        Range(ge=0),
     ] = DEFAULT_PREFETCH_WINDOW
     pcr_prefetch_budget_mb: A[
         int,
@@ -204,6 +231,7 @@ class PcrFlags(msgspec.Struct):
                 f"host tier. Default: {DEFAULT_PREFETCH_BUDGET_MB}."
             )
         ),
+        Range(ge=0),
     ] = DEFAULT_PREFETCH_BUDGET_MB
     pcr_hint_budget_mb: A[
         int,
@@ -216,6 +244,7 @@ class PcrFlags(msgspec.Struct):
                 f"request still finishes at once). Default: {DEFAULT_HINT_BUDGET_MB}."
             )
         ),
+        Range(ge=0),
     ] = DEFAULT_HINT_BUDGET_MB
     pcr_hint_max_ttl_s: A[
         float,
@@ -228,6 +257,7 @@ class PcrFlags(msgspec.Struct):
                 f"Default: {DEFAULT_HINT_MAX_TTL_S:g}."
             )
         ),
+        Range(gt=0),
     ] = DEFAULT_HINT_MAX_TTL_S
     pcr_hint_rate: A[
         float,
@@ -239,6 +269,7 @@ class PcrFlags(msgspec.Struct):
                 f"either are answered and dropped. Default: {DEFAULT_HINT_RATE:g}."
             )
         ),
+        Range(gt=0),
     ] = DEFAULT_HINT_RATE
     pcr_hint_to_device: A[
         str,
@@ -297,6 +328,7 @@ class PcrFlags(msgspec.Struct):
                 f"answers still go one at a time. Default: {DEFAULT_SSD_READ_THREADS}."
             )
         ),
+        Range(ge=1, le=MAX_SSD_READ_THREADS),
     ] = DEFAULT_SSD_READ_THREADS
     pcr_ssd_keep_namespaces: A[
         int,
@@ -310,6 +342,7 @@ class PcrFlags(msgspec.Struct):
                 f"left. Default: {DEFAULT_SSD_KEEP_NAMESPACES}."
             )
         ),
+        Range(ge=0),
     ] = DEFAULT_SSD_KEEP_NAMESPACES
     pcr_doc_reuse: A[
         str,
@@ -346,6 +379,7 @@ class PcrFlags(msgspec.Struct):
                 f"Default: {DEFAULT_DOC_RECOMPUTE_TOKENS}."
             )
         ),
+        Range(ge=0),
     ] = DEFAULT_DOC_RECOMPUTE_TOKENS
     pcr_doc_recompute_ratio: A[
         float,
@@ -357,6 +391,7 @@ class PcrFlags(msgspec.Struct):
                 f"Default: {DEFAULT_DOC_RECOMPUTE_RATIO}."
             )
         ),
+        Range(ge=0, le=1),
     ] = DEFAULT_DOC_RECOMPUTE_RATIO
     pcr_doc_anchor_tokens: A[
         int,
@@ -365,10 +400,11 @@ class PcrFlags(msgspec.Struct):
                 "--pcr-doc-reuse blend: the first N tokens of each re-placed document are "
                 "always among the recomputed ones (inside the --pcr-doc-recompute-ratio budget), "
                 "the rest picked by --pcr-doc-selector; 0 lets it pick all (a request may override "
-                "it with custom_params['pcr_doc_anchor_tokens']). Default: 0."
+                f"it with custom_params['pcr_doc_anchor_tokens']). Default: {DEFAULT_DOC_ANCHOR_TOKENS}."
             )
         ),
-    ] = 0
+        Range(ge=0),
+    ] = DEFAULT_DOC_ANCHOR_TOKENS
     pcr_blend_probe_mb: A[
         int,
         Arg(
@@ -423,6 +459,7 @@ class PcrFlags(msgspec.Struct):
                 f"reuse. Default: {DEFAULT_DOC_WARMUP_AFTER}."
             )
         ),
+        Range(ge=1),
     ] = DEFAULT_DOC_WARMUP_AFTER
     pcr_doc_max_documents: A[
         int,
@@ -435,6 +472,7 @@ class PcrFlags(msgspec.Struct):
                 f"document). Checked with or without --pcr-doc-reuse. Default: {DEFAULT_DOC_MAX_DOCUMENTS}."
             )
         ),
+        Range(ge=1),
     ] = DEFAULT_DOC_MAX_DOCUMENTS
     pcr_doc_min_tokens: A[
         int,
@@ -449,6 +487,7 @@ class PcrFlags(msgspec.Struct):
                 "lower it for shorter documents)."
             )
         ),
+        Range(ge=1),
     ] = DEFAULT_DOC_MIN_TOKENS
     pcr_doc_format: A[
         str,
@@ -533,3 +572,23 @@ class PcrFlags(msgspec.Struct):
             )
         ),
     ] = None
+
+
+def flag_default(name: str) -> Any:
+    """The declared default of the flag field ``name`` (``pcr_chunk_size``)."""
+    return _defaults()[name]
+
+
+def flag_value(args: Any, name: str) -> Any:
+    """Flag ``name`` of ``args`` (SGLang's ``ServerArgs``, or any object, or None: tests,
+    benchmarks, a process without PCR's namespace), its declared default where it has none."""
+    return getattr(args, name, flag_default(name))
+
+
+_DEFAULTS: dict[str, Any] = {}
+
+
+def _defaults() -> dict[str, Any]:
+    if not _DEFAULTS:
+        _DEFAULTS.update((f.name, f.default) for f in msgspec.structs.fields(PcrFlags))
+    return _DEFAULTS

@@ -70,6 +70,7 @@ import functools
 import logging
 from typing import Any, Callable
 
+from pcr_sglang.flags import flag_value
 from pcr_sglang.install_check import check_sglang_install
 from pcr_sglang.reuse.bounds import ROWS_ATTR
 
@@ -277,7 +278,7 @@ def _make_argv_guard(problem: str) -> Callable[..., Any]:
 
 
 def _create_tree_cache(original: Callable[..., Any], ctx: Any, *args: Any, **kwargs: Any) -> Any:
-    if getattr(ctx.server_args, "enable_pcr", False):
+    if flag_value(ctx.server_args, "enable_pcr"):
         from pcr_sglang.sglang_adapter.factory import build_pcr_prefix_cache
 
         return build_pcr_prefix_cache(ctx)
@@ -414,7 +415,7 @@ def _pcr_selected(server_args: Any) -> bool:
     """``--enable-pcr`` or ``--radix-cache-backend pcr``."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    return bool(getattr(server_args, "enable_pcr", False)
+    return bool(flag_value(server_args, "enable_pcr")
                 or getattr(resolving_view(server_args), "radix_cache_backend", None) == BACKEND_NAME)
 
 
@@ -460,7 +461,7 @@ def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwar
 
     cfg = resolving_view(server_args)
     if not _pcr_selected(server_args):
-        if getattr(server_args, "pcr_doc_reuse", "off") != "off":
+        if flag_value(server_args, "pcr_doc_reuse") != "off":
             raise PCRStartupError("--pcr-doc-reuse needs --enable-pcr (documents are reused through PCR's cache)")
         return None
     from pcr_sglang.config import PCRConfig

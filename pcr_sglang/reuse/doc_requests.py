@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+from pcr_sglang.flags import flag_value
 from pcr_sglang.reuse.bounds import DOC_BOUNDS_PARAM
 from pcr_sglang.reuse.documents import (
     DOCUMENTS_FIELD,
@@ -43,7 +44,7 @@ def marking_rules(manager: Any) -> MarkingRules:
     from pcr_sglang.reuse.tokenizer import server_limits
 
     args = getattr(manager, "server_args", None)
-    return MarkingRules(doc_format_from_flag(getattr(args, "pcr_doc_format", None)), server_limits(args),
+    return MarkingRules(doc_format_from_flag(flag_value(args, "pcr_doc_format")), server_limits(args),
                         getattr(manager, "context_len", None))
 
 
@@ -136,7 +137,7 @@ def check_format_flag(result: Any, server_args: Any, *args: Any, **kwargs: Any) 
     """AFTER ``ServerArgs.resolve_once``: a bad ``--pcr-doc-format`` fails at startup."""
     from pcr_sglang.reuse.documents import check_doc_format
 
-    value = getattr(server_args, "pcr_doc_format", None)
+    value = flag_value(server_args, "pcr_doc_format")
     if value is not None:
         try:
             check_doc_format(doc_format_from_flag(value))

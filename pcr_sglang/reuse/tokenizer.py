@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pcr_sglang.core.hints import hint_tenant
+from pcr_sglang.flags import flag_value
 from pcr_sglang.reuse import settings as reuse_settings
 from pcr_sglang.reuse.bounds import (
     CANONICAL_PARAM,
@@ -177,7 +178,7 @@ def server_limits(args: Any) -> DocLimits:
 
 def server_recompute(args: Any) -> Recompute:
     """The server's document-reuse mode and K/R (mode ``off`` without PCR or the flag)."""
-    if not getattr(args, "enable_pcr", False):
+    if not flag_value(args, "enable_pcr"):
         return Recompute("off")
     from pcr_sglang.config import PCRConfig
 
@@ -384,7 +385,7 @@ def _warmer_for(manager: Any) -> Optional[DocWarmer]:
     if warmer is not None:
         return warmer if warmer is not False else None
     args = getattr(manager, "server_args", None)
-    if not getattr(args, "enable_pcr", False) or getattr(args, "pcr_doc_reuse", "off") in EXACT_MODES:
+    if not flag_value(args, "enable_pcr") or flag_value(args, "pcr_doc_reuse") in EXACT_MODES:
         manager._pcr_doc_warmer = False
         return None
     from pcr_sglang.config import PCRConfig
@@ -442,8 +443,8 @@ def _reorder(manager: Any, tokenized: Any) -> None:
     """``reorder`` (:mod:`pcr_sglang.reuse.reorder`): a marked request's documents put in an
     order served before, here, where every marked request passes (text documents included)."""
     args = getattr(manager, "server_args", None)
-    if getattr(args, "enable_pcr", False) and _marked(tokenized):
-        reorder_request(manager, tokenized, getattr(args, "pcr_doc_reuse", "off"))
+    if flag_value(args, "enable_pcr") and _marked(tokenized):
+        reorder_request(manager, tokenized, flag_value(args, "pcr_doc_reuse"))
 
 
 async def send_after_warming(original: Callable[..., Any], manager: Any, tokenized: Any, *args: Any,

@@ -13,6 +13,7 @@ import torch
 
 from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core import CacheNamespace, CacheState, CacheStateConfig, PersistedChunk
+from pcr_sglang.flags import flag_value
 from pcr_sglang.io.protocol import IoProcessConfig
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.reuse import settings as reuse_settings
@@ -149,7 +150,7 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
                                 ctx.tp_rank, ctx.tp_size)
     cache = assemble_pcr_cache(ctx.params, config, namespace, TpGroup.from_cache_params(ctx.params), ctx.tp_rank)
     if cache.scheduler.engine is not None:  # --pcr-debug-checks: transfer slots checked on the device too
-        cache.scheduler.engine.debug_checks = bool(getattr(ctx.server_args, "pcr_debug_checks", False))
+        cache.scheduler.engine.debug_checks = bool(flag_value(ctx.server_args, "pcr_debug_checks"))
     cache.weights_identity = WeightsIdentity(
         ctx.model_config, ctx.server_args.model_path, getattr(ctx.server_args, "revision", None),
         getattr(ctx.server_args, "download_dir", None), adapters_text(ctx.server_args))

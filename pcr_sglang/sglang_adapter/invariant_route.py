@@ -29,6 +29,7 @@ import sys
 from contextvars import ContextVar
 from typing import Any, Callable, Optional
 
+from pcr_sglang.flags import flag_value
 from pcr_sglang.sglang_adapter.redaction import redact, secret_values
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def _may_check(http_server: Any, authorization: Optional[str]) -> bool:
     admin_api_key = getattr(server_args, "admin_api_key", None)
     if admin_api_key is None:
         admin_api_key = getattr(_serving_config(), "admin_api_key", None)
-    return may_check(bool(getattr(server_args, "pcr_debug_checks", False)), admin_api_key, authorization)
+    return may_check(bool(flag_value(server_args, "pcr_debug_checks")), admin_api_key, authorization)
 
 
 def add_server_info_route(result: Any, *args: Any, **kwargs: Any) -> Any:

@@ -38,7 +38,7 @@ def test_valid_flags_resolve(resolve, tiny_model):
     [
         (("--pcr-chunk-size", "0"), "--pcr-chunk-size must be a positive"),
         (("--page-size", "16", "--pcr-chunk-size", "24"), "must be a multiple of --page-size"),
-        (("--pcr-lookahead-window", "-1"), "--pcr-lookahead-window must be a non-negative integer"),
+        (("--pcr-lookahead-window", "-1"), "--pcr-lookahead-window must be an integer >= 0"),
         (("--pcr-dram-gb", "-1"), "--pcr-dram-gb must be a number of GB >= 0"),
         (("--disable-radix-cache",), "cannot be combined with --disable-radix-cache"),
         (("--enable-hierarchical-cache",), "cannot be combined with --enable-hierarchical-cache"),
@@ -84,7 +84,7 @@ def test_launch_server_exits_fast_with_clear_message(tiny_model):
         capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode != 0
-    assert "--pcr-chunk-size must be a positive number of tokens, got 0" in proc.stderr
+    assert "--pcr-chunk-size must be a positive integer, got 0" in proc.stderr
 
 
 def test_dram_tier_larger_than_memory_fails_at_startup(tiny_model):

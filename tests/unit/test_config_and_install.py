@@ -28,7 +28,7 @@ def load_apply_patches():
         (0, 1, "--pcr-chunk-size must be a positive"),
         (-16, 1, "--pcr-chunk-size must be a positive"),
         (24, 16, r"--pcr-chunk-size \(24\) must be a multiple of --page-size \(16\)"),
-        ("64", 1, "--pcr-chunk-size must be an integer"),
+        ("64", 1, "--pcr-chunk-size must be a positive integer, got .64."),
     ],
 )
 def test_invalid_chunk_size_names_the_flag(chunk_size, page_size, message):
@@ -44,7 +44,7 @@ def test_config_from_server_args_defaults():
 
 @pytest.mark.parametrize("window", [-1, 1.5, True])
 def test_invalid_lookahead_window_names_the_flag(window):
-    with pytest.raises(PCRConfigError, match="--pcr-lookahead-window must be a non-negative integer"):
+    with pytest.raises(PCRConfigError, match="--pcr-lookahead-window must be an integer >= 0"):
         PCRConfig(enabled=True, lookahead_window=window).validate(page_size=1)
 
 
@@ -142,3 +142,61 @@ def test_unpatched_install_guards_explain_the_problem():
     assert argv_guard(["--model-path", "m"]) is None  # plain SGLang use is untouched
     with pytest.raises(PCRStartupError, match="--enable-pcr cannot be used: SGLang 0.5.22"):
         argv_guard(["--model-path", "m", "--pcr-chunk-size", "32"])
+
+
+def test_every_flag_is_a_config_field_of_its_declared_type_and_default():
+    """PCRConfig is derived from PcrFlags: each field names its flag and takes the flag's
+    declared default (layerwise holds ``auto`` resolved); only the flags read where they
+    are used are left out."""
+    import typing
+    from dataclasses import fields
+
+    import msgspec
+
+    from pcr_sglang.config import flag_rule
+    from pcr_sglang.flags import DEFAULT_LAYERWISE, PcrFlags
+
+    declared = {f.name: f for f in msgspec.structs.fields(PcrFlags)}
+    config_hints = typing.get_type_hints(PCRConfig)
+    taken = {}
+    for f in fields(PCRConfig):
+        rule = f.metadata["flag"]
+        taken[rule.name] = f.name
+        flag_type = typing.get_args(typing.get_type_hints(PcrFlags, include_extras=True)[rule.name])[0]
+        assert config_hints[f.name] == flag_type, f.name
+        assert f.default == (DEFAULT_LAYERWISE if f.name == "layerwise" else declared[rule.name].default), f.name
+        assert rule.kind in (bool, int, float, str) and flag_rule(rule.name).range == rule.range
+    assert set(declared) - set(taken) == {"pcr_doc_format", "pcr_debug_checks"}
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"dram_gb": float("nan")}, "--pcr-dram-gb must be a number of GB >= 0, got nan"),
+        ({"prefetch_window": -1}, "--pcr-prefetch-window must be an integer >= 0, got -1"),
+        ({"prefetch_budget_mb": "2"}, "--pcr-prefetch-budget-mb must be an integer >= 0, got '2'"),
+        ({"hint_budget_mb": True}, "--pcr-hint-budget-mb must be an integer >= 0, got True"),
+        ({"hint_max_ttl_s": 0}, "--pcr-hint-max-ttl-s must be a positive number, got 0"),
+        ({"hint_rate": True}, "--pcr-hint-rate must be a positive number, got True"),
+        ({"doc_recompute_ratio": 1.5}, r"--pcr-doc-recompute-ratio must be a number in \[0, 1\], got 1.5"),
+        ({"doc_anchor_tokens": -1}, "--pcr-doc-anchor-tokens must be an integer >= 0, got -1"),
+        ({"doc_reuse": "all"}, "--pcr-doc-reuse must be one of off, reorder, concat, lego, blend, got 'all'"),
+        ({"doc_selector": "best"}, "--pcr-doc-selector must be one of deviation, gradual, query, prophet"),
+        ({"ssd_durability": "sometimes"}, "--pcr-ssd-durability must be one of record, batch, none"),
+        ({"remote": "redis"}, "--pcr-remote must be one of off, mooncake, got 'redis'"),
+        ({"remote": "mooncake"}, "--pcr-remote mooncake needs the SSD tier"),
+        ({"remote_config": "{}"}, "--pcr-remote-config needs --pcr-remote mooncake"),
+    ],
+)
+def test_each_declared_range_and_choice_is_checked_naming_the_flag(fields, message):
+    with pytest.raises(PCRConfigError, match=message):
+        PCRConfig(enabled=True, **fields).validate(page_size=1)
+
+
+def test_config_from_server_args_reads_each_flag_as_declared():
+    args = SimpleNamespace(enable_pcr=1, pcr_ssd_path="", pcr_doc_reuse_calibration_warn=0, pcr_chunk_size=32,
+                           pcr_doc_recompute_ratio=0.5)
+    config = PCRConfig.from_server_args(args)
+    assert (config.enabled, config.ssd_path, config.doc_reuse_calibration_warn) == (True, None, False)
+    assert (config.chunk_size, config.doc_recompute_ratio, config.layerwise) == (32, 0.5, "both")
+    assert PCRConfig.from_server_args(None) == PCRConfig()
