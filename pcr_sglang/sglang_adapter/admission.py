@@ -2,8 +2,8 @@
 
 * :meth:`Admission.admit_now` (SGLang's ``PrefillAdder.add_one_req``) holds a request back
   while its SSD chunks are read (ordered together, urgently, and waited for at most about
-  what recomputing them costs, in the queue, never in the scheduler); the verdict itself
-  (hold, read or recompute) is the cost model's, in core.
+  what recomputing them costs, in the queue, never in the scheduler); the verdicts (hold,
+  read or recompute, by the request's explicit phase) are core's (:mod:`pcr_sglang.core.admission`).
 * :meth:`Admission.load_back` (``init_load_back``) copies the host part of an admitted
   request's chain to the device, then the documents it reuses.
 * :meth:`Admission.admitted` counts its hits once, by tier, and folds it into the digest
@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from pcr_sglang.core.admission import AdmissionPhase, Timeliness, Verdict, after_reads, at_gate, read_or_recompute
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.effects import ChainMatch, Effects
 from pcr_sglang.core.hints import HintBook
@@ -34,7 +35,7 @@ from pcr_sglang.reuse.disabled import NoDocReuse
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.remote_probes import NoRemoteProbes, RemoteProbes
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
-from pcr_sglang.sglang_adapter.requests import Hold, RequestRegistry, RequestState
+from pcr_sglang.sglang_adapter.requests import RequestRegistry, RequestState
 
 
 class Admission:
@@ -58,18 +59,19 @@ class Admission:
     def admit_now(self, req: PcrReq, io_stopped: bool) -> bool:
         """A waiting request is a candidate for admission: False holds it back this pass
         (its SSD chunks are being read). The same answer on every rank. ``io_stopped``:
-        the TP ranks found their I/O inconsistent, so nothing read is applied any more."""
-        if not self.state.ssd_enabled or io_stopped:
-            return True
+        the TP ranks found their I/O inconsistent, so nothing read is applied any more.
+        The verdicts are core's (:mod:`pcr_sglang.core.admission`); this gathers their facts."""
         entry = self.requests.peek(req.rid)
-        if entry is not None and entry.hold is not None:
-            hold = entry.hold
-            if hold.expired or not any(self.state.reading(n) for n in hold.chain):
-                entry.hold = None
-                return True
-            return False
-        if entry is not None and entry.waited:
-            return True  # one wait per request: what has not landed since is recomputed
+        held_chain = entry.held_chain if entry is not None else []
+        gate = at_gate(entry.phase if entry is not None else AdmissionPhase.NEW,
+                       tier_on=self.state.ssd_enabled and not io_stopped,
+                       still_reading=lambda: any(self.state.reading(n) for n in held_chain))
+        if entry is not None:
+            entry.phase = gate.phase
+            if not gate.phase.held:
+                entry.held_chain = []
+        if gate.verdict is not Verdict.CONSIDER:
+            return gate.verdict is Verdict.ADMIT
         if self.probes.awaiting(req.rid, lambda: self.keys.needed(req)):
             return False
         match = self.state.match(iter(self.keys.own(req)), touch=False)
@@ -79,10 +81,12 @@ class Admission:
         docs = [self.state.match(iter(keys), touch=False) for keys in self.docs.canonical_chain_keys(req)]
         entry = self._first_consideration(req.rid, match, [n for m in docs for n in m.nodes])
         chains = [m for m in [match, *docs] if m.ssd_nodes]
-        if not chains or not self.state.io_healthy:
-            return True
-        if not self.state.cost_model.decide(self.state.prefer_load):
-            self.state.note_recompute_chosen(sum(len(m.ssd_nodes) for m in chains))
+        ssd_chunks = sum(len(m.ssd_nodes) for m in chains)
+        verdict = read_or_recompute(ssd_chunks=ssd_chunks, io_healthy=self.state.io_healthy,
+                                    choose_load=lambda: self.state.cost_model.decide(self.state.prefer_load))
+        if verdict is Verdict.RECOMPUTE:
+            self.state.note_recompute_chosen(ssd_chunks)
+        if verdict is not Verdict.READ:
             return True
         reads = self._worth_reading([m.ssd_nodes for m in chains])
         if not reads:
@@ -91,12 +95,15 @@ class Admission:
         for nodes in reads:
             self.state.order_reads(nodes, effects, urgent=True, limit=len(nodes))
         self.executor.execute(effects)
-        if not any(self.state.reading(n) for nodes in reads for n in nodes):
+        held = after_reads(entry.phase if entry is not None else AdmissionPhase.NEW,
+                           reading=any(self.state.reading(n) for nodes in reads for n in nodes))
+        if held.verdict is Verdict.ADMIT:
             return True  # nothing could be ordered (no host slot): recompute
         entry = entry or self.requests.get(req.rid)
         wait_s = self.state.cost_model.recompute_seconds(sum(len(nodes) for nodes in reads) * self.chunk)
-        entry.hold = Hold(chain=[n for chain in chains for n in chain.nodes], deadline=time.monotonic() + wait_s)
-        entry.waited = True
+        entry.phase = held.phase
+        entry.held_chain = [n for chain in chains for n in chain.nodes]
+        entry.deadline = time.monotonic() + wait_s
         return False
 
     def _worth_reading(self, chains: Sequence[Sequence[ChunkNode]]) -> list[Sequence[ChunkNode]]:
@@ -120,7 +127,7 @@ class Admission:
         """Snapshot how timely the SSD chunks this request needs are, once (``doc_nodes``:
         its documents' canonical chains, which only KV hints read ahead of it)."""
         entry = self.requests.peek(rid)
-        if entry is not None and entry.considered:
+        if entry is not None and entry.timeliness is not None:
             return entry
         hinted = self.state.count_hinted([*match.nodes, *doc_nodes])  # counted as the hints' own
         in_time = sum(1 for n in match.host_nodes if self.state.landed(n))
@@ -128,10 +135,8 @@ class Admission:
         if not in_time and not ssd:
             return entry
         entry = entry or self.requests.get(rid)
-        entry.considered = True
-        entry.in_time_chunks = in_time
-        entry.late_chunks = sum(1 for n in ssd if self.state.reading(n))
-        entry.on_demand_chunks = len(ssd) - entry.late_chunks
+        late = sum(1 for n in ssd if self.state.reading(n))
+        entry.timeliness = Timeliness(in_time, late, len(ssd) - late)
         return entry
 
     # ------------------------------------------------------------------ loads
@@ -207,9 +212,10 @@ class Admission:
         chunk = self.chunk
         entry = self.requests.peek(req.rid)
         in_time = late = on_demand = 0
-        if entry is not None and entry.considered:
-            in_time, late, on_demand = entry.in_time_chunks, entry.late_chunks, entry.on_demand_chunks
-            entry.considered = False
+        if entry is not None and entry.timeliness is not None:
+            in_time, late, on_demand = (entry.timeliness.in_time, entry.timeliness.late,
+                                        entry.timeliness.on_demand)
+            entry.timeliness = None
         host = req.cached_tokens_host
         if is_canonical_request(req):
             self.docs.count_canonical()

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from pcr_sglang.core.admission import AdmissionPhase
 from pcr_sglang.core.effects import Effects
 from pcr_sglang.core.keys import ChunkKey
 from pcr_sglang.core.orders import ProbeRemote
@@ -74,7 +75,7 @@ class RemoteProbes:
         each of the request's chains (``needed_keys``) it holds (once per request)."""
         status = self.io.remote_status
         if status is not None and not status.healthy:
-            entry.probed = True  # the tier is down: no probe, no wait (it reports when it is back)
+            entry.phase = AdmissionPhase.PROBED  # the tier is down: no probe, no wait (it reports when it is back)
             return
         chains, starts = [], []
         for keys in needed_keys:
@@ -83,12 +84,12 @@ class RemoteProbes:
                 chains.append(list(keys))
                 starts.append(matched)
         if not chains:
-            entry.probed = True
+            entry.phase = AdmissionPhase.PROBED
             return
         seq = next(self._seq)
         now = time.monotonic()
         self._probes[seq] = _Probe(rid, chains, starts, now, now + self.timeout_s)
-        entry.probe_seq = seq
+        entry.phase, entry.probe_seq = AdmissionPhase.PROBING, seq
         self.stats.probes += 1
         self.io.submit(ProbeRemote(seq, [c[s:s + MAX_PROBE_CHUNKS] for c, s in zip(chains, starts)]))
 
@@ -97,21 +98,19 @@ class RemoteProbes:
         sent at its first consideration if the prefetch window did not send one;
         ``needed_keys`` is asked for only then)."""
         entry = self.requests.get(rid)
-        if entry.probed:
-            return False
-        if entry.probe_seq is None:
+        if entry.phase is AdmissionPhase.NEW:
             if not self.state.io_healthy:
-                entry.probed = True
+                entry.phase = AdmissionPhase.PROBED
                 return False
             self.send(rid, entry, needed_keys())
-            if entry.probed:
-                return False
+        if entry.phase is not AdmissionPhase.PROBING or entry.probe_seq is None:
+            return False  # probed: answered, timed out, or nothing to ask
         probe = self._probes.get(entry.probe_seq)
         if probe is not None and time.monotonic() < probe.deadline:
             return True
         if probe is not None:
             self.stats.timed_out += 1
-        entry.probed = True  # timed out (a late answer still enters the tree): go on without it
+        entry.phase = AdmissionPhase.PROBED  # timed out (a late answer still enters the tree): go on without it
         return False
 
     def collect(self, effects: Effects) -> None:
@@ -130,8 +129,8 @@ class RemoteProbes:
                 self.stats.found_chunks += present
                 self.stats.adopted_chunks += self.state.adopt_remote(keys, start, present, effects)
             entry = self.requests.peek(probe.rid)
-            if entry is not None:
-                entry.probed = True
+            if entry is not None and entry.phase is AdmissionPhase.PROBING:
+                entry.phase = AdmissionPhase.PROBED
         self.io.drop_probes(set(self._probes))
 
     def clear(self) -> None:

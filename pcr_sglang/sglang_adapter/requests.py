@@ -11,30 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from pcr_sglang.core.admission import AdmissionPhase, Timeliness
 from pcr_sglang.core.chunk_tree import ChunkNode
-
-
-@dataclass
-class Hold:
-    """A waiting request held back while its SSD chunks are read into host memory."""
-
-    chain: list[ChunkNode]  # its matched chain when the hold began
-    deadline: float  # local clock: past it, this rank no longer wants to wait
-    expired: bool = False  # agreed across ranks: admit it now, recomputing what has not landed
 
 
 @dataclass
 class RequestState:
     rid: str
     offload_slots: dict[int, int] = field(default_factory=dict)  # chunk index -> reserved host slot
-    hold: Optional[Hold] = None
-    waited: bool = False  # it was held once (never twice: a request cannot starve on reads)
-    considered: bool = False  # first consideration for admission seen (timeliness below)
-    in_time_chunks: int = 0  # read from SSD before it was first considered
-    late_chunks: int = 0  # being read then
-    on_demand_chunks: int = 0  # only on SSD then, not being read
-    probe_seq: Optional[int] = None  # the remote tier's probe for its chains, once sent
-    probed: bool = False  # its probe was answered, timed out, or had nothing to ask
+    phase: AdmissionPhase = AdmissionPhase.NEW  # its way to admission (core/admission.py)
+    probe_seq: Optional[int] = None  # PROBING: the remote tier's probe for its chains
+    held_chain: list[ChunkNode] = field(default_factory=list)  # HOLDING: its matched chain when the hold began
+    deadline: float = 0.0  # HOLDING: local clock, past which this rank no longer wants to wait
+    timeliness: Optional[Timeliness] = None  # taken at its first consideration, counted when it is admitted
 
 
 class RequestRegistry:
@@ -56,7 +45,7 @@ class RequestRegistry:
     def holds(self) -> list[RequestState]:
         """Requests waiting for reads, in the order PCR began tracking them (the same on
         every rank: entries are made at the same points of the same schedule)."""
-        return [s for s in self._states.values() if s.hold is not None]
+        return [s for s in self._states.values() if s.phase.held]
 
     def clear(self) -> None:
         self._states.clear()

@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from pcr_sglang.config import PCRConfig
+from pcr_sglang.core.admission import AdmissionPhase
 from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.effects import Effects
 from pcr_sglang.core.hints import HintBook
@@ -141,10 +142,10 @@ class SchedulerSide:
         if self.probes.enabled and self.state.io_healthy:
             for req in window[:prefetch]:  # probed ahead of admission, so the answer is in by then
                 entry = self.requests.get(req.rid)
-                if entry.probe_seq is None and not entry.probed:
+                if entry.phase is AdmissionPhase.NEW:
                     self.probes.send(req.rid, entry, self.keys.needed(req))
         if ssd:
-            held = [n for s in self.requests.holds() if s.hold is not None for n in s.hold.chain]
+            held = [n for s in self.requests.holds() for n in s.held_chain]
             effects = Effects()
             healthy = self.state.io_healthy
             wanted: list[Sequence[ChunkNode]] = [c for per_req in chains[:prefetch] for c in per_req] \
@@ -215,8 +216,8 @@ class SchedulerSide:
         entry = self.requests.pop(rid)
         if entry is None:
             return
-        if entry.hold is not None:  # it left while waiting for its reads (an abort)
-            self.state.abandon_reads(entry.hold.chain)
+        if entry.phase.held:  # it left while waiting for its reads (an abort)
+            self.state.abandon_reads(entry.held_chain)
         for slot in entry.offload_slots.values():
             self.state.release_reserved(slot)
 

@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Optional
 
+from pcr_sglang.core.admission import AdmissionPhase
 from pcr_sglang.core.agreement import LocalView, agree
 from pcr_sglang.core.effects import Effects
 from pcr_sglang.core.residency import CacheState
@@ -49,7 +50,7 @@ class StepAgreement:
             for seq, outcome, seconds in self.io.poll():
                 finished[seq] = (outcome, seconds)
             self.state.note_io_process(self.io.failures, self.io.restarts)
-        holds = [(entry, entry.hold) for entry in self.requests.holds() if entry.hold is not None]
+        holds = self.requests.holds()
         outstanding = self.state.outstanding()
         if self.tp is not None and not (outstanding or holds or queue_nonempty or len(self.hints.book)):
             return  # nothing to agree on (and the same on every rank)
@@ -60,7 +61,7 @@ class StepAgreement:
         chunk = self.state.chunk_size
         view = LocalView(healthy=self.io is not None and self.io.healthy,
                          prefers_load=self.state.cost_model.prefers_load(chunk), outstanding=outstanding,
-                         finished=finished, still_waiting=[now < hold.deadline for _, hold in holds],
+                         finished=finished, still_waiting=[now < entry.deadline for entry in holds],
                          admission_digest=admission_digest, hint_clock_ms=self.hints.clock_ms())
         agreed = agree(view, self.tp.reduce_min if self.tp is not None else None)
         self.rounds += 1
@@ -71,8 +72,8 @@ class StepAgreement:
         if not agreed.consistent:
             self.broken = agreed.error
             self.state.stop_io()
-            for entry, _ in holds:  # nothing the SSD tier was reading will be applied any more
-                entry.hold = None
+            for entry in holds:  # nothing the SSD tier was reading will be applied any more
+                entry.phase, entry.held_chain = AdmissionPhase.WAITED, []
             logger.error("PCR: %s; the SSD tier stops on every rank (a bug: please report it)", agreed.error)
             return
         self.state.apply_agreement(agreed.healthy, agreed.prefers_load)
@@ -85,6 +86,6 @@ class StepAgreement:
                            "stopped, serving continues from device and host memory (chunks already on SSD "
                            "stay readable)")
         self._writes_were_enabled = self.state.writes_enabled
-        for (_, hold), still in zip(holds, agreed.still_waiting):
+        for entry, still in zip(holds, agreed.still_waiting):
             if not still:
-                hold.expired = True
+                entry.phase = AdmissionPhase.EXPIRED
