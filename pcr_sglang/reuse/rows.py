@@ -45,6 +45,23 @@ class ForwardRows:
     request-to-token pool, since a process runs one forward at a time."""
 
     rows: Optional[dict[int, tuple[int, torch.Tensor]]] = None
+    # The forward's per-request lengths on the host (SGLang's ``*_cpu`` companions, or the
+    # batch's own lists), kept for the attention backends: reading the device tensors
+    # (``.tolist()``) would wait for the forward in flight.
+    prefix_lens: Optional[list[int]] = None
+    extend_lens: Optional[list[int]] = None
+    # Lengths read from a device tensor because no host copy was at hand (a wait for the
+    # GPU each): none in the configurations PCR serves (SGLang sets the companions on
+    # every extend but speculative decoding's, which PCR refuses); counted to show it.
+    host_waits: int = 0
+
+    def host_lengths(self, batch_size: int) -> Optional[tuple[list[int], list[int], list[int]]]:
+        """The forward's prefix, extend and sequence lengths on the host, if published
+        for a batch of ``batch_size`` requests."""
+        if self.prefix_lens is None or self.extend_lens is None or len(self.extend_lens) != batch_size:
+            return None
+        seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+        return self.prefix_lens, self.extend_lens, seq_lens
 
     def for_attention(self, req_pool_indices: torch.Tensor) -> Optional[dict[int, torch.Tensor]]:
         """The positions by batch index, after checking the rows are this batch's: on the
@@ -119,26 +136,46 @@ def permute_extend_inputs(batch: Any, row_of: Callable[[str], Optional[RowOrder]
     return rows or None
 
 
-def _cpu_list(forward_batch: Any, name: str) -> list[int]:
-    """A per-request length list: SGLang's ``<name>_cpu`` copy, or the tensor itself when a
-    path left that copy unset."""
-    values = getattr(forward_batch, f"{name}_cpu", None)
+def _host_list(values: Any) -> Optional[list[int]]:
+    """``values`` as host integers if it is on the host (a list, a CPU tensor), else None."""
     if values is None:
-        values = getattr(forward_batch, name)
+        return None
     if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            return None
         values = values.tolist()
     return [int(x) for x in values]
+
+
+def _cpu_list(forward_batch: Any, name: str, batch: Any = None, batch_name: str = "",
+              current: Optional[ForwardRows] = None) -> list[int]:
+    """A per-request length list from the host: SGLang's ``<name>_cpu`` companion, else the
+    batch's own list ``batch_name``. Only when neither is on the host is the device tensor
+    read, a wait for the GPU in the scheduler thread, counted in ``current.host_waits`` and
+    logged once (no configuration PCR serves gets there)."""
+    found = _host_list(getattr(forward_batch, f"{name}_cpu", None))
+    if found is None and batch is not None and batch_name:
+        found = _host_list(getattr(batch, batch_name, None))
+    if found is not None:
+        return found
+    values = getattr(forward_batch, name)
+    if current is not None:
+        if current.host_waits == 0:
+            logger.warning("PCR document reuse: %s has no host copy in this forward; reading it from the "
+                           "device waits for the GPU (counted in host_waits)", name)
+        current.host_waits += 1
+    return [int(x) for x in values.tolist()]
 
 
 def apply_row_positions(forward_batch: Any, batch: Any, current: ForwardRows = CURRENT) -> None:
     """After ``ForwardBatch.init_new``: the permuted requests' extend tokens at their true
     positions, and their row slots' positions published for the attention backend."""
     rows = getattr(batch, ROWS_ATTR, None)
-    current.rows = None
+    current.rows = current.prefix_lens = current.extend_lens = None
     if not rows or forward_batch.positions is None or not forward_batch.forward_mode.is_extend():
         return
-    prefix_lens = _cpu_list(forward_batch, "extend_prefix_lens")
-    extend_lens = _cpu_list(forward_batch, "extend_seq_lens")
+    prefix_lens = _cpu_list(forward_batch, "extend_prefix_lens", batch, "prefix_lens", current)
+    extend_lens = _cpu_list(forward_batch, "extend_seq_lens", batch, "extend_lens", current)
     device = forward_batch.positions.device
     start = 0
     on_device: dict[int, tuple[int, torch.Tensor]] = {}
@@ -152,6 +189,7 @@ def apply_row_positions(forward_batch: Any, batch: Any, current: ForwardRows = C
             on_device[i] = (int(batch.reqs[i].kv.req_pool_idx), positions)
         start += extend
     current.rows = on_device
+    current.prefix_lens, current.extend_lens = prefix_lens, extend_lens
 
 
 def _slot_positions(rows: dict[int, torch.Tensor], i: int, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -165,13 +203,17 @@ def position_causal_sdpa_extend(rows: dict[int, torch.Tensor], query: torch.Tens
                                 k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                                 req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                                 extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
-                                scaling: Optional[float], enable_gqa: bool) -> torch.Tensor:
+                                scaling: Optional[float], enable_gqa: bool,
+                                host_lengths: Optional[tuple[list[int], list[int], list[int]]] = None) -> torch.Tensor:
     """``torch_native``'s extend attention (query ``[tokens, heads, dim]``) with query
     ``i`` of a request attending the row keys whose position is at most its own: for a
-    request without a permuted row that is the bottom-right causal mask of a plain extend."""
+    request without a permuted row that is the bottom-right causal mask of a plain extend.
+    ``host_lengths`` (prefix, extend, sequence lengths: :meth:`ForwardRows.host_lengths`)
+    spare reading the length tensors element by element, a wait each on a GPU."""
+    if host_lengths is None:
+        host_lengths = (extend_prefix_lens.tolist(), extend_seq_lens.tolist(), seq_lens.tolist())
     start = 0
-    for i in range(seq_lens.shape[0]):
-        seq_len, prefix, extend = int(seq_lens[i]), int(extend_prefix_lens[i]), int(extend_seq_lens[i])
+    for i, (prefix, extend, seq_len) in enumerate(zip(*host_lengths)):
         q = query[start: start + extend].movedim(0, 1)  # [heads, extend, dim]
         slots = req_to_token[req_pool_indices[i], :seq_len]
         k = k_cache[slots].movedim(0, 1)
@@ -217,17 +259,23 @@ def native_extend_with_rows(original: Callable[..., Any], backend: Any, *args: A
         return original(backend, *args, **kwargs)
     return position_causal_sdpa_extend(
         rows, a["query"], a["output"], a["k_cache"], a["v_cache"], a["req_to_token"], a["req_pool_indices"],
-        a["seq_lens"], a["extend_prefix_lens"], a["extend_seq_lens"], a.get("scaling"), bool(a.get("enable_gqa")))
+        a["seq_lens"], a["extend_prefix_lens"], a["extend_seq_lens"], a.get("scaling"), bool(a.get("enable_gqa")),
+        current.host_lengths(int(a["seq_lens"].shape[0])))
 
 
-def set_triton_position_mask(backend: Any, forward_batch: Any, rows: dict[int, torch.Tensor]) -> bool:
+def set_triton_position_mask(backend: Any, forward_batch: Any, rows: dict[int, torch.Tensor],
+                             current: ForwardRows = CURRENT) -> bool:
     """After ``TritonAttnBackend.init_forward_metadata`` for a batch with permuted rows:
     whether the mask was set (an extend; the kernel must then mask the prefix too)."""
     metadata = backend.forward_metadata
     if metadata is None or not forward_batch.forward_mode.is_extend() or forward_batch.forward_mode.is_target_verify():
         return False
-    seq_lens = _cpu_list(forward_batch, "seq_lens")
-    prefix_lens = _cpu_list(forward_batch, "extend_prefix_lens")
+    host = current.host_lengths(int(forward_batch.seq_lens.shape[0]))  # a shape: no wait
+    if host is not None:
+        prefix_lens, _, seq_lens = host
+    else:
+        seq_lens = _cpu_list(forward_batch, "seq_lens", current=current)
+        prefix_lens = _cpu_list(forward_batch, "extend_prefix_lens", current=current)
     mask, indptr = triton_position_mask(rows, seq_lens, prefix_lens, forward_batch.seq_lens.device)
     metadata.custom_mask = mask
     metadata.mask_indptr = indptr

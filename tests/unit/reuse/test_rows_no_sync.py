@@ -62,3 +62,43 @@ def test_a_step_with_permuted_rows_waits_for_nothing_and_allocates_no_pinned_mem
     assert len(staged_copies) == len(calls) == 6 and all(non_blocking for _, non_blocking, _ in staged_copies)
     assert forward.positions.tolist() == [0, 0, 0, 5, 4, 3, 2, 6, 7]
     assert indptr.tolist() == [0, 3 * 7, 3 * 7 + 6 * 8]
+
+
+def _forward_without_companions():
+    """A forward whose ``*_cpu`` companions are unset: only the (device) length tensors."""
+    mode = SimpleNamespace(is_extend=lambda: True, is_target_verify=lambda: False)
+    return SimpleNamespace(positions=torch.zeros(3 + 6, dtype=torch.int32), forward_mode=mode,
+                           extend_prefix_lens=torch.tensor([4, 2]), extend_seq_lens=torch.tensor([3, 6]),
+                           seq_lens=torch.tensor([7, 8]), extend_prefix_lens_cpu=None, extend_seq_lens_cpu=None,
+                           seq_lens_cpu=None)
+
+
+def test_without_sglangs_host_companions_the_lengths_come_from_the_batch_and_nothing_waits(staged):
+    """SGLang leaves ``extend_seq_lens_cpu``/``seq_lens_cpu`` unset on some paths: the step
+    then takes the batch's own host lists, never ``.tolist()`` of the device tensors (a wait
+    for the forward in flight), in the positions and in the Triton mask alike."""
+    cuda, _ = staged
+    forward = _forward_without_companions()
+    order = torch.tensor([0, 1, 5, 4, 3, 2, 6, 7])
+    reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
+    batch = SimpleNamespace(reqs=reqs, prefix_lens=[4, 2], extend_lens=[3, 6], **{ROWS_ATTR: {1: order}})
+    current = permuted_rows.ForwardRows()
+    backend = SimpleNamespace(forward_metadata=SimpleNamespace(custom_mask=None, mask_indptr=None))
+    traffic = HostTraffic(cuda)
+    with traffic:
+        apply_row_positions(forward, batch, current)
+        assert permuted_rows.set_triton_position_mask(backend, forward, {1: current.rows[1][1]}, current)
+    assert traffic.host_reads == [] and cuda.synchronizations == 0 and current.host_waits == 0
+    assert forward.positions.tolist() == [0, 0, 0, 5, 4, 3, 2, 6, 7]
+    assert backend.forward_metadata.mask_indptr.tolist() == [0, 3 * 7, 3 * 7 + 6 * 8]
+
+
+def test_a_length_with_no_host_copy_anywhere_is_read_from_the_device_counted(staged, caplog):
+    forward = _forward_without_companions()
+    order = torch.tensor([0, 1, 5, 4, 3, 2, 6, 7])
+    reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
+    current = permuted_rows.ForwardRows()
+    with caplog.at_level("WARNING"):
+        apply_row_positions(forward, SimpleNamespace(reqs=reqs, **{ROWS_ATTR: {1: order}}), current)
+    assert current.host_waits == 2 and "waits for the GPU" in caplog.text
+    assert forward.positions.tolist() == [0, 0, 0, 5, 4, 3, 2, 6, 7]
