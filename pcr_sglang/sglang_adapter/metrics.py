@@ -13,7 +13,10 @@ server's ``/metrics``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge
 
 # The one place PCR's series are named: ``PCRMetrics`` makes them, ``sync`` feeds them,
 # and scripts/metrics_doc.py writes docs/architecture.md's table of them from here.
@@ -174,7 +177,7 @@ def label_values(metric: Metric) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def _labelled(fed: dict[str, tuple[str, Optional[str]]]) -> dict[str, tuple[str, dict[str, str]]]:
+def _labelled(fed: Mapping[str, tuple[str, Optional[str]]]) -> dict[str, tuple[str, dict[str, str]]]:
     """A field map as ``_add`` reads it: field -> (metric, its label as a keyword)."""
     return {field: (name, {_BY_NAME[name].label: value} if value is not None else {})
             for field, (name, value) in fed.items()}
@@ -185,28 +188,34 @@ _FEEDS = {"cache": _labelled(_COUNTER_FIELDS), "ssd": _labelled(_SSD_FIELDS),
 
 
 class PCRMetrics:
-    """PCR's series (each :data:`METRICS` entry an attribute of its name), fed by :meth:`sync`."""
+    """PCR's series (each :data:`METRICS` entry by its name in ``counters`` or ``gauges``), fed by :meth:`sync`."""
 
     def __init__(self, labels: dict[str, str]):
-        from prometheus_client import Counter, Gauge
+        import prometheus_client
 
         names = list(labels)
         self.labels = dict(labels)
+        self.counters: dict[str, Counter] = {}
+        self.gauges: dict[str, Gauge] = {}
         for metric in METRICS:
             labelnames = names + [metric.label] if metric.label else names
             if metric.gauge:
-                made = Gauge(metric.series, metric.help, labelnames=labelnames, multiprocess_mode="mostrecent")
+                self.gauges[metric.name] = prometheus_client.Gauge(metric.series, metric.help, labelnames=labelnames,
+                                                                   multiprocess_mode="mostrecent")
             else:
-                made = Counter(metric.series, metric.help, labelnames=labelnames)
-            setattr(self, metric.name, made)
+                self.counters[metric.name] = prometheus_client.Counter(metric.series, metric.help,
+                                                                       labelnames=labelnames)
         self._last: dict[str, int] = {}
         self._remote_pid = 0
 
-    def _add(self, prefix: str, values: dict[str, Any], fields: dict) -> None:
+    def _gauge(self, name: str, **labels: str) -> Gauge:
+        return self.gauges[name].labels(**self.labels, **labels)
+
+    def _add(self, prefix: str, values: Mapping[str, Any], fields: Mapping[str, tuple[str, dict[str, str]]]) -> None:
         for field, (attr, extra) in fields.items():
             delta = values[field] - self._last.get(prefix + field, 0)
             if delta > 0:
-                getattr(self, attr).labels(**self.labels, **extra).inc(delta)
+                self.counters[attr].labels(**self.labels, **extra).inc(delta)
             self._last[prefix + field] = values[field]
 
     def sync(self, state: Any, doc_stats: Any = None, hint_stats: Any = None, remote_probes: Any = None,
@@ -226,7 +235,7 @@ class PCRMetrics:
                     del self._last[name]  # a new process: its counts are all new
             self._add("remote-store.", {k: int(v) for k, v in remote_status.counters.items()},
                       {k: v for k, v in _FEEDS["remote-store"].items() if k in remote_status.counters})
-            self.remote_up.labels(**self.labels).set(1 if remote_status.healthy else 0)
+            self._gauge("remote_up").set(1 if remote_status.healthy else 0)
         if hint_stats is not None:
             values = {k: v for k, v in asdict(hint_stats).items() if k in _HINT_KINDS}
             self._add("hint.", values, {name: ("hints", {"kind": name}) for name in values})
@@ -239,7 +248,7 @@ class PCRMetrics:
         self._add("", asdict(state.stats), _FEEDS["cache"])
         if state.ssd_enabled:
             self._add("ssd.", asdict(state.ssd_stats), _FEEDS["ssd"])
-            self.cached_chunks.labels(**self.labels, tier="ssd").set(tree.ssd_chunks)
-            self.ssd_tier_up.labels(**self.labels).set(1 if state.writes_enabled else 0)
-        self.cached_chunks.labels(**self.labels, tier="device").set(tree.device_chunks)
-        self.cached_chunks.labels(**self.labels, tier="host").set(tree.host_chunks)
+            self._gauge("cached_chunks", tier="ssd").set(tree.ssd_chunks)
+            self._gauge("ssd_tier_up").set(1 if state.writes_enabled else 0)
+        self._gauge("cached_chunks", tier="device").set(tree.device_chunks)
+        self._gauge("cached_chunks", tier="host").set(tree.host_chunks)

@@ -61,5 +61,5 @@ def test_the_exporter_makes_every_declared_series(monkeypatch):
     for metric in metrics.METRICS:
         family = families[metric.series.removesuffix("_total")]
         assert family.type == ("gauge" if metric.gauge else "counter") and family.documentation == metric.help
-        assert getattr(made, metric.name)._labelnames == (("model_name", metric.label) if metric.label
-                                                          else ("model_name",))
+        made_one = (made.gauges if metric.gauge else made.counters)[metric.name]
+        assert made_one._labelnames == (("model_name", metric.label) if metric.label else ("model_name",))

@@ -115,9 +115,8 @@ def metrics():
     """PCR's real Prometheus series, unregistered afterwards (one registry per process)."""
     made = PCRMetrics({"model_name": "test"})
     yield made
-    for value in vars(made).values():
-        if hasattr(value, "_metrics") or hasattr(value, "_labelnames"):
-            REGISTRY.unregister(value)
+    for value in [*made.counters.values(), *made.gauges.values()]:
+        REGISTRY.unregister(value)
 
 
 def test_the_ssd_tier_switching_its_writes_off_is_a_gauge_and_a_server_info_state(make, tmp_path, metrics):
