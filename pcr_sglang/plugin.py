@@ -262,7 +262,7 @@ def _note_reused_documents(result: Any, batch: Any, *args: Any, **kwargs: Any) -
     if cache is not None:
         from pcr_sglang.reuse import usage
 
-        usage.note_reused_documents(batch.reqs, cache.scheduler.admission.docs)
+        usage.note_reused_documents(batch.reqs, cache.scheduler.docs)
     return result
 
 

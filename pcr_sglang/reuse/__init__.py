@@ -12,6 +12,7 @@ admission), :mod:`~pcr_sglang.reuse.blend_select` (blend's selectors and their p
 :mod:`~pcr_sglang.reuse.tokenizer` (the HTTP side: bounds checked at the door, warm-ups),
 :mod:`~pcr_sglang.reuse.reorder` (``reorder``: documents put in an order already served, exact),
 :mod:`~pcr_sglang.reuse.disabled` (the null collaborator the scheduler holds without it).
-The SGLang adapter calls into this wing; the wing never imports the adapter. The client's
+The SGLang adapter calls into this wing through its typed seam, :mod:`~pcr_sglang.reuse.seam`
+(the scheduler's half, the forward's half, what is reported); the wing never imports the adapter. The client's
 side (marked prompts, the DSL's ``doc()``) is :mod:`pcr_client`.
 """

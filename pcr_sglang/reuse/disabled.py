@@ -1,47 +1,55 @@
 """Document reuse turned off: the null collaborator the scheduler side holds without ``--pcr-doc-reuse``.
 
-Every question the adapter asks :class:`~pcr_sglang.reuse.placement.DocReuse` has a
-"nothing to reuse" answer, given here, so the adapter asks it unconditionally instead of
-testing for a missing collaborator at each call: no request has a plan or private slots,
-no document chain is needed, no row is permuted, and a load of documents never happens.
-``enabled`` is False for what reports the feature (``/server_info``, metrics).
+Every question the adapter asks document reuse through its seam
+(:class:`~pcr_sglang.reuse.seam.DocReuseSeam`) has a "nothing to reuse" answer, given here,
+so the adapter asks it unconditionally instead of testing for a missing collaborator at
+each call: no request has a plan or private slots, no document chain is needed, no row is
+permuted, and a load of documents never happens. What the server reports of the feature
+(:class:`~pcr_sglang.reuse.seam.DocReuseStatus`) is absent instead.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from pcr_sglang.req import PcrReq
+if TYPE_CHECKING:
+    import torch
+
+    from pcr_sglang.core.chunk_tree import ChunkNode
+    from pcr_sglang.core.keys import ChunkKey
+    from pcr_sglang.req import PcrReq
+    from pcr_sglang.reuse.plan import ReusePlan, RowOrder
 
 
 class NoDocReuse:
-    enabled = False
     fill_gaps = False  # no request's row is ever permuted
-    stats = None
-    conditions = None
 
-    def canonical_chain_keys(self, req: PcrReq) -> list[list[bytes]]:
+    def canonical_chain_keys(self, req: PcrReq) -> list[list[ChunkKey]]:
         return []
 
-    def canonical_chain_nodes(self, req: PcrReq) -> list[list[Any]]:
+    def canonical_chain_nodes(self, req: PcrReq) -> list[list[ChunkNode]]:
         return []
 
-    def plan(self, req: PcrReq, tokens: Sequence[int], exact_len: int) -> None:
+    def plan(self, req: PcrReq, tokens: Sequence[int], exact_len: int) -> Optional[ReusePlan]:
         return None
 
-    def planned(self, rid: str) -> None:
+    def planned(self, rid: str) -> Optional[ReusePlan]:
         return None
 
-    def reused(self, rid: str) -> None:
+    def reused(self, rid: str) -> Optional[ReusePlan]:
+        return None
+
+    def row(self, rid: str) -> Optional[RowOrder]:
         return None
 
     def exact_end(self, rid: str) -> Optional[int]:
         return None
 
-    def private_slots(self, rid: str) -> None:
+    def private_slots(self, rid: str) -> Optional[torch.Tensor]:
         return None
 
-    def load(self, *args: Any) -> bool:
+    def load(self, req: PcrReq, prefix_node: ChunkNode, load_chain: Callable[[list[ChunkNode]], bool],
+             evict: Callable[[int], int], fence_before_copy: Callable[[], None]) -> bool:
         return False
 
     def fence_after_forward(self) -> bool:

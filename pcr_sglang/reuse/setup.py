@@ -27,6 +27,7 @@ from pcr_sglang.reuse.calibration import CalibrationConditions
 from pcr_sglang.reuse.gate import CalibrationGate
 from pcr_sglang.reuse.model_rope import UnsupportedRope, model_rope_spec
 from pcr_sglang.reuse.placement import DocReuse
+from pcr_sglang.reuse.seam import DocReuseStatus
 from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
 from pcr_sglang.transfer.warmup import warm_up_on_cuda
 
@@ -188,14 +189,14 @@ def with_gate(status: dict[str, Any], gate: Optional[CalibrationGate]) -> dict[s
     return {**status, "warn": gate.warn, "stopped": gate.stopped, "overrides": gate.overrides}
 
 
-def recheck_calibration(docs: Any, model_fingerprint: str) -> None:
+def recheck_calibration(docs: DocReuseStatus, model_fingerprint: str) -> None:
     """The weights changed in place (``weight_updates.begin``, with ``model_fingerprint``
     the new namespace's): a calibration holds for the weights it was measured on only. On
     others document reuse stops (marked requests are served exactly, as with it off) and
     ``/server_info`` says why; back on the calibrated weights (a rollback) it resumes. A
     stop is not lifted by ``--pcr-doc-reuse-calibration-warn``, as a startup on other
     weights is not."""
-    gate = getattr(getattr(docs, "server", None), "gate", None)
+    gate = docs.server.gate
     if gate is None:
         return
     stopped = None

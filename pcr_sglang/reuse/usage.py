@@ -21,13 +21,16 @@ reported as an exact one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pcr_sglang.reuse.seam import SchedulerDocReuse
 
 DETAILS_KEY = "documents"
 _ATTR = "_pcr_doc_reused_tokens"
 
 
-def note_reused_documents(reqs: Any, docs: Any) -> None:
+def note_reused_documents(reqs: Any, docs: SchedulerDocReuse) -> None:
     """Note on each of ``reqs`` its reused document tokens (``docs``: the scheduler's
     document reuse, whose ``reused(rid)`` is the plan a request was loaded with)."""
     for req in reqs:

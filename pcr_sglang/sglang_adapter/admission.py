@@ -32,6 +32,7 @@ from pcr_sglang.core.residency import CacheState
 from pcr_sglang.req import PcrReq
 from pcr_sglang.reuse.bounds import is_canonical_request
 from pcr_sglang.reuse.disabled import NoDocReuse
+from pcr_sglang.reuse.seam import SchedulerDocReuse
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.remote_probes import NoRemoteProbes, RemoteProbes
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
@@ -50,7 +51,7 @@ class Admission:
         self.requests = requests
         self.hints = hints
         self.probes = probes
-        self.docs: Any = NoDocReuse()  # DocReuse, with --pcr-doc-reuse
+        self.docs: SchedulerDocReuse = NoDocReuse()  # DocReuse, with --pcr-doc-reuse
         self.tensor_parallel = tensor_parallel
         self.digest = 0  # of (rid, prefix length) of every admitted request (compared across TP ranks)
         self.last_load_private = False  # the last load_back gave the request private slots

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from pcr_sglang.core.hints import Hint, HintBook, HintPayload, hint_tenant
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.req import PcrReq, request_tenant
 from pcr_sglang.reuse.disabled import NoDocReuse
+from pcr_sglang.reuse.seam import SchedulerDocReuse
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
 from pcr_sglang.sglang_adapter.tp_group import TpGroup
@@ -41,7 +42,7 @@ class KvHints:
         self.keys = keys
         self.executor = executor
         self.tp = tp
-        self.docs: Any = NoDocReuse()  # DocReuse, with --pcr-doc-reuse
+        self.docs: SchedulerDocReuse = NoDocReuse()  # DocReuse, with --pcr-doc-reuse
         self.clock: Callable[[], float] = time.monotonic  # this rank's (a test may replace it)
         self.now = 0.0  # the last agreed clock, in seconds
         self.promote = promote  # --pcr-hint-to-device
@@ -81,11 +82,12 @@ class KvHints:
         tenant = hint_tenant(req.cache_salt, req.extra_key)
         if not self.book.register(req.rid, keys, payload, now, tenant=tenant):
             return False
-        if payload.hint_only and self.docs.enabled:
-            # A hint marking documents also reads each one's canonical chain: the final
-            # request reuses them in whatever order it puts them. One group with the
-            # prompt's own hint, so they end together. They count against the tenant's live
-            # hints (never another tenant's), and past the first 16 they take rate tokens.
+        if payload.hint_only:
+            # A hint marking documents also reads each one's canonical chain (none without
+            # document reuse): the final request reuses them in whatever order it puts them.
+            # One group with the prompt's own hint, so they end together. They count against
+            # the tenant's live hints (never another tenant's), and past the first 16 they
+            # take rate tokens.
             doc_payload = replace(payload, group=payload.group or f"pcr-hint:{req.rid}")
             self.book.register_documents(req.rid, self.docs.canonical_chain_keys(req), doc_payload, now, tenant)
             self.docs.release(req.rid)  # the hint-only request never reaches admission

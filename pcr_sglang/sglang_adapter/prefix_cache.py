@@ -114,10 +114,10 @@ class PCRPrefixCache(BasePrefixCache):
         """Before each scheduling pass (the plugin's hook on ``get_next_batch_to_run``)."""
         self.scheduler.step(waiting_queue, busy)
         if self.metrics is not None:
-            docs = self.scheduler.docs
             scheduler = self.scheduler
-            gate = getattr(getattr(docs, "server", None), "gate", None)  # --pcr-doc-reuse-calibration
-            self.metrics.sync(self.state, docs.stats, scheduler.hints.stats,
+            docs = scheduler.doc_status  # None without document reuse
+            gate = docs.server.gate if docs is not None else None  # --pcr-doc-reuse-calibration
+            self.metrics.sync(self.state, docs.stats if docs is not None else None, scheduler.hints.stats,
                               scheduler.remote_stats if scheduler.remote else None,
                               scheduler.io.remote_status if scheduler.remote and scheduler.io is not None else None,
                               calibration_overrides=gate.overrides if gate is not None else None)

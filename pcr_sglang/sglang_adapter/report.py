@@ -7,6 +7,7 @@ from dataclasses import asdict
 from typing import Any, Optional
 
 from pcr_sglang.core.hints import HINT_CAPABILITIES
+from pcr_sglang.reuse.seam import DocReuseStatus
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +71,17 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
                   "capabilities": list(HINT_CAPABILITIES)},
         "remote": remote_report(scheduler) if scheduler.remote else None,
         "kv_events": cache.kv_events.report() if cache.kv_events is not None else None,
-        "doc_reuse": {"mode": scheduler.docs.mode, "rope": scheduler.docs.rope.signature(),
-                      "fill_gaps": scheduler.docs.fill_gaps,
-                      "calibration": scheduler.docs.calibration,
-                      "conditions": asdict(scheduler.docs.conditions) if scheduler.docs.conditions else None,
-                      "counters": asdict(scheduler.docs.stats)} if scheduler.docs.enabled else None,
+        "doc_reuse": _doc_reuse_report(scheduler.doc_status) if scheduler.doc_status is not None else None,
         "invariants": {"checked": check_invariants, "ok": (invariant_error is None) if check_invariants else None,
                        "error": invariant_error},
     }
     return report
+
+
+def _doc_reuse_report(docs: DocReuseStatus) -> dict[str, Any]:
+    return {"mode": docs.mode, "rope": docs.rope.signature(), "fill_gaps": docs.fill_gaps,
+            "calibration": docs.calibration, "conditions": asdict(docs.conditions) if docs.conditions else None,
+            "counters": asdict(docs.stats)}
 
 
 def _ssd_report(cache: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from pcr_sglang.core.keys import ChainKeyer, ChunkKey, RequestTenant
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.req import PcrReq, request_tenant
 from pcr_sglang.reuse.disabled import NoDocReuse
+from pcr_sglang.reuse.seam import SchedulerDocReuse
 
 
 def matchable_tokens(req: PcrReq) -> Any:
@@ -37,7 +38,7 @@ class RequestKeys:
     def __init__(self, keyer: ChainKeyer, state: CacheState):
         self.keyer = keyer
         self.state = state
-        self.docs: Any = NoDocReuse()  # DocReuse, with --pcr-doc-reuse
+        self.docs: SchedulerDocReuse = NoDocReuse()  # DocReuse, with --pcr-doc-reuse
         self._window: dict[str, list[ChunkKey]] = {}
 
     def of_tokens(self, tokens: Sequence[int], tenant: RequestTenant = RequestTenant()) -> list[ChunkKey]:

@@ -24,7 +24,7 @@ for a ``blend`` admission, which reads its probe's scores back: docs/document-re
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -40,6 +40,7 @@ from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.req import PcrReq
 from pcr_sglang.reuse.disabled import NoDocReuse
 from pcr_sglang.reuse.rows import permute_extend_inputs
+from pcr_sglang.reuse.seam import DocReuseSeam, DocReuseStatus
 from pcr_sglang.sglang_adapter.admission import Admission, up_to_first_remote_only
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.hints import KvHints
@@ -52,6 +53,9 @@ from pcr_sglang.sglang_adapter.step_timing import StepHistogram
 from pcr_sglang.sglang_adapter.tp_group import TpGroup
 from pcr_sglang.sglang_adapter.worker_side import WorkerSide
 from pcr_sglang.tiers.remote_store import RemoteConfig
+
+if TYPE_CHECKING:
+    from pcr_sglang.reuse.placement import DocReuse
 
 
 class SchedulerSide:
@@ -88,22 +92,26 @@ class SchedulerSide:
         self.admission = Admission(state, self.executor, self.keys, self.requests, self.hints, self.probes,
                                    tensor_parallel=tp is not None)
         self.agreement = StepAgreement(state, self.executor, io, tp, self.requests, self.kv_hints)
-        self._docs: Any = NoDocReuse()
+        self._docs: DocReuseSeam = NoDocReuse()
+        self.doc_status: Optional[DocReuseStatus] = None  # what is reported of document reuse, where it is on
         self.step_time = StepHistogram()  # PCR's own work per scheduler step
         self.iteration_time = StepHistogram()  # the scheduler loop's iterations while busy
         self._last_step_start: Optional[float] = None
 
     @property
-    def docs(self) -> Any:
-        """Document reuse (``--pcr-doc-reuse``: a :class:`~pcr_sglang.reuse.placement.DocReuse`,
-        attached by the factory once the model is loaded), else its null collaborator
-        (:class:`~pcr_sglang.reuse.disabled.NoDocReuse`)."""
+    def docs(self) -> DocReuseSeam:
+        """Document reuse through its seam (:mod:`pcr_sglang.reuse.seam`): with
+        ``--pcr-doc-reuse`` a :class:`~pcr_sglang.reuse.placement.DocReuse`, attached by the
+        factory once the model is loaded, else its null collaborator
+        (:class:`~pcr_sglang.reuse.disabled.NoDocReuse`). The collaborators that ask it
+        hold its scheduler half."""
         return self._docs
 
     @docs.setter
-    def docs(self, docs: Optional[Any]) -> None:
-        docs = docs if docs is not None else NoDocReuse()
-        self._docs = self.keys.docs = self.admission.docs = self.kv_hints.docs = docs
+    def docs(self, docs: Optional[DocReuse]) -> None:
+        self.doc_status = docs
+        seam: DocReuseSeam = docs if docs is not None else NoDocReuse()
+        self._docs = self.keys.docs = self.admission.docs = self.kv_hints.docs = seam
 
     # ------------------------------------------------------------------ per step
     def step(self, waiting_queue: Sequence[PcrReq], busy: bool = True) -> None:

@@ -235,7 +235,8 @@ def begin(cache: Any, namespace: CacheNamespace) -> None:
     cache.scheduler.rekey(namespace.chain_digest())
     leave_for_pending(cache, namespace)  # an in-memory update's keys: nothing more to the remote tier
     # A document-reuse calibration holds for the weights it was measured on only.
-    recheck_calibration(cache.scheduler.docs, namespace.model_fingerprint)
+    if cache.scheduler.doc_status is not None:
+        recheck_calibration(cache.scheduler.doc_status, namespace.model_fingerprint)
 
 
 def unknown_weights(cache: Any, namespace: CacheNamespace) -> None:

@@ -399,24 +399,29 @@ def test_a_load_that_did_not_go_through_leaves_no_row_order_behind():
 
 
 def test_the_null_collaborator_answers_every_question_document_reuse_answers():
-    """``NoDocReuse`` stands in for ``DocReuse`` without --pcr-doc-reuse: every name it has,
-    ``DocReuse`` has, with the same parameters (a rename on one side fails here, not in a
-    server without document reuse)."""
+    """``NoDocReuse`` stands in for ``DocReuse`` without --pcr-doc-reuse: both answer every
+    question of the seam the adapter holds them through (``reuse/seam.py``), with the seam's
+    parameters, and the null collaborator answers nothing else (a rename on one side fails
+    here, not in a server without document reuse; mypy checks the types where the scheduler
+    loop holds them)."""
     import inspect
     import re
 
     from pcr_sglang.reuse.disabled import NoDocReuse
     from pcr_sglang.reuse.placement import DocReuse
+    from pcr_sglang.reuse.seam import DocReuseSeam, DocReuseRows, SchedulerDocReuse
 
-    names = [n for n in vars(NoDocReuse) if not n.startswith("_")]
-    assert names and not NoDocReuse.enabled and DocReuse.enabled
+    names = sorted(n for n in vars(NoDocReuse) if not n.startswith("_"))
+    seam = sorted({n for face in (SchedulerDocReuse, DocReuseRows) for n in vars(face) if not n.startswith("_")})
+    assert names == seam and not [n for n in vars(DocReuseSeam) if not n.startswith("_")]
     for name in names:
         real, null = inspect.getattr_static(DocReuse, name, None), vars(NoDocReuse)[name]
         if callable(null):
             assert callable(real), name
             wanted = list(inspect.signature(real).parameters)
-            got = list(inspect.signature(null).parameters)
-            assert got == wanted or got[-1:] == ["args"], (name, wanted, got)
+            assert list(inspect.signature(null).parameters) == wanted, name
+            face = SchedulerDocReuse if name in vars(SchedulerDocReuse) else DocReuseRows
+            assert list(inspect.signature(vars(face)[name]).parameters) == wanted, name
         else:  # an attribute: a class attribute, or set on every instance
             assigned = re.search(rf"self\.{name}\b[^=\n]*=", inspect.getsource(DocReuse.__init__))
             assert real is not None or assigned, name
