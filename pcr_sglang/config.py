@@ -154,6 +154,7 @@ class PCRConfig:
     doc_recompute_ratio: float = flag("pcr_doc_recompute_ratio")
     doc_anchor_tokens: int = flag("pcr_doc_anchor_tokens")
     blend_probe_mb: int = flag("pcr_blend_probe_mb")  # checked by reuse.setup, in the recompute modes
+    position_mask_mb: int = flag("pcr_position_mask_mb")
     doc_selector: str = flag("pcr_doc_selector")
     doc_reuse_calibration: Optional[str] = flag("pcr_doc_reuse_calibration")  # a pcr_tools.calibrate file
     doc_reuse_calibration_warn: bool = flag("pcr_doc_reuse_calibration_warn")

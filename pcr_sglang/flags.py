@@ -70,6 +70,8 @@ REMOTE_CHOICES = ["off", "mooncake"]
 DEFAULT_REMOTE = "off"
 # blend's probe (pcr_sglang.reuse.blend_select): scratch one selection may need at most.
 DEFAULT_BLEND_PROBE_MB = 1024
+# Permuted rows (pcr_sglang.reuse.rows): the Triton position mask one request may need at most.
+DEFAULT_POSITION_MASK_MB = 256
 # KV hints (pcr_sglang.core.hints): reads for hinted chains come after the queue's own.
 DEFAULT_HINT_BUDGET_MB = 128
 DEFAULT_HINT_MAX_TTL_S = 30.0
@@ -417,6 +419,19 @@ class PcrFlags(msgspec.Struct):
             )
         ),
     ] = DEFAULT_BLEND_PROBE_MB
+    pcr_position_mask_mb: A[
+        int,
+        Arg(
+            help=(
+                "Document reuse with permuted rows (lego, blend, concat computing a document in "
+                "place): the most memory (MiB) one request's position mask (a byte per query and "
+                "key of its extend) may take in a forward; a request whose mask could need more is "
+                "recomputed instead. Reserved with --pcr-blend-probe-mb from the KV pool on CUDA. "
+                f"Default: {DEFAULT_POSITION_MASK_MB}."
+            )
+        ),
+        Range(ge=1),
+    ] = DEFAULT_POSITION_MASK_MB
     pcr_doc_selector: A[
         str,
         Arg(

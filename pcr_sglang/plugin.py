@@ -153,6 +153,7 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.runtime_context.describe_kv_events_publisher", _kv_event_block_size, HookType.AFTER
     )
+    HookRegistry.register(KV_POOL_BUDGET, _reserve_doc_scratch, HookType.AFTER)
     HookRegistry.register(
         "sglang.srt.managers.scheduler_components.kv_events_publisher.SchedulerKvEventsPublisher."
         "local_kv_event_sources",
@@ -417,6 +418,25 @@ def _pcr_selected(server_args: Any) -> bool:
 
     return bool(flag_value(server_args, "enable_pcr")
                 or getattr(resolving_view(server_args), "radix_cache_backend", None) == BACKEND_NAME)
+
+
+# Where SGLang sizes its KV pool from free GPU memory (bytes; its slack for activations taken out).
+KV_POOL_BUDGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
+
+
+def _reserve_doc_scratch(result: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang sizes its KV pool: document reuse's GPU scratch (blend's probe, the position
+    mask) comes out of it, not out of SGLang's slack (``reuse/scratch.py``)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    server_args = get_server_args()
+    if not isinstance(result, int) or server_args is None or not _pcr_selected(server_args):
+        return result
+    from pcr_sglang.config import PCRConfig
+    from pcr_sglang.reuse.scratch import reserve_from_kv_pool, scratch_reserve
+
+    return reserve_from_kv_pool(result, scratch_reserve(PCRConfig.from_server_args(server_args)),
+                                str(getattr(configurator, "device", "")))
 
 
 def _kv_event_block_size(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:

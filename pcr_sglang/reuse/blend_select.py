@@ -188,7 +188,11 @@ class BlendProbe:
         scores = min(SCORE_ELEMENTS, heads * max(n, 1) * keys) * (4 + 4 + 1)
         return int(activations + gathered + scores)
 
-    def _check_budget(self, tokens: int, prefix: int, question: int) -> None:
+    def check_budget(self, tokens: int, prefix: int, question: int = 0) -> None:
+        """:class:`ProbeBudgetError` if a selection over ``tokens`` probed tokens after
+        ``prefix`` cached ones (and ``question`` question tokens) could need more scratch
+        than ``scratch_bytes``: the admission asks before it copies anything, and
+        :meth:`select` again before it runs."""
         if self.scratch_bytes is None:
             return
         need = self.scratch_estimate(tokens, prefix, question)
@@ -221,7 +225,7 @@ class BlendProbe:
         ``gap_offsets``: tokens with no cached KV (the forward computes them in place),
         which the question cannot see above layer 1 before then. A selection that would
         need more than ``scratch_bytes`` raises :class:`ProbeBudgetError` first."""
-        self._check_budget(int(token_ids.shape[0]), int(prefix_slots.shape[0]),
+        self.check_budget(int(token_ids.shape[0]), int(prefix_slots.shape[0]),
                            int(question_ids.shape[0]) if question_ids is not None else 0)
         first = self.layer1(token_ids, positions, prefix_slots, reused_slots)
         exact = [ExactKv(1, candidates, first.k1[candidates], first.v1[candidates])]

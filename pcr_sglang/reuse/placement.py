@@ -44,7 +44,8 @@ from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.keys import ChainKeyer
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.req import PcrReq, request_tenant
-from pcr_sglang.reuse.blend_select import BlendProbe
+from pcr_sglang.reuse import rows as permuted_rows
+from pcr_sglang.reuse.blend_select import BlendProbe, ProbeBudgetError
 from pcr_sglang.reuse.bounds import (
     RECOMPUTE_MODES,
     DocBoundsError,
@@ -74,6 +75,11 @@ class DocReuseStats:
     tokens_recomputed: int = 0  # re-placed tokens recomputed instead (lego, blend)
     gap_tokens: int = 0  # tokens between reused documents with no cached KV, computed in place
     load_failures: int = 0  # planned but not loadable at admission (recomputed)
+    # Recomputed at admission, before anything was copied, because serving the reuse could
+    # need more scratch than reserved: blend's probe (--pcr-blend-probe-mb) or the
+    # permuted row's position mask (--pcr-position-mask-mb).
+    probe_over_budget: int = 0
+    mask_over_budget: int = 0
     malformed: int = 0  # bounds the scheduler could not use (the HTTP server checks them first)
 
 
@@ -100,7 +106,8 @@ class DocReuse:
                  keyer: ChainKeyer,
                  free_slots: Callable[[torch.Tensor], None], probe: Optional[BlendProbe] = None,
                  fill_gaps: bool = False, engine: Optional[TransferEngine] = None,
-                 limits: Optional[DocLimits] = None, forward_stream: Any = None):
+                 limits: Optional[DocLimits] = None, forward_stream: Any = None,
+                 mask_bytes: Optional[int] = None):
         self.state = state
         self.server = recompute
         self.mode = recompute.mode
@@ -126,7 +133,11 @@ class DocReuse:
         # SGLang's forward stream (CUDA): without an engine, a copy is ordered after the
         # forward in flight by a GPU-side wait on it (``fence_after_forward``).
         self.forward_stream = forward_stream
+        # The most bytes a permuted row's own position mask may take (--pcr-position-mask-mb;
+        # None: unbounded).
+        self.mask_bytes = mask_bytes
         self.stats = DocReuseStats()
+        self._warned_budget = False
         self._requests: dict[str, _Planned] = {}
         self._warned_malformed = False
 
@@ -240,6 +251,13 @@ class DocReuse:
             return False
         entry.row = None  # laid out again below, for this plan
         plan = entry.plan
+        refusal = self._over_budget(req, plan)
+        if refusal is not None:  # before anything is loaded, allocated or run
+            log = logger.info if self._warned_budget else logger.warning
+            self._warned_budget = True
+            log("PCR document reuse: request %s's documents are recomputed: %s", req.rid, refusal)
+            entry.plan = None
+            return False
         chains = [entry.chains[doc] for doc in dict.fromkeys(s.doc for s in plan.segments)]
         ends = [nodes[-1] for nodes in chains]
         for node in ends:
@@ -278,6 +296,28 @@ class DocReuse:
             self.state.match(iter(entry.chain_keys[doc]))
         entry.slots = slots
         return True
+
+    def _over_budget(self, req: PcrReq, plan: ReusePlan) -> Optional[str]:
+        """Why serving ``plan`` could need more scratch than reserved (None: it fits): a
+        permuted row's own position mask over ``mask_bytes`` (:func:`rows.row_mask_bound`),
+        or blend's probe over its budget (:meth:`BlendProbe.check_budget`). Counted."""
+        if not (plan.recompute_count or plan.gaps):
+            return None  # an in-order row: no position mask, no probe
+        total = len(req.origin_input_ids) + len(getattr(req, "output_ids", None) or ())
+        need = permuted_rows.row_mask_bound(plan.start + plan.prefix_tokens, total)
+        if self.mask_bytes is not None and need > self.mask_bytes:
+            self.stats.mask_over_budget += 1
+            return (f"its position mask could need {need / 2**20:.0f} MiB, over --pcr-position-mask-mb "
+                    f"{self.mask_bytes / 2**20:.0f}")
+        if plan.recompute_count and not plan.recompute and self.probe is not None:
+            selector = _effective_selector(req, plan)
+            question = max(_question_end(req, plan) - plan.end, 0) if selector in QUESTION_SELECTORS else 0
+            try:
+                self.probe.check_budget(plan.tokens, plan.start, question)
+            except ProbeBudgetError as e:
+                self.stats.probe_over_budget += 1
+                return str(e)
+        return None
 
     def _keep_unrecomputed(self, req: PcrReq, entry: _Planned, prefix_node: ChunkNode,
                            slots: torch.Tensor) -> torch.Tensor:
@@ -489,9 +529,8 @@ def _effective_selector(req: PcrReq, plan: ReusePlan) -> str:
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``: on CUDA through pinned memory, non-blocking (a
-    pageable copy would make the scheduler thread wait for the stream, i.e. for the
-    forward in flight); PyTorch keeps the pinned block until the copy has run."""
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    """A host integer tensor on ``device``: on CUDA through the pinned ring allocated once
+    (:func:`rows.to_device`), non-blocking: a pageable copy would make the scheduler thread
+    wait for the stream, i.e. for the forward in flight, and a ``pin_memory()`` per
+    admission allocates pinned memory in the scheduler step."""
+    return permuted_rows.to_device(host, device).view(host.shape)

@@ -55,6 +55,8 @@ class ForwardRows:
     # GPU each): none in the configurations PCR serves (SGLang sets the companions on
     # every extend but speculative decoding's, which PCR refuses); counted to show it.
     host_waits: int = 0
+    # The largest position mask a forward built (bytes; see :func:`position_mask_bytes`).
+    mask_bytes_peak: int = 0
 
     def host_lengths(self, batch_size: int) -> Optional[tuple[list[int], list[int], list[int]]]:
         """The forward's prefix, extend and sequence lengths on the host, if published
@@ -193,6 +195,19 @@ def apply_row_positions(forward_batch: Any, batch: Any, current: ForwardRows = C
     current.prefix_lens, current.extend_lens = prefix_lens, extend_lens
 
 
+def position_mask_bytes(prefix_lens: list[int], extend_lens: list[int]) -> int:
+    """Bytes of the Triton position mask over a batch: one per query and key of each
+    request's extend (a bool per key ``[0, prefix + extend)``)."""
+    return sum(e * (p + e) for p, e in zip(prefix_lens, extend_lens))
+
+
+def row_mask_bound(cached: int, total: int) -> int:
+    """The most bytes a request's own part of the position mask can take in any forward:
+    its extend (``[cached, total)``, at most whole: chunked prefill only makes it smaller)
+    over keys ``[0, total)``. Known at admission, before anything is placed."""
+    return max(total - cached, 0) * total
+
+
 def _slot_positions(rows: dict[int, torch.Tensor], i: int, seq_len: int, device: torch.device) -> torch.Tensor:
     positions = rows.get(i)
     if positions is None:
@@ -285,6 +300,8 @@ def set_triton_position_mask(backend: Any, forward_batch: Any, rows: dict[int, t
     else:
         seq_lens = _cpu_list(forward_batch, "seq_lens", current=current)
         prefix_lens = _cpu_list(forward_batch, "extend_prefix_lens", current=current)
+    current.mask_bytes_peak = max(current.mask_bytes_peak,
+                                  position_mask_bytes(prefix_lens, [s - p for s, p in zip(seq_lens, prefix_lens)]))
     mask, indptr = triton_position_mask(rows, seq_lens, prefix_lens, forward_batch.seq_lens.device)
     metadata.custom_mask = mask
     metadata.mask_indptr = indptr

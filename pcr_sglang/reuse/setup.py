@@ -174,7 +174,8 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
     docs = DocReuse(state, reuse_settings.recompute(config), config.chunk_size, pad, spec, kv_layers, allocator,
                     scheduler.keyer, scheduler.executor.free_private, probe=probe, fill_gaps=fill_gaps,
                     engine=scheduler.engine, limits=reuse_settings.limits(config),
-                    forward_stream=forward_stream if kv_layers[0][0].is_cuda else None)
+                    forward_stream=forward_stream if kv_layers[0][0].is_cuda else None,
+                    mask_bytes=config.position_mask_mb << 20 if fill_gaps else None)
     docs.calibration = with_gate(calibration, docs.server.gate)
     docs.conditions = conditions
     return docs

@@ -72,6 +72,8 @@ METRICS = (
            "position (tokens_rotated), re-placed tokens recomputed instead (tokens_recomputed: "
            "lego, blend), tokens between reused documents with no cached KV, computed in place "
            "(gap_tokens), planned reuse not loadable at admission (load_failures), "
+           "requests recomputed at admission because blend's probe or the permuted row's position mask "
+           "could need more than reserved (probe_over_budget, mask_over_budget), "
            "bounds the scheduler could not use (malformed).", "kind"),
     Metric("doc_reuse_calibration_overrides",
            "Marked requests served outside the --pcr-doc-reuse-calibration file because of "
