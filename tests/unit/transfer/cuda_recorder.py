@@ -108,25 +108,54 @@ class RecordingCuda:
 
 
 _HOST_READS = {"tolist", "item", "cpu", "numpy", "pin_memory", "__bool__", "__int__", "__index__"}
+# Calls that make a new tensor (memory from the caching allocator on a GPU).
+_ALLOCATIONS = {"empty", "zeros", "ones", "full", "tensor", "arange", "cat", "stack", "empty_like", "zeros_like",
+                "ones_like", "full_like", "clone", "new_empty", "new_zeros", "new_full", "new_tensor"}
+
+
+def _moves_to_a_device(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a ``to`` call names a device (``to(device)``, ``to("cuda")``, ``to(device=...)``):
+    PCR's code calls it so only to move host values to the GPU."""
+    return "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:2])
 
 
 class HostTraffic(TorchFunctionMode):
     """Records, while active, every tensor method that would wait for the GPU or allocate
-    pinned memory (``_HOST_READS``) and every ``copy_``/``to`` with its ``non_blocking``
-    flag and whether its source is ``recorder``'s pinned memory."""
+    pinned memory (``_HOST_READS``; also a factory call with ``pin_memory=True``), every
+    ``copy_`` with its ``non_blocking`` flag and whether its source is ``recorder``'s pinned
+    memory, every upload (a ``to``/``cuda`` naming a device, a ``copy_`` into memory that is
+    not pinned) with the same two facts, and every tensor made (``_ALLOCATIONS``) by the
+    current :attr:`phase`. On a GPU an upload from memory that is not pinned is a pageable
+    copy, which PyTorch makes synchronous whatever ``non_blocking`` says."""
 
     def __init__(self, recorder: RecordingCuda):
         super().__init__()
         self.recorder = recorder
         self.host_reads: list[str] = []
         self.copies: list[tuple[str, bool, bool]] = []  # (method, non_blocking, from pinned)
+        self.uploads: list[tuple[str, bool, bool]] = []  # (method, non_blocking, from pinned)
+        self.phase = ""  # set by a test around a part of the step, e.g. "layers"
+        self.allocations: list[tuple[str, str]] = []  # (phase, function)
+
+    @property
+    def pageable_uploads(self) -> list[tuple[str, bool, bool]]:
+        return [upload for upload in self.uploads if not upload[2]]
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in _HOST_READS:
-            self.host_reads.append(name)
+        if name in _HOST_READS or kwargs.get("pin_memory"):
+            self.host_reads.append(name if name in _HOST_READS else "pin_memory")
         elif name == "copy_" and len(args) >= 2:
-            self.copies.append(("copy_", bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False)),
-                                self.recorder.is_pinned_memory(args[1])))
+            non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+            pinned = self.recorder.is_pinned_memory(args[1])
+            self.copies.append(("copy_", non_blocking, pinned))
+            if not self.recorder.is_pinned_memory(args[0]):  # into the device (not into the staging ring)
+                self.uploads.append(("copy_", non_blocking, pinned))
+        elif name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor) \
+                and (name == "cuda" or _moves_to_a_device(args, kwargs)):
+            self.uploads.append((name, bool(kwargs.get("non_blocking", False)),
+                                 self.recorder.is_pinned_memory(args[0])))
+        if name in _ALLOCATIONS:
+            self.allocations.append((self.phase, name))
         return func(*args, **kwargs)
