@@ -251,15 +251,18 @@ def triton_position_mask(rows: dict[int, torch.Tensor], seq_lens: list[int], pre
     row-major, keys in row order: prefix then extend) and its ``mask_indptr``, for a
     position-causal mask over every request of the batch (pass
     ``skip_prefix_custom_mask=False`` so the prefix part is masked too)."""
-    masks = []
-    sizes = [0]
+    offsets = [0]
+    for seq_len, prefix in zip(seq_lens, prefix_lens):
+        offsets.append(offsets[-1] + (seq_len - prefix) * seq_len)
+    # One allocation of exactly the mask's bytes (position_mask_bytes), each request's part
+    # written in place: no per-request masks and no concatenation, which would double it.
+    mask = torch.empty(offsets[-1], dtype=torch.bool, device=device)
     for i, (seq_len, prefix) in enumerate(zip(seq_lens, prefix_lens)):
         positions = _slot_positions(rows, i, seq_len, device)
-        mask = positions.unsqueeze(0) <= positions[prefix:seq_len].unsqueeze(1)
-        masks.append(mask.reshape(-1))
-        sizes.append(mask.numel())
-    indptr = to_device(torch.cumsum(torch.tensor(sizes, dtype=torch.int64), dim=0), device)
-    return torch.cat(masks).to(device), indptr
+        torch.le(positions.unsqueeze(0), positions[prefix:seq_len].unsqueeze(1),
+                 out=mask[offsets[i]: offsets[i + 1]].view(seq_len - prefix, seq_len))
+    indptr = to_device(torch.tensor(offsets, dtype=torch.int64), device)
+    return mask, indptr
 
 
 @functools.lru_cache(maxsize=8)

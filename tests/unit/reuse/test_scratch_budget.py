@@ -156,3 +156,18 @@ def test_the_plugin_takes_the_reserve_where_sglang_sizes_its_kv_pool(monkeypatch
                        ([], 1 << 30)):  # not a PCR server
         monkeypatch.setattr(runtime_context, "get_server_args", lambda a=argv: prepare_server_args(base + a))
         assert plugin._reserve_doc_scratch(1 << 30, cuda, 0) == left, argv
+
+
+def test_a_batchs_position_mask_is_one_tensor_of_exactly_its_bytes():
+    """The mask is written in place into one tensor of ``position_mask_bytes``: no
+    per-request masks concatenated afterwards (which would take twice the bytes)."""
+    from tests.unit.transfer.cuda_recorder import HostTraffic, RecordingCuda
+
+    order = torch.tensor([0, 1, 5, 4, 3, 2, 6, 7])
+    traffic = HostTraffic(RecordingCuda())
+    with traffic:
+        mask, indptr = permuted_rows.triton_position_mask({1: order}, [7, 8], [4, 2], torch.device("cpu"))
+    assert mask.dtype == torch.bool and mask.numel() == permuted_rows.position_mask_bytes([4, 2], [3, 6])
+    assert [name for _, name in traffic.allocations if name in ("cat", "stack")] == []
+    assert indptr.tolist() == [0, 3 * 7, 3 * 7 + 6 * 8]
+    assert mask[21:].view(6, 8)[0].tolist() == [True, True, True, True, True, True, False, False]  # position 5
