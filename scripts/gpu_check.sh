@@ -19,6 +19,12 @@
 #                     where SGLang is not installed (the kernel is SGLang's)
 #   ordering          tests/gpu/gpu_ordering_check.py: the transfer engine's CUDA branch
 #                     (CudaStreams, deliberately slow copies) against the CPU ordering model
+#   step              tests/gpu/gpu_step_check.py: a step with 4 host hits, 16 re-placed documents,
+#                     2 offloads and permuted rows (SGLang's *_cpu lengths unset) makes no
+#                     synchronizing call (sync debug mode "error"), no upload from pageable memory,
+#                     no allocation in the layer hooks past layer 0, compiles no kernel after the
+#                     warm-up; blend's probe peak memory within its estimate (--pcr-blend-probe-mb),
+#                     the position mask's within its bytes (--pcr-position-mask-mb)
 #   transfer          tests/gpu/gpu_transfer_check.py: copy bandwidth, exposed transfer time,
 #                     the document re-placement
 #   retrieval         tests/gpu/gpu_retrieval_check.py: the GPU fast tier of look-ahead retrieval
@@ -34,7 +40,7 @@ OUTDIR=""
 for arg in "$@"; do
     case "$arg" in
         --cpu-dry-run) DRY_RUN=1 ;;
-        -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "gpu_check: unknown option $arg" >&2; exit 2 ;;
         *) OUTDIR=$arg ;;
     esac
@@ -144,6 +150,7 @@ if [[ $DRY_RUN == 1 ]]; then
     step kernels-rope 600 "${PYTEST[@]}" tests/kernels/test_rope_shift_triton.py
     step kernels-mask 300 "${PYTEST[@]}" tests/kernels/test_position_mask_triton.py
     step ordering 300 "$PYTHON" tests/gpu/gpu_ordering_check.py
+    step step 300 "$PYTHON" tests/gpu/gpu_step_check.py
     step transfer 300 "$PYTHON" tests/gpu/gpu_transfer_check.py --prefix 256 --new 64 --doc 64 --bw-chunks 8 --repeats 1
     step retrieval 300 "$PYTHON" tests/gpu/gpu_retrieval_check.py --vectors 5000 --queries 10 --steps 5 --copy-gb 0.01 \
         --json "$OUTDIR/retrieval.json"
@@ -153,6 +160,7 @@ else
     step kernels-rope 90 "${PYTEST[@]}" tests/kernels/test_rope_shift_triton.py
     step kernels-mask 60 "${PYTEST[@]}" tests/kernels/test_position_mask_triton.py
     step ordering 90 "$PYTHON" tests/gpu/gpu_ordering_check.py
+    step step 90 "$PYTHON" tests/gpu/gpu_step_check.py
     step transfer 150 "$PYTHON" tests/gpu/gpu_transfer_check.py --layers 32 --prefix 4096 --new 1024 --doc 1024 --repeats 10
     step retrieval 180 "$PYTHON" tests/gpu/gpu_retrieval_check.py --vectors 500000 --nlist 1024 --copy-gb 1 \
         --json "$OUTDIR/retrieval.json"

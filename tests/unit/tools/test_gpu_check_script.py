@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 CHECK = ROOT / "scripts" / "gpu_check.sh"
 WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
-STEPS = ["kernels-copy", "kernels-rope", "kernels-mask", "ordering", "transfer", "retrieval"]
+STEPS = ["kernels-copy", "kernels-rope", "kernels-mask", "ordering", "step", "transfer", "retrieval"]
 # Absent on the GPU machine and not carried as wheels (faiss-cpu and msgspec are: gpu_wheels.sh).
 BLOCKED = ["sglang", "sgl_kernel", "blake3", "cryptography", "zmq"]
 
