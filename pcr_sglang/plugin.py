@@ -305,7 +305,7 @@ def _on_scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
 
 def _add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     cache = _pcr_cache(adder)
-    if cache is not None and not cache.scheduler.admit_now(req):
+    if cache is not None and not cache.scheduler.admission.admit_now(req):
         return adder.budget_state()  # not admitted this pass; the adder goes on to the next request
     return original(adder, req, *args, **kwargs)
 
@@ -314,7 +314,7 @@ def _preempt_to_schedule(original: Callable[..., Any], adder: Any, req: Any, *ar
     """Priority preemption retracts running requests to make room for ``req``: not for a
     request that would then wait for its SSD reads (its hold is asked first)."""
     cache = _pcr_cache(adder)
-    if cache is not None and not cache.scheduler.admit_now(req):
+    if cache is not None and not cache.scheduler.admission.admit_now(req):
         return False
     return original(adder, req, *args, **kwargs)
 

@@ -37,11 +37,13 @@ from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.remote_probes import NoRemoteProbes, RemoteProbes
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
 from pcr_sglang.sglang_adapter.requests import RequestRegistry, RequestState
+from pcr_sglang.sglang_adapter.step_agreement import StepAgreement
 
 
 class Admission:
     def __init__(self, state: CacheState, executor: EffectsExecutor, keys: RequestKeys, requests: RequestRegistry,
-                 hints: HintBook, probes: RemoteProbes | NoRemoteProbes, *, tensor_parallel: bool):
+                 hints: HintBook, probes: RemoteProbes | NoRemoteProbes, agreement: StepAgreement, *,
+                 tensor_parallel: bool):
         self.state = state
         self.executor = executor
         self.allocator = executor.allocator
@@ -51,21 +53,23 @@ class Admission:
         self.requests = requests
         self.hints = hints
         self.probes = probes
+        self.agreement = agreement  # read only: whether the TP ranks stopped the SSD tier
         self.docs: SchedulerDocReuse = NoDocReuse()  # DocReuse, with --pcr-doc-reuse
         self.tensor_parallel = tensor_parallel
         self.digest = 0  # of (rid, prefix length) of every admitted request (compared across TP ranks)
         self.last_load_private = False  # the last load_back gave the request private slots
 
     # ------------------------------------------------------------------ the gate
-    def admit_now(self, req: PcrReq, io_stopped: bool) -> bool:
-        """A waiting request is a candidate for admission: False holds it back this pass
-        (its SSD chunks are being read). The same answer on every rank. ``io_stopped``:
-        the TP ranks found their I/O inconsistent, so nothing read is applied any more.
+    def admit_now(self, req: PcrReq) -> bool:
+        """``PrefillAdder.add_one_req`` (and ``preempt_to_schedule``): a waiting request is a
+        candidate for admission: False holds it back this pass (its SSD chunks are being
+        read). The same answer on every rank. Once the TP ranks found their I/O
+        inconsistent (``agreement.broken``), nothing read is applied any more: no request waits.
         The verdicts are core's (:mod:`pcr_sglang.core.admission`); this gathers their facts."""
         entry = self.requests.peek(req.rid)
         held_chain = entry.held_chain if entry is not None else []
         gate = at_gate(entry.phase if entry is not None else AdmissionPhase.NEW,
-                       tier_on=self.state.ssd_enabled and not io_stopped,
+                       tier_on=self.state.ssd_enabled and self.agreement.broken is None,
                        still_reading=lambda: any(self.state.reading(n) for n in held_chain))
         if entry is not None:
             entry.phase = gate.phase

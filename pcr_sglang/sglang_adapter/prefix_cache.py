@@ -118,8 +118,9 @@ class PCRPrefixCache(BasePrefixCache):
             docs = scheduler.doc_status  # None without document reuse
             gate = docs.server.gate if docs is not None else None  # --pcr-doc-reuse-calibration
             self.metrics.sync(self.state, docs.stats if docs is not None else None, scheduler.hints.stats,
-                              scheduler.remote_stats if scheduler.remote else None,
-                              scheduler.io.remote_status if scheduler.remote and scheduler.io is not None else None,
+                              scheduler.probes.stats if scheduler.probes.enabled else None,
+                              scheduler.io.remote_status if scheduler.probes.enabled and scheduler.io is not None
+                              else None,
                               calibration_overrides=gate.overrides if gate is not None else None)
 
     def supports_fast_match_prefix(self) -> bool:
@@ -169,12 +170,12 @@ class PCRPrefixCache(BasePrefixCache):
 
     def init_load_back(self, params: InitLoadBackParams) -> Optional[tuple[int, Any]]:
         """Admission: copy the host hit to the device (all of it, or none: then 0)."""
-        return self.scheduler.load_back(params.req, params.best_match_node, params.host_hit_length)
+        return self.scheduler.admission.load_back(params.req, params.best_match_node, params.host_hit_length)
 
     def load_back_is_cache_owned(self) -> bool:
         """Asked right after :meth:`init_load_back`: a host hit is the tree's, but reused
         documents' slots are the request's (the load set ``cache_protected_len`` itself)."""
-        return not self.scheduler.last_load_private
+        return not self.scheduler.admission.last_load_private
 
     def path_device_indices(self, node: ChunkNode) -> torch.Tensor:
         values = [n.device_value for n in node.path_from_root()]
@@ -280,7 +281,7 @@ class PCRPrefixCache(BasePrefixCache):
         if params.num_tokens <= 0:
             return EvictResult()
         start = time.perf_counter()
-        evicted = self.scheduler.evict(params.num_tokens)
+        evicted = self.scheduler.executor.evict(params.num_tokens)
         self.update_eviction_metrics(evicted, start)
         return EvictResult(num_tokens_evicted=evicted)
 

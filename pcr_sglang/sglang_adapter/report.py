@@ -63,13 +63,13 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
         # Cumulative histograms (bucket edges: pcr_sglang.sglang_adapter.step_timing).
         "scheduler_step": {"pcr": scheduler.step_time.report(), "iteration": scheduler.iteration_time.report()},
         "tp": {"size": scheduler.tp.size if scheduler.tp is not None else 1,
-               "agreement_rounds": scheduler.agreement_rounds, "inconsistent": scheduler.broken,
+               "agreement_rounds": scheduler.agreement.rounds, "inconsistent": scheduler.agreement.broken,
                # Rounds in which the ranks' digests of admitted prefix lengths differed.
-               "prefix_digest_mismatches": scheduler.digest_mismatches},
+               "prefix_digest_mismatches": scheduler.agreement.digest_mismatches},
         "ssd": _ssd_report(cache) if state.ssd_enabled else None,
         "hints": {"live": len(scheduler.hints), "counters": asdict(scheduler.hints.stats),
                   "capabilities": list(HINT_CAPABILITIES)},
-        "remote": remote_report(scheduler) if scheduler.remote else None,
+        "remote": remote_report(scheduler) if scheduler.probes.enabled else None,
         "kv_events": cache.kv_events.report() if cache.kv_events is not None else None,
         "doc_reuse": _doc_reuse_report(scheduler.doc_status) if scheduler.doc_status is not None else None,
         "invariants": {"checked": check_invariants, "ok": (invariant_error is None) if check_invariants else None,
@@ -93,7 +93,7 @@ def _ssd_report(cache: Any) -> dict[str, Any]:
         "chunks": state.tree.ssd_chunks,
         "writes_in_flight": state.writes_in_flight,
         "reads_in_flight": state.reads_in_flight,
-        "deferred_orders": scheduler.deferred_orders,
+        "deferred_orders": len(scheduler.executor.deferred),
         "writes_enabled": state.writes_enabled,
         # "on", or "writes_off" with the reason (the sglang:pcr_ssd_tier_up gauge is 0 then).
         "tier": ssd_tier(cache),
@@ -120,8 +120,8 @@ def ssd_tier(cache: Any) -> dict[str, Any]:
     kept = getattr(cache, "ssd_namespaces", None)
     if kept is not None and kept.writes_off_reason:
         reason = kept.writes_off_reason
-    elif scheduler.broken:
-        reason = f"the TP ranks disagreed: {scheduler.broken}"
+    elif scheduler.agreement.broken:
+        reason = f"the TP ranks disagreed: {scheduler.agreement.broken}"
     elif state.ssd_stats.write_errors:
         reason = "a write failed (on this or another TP rank)"
     else:
@@ -135,13 +135,13 @@ def remote_report(scheduler: Any) -> dict[str, Any]:
     if scheduler.io is not None:
         scheduler.io.take_replies()  # an idle scheduler runs no step that would
     status = scheduler.io.remote_status if scheduler.io is not None else None
-    probes = asdict(scheduler.remote_stats)
+    probes = asdict(scheduler.probes.stats)
     answered = probes["answered"]
     return {
         "backend": scheduler.config.remote,
         "healthy": status.healthy if status is not None else None,
         "error": status.error if status is not None else "no report from the I/O process yet",
-        "probes": {**probes, "in_flight": scheduler.probes_in_flight,
+        "probes": {**probes, "in_flight": scheduler.probes.in_flight,
                    "mean_seconds": probes["seconds_total"] / answered if answered else None},
         "store": dict(status.counters) if status is not None else None,
     }

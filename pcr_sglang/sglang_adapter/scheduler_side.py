@@ -45,7 +45,7 @@ from pcr_sglang.sglang_adapter.admission import Admission, up_to_first_remote_on
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.hints import KvHints
 from pcr_sglang.sglang_adapter.offloads import Offloads
-from pcr_sglang.sglang_adapter.remote_probes import NoRemoteProbes, RemoteProbes, RemoteProbeStats
+from pcr_sglang.sglang_adapter.remote_probes import NoRemoteProbes, RemoteProbes
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
 from pcr_sglang.sglang_adapter.requests import RequestRegistry
 from pcr_sglang.sglang_adapter.step_agreement import StepAgreement
@@ -89,9 +89,9 @@ class SchedulerSide:
         promote = config.hint_to_device == "on" or (config.hint_to_device == "auto" and on_gpu)
         self.kv_hints = KvHints(state, self.hints, self.keys, self.executor, tp, promote=promote,
                                 free_floor_tokens=int(HINT_TO_DEVICE_FREE_SHARE * getattr(allocator, "size", 0)))
-        self.admission = Admission(state, self.executor, self.keys, self.requests, self.hints, self.probes,
-                                   tensor_parallel=tp is not None)
         self.agreement = StepAgreement(state, self.executor, io, tp, self.requests, self.kv_hints)
+        self.admission = Admission(state, self.executor, self.keys, self.requests, self.hints, self.probes,
+                                   self.agreement, tensor_parallel=tp is not None)
         self._docs: DocReuseSeam = NoDocReuse()
         self.doc_status: Optional[DocReuseStatus] = None  # what is reported of document reuse, where it is on
         self.step_time = StepHistogram()  # PCR's own work per scheduler step
@@ -166,19 +166,9 @@ class SchedulerSide:
             if hinted and self.kv_hints.promote:
                 self.kv_hints.promote_hinted()
 
-    # ------------------------------------------------------------------ SGLang's calls, to collaborators
-    def admit_now(self, req: PcrReq) -> bool:
-        """``PrefillAdder.add_one_req``: False holds ``req`` back this pass (:class:`Admission`)."""
-        return self.admission.admit_now(req, io_stopped=self.agreement.broken is not None)
-
-    def load_back(self, req: PcrReq, host_node: ChunkNode, host_hit_length: int) -> tuple[int, Any]:
-        """``init_load_back`` (:meth:`Admission.load_back`)."""
-        return self.admission.load_back(req, host_node, host_hit_length)
-
-    @property
-    def last_load_private(self) -> bool:
-        return self.admission.last_load_private
-
+    # ------------------------------------------------------------------ SGLang's calls that span collaborators
+    # (a call that belongs to one collaborator goes to it: ``admission.admit_now`` and
+    # ``load_back``, ``executor.evict``; /server_info reads ``agreement`` and ``probes``)
     def admitted(self, req: PcrReq) -> None:
         """``req``'s first extend was prepared: count its hits once (:meth:`Admission.admitted`)."""
         self.admission.admitted(req)
@@ -228,40 +218,6 @@ class SchedulerSide:
             self.state.abandon_reads(entry.held_chain)
         for slot in entry.offload_slots.values():
             self.state.release_reserved(slot)
-
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` device tokens from the tree (LRU, look-ahead last)."""
-        return self.executor.evict(num_tokens)
-
-    # ------------------------------------------------------------------ what /server_info reports
-    @property
-    def remote(self) -> bool:
-        """A remote tier is configured (``--pcr-remote``) and reachable through the I/O process."""
-        return self.probes.enabled
-
-    @property
-    def probes_in_flight(self) -> int:
-        return self.probes.in_flight
-
-    @property
-    def remote_stats(self) -> RemoteProbeStats:
-        return self.probes.stats
-
-    @property
-    def deferred_orders(self) -> int:
-        return len(self.executor.deferred)
-
-    @property
-    def broken(self) -> Optional[str]:
-        return self.agreement.broken
-
-    @property
-    def agreement_rounds(self) -> int:
-        return self.agreement.rounds
-
-    @property
-    def digest_mismatches(self) -> int:
-        return self.agreement.digest_mismatches
 
     # ------------------------------------------------------------------ flush, rekey, close
     def reset(self, keep_persisted: bool = True) -> None:

@@ -175,7 +175,7 @@ class Harness:
         import time
 
         deadline = time.monotonic() + timeout_s
-        while self.state.outstanding() or self.scheduler.deferred_orders:
+        while self.state.outstanding() or self.scheduler.executor.deferred:
             assert time.monotonic() < deadline, "I/O did not finish"
             self.step(waiting)
             time.sleep(0.01)

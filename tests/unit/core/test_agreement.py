@@ -124,7 +124,7 @@ def read_first_prompt(h, prefill_tokens_per_second=None):
     held = []
     while True:
         h.step([req])
-        held.append(not h.scheduler.admit_now(req))
+        held.append(not h.scheduler.admission.admit_now(req))
         if not held[-1]:
             break
         time.sleep(0.01)
@@ -132,7 +132,7 @@ def read_first_prompt(h, prefill_tokens_per_second=None):
     finished_here = len(h.scheduler.executor.finished)  # this rank's completions not yet agreed
     admitted = h.admit(req)
     h.check()
-    return held, admitted, finished_here, h.state.ssd_stats.read_failures, h.scheduler.agreement_rounds
+    return held, admitted, finished_here, h.state.ssd_stats.read_failures, h.scheduler.agreement.rounds
 
 
 # (rank 1's delay per read, prefill tokens/s: 12 tokens to recompute take 12 s or 1 ms)
@@ -215,7 +215,7 @@ def test_a_kv_hint_lives_by_the_clock_the_ranks_agree_on(tmp_path):
             h.drain_io()
             live, issued = len(h.scheduler.hints), h.state.ssd_stats.hint_issued
             req = h.request(tokens + [0], "final")
-            assert h.scheduler.admit_now(req)
+            assert h.scheduler.admission.admit_now(req)
             admitted = h.admit(req)
             h.scheduler.admitted(req)
             h.step()
@@ -225,7 +225,8 @@ def test_a_kv_hint_lives_by_the_clock_the_ranks_agree_on(tmp_path):
             clock[0] += 6.0
             h.step()
             return (registered, live, issued, admitted, h.state.ssd_stats.hint_in_time, len(h.scheduler.hints),
-                    h.scheduler.hints.stats.expired, h.scheduler.broken, h.scheduler.digest_mismatches)
+                    h.scheduler.hints.stats.expired, h.scheduler.agreement.broken,
+                    h.scheduler.agreement.digest_mismatches)
         finally:
             h.close()
 

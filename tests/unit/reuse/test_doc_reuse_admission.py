@@ -74,7 +74,7 @@ def test_a_marked_requests_canonical_keys_are_hashed_once_with_the_leading_token
     prefix_cache_own = count.calls - before  # what SGLang's match hashes of any prompt
     before = count.calls
     h.match(tokens, req)  # plans the documents' reuse: their keys are the request's already
-    h.scheduler.admit_now(req)
+    h.scheduler.admission.admit_now(req)
     assert count.calls - before == prefix_cache_own
     h.check()
 

@@ -409,7 +409,7 @@ def test_the_null_collaborator_answers_every_question_document_reuse_answers():
 
     from pcr_sglang.reuse.disabled import NoDocReuse
     from pcr_sglang.reuse.placement import DocReuse
-    from pcr_sglang.reuse.seam import DocReuseSeam, DocReuseRows, SchedulerDocReuse
+    from pcr_sglang.reuse.seam import DocReuseRows, DocReuseSeam, SchedulerDocReuse
 
     names = sorted(n for n in vars(NoDocReuse) if not n.startswith("_"))
     seam = sorted({n for face in (SchedulerDocReuse, DocReuseRows) for n in vars(face) if not n.startswith("_")})

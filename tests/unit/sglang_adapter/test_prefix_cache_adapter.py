@@ -230,7 +230,7 @@ def read_through_hold(h: Harness, tokens: list[int], rid: str = "r"):
     """A request whose chunks are on SSD is held in the queue until its reads land, then admitted."""
     req = h.request(tokens, rid)
     passes = 0
-    while not h.scheduler.admit_now(req):
+    while not h.scheduler.admission.admit_now(req):
         passes += 1
         assert passes < 3000, "the request was never released"
         time.sleep(0.005)
@@ -252,7 +252,7 @@ def test_chunks_come_back_from_ssd_and_survive_a_restart(make, tmp_path, ssd_wri
         h.cache.evict(EvictParams(num_tokens=10**6))
         # Reading the first prompt back needs host slots: eviction picks the second's
         # chunks, which are written first, so this first try finds no slot.
-        assert h.scheduler.admit_now(h.request(prompts[0] + [0], "first-try"))
+        assert h.scheduler.admission.admit_now(h.request(prompts[0] + [0], "first-try"))
         assert h.state.writes_in_flight == 3 and h.state.reads_in_flight == 0
         h.drain_io()
     assert h.state.tree.ssd_chunks >= 3 and h.state.tree.host_chunks <= 3
@@ -297,7 +297,7 @@ def test_a_hinted_chain_read_from_ssd_goes_on_into_free_device_slots(make, tmp_p
     h.step()  # orders the hinted reads
     h.drain_io()  # applies them as they land (and promotes, in the same step)
     req = h.request(tokens + [0], "final")
-    assert h.scheduler.admit_now(req)  # nothing left to wait for
+    assert h.scheduler.admission.admit_now(req)  # nothing left to wait for
     device, loaded = h.admit(req)
     h.scheduler.admitted(req)
     assert (device, loaded) == ((12, 0) if to_device == "on" else (0, 12))
@@ -415,7 +415,7 @@ def test_prefetch_brings_waiting_requests_chunks_to_host_memory_in_time(make, tm
     assert h.state.ssd_stats.prefetch_issued == 3
     h.drain_io(waiting)
     assert h.state.match(iter(h.scheduler.keys.own(waiting[0])), touch=False).host == 3
-    assert h.scheduler.admit_now(waiting[0])  # nothing to wait for
+    assert h.scheduler.admission.admit_now(waiting[0])  # nothing to wait for
     assert h.admit(waiting[0]) == (0, 12)
     h.scheduler.admitted(waiting[0])
     assert waiting[0].cached_tokens_storage == 12
@@ -444,7 +444,7 @@ def test_prefetch_fills_at_most_half_the_host_tier(make, tmp_path):
     assert h.state.ssd_stats.prefetch_issued == 3  # half the host tier, earliest request first
     assert h.state.match(iter(h.scheduler.keys.own(waiting[0])), touch=False).host == 3
     assert h.state.ssd_stats.prefetch_unused == 0
-    assert h.scheduler.admit_now(waiting[0]) and h.admit(waiting[0]) == (0, 12)  # used: room for more
+    assert h.scheduler.admission.admit_now(waiting[0]) and h.admit(waiting[0]) == (0, 12)  # used: room for more
     h.step(waiting[1:])
     assert h.state.ssd_stats.prefetch_issued == 6
     h.drain_io(waiting[1:])
@@ -461,11 +461,11 @@ def test_a_request_waits_for_its_reads_in_the_queue_not_in_the_scheduler(make, t
     os.kill(h.scheduler.io.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        assert not h.scheduler.admit_now(req)  # reads ordered together, urgently
+        assert not h.scheduler.admission.admit_now(req)  # reads ordered together, urgently
         entry = h.scheduler.requests.peek(req.rid)
         assert entry.phase is AdmissionPhase.HOLDING and h.state.reads_in_flight == 3
         worst, phases = 0.0, []
-        while not h.scheduler.admit_now(req):
+        while not h.scheduler.admission.admit_now(req):
             t = time.perf_counter()
             h.step([req])
             worst = max(worst, time.perf_counter() - t)
@@ -493,7 +493,7 @@ def test_a_dead_io_process_costs_ssd_hits_until_it_is_restarted(make, tmp_path):
         h.step()
     assert h.state.ssd_stats.io_failures == 1 and not h.state.io_healthy
     req = h.request(prompts[0] + [0])
-    assert h.scheduler.admit_now(req)  # SSD unavailable: not held, recomputes past host memory
+    assert h.scheduler.admission.admit_now(req)  # SSD unavailable: not held, recomputes past host memory
     assert h.admit(req)[1] < 12
     deadline = time.monotonic() + 30
     while not h.scheduler.io.healthy and time.monotonic() < deadline:
@@ -515,7 +515,7 @@ def test_reads_and_writes_of_a_reset_tree_release_their_slots_when_they_complete
     persisted(h, [tokens, prompt(200), prompt(300)])
     os.kill(h.scheduler.io.pid, signal.SIGSTOP)
     try:
-        assert not h.scheduler.admit_now(h.request(tokens + [0]))
+        assert not h.scheduler.admission.admit_now(h.request(tokens + [0]))
         assert h.state.reads_in_flight == 3
         h.cache.reset()  # /flush_cache with reads in flight: their slots stay reserved
         assert h.state.slots.counts()["releasing"] == 3 and h.state.tree.ssd_chunks == 9
@@ -539,13 +539,13 @@ def test_when_the_ranks_disagree_waiting_requests_are_admitted_and_nothing_more_
     req = h.request(tokens + [0])
     os.kill(h.scheduler.io.pid, signal.SIGSTOP)
     try:
-        assert not h.scheduler.admit_now(req)  # held for its reads
+        assert not h.scheduler.admission.admit_now(req)  # held for its reads
         monkeypatch.setattr(step_agreement, "agree",
                             lambda view, reduce_min: Agreed(False, False, consistent=False, error="test"))
         h.step([req])
-        assert h.scheduler.broken == "test" and not h.state.io_healthy
-        assert h.scheduler.admit_now(req)  # admitted now, to recompute
-        assert h.scheduler.admit_now(h.request(prompt(200) + [0], "other"))  # and nobody else waits
+        assert h.scheduler.agreement.broken == "test" and not h.state.io_healthy
+        assert h.scheduler.admission.admit_now(req)  # admitted now, to recompute
+        assert h.scheduler.admission.admit_now(h.request(prompt(200) + [0], "other"))  # and nobody else waits
     finally:
         os.kill(h.scheduler.io.pid, signal.SIGCONT)
 

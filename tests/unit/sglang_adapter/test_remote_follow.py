@@ -54,21 +54,21 @@ def test_nothing_is_written_through_to_the_remote_tier_under_an_in_memory_namesp
     h = make(host_slots=8, ssd_path=tmp_path / "ssd", remote_config=config_json)
     startup = h.cache.store.namespace
     persisted(h, prompt(100))
-    assert h.scheduler.remote and remote_chunks(h, config_json, startup, prompt(100), 3) == 3  # written through
+    assert h.scheduler.probes.enabled and remote_chunks(h, config_json, startup, prompt(100), 3) == 3  # written through
 
     # A session opens: its keys are a nonce's at once, the SSD tier moves at the next flush.
     manager = session_manager(h)
     around_weight_update(weight_updates.SESSION_BEGIN, open_session, manager, SimpleNamespace())
     persisted(h, prompt(300))
     assert remote_chunks(h, config_json, startup, prompt(300), 1) == 0
-    assert not h.scheduler.remote
+    assert not h.scheduler.probes.enabled
 
     # Weights from tensors, with the flush: the tiers move to the update's nonce namespace.
     around_weight_update("update_weights_from_tensor", flushing_update(h.cache), manager, SimpleNamespace())
     assert h.cache.namespace.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
     persisted(h, prompt(500))
     assert remote_chunks(h, config_json, h.cache.store.namespace, prompt(500), 1) == 0
-    assert not h.scheduler.remote and h.scheduler.io.config.remote_config == ""
+    assert not h.scheduler.probes.enabled and h.scheduler.io.config.remote_config == ""
 
     # A checkpoint's weights again (a disk update): the remote tier comes back.
     model = tmp_path / "model"
@@ -78,6 +78,6 @@ def test_nothing_is_written_through_to_the_remote_tier_under_an_in_memory_namesp
     around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h),
                          SimpleNamespace(model_path=str(model)))
     persisted(h, prompt(700))
-    assert h.scheduler.remote
+    assert h.scheduler.probes.enabled
     assert remote_chunks(h, config_json, h.cache.store.namespace, prompt(700), 3) == 3
     h.check()

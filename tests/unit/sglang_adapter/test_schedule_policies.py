@@ -155,7 +155,7 @@ def test_a_request_waiting_for_its_reads_preempts_nobody():
 
     calls = []
     cache = PCRPrefixCache.__new__(PCRPrefixCache)
-    cache.scheduler = SimpleNamespace(admit_now=lambda req: req.rid != "held")
+    cache.scheduler = SimpleNamespace(admission=SimpleNamespace(admit_now=lambda req: req.rid != "held"))
     adder = SimpleNamespace(tree_cache=cache)
     original = lambda adder, req: calls.append(req.rid) or True  # noqa: E731
     assert plugin._preempt_to_schedule(original, adder, SimpleNamespace(rid="held")) is False
