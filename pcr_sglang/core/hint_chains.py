@@ -14,7 +14,7 @@ when something did:
   matched node: one child lookup per step sees it.
 * **Residency.** ``read_from``: no chunk before it needs a read from SSD. A chunk becomes
   readable again only when it loses its device or host copy, or a read of it ends without
-  landing; :class:`~pcr_sglang.core.residency.CacheState`, where those happen, reports
+  landing; :class:`~pcr_sglang.core.residency.CacheState`'s parts, where those happen, report
   them (:meth:`HintedChains.residency_changed`). ``device_end``: the device-resident
   prefix, checked at its edge (device residency is prefix-closed).
 

@@ -1,7 +1,7 @@
 """The cache state's counters, since start.
 
-Written only by :class:`~pcr_sglang.core.residency.CacheState` and the ledgers it owns
-(:class:`~pcr_sglang.core.prefetch.UnusedReads` shares its ``SSDStats``); the adapter reports
+Written only by :class:`~pcr_sglang.core.residency.CacheState` and its parts (the host and SSD
+tiers, the prefetch planner and :class:`~pcr_sglang.core.prefetch.UnusedReads` share them); the adapter reports
 what it saw through the state's ``note_*`` methods. Read by ``/server_info``, the Prometheus
 exporter and the benchmarks.
 """
