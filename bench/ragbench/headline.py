@@ -297,8 +297,10 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], noise_floor: 
              f"- trace: {meta['trace']}",
              f"- device pool {meta['pool_tokens']} tokens (the working set is {meta['working_set_over_pool']:.1f}x "
              f"it); host {meta['host_gb']:g} GB and disk {meta['ssd_gb']:g} GB for every tiered configuration",
-             f"- no-cache capacity {meta['capacity_rps']:.3f} requests/s ({meta['capacity_requests']} at once in "
-             f"{meta['capacity_makespan_s']:.1f} s); loads "
+             f"- no-cache capacity {meta['capacity_rps']:.3f} requests/s ("
+             + (f"{meta['capacity_requests']} at once in {meta['capacity_makespan_s']:.1f} s"
+                if meta.get("capacity_measured", True) else "given with --capacity-rps")
+             + "); loads "
              + ", ".join(f"{load:.0%} = {rate:.3f}/s" for load, rate in meta["rates"].items()),
              "", table(rows, noise_floor),
              "F1: SQuAD token F1 of each greedy answer against full prefill's answer to the same request "
@@ -445,7 +447,7 @@ def main(argv: list[str]) -> int:
         "pool_tokens": pool_tokens, "working_set_over_pool": shape["working_set"] / pool_tokens,
         "host_gb": budgets.host_gb, "ssd_gb": budgets.ssd_gb, "capacity_rps": capacity.rps,
         "capacity_requests": capacity.requests, "capacity_makespan_s": capacity.makespan_s,
-        "rates": rates, "failed_runs": failed, "headline_label": None}
+        "rates": rates, "failed_runs": failed, "headline_label": None, "capacity_measured": args.capacity_rps is None}
     report = build_report([run for _, run in runs], meta)
     write_report(report, out_dir)
     meta["elapsed_s"] = time.monotonic() - started
