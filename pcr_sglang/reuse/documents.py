@@ -29,9 +29,9 @@ The limits are those of marked token prompts (``--pcr-doc-max-documents``,
 
 from __future__ import annotations
 
-import re
-
+import functools
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -202,21 +202,26 @@ def template_takes_documents(chat_template: Any) -> bool:
     a template reading a ``documents`` variable, or a set of named templates with a ``rag``
     one). The word in the template's text (a system prompt saying "answer from the
     documents") is not the variable: the template is parsed, as Jinja reads it, and a
-    template Jinja cannot parse alone (a tag of an extension) is searched for the name
-    inside its ``{{ }}`` and ``{% %}`` blocks."""
+    template Jinja cannot read alone (a tag of an extension, a filter it lacks) is searched
+    for the name inside its ``{{ }}`` and ``{% %}`` blocks."""
     if isinstance(chat_template, dict):
         return "rag" in chat_template
-    if not isinstance(chat_template, str):
-        return False
+    return isinstance(chat_template, str) and _reads_documents(chat_template)
+
+
+@functools.lru_cache(maxsize=16)
+def _reads_documents(chat_template: str) -> bool:
+    """:func:`template_takes_documents` of one template string, parsed once: a server has
+    one or a few templates, and parsing one costs milliseconds a request would pay."""
     import jinja2
     from jinja2 import meta
 
     try:
         parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template)
-    except jinja2.TemplateSyntaxError:
+        return "documents" in meta.find_undeclared_variables(parsed)
+    except jinja2.TemplateError:
         return any(re.search(r"\bdocuments\b", block)
                    for block in re.findall(r"\{[{%](.*?)[%}]\}", chat_template, flags=re.DOTALL))
-    return "documents" in meta.find_undeclared_variables(parsed)
 
 
 def _with_sentinel(messages: list[dict]) -> list[dict]:

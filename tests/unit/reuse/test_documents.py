@@ -129,6 +129,8 @@ def test_documents_go_before_the_last_user_message(chat_tokenizer):
     # A tag Jinja alone does not know (Hugging Face's {% generation %}): the name in a block.
     ("{% generation %}{% for d in documents %}{{ d.text }}{% endfor %}{% endgeneration %}", True),
     ("{% generation %}the documents{% endgeneration %}", False),
+    # A filter Jinja alone does not have (transformers' environment adds some).
+    ("{{ messages | tojson_custom }}{% for d in documents %}{{ d.text }}{% endfor %}", True),
     ({"default": CHATML, "rag": RAG_TEMPLATE}, True),
     (None, False),
 ])
