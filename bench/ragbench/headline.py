@@ -376,6 +376,9 @@ def main(argv: list[str]) -> int:
     loads = tuple(args.loads or (QUICK_LOADS if args.quick else LOADS))
     if any(not 0 < load <= 2 for load in loads):
         parser.error("--loads: fractions of the capacity in (0, 2]")
+    if args.followups:
+        parser.error("--followups: the headline measures first turns (a follow-up's prompt holds each server's own "
+                     "earlier answers, so its answers are not the same requests'); use python -m bench.ragbench")
     if args.batch_prompts < 1 or (args.capacity_rps is not None and args.capacity_rps <= 0):
         parser.error("--batch-prompts must be >= 1 and --capacity-rps > 0")
     if args.requests is None:

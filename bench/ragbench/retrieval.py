@@ -1,5 +1,5 @@
 """Dense retrieval for the benchmark's traces, with the packaged embedder
-(:mod:`pcr_sglang.rag.embedder`, all-MiniLM-L6-v2; corpus embeddings are cached on disk).
+(:mod:`pcr_client.rag.embedder`, all-MiniLM-L6-v2; corpus embeddings are cached on disk).
 Search is exact cosine similarity (normalised vectors, one matrix product).
 """
 
