@@ -56,7 +56,7 @@ def io_config_under(cache: Any, namespace: CacheNamespace, io_config: IoProcessC
     if follower is None:
         return io_config
     on = shared(namespace)
-    cache.scheduler.probes = follower.probes if on else NoRemoteProbes()
+    cache.scheduler.use_probes(follower.probes if on else NoRemoteProbes())
     return msgspec.structs.replace(io_config, remote_config=follower.config_json if on else "")
 
 

@@ -98,6 +98,14 @@ class SchedulerSide:
         self.iteration_time = StepHistogram()  # the scheduler loop's iterations while busy
         self._last_step_start: Optional[float] = None
 
+    def use_probes(self, probes: RemoteProbes | NoRemoteProbes) -> None:
+        """The remote tier's probes from now on (none under an in-memory update's namespace,
+        :mod:`remote_follow`): the loop and its admission hold the same one, or admission
+        would keep probing a tier the I/O process no longer has and hold every request
+        until the probe times out."""
+        self.probes = probes
+        self.admission.probes = probes
+
     @property
     def docs(self) -> DocReuseSeam:
         """Document reuse through its seam (:mod:`pcr_sglang.reuse.seam`): with

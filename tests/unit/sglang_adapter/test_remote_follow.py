@@ -61,7 +61,7 @@ def test_nothing_is_written_through_to_the_remote_tier_under_an_in_memory_namesp
     around_weight_update(weight_updates.SESSION_BEGIN, open_session, manager, SimpleNamespace())
     persisted(h, prompt(300))
     assert remote_chunks(h, config_json, startup, prompt(300), 1) == 0
-    assert not h.scheduler.probes.enabled
+    assert not h.scheduler.probes.enabled and not h.scheduler.admission.probes.enabled
 
     # Weights from tensors, with the flush: the tiers move to the update's nonce namespace.
     around_weight_update("update_weights_from_tensor", flushing_update(h.cache), manager, SimpleNamespace())
@@ -69,6 +69,7 @@ def test_nothing_is_written_through_to_the_remote_tier_under_an_in_memory_namesp
     persisted(h, prompt(500))
     assert remote_chunks(h, config_json, h.cache.store.namespace, prompt(500), 1) == 0
     assert not h.scheduler.probes.enabled and h.scheduler.io.config.remote_config == ""
+    assert h.scheduler.admission.probes is h.scheduler.probes  # admission probes no tier the I/O process lacks
 
     # A checkpoint's weights again (a disk update): the remote tier comes back.
     model = tmp_path / "model"
@@ -78,6 +79,6 @@ def test_nothing_is_written_through_to_the_remote_tier_under_an_in_memory_namesp
     around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h),
                          SimpleNamespace(model_path=str(model)))
     persisted(h, prompt(700))
-    assert h.scheduler.probes.enabled
+    assert h.scheduler.probes.enabled and h.scheduler.admission.probes is h.scheduler.probes
     assert remote_chunks(h, config_json, h.cache.store.namespace, prompt(700), 3) == 3
     h.check()
