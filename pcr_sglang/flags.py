@@ -414,7 +414,8 @@ class PcrFlags(msgspec.Struct):
                 "--pcr-doc-reuse blend: the most scratch memory (MiB) its probe may need for one "
                 "request's selection (activations, gathered keys, one block of attention scores), "
                 "estimated before it runs beside the forward in flight; a request that would need "
-                "more is recomputed instead. Keep it inside what --mem-fraction-static leaves free. "
+                "more is recomputed instead. On CUDA it is reserved from the KV pool (with "
+                "--pcr-position-mask-mb); elsewhere it comes from free memory. "
                 f"Default: {DEFAULT_BLEND_PROBE_MB}."
             )
         ),

@@ -128,3 +128,14 @@ def test_the_layout_in_architecture_md_matches_the_tree():
 
 def test_the_layout_keeps_no_line_counts():
     assert [line for line in layout_block() if re.search(r"\s\d+\s*$", line)] == []
+
+
+def test_every_pcr_flag_has_a_row_in_docs_flags_md():
+    """The README promises every flag with its default and meaning in docs/flags.md."""
+    import msgspec
+
+    from pcr_sglang.flags import PcrFlags
+
+    text = (REPO / "docs" / "flags.md").read_text(encoding="utf-8")
+    flags = ["--" + field.name.replace("_", "-") for field in msgspec.structs.fields(PcrFlags)]
+    assert flags and [f for f in flags if f"`{f}" not in text] == []
