@@ -13,9 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+# Re-exported (``X as X``): the wing names the request fields and the default selector from here.
 from pcr_sglang.req import PcrReq
-from pcr_sglang.reuse.selectors import DEFAULT_SELECTOR, SELECTORS
-from pcr_wire import DOC_BOUNDS_PARAM, DOC_MODE_PARAM
+from pcr_sglang.reuse.selectors import DEFAULT_SELECTOR as DEFAULT_SELECTOR
+from pcr_sglang.reuse.selectors import SELECTORS
+from pcr_wire import DOC_BOUNDS_PARAM as DOC_BOUNDS_PARAM
+from pcr_wire import DOC_MODE_PARAM as DOC_MODE_PARAM
 
 if TYPE_CHECKING:
     from pcr_sglang.reuse.gate import CalibrationGate
@@ -66,7 +69,7 @@ class DocLimits:
     min_tokens: int
 
 
-def doc_params(custom_params: Any) -> Optional[dict]:
+def doc_params(custom_params: Any) -> Optional[dict[str, Any]]:
     """A request's ``custom_params`` as the dict PCR reads (None when absent or empty).
     SGLang declares it a dict but does not check; anything else is refused, naming the
     field, before a ``pcr_*`` key is looked up in it (``"pcr_doc_bounds" in "xpcr_doc_boundsx"``
@@ -99,11 +102,11 @@ class Recompute:
         return (self.mode == "lego" and self.tokens > 0) or (self.mode == "blend" and self.ratio > 0)
 
 
-def request_mode(custom_params: dict, server_mode: str = "concat") -> str:
+def request_mode(custom_params: Any, server_mode: str = "concat") -> str:
     """The document-reuse mode a request's ``custom_params`` ask for (default: the server's).
     Recompute modes need a server started in one (its attention computes permuted rows)."""
     custom_params = doc_params(custom_params) or {}
-    mode = custom_params.get(DOC_MODE_PARAM, server_mode)
+    mode: str = custom_params.get(DOC_MODE_PARAM, server_mode)
     if mode not in REQUEST_MODES:
         raise DocBoundsError(f"{DOC_MODE_PARAM} must be one of {', '.join(map(repr, REQUEST_MODES))}, got {mode!r}")
     if mode in RECOMPUTE_MODES and server_mode not in RECOMPUTE_MODES:
@@ -112,7 +115,7 @@ def request_mode(custom_params: dict, server_mode: str = "concat") -> str:
     return mode
 
 
-def request_recompute(custom_params: dict, server: Recompute) -> Optional[Recompute]:
+def request_recompute(custom_params: Any, server: Recompute) -> Optional[Recompute]:
     """The request's mode and its K or R (``pcr_doc_recompute_tokens`` / ``_ratio`` override
     the server's), or None for an exact mode (``off``, ``reorder``). Raises :class:`DocBoundsError` for bad values, and
     for settings outside the server's calibration (``server.gate``; unless it only warns)."""
@@ -142,7 +145,7 @@ def request_recompute(custom_params: dict, server: Recompute) -> Optional[Recomp
     return asked
 
 
-def request_warm_now(custom_params: dict) -> bool:
+def request_warm_now(custom_params: Any) -> bool:
     """Whether the request asks for its documents to be warmed now (``pcr_doc_warm``)."""
     value = (doc_params(custom_params) or {}).get(WARM_NOW_PARAM, False)
     if not isinstance(value, bool):
@@ -205,7 +208,7 @@ def parse_doc_bounds(raw: object, num_tokens: int, limits: Optional[DocLimits] =
         spans.append(DocSpan(doc, start, end))
         previous_end = end
     short = next((span for span in spans if span.length < limits.min_tokens), None) if limits is not None else None
-    if short is not None:  # after the format: a malformed list is named as such first
+    if short is not None and limits is not None:  # after the format: a malformed list is named as such first
         raise DocBoundsError(f"{DOC_BOUNDS_PARAM}: document {short.index} [{short.start}, {short.end}) has "
                              f"{short.length} tokens; this server takes documents of at least {limits.min_tokens} "
                              "(--pcr-doc-min-tokens)")

@@ -48,12 +48,12 @@ def marking_rules(manager: Any) -> MarkingRules:
                         getattr(manager, "context_len", None))
 
 
-def _custom(sampling_params: Any) -> Optional[dict]:
+def _custom(sampling_params: Any) -> Optional[dict[str, Any]]:
     custom = sampling_params.get("custom_params") if isinstance(sampling_params, dict) else None
     return custom if isinstance(custom, dict) else None
 
 
-def with_documents(sampling_params: Any, documents: Any) -> dict:
+def with_documents(sampling_params: Any, documents: Any) -> dict[str, Any]:
     """A copy of one request's ``sampling_params`` carrying ``documents`` (checked for shape first)."""
     parse_documents(documents)
     if sampling_params is None:

@@ -98,6 +98,7 @@ def parse_documents(raw: Any, limits: Optional[DocLimits] = None, field: str = D
     documents = []
     for i, item in enumerate(raw):
         where = f"{field}[{i}]"
+        text: Any  # a string, checked below
         if isinstance(item, str):
             text, title = item, None
         elif isinstance(item, dict):
@@ -224,7 +225,7 @@ def _reads_documents(chat_template: str) -> bool:
                    for block in re.findall(r"\{[{%](.*?)[%}]\}", chat_template, flags=re.DOTALL))
 
 
-def _with_sentinel(messages: list[dict]) -> list[dict]:
+def _with_sentinel(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``messages`` with the sentinel at the start of the last user message's content."""
     last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
     if last is None:
@@ -250,7 +251,7 @@ def _doc_sentinels(i: int) -> tuple[str, str]:
     return f"\x00PCR-TITLE-{i}\x00", f"\x00PCR-TEXT-{i}\x00"
 
 
-def render_chat(tokenizer: Any, messages: list[dict], documents: Sequence[Document], rules: MarkingRules,
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], documents: Sequence[Document], rules: MarkingRules,
                 **template_kwargs: Any) -> MarkedPrompt:
     """The chat prompt of ``messages`` with ``documents`` marked (``template_kwargs``: the
     tools, ``add_generation_prompt`` and template variables SGLang renders with)."""
@@ -266,8 +267,8 @@ def render_chat(tokenizer: Any, messages: list[dict], documents: Sequence[Docume
     return _assemble(pieces, rules, DOCUMENTS_FIELD)
 
 
-def _render_with_template_documents(tokenizer: Any, messages: list[dict], documents: Sequence[Document],
-                                    rules: MarkingRules, render_kwargs: dict) -> MarkedPrompt:
+def _render_with_template_documents(tokenizer: Any, messages: list[dict[str, Any]], documents: Sequence[Document],
+                                    rules: MarkingRules, render_kwargs: dict[str, Any]) -> MarkedPrompt:
     """The template renders the documents; each one's span (its title and text, and what
     the template writes between them) is found through sentinels in their place."""
     stand_ins = []

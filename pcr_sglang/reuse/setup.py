@@ -89,7 +89,8 @@ def layer0_self_test(model: Any, spec: RopeSpec, kv_dtype: torch.dtype) -> Optio
 
         def rotated(pos: torch.Tensor) -> torch.Tensor:
             _, key = attn.rotary_emb(pos, q.clone(), k.clone())
-            return key.reshape(n, heads, head_dim).to(kv_dtype)
+            rotated_key: torch.Tensor = key.reshape(n, heads, head_dim).to(kv_dtype)  # the model's: untyped
+            return rotated_key
 
         at_p = rotated(positions)
         tolerance = _TOLERANCE.get(kv_dtype, _HALF_TOLERANCE)

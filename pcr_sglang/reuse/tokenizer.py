@@ -43,6 +43,7 @@ low-priority one. ``bench/README.md`` ("When documents are warmed") measures bot
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import statistics
@@ -159,11 +160,11 @@ def validate_doc_bounds(result: Any, manager: Any, obj: Any, input_ids: Any, *ar
         return None
     if input_ids is None:
         raise ValueError(f"{DOC_BOUNDS_PARAM} needs a token prompt (input_ids or text)")
-    args = getattr(manager, "server_args", None)
+    server_args = getattr(manager, "server_args", None)
     try:
-        request_recompute(custom, server_recompute(args))
+        request_recompute(custom, server_recompute(server_args))
         request_warm_now(custom)
-        parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(input_ids), server_limits(args))
+        parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(input_ids), server_limits(server_args))
     except DocBoundsError as e:
         raise ValueError(str(e)) from None
     return None
@@ -203,11 +204,11 @@ class DocWarmer:
         self.ledger = WarmupLedger(policy, clock)
         self._tenants = TenantPlaces(caps.per_tenant)
         self._prefill_s: deque[float] = deque(maxlen=wait.window)  # the last warm-ups' prefill times
-        self._in_flight: dict[bytes, asyncio.Future] = {}
+        self._in_flight: dict[bytes, asyncio.Future[None]] = {}
         self._server_slots: Optional[asyncio.Semaphore] = None  # made in the event loop, on first use
         # ``idle``: documents waiting for a moment with no request in flight, oldest first.
         self._idle_queue: OrderedDict[bytes, tuple[list[int], Optional[str], Optional[str]]] = OrderedDict()
-        self._idle_task: Optional[asyncio.Task] = None
+        self._idle_task: Optional[asyncio.Task[None]] = None
 
     @property
     def stats(self) -> WarmupStats:
@@ -283,14 +284,14 @@ class DocWarmer:
 
     def _start(self, manager: Any, send: Callable[..., Any], key: bytes, canonical: list[int],
                extra_key: Optional[str], salt: Optional[str], priority: Optional[int],
-               request_slots: Optional[asyncio.Semaphore] = None) -> asyncio.Future:
+               request_slots: Optional[asyncio.Semaphore] = None) -> asyncio.Future[None]:
         """Order one warm-up: registered at once (a request needing the same document
         waits for this one), sent once it has a place under both caps."""
         future = asyncio.ensure_future(self._capped(request_slots, hint_tenant(salt, extra_key),
                                                     self._prefill(manager, send, canonical, extra_key, salt,
                                                                   priority)))
         self._in_flight[key] = future
-        future.add_done_callback(lambda f, key=key: self._done(key, f))
+        future.add_done_callback(functools.partial(self._done, key))
         return future
 
     async def _capped(self, request_slots: Optional[asyncio.Semaphore], tenant: str, prefill: Any) -> None:
@@ -312,11 +313,11 @@ class DocWarmer:
         finally:
             if tenant_held:
                 self._tenants.release(tenant)
-            if held:
+            if held and request_slots is not None:
                 request_slots.release()
             prefill.close()  # never awaited when cancelled while waiting for a place
 
-    def _done(self, key: bytes, future: asyncio.Future) -> None:
+    def _done(self, key: bytes, future: asyncio.Future[None]) -> None:
         """Remember a warm-up that completed; a failed or aborted one is tried again next time."""
         self._in_flight.pop(key, None)
         if future.cancelled() or future.exception() is not None:

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Hashable, TypeVar
 
 DEFAULT_WARMUP_WHEN = "request"
 DEFAULT_WARMUP_AFTER = 2
 WARM_TTL_S = 30.0  # a document warmed this recently is not warmed again (its prefill is cheap, not free)
 MAX_REMEMBERED = 1 << 16
+
+_V = TypeVar("_V")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class WarmupLedger:
         """A failed warm-up is tried again at the document's next sighting."""
         self.stats.failed += 1
 
-    def _remember(self, table: OrderedDict, key: Hashable, value: object) -> None:
+    def _remember(self, table: OrderedDict[Hashable, _V], key: Hashable, value: _V) -> None:
         table[key] = value
         while len(table) > self.capacity:
             table.popitem(last=False)

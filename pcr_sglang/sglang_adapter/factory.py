@@ -30,7 +30,8 @@ from pcr_sglang.sglang_adapter.worker_side import attach_worker_side
 from pcr_sglang.tiers.host_pool import HostChunkPool, HostPoolError
 from pcr_sglang.tiers.kept_namespaces import KeptNamespaces
 from pcr_sglang.tiers.layout import HostChunkLayout
-from pcr_sglang.tiers.ssd_store import ChunkFileStore, SSDStoreError, describe_namespace
+from pcr_sglang.tiers.ssd_store import ChunkFileStore, describe_namespace
+from pcr_sglang.tiers.store_dir import SSDStoreError
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
@@ -199,6 +200,7 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
     kv_events = PCRKvEvents(state.tree, config.chunk_size) if getattr(params, "enable_kv_cache_events", False) else None
     remote = None
     if store is not None:
+        assert host_pool is not None  # the SSD tier needs the host tier (above)
         _restore(state, store, tp)
         remote = config.remote_settings()
         io = start_io_process(store, host_pool, tp_rank, remote.to_json() if remote is not None else "",

@@ -130,7 +130,7 @@ def _weight_files(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
 
 
-def _safetensors_header(fd: int, size: int) -> Optional[tuple[bytes, int, dict]]:
+def _safetensors_header(fd: int, size: int) -> Optional[tuple[bytes, int, dict[str, Any]]]:
     """(raw header, data start, parsed header), or None if the file is not safetensors."""
     if size < 8:
         return None
@@ -145,7 +145,7 @@ def _safetensors_header(fd: int, size: int) -> Optional[tuple[bytes, int, dict]]
     return (raw, 8 + length, header) if isinstance(header, dict) else None
 
 
-def _tensor_windows(header: dict, data_start: int) -> list[int]:
+def _tensor_windows(header: dict[str, Any], data_start: int) -> list[int]:
     spans = sorted(
         tuple(v["data_offsets"]) for k, v in header.items()
         if k != "__metadata__" and isinstance(v, dict) and len(v.get("data_offsets", ())) == 2

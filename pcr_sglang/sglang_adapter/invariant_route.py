@@ -88,7 +88,7 @@ def add_server_info_route(result: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER ``TokenizerControlMixin.init_communicators``: in the HTTP server's process,
     put PCR's ``/server_info`` route before SGLang's (once). Other processes that build a
     tokenizer manager without the HTTP app (``sglang.Engine``) are left alone."""
-    http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
+    http_server: Any = sys.modules.get("sglang.srt.entrypoints.http_server")  # SGLang ships no types
     app = getattr(http_server, "app", None)
     if app is None or any(getattr(r, "name", None) == _ROUTE_NAME for r in app.router.routes):
         return result

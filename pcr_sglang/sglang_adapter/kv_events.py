@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 from array import array
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, StorageMedium
 from sglang.srt.mem_cache.events import KVCacheEventRecorder
@@ -60,7 +60,7 @@ def block_hash(key: ChunkKey) -> int:
 @dataclass(slots=True)
 class _Chunk:
     parent_key: Optional[ChunkKey]
-    tokens: Optional[array] = None
+    tokens: Optional[array[int]] = None
     cache_salt: Optional[str] = None
     held: Tier = Tier(0)  # the tiers the tree says hold it
     announced: Tier = Tier(0)  # the tiers a BlockStored was published for
@@ -100,11 +100,11 @@ class PCRKvEvents:
                 if chunk.held & tier:
                     self._announce(node.key, chunk, tier)
 
-    def take(self) -> list:
+    def take(self) -> list[Any]:
         self._drain()
-        return self._out.take()
+        return cast("list[Any]", self._out.take())  # SGLang's events (SGLang ships no types)
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, Any]:
         """For ``/server_info``: blocks published, and chunks held whose tokens are not
         known yet (not announced)."""
         self._drain()
@@ -116,6 +116,7 @@ class PCRKvEvents:
         cleared = False
         for event in self.log.take():
             if event.kind is TierEventKind.STORED:
+                assert event.tier is not None  # STORED and REMOVED name their tier
                 chunk = self._chunks.get(event.key)
                 if chunk is None:
                     chunk = self._chunks[event.key] = _Chunk(event.parent_key)
@@ -123,6 +124,7 @@ class PCRKvEvents:
                 if chunk.tokens is not None:
                     self._announce(event.key, chunk, event.tier)
             elif event.kind is TierEventKind.REMOVED:
+                assert event.tier is not None
                 chunk = self._chunks.get(event.key)
                 if chunk is None:
                     continue
@@ -146,6 +148,7 @@ class PCRKvEvents:
         if chunk.announced & tier:
             return
         chunk.announced |= tier
+        assert chunk.tokens is not None  # announced once its tokens are known
         self._out.enqueue(BlockStored(
             block_hashes=[block_hash(key)],
             parent_block_hash=block_hash(chunk.parent_key) if chunk.parent_key is not None else None,

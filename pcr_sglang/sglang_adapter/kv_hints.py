@@ -99,7 +99,7 @@ class HintRegistered:
         self.registered = registered
         self.message = "pcr: KV hint " + ("registered" if registered else "ignored")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"type": "length", "length": 0, "pcr_hint": "registered" if self.registered else "ignored"}
 
 

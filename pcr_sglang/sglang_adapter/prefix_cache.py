@@ -59,7 +59,7 @@ def radix_key_tenant(key: RadixKey) -> RequestTenant:
     return RequestTenant(extra_key=key.extra_key, cache_salt=key.cache_salt)
 
 
-class PCRPrefixCache(BasePrefixCache):
+class PCRPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang ships no types: its base is Any
     """A chunk-granular prefix cache on SGLang's device KV pool, with host and SSD tiers."""
 
     def __init__(self, params: CacheInitParams, state: CacheState, scheduler: SchedulerSide, *,
@@ -210,7 +210,7 @@ class PCRPrefixCache(BasePrefixCache):
             raise ValueError("PCRPrefixCache.insert needs the KV slot indices (params.value)")
         values = value[: num_chunks * self.chunk_size].to(dtype=torch.int64, copy=True)
         keys = self.scheduler.keyer.request_keys(tokens[: num_chunks * self.chunk_size], tenant)
-        outcome = self.state.insert(keys, list(values.split(self.chunk_size)))
+        outcome = self.state.insert(keys, list(torch.split(values, self.chunk_size)))
         if self.kv_events is not None:
             self.kv_events.learn(outcome.nodes, tokens, tenant.cache_salt)
         return InsertResult(prefix_len=outcome.num_existing * self.chunk_size,

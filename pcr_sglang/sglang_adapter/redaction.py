@@ -97,7 +97,7 @@ def redact(value: Any, secrets: Optional[Iterable[str]] = None) -> Any:
 
 def _redact(value: Any, secrets: tuple[str, ...]) -> Any:
     if isinstance(value, dict):
-        out = {}
+        out: dict[Any, Any] = {}
         for key, item in value.items():
             if isinstance(key, str) and key in SECRET_FIELDS and item is not None:
                 out[key] = REDACTED

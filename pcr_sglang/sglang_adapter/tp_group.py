@@ -45,11 +45,11 @@ class TpGroup:
             torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=group)
         return tensor.tolist()
 
-    def intersect(self, items: set) -> set:
+    def intersect(self, items: set[Any]) -> set[Any]:
         """The items every rank has (startup only: it gathers every rank's whole set)."""
         common = set(items)
         for group in self._groups:
-            gathered: list = [None] * torch.distributed.get_world_size(group=group)
+            gathered: list[Any] = [None] * torch.distributed.get_world_size(group=group)
             torch.distributed.all_gather_object(gathered, sorted(common), group=group)
             for other in gathered:
                 common &= set(other)

@@ -153,16 +153,17 @@ def next_namespace(cache: Any, method: str, recv_req: Any) -> CacheNamespace:
         agreed = _agreed(cache.scheduler.tp, fingerprint)
         current = (cache.pending_namespace or cache.namespace).model_fingerprint
         if agreed and fingerprint not in (UNREADABLE, current):
-            return replace(cache.namespace, model_fingerprint=fingerprint)
+            namespace: CacheNamespace = cache.namespace
+            return replace(namespace, model_fingerprint=fingerprint)
         if not agreed:
             logger.warning("PCR: the TP ranks fingerprint %s differently; its KV gets a namespace of its own", path)
     return in_memory_namespace(cache)
 
 
-def around_weight_update(method: str, original: Callable, manager: Any, recv_req: Any, *args: Any,
+def around_weight_update(method: str, original: Callable[..., Any], manager: Any, recv_req: Any, *args: Any,
                          **kwargs: Any) -> Any:
     """SGLang's update call, with the PCR cache's namespace moved to the new weights'."""
-    cache = getattr(getattr(manager, "scheduler", None), "tree_cache", None)
+    cache: Any = getattr(getattr(manager, "scheduler", None), "tree_cache", None)  # SGLang ships no types
     if getattr(cache, "namespace_mover", None) is None or getattr(cache, "namespace", None) is None:
         return original(manager, recv_req, *args, **kwargs)
     if method in SESSION_METHODS and getattr(manager, "_session", True) is None:
@@ -197,7 +198,7 @@ def around_weight_update(method: str, original: Callable, manager: Any, recv_req
     return out
 
 
-def _around_session_end(cache: Any, original: Callable, manager: Any, recv_req: Any, *args: Any,
+def _around_session_end(cache: Any, original: Callable[..., Any], manager: Any, recv_req: Any, *args: Any,
                         **kwargs: Any) -> Any:
     """``end_weight_update``: a session may have changed the weights without any of the
     update calls (written into device memory directly, over P2P or RDMA, between

@@ -88,7 +88,9 @@ class WorkerSide:
             result = run()
             self._timings.append((int(tokens), start, time.perf_counter()))
             return result
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # torch.cuda.Event.__init__ is unannotated in torch's stubs.
+        begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         begin.record()
         result = run()
         end.record()
