@@ -81,6 +81,10 @@ TARGET_LOAD = 0.6  # where document reuse is held against HiCache
 DOC_REUSE = ("pcr-blend-cal", "pcr-blend-cal-pre")  # the calibrated default, online and precomputed
 # At TARGET_LOAD: HiCache's TTFT over document reuse's, at least this (2x lower).
 VS_HICACHE_TARGET = 2.0
+# Every server's --context-length: the committed calibration was measured at 4096, and a
+# calibration holds for the model as SGLang resolved it (the fingerprint covers the resolved
+# config, context length included), so the calibrated configurations need this one.
+CALIBRATED_CONTEXT_LENGTH = 4096
 
 
 @dataclass(frozen=True)
@@ -400,7 +404,8 @@ def main(argv: list[str]) -> int:
     pool_tokens = args.batch_prompts * shape["longest"] + 256
     fraction = pool_tokens / shape["working_set"]
     budgets = budgets_for(shape, fraction, args.host_fraction, args.chunk_size, model.kv_bytes_per_token())
-    budgets = replace(budgets, device_pool_tokens=pool_tokens)
+    budgets = replace(budgets, device_pool_tokens=pool_tokens,
+                      context_length=max(budgets.context_length, CALIBRATED_CONTEXT_LENGTH))
     logger.info("pool %d tokens; working set %d tokens (%.1fx the pool)", pool_tokens, shape["working_set"],
                 shape["working_set"] / pool_tokens)
     if "hicache" in args.configs:
