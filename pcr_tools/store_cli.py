@@ -17,7 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from pcr_sglang.tiers.ssd_store import SSDStoreError, list_namespaces, namespace_store, purge_namespace
+from pcr_sglang.tiers.ssd_store import namespace_store
+from pcr_sglang.tiers.store_dir import SSDStoreError, list_namespaces, purge_namespace
 
 
 def _describe(description: dict) -> str:

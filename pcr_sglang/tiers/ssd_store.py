@@ -7,8 +7,9 @@ only once complete; it is served only if it verifies (owner, MACs, key, namespac
 layout, length), so a crash, another user or another deployment can cost a recompute,
 never wrong KV. Several servers may share a directory: each writes and deletes only in
 its own slot, and reads its peers'. The start-up scan (adopting dead writers' slots) is
-in :mod:`.store_scan`, the directory's access rules and leases in :mod:`.store_dir`. The
-file layout, the rules and why: docs/ssd-store.md#on-disk-format.
+in :mod:`.store_scan`, the checks a record passes before it is served in :mod:`.store_verify`,
+the directory's access rules and leases in :mod:`.store_dir`. The file layout, the rules
+and why: docs/ssd-store.md#on-disk-format.
 
 This module knows nothing of SGLang or the tree: the cache decides what to write, read
 and delete; the store moves bytes and keeps them honest.
@@ -21,36 +22,30 @@ import json
 import logging
 import os
 import secrets
-import stat
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, cast
 
 from pcr_sglang.tiers.fileops import FileOps
 from pcr_sglang.tiers.layout import HostChunkLayout
-from pcr_sglang.tiers.records import FORMAT_VERSION, HEADER_BYTES, ChunkRecord, RecordCodec, read_full  # noqa: F401
-
-# The CLI's directory tools live beside the access rules; re-exported for pcr_tools.store_cli.
-from pcr_sglang.tiers.store_dir import (  # noqa: F401
-    KEY_FILE,
+from pcr_sglang.tiers.records import FORMAT_VERSION, HEADER_BYTES, ChunkRecord, RecordCodec
+from pcr_sglang.tiers.store_dir import (
     NAMESPACE_FILE,
     SLOT_RE,
     SUFFIX,
     TMP_SUFFIX,
-    NamespaceUsage,
     SSDStoreError,
     check_store_root,
-    list_namespaces,
     load_key,
     namespace_dir,
     owned_private_dir,
-    purge_namespace,
     slot_dirs,
     subdirs,
     take_slot,
     unlink_quiet,
 )
 from pcr_sglang.tiers.store_scan import scan_store
+from pcr_sglang.tiers.store_verify import VerifyReport, read_record, verify_store
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance, ReadableBuffer, WriteableBuffer
@@ -75,14 +70,6 @@ class StoreStats:
     discarded_tmp_files: int = 0  # partial writes of a crashed process, deleted on open
     adopted_chunks: int = 0  # records of dead writers moved into our slot at startup
     peer_chunks: int = 0  # records of live peers found at startup (readable, never deleted)
-
-
-@dataclass
-class VerifyReport:
-    """The CLI's ``verify``: records that check out, and why each other one does not."""
-
-    ok: int = 0
-    bad: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -335,7 +322,7 @@ class ChunkFileStore:
                 if slot_dir in tried:
                     continue
                 tried.add(slot_dir)
-                if self._read_from(self._path(key, slot_dir), key, out):
+                if read_record(self, self._path(key, slot_dir), key, out):
                     self.stats.read_chunks += 1
                     self.stats.read_bytes += self.record_bytes
                     return True
@@ -343,34 +330,6 @@ class ChunkFileStore:
 
     def _own_or_none(self) -> Optional[Path]:
         return self.own_dir if self.slot is not None else None
-
-    def _read_from(self, path: Path, key: bytes, out: memoryview) -> bool:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return False
-        except OSError as e:
-            return self._read_error(path, e)
-        try:
-            with open(fd, "rb", buffering=0) as f:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                    return self._drop_corrupt(path, f"owned by uid {st.st_uid}, not by this user")
-                if st.st_size != self.record_bytes:
-                    return self._drop_corrupt(path, "wrong length")
-                header = bytearray(HEADER_BYTES)
-                if read_full(f, memoryview(header)) != HEADER_BYTES:
-                    return self._drop_corrupt(path, "wrong length")
-                record = self.codec.parse_header(bytes(header))
-                if record is None or record.key != key:
-                    return self._drop_corrupt(path, "bad header")
-                if read_full(f, out) != record.payload_bytes or f.read(1):
-                    return self._drop_corrupt(path, "wrong payload length")
-        except OSError as e:
-            return self._read_error(path, e)
-        if not self.codec.payload_ok(record, out):
-            return self._drop_corrupt(path, "payload fails authentication")
-        return True
 
     def _read_error(self, path: Path, e: OSError) -> bool:
         self.stats.read_errors += 1
@@ -414,25 +373,7 @@ class ChunkFileStore:
 
     def verify(self) -> VerifyReport:
         """Read every record in full and check it (the CLI's ``verify``); deletes none."""
-        report = VerifyReport()
-        for path in self._chunk_files():
-            try:
-                st = path.lstat()
-                data = path.read_bytes()
-            except OSError as e:
-                report.bad.append(f"{path.name}: {e}")
-                continue
-            record = self.codec.parse_header(data[:HEADER_BYTES])
-            payload = data[HEADER_BYTES:]
-            if st.st_uid != os.geteuid():
-                report.bad.append(f"{path.name}: owned by uid {st.st_uid}")
-            elif record is None or path.name != f"{record.key.hex()}{SUFFIX}":
-                report.bad.append(f"{path.name}: bad header")
-            elif not self.codec.payload_ok(record, payload):
-                report.bad.append(f"{path.name}: payload fails authentication")
-            else:
-                report.ok += 1
-        return report
+        return verify_store(self)
 
 
 # ---------------------------------------------------------------------- directory tools

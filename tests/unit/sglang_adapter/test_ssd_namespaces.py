@@ -19,7 +19,7 @@ from pcr_sglang.sglang_adapter.factory import move_namespace
 from pcr_sglang.sglang_adapter.fingerprint import IN_MEMORY_UPDATE_TAG
 from pcr_sglang.sglang_adapter.metrics import PCRMetrics
 from pcr_sglang.sglang_adapter.report import build_report
-from pcr_sglang.tiers.ssd_store import list_namespaces
+from pcr_sglang.tiers.store_dir import list_namespaces
 from tests.unit.adapter_harness import CHUNK, Harness, make  # noqa: F401
 from tests.unit.sglang_adapter.test_weight_updates import persisted, prompt
 

@@ -15,7 +15,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from pcr_sglang.sglang_adapter import weight_updates
 from pcr_sglang.sglang_adapter.fingerprint import IN_MEMORY_UPDATE_TAG
 from pcr_sglang.sglang_adapter.weight_updates import WeightsIdentity, around_weight_update
-from pcr_sglang.tiers.ssd_store import list_namespaces
+from pcr_sglang.tiers.store_dir import list_namespaces
 from tests.unit.adapter_harness import CHUNK, Harness, make  # noqa: F401
 
 

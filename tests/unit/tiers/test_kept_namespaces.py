@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pcr_sglang.tiers.kept_namespaces import KeptNamespaces, namespace_bytes
 from pcr_sglang.tiers.layout import HostChunkLayout
-from pcr_sglang.tiers.ssd_store import ChunkFileStore, list_namespaces
+from pcr_sglang.tiers.ssd_store import ChunkFileStore
+from pcr_sglang.tiers.store_dir import list_namespaces
 
 LAYOUT = HostChunkLayout(num_slots=1, num_layers=2, chunk_size=4, row_bytes=32)
 

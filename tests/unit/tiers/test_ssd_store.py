@@ -9,14 +9,9 @@ import stat
 import pytest
 
 from pcr_sglang.tiers.layout import HostChunkLayout
-from pcr_sglang.tiers.ssd_store import (
-    HEADER_BYTES,
-    ChunkFileStore,
-    SSDStoreError,
-    list_namespaces,
-    namespace_store,
-    purge_namespace,
-)
+from pcr_sglang.tiers.records import HEADER_BYTES
+from pcr_sglang.tiers.ssd_store import ChunkFileStore, namespace_store
+from pcr_sglang.tiers.store_dir import SSDStoreError, list_namespaces, purge_namespace
 
 LAYOUT = HostChunkLayout(num_slots=1, num_layers=2, chunk_size=4, row_bytes=32)
 NS_A, NS_B = bytes(range(16)), bytes(range(1, 17))

@@ -23,13 +23,9 @@ from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.sglang_adapter.factory import build_ssd_store
 from pcr_sglang.tiers.host_pool import HostChunkPool
 from pcr_sglang.tiers.layout import HostChunkLayout
-from pcr_sglang.tiers.records import read_full
-from pcr_sglang.tiers.ssd_store import (
-    HEADER_BYTES,
-    KEY_FILE,
-    ChunkFileStore,
-    SSDStoreError,
-)
+from pcr_sglang.tiers.records import HEADER_BYTES, read_full
+from pcr_sglang.tiers.ssd_store import ChunkFileStore
+from pcr_sglang.tiers.store_dir import KEY_FILE, SSDStoreError
 
 LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=32)
 NS = bytes(range(16))
