@@ -101,7 +101,7 @@ DOC_SELECTOR_CHOICES = list(SELECTORS)
 DEFAULT_DOC_SELECTOR = DEFAULT_SELECTOR
 DEFAULT_DOC_WARMUP = "request"
 DEFAULT_DOC_WARMUP_AFTER = 2
-# What one request may mark (bench/doc_bounds_step.py measures the worst allowed request).
+# What one request may mark (the worst allowed request was measured by bench/doc_bounds_step.py, at commit d886199).
 DEFAULT_DOC_MAX_DOCUMENTS = 64
 DEFAULT_DOC_MIN_TOKENS = 16
 
