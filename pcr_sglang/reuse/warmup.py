@@ -15,7 +15,7 @@ parts:
   documents are queued and warmed one at a time while the server has nothing else in
   flight, so warm-ups never delay a request, and may never run on a busy server).
 
-The ledger only decides; the tokenizer-side adapter (``reuse/tokenizer``) sends
+The ledger only decides; the tokenizer side (``reuse/doc_warmer``) sends
 the prefills. Its memory is bounded: the oldest sightings and warm-ups are forgotten first.
 """
 
@@ -49,7 +49,7 @@ class WarmupStats:
     completed: int = 0
     failed: int = 0
     dropped: int = 0  # idle warm-ups forgotten because the queue was full
-    wait_timeouts: int = 0  # requests sent before their warm-ups were done (reuse/tokenizer.WarmupWait)
+    wait_timeouts: int = 0  # requests sent before their warm-ups were done (reuse/doc_warmer.WarmupWait)
 
 
 class WarmupLedger:

@@ -96,7 +96,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="warmup-idle-drain-ignores-requests-in-flight",
         kind="unit",
-        file="pcr_sglang/reuse/tokenizer.py",
+        file="pcr_sglang/reuse/doc_warmer.py",
         original='if getattr(manager, "rid_to_state", None):',
         replacement="if False:",
         tests=(UNIT + "reuse/test_doc_warmup.py::"
@@ -924,7 +924,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="warm-ups-not-capped-per-tenant",
         kind="unit",
-        file="pcr_sglang/reuse/tokenizer.py",
+        file="pcr_sglang/reuse/doc_warmer.py",
         original="self._places.setdefault(tenant, (asyncio.Semaphore(self.per_tenant), [0]))",
         replacement="self._places.setdefault(tenant, (asyncio.Semaphore(1 << 30), [0]))",
         tests=(UNIT + "reuse/test_doc_warmup.py::test_one_tenants_flood_of_warm_ups_leaves_places_for_another_tenant",),
@@ -934,7 +934,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="a-request-waits-for-its-warm-ups-up-to-two-minutes",
         kind="unit",
-        file="pcr_sglang/reuse/tokenizer.py",
+        file="pcr_sglang/reuse/doc_warmer.py",
         original="        wait_s = self.wait_s()",
         replacement="        wait_s = WARM_TIMEOUT_S",
         tests=(UNIT + "reuse/test_doc_warmup.py::"

@@ -10,7 +10,7 @@ import pytest
 from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.reuse import settings as reuse_settings
 from pcr_sglang.reuse.bounds import DocBoundsError, Recompute, request_warm_now
-from pcr_sglang.reuse.tokenizer import DocWarmer
+from pcr_sglang.reuse.doc_warmer import DocWarmer
 from pcr_sglang.reuse.warmup import WarmupLedger, WarmupPolicy
 
 CHUNK = 4
@@ -240,7 +240,7 @@ def test_warm_ups_in_flight_are_capped_per_request_and_per_server(policy, warm_n
     once, and ``pcr_doc_warm: true`` made every document due. Now at most
     ``per_request`` of one request's are in flight, ``per_server`` of everyone's; the rest
     wait for a place and all run in the end."""
-    from pcr_sglang.reuse.tokenizer import WarmupCaps
+    from pcr_sglang.reuse.doc_warmer import WarmupCaps
 
     async def run():
         manager = SimpleNamespace(rid_to_state={})
@@ -281,7 +281,7 @@ def test_one_tenants_flood_of_warm_ups_leaves_places_for_another_tenant():
     sending many requests of new documents (``pcr_doc_warm: true`` needs no privilege)
     queued every other tenant's warm-ups behind its own. A tenant now holds at most
     ``per_tenant`` places (red before: the second tenant got none of the 4)."""
-    from pcr_sglang.reuse.tokenizer import WarmupCaps
+    from pcr_sglang.reuse.doc_warmer import WarmupCaps
 
     async def run():
         warmer, recorder, manager = _warmer(WarmupPolicy("request", after=1),
@@ -304,7 +304,7 @@ def test_a_request_waits_for_its_warm_ups_a_few_prefills_then_goes_without_them(
     """Review N9: a request waited up to 120 s for its warm-ups. It now waits ``multiple``
     times the median measured warm-up prefill (at least ``floor_s``), then is sent; the
     warm-ups go on and serve later requests (red before: the request waited for the hold)."""
-    from pcr_sglang.reuse.tokenizer import WarmupWait
+    from pcr_sglang.reuse.doc_warmer import WarmupWait
 
     async def run():
         warmer, recorder, manager = _warmer(WarmupPolicy("request", after=1),
