@@ -50,7 +50,8 @@ from pcr_sglang.core.orders import DeleteChunk, IoOutcome, ProbeRemote, ReadChun
 from pcr_sglang.io.faults import DelayedRenames, TestFaults
 from pcr_sglang.io.protocol import Done, Hello, IoProcessConfig, Probed, RemoteStatus, order_decoder, reply_encoder
 from pcr_sglang.io.readers import ReaderThreads
-from pcr_sglang.io.remote_thread import RemoteFaults, RemoteThread
+from pcr_sglang.io.remote_calls import RemoteFaults
+from pcr_sglang.io.remote_thread import RemoteThread
 from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.records import ChunkRecord, RecordCodec
 from pcr_sglang.tiers.remote_store import RemoteChunkStore, RemoteConfig, RemoteConfigError, load_fleet_key

@@ -4,7 +4,8 @@ A call to Mooncake blocks while the master is unreachable (about four seconds pe
 here), so remote work never runs on the I/O process's main loop, where local SSD reads
 and writes go on regardless. The thread answers the scheduler itself, on a socket of its
 own, with the same replies the main loop sends (:class:`Done` for reads, :class:`Probed`
-for probes), and reports the tier's state and counters in :class:`RemoteStatus`.
+for probes), and reports the tier's state and counters in :class:`RemoteStatus`. What each
+order asks the store and counts is in :mod:`.remote_calls`.
 
 Failure handling is a circuit breaker: the first error marks the tier down; while down,
 probes find nothing, reads come back bad (the scheduler recomputes) and write-through
@@ -51,9 +52,11 @@ from typing import Any, Callable, Optional, TypeVar
 import zmq
 
 from pcr_sglang.core.orders import IoOutcome, ProbeRemote, ReadChunk
+from pcr_sglang.io import remote_calls
 from pcr_sglang.io.protocol import SOURCE_REMOTE, Done, Probed, RemoteStatus, Reply, reply_encoder
+from pcr_sglang.io.remote_calls import RemoteCounters, RemoteFaults
 from pcr_sglang.tiers.records import ChunkRecord
-from pcr_sglang.tiers.remote_store import ReadResult, RemoteChunkStore, RemoteConfigError, RemoteError
+from pcr_sglang.tiers.remote_store import RemoteChunkStore, RemoteConfigError, RemoteError
 
 logger = logging.getLogger(__name__)
 
@@ -64,28 +67,6 @@ STATUS_INTERVAL_S = 1.0
 OUTBOX_RETRY_S = 0.01  # how often replies the scheduler has not taken yet are sent again
 
 
-@dataclass
-class RemoteCounters:
-    probes: int = 0
-    probed_chunks: int = 0
-    found_chunks: int = 0
-    reads: int = 0
-    read_ok: int = 0
-    read_missing: int = 0
-    read_corrupt: int = 0
-    read_failed: int = 0  # the store could not be asked (down, or the call failed)
-    read_bytes: int = 0
-    read_seconds: float = 0.0
-    writes: int = 0  # records sent
-    writes_present: int = 0  # not sent: the store held the key already
-    writes_dropped: int = 0  # not sent: the queue was full
-    writes_failed: int = 0  # not sent: the call failed, or the tier was down
-    write_bytes: int = 0
-    errors: int = 0  # calls that failed (each one trips the breaker)
-    outages: int = 0  # times the tier went down
-    calls_timed_out: int = 0  # calls given up on past their deadline (each restarts the client)
-
-
 @dataclass(frozen=True)
 class _Running:
     """The call the thread is in: its order (None: a connect or a health query; a
@@ -93,18 +74,6 @@ class _Running:
 
     item: Any
     started: float
-
-
-@dataclass(frozen=True)
-class RemoteFaults:
-    """Test knob (``PCR_IO_TEST_FAULTS``: ``remote_delay_s``, ``remote_read_delay_s``,
-    ``remote_fail``): every remote call (or every read sent to the store) waits, or every
-    call fails as an unreachable master would. A read the breaker refuses is not sent, so
-    it fails at once, as it would against a store that hangs."""
-
-    delay_s: float = 0.0
-    fail: bool = False
-    read_delay_s: float = 0.0
 
 
 class RemoteThread:
@@ -264,11 +233,11 @@ class RemoteThread:
                         except RemoteError:
                             pass
                     elif queue is self._probes:
-                        self._probe(item)
+                        remote_calls.probe(self, item)
                     elif queue is self._writes:
-                        self._write(*item)
+                        remote_calls.write(self, *item)
                     else:
-                        self._read(item)
+                        remote_calls.read(self, item)
                 except zmq.ZMQError:
                     raise  # the replies socket is gone: the process is ending
                 except Exception:  # noqa: BLE001 - a bug here must not leave orders unanswered forever
@@ -341,65 +310,6 @@ class RemoteThread:
         self.healthy, self.error = False, why
         self._retry_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
-
-    def _probe(self, order: ProbeRemote) -> None:
-        start = time.perf_counter()
-        self.counters.probes += 1
-        self.counters.probed_chunks += sum(len(c) for c in order.chains)
-        try:
-            present = self._call(lambda: self.store.probe(order.chains))
-            error = ""
-        except RemoteError as e:
-            present, error = [0] * len(order.chains), str(e)
-        self._answer(Probed(order.seq, present, error, time.perf_counter() - start), final=True,
-                     counts={"found_chunks": sum(present)})
-
-    def _read(self, order: ReadChunk) -> None:
-        start = time.perf_counter()
-        self.counters.reads += 1
-        delay_s = self.faults.read_delay_s if self.faults is not None else 0.0
-
-        def read() -> ReadResult:
-            time.sleep(delay_s)  # the test fault: in the call, so a read the breaker refuses is not slowed
-            # Into the thread's own buffer: copied into the host slot only by _answer.
-            return self.store.read_into(order.key, memoryview(self._scratch))
-
-        try:
-            result = self._call(read)
-        except RemoteError as e:
-            self._answer(Done(order.seq, IoOutcome.BAD, f"not on the local SSD; remote tier: {e}",
-                              seconds=time.perf_counter() - start, source=SOURCE_REMOTE), final=True,
-                         counts={"read_failed": 1})
-            return
-        seconds = time.perf_counter() - start
-        if result is ReadResult.OK:
-            record = self.store.last_record
-            counts = {"read_ok": 1, "read_bytes": self.store.codec.record_bytes, "read_seconds": seconds}
-            if not self._answer(Done(order.seq, IoOutcome.OK, seconds=seconds, source=SOURCE_REMOTE),
-                                final=True, into_slot=order.host_slot, counts=counts):
-                return  # replaced meanwhile: its order was answered as failed, the slot is not ours
-            on_read = self.on_read
-            if on_read is not None and record is not None:
-                on_read(order.key, record, bytes(self._scratch))
-            return
-        if result is ReadResult.CORRUPT:
-            logger.warning("PCR remote tier: chunk %s failed verification; removed, it will be recomputed",
-                           order.key.hex())
-        self._answer(Done(order.seq, IoOutcome.BAD, f"remote tier: {result.value}", seconds=seconds,
-                          source=SOURCE_REMOTE), final=True,
-                     counts={"read_corrupt" if result is ReadResult.CORRUPT else "read_missing": 1})
-
-    def _write(self, key: bytes, record: bytes | bytearray) -> None:
-        try:
-            sent = self._call(lambda: self.store.write(key, record))
-        except RemoteError:
-            self.counters.writes_failed += 1
-            return
-        if sent:
-            self.counters.writes += 1
-            self.counters.write_bytes += len(record)
-        else:
-            self.counters.writes_present += 1
 
     def _answer(self, reply: Reply, final: bool = False, into_slot: Optional[int] = None,
                 counts: Optional[dict[str, float]] = None) -> bool:

@@ -15,7 +15,8 @@ import zmq
 
 from pcr_sglang.core.orders import IoOutcome, ReadChunk
 from pcr_sglang.io.protocol import Done, reply_decoder
-from pcr_sglang.io.remote_thread import RemoteFaults, RemoteThread
+from pcr_sglang.io.remote_calls import RemoteFaults
+from pcr_sglang.io.remote_thread import RemoteThread
 from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.records import RecordCodec
 from pcr_sglang.tiers.remote_store import RemoteChunkStore, RemoteConfig, load_fleet_key

@@ -14,7 +14,7 @@ import pytest
 
 from pcr_sglang.core.hints import HintStats
 from pcr_sglang.core.stats import CacheStats, SSDStats
-from pcr_sglang.io.remote_thread import RemoteCounters
+from pcr_sglang.io.remote_calls import RemoteCounters
 from pcr_sglang.sglang_adapter import metrics
 from pcr_sglang.sglang_adapter.remote_probes import RemoteProbeStats
 

@@ -12,7 +12,8 @@ import zmq
 
 from pcr_sglang.core.orders import IoOutcome, ProbeRemote, ReadChunk
 from pcr_sglang.io.protocol import SOURCE_REMOTE, Done, Probed, RemoteStatus, reply_decoder
-from pcr_sglang.io.remote_thread import RemoteFaults, RemoteThread
+from pcr_sglang.io.remote_calls import RemoteFaults
+from pcr_sglang.io.remote_thread import RemoteThread
 from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.records import RecordCodec
 from pcr_sglang.tiers.remote_store import (
