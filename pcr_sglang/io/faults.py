@@ -3,7 +3,7 @@
 Kept apart from :mod:`pcr_sglang.io.process` so that its production path reads as
 production code, and every way a test can make the I/O process slow or fail is read in one
 place (the remote thread is handed its part as a
-:class:`~pcr_sglang.io.remote_thread.RemoteFaults`).
+:class:`~pcr_sglang.io.remote_calls.RemoteFaults`).
 
 Test knob: ``PCR_IO_TEST_FAULTS`` (JSON, e.g. ``{"tp_ranks": [1], "read_delay_s": 2}``,
 ``{"fail_reads": true}``, ``{"fail_writes": true}``, ``{"write_delay_s": 0.2}``,
