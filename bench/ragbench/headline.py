@@ -3,6 +3,7 @@ on the retrieval trace, at three loads, with the answers checked on the same req
 
     python -m bench.ragbench headline            # 30 requests at 30%, 60% and 90% load (about 40 min on 2 cores)
     python -m bench.ragbench headline --quick    # 12 requests at 60% load (under 10 min)
+    python -m bench.ragbench headline --merge RUN_DIR RUN_DIR --out DIR   # one report of runs of one trace
 
 1. The served model is the document-reuse tuned SmolLM2-135M-Instruct (its committed
    calibration sets the calibrated default mode). The trace is ragbench's retrieval trace:
@@ -352,7 +353,56 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: Path) -> Optional[Path]:
     return path
 
 
+def merge(run_dirs: Sequence[Path], out_dir: Path) -> int:
+    """``--merge``: one report of several runs of the same trace (each run's ``headline.json``;
+    say, one load per run), its rows, targets and anatomy taken together. The runs must
+    share the noise floor (the same trace and reference answers); a later run's row of the
+    same configuration and load replaces an earlier one's, which the report says."""
+    runs = [json.loads((d / "headline.json").read_text()) for d in run_dirs]
+    floors = {json.dumps(r["noise_floor"], sort_keys=True) for r in runs}
+    if len(floors) != 1:
+        raise SystemExit(f"--merge: the runs' noise floors differ ({sorted(floors)}): not the same trace")
+    order = {c: i for i, c in enumerate(HEADLINE_CONFIGS)}
+    rows: dict[tuple[str, float], dict[str, Any]] = {}
+    anatomy_rows: dict[tuple[str, float], dict[str, Any]] = {}
+    replaced: list[str] = []
+    failed: list[str] = []
+    for run in runs:
+        for row in run["rows"]:
+            key = (row["config"], row["load"])
+            if key in rows:
+                replaced.append(f"{row['config']}@{row['load']:.0%}")
+            rows[key] = row
+        anatomy_rows.update({(a["config"], a["load"]): a for a in run.get("anatomy", [])})
+        failed += run["meta"].get("failed_runs", [])
+    failed = [f for f in failed if (f.split("@")[0], float(f.split("@")[1].split("%")[0]) / 100) not in rows]
+    merged = sorted(rows.values(), key=lambda r: (r["load"], order.get(r["config"], len(order))))
+    noise_floor = runs[0]["noise_floor"]
+    checks = check_targets(merged, noise_floor["f1"])
+    first = runs[0]["meta"]
+    meta = {**first, "command": " + ".join(f"`{r['meta']['command']}` ({r['meta']['commit']})" for r in runs),
+            "rates": {float(k): v for r in runs for k, v in r["meta"]["rates"].items()},
+            "elapsed_s": sum(r["meta"]["elapsed_s"] for r in runs), "failed_runs": failed,
+            "commit": "the commits named beside each command"}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = markdown(meta, merged, noise_floor, checks,
+                    sorted(anatomy_rows.values(), key=lambda r: (r["load"], order.get(r["config"], len(order)))))
+    text = text.replace(f"`{meta['command']}` on {meta['commit']}", f"Merged from {meta['command']}", 1)
+    if replaced:
+        text += f"\nRows replaced by a later run: {', '.join(replaced)}.\n"
+    (out_dir / "headline.md").write_text(text)
+    plot(merged, out_dir)
+    print(text)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--merge"]:
+        end = argv.index("--out") if "--out" in argv else len(argv)
+        dirs, out = [Path(a) for a in argv[1:end]], argv[end + 1:end + 2]
+        if len(dirs) < 2 or len(out) != 1 or Path(out[0]) in dirs:
+            raise SystemExit("usage: python -m bench.ragbench headline --merge RUN_DIR RUN_DIR... --out DIR")
+        return merge(dirs, Path(out[0]))
     intro, _, details = (__doc__ or "").partition("\n\n")
     parser = argparse.ArgumentParser(prog="python -m bench.ragbench headline", description=intro,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=details)

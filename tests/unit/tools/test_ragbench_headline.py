@@ -96,3 +96,41 @@ def test_the_anatomy_fits_ttft_to_uncached_tokens_and_finds_the_slowest_requests
     assert row["slowest_wait_ms"] == pytest.approx(300)
     assert row["pcr_step_p99_ms"] == 2.0 and row["iteration_p50_ms"] == 40
     assert "| 60% | pcr |" in anatomy_table([row])
+
+
+def _run_dir(tmp_path, name, rows, noise_f1=0.6, failed=()):
+    import json
+
+    d = tmp_path / name
+    d.mkdir()
+    meta = {"date": "2026-12-07", "command": f"python -m bench.ragbench headline ({name})", "commit": name,
+            "machine": "m", "elapsed_s": 60.0, "model": "tuned", "trace": "t", "pool_tokens": 100,
+            "working_set_over_pool": 2.0, "host_gb": 0.1, "ssd_gb": 1.0, "capacity_rps": 0.4, "capacity_requests": 12,
+            "capacity_makespan_s": 30.0, "rates": {str(r["load"]): r["rate"] for r in rows},
+            "capacity_measured": False, "failed_runs": list(failed)}
+    (d / "headline.json").write_text(json.dumps({"meta": meta, "rows": rows, "anatomy": [],
+                                                 "noise_floor": {"f1": noise_f1, "identical": 0.3}}))
+    return d
+
+
+def _full_row(config, load, mean, p99):
+    return {"config": config, "load": load, "rate": load * 0.4, "requests": 12, "failed": 0, "ttft_median_ms": mean,
+            "ttft_p99_ms": p99, "ttft_mean_ms": mean, "e2e_p99_ms": 2 * p99, "reused_tokens": 10,
+            "prompt_tokens": 100, "reused_share": 0.1, "f1_vs_full": 1.0, "identical_to_full": 1.0}
+
+
+def test_merged_runs_make_one_report_a_later_row_replacing_an_earlier_one(tmp_path):
+    from bench.ragbench.headline import merge
+
+    first = _run_dir(tmp_path, "a", [_full_row("radix", 0.6, 500, 900), _full_row("pcr-blend-cal-pre", 0.6, 300, 500)],
+                     failed=["hicache@60%: no memory"])
+    second = _run_dir(tmp_path, "b", [_full_row("hicache", 0.6, 700, 1200), _full_row("radix", 0.6, 520, 950)])
+    assert merge([first, second], tmp_path / "out") == 0
+    text = (tmp_path / "out" / "headline.md").read_text()
+    assert "| 60% (0.24/s) | radix | 520 ms |" in text and "| radix | 500 ms |" not in text
+    assert "Rows replaced by a later run: radix@60%." in text
+    assert "HiCache's P99 TTFT / its own >= 2.0x: 2.40x (met)" in text  # 1200 / 500
+    assert "Failed runs" not in text  # hicache@60% was measured by the later run
+    other = _run_dir(tmp_path, "c", [_full_row("radix", 0.3, 400, 800)], noise_f1=0.5)
+    with pytest.raises(SystemExit, match="noise floors differ"):
+        merge([first, other], tmp_path / "out2")
