@@ -171,7 +171,10 @@ def run_row(run: RunResult, load: float, reference: Reference, decode: Any) -> d
             "ttft_mean_ms": statistics.mean(ttft) if ttft else None,
             "e2e_p99_ms": stat(e2e, 99), "reused_tokens": cached, "prompt_tokens": prompt,
             "reused_share": cached / prompt if prompt else None,
-            "f1_vs_full": answers["f1"], "identical_to_full": answers["identical"]}
+            "f1_vs_full": answers["f1"], "identical_to_full": answers["identical"],
+            # Document reuse's own counters (warm-ups, documents reused, requests refused): in
+            # headline.json, where a configuration's cost is read.
+            "doc_reuse_counters": ((run.server_state or {}).get("doc_reuse") or {}).get("counters")}
 
 
 PREFIX_CONFIGS = ("radix", "hicache", "pcr")  # exact prefix reuse: where PCR's P99 edge over HiCache is read

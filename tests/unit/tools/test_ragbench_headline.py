@@ -57,7 +57,9 @@ def test_a_rows_figures_leave_failed_requests_out_and_count_them():
     run = RunResult("pcr-blend-cal", 0.5, "load-0.6", 0.1,
                     [_record("a", 0.1, 80, [1]), _record("b", 0.3, 60, [2]), _record("c", float("nan"), 0, [], "x")],
                     makespan_s=10.0, startup_s=0.0, queue_depth_mean=0.0, queue_depth_max=0.0)
+    run.server_state = {"doc_reuse": {"counters": {"canonical_requests": 2}}}
     row = run_row(run, 0.6, Reference({"a": [1], "b": [3], "c": [1]}, {}), lambda ids: str(ids))
+    assert row["doc_reuse_counters"] == {"canonical_requests": 2}
     assert row["failed"] == 1 and row["reused_share"] == pytest.approx(140 / 200)
     assert row["ttft_median_ms"] == pytest.approx(200) and row["ttft_mean_ms"] == pytest.approx(200)
     assert row["identical_to_full"] == pytest.approx(0.5)
