@@ -213,6 +213,17 @@ MUTANTS: tuple[Mutant, ...] = (
         breaks="a down remote tier is retried only when work arrives",
     ),
     Mutant(
+        name="admission-keeps-probing-after-an-in-memory-update",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/scheduler_side.py",
+        original="        self.admission.probes = probes\n",
+        replacement="",
+        tests=(UNIT + "sglang_adapter/test_remote_follow.py",),
+        claim="docs/scale-out.md, Several servers: nothing of an in-memory update's namespace goes to or comes from "
+              "the remote tier (admission stops probing it too)",
+        breaks="after an in-memory weight update every request waits the remote probe's timeout",
+    ),
+    Mutant(
         name="remote-adopted-chunks-not-made-recent",
         kind="unit",
         file="pcr_sglang/core/ssd_residency.py",
