@@ -147,3 +147,23 @@ def budgets_for(shape: dict[str, int], pool_fraction: float, host_fraction: floa
                    host_gb=round(host_gb, 3), ssd_gb=round(ssd_gb, 2),
                    context_length=shape["longest"] + SLACK_TOKENS, kv_bytes_per_token=bytes_per_token,
                    chunk_size=chunk_size, page_size=chunk_size)
+
+
+def batch_pool_budgets(shape: dict[str, int], batch_prompts: int, host_fraction: float, chunk_size: int,
+                       bytes_per_token: int) -> tuple[Budgets, float]:
+    """Budgets whose device pool holds ``batch_prompts`` of the trace's longest prompts (plus
+    slack), so several requests batch while the working set stays larger; and that pool as
+    a fraction of the working set."""
+    pool_tokens = batch_prompts * shape["longest"] + SLACK_TOKENS
+    fraction = pool_tokens / shape["working_set"]
+    budgets = budgets_for(shape, fraction, host_fraction, chunk_size, bytes_per_token)
+    return replace(budgets, device_pool_tokens=pool_tokens), fraction
+
+
+def machine() -> str:
+    """The machine a run's figures come from, as the reports print it."""
+    import os
+    import platform
+
+    cores = len(os.sched_getaffinity(0))
+    return f"{platform.machine()}, {cores} CPU cores, no GPU" if cpu_only() else platform.machine()

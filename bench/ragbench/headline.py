@@ -60,14 +60,15 @@ import requests
 
 from bench.ragbench.common import (
     Model,
-    budgets_for,
+    batch_pool_budgets,
     config_list,
     float_list,
+    machine,
     trace_shape,
     workload_args,
     workload_params,
 )
-from bench.ragbench.operating_points import Capacity, _machine
+from bench.ragbench.operating_points import Capacity
 from bench.ragbench.report import build_report, percentile, write_report
 from bench.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run, replay, run_planned
 from bench.ragbench.workload import Trace, make_trace, save_trace
@@ -454,11 +455,10 @@ def main(argv: list[str]) -> int:
     trace = make_trace(workload_params(args), count_tokens=model.count_tokens)
     save_trace(trace, out_dir / "trace.jsonl")
     shape = trace_shape(trace, model, args.chunk_size)
-    pool_tokens = args.batch_prompts * shape["longest"] + 256
-    fraction = pool_tokens / shape["working_set"]
-    budgets = budgets_for(shape, fraction, args.host_fraction, args.chunk_size, model.kv_bytes_per_token())
-    budgets = replace(budgets, device_pool_tokens=pool_tokens,
-                      context_length=max(budgets.context_length, CALIBRATED_CONTEXT_LENGTH))
+    budgets, fraction = batch_pool_budgets(shape, args.batch_prompts, args.host_fraction, args.chunk_size,
+                                           model.kv_bytes_per_token())
+    budgets = replace(budgets, context_length=max(budgets.context_length, CALIBRATED_CONTEXT_LENGTH))
+    pool_tokens = budgets.device_pool_tokens
     logger.info("pool %d tokens; working set %d tokens (%.1fx the pool)", pool_tokens, shape["working_set"],
                 shape["working_set"] / pool_tokens)
     if "hicache" in args.configs:
@@ -499,7 +499,7 @@ def main(argv: list[str]) -> int:
     anatomy_rows = sorted((anatomy(run, load) for load, run in runs if run.config in PREFIX_CONFIGS),
                           key=lambda r: (r["load"], order[r["config"]]))
     meta: dict[str, Any] = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": _machine(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
         "command": "python -m bench.ragbench headline " + shlex.join(argv), "commit": _commit(),
         "model": f"{Path(model.path).name} (the document-reuse tuned SmolLM2-135M-Instruct)",
         "trace": (f"{len(trace.requests)} requests, {shape['working_set']} working-set tokens, longest prompt "

@@ -28,13 +28,21 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import requests
 
-from bench.ragbench.common import Model, budgets_for, config_list, trace_shape, workload_args, workload_params
+from bench.ragbench.common import (
+    Model,
+    batch_pool_budgets,
+    config_list,
+    machine,
+    trace_shape,
+    workload_args,
+    workload_params,
+)
 from bench.ragbench.report import build_report, write_report
 from bench.ragbench.runner import Budgets, RunResult, ServerPool, plan_run, replay, run_planned
 from bench.ragbench.workload import Trace, make_trace, save_trace
@@ -194,10 +202,9 @@ def main(argv: list[str]) -> int:
     trace = make_trace(workload_params(args), count_tokens=model.count_tokens)
     save_trace(trace, out_dir / "trace.jsonl")
     shape = trace_shape(trace, model, args.chunk_size)
-    pool_tokens = args.batch_prompts * shape["longest"] + 256
-    fraction = pool_tokens / shape["working_set"]
-    budgets = budgets_for(shape, fraction, args.host_fraction, args.chunk_size, model.kv_bytes_per_token())
-    budgets = replace(budgets, device_pool_tokens=pool_tokens)
+    budgets, fraction = batch_pool_budgets(shape, args.batch_prompts, args.host_fraction, args.chunk_size,
+                                           model.kv_bytes_per_token())
+    pool_tokens = budgets.device_pool_tokens
     logger.info("pool %d tokens; working set %d tokens (%.1fx the pool)", pool_tokens, shape["working_set"],
                 shape["working_set"] / pool_tokens)
     if args.capacity_rps is None:
@@ -230,7 +237,7 @@ def main(argv: list[str]) -> int:
             result.server_state["budgets"] = run.budgets.__dict__
             runs.append(result)
     meta: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(), "machine": _machine(),
+        "date": datetime.date.today().isoformat(), "machine": machine(),
         "command": "python -m bench.ragbench operating-points " + shlex.join(argv),
         "trace": (f"{len(trace.requests)} requests, {shape['working_set']} working-set tokens, longest prompt "
                   f"{shape['longest']} tokens, Zipf {trace.stats['zipf_exponent']:.2f}, documents in "
@@ -251,16 +258,6 @@ def main(argv: list[str]) -> int:
     (out_dir / "operating_points.md").write_text(text)
     print(text)
     return 0 if report["outputs_identical"] and not failed else 1
-
-
-def _machine() -> str:
-    import os
-    import platform
-
-    from pcr_tools.launcher import cpu_only
-
-    cores = len(os.sched_getaffinity(0))
-    return f"{platform.machine()}, {cores} CPU cores, no GPU" if cpu_only() else platform.machine()
 
 
 if __name__ == "__main__":
