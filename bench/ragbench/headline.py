@@ -68,9 +68,9 @@ from bench.ragbench.common import (
     workload_args,
     workload_params,
 )
-from bench.ragbench.operating_points import Capacity
+from bench.ragbench.operating_points import Capacity, saturate
 from bench.ragbench.report import build_report, percentile, write_report
-from bench.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run, replay, run_planned
+from bench.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run, run_planned
 from bench.ragbench.workload import Trace, make_trace, save_trace
 
 logger = logging.getLogger(__name__)
@@ -125,10 +125,7 @@ def measure_reference(model: Model, trace: Trace, budgets: Budgets, work_dir: Pa
     with ServerPool(model.path, [run.plan]) as servers:
         server, _ = servers.acquire(0)
         try:
-            records, makespan, _ = replay(server, trace, lambda r, a: model.prompt(trace, r, a), model.decode, 1e6)
-            failed = [r for r in records if r.error is not None]
-            if failed:
-                raise RuntimeError(f"reference run: {len(failed)} of {len(records)} requests failed: {failed[0].error}")
+            capacity, records = saturate(server, model, trace, "reference run")
             shuffled: dict[str, list[int]] = {}
             for request in trace.first_turns():
                 ids, bounds = model.prompt(trace, request, {})
@@ -137,7 +134,7 @@ def measure_reference(model: Model, trace: Trace, budgets: Budgets, work_dir: Pa
                 shuffled[request.rid] = list(reply.get("output_ids") or [])
         finally:
             servers.release(0, server)
-    return Capacity(len(records), makespan), Reference({r.rid: r.output_ids for r in records}, shuffled)
+    return capacity, Reference({r.rid: r.output_ids for r in records}, shuffled)
 
 
 def agreement(outputs: dict[str, list[int]], reference: dict[str, list[int]],

@@ -44,7 +44,7 @@ from bench.ragbench.common import (
     workload_params,
 )
 from bench.ragbench.report import build_report, write_report
-from bench.ragbench.runner import Budgets, RunResult, ServerPool, plan_run, replay, run_planned
+from bench.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run, replay, run_planned
 from bench.ragbench.workload import Trace, make_trace, save_trace
 
 logger = logging.getLogger(__name__)
@@ -73,19 +73,26 @@ class Capacity:
         return self.requests / self.makespan_s
 
 
+def saturate(server: Any, model: Model, trace: Trace, label: str) -> tuple[Capacity, list[RequestRecord]]:
+    """Every first turn sent at once to ``server``: its throughput, and the records (a
+    failed request raises, naming ``label``)."""
+    records, makespan, _ = replay(server, trace, lambda r, a: model.prompt(trace, r, a), model.decode, 1e6)
+    failed = [r for r in records if r.error is not None]
+    if failed:
+        raise RuntimeError(f"{label}: {len(failed)} of {len(records)} requests failed: {failed[0].error}")
+    return Capacity(len(records), makespan), records
+
+
 def measure_capacity(model: Model, trace: Trace, budgets: Budgets, work_dir: Path) -> Capacity:
     """Every first turn at once to a ``--disable-radix-cache`` server on the run's pool."""
     run = plan_run("nocache", budgets, trace, 1e6, "capacity", 0.0, work_dir)
     with ServerPool(model.path, [run.plan]) as servers:
         server, _ = servers.acquire(0)
         try:
-            records, makespan, _ = replay(server, trace, lambda r, a: model.prompt(trace, r, a), model.decode, 1e6)
+            capacity, _ = saturate(server, model, trace, "capacity run")
         finally:
             servers.release(0, server)
-    failed = [r for r in records if r.error is not None]
-    if failed:
-        raise RuntimeError(f"capacity run: {len(failed)} of {len(records)} requests failed: {failed[0].error}")
-    return Capacity(len(records), makespan)
+    return capacity
 
 
 def medians(report: dict[str, Any]) -> list[dict[str, Any]]:

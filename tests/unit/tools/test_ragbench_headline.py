@@ -136,3 +136,35 @@ def test_merged_runs_make_one_report_a_later_row_replacing_an_earlier_one(tmp_pa
     other = _run_dir(tmp_path, "c", [_full_row("radix", 0.3, 400, 800)], noise_f1=0.5)
     with pytest.raises(SystemExit, match="noise floors differ"):
         merge([first, other], tmp_path / "out2")
+
+
+class _SaturatedServer:
+    """Answers every streamed request with one token; ``failing``: first token ids that fail."""
+
+    base_url = "http://127.0.0.1:9"  # the queue sampler's reads fail and are skipped
+
+    def __init__(self, failing=()):
+        self.failing = set(failing)
+
+    def generate_stream(self, body, timeout_s=None):
+        from pcr_tools.launcher import StreamedResponse
+
+        if body["input_ids"][0] in self.failing:
+            raise ValueError("server said no")
+        return StreamedResponse(ttft_s=0.01, latency_s=0.02, final={"output_ids": [7], "meta_info": {}})
+
+
+def test_saturate_sends_every_first_turn_and_a_failed_one_raises_with_its_label():
+    from types import SimpleNamespace
+
+    from bench.ragbench.operating_points import saturate
+    from bench.ragbench.workload import WorkloadParams, make_trace
+
+    trace = make_trace(WorkloadParams(source="synthetic", num_requests=3, corpus_docs=10, seed=1),
+                       count_tokens=lambda text: len(text.split()))
+    ids = {r.rid: [i + 1, 0, 0] for i, r in enumerate(trace.first_turns())}
+    model = SimpleNamespace(prompt=lambda t, r, a: (ids[r.rid], []), decode=str)
+    capacity, records = saturate(_SaturatedServer(), model, trace, "capacity run")
+    assert capacity.requests == 3 and [r.output_ids for r in records] == [[7]] * 3
+    with pytest.raises(RuntimeError, match=r"^reference run: 1 of 3 requests failed"):
+        saturate(_SaturatedServer(failing={2}), model, trace, "reference run")
