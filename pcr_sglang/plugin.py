@@ -22,10 +22,10 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
   request's hits are counted once, by tier, as SGLang reports them, and the chunks the
   coming forward completes get host slots to be offloaded into during it;
   with ``--pcr-doc-reuse lego/blend`` the extend input of a permuted row is its tokens in
-  row order (``reuse/rows``);
-* ``ForwardBatch.init_new`` (AFTER): those tokens get their true positions; the
-  ``torch_native`` and ``triton`` backends' extend metadata and kernels (AROUND) then
-  apply a position-causal mask to batches that carry such rows, and only to them;
+  row order, and the batch's ``ForwardPlan`` is planned (``reuse/forward_plan``);
+* ``ForwardBatch.init_new`` (AFTER), the ``torch_native`` and ``triton`` backends' extend
+  metadata and kernels (AROUND): that plan is bound to the forward (true positions) and
+  its attention is position-causal; no other forward changes (``sglang_adapter/forward_hooks``);
 * the scheduler's ``run_batch`` (AROUND): the offloads planned for a batch's requests run
   in that batch and no other;
 * ``ModelRunner.forward`` (AROUND): the forward's stream and extend timings;
@@ -72,16 +72,16 @@ from typing import Any, Callable
 
 from pcr_sglang.flags import flag_value
 from pcr_sglang.install_check import check_sglang_install
-from pcr_sglang.reuse.bounds import ROWS_ATTR
+from pcr_sglang.sglang_adapter.startup import (
+    BACKEND_NAME,
+    PCRStartupError,
+    pcr_selected,
+    validate_after_resolution,
+)
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAME = "pcr"
 _registered = False
-
-
-class PCRStartupError(RuntimeError):
-    """pcr-sglang cannot start: the installation or the flags are wrong."""
 
 
 def register() -> None:
@@ -114,7 +114,7 @@ def register() -> None:
         "sglang.srt.mem_cache.registry.create_tree_cache", _create_tree_cache, HookType.AROUND
     )
     HookRegistry.register(
-        "sglang.srt.server_args.ServerArgs.resolve_once", _validate_after_resolution, HookType.AFTER
+        "sglang.srt.server_args.ServerArgs.resolve_once", validate_after_resolution, HookType.AFTER
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", _on_scheduler_step, HookType.BEFORE
@@ -132,14 +132,9 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode", _plan_decode_offloads, HookType.AFTER
     )
-    HookRegistry.register(
-        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _row_positions, HookType.AFTER
-    )
-    native = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
-    HookRegistry.register(f"{native}._run_sdpa_forward_extend", _native_extend, HookType.AROUND)
-    triton = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend"
-    HookRegistry.register(f"{triton}.init_forward_metadata", _triton_metadata, HookType.AROUND)
-    HookRegistry.register(f"{triton}._forward_extend_kernel", _triton_extend_kernel, HookType.AROUND)
+    from pcr_sglang.sglang_adapter import forward_hooks
+
+    forward_hooks.register(HookRegistry, HookType)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.run_batch", _around_run_batch, HookType.AROUND)
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.forward", _around_forward, HookType.AROUND
@@ -162,7 +157,7 @@ def register() -> None:
     )
     from pcr_sglang.reuse import reorder as reuse_reorder
     from pcr_sglang.reuse import tokenizer as reuse_tokenizer
-    from pcr_sglang.sglang_adapter import invariant_route, kv_hints, session_checks, weight_updates
+    from pcr_sglang.sglang_adapter import document_hooks, invariant_route, kv_hints, session_checks, weight_updates
 
     for method in weight_updates.WRAPPED_METHODS:
         HookRegistry.register(
@@ -221,50 +216,7 @@ def register() -> None:
         invariant_route.get_internal_state,
         HookType.AROUND,
     )
-    _register_documents_as_text(HookRegistry, HookType)
-
-
-def _register_documents_as_text(HookRegistry: Any, HookType: Any) -> None:
-    """Documents sent as text (``reuse/chat``, ``reuse/doc_requests``, ``reuse/usage``): the
-    OpenAI API's ``documents`` field, ``/generate`` and the Engine with text plus documents,
-    rendered and marked in the tokenizer process; reused document tokens reported apart
-    from exact prefix hits; ``--pcr-doc-format`` checked at startup."""
-    from pcr_sglang.reuse import chat, doc_requests, usage
-
-    openai = "sglang.srt.entrypoints.openai"
-    for serving in ("serving_chat.OpenAIServingChat", "serving_completions.OpenAIServingCompletion"):
-        HookRegistry.register(f"{openai}.{serving}.handle_request", chat.handle_request, HookType.AROUND)
-    HookRegistry.register(f"{openai}.serving_chat.OpenAIServingChat._convert_to_internal_request",
-                          chat.convert_chat_request, HookType.AROUND)
-    HookRegistry.register(f"{openai}.serving_chat.OpenAIServingChat._render_and_encode_chat_template",
-                          chat.render_chat_template, HookType.AROUND)
-    manager = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
-    HookRegistry.register(f"{manager}.generate_request", doc_requests.generate_request, HookType.AROUND)
-    HookRegistry.register(f"{manager}._tokenize_one_request", doc_requests.tokenize_with_documents,
-                          HookType.AROUND)
-    HookRegistry.register(f"{manager}._validate_one_request", doc_requests.refuse_unrendered, HookType.AFTER)
-    for method in ("generate", "async_generate"):
-        HookRegistry.register(f"sglang.srt.entrypoints.engine.Engine.{method}", doc_requests.engine_generate,
-                              HookType.AROUND)
-    HookRegistry.register("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
-                          _note_reused_documents, HookType.AFTER)
-    HookRegistry.register(
-        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.get_cached_tokens_details",
-        usage.split_cached_details, HookType.AFTER,
-    )
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.resolve_once", doc_requests.check_format_flag,
-                          HookType.AFTER)
-
-
-def _note_reused_documents(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """After SGLang prepares an extend batch: each request's reused document tokens, noted
-    for its ``cached_tokens_details`` (``reuse/usage``)."""
-    cache = _pcr_cache(batch)
-    if cache is not None:
-        from pcr_sglang.reuse import usage
-
-        usage.note_reused_documents(batch.reqs, cache.scheduler.docs)
-    return result
+    document_hooks.register(HookRegistry, HookType)
 
 
 def _make_argv_guard(problem: str) -> Callable[..., Any]:
@@ -288,10 +240,9 @@ def _create_tree_cache(original: Callable[..., Any], ctx: Any, *args: Any, **kwa
 
 def _pcr_cache(owner: Any) -> Any:
     """``owner``'s tree cache if it is PCR's (a scheduler, batch or adder), else None."""
-    from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
+    from pcr_sglang.sglang_adapter.prefix_cache import pcr_cache_of
 
-    cache = getattr(owner, "tree_cache", None)
-    return cache if isinstance(cache, PCRPrefixCache) else None
+    return pcr_cache_of(owner)
 
 
 def _on_scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -329,7 +280,7 @@ def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **
     fresh = [r for r in batch.reqs if not r._cache_breakdown_computed and not r.retracted_stain]
     result = original(batch, *args, **kwargs)
     cache.scheduler.rows_written(batch.reqs)
-    setattr(batch, ROWS_ATTR, cache.scheduler.permute_extend_inputs(batch))
+    cache.scheduler.plan_forward(batch)
     for req in fresh:
         if req._cache_breakdown_computed:
             cache.scheduler.admitted(req)
@@ -338,40 +289,6 @@ def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **
     return result
 
 
-
-
-def _row_positions(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """After ``ForwardBatch.init_new``: permuted rows' true positions, published for the
-    attention of this forward (and nothing published for any other)."""
-    from pcr_sglang.reuse import rows as reuse_rows
-
-    if getattr(batch, ROWS_ATTR, None) or reuse_rows.CURRENT.rows is not None:
-        reuse_rows.apply_row_positions(result, batch)
-    return result
-
-
-def _native_extend(original: Callable[..., Any], backend: Any, *args: Any, **kwargs: Any) -> Any:
-    from pcr_sglang.reuse import rows as reuse_rows
-
-    if reuse_rows.CURRENT.rows is None:
-        return original(backend, *args, **kwargs)
-    return reuse_rows.native_extend_with_rows(original, backend, *args, **kwargs)
-
-
-def _triton_metadata(original: Callable[..., Any], backend: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-    from pcr_sglang.reuse import rows as reuse_rows
-
-    result = original(backend, forward_batch, *args, **kwargs)
-    pool = getattr(forward_batch, "req_pool_indices_cpu", None)
-    rows = reuse_rows.CURRENT.for_attention(pool if pool is not None else forward_batch.req_pool_indices)
-    backend._pcr_position_mask = bool(rows) and reuse_rows.set_triton_position_mask(backend, forward_batch, rows)
-    return result
-
-
-def _triton_extend_kernel(original: Callable[..., Any], backend: Any, *args: Any, **kwargs: Any) -> Any:
-    if getattr(backend, "_pcr_position_mask", False):
-        kwargs["skip_prefix_custom_mask"] = False  # the permuted prefix is masked by position too
-    return original(backend, *args, **kwargs)
 
 
 def _plan_decode_offloads(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -412,14 +329,6 @@ def _add_pcr_internal_state(result: Any, controller: Any, recv_req: Any = None, 
     return result
 
 
-def _pcr_selected(server_args: Any) -> bool:
-    """``--enable-pcr`` or ``--radix-cache-backend pcr``."""
-    from sglang.srt.arg_groups.overrides import resolving_view
-
-    return bool(flag_value(server_args, "enable_pcr")
-                or getattr(resolving_view(server_args), "radix_cache_backend", None) == BACKEND_NAME)
-
-
 # Where SGLang sizes its KV pool from free GPU memory (bytes; its slack for activations taken out).
 KV_POOL_BUDGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
 
@@ -430,7 +339,7 @@ def _reserve_doc_scratch(result: Any, configurator: Any, *args: Any, **kwargs: A
     from sglang.srt.runtime_context import get_server_args
 
     server_args = get_server_args()
-    if not isinstance(result, int) or server_args is None or not _pcr_selected(server_args):
+    if not isinstance(result, int) or server_args is None or not pcr_selected(server_args):
         return result
     from pcr_sglang.config import PCRConfig
     from pcr_sglang.reuse.scratch import reserve_from_kv_pool, scratch_reserve
@@ -441,7 +350,7 @@ def _reserve_doc_scratch(result: Any, configurator: Any, *args: Any, **kwargs: A
 
 def _kv_event_block_size(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
     """Routers hash prompts at the advertised block size: PCR's events carry chunks."""
-    if isinstance(result, dict) and _pcr_selected(server_args):
+    if isinstance(result, dict) and pcr_selected(server_args):
         from pcr_sglang.config import PCRConfig
 
         result["block_size"] = PCRConfig.from_server_args(server_args).chunk_size
@@ -453,56 +362,3 @@ def _kv_event_sources(original: Callable[..., Any], publisher: Any, block_size: 
     """The sources SGLang advertises to gRPC routers, at the block size of PCR's events."""
     cache = _pcr_cache(publisher)
     return original(publisher, cache.chunk_size if cache is not None else block_size, *args, **kwargs)
-
-
-_CONFLICTS = (
-    ("disable_radix_cache", "--disable-radix-cache"),
-    ("enable_hierarchical_cache", "--enable-hierarchical-cache"),
-    ("enable_lmcache", "--enable-lmcache"),
-    ("enable_flexkv", "--enable-flexkv"),
-    ("enable_streaming_session", "--enable-streaming-session"),
-    ("enable_session_radix_cache", "--enable-session-radix-cache"),
-)
-# What to do instead, where the refusal alone would leave a user stuck.
-_CONFLICT_ADVICE = {
-    "enable_streaming_session": (
-        ": SGLang keeps a streaming session's KV in session slots of its own radix cache "
-        "(UnifiedRadixCache), outside any tree, which PCR's chunk tree does not provide yet. "
-        "Drop the flag and send each turn with the whole conversation so far (no session): "
-        "PCR's tree then serves the history from its device, host and SSD tiers, all but the "
-        "last partial chunk (docs/testing.md, 'Streaming sessions')"),
-}
-
-
-def _validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """Every check below runs for both ways of selecting PCR's cache: ``--enable-pcr`` and
-    ``--radix-cache-backend pcr``."""
-    from sglang.srt.arg_groups.overrides import resolving_view
-
-    cfg = resolving_view(server_args)
-    if not _pcr_selected(server_args):
-        if flag_value(server_args, "pcr_doc_reuse") != "off":
-            raise PCRStartupError("--pcr-doc-reuse needs --enable-pcr (documents are reused through PCR's cache)")
-        return None
-    from pcr_sglang.config import PCRConfig
-    from pcr_sglang.reuse import settings as reuse_settings
-
-    config = PCRConfig.from_server_args(server_args)
-    config.validate(int(cfg.page_size or 1))
-    reuse_settings.validate(config)
-    for field, flag in _CONFLICTS:
-        if getattr(cfg, field, False):
-            raise PCRStartupError(f"--enable-pcr cannot be combined with {flag}{_CONFLICT_ADVICE.get(field, '')}")
-    backend = getattr(cfg, "radix_cache_backend", None)
-    if backend not in (None, BACKEND_NAME):
-        raise PCRStartupError(
-            f"--enable-pcr selects the '{BACKEND_NAME}' tree cache; drop --radix-cache-backend={backend}"
-        )
-    if getattr(cfg, "speculative_algorithm", None):
-        raise PCRStartupError("--enable-pcr does not support speculative decoding yet")
-    # Model kinds, KV recipes, layouts and flags PCR cannot serve: refused here, before
-    # any weight loads, with every reason in one message.
-    from pcr_sglang.sglang_adapter.refusals import check_supported
-
-    check_supported(server_args)
-    return None

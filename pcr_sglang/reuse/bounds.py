@@ -218,8 +218,6 @@ def parse_doc_bounds(raw: object, num_tokens: int, limits: Optional[DocLimits] =
 # The attention backends that take a position-causal mask over a permuted row (the
 # recompute modes, and concat computing a gap in place): reuse.rows carries them.
 RECOMPUTE_ATTENTION_BACKENDS = ("torch_native", "triton")
-# The ForwardBatch attribute the row positions travel on (reuse.rows reads it).
-ROWS_ATTR = "pcr_row_positions"
 
 
 def request_doc_reuse(req: PcrReq, num_tokens: int, server: Recompute, limits: Optional[DocLimits] = None

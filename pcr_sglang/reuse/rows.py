@@ -13,87 +13,24 @@ each set where SGLang builds it, for the requests whose extend touches a permute
   they sit (:func:`position_causal_sdpa_extend` for ``torch_native``;
   :func:`triton_position_mask` for ``triton``'s custom mask, prefix included).
 
-Row slot positions travel down with the batch: the ``ScheduleBatch`` carries them
-(attribute :data:`ROWS_ATTR`, a dict from the batch index to the positions of the
-request's row slots ``[0, seq_len)``), ``ForwardBatch.init_new`` publishes them for the
-forward it builds (:data:`CURRENT`: SGLang's runners hand the attention backend copies of
-that ``ForwardBatch``, without attributes of ours), and the backends read them there. A
-batch with no permuted request publishes None and runs SGLang's own code unchanged.
+Row slot positions travel down with one :class:`~pcr_sglang.reuse.forward_plan.ForwardPlan`
+per batch: planned after ``prepare_for_extend``, bound once in ``ForwardBatch.init_new``,
+read by the attention backends of that forward. A batch with no permuted request has no
+plan and runs SGLang's own code unchanged.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from pcr_sglang.reuse.bounds import ROWS_ATTR
 from pcr_sglang.reuse.plan import RowOrder
 
-logger = logging.getLogger(__name__)
-
-
-
-@dataclass
-class ForwardRows:
-    """The permuted rows of the forward being run, by batch index: the request-pool row
-    (checked by the attention backend against the batch it computes) and its slots'
-    positions. Set at every ``ForwardBatch.init_new``; one per process, like SGLang's
-    request-to-token pool, since a process runs one forward at a time."""
-
-    rows: Optional[dict[int, tuple[int, torch.Tensor]]] = None
-    # The forward's per-request lengths on the host (SGLang's ``*_cpu`` companions, or the
-    # batch's own lists), kept for the attention backends: reading the device tensors
-    # (``.tolist()``) would wait for the forward in flight.
-    prefix_lens: Optional[list[int]] = None
-    extend_lens: Optional[list[int]] = None
-    # Lengths read from a device tensor because no host copy was at hand (a wait for the
-    # GPU each): none in the configurations PCR serves (SGLang sets the companions on
-    # every extend but speculative decoding's, which PCR refuses); counted to show it.
-    host_waits: int = 0
-    # The largest position mask a forward built (bytes; see :func:`position_mask_bytes`).
-    mask_bytes_peak: int = 0
-
-    def host_lengths(self, batch_size: int) -> Optional[tuple[list[int], list[int], list[int]]]:
-        """The forward's prefix, extend and sequence lengths on the host, if published
-        for a batch of ``batch_size`` requests."""
-        if self.prefix_lens is None or self.extend_lens is None or len(self.extend_lens) != batch_size:
-            return None
-        seq_lens = [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
-        return self.prefix_lens, self.extend_lens, seq_lens
-
-    def for_attention(self, req_pool_indices: torch.Tensor) -> Optional[dict[int, torch.Tensor]]:
-        """The positions by batch index, after checking the rows are this batch's: on the
-        host for host indices, on the device (an assert queued without a host wait) for
-        device ones, whose ``.tolist()`` would wait for the forward in flight."""
-        if not self.rows:
-            return None
-        if req_pool_indices.device.type != "cpu":
-            size = int(req_pool_indices.shape[0])  # shapes are host metadata: no sync
-            outside = [i for i in self.rows if i >= size]
-            if outside:
-                raise RuntimeError(f"PCR document reuse: permuted rows for batch entries {outside}, but this forward "
-                                   f"has {size}; refusing to attend with wrong positions")
-            device = req_pool_indices.device
-            entries = to_device(torch.tensor(list(self.rows), dtype=torch.int64), device)
-            expected = to_device(torch.tensor([row for row, _ in self.rows.values()], dtype=torch.int64), device)
-            torch._assert_async((req_pool_indices[entries].to(torch.int64) == expected).all(),
-                                "PCR document reuse: a permuted row is not in this forward; refusing to attend "
-                                "with wrong positions")
-            return {i: positions for i, (_, positions) in self.rows.items()}
-        pool = req_pool_indices.tolist()
-        for i, (row, _) in self.rows.items():
-            if i >= len(pool) or int(pool[i]) != row:
-                raise RuntimeError(f"PCR document reuse: the permuted row of batch entry {i} (request-pool row "
-                                   f"{row}) is not in this forward ({pool}); refusing to attend with wrong positions")
-        return {i: positions for i, (_, positions) in self.rows.items()}
-
-
-CURRENT = ForwardRows()
+if TYPE_CHECKING:
+    from pcr_sglang.reuse.forward_plan import ForwardPlan, ForwardPlans
 
 # CUDA: index and position tensors reach the device through one pinned ring per device,
 # allocated once, with non-blocking copies: a pageable ``.to(device)`` is a copy PyTorch
@@ -139,62 +76,6 @@ def permute_extend_inputs(batch: Any, row_of: Callable[[str], Optional[RowOrder]
     return rows or None
 
 
-def _host_list(values: Any) -> Optional[list[int]]:
-    """``values`` as host integers if it is on the host (a list, a CPU tensor), else None."""
-    if values is None:
-        return None
-    if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
-            return None
-        values = values.tolist()
-    return [int(x) for x in values]
-
-
-def _cpu_list(forward_batch: Any, name: str, batch: Any = None, batch_name: str = "",
-              current: Optional[ForwardRows] = None) -> list[int]:
-    """A per-request length list from the host: SGLang's ``<name>_cpu`` companion, else the
-    batch's own list ``batch_name``. Only when neither is on the host is the device tensor
-    read, a wait for the GPU in the scheduler thread, counted in ``current.host_waits`` and
-    logged once (no configuration PCR serves gets there)."""
-    found = _host_list(getattr(forward_batch, f"{name}_cpu", None))
-    if found is None and batch is not None and batch_name:
-        found = _host_list(getattr(batch, batch_name, None))
-    if found is not None:
-        return found
-    values = getattr(forward_batch, name)
-    if current is not None:
-        if current.host_waits == 0:
-            logger.warning("PCR document reuse: %s has no host copy in this forward; reading it from the "
-                           "device waits for the GPU (counted in host_waits)", name)
-        current.host_waits += 1
-    return [int(x) for x in values.tolist()]
-
-
-def apply_row_positions(forward_batch: Any, batch: Any, current: ForwardRows = CURRENT) -> None:
-    """After ``ForwardBatch.init_new``: the permuted requests' extend tokens at their true
-    positions, and their row slots' positions published for the attention backend."""
-    rows = getattr(batch, ROWS_ATTR, None)
-    current.rows = current.prefix_lens = current.extend_lens = None
-    if not rows or forward_batch.positions is None or not forward_batch.forward_mode.is_extend():
-        return
-    prefix_lens = _cpu_list(forward_batch, "extend_prefix_lens", batch, "prefix_lens", current)
-    extend_lens = _cpu_list(forward_batch, "extend_seq_lens", batch, "extend_lens", current)
-    device = forward_batch.positions.device
-    start = 0
-    on_device: dict[int, tuple[int, torch.Tensor]] = {}
-    for i, extend in enumerate(extend_lens):
-        extend = int(extend)
-        if i in rows:
-            prefix = int(prefix_lens[i])
-            positions = to_device(rows[i], device)  # one non-blocking copy per permuted request
-            forward_batch.positions[start: start + extend] = positions[prefix: prefix + extend].to(
-                forward_batch.positions.dtype)
-            on_device[i] = (int(batch.reqs[i].kv.req_pool_idx), positions)
-        start += extend
-    current.rows = on_device
-    current.prefix_lens, current.extend_lens = prefix_lens, extend_lens
-
-
 def position_mask_bytes(prefix_lens: list[int], extend_lens: list[int]) -> int:
     """Bytes of the Triton position mask over a batch: one per query and key of each
     request's extend (a bool per key ``[0, prefix + extend)``)."""
@@ -224,7 +105,7 @@ def position_causal_sdpa_extend(rows: dict[int, torch.Tensor], query: torch.Tens
     """``torch_native``'s extend attention (query ``[tokens, heads, dim]``) with query
     ``i`` of a request attending the row keys whose position is at most its own: for a
     request without a permuted row that is the bottom-right causal mask of a plain extend.
-    ``host_lengths`` (prefix, extend, sequence lengths: :meth:`ForwardRows.host_lengths`)
+    ``host_lengths`` (prefix, extend, sequence lengths: :meth:`ForwardPlan.host_lengths`)
     spare reading the length tensors element by element, a wait each on a GPU."""
     if host_lengths is None:
         host_lengths = (extend_prefix_lens.tolist(), extend_seq_lens.tolist(), seq_lens.tolist())
@@ -273,38 +154,40 @@ def _signature(function: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(function)
 
 
-def native_extend_with_rows(original: Callable[..., Any], backend: Any, *args: Any,
-                            current: ForwardRows = CURRENT, **kwargs: Any) -> Any:
+def native_extend_with_rows(original: Callable[..., Any], backend: Any, plan: ForwardPlan, *args: Any,
+                            **kwargs: Any) -> Any:
     """Around ``TorchNativeAttnBackend._run_sdpa_forward_extend`` in a forward that carries
     permuted rows: the position-causal loop for full causal attention; anything else
     (cross-attention, sliding windows: refused at startup for recompute modes) unchanged."""
     bound = _signature(original).bind(backend, *args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
-    rows = current.for_attention(a["req_pool_indices"])
+    rows = plan.for_attention(a["req_pool_indices"])
     if not rows or not a.get("causal", True) or a.get("is_cross_attn") or a.get("sliding_window_size") is not None:
         return original(backend, *args, **kwargs)
     return position_causal_sdpa_extend(
         rows, a["query"], a["output"], a["k_cache"], a["v_cache"], a["req_to_token"], a["req_pool_indices"],
         a["seq_lens"], a["extend_prefix_lens"], a["extend_seq_lens"], a.get("scaling"), bool(a.get("enable_gqa")),
-        current.host_lengths(int(a["seq_lens"].shape[0])))
+        plan.host_lengths(int(a["seq_lens"].shape[0])))
 
 
-def set_triton_position_mask(backend: Any, forward_batch: Any, rows: dict[int, torch.Tensor],
-                             current: ForwardRows = CURRENT) -> bool:
-    """After ``TritonAttnBackend.init_forward_metadata`` for a batch with permuted rows:
-    whether the mask was set (an extend; the kernel must then mask the prefix too)."""
+def set_triton_position_mask(backend: Any, forward_batch: Any, rows: dict[int, torch.Tensor], plan: ForwardPlan,
+                             plans: ForwardPlans) -> bool:
+    """After ``TritonAttnBackend.init_forward_metadata`` for a forward with permuted rows
+    (``plan``, its ``rows`` checked by :meth:`ForwardPlan.for_attention`): whether the mask
+    was set (an extend; the kernel must then mask the prefix too,
+    :attr:`ForwardPlan.position_mask`)."""
     metadata = backend.forward_metadata
     if metadata is None or not forward_batch.forward_mode.is_extend() or forward_batch.forward_mode.is_target_verify():
         return False
-    host = current.host_lengths(int(forward_batch.seq_lens.shape[0]))  # a shape: no wait
+    host = plan.host_lengths(int(forward_batch.seq_lens.shape[0]))  # a shape: no wait
     if host is not None:
         prefix_lens, _, seq_lens = host
     else:
-        seq_lens = _cpu_list(forward_batch, "seq_lens", current=current)
-        prefix_lens = _cpu_list(forward_batch, "extend_prefix_lens", current=current)
-    current.mask_bytes_peak = max(current.mask_bytes_peak,
-                                  position_mask_bytes(prefix_lens, [s - p for s, p in zip(seq_lens, prefix_lens)]))
+        seq_lens = plans.host_list(forward_batch, "seq_lens")
+        prefix_lens = plans.host_list(forward_batch, "extend_prefix_lens")
+    plans.mask_bytes_peak = max(plans.mask_bytes_peak,
+                                position_mask_bytes(prefix_lens, [s - p for s, p in zip(seq_lens, prefix_lens)]))
     mask, indptr = triton_position_mask(rows, seq_lens, prefix_lens, forward_batch.seq_lens.device)
     metadata.custom_mask = mask
     metadata.mask_indptr = indptr

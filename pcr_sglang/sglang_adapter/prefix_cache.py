@@ -315,3 +315,9 @@ class PCRPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang ships no 
         stats = self.state.tree.stats()
         print(f"PCR chunk tree: {stats.num_chunks} chunks of {self.chunk_size} tokens, "
               f"{stats.locked_chunks} locked, {stats.evictable_leaves} evictable leaves")
+
+
+def pcr_cache_of(owner: Any) -> Optional[PCRPrefixCache]:
+    """``owner``'s tree cache if it is PCR's (a scheduler, batch or adder), else None."""
+    cache = getattr(owner, "tree_cache", None)
+    return cache if isinstance(cache, PCRPrefixCache) else None

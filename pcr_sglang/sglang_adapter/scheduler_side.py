@@ -39,6 +39,7 @@ from pcr_sglang.flags import HINT_TO_DEVICE_FREE_SHARE
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.req import PcrReq
 from pcr_sglang.reuse.disabled import NoDocReuse
+from pcr_sglang.reuse.forward_plan import ForwardPlans
 from pcr_sglang.reuse.rows import permute_extend_inputs
 from pcr_sglang.reuse.seam import DocReuseSeam, DocReuseStatus
 from pcr_sglang.sglang_adapter.admission import Admission, up_to_first_remote_only
@@ -78,6 +79,11 @@ class SchedulerSide:
         self.generation = 0
         self._admitted_in: dict[str, int] = {}  # rid -> the generation it was admitted under
         self.executor = EffectsExecutor(state, allocator, self.engine, io)
+        # Document reuse's permuted rows, from prepare time to the forward's attention,
+        # found by the attention backends through the KV pool they hold.
+        self.forward_plans = ForwardPlans()
+        if hasattr(allocator, "get_kvcache"):
+            self.forward_plans.attach(allocator.get_kvcache())
         self.offloads = Offloads(state, self.engine, self.requests, config.chunk_size)
         # The remote tier (--pcr-remote, parsed by the factory): probes in flight, by probe seq.
         self.probes: RemoteProbes | NoRemoteProbes = \
@@ -194,13 +200,12 @@ class SchedulerSide:
         for req in reqs:
             self.docs.written_into_row(req)
 
-    def permute_extend_inputs(self, batch: Any) -> Optional[dict[int, torch.Tensor]]:
+    def plan_forward(self, batch: Any) -> None:
         """After ``prepare_for_extend``: the extend input of requests with permuted rows
-        (recomputed or gap tokens) in row order, and their rows' positions for the forward
-        (None when the batch has none)."""
-        if not self.docs.fill_gaps:  # no request's row is permuted
-            return None
-        return permute_extend_inputs(batch, self.docs.row)
+        (recomputed or gap tokens) in row order, and their rows' positions planned for the
+        batch's forward (:class:`ForwardPlans`; no plan when the batch has none)."""
+        rows = permute_extend_inputs(batch, self.docs.row) if self.docs.fill_gaps else None
+        self.forward_plans.prepared(batch, rows)
 
     def plan_offloads(self, reqs: Sequence[PcrReq], seq_lens: Sequence[int], req_to_token: torch.Tensor,
                       decode: bool) -> None:

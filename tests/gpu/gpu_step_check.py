@@ -41,7 +41,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pcr_sglang.reuse import rows as permuted_rows
-from pcr_sglang.reuse.bounds import ROWS_ATTR
+from pcr_sglang.reuse.forward_plan import ForwardPlans
 from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.transfer.engine import LayerwiseMode, TransferEngine
 from pcr_sglang.transfer.rope_shift import RopeSpec
@@ -60,6 +60,10 @@ class Row:
     @property
     def verdict(self) -> str:
         return "n/a (CPU)" if self.ok is None else ("PASS" if self.ok else "FAIL")
+
+
+class _Batch(SimpleNamespace):
+    """A stand-in for SGLang's ``ScheduleBatch`` (weakly referenceable, as it is)."""
 
 
 class PageableUploads(TorchFunctionMode):
@@ -165,19 +169,21 @@ def check_step(device: torch.device, layers: int, steps: int) -> list[Row]:
                               extend_seq_lens_cpu=None, seq_lens_cpu=None)
     pool_rows = torch.tensor([7, 3], device=device)
     reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
-    batch = SimpleNamespace(reqs=reqs, prefix_lens=[4, 2], extend_lens=[3, 6],
-                            **{ROWS_ATTR: {1: torch.tensor([0, 1, 5, 4, 3, 2, 6, 7])}})
+    batch = _Batch(reqs=reqs, prefix_lens=[4, 2], extend_lens=[3, 6])
+    permuted = {1: torch.tensor([0, 1, 5, 4, 3, 2, 6, 7])}
     backend = SimpleNamespace(forward_metadata=SimpleNamespace(custom_mask=None, mask_indptr=None))
 
     def rows_step() -> None:
         """SGLang's ``*_cpu`` companions unset: the lengths come from the batch's lists."""
-        current = permuted_rows.ForwardRows()
-        permuted_rows.apply_row_positions(forward, batch, current)
-        rows = current.for_attention(pool_rows)  # checked by a device-side assert
+        plans = ForwardPlans()
+        plans.prepared(batch, permuted)
+        plan = plans.bind(forward, batch)
+        assert plan is not None
+        rows = plan.for_attention(pool_rows)  # checked by a device-side assert
         assert rows is not None
-        permuted_rows.set_triton_position_mask(backend, forward, rows, current)
-        if current.host_waits:
-            raise RuntimeError(f"{current.host_waits} lengths read from the device")
+        permuted_rows.set_triton_position_mask(backend, forward, rows, plan, plans)
+        if plans.host_waits:
+            raise RuntimeError(f"{plans.host_waits} lengths read from the device")
 
     step(0)  # the first step makes the compute stream's event ring (once)
     rows_step()  # and the permuted rows' pinned ring (once per device)

@@ -15,11 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pcr_sglang.reuse import rows as permuted_rows
+from pcr_sglang.reuse.forward_plan import ForwardPlan, ForwardPlans
 from pcr_sglang.reuse.plan import RowOrder
 from pcr_sglang.reuse.rows import (
-    ROWS_ATTR,
-    apply_row_positions,
     permute_extend_inputs,
     position_causal_sdpa_extend,
     triton_position_mask,
@@ -27,6 +25,23 @@ from pcr_sglang.reuse.rows import (
 from tests.unit.reuse.test_torch_native_extend import BATCH, TOLERANCES, make_batch, reference_padded, run_backend
 
 HEAD_DIM = 16
+
+
+class Batch(SimpleNamespace):
+    """A stand-in for SGLang's ``ScheduleBatch`` (weakly referenceable, as it is)."""
+
+
+def _plans_with(backend, plan):
+    """``backend``'s KV pool with ``plan`` as its current forward's."""
+    backend.token_to_kv_pool = pool = torch.nn.Module()  # any object SGLang's pool could be
+    plans = ForwardPlans().attach(pool)
+    plans.current = plan
+    return plans
+
+
+def _bound(rows):
+    """A plan bound to a forward: batch index -> (request-pool row, positions)."""
+    return ForwardPlan(rows={i: p for i, (_, p) in rows.items()}, bound=dict(rows))
 
 
 def _native(b, rows, scaling=0.3):
@@ -84,11 +99,11 @@ def test_a_permuted_row_attends_exactly_as_in_position_order(dtype):
 
 
 def test_the_backend_hook_routes_only_forwards_with_rows(monkeypatch):
-    """``plugin._native_extend`` binds SGLang's arguments by name for the permuted loop,
-    leaves a forward without rows to SGLang, and refuses rows of another batch."""
+    """``forward_hooks.native_extend`` binds SGLang's arguments by name for the permuted
+    loop, leaves a forward without rows to SGLang, and refuses rows of another batch."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-    from pcr_sglang import plugin
+    from pcr_sglang.sglang_adapter import forward_hooks
 
     natural, permuted, order, queries = _natural_and_permuted(torch.float32)
     backend = object.__new__(TorchNativeAttnBackend)
@@ -96,17 +111,17 @@ def test_the_backend_hook_routes_only_forwards_with_rows(monkeypatch):
 
     def run():
         output = torch.full_like(permuted.query, float("nan"))
-        plugin._native_extend(original, backend, permuted.query, output, permuted.k_cache, permuted.v_cache,
+        forward_hooks.native_extend(original, backend, permuted.query, output, permuted.k_cache, permuted.v_cache,
                               permuted.req_to_token, permuted.req_pool_indices, permuted.seq_lens,
                               permuted.prefix_lens, permuted.extend_lens, scaling=0.3, enable_gqa=True,
                               causal=True)
         return output
 
-    monkeypatch.setattr(permuted_rows.CURRENT, "rows", {0: (1, order)})  # request-pool row 1, as in the batch
+    plans = _plans_with(backend, _bound({0: (1, order)}))  # request-pool row 1, as in the batch
     torch.testing.assert_close(run(), _native(natural, {})[torch.tensor(queries) - 8], **TOLERANCES[torch.float32])
-    monkeypatch.setattr(permuted_rows.CURRENT, "rows", None)
+    plans.current = None
     torch.testing.assert_close(run(), run_backend(permuted, 0.3, True, None), **TOLERANCES[torch.float32])
-    monkeypatch.setattr(permuted_rows.CURRENT, "rows", {0: (2, order)})  # published for another batch
+    plans.current = _bound({0: (2, order)})  # bound for another batch
     with pytest.raises(RuntimeError, match="not in this forward"):
         run()
 
@@ -139,17 +154,24 @@ def test_positions_are_the_true_ones_and_are_published_for_the_forward():
     forward.positions[:3] = torch.tensor([4, 5, 6], dtype=torch.int32)
     order = torch.tensor(ROW.positions_of_slots(0, SEQ))
     reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
-    current = permuted_rows.ForwardRows()
-    apply_row_positions(forward, SimpleNamespace(reqs=reqs, **{ROWS_ATTR: {1: order}}), current)
+    plans = ForwardPlans()
+    batch = Batch(reqs=reqs)
+    plans.prepared(batch, {1: order})
+    plan = plans.bind(forward, batch)
+    assert plans.current is plan
     assert forward.positions.tolist() == [4, 5, 6, 8, 9, 10, 20, 21, *range(30, 40)]
     assert forward.positions.dtype == torch.int32
-    published = current.for_attention(torch.tensor([7, 3]))
+    published = plan.for_attention(torch.tensor([7, 3]))
     assert list(published) == [1] and published[1].tolist() == order.tolist()
     with pytest.raises(RuntimeError, match="not in this forward"):
-        current.for_attention(torch.tensor([7, 4]))
-    # The next forward without permuted rows (a decode, another batch) publishes nothing.
-    apply_row_positions(forward, SimpleNamespace(reqs=reqs, **{ROWS_ATTR: None}), current)
-    assert current.rows is None and current.for_attention(torch.tensor([7, 3])) is None
+        plan.for_attention(torch.tensor([7, 4]))
+    # The next forward without permuted rows (a decode, another batch) has no plan.
+    plans.bind(forward, Batch(reqs=reqs))
+    assert plans.current is None
+    decode = SimpleNamespace(positions=forward.positions, forward_mode=SimpleNamespace(is_extend=lambda: False))
+    assert plans.bind(decode, batch) is None and plans.current is None  # the same batch, now decoding
+    plans.prepared(batch, None)  # prepared again without permuted rows: its plan is gone
+    assert plans.bind(forward, batch) is None
 
 
 def test_triton_mask_is_position_causal_per_request_in_row_order():
@@ -164,10 +186,10 @@ def test_triton_mask_is_position_causal_per_request_in_row_order():
 
 
 def test_the_triton_hooks_set_the_mask_for_a_forward_with_rows_and_only_then(monkeypatch):
-    """``plugin._triton_metadata`` puts the position mask in the backend's forward metadata
-    for a forward that published rows, and ``_triton_extend_kernel`` then asks the kernel to
+    """``forward_hooks.triton_metadata`` puts the position mask in the backend's forward
+    metadata for a forward with a plan, and ``triton_extend_kernel`` then asks the kernel to
     mask the prefix too; a forward without rows keeps SGLang's metadata and kernel call."""
-    from pcr_sglang import plugin
+    from pcr_sglang.sglang_adapter import forward_hooks as plugin
 
     order = torch.tensor([0, 1, 3, 2])
 
@@ -182,14 +204,15 @@ def test_the_triton_hooks_set_the_mask_for_a_forward_with_rows_and_only_then(mon
                               seq_lens_cpu=torch.tensor([3, 4]), extend_prefix_lens_cpu=[1, 2],
                               seq_lens=torch.tensor([3, 4]))
     backend = SimpleNamespace()
-    monkeypatch.setattr(permuted_rows.CURRENT, "rows", {1: (9, order)})
-    plugin._triton_metadata(init_forward_metadata, backend, forward)
+    plans = _plans_with(backend, _bound({1: (9, order)}))
+    plans.current.prefix_lens, plans.current.extend_lens = [1, 2], [2, 2]
+    plugin.triton_metadata(init_forward_metadata, backend, forward)
     mask, indptr = triton_position_mask({1: order}, [3, 4], [1, 2], torch.device("cpu"))
     assert torch.equal(backend.forward_metadata.custom_mask, mask)
     assert torch.equal(backend.forward_metadata.mask_indptr, indptr)
-    assert plugin._triton_extend_kernel(kernel, backend, "layer")["skip_prefix_custom_mask"] is False
+    assert plugin.triton_extend_kernel(kernel, backend, "layer")["skip_prefix_custom_mask"] is False
 
-    monkeypatch.setattr(permuted_rows.CURRENT, "rows", None)
-    plugin._triton_metadata(init_forward_metadata, backend, forward)
+    plans.current = None
+    plugin.triton_metadata(init_forward_metadata, backend, forward)
     assert backend.forward_metadata.custom_mask is None
-    assert "skip_prefix_custom_mask" not in plugin._triton_extend_kernel(kernel, backend, "layer")
+    assert "skip_prefix_custom_mask" not in plugin.triton_extend_kernel(kernel, backend, "layer")

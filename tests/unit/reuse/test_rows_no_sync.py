@@ -12,10 +12,19 @@ import pytest
 import torch
 
 from pcr_sglang.reuse import rows as permuted_rows
-from pcr_sglang.reuse.bounds import ROWS_ATTR
-from pcr_sglang.reuse.rows import apply_row_positions, triton_position_mask
+from pcr_sglang.reuse.forward_plan import ForwardPlans
+from pcr_sglang.reuse.rows import triton_position_mask
 from pcr_sglang.transfer.staging import PinnedStaging
 from tests.unit.transfer.cuda_recorder import HostTraffic, RecordingCuda
+
+
+class Batch(SimpleNamespace):
+    """A stand-in for SGLang's ``ScheduleBatch`` (weakly referenceable, as it is)."""
+
+
+def _bind(plans, forward, batch, rows):
+    plans.prepared(batch, rows)
+    return plans.bind(forward, batch)
 
 
 @pytest.fixture
@@ -49,13 +58,13 @@ def test_a_step_with_permuted_rows_waits_for_nothing_and_allocates_no_pinned_mem
                               extend_prefix_lens_cpu=[4, 2], extend_seq_lens_cpu=[3, 6], seq_lens_cpu=[7, 8])
     order = torch.tensor([0, 1, 5, 4, 3, 2, 6, 7])
     reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
-    current = permuted_rows.ForwardRows()
+    plans = ForwardPlans()
     pinned = len(cuda.pinned)
     traffic = HostTraffic(cuda)
     with traffic:
         for _ in range(3):  # three steps: the ring is reused, nothing new is pinned
-            apply_row_positions(forward, SimpleNamespace(reqs=reqs, **{ROWS_ATTR: {1: order}}), current)
-            mask, indptr = triton_position_mask({1: current.rows[1][1]}, [7, 8], [4, 2], torch.device("cpu"))
+            plan = _bind(plans, forward, Batch(reqs=reqs), {1: order})
+            mask, indptr = triton_position_mask({1: plan.bound[1][1]}, [7, 8], [4, 2], torch.device("cpu"))
     assert traffic.host_reads == [] and cuda.synchronizations == 0
     assert len(cuda.pinned) == pinned
     staged_copies = [c for c in traffic.copies if c[2]]
@@ -81,14 +90,14 @@ def test_without_sglangs_host_companions_the_lengths_come_from_the_batch_and_not
     forward = _forward_without_companions()
     order = torch.tensor([0, 1, 5, 4, 3, 2, 6, 7])
     reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
-    batch = SimpleNamespace(reqs=reqs, prefix_lens=[4, 2], extend_lens=[3, 6], **{ROWS_ATTR: {1: order}})
-    current = permuted_rows.ForwardRows()
+    batch = Batch(reqs=reqs, prefix_lens=[4, 2], extend_lens=[3, 6])
+    plans = ForwardPlans()
     backend = SimpleNamespace(forward_metadata=SimpleNamespace(custom_mask=None, mask_indptr=None))
     traffic = HostTraffic(cuda)
     with traffic:
-        apply_row_positions(forward, batch, current)
-        assert permuted_rows.set_triton_position_mask(backend, forward, {1: current.rows[1][1]}, current)
-    assert traffic.host_reads == [] and cuda.synchronizations == 0 and current.host_waits == 0
+        plan = _bind(plans, forward, batch, {1: order})
+        assert permuted_rows.set_triton_position_mask(backend, forward, {1: plan.bound[1][1]}, plan, plans)
+    assert traffic.host_reads == [] and cuda.synchronizations == 0 and plans.host_waits == 0
     assert forward.positions.tolist() == [0, 0, 0, 5, 4, 3, 2, 6, 7]
     assert backend.forward_metadata.mask_indptr.tolist() == [0, 3 * 7, 3 * 7 + 6 * 8]
 
@@ -97,8 +106,8 @@ def test_a_length_with_no_host_copy_anywhere_is_read_from_the_device_counted(sta
     forward = _forward_without_companions()
     order = torch.tensor([0, 1, 5, 4, 3, 2, 6, 7])
     reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
-    current = permuted_rows.ForwardRows()
+    plans = ForwardPlans()
     with caplog.at_level("WARNING"):
-        apply_row_positions(forward, SimpleNamespace(reqs=reqs, **{ROWS_ATTR: {1: order}}), current)
-    assert current.host_waits == 2 and "waits for the GPU" in caplog.text
+        _bind(plans, forward, Batch(reqs=reqs), {1: order})
+    assert plans.host_waits == 2 and "waits for the GPU" in caplog.text
     assert forward.positions.tolist() == [0, 0, 0, 5, 4, 3, 2, 6, 7]
