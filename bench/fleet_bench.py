@@ -38,10 +38,10 @@ from typing import Any, Optional
 
 import requests
 
-from bench.ragbench.common import Model, budgets_for, trace_shape, workload_args, workload_params
-from bench.ragbench.report import percentile
-from bench.ragbench.runner import RequestRecord, replay
-from bench.ragbench.workload import make_trace, save_trace
+from pcr_eval.ragbench.common import Model, budgets_for, trace_shape, workload_args, workload_params
+from pcr_eval.ragbench.report import percentile
+from pcr_eval.ragbench.runner import RequestRecord, replay
+from pcr_eval.ragbench.workload import make_trace, save_trace
 from pcr_tools.fleet import Fleet
 from pcr_tools.launcher import ServerProcess
 

@@ -22,16 +22,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from pcr_eval.calibration import measure_setting, unmarked_reference
 from pcr_sglang.reuse.calibration import (
     CalibrationConditions,
     CalibrationTarget,
     DocReuseCalibration,
-    SettingResult,
     smallest_meeting,
 )
 
@@ -42,46 +41,11 @@ DEFAULT_LEGO_TOKENS = (16, 32, 64, 128)
 DEFAULT_BLEND_RATIOS = (0.15, 0.3, 0.5, 0.7, 1.0)
 
 
-def measure_setting(server: Any, prompts: Sequence[Any], references: Sequence[dict[str, Any]], spec: Any,
-                    target: CalibrationTarget, max_new_tokens: int,
-                    decode: Callable[[list[int]], str]) -> SettingResult:
-    from pcr_tools.tune.measure import gold_score, measure_reuse
-
-    rows = [measure_reuse(server, p, ref, spec, max_new_tokens, decode) for p, ref in zip(prompts, references)]
-    not_reused = [p.rid for p, r in zip(prompts, rows) if not r["all_docs_reused"]]
-    if not_reused:  # then the figures are another mix of exact and reused KV: nothing to calibrate on
-        raise RuntimeError(f"{spec.name}: {len(not_reused)} of {len(rows)} requests did not reuse every document "
-                           f"({', '.join(not_reused[:3])}...): is the device KV pool too small?")
-    top1 = [r["top1"] for r in rows if r.get("top1") is not None]
-    kl = [r["kl"] for r in rows if r.get("kl") is not None]
-    gold = sum(gold_score(r) for r in rows)
-    gold_full = sum(gold_score(r) for r in references)
-    top1_mean = statistics.fmean(top1) if top1 else None
-    ratio = gold / gold_full if gold_full else None
-    meets = target.met_by(top1_mean, ratio)  # the rule the server checks the file's verdicts by
-    setting = None if spec.value is None else float(spec.value)
-    return SettingResult(setting=setting, top1=top1_mean, gold_ratio=ratio,
-                         kl=statistics.fmean(kl) if kl else None, meets=meets)
-
-
-def unmarked_reference(server: Any, p: Any, max_new_tokens: int, top_k: int,
-                       decode: Callable[[list[int]], str]) -> dict[str, Any]:
-    """Full prefill's answer on the reuse server itself (no marks: exact prefix caching)."""
-    from pcr_tools.tune.measure import gold_scores, teacher_forced
-
-    sampling = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
-    body = {"input_ids": p.input_ids, "sampling_params": sampling}
-    reply = server.generate(body)
-    answer = list(reply["output_ids"])
-    forced = teacher_forced(server, body, len(p.input_ids), answer, top_k=top_k) if answer else {"top": []}
-    text = decode(answer)
-    return {"answer_ids": answer, "answer": text, "top": forced["top"], **gold_scores(p.kind, text, p.question.gold)}
-
-
 def calibrate(server: Any, tokenizer: Any, *, questions: int, target: CalibrationTarget, lego_tokens: Sequence[int],
               blend_ratios: Sequence[float], max_new_tokens: int = 32, top_k: int = 10,
               progress: Callable[[str], None] = logger.info) -> DocReuseCalibration:
-    from pcr_tools.tune.measure import ModeSpec, gold_prompts
+    from pcr_eval.gold import gold_prompts
+    from pcr_eval.modes import ModeSpec
     from pcr_tools.tune.questions import question_set
 
     state = server.pcr_state()

@@ -109,7 +109,7 @@ class ReuseAnswer:
     full: DemoResult
 
     def score(self, answer: str) -> float:
-        from pcr_tools.tune.measure import gold_score, gold_scores
+        from pcr_eval.scores import gold_score, gold_scores
 
         return gold_score(gold_scores(self.kind, answer, self.gold))
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.ragbench.__main__ import main
+from pcr_eval.ragbench.compare import main
 
 pytestmark = pytest.mark.e2e
 

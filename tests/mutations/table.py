@@ -183,10 +183,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="accuracy-bench-warm-up-without-the-modes-key",
         kind="unit",
-        file="bench/doc_reuse_accuracy.py",
+        file="pcr_eval/trace_workload.py",
         original="        server.generate(mode_request(prompt, spec, **greedy(1)))",
         replacement="        server.generate(mode_request(prompt, None, **greedy(1)))",
-        tests=(UNIT + "tools/test_doc_reuse_accuracy.py::test_every_request_of_a_mode_measurement_carries_the_modes_key",),
+        tests=(UNIT + "eval/test_doc_reuse_accuracy.py::test_every_request_of_a_mode_measurement_carries_the_modes_key",),
         claim="commit c3b5251: every request of a measurement carries the mode's key (red with a raw body)",
         breaks="the accuracy bench's warm-up request goes without the mode's key",
     ),

@@ -120,7 +120,7 @@ def test_the_layout_in_architecture_md_matches_the_tree():
     files = tracked_files()
     listed = layout_paths()
     top = {f.split("/")[0] for f in files if "/" in f and not f.startswith(".")}
-    roots = {"pcr_sglang", "pcr_client", "pcr_wire", "pcr_tools", "bench"}
+    roots = {"pcr_sglang", "pcr_client", "pcr_wire", "pcr_tools", "pcr_eval", "bench"}
     packages = {str(Path(f).parent) for f in files if f.endswith("/__init__.py") and f.split("/")[0] in roots}
     assert sorted(p for p in listed if not (REPO / p).is_dir()) == [], "the layout names folders that do not exist"
     assert sorted((top | packages) - listed) == [], "folders missing from the layout in docs/architecture.md"

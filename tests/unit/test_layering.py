@@ -10,7 +10,14 @@
   format, the ``kv_hints`` action's name and version) is defined once, in ``pcr_wire``, a
   package that imports nothing at all, so either side may import it: a name both sides
   copied could drift apart, and a name one side took from the other would break the
-  rule above.
+  rule above;
+* the evaluation (``pcr_eval``: the accuracy measurements and the benchmarks' library) is
+  imported by the benchmarks' commands under ``bench/``, by the tools and by the tests, and
+  imports nothing of ``bench``; the server, the client and the wire words import nothing of
+  it; no test imports a benchmark (``bench`` holds commands, the tests test the library);
+* no two modules of the evaluation, the tools or the benchmarks import each other, however
+  lazily or through others (a circle made the questions workload and the accuracy
+  benchmark importable only in one order).
 """
 
 from __future__ import annotations
@@ -57,11 +64,74 @@ def violations(package_root: Path, forbidden: tuple[str, ...]) -> list[str]:
 
 
 def test_the_server_package_imports_no_tool_benchmark_or_test():
-    assert violations(REPO / "pcr_sglang", ("pcr_tools", "bench", "tests")) == []
+    assert violations(REPO / "pcr_sglang", ("pcr_tools", "pcr_eval", "bench", "tests")) == []
 
 
 def test_the_client_library_imports_nothing_of_the_server():
-    assert violations(REPO / "pcr_client", ("pcr_sglang", "pcr_tools", "bench", "tests")) == []
+    assert violations(REPO / "pcr_client", ("pcr_sglang", "pcr_tools", "pcr_eval", "bench", "tests")) == []
+
+
+def test_the_evaluation_imports_no_benchmark_or_test():
+    assert violations(REPO / "pcr_eval", ("bench", "tests")) == []
+
+
+def test_no_test_imports_a_benchmark():
+    assert violations(REPO / "tests", ("bench",)) == []
+
+
+def module_name(path: Path, repo: Path) -> str:
+    parts = list(path.relative_to(repo).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_circles(roots: tuple[str, ...], repo: Path = REPO) -> list[list[str]]:
+    """Every circle of imports among the modules under ``roots`` (each import counted,
+    lazy ones included): a strongly connected group of more than one module."""
+    paths = {module_name(p, repo): p for root in roots for p in sorted((repo / root).rglob("*.py"))}
+    edges = {name: sorted(m for m in imported_modules(path, repo / name.split(".")[0]) if m in paths and m != name)
+             for name, path in paths.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in edges[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for name in sorted(paths):
+        if name not in index:
+            visit(name)
+    return circles
+
+
+def test_the_evaluation_tools_and_benchmarks_import_in_no_circle():
+    assert import_circles(("pcr_eval", "pcr_tools", "bench")) == []
+
+
+def test_the_circle_walk_sees_a_lazy_circle(tmp_path):
+    package = tmp_path / "pcr_eval"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "accuracy.py").write_text("def run():\n    from pcr_eval.questions import ask\n")
+    (package / "questions.py").write_text("from pcr_eval import accuracy\n")
+    (package / "scores.py").write_text("")
+    assert import_circles(("pcr_eval",), tmp_path) == [["pcr_eval.accuracy", "pcr_eval.questions"]]
 
 
 def test_the_server_package_imports_no_client_module():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pcr_client.prompt import build_doc_prompt
-from pcr_tools.tune import questions, scores
+from pcr_tools.tune import questions
 from pcr_tools.tune.served_pattern import MarkedPrompt, rotate_keys, served_generate, served_logits
 
 
@@ -146,16 +146,6 @@ def test_questions_ask_about_re_placed_documents_and_plant_what_they_ask():
         assert 0 not in moved.targets and sorted(moved.documents) == sorted(q.documents)
         assert [moved.documents[t] for t in moved.targets] == [q.documents[t] for t in q.targets]
     assert questions.question_set("test", 5, seed=2) == qs[:5]
-
-
-def test_scores():
-    assert scores.rouge_l("the cat sat on the mat", "cat sat mat") == pytest.approx(6 / 7)  # LCS 3 of 4 and 3
-    assert scores.rouge_l("The cat, sat mat.", "cat sat mat") == pytest.approx(1.0)
-    assert scores.rouge_l("mat sat cat", "cat sat mat") == pytest.approx(1 / 3)
-    assert scores.contains_answer("The number is 48213.", "48213")
-    assert not scores.contains_answer("The number is 482130.", "48213")
-    assert scores.contains_answer("It was Priya Abernathy, I think", "priya abernathy")
-    assert not scores.contains_answer("Abernathy Priya", "Priya Abernathy")
 
 
 def test_a_few_steps_lower_the_distillation_loss(tiny_model, tokenizer):

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from bench.ragbench.runner import DOC_REUSE_CONFIGS, RequestRecord, RunResult
+from pcr_eval.ragbench.runner import DOC_REUSE_CONFIGS, RequestRecord, RunResult
 
 BASELINES = ("radix", "hicache", "oracle")
 # Configurations that serve blended KV (document reuse): their outputs are not expected to

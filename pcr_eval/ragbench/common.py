@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.ragbench.runner import CONFIG_NAMES, Budgets
-from bench.ragbench.workload import Trace, TraceRequest, WorkloadParams
+from pcr_eval.ragbench.runner import CONFIG_NAMES, Budgets
+from pcr_eval.ragbench.workload import Trace, TraceRequest, WorkloadParams
 from pcr_tools.launcher import cpu_only
 
 SLACK_TOKENS = 256  # room above the longest prompt in every device pool

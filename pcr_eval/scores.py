@@ -1,6 +1,6 @@
-"""Answer scores shared by the tuning's evaluation and the accuracy benchmark: SQuAD-style
-token F1, ROUGE-L and exact match (the answer contains the gold value), all over SQuAD's
-normalization."""
+"""Answer scores of every accuracy measurement (the benchmarks, calibration, the demo):
+SQuAD-style token F1, ROUGE-L and exact match (the answer contains the gold value), all over
+SQuAD's normalization, and a question's gold scores by its kind."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import re
 import string
 import unicodedata
 from collections import Counter
+from typing import Optional
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _ASCII_PUNCTUATION = frozenset(string.punctuation)
@@ -64,3 +65,18 @@ def contains_answer(prediction: str, gold: str) -> bool:
     if not ref:
         return False
     return any(pred[i : i + len(ref)] == ref for i in range(len(pred) - len(ref) + 1))
+
+
+def gold_score(scores: dict[str, Optional[float]]) -> float:
+    """One number per question from :func:`gold_scores`: lead F1 for ``lead`` questions,
+    exact match for the others."""
+    value = scores["lead_f1"] if scores.get("lead_f1") is not None else scores.get("em")
+    return float(value or 0.0)
+
+
+def gold_scores(kind: str, answer: str, gold: str) -> dict[str, Optional[float]]:
+    """``lead``: token F1 and ROUGE-L against the lead sentence; ``needle`` and ``two_hop``:
+    exact match (the answer contains the planted value)."""
+    if kind == "lead":
+        return {"lead_f1": token_f1(answer, gold), "lead_rouge_l": rouge_l(answer, gold), "em": None}
+    return {"lead_f1": None, "lead_rouge_l": None, "em": float(contains_answer(answer, gold))}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench.ragbench.runner import Budgets, ServerPool, plan_server
+from pcr_eval.ragbench.runner import Budgets, ServerPool, plan_server
 
 logger = logging.getLogger(__name__)
 

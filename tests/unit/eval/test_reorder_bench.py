@@ -10,12 +10,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from bench.doc_reuse_accuracy import reorder_applicability, reorder_applicability_table, server_mode
-from bench.reuse_ttft import EXACT_HIT, FULL, StartResult, markdown, measure_start, summarize
+from pcr_eval.gold import GoldPrompt
+from pcr_eval.modes import ModeSpec, parse_mode, parse_modes
+from pcr_eval.reorder_applicability import reorder_applicability, reorder_applicability_table
+from pcr_eval.requests import all_docs_reused, warm_request
+from pcr_eval.serving import server_mode
+from pcr_eval.ttft import EXACT_HIT, FULL, StartResult, markdown, measure_start, summarize
 from pcr_sglang.reuse.bounds import DOC_BOUNDS_PARAM, DOC_MODE_PARAM, parse_doc_bounds
 from pcr_sglang.reuse.reorder import OrderStore, Tenant
 from pcr_tools.launcher import StreamedResponse
-from pcr_tools.tune.measure import GoldPrompt, ModeSpec, all_docs_reused, parse_mode, parse_modes, warm_request
 
 LEAD = [1, 2, 3]
 DOCS = {"A": [10, 11, 12, 13, 14], "B": [20, 21, 22], "C": [30, 31, 32, 33]}
@@ -145,8 +148,8 @@ def test_the_ttft_benchmark_measures_reorder_beside_an_exact_hit_of_the_same_len
 
 
 def test_the_accuracy_report_holds_reorder_to_the_noise_floor_on_every_model():
-    from bench.reuse_questions import FULL as QUESTIONS_FULL
-    from bench.reuse_questions import target_lines
+    from pcr_eval.questions_report import FULL as QUESTIONS_FULL
+    from pcr_eval.questions_report import target_lines
 
     summaries = {"base": {QUESTIONS_FULL: {"noise_floor_f1": {"mean": 0.6}}, "reorder": {"f1": {"mean": 0.6}}},
                  "tuned": {QUESTIONS_FULL: {"noise_floor_f1": {"mean": 0.7}}, "reorder": {"f1": {"mean": 0.65}}}}
@@ -173,7 +176,8 @@ class _TraceServer:
 
 
 def test_the_trace_workload_sends_reorder_unwarmed_and_records_the_order_served():
-    from bench.doc_reuse_accuracy import Prompt, measure_mode, summarize
+    from pcr_eval.trace_report import summarize
+    from pcr_eval.trace_workload import Prompt, measure_mode
 
     prompt = Prompt(0, "r0", "Why?", ["d1", "d2"], list(range(40)), [3, 13, 13, 30])
     server = _TraceServer(cached=16, served=[1, 0])

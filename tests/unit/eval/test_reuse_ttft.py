@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from bench.reuse_ttft import (
+from pcr_eval.modes import ModeSpec
+from pcr_eval.ttft import (
     EXACT_HIT,
     FULL,
     StartResult,
@@ -20,7 +21,6 @@ from bench.reuse_ttft import (
 )
 from pcr_sglang.reuse.bounds import WARM_NOW_PARAM
 from pcr_tools.launcher import StreamedResponse
-from pcr_tools.tune.measure import ModeSpec
 
 
 def test_models_alternate_between_rounds():

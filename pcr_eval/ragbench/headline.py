@@ -50,7 +50,6 @@ import logging
 import random
 import shlex
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,7 +57,7 @@ from typing import Any, Optional, Sequence
 
 import requests
 
-from bench.ragbench.common import (
+from pcr_eval.ragbench.common import (
     Model,
     batch_pool_budgets,
     config_list,
@@ -68,10 +67,10 @@ from bench.ragbench.common import (
     workload_args,
     workload_params,
 )
-from bench.ragbench.operating_points import Capacity, saturate
-from bench.ragbench.report import build_report, percentile, write_report
-from bench.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run, run_planned
-from bench.ragbench.workload import Trace, make_trace, save_trace
+from pcr_eval.ragbench.operating_points import Capacity, saturate
+from pcr_eval.ragbench.report import build_report, percentile, write_report
+from pcr_eval.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run, run_planned
+from pcr_eval.ragbench.workload import Trace, make_trace, save_trace
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +140,7 @@ def agreement(outputs: dict[str, list[int]], reference: dict[str, list[int]],
               decode: Any) -> dict[str, Optional[float]]:
     """Mean token F1 of ``outputs`` against ``reference`` (decoded answers, SQuAD's
     normalization) and the share identical token for token, over the requests both have."""
-    from pcr_tools.tune.scores import token_f1
+    from pcr_eval.scores import token_f1
 
     rids = [rid for rid in outputs if rid in reference]
     if not rids:
@@ -441,7 +440,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from tqdm import tqdm
 
-    from bench.ragbench.runner import build_hicache_extension
+    from pcr_eval.ragbench.runner import build_hicache_extension
     from pcr_tools.models.smollm2 import build_smollm2
 
     started = time.monotonic()
@@ -527,7 +526,3 @@ def _commit() -> str:
         return out.stdout.strip() or "an unknown commit"
     except (OSError, subprocess.SubprocessError):
         return "an unknown commit"
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

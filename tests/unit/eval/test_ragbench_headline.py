@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from bench.ragbench.headline import (
+from pcr_eval.ragbench.headline import (
     Reference,
     agreement,
     anatomy,
@@ -17,7 +17,7 @@ from bench.ragbench.headline import (
     shuffled_prompt,
     table,
 )
-from bench.ragbench.runner import RequestRecord, RunResult
+from pcr_eval.ragbench.runner import RequestRecord, RunResult
 
 
 def test_a_shuffled_prompt_moves_whole_documents_and_keeps_what_lies_between():
@@ -122,7 +122,7 @@ def _full_row(config, load, mean, p99):
 
 
 def test_merged_runs_make_one_report_a_later_row_replacing_an_earlier_one(tmp_path):
-    from bench.ragbench.headline import merge
+    from pcr_eval.ragbench.headline import merge
 
     first = _run_dir(tmp_path, "a", [_full_row("radix", 0.6, 500, 900), _full_row("pcr-blend-cal-pre", 0.6, 300, 500)],
                      failed=["hicache@60%: no memory"])
@@ -157,8 +157,8 @@ class _SaturatedServer:
 def test_saturate_sends_every_first_turn_and_a_failed_one_raises_with_its_label():
     from types import SimpleNamespace
 
-    from bench.ragbench.operating_points import saturate
-    from bench.ragbench.workload import WorkloadParams, make_trace
+    from pcr_eval.ragbench.operating_points import saturate
+    from pcr_eval.ragbench.workload import WorkloadParams, make_trace
 
     trace = make_trace(WorkloadParams(source="synthetic", num_requests=3, corpus_docs=10, seed=1),
                        count_tokens=lambda text: len(text.split()))

@@ -26,7 +26,6 @@ import json
 import logging
 import shlex
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 
 import requests
 
-from bench.ragbench.common import (
+from pcr_eval.ragbench.common import (
     Model,
     batch_pool_budgets,
     config_list,
@@ -43,9 +42,9 @@ from bench.ragbench.common import (
     workload_args,
     workload_params,
 )
-from bench.ragbench.report import build_report, write_report
-from bench.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run, replay, run_planned
-from bench.ragbench.workload import Trace, make_trace, save_trace
+from pcr_eval.ragbench.report import build_report, write_report
+from pcr_eval.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run, replay, run_planned
+from pcr_eval.ragbench.workload import Trace, make_trace, save_trace
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +264,3 @@ def main(argv: list[str]) -> int:
     (out_dir / "operating_points.md").write_text(text)
     print(text)
     return 0 if report["outputs_identical"] and not failed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

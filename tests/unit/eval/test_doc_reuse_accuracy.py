@@ -6,22 +6,12 @@ import argparse
 
 import pytest
 
-from bench.doc_reuse_accuracy import (
-    EXACT,
-    FULL,
-    ModeSpec,
-    Prompt,
-    answer_nll,
-    doc_reuse_server_flags,
-    markdown_table,
-    mode_request,
-    normalize_answer,
-    parse_modes,
-    server_mode,
-    summarize,
-    target_lines,
-    token_f1,
-)
+from pcr_eval.forcing import answer_nll
+from pcr_eval.modes import ModeSpec, parse_modes
+from pcr_eval.scores import normalize_answer, token_f1
+from pcr_eval.serving import doc_reuse_server_flags, server_mode
+from pcr_eval.trace_report import EXACT, FULL, markdown_table, summarize, target_lines
+from pcr_eval.trace_workload import Prompt, mode_request
 
 
 def test_normalize_answer_is_squad_style():
@@ -93,7 +83,7 @@ def test_recomputed_tokens_when_every_document_is_reused():
 
 
 def test_main_refuses_unknown_modes_before_starting_anything(capsys):
-    from bench.doc_reuse_accuracy import main
+    from pcr_eval.accuracy import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--modes", "mosaic"])
@@ -166,7 +156,7 @@ class _RecordingServer:
 
 
 def test_every_request_of_a_mode_measurement_carries_the_modes_key():
-    from bench.doc_reuse_accuracy import measure_mode
+    from pcr_eval.trace_workload import measure_mode
 
     prompt = Prompt(0, "r0", "Why?", ["d1", "d2"], list(range(40)), [3, 13, 13, 30])
     server = _RecordingServer()

@@ -5,7 +5,7 @@ Two document sources:
 * ``retrieval`` (default): the offline Wikipedia lead extracts. Each question is written
   from a *topic* article drawn with Zipf popularity (exponent calibrated so that about 3%
   of topics draw about 60% of the questions, the skew reported for RAG corpora), and the
-  k documents are chosen by a real embedding model (:mod:`bench.ragbench.retrieval`), in
+  k documents are chosen by a real embedding model (:mod:`pcr_eval.ragbench.retrieval`), in
   retrieval order. Which documents appear together is therefore retrieval's doing.
 * ``synthetic``: documents of lognormal length (default 300-1,500 tokens) made of corpus
   words, drawn directly with Zipf popularity; for sweeps over shapes the corpus lacks.
@@ -270,7 +270,7 @@ def make_trace(params: WorkloadParams, retriever: Optional[Callable[[list[str], 
             word = _content_word(doc.text, doc.title, rng)
             questions.append(rng.choice(_QUESTIONS).format(title=doc.title, word=word))
         if retriever is None:
-            from bench.ragbench.retrieval import EmbeddingIndex
+            from pcr_eval.ragbench.retrieval import EmbeddingIndex
 
             retriever = EmbeddingIndex([f"{d.title}. {d.text}" for d in documents]).search
         if params.unique_docs:

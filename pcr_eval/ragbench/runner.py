@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 
 import requests
 
-from bench.ragbench.workload import Trace, TraceRequest
+from pcr_eval.ragbench.workload import Trace, TraceRequest
 from pcr_tools.launcher import ServerProcess
 from pcr_tools.models.smollm2 import TUNED_CALIBRATION
 

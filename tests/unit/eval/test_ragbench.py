@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from bench.ragbench.report import build_report, markdown, percentile, reuse_potential, write_report
-from bench.ragbench.runner import Budgets, RequestRecord, RunResult, _cached_by_tier, server_config
-from bench.ragbench.workload import (
+from pcr_eval.ragbench.report import build_report, markdown, percentile, reuse_potential, write_report
+from pcr_eval.ragbench.runner import Budgets, RequestRecord, RunResult, _cached_by_tier, server_config
+from pcr_eval.ragbench.workload import (
     HOT_FRACTION,
     HOT_SHARE,
     WorkloadParams,
@@ -36,7 +36,7 @@ def retrieval_trace():
 
 
 def test_retrieval_trace_uses_the_embedder_and_is_deterministic(retrieval_trace):
-    from bench.ragbench.retrieval import EmbeddingIndex
+    from pcr_eval.ragbench.retrieval import EmbeddingIndex
 
     trace = retrieval_trace
     again = make_trace(trace.params)

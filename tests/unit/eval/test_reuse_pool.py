@@ -1,4 +1,4 @@
-"""Pooling runs of the questions workload (bench/reuse_pool.py) on results written by hand."""
+"""Pooling runs of the questions workload (pcr_eval/pool.py) on results written by hand."""
 
 from __future__ import annotations
 
@@ -6,19 +6,21 @@ import json
 
 import pytest
 
-from bench import reuse_pool
-from bench import reuse_questions as rq
+from pcr_eval import pool as reuse_pool
+from pcr_eval.gold import GoldPrompt
+from pcr_eval.questions_report import FULL, summarize_full, summarize_mode
+from pcr_eval.scores import gold_scores
 from pcr_tools.tune.questions import KINDS, Question
 
 PER_SEED = 3
 
 
-def prompts_for(seed: int, count: int) -> list[rq.GoldPrompt]:
+def prompts_for(seed: int, count: int) -> list[GoldPrompt]:
     out = []
     for i in range(count):
         kind = KINDS[i % len(KINDS)]
         q = Question(kind, ("d0", "d1", "d2"), f"q{seed}-{i}?", "gold", (1,), ("a", "b", "c"))
-        out.append(rq.GoldPrompt(i, f"{kind}-{seed}-{i}", q, list(range(40)), [5, 15, 15, 25, 25, 35],
+        out.append(GoldPrompt(i, f"{kind}-{seed}-{i}", q, list(range(40)), [5, 15, 15, 25, 25, 35],
                                  list(range(40)), [7]))
     return out
 
@@ -26,7 +28,7 @@ def prompts_for(seed: int, count: int) -> list[rq.GoldPrompt]:
 def full_row(seed: int, i: int) -> dict:
     kind = KINDS[i % len(KINDS)]
     return {"answer_ids": [1], "answer": "x", "ttft_s": 0.2, "nll": 1.0 + i, "gold_nll": 2.0,
-            **rq.gold_scores(kind, "gold answer" if (seed + i) % 2 else "no", "gold"),
+            **gold_scores(kind, "gold answer" if (seed + i) % 2 else "no", "gold"),
             "noise_f1": 0.5, "noise_identical": 0.0}
 
 
@@ -49,37 +51,37 @@ def base_row(seed: int, i: int) -> dict:
     """The base model's full prefill: other gold scores than the tuned model's own."""
     kind = KINDS[i % len(KINDS)]
     return {**full_row(seed, i), "nll": 3.0 + i, "gold_nll": 1.0 + seed,
-            **rq.gold_scores(kind, "gold answer" if i % 2 == 0 else "no", "gold")}
+            **gold_scores(kind, "gold answer" if i % 2 == 0 else "no", "gold")}
 
 
 def test_pooled_runs_equal_one_run_over_all_their_questions(tmp_path):
     a, b, base = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "base.json"
-    write_run(a, "tuned", [0], {rq.FULL: full_row, "blend": mode_row})
-    write_run(b, "M", [1, 2], {rq.FULL: full_row, "blend": mode_row})  # another run's model and seeds
-    write_run(base, "base", [0, 1, 2], {rq.FULL: base_row})
+    write_run(a, "tuned", [0], {FULL: full_row, "blend": mode_row})
+    write_run(b, "M", [1, 2], {FULL: full_row, "blend": mode_row})  # another run's model and seeds
+    write_run(base, "base", [0, 1, 2], {FULL: base_row})
     # The sources named in another order than their seeds, the base in one run for all three.
     summaries, counts, left_out = reuse_pool.pool(
         [reuse_pool.Source(base, "base")],
         [reuse_pool.Series.parse(f"tuned/gradual={b}:M:blend,{a}:tuned:blend"),
-         reuse_pool.Series.parse(f"tuned/{rq.FULL}={b}:M:{rq.FULL},{a}:tuned:{rq.FULL}")], prompts_for)
-    assert counts == {"tuned/gradual": 9, f"tuned/{rq.FULL}": 9} and not any(left_out.values())
+         reuse_pool.Series.parse(f"tuned/{FULL}={b}:M:{FULL},{a}:tuned:{FULL}")], prompts_for)
+    assert counts == {"tuned/gradual": 9, f"tuned/{FULL}": 9} and not any(left_out.values())
     prompts = [p for seed in (0, 1, 2) for p in prompts_for(seed, PER_SEED)]
     full = [full_row(seed, i) for seed in (0, 1, 2) for i in range(PER_SEED)]
     base_full = [base_row(seed, i) for seed in (0, 1, 2) for i in range(PER_SEED)]
     mine = [mode_row(seed, i) for seed in (0, 1, 2) for i in range(PER_SEED)]
-    assert summaries["tuned"]["gradual"] == rq.summarize_mode(mine, prompts, base_full, full, 0)
-    assert summaries["tuned"][rq.FULL] == rq.summarize_full(full, prompts, base_full, 0)
+    assert summaries["tuned"]["gradual"] == summarize_mode(mine, prompts, base_full, full, 0)
+    assert summaries["tuned"][FULL] == summarize_full(full, prompts, base_full, 0)
     # Base and own full prefill are told apart: the gold ratio is against the base, the NLL ratio the own.
-    assert summaries["tuned"]["gradual"] != rq.summarize_mode(mine, prompts, full, full, 0)
-    assert summaries["tuned"]["gradual"] != rq.summarize_mode(mine, prompts, base_full, base_full, 0)
+    assert summaries["tuned"]["gradual"] != summarize_mode(mine, prompts, full, full, 0)
+    assert summaries["tuned"]["gradual"] != summarize_mode(mine, prompts, base_full, base_full, 0)
     assert summaries["tuned"]["gradual"]["kl"]["mean"] == pytest.approx((0.1 * 3 + 0.2 * 3 + 0.3 * 3) / 9)
 
 
 def test_a_question_in_two_runs_is_an_error_and_one_without_a_base_is_left_out(tmp_path):
     a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
-    write_run(a, "base", [0], {rq.FULL: full_row})
-    write_run(b, "tuned", [0], {rq.FULL: full_row, "blend": mode_row})
-    write_run(c, "tuned", [0, 1], {rq.FULL: full_row, "blend": mode_row})
+    write_run(a, "base", [0], {FULL: full_row})
+    write_run(b, "tuned", [0], {FULL: full_row, "blend": mode_row})
+    write_run(c, "tuned", [0, 1], {FULL: full_row, "blend": mode_row})
     with pytest.raises(ValueError, match=f"in two runs .{b} and {c}."):
         reuse_pool.pool([reuse_pool.Source(a, "base")],
                         [reuse_pool.Series.parse(f"tuned/blend={b}:tuned:blend,{c}:tuned:blend")], prompts_for)
@@ -91,7 +93,7 @@ def test_a_question_in_two_runs_is_an_error_and_one_without_a_base_is_left_out(t
                         prompts_for)
     with pytest.raises(ValueError, match="mixes full prefill"):
         reuse_pool.pool([reuse_pool.Source(a, "base")],
-                        [reuse_pool.Series.parse(f"tuned/x={b}:tuned:blend,{c}:tuned:{rq.FULL}")], prompts_for)
+                        [reuse_pool.Series.parse(f"tuned/x={b}:tuned:blend,{c}:tuned:{FULL}")], prompts_for)
     assert reuse_pool.targets(summaries, "blend")[0].startswith("targets: need series")
     with pytest.raises(ValueError, match="no mode 'lego'"):
         reuse_pool.pool([reuse_pool.Source(a, "base")], [reuse_pool.Series.parse(f"t/l={c}:tuned:lego")],

@@ -1,4 +1,4 @@
-"""The simulators over PCR's core tree (bench/lookahead_sim.py, bench/fleet_sim.py) run and
+"""The simulators over PCR's core tree (pcr_eval/sim/lookahead.py, pcr_eval/sim/fleet.py) run and
 agree with the closed forms they are checked against."""
 
 from __future__ import annotations
@@ -7,13 +7,15 @@ import json
 
 import pytest
 
-from bench import fleet_sim, lookahead_sim
+from pcr_eval.sim import fleet as fleet_sim
+from pcr_eval.sim import lookahead as lookahead_sim
+from pcr_sglang.core import CacheNamespace, chunk_keys, root_key
 
 
 def test_lookahead_sim_replays_and_the_window_never_hurts():
     params = lookahead_sim.TraceParams(requests=400, docs=60, seed=3)
-    root = lookahead_sim.root_key(lookahead_sim.CacheNamespace("sim", "float16", params.chunk_size).digest())
-    trace = [lookahead_sim.chunk_keys(root, t, params.chunk_size) for t in lookahead_sim.make_trace(params)]
+    root = root_key(CacheNamespace("sim", "float16", params.chunk_size).digest())
+    trace = [chunk_keys(root, t, params.chunk_size) for t in lookahead_sim.make_trace(params)]
     capacity = lookahead_sim.working_set_chunks(trace) // 10
     plain = lookahead_sim.replay(trace, capacity, window=0, queue_depth=16)
     ahead = lookahead_sim.replay(trace, capacity, window=8, queue_depth=16)
@@ -73,10 +75,11 @@ def test_fleet_sim_refuses_bad_options():
 
 
 def test_the_tree_microbenchmark_runs():
-    """bench/tree_microbench.py stopped running when the tree began to require device
+    """The tree microbenchmark (bench/tree_microbench.py, its measuring in
+    pcr_eval/sim/tree_costs.py) stopped running when the tree began to require device
     values (it inserted None): a small size keeps it from rotting again."""
-    from bench import tree_microbench
+    from pcr_eval.sim import tree_costs
 
-    figures = tree_microbench.measure(500, repeats=5, seed=0)
+    figures = tree_costs.measure(500, repeats=5, seed=0)
     assert set(figures) == {"match", "insert", "lock+unlock", "evict", "lookahead"}
     assert all(v > 0 for v in figures.values())
