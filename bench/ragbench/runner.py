@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG_NAMES = ("radix", "nocache", "hicache", "oracle", "pcr", "pcr-docs", "pcr-docs-pre", "pcr-blend",
                 "pcr-blend-pre", "pcr-docs-eager", "pcr-docs-idle", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead",
-                "pcr-blend-cal", "pcr-blend-cal-pre", "pcr-reorder")
+                "pcr-blend-cal", "pcr-blend-cal-pre", "pcr-reorder", "pcr-device")
 # PCR with document reuse in any order: requests mark their documents; "docs" is concat
 # (no recompute), "blend" recomputes the default 15% of re-placed tokens (CacheBlend);
 # "-pre" first fills the store with every trace document's canonical KV (TurboRAG's
@@ -75,7 +75,8 @@ DOC_REUSE_CONFIGS = {"pcr-docs": ("--pcr-doc-reuse", "concat"), "pcr-docs-pre": 
 TUNED_ONLY_CONFIGS = ("pcr-blend-cal", "pcr-blend-cal-pre")
 # What runs without --configs: the warm-up variants and the tuned model's only when asked for.
 DEFAULT_CONFIGS = tuple(c for c in CONFIG_NAMES
-                        if c not in ("nocache", "pcr-docs-eager", "pcr-docs-idle", "pcr-reorder", *TUNED_ONLY_CONFIGS))
+                        if c not in ("nocache", "pcr-docs-eager", "pcr-docs-idle", "pcr-reorder", "pcr-device",
+                                     *TUNED_ONLY_CONFIGS))
 PRECOMPUTED_CONFIGS = ("pcr-docs-pre", "pcr-blend-pre", "pcr-blend-cal-pre")
 # PCR without one feature: the flag that turns it off.
 ABLATIONS = {
@@ -137,6 +138,9 @@ def server_config(name: str, budgets: Budgets, storage_dir: Path) -> ServerConfi
              "--hicache-ratio", f"{budgets.hicache_ratio:.4f}", "--hicache-storage-backend", "file"),
             storage_dir=storage_dir,
             env={HICACHE_STORAGE_ENV: str(storage_dir), HICACHE_MAX_SIZE_ENV: str(int(budgets.ssd_gb * 2**30))})
+    if name == "pcr-device":  # PCR's chunk tree over the device pool alone: what its tiers cost, read against pcr
+        return ServerConfig(name, (*pool, *common, "--enable-pcr", "--pcr-chunk-size", str(budgets.chunk_size),
+                                   "--pcr-dram-gb", "0"))
     if name == "pcr" or name in ABLATIONS or name in DOC_REUSE_CONFIGS:
         args = (*pool, *common, "--enable-pcr", "--pcr-chunk-size", str(budgets.chunk_size),
                 "--pcr-dram-gb", _gb_arg(budgets.host_gb), "--pcr-ssd-path", str(storage_dir),
