@@ -238,7 +238,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="kv-events-host-removal-left-out",
         kind="unit",
-        file="pcr_sglang/core/chunk_tree.py",
+        file="pcr_sglang/core/tier_accounts.py",
         original="self._log(TierEventKind.REMOVED, node, Tier.HOST)",
         replacement="pass  # mutant: no host removal logged",
         tests=(UNIT + "sglang_adapter/test_kv_events.py::test_a_subscriber_mirrors_every_tier_through_500_requests",),
