@@ -141,7 +141,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="doc-reuse-concat-without-rotation",
         kind="e2e",
-        file="pcr_sglang/reuse/placement.py",
+        file="pcr_sglang/reuse/doc_copy.py",
         original="deltas.append(torch.full((source.numel(),), segment.delta, dtype=torch.int64))",
         replacement="deltas.append(torch.full((source.numel(),), 0, dtype=torch.int64))",
         tests=(E2E + "test_doc_reuse.py::test_concat_outputs_equal_an_independent_reference",),
