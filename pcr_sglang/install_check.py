@@ -34,7 +34,7 @@ def check_sglang_install() -> Optional[InstallProblem]:
         return InstallProblem(
             f"pcr-sglang needs sglang=={PINNED_SGLANG_VERSION} but {version} is installed. {FIX_HINT}"
         )
-    root = Path(metadata.distribution("sglang").locate_file(""))
+    root = Path(str(metadata.distribution("sglang").locate_file("")))  # a SimplePath: its str is the path
     stamp_path = root / "sglang" / STAMP_NAME
     if not stamp_path.is_file():
         return InstallProblem(f"SGLang {version} is installed without pcr-sglang's patches. {FIX_HINT}")

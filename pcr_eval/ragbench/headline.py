@@ -174,7 +174,9 @@ def run_row(run: RunResult, load: float, reference: Reference, decode: Any) -> d
             "doc_reuse_counters": ((run.server_state or {}).get("doc_reuse") or {}).get("counters")}
 
 
-PREFIX_CONFIGS = ("radix", "hicache", "pcr")  # exact prefix reuse: where PCR's P99 edge over HiCache is read
+# Exact prefix reuse: where PCR's P99 edge over HiCache is read (pcr-device, PCR without its
+# host and SSD tiers, only with --configs: what the tiers cost beside the chunk tree).
+PREFIX_CONFIGS = ("radix", "hicache", "pcr", "pcr-device")
 
 
 def anatomy(run: RunResult, load: float) -> dict[str, Any]:

@@ -12,9 +12,10 @@ trace's working set); the tiered ones get the same host-memory and disk budgets:
                      could reuse on this trace.
 * ``pcr``            PCR with host memory, the SSD tier, prefetch, layer-wise copies and
                      look-ahead eviction.
-* ``pcr-layerwise``, ``pcr-prefetch``, ``pcr-lookahead``: PCR without that one feature.
-* ``pcr-docs``, ``pcr-blend`` (``-pre``, ``-eager``, ``-idle``), ``pcr-blend-cal`` (``-pre``),
-  ``pcr-reorder``: PCR with document reuse (``DOC_REUSE_CONFIGS`` below).
+* ``pcr-layerwise``, ``pcr-prefetch``, ``pcr-lookahead``: PCR without that one feature;
+  ``pcr-device``: PCR without its host and SSD tiers (the chunk tree over the device pool).
+* ``pcr-docs``, ``pcr-blend`` (``-pre``, ``-eager``, ``-idle``), ``pcr-blend-cal`` (``-pre``,
+  ``-idle``), ``pcr-reorder``: PCR with document reuse (``DOC_REUSE_CONFIGS`` below).
 
 The client sends each first turn at its Poisson arrival time (scaled to the rate) and each
 follow-up after its session's previous answer plus the think time, streams the reply, and
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG_NAMES = ("radix", "nocache", "hicache", "oracle", "pcr", "pcr-docs", "pcr-docs-pre", "pcr-blend",
                 "pcr-blend-pre", "pcr-docs-eager", "pcr-docs-idle", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead",
-                "pcr-blend-cal", "pcr-blend-cal-pre", "pcr-reorder")
+                "pcr-blend-cal", "pcr-blend-cal-pre", "pcr-blend-cal-idle", "pcr-reorder", "pcr-device")
 # PCR with document reuse in any order: requests mark their documents; "docs" is concat
 # (no recompute), "blend" recomputes the default 15% of re-placed tokens (CacheBlend);
 # "-pre" first fills the store with every trace document's canonical KV (TurboRAG's
@@ -70,12 +71,18 @@ DOC_REUSE_CONFIGS = {"pcr-docs": ("--pcr-doc-reuse", "concat"), "pcr-docs-pre": 
                                        str(TUNED_CALIBRATION)),
                      "pcr-blend-cal-pre": ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration",
                                            str(TUNED_CALIBRATION)),
+                     # The same with warm-ups only while the server is idle: a request never
+                     # waits for its documents' warm-ups (what they cost under load, read
+                     # against pcr-blend-cal).
+                     "pcr-blend-cal-idle": ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration",
+                                            str(TUNED_CALIBRATION), "--pcr-doc-warmup", "idle"),
                      "pcr-reorder": ("--pcr-doc-reuse", "reorder")}
 # Configurations that need the document-reuse tuned model (its calibration refuses others).
-TUNED_ONLY_CONFIGS = ("pcr-blend-cal", "pcr-blend-cal-pre")
+TUNED_ONLY_CONFIGS = ("pcr-blend-cal", "pcr-blend-cal-pre", "pcr-blend-cal-idle")
 # What runs without --configs: the warm-up variants and the tuned model's only when asked for.
 DEFAULT_CONFIGS = tuple(c for c in CONFIG_NAMES
-                        if c not in ("nocache", "pcr-docs-eager", "pcr-docs-idle", "pcr-reorder", *TUNED_ONLY_CONFIGS))
+                        if c not in ("nocache", "pcr-docs-eager", "pcr-docs-idle", "pcr-reorder", "pcr-device",
+                                     *TUNED_ONLY_CONFIGS))
 PRECOMPUTED_CONFIGS = ("pcr-docs-pre", "pcr-blend-pre", "pcr-blend-cal-pre")
 # PCR without one feature: the flag that turns it off.
 ABLATIONS = {
@@ -137,6 +144,9 @@ def server_config(name: str, budgets: Budgets, storage_dir: Path) -> ServerConfi
              "--hicache-ratio", f"{budgets.hicache_ratio:.4f}", "--hicache-storage-backend", "file"),
             storage_dir=storage_dir,
             env={HICACHE_STORAGE_ENV: str(storage_dir), HICACHE_MAX_SIZE_ENV: str(int(budgets.ssd_gb * 2**30))})
+    if name == "pcr-device":  # PCR's chunk tree over the device pool alone: what its tiers cost, read against pcr
+        return ServerConfig(name, (*pool, *common, "--enable-pcr", "--pcr-chunk-size", str(budgets.chunk_size),
+                                   "--pcr-dram-gb", "0"))
     if name == "pcr" or name in ABLATIONS or name in DOC_REUSE_CONFIGS:
         args = (*pool, *common, "--enable-pcr", "--pcr-chunk-size", str(budgets.chunk_size),
                 "--pcr-dram-gb", _gb_arg(budgets.host_gb), "--pcr-ssd-path", str(storage_dir),

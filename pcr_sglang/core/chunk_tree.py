@@ -15,6 +15,11 @@ tier is not a leaf of it), unlocked, least recently used first (:mod:`pcr_sglang
 A match, an insert, a lock or an unlock costs O(chunks on the path) plus O(log leaves)
 per heap push, never O(tree).
 
+The tree decides each change (it matches and inserts chains, checks its callers' requests,
+and takes out of the tree a chunk no tier holds, with the descendants only it made
+reachable); what a change moves (the per-tier counts, lock counts and leaf sets, and the
+event recording it) is kept by :class:`pcr_sglang.core.tier_accounts.TierAccounts`.
+
 The tree is a data structure, not a policy: which tier a chunk should move to, and which
 slots it uses there, is decided by :class:`pcr_sglang.core.residency.CacheState`, its
 only user in the server.
@@ -32,13 +37,10 @@ from pcr_sglang.core.chunk_node import (
     TreeStats,
     held_once,
     in_no_tier,
-    is_device_leaf,
-    is_host_leaf,
-    is_ssd_leaf,
-    ssd_tier,
 )
 from pcr_sglang.core.keys import ChunkKey
 from pcr_sglang.core.lru import TierLeaves
+from pcr_sglang.core.tier_accounts import TierAccounts
 from pcr_sglang.core.tier_events import Tier, TierEvent, TierEventKind, TierEventLog
 from pcr_sglang.core.tree_check import check_tree
 
@@ -65,14 +67,7 @@ class ChunkTree:
         self.root = ChunkNode(key=b"", parent=None)
         self.root.lock_ref = 1  # the root is never evicted
         self._num_chunks = 0
-        self._device_chunks = 0
-        self._host_chunks = 0
-        self._ssd_chunks = 0
-        self._locked_chunks = 0
-        self._locked_device_chunks = 0
-        self._device = TierLeaves(is_device_leaf, self._seq)
-        self._host = TierLeaves(is_host_leaf, self._seq)
-        self._ssd = TierLeaves(is_ssd_leaf, self._seq)
+        self._tiers = TierAccounts(self._seq, self._log)
 
     @property
     def num_chunks(self) -> int:
@@ -80,41 +75,44 @@ class ChunkTree:
 
     @property
     def device_chunks(self) -> int:
-        return self._device_chunks
+        return self._tiers.device_chunks
 
     @property
     def host_chunks(self) -> int:
-        return self._host_chunks
+        return self._tiers.host_chunks
 
     @property
     def ssd_chunks(self) -> int:
-        return self._ssd_chunks
+        return self._tiers.ssd_chunks
 
     @property
     def evictable_chunks(self) -> int:
         """Device chunks no lock holds: what device eviction could free."""
-        return self._device_chunks - self._locked_device_chunks
+        return self._tiers.evictable_chunks
 
     @property
     def locked_chunks(self) -> int:
-        return self._locked_chunks
+        return self._tiers.locked_chunks
 
     @property
     def locked_device_chunks(self) -> int:
-        return self._locked_device_chunks
+        return self._tiers.locked_device_chunks
+
+    # Each tier's evictable leaves, kept by the accounts: what the invariant check compares.
+    @property
+    def _device(self) -> TierLeaves:
+        return self._tiers.device
+
+    @property
+    def _host(self) -> TierLeaves:
+        return self._tiers.host
+
+    @property
+    def _ssd(self) -> TierLeaves:
+        return self._tiers.ssd
 
     def stats(self) -> TreeStats:
-        return TreeStats(
-            num_chunks=self._num_chunks,
-            device_chunks=self._device_chunks,
-            host_chunks=self._host_chunks,
-            evictable_chunks=self.evictable_chunks,
-            locked_chunks=self._locked_chunks,
-            evictable_leaves=len(self._device.leaves),
-            host_evictable_leaves=len(self._host.leaves),
-            ssd_chunks=self._ssd_chunks,
-            ssd_evictable_leaves=len(self._ssd.leaves),
-        )
+        return self._tiers.stats(self._num_chunks)
 
     # ------------------------------------------------------------------ lookup
     def match(self, keys: Iterable[ChunkKey], touch: bool = True) -> MatchOutcome:
@@ -179,15 +177,7 @@ class ChunkTree:
             raise ValueError("the root holds no KV")
         if not parent.is_root and not parent.on_device:
             raise RuntimeError(f"{node!r} cannot be on the device before its parent")
-        if not node.on_device:
-            self._device_chunks += 1
-            self._locked_device_chunks += node.lock_ref > 0
-            parent.device_children += 1
-            self._device.refresh(parent)
-            self._log(TierEventKind.STORED, node, Tier.DEVICE)
-        node.device_value = value
-        self._device.refresh(node)
-        self._host.refresh(node)
+        self._tiers.enter_device(node, value)
 
     def set_host(self, node: ChunkNode, slot: int) -> None:
         """Record that ``node``'s KV is also in host slot ``slot``."""
@@ -195,12 +185,7 @@ class ChunkTree:
             raise ValueError("the root holds no KV")
         if node.on_host:
             raise RuntimeError(f"{node!r} already has host slot {node.host_slot}")
-        node.host_slot = slot
-        self._host_chunks += 1
-        node.parent.host_children += 1
-        self._host.refresh(node.parent)
-        self._host.refresh(node)
-        self._log(TierEventKind.STORED, node, Tier.HOST)
+        self._tiers.enter_host(node, slot)
 
     def set_ssd(self, node: ChunkNode) -> None:
         """Record that ``node``'s KV is also persisted in the SSD store."""
@@ -208,12 +193,7 @@ class ChunkTree:
             raise ValueError("the root holds no KV")
         if node.on_ssd:
             raise RuntimeError(f"{node!r} is already on the SSD")
-        node.on_ssd = True
-        self._ssd_chunks += 1
-        node.parent.ssd_children += 1
-        self._ssd.refresh(node.parent)
-        self._ssd.refresh(node)
-        self._log(TierEventKind.STORED, node, ssd_tier(node))
+        self._tiers.enter_ssd(node)
 
     def add_persisted(self, parent: Optional[ChunkNode], key: ChunkKey, remote_only: bool = False) -> ChunkNode:
         """A chunk found in the SSD store at startup, or (``remote_only``) in the remote
@@ -241,65 +221,28 @@ class ChunkTree:
                  on_drop_ssd: Optional[NodeCallback] = None) -> None:
         """``node``'s SSD record is gone (unreadable, corrupt): forget it. A chunk left in
         no tier is removed with the descendants only it made reachable."""
-        if not node.on_ssd:
-            return
-        last = held_once(node)
-        if last:  # what only it made reachable goes first (so events name children before parents)
-            self._drop_children(node, on_drop_host, on_drop_ssd)
-        self._drop_ssd(node)
-        if last:
-            self._remove_leaf(node)
+        if node.on_ssd:
+            self._leave(node, self._tiers.leave_ssd, on_drop_host, on_drop_ssd)
 
     # ------------------------------------------------------------------ host pins
     def pin_host(self, node: ChunkNode) -> None:
         """Keep ``node``'s host copy out of host eviction (it is not a host leaf while
         pinned); its other tiers and its ancestors are unaffected."""
-        node.host_pins += 1
-        self._host.discard(node)
+        self._tiers.pin_host(node)
 
     def unpin_host(self, node: ChunkNode) -> None:
-        if node.host_pins <= 0:
-            raise RuntimeError(f"unpin of an unpinned chunk {node!r}")
-        node.host_pins -= 1
-        if node.parent is not None:
-            self._host.refresh(node)
+        self._tiers.unpin_host(node)
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: ChunkNode) -> int:
         """Protect ``node`` and its ancestors from eviction in every tier (a running
         request's chain, or chunks in transit); returns device chunks newly locked
         (the device tokens that stopped being evictable, in chunks)."""
-        newly = newly_on_device = 0
-        while node.parent is not None:
-            if node.lock_ref == 0:
-                newly += 1
-                newly_on_device += node.on_device
-            node.lock_ref += 1
-            self._device.discard(node)
-            self._host.discard(node)
-            self._ssd.discard(node)
-            node = node.parent
-        self._locked_chunks += newly
-        self._locked_device_chunks += newly_on_device
-        return newly_on_device
+        return self._tiers.lock(node)
 
     def unlock(self, node: ChunkNode) -> int:
         """Undo one :meth:`lock` of ``node``; returns device chunks that became evictable."""
-        freed = freed_on_device = 0
-        while node.parent is not None:
-            if node.lock_ref <= 0:
-                raise RuntimeError(f"unlock of an unlocked chunk {node!r}: lock counts are unbalanced")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                freed += 1
-                freed_on_device += node.on_device
-                self._device.refresh(node)
-                self._host.refresh(node)
-                self._ssd.refresh(node)
-            node = node.parent
-        self._locked_chunks -= freed
-        self._locked_device_chunks -= freed_on_device
-        return freed_on_device
+        return self._tiers.unlock(node)
 
     # ------------------------------------------------------------------ eviction
     def evict(
@@ -319,13 +262,8 @@ class ChunkTree:
         ``on_drop_ssd`` free the host slot and the SSD record. Leaves for which
         ``is_protected`` answers true go only after every other (look-ahead protection).
         """
-        evicted: list[ChunkNode] = []
-        for node in self._device.pop_lru(num_chunks, is_protected):
-            if on_evict is not None:
-                on_evict(node)
-            self._drop_device(node, on_drop_host, on_drop_ssd)
-            evicted.append(node)
-        return evicted
+        return self._evict_leaves(self._tiers.device, self._tiers.leave_device, num_chunks, on_evict, is_protected,
+                                  on_drop_host, on_drop_ssd, None)
 
     def evict_host(
         self,
@@ -344,7 +282,7 @@ class ChunkTree:
         the descendants it made reachable (``on_drop_host`` and ``on_drop_ssd`` release
         their host slots and SSD records).
         """
-        return self._evict_leaves(self._host, self._drop_host, num_chunks, on_evict, is_protected,
+        return self._evict_leaves(self._tiers.host, self._tiers.leave_host, num_chunks, on_evict, is_protected,
                                   on_drop_host, on_drop_ssd, take)
 
     def evict_ssd(
@@ -360,51 +298,39 @@ class ChunkTree:
         ``on_evict(node)`` runs first (the caller deletes the record there). A chunk left
         in no tier is removed, with the descendants it made reachable.
         """
-        return self._evict_leaves(self._ssd, self._drop_ssd, num_chunks, on_evict, is_protected,
+        return self._evict_leaves(self._tiers.ssd, self._tiers.leave_ssd, num_chunks, on_evict, is_protected,
                                   on_drop_host, on_drop_ssd, None)
 
     def _evict_leaves(self, tier: TierLeaves, drop: NodeCallback, num_chunks: int,
                       on_evict: Optional[NodeCallback], is_protected: Optional[NodePredicate],
                       on_drop_host: Optional[NodeCallback], on_drop_ssd: Optional[NodeCallback],
                       take: Optional[Callable[[ChunkNode], Optional[bool]]]) -> list[ChunkNode]:
-        """The host and SSD tiers' eviction: take ``tier``'s LRU leaves out of it; a chunk
+        """Each tier's eviction: take ``tier``'s LRU leaves out of it (``drop``); a chunk
         left in no tier goes, with the descendants only it made reachable."""
         evicted: list[ChunkNode] = []
         for node in tier.pop_lru(num_chunks, is_protected, take):
             if on_evict is not None:
                 on_evict(node)
-            last = held_once(node)
-            if last:  # what only it made reachable goes first (so events name children before parents)
-                self._drop_children(node, on_drop_host, on_drop_ssd)
-            drop(node)
-            if last:
-                self._remove_leaf(node)
+            self._leave(node, drop, on_drop_host, on_drop_ssd)
             evicted.append(node)
         return evicted
+
+    def _leave(self, node: ChunkNode, drop: NodeCallback, on_drop_host: Optional[NodeCallback],
+               on_drop_ssd: Optional[NodeCallback]) -> None:
+        """Take ``node`` out of one tier (``drop``); a chunk that tier held alone leaves the
+        tree, and the descendants only it made reachable go first (so that events name
+        children before parents)."""
+        last = held_once(node)
+        if last:
+            self._drop_children(node, on_drop_host, on_drop_ssd)
+        drop(node)
+        if last:
+            self._remove_leaf(node)
 
     def _drop_children(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
                        on_drop_ssd: Optional[NodeCallback]) -> None:
         for child in list(node.children.values()):
             self._drop_subtree(child, on_drop_host, on_drop_ssd)
-
-    def _drop_device(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
-                     on_drop_ssd: Optional[NodeCallback] = None) -> None:
-        parent = node.parent
-        assert parent is not None and node.on_device and node.device_children == 0
-        last = held_once(node)
-        if last:  # no tier will hold it: its descendants are unreachable, and go first
-            self._drop_children(node, on_drop_host, on_drop_ssd)
-        node.device_value = None
-        self._device_chunks -= 1
-        parent.device_children -= 1
-        self._device.leaves.discard(node)
-        self._device.refresh(parent)
-        self._log(TierEventKind.REMOVED, node, Tier.DEVICE)
-        if last:
-            self._remove_leaf(node)
-            return
-        self._host.refresh(node)
-        self._ssd.refresh(node)
 
     def _drop_subtree(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
                       on_drop_ssd: Optional[NodeCallback] = None) -> None:
@@ -419,33 +345,12 @@ class ChunkTree:
             if n.on_host:
                 if on_drop_host is not None:
                     on_drop_host(n)
-                self._drop_host(n)
+                self._tiers.leave_host(n)
             if n.on_ssd:
                 if on_drop_ssd is not None:
                     on_drop_ssd(n)
-                self._drop_ssd(n)
+                self._tiers.leave_ssd(n)
             self._remove_leaf(n)
-
-    def _drop_host(self, node: ChunkNode) -> None:
-        parent = node.parent
-        assert parent is not None and node.on_host
-        node.host_slot = None
-        self._host_chunks -= 1
-        parent.host_children -= 1
-        self._host.leaves.discard(node)
-        self._host.refresh(parent)
-        self._log(TierEventKind.REMOVED, node, Tier.HOST)
-
-    def _drop_ssd(self, node: ChunkNode) -> None:
-        parent = node.parent
-        assert parent is not None and node.on_ssd
-        self._log(TierEventKind.REMOVED, node, ssd_tier(node))
-        node.on_ssd = False
-        node.remote_only = False
-        self._ssd_chunks -= 1
-        parent.ssd_children -= 1
-        self._ssd.leaves.discard(node)
-        self._ssd.refresh(parent)
 
     def _remove_leaf(self, node: ChunkNode) -> None:
         parent = node.parent
@@ -453,9 +358,7 @@ class ChunkTree:
         assert in_no_tier(node)
         self._log(TierEventKind.FORGOTTEN, node)
         del parent.children[node.key]
-        self._device.leaves.discard(node)
-        self._host.leaves.discard(node)
-        self._ssd.leaves.discard(node)
+        self._tiers.forget(node)
         self._num_chunks -= 1
         node.parent = None
 
@@ -469,19 +372,7 @@ class ChunkTree:
         self.events.append(TierEvent(kind, node.key, parent_key, tier))
 
     def _touch_chain(self, nodes: Sequence[ChunkNode]) -> None:
-        tick = next(self._tick)
-        for node in nodes:
-            node.last_access = tick
-        # Only a chain's last chunk in each tier can be a leaf of that tier, but which
-        # one that is differs per tier; refreshing the whole chain keeps it simple and
-        # stays O(chain).
-        for node in nodes:
-            if node in self._device.leaves or is_device_leaf(node):
-                self._device.refresh(node)
-            if node in self._host.leaves or is_host_leaf(node):
-                self._host.refresh(node)
-            if node in self._ssd.leaves or is_ssd_leaf(node):
-                self._ssd.refresh(node)
+        self._tiers.touch(nodes, next(self._tick))
 
     # ------------------------------------------------------------------ checks
     def iter_nodes(self) -> Iterable[ChunkNode]:

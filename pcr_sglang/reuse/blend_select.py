@@ -130,7 +130,9 @@ class Selection:
 
 
 def _first(output: Any) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output
+    """A module's output tensor (SGLang's linear layers return ``(output, bias)``)."""
+    first: torch.Tensor = output[0] if isinstance(output, tuple) else output
+    return first
 
 
 def _v_deviation(v: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -305,7 +307,7 @@ class BlendProbe:
         keys, values = torch.cat([first.keys0, k]), torch.cat([first.values0, v])
         hidden = self._finish(0, hidden, self._attend(0, q, q_positions, keys, values, all_positions))
         weights = torch.zeros(all_positions.shape[0], dtype=torch.float32, device=q.device)
-        filled = None
+        filled: Optional[torch.Tensor] = None
         if gap_offsets is not None and gap_offsets.numel():
             filled = torch.ones(all_positions.shape[0], dtype=torch.bool, device=q.device)
             filled[start + gap_offsets.to(q.device)] = False
@@ -328,8 +330,8 @@ class BlendProbe:
         module = self.layers[layer]
         attn = module.self_attn
         n, d = hidden.shape[0], attn.head_dim
-        q, k, v = _first(attn.qkv_proj(_first(module.input_layernorm(hidden)))).split(
-            [attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k, v = torch.split(_first(attn.qkv_proj(_first(module.input_layernorm(hidden)))),
+                              [attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q, k = attn.rotary_emb(positions, q, k)
         return q.reshape(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)
 
@@ -337,7 +339,8 @@ class BlendProbe:
         """The residual stream after layer ``layer``: its output projection and MLP."""
         module = self.layers[layer]
         residual = hidden + _first(module.self_attn.o_proj(attention_out))
-        return residual + module.mlp(_first(module.post_attention_layernorm(residual)))
+        mlp_out: torch.Tensor = module.mlp(_first(module.post_attention_layernorm(residual)))
+        return residual + mlp_out
 
     def _attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, key_positions: torch.Tensor,

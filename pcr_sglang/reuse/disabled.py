@@ -10,7 +10,7 @@ permuted, and a load of documents never happens. What the server reports of the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from pcr_sglang.core.keys import ChunkKey
     from pcr_sglang.req import PcrReq
     from pcr_sglang.reuse.plan import ReusePlan, RowOrder
+    from pcr_sglang.reuse.seam import DocLoad
 
 
 class NoDocReuse:
@@ -48,8 +49,10 @@ class NoDocReuse:
     def private_slots(self, rid: str) -> Optional[torch.Tensor]:
         return None
 
-    def load(self, req: PcrReq, prefix_node: ChunkNode, load_chain: Callable[[list[ChunkNode]], bool],
-             evict: Callable[[int], int], fence_before_copy: Callable[[], None]) -> bool:
+    def load(self, req: PcrReq) -> Optional[DocLoad]:
+        return None
+
+    def place(self, req: PcrReq, prefix_node: ChunkNode, slots: Optional[torch.Tensor]) -> bool:
         return False
 
     def fence_after_forward(self) -> bool:

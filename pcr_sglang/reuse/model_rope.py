@@ -60,7 +60,8 @@ class UnsupportedRope(ValueError):
 
 
 def _inv_freq_base(m: Any) -> torch.Tensor:
-    return m._compute_inv_freq(m.base)
+    inv_freq: torch.Tensor = m._compute_inv_freq(m.base)  # SGLang's rotary classes are untyped
+    return inv_freq
 
 
 def _inv_freq_linear(m: Any) -> torch.Tensor:
@@ -72,11 +73,13 @@ def _inv_freq_linear(m: Any) -> torch.Tensor:
             "with is ambiguous"
         )
     # Its cache is built from t / factor: the same angle as t * (inv_freq / factor).
-    return m._compute_inv_freq(m.base).double() / float(factors[0])
+    inv_freq: torch.Tensor = m._compute_inv_freq(m.base)
+    return inv_freq.double() / float(factors[0])
 
 
 def _inv_freq_yarn(m: Any) -> torch.Tensor:
-    return m._compute_inv_freq(m.scaling_factor)
+    inv_freq: torch.Tensor = m._compute_inv_freq(m.scaling_factor)
+    return inv_freq
 
 
 def _whole_table(m: Any) -> int:

@@ -7,9 +7,11 @@ KV connector, whose interface is split by the process that calls it):
 * :class:`SchedulerDocReuse`, the scheduler's half, in the order a request meets it: at
   match it is planned (only looking: a match may run many times for one request, and a
   plan changes nothing the tree or the allocator holds), the look-ahead window and
-  admission ask which canonical chains it needs, admission loads it (all or nothing),
-  the row written for its first extend owns its private slots, and it is released when it
-  leaves. A flush forgets every plan; a weight update every derived key.
+  admission ask which canonical chains it needs, admission asks what its load needs
+  (a :class:`DocLoad`, data: no callback crosses the seam), provides it (locks, host
+  loads, eviction, fresh slots, a fence) and hands the slots back to be placed into (all
+  or nothing), the row written for its first extend owns its private slots, and it is
+  released when it leaves. A flush forgets every plan; a weight update every derived key.
 * :class:`DocReuseRows`, the forward's half: whether any row is permuted at all, and
   where a request's permuted row holds which positions.
 * :class:`DocReuseStatus`, what the server reports of the feature (``/server_info``, the
@@ -23,7 +25,8 @@ where the factory and the scheduler loop hand them over.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -33,9 +36,29 @@ if TYPE_CHECKING:
     from pcr_sglang.req import PcrReq
     from pcr_sglang.reuse.bounds import Recompute
     from pcr_sglang.reuse.calibration import CalibrationConditions
-    from pcr_sglang.reuse.placement import DocReuseStats
+    from pcr_sglang.reuse.doc_stats import DocReuseStats
     from pcr_sglang.reuse.plan import ReusePlan, RowOrder
     from pcr_sglang.transfer.rope_shift import RopeSpec
+
+
+@dataclass(frozen=True)
+class DocLoad:
+    """What admission provides before a request's planned documents are copied
+    (:meth:`SchedulerDocReuse.load`), in this order: each chain locked (at its end) until
+    the documents are placed; each chain's host chunks brought to the device like any host
+    hit (a failure ends the load); ``tokens`` fresh device slots, evicting for them; with
+    ``fence`` (no transfer engine orders the copy layer by layer: it runs at admission, on
+    the scheduler's stream) the chains' loads and the forward in flight ordered before it.
+    Then :meth:`SchedulerDocReuse.place` gets the slots, or None where a step failed."""
+
+    chains: list[list[ChunkNode]]  # each reused document's canonical chain, first chunk first
+    tokens: int  # fresh device slots the copy takes: one per token of the plan
+    fence: bool
+
+    @property
+    def ends(self) -> list[ChunkNode]:
+        """The chunks whose locks keep every chain in place while it is loaded and copied from."""
+        return [nodes[-1] for nodes in self.chains]
 
 
 class SchedulerDocReuse(Protocol):
@@ -55,10 +78,14 @@ class SchedulerDocReuse(Protocol):
         """The plan the last match made for ``rid``, while it is not loaded."""
 
     # ------------------------------------------------------------------ admission
-    def load(self, req: PcrReq, prefix_node: ChunkNode, load_chain: Callable[[list[ChunkNode]], bool],
-             evict: Callable[[int], int], fence_before_copy: Callable[[], None]) -> bool:
-        """``init_load_back``: copy the planned documents into private slots past
-        ``prefix_node`` (the end of the exact prefix, on the device). All or nothing."""
+    def load(self, req: PcrReq) -> Optional[DocLoad]:
+        """``init_load_back``: what admission must provide before the planned documents are
+        copied (None: nothing to load, the documents are recomputed)."""
+
+    def place(self, req: PcrReq, prefix_node: ChunkNode, slots: Optional[torch.Tensor]) -> bool:
+        """Copy the documents of ``req``'s :class:`DocLoad` into ``slots`` (its fresh slots,
+        None where admission could not provide them), past ``prefix_node`` (the end of the
+        exact prefix, on the device). All or nothing: True when the request's reuse is loaded."""
 
     def fence_after_forward(self) -> bool:
         """Order a copy on the current stream after the forward in flight; False when that

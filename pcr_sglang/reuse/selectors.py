@@ -1,6 +1,6 @@
 """Blend's selectors: what ranks the re-placed tokens that ``blend`` recomputes.
 
-The one list. ``--pcr-doc-selector`` offers it (``flags.py``), a request may ask for one of
+The one list. ``--pcr-doc-selector`` offers it (``flags_documents.py``), a request may ask for one of
 it in ``custom_params["pcr_doc_selector"]`` (``reuse/bounds.py``), and
 :mod:`~pcr_sglang.reuse.blend_select` runs them. It imports nothing, so the flag
 declarations may read it while SGLang is still assembling its ``ServerArgs``.

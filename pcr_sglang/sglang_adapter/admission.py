@@ -32,7 +32,7 @@ from pcr_sglang.core.residency import CacheState
 from pcr_sglang.req import PcrReq
 from pcr_sglang.reuse.bounds import is_canonical_request
 from pcr_sglang.reuse.disabled import NoDocReuse
-from pcr_sglang.reuse.seam import SchedulerDocReuse
+from pcr_sglang.reuse.seam import DocLoad, SchedulerDocReuse
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.remote_probes import NoRemoteProbes, RemoteProbes
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
@@ -163,8 +163,7 @@ class Admission:
         if plan is not None:
             self.state.lock(host_node)
             try:
-                loaded = self.docs.load(req, host_node, lambda chain: self.load_chain(None, chain),
-                                        self.executor.evict, self._fence_before_copy)
+                loaded = self._load_documents(req, host_node)
             finally:
                 self.state.unlock(host_node)
             if not loaded:
@@ -173,6 +172,37 @@ class Admission:
             req.kv.cache_protected_len = host_node.depth * self.chunk
             self.last_load_private = True
         return host_hit_length, host_node
+
+    def _load_documents(self, req: PcrReq, host_node: ChunkNode) -> bool:
+        """The documents' part of ``load_back``, as document reuse asks for it (a
+        :class:`~pcr_sglang.reuse.seam.DocLoad`): their chains locked while they are loaded
+        and copied from, then the copy placed past ``host_node`` into the slots
+        :meth:`_doc_slots` provides. All or nothing."""
+        load = self.docs.load(req)
+        if load is None:
+            return False  # refused before anything ran, or a chain left memory
+        for node in load.ends:
+            self.state.lock(node)
+        try:
+            return self.docs.place(req, host_node, self._doc_slots(load))
+        finally:
+            for node in load.ends:
+                self.state.unlock(node)
+
+    def _doc_slots(self, load: DocLoad) -> Optional[torch.Tensor]:
+        """Fresh device slots for ``load``'s copy, its chains on the device first and the
+        copy fenced where it runs here (None: a chain could not be loaded, or no room)."""
+        for nodes in load.chains:  # host chunks of a chain come to the device like any host hit
+            if not all(n.on_device for n in nodes) and not self.load_chain(None, nodes):
+                return None
+        if self.allocator.available_size() < load.tokens:
+            self.executor.evict(load.tokens - self.allocator.available_size())
+        if self.allocator.available_size() < load.tokens:
+            return None
+        slots: Optional[torch.Tensor] = self.allocator.alloc(load.tokens)
+        if slots is not None and load.fence:
+            self._fence_before_copy()  # the chains' loads are complete before the copy
+        return slots
 
     def load_chain(self, req: Optional[PcrReq], nodes: list[ChunkNode]) -> bool:
         """Bring host-resident ``nodes`` (a chain, first chunk first) to the device."""

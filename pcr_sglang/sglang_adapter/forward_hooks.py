@@ -65,8 +65,8 @@ def triton_metadata(original: Callable[..., Any], backend: Any, forward_batch: A
     if plans is not None and plan is not None:
         pool = getattr(forward_batch, "req_pool_indices_cpu", None)
         rows = plan.for_attention(pool if pool is not None else forward_batch.req_pool_indices)
-        plan.position_mask = bool(rows) and permuted_rows.set_triton_position_mask(backend, forward_batch, rows,
-                                                                                   plan, plans)
+        plan.position_mask = rows is not None and permuted_rows.set_triton_position_mask(
+            backend, forward_batch, rows, plan, plans)
     return result
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -117,16 +117,19 @@ def copy_layer_torch(direction: Direction, device_k: torch.Tensor, device_v: tor
             dev_rows[rows] = words[slots, layer, kv].reshape(chunks * chunk, -1).to(device.device)
 
 
-def _triton_kernel():
-    """Build the kernel on first use, so importing this module never needs Triton."""
+def _triton_kernel() -> Any:
+    """Build the kernel on first use, so importing this module never needs Triton (a
+    ``triton.JITFunction``: Triton ships no types)."""
     import triton
     import triton.language as tl
 
     # ``layer`` is not specialized on (1 and multiples of 16 would each compile a variant),
     # nor the index tensors on their alignment (views of a larger tensor may be unaligned):
     # the kernels the startup warm-up compiles are the ones every later launch uses.
-    @triton.jit(do_not_specialize=["layer"], do_not_specialize_on_alignment=["token_slots_ptr", "host_slots_ptr"])
-    def copy_layer_kernel(
+    # Typing: Triton ships no types (an untyped decorator), and it reads a kernel's parameter
+    # annotations as its own (``tl.constexpr``, argument types), so these carry none.
+    @triton.jit(do_not_specialize=["layer"], do_not_specialize_on_alignment=["token_slots_ptr", "host_slots_ptr"])  # type: ignore[untyped-decorator]
+    def copy_layer_kernel(  # type: ignore[no-untyped-def]
         dev_k_ptr, dev_v_ptr, host_ptr, token_slots_ptr, host_slots_ptr,
         layer, num_layers, chunk_size, row_bytes,
         DIRECTION: tl.constexpr, BLOCK: tl.constexpr,
@@ -152,7 +155,7 @@ def _triton_kernel():
     return copy_layer_kernel
 
 
-_KERNEL = None
+_KERNEL: Any = None  # the JITFunction, built at the first launch
 
 
 def kernel_host_arg(host: Host, device: torch.device) -> Union[torch.Tensor, HostPointer]:

@@ -16,27 +16,22 @@ starts, only before the layer that reads it (a load) or after the layer that wro
   never runs them.
 * **Demotions** (device -> host at eviction) copy every layer at once.
 * **Re-placements** (device -> device, document reuse): a reused document's KV copied
-  into a request's private slots with K rotated by the position delta
-  (:func:`~pcr_sglang.transfer.rope_shift.replace_layer`), layer by layer with the loads:
-  layer ``i`` is re-placed after layer ``i`` of the loads submitted before it (the
-  document's chain may be one of them) and before the forward reads layer ``i``.
+  into a request's private slots with K rotated by the position delta, layer ``i`` after
+  layer ``i`` of the loads submitted before it and before the forward reads layer ``i``
+  (:mod:`pcr_sglang.transfer.replacements`).
 
 On CUDA the copies run on a side stream: a copy first waits for the work queued on the
 compute streams (slots it overwrites may just have been freed there), loads record one
 event per layer that the compute stream waits on at that layer, and each transfer
 records an event when it is complete: its ticket. Nothing here blocks the CPU on the GPU:
-:meth:`host_slot_ready` asks whether the copies touching a host slot have completed (the
-ticket of the last one issued on that slot: all copies go on one side stream, in issue
-order, so the last one completes after every earlier one), which the scheduler checks
-before it hands the slot to the I/O process; :meth:`fence_before_reuse` makes the
-compute stream wait (on the GPU) for the copies before device slots are reused. On CPU
-there is no copy engine to overlap with, so the same protocol runs each copy inline where
-CUDA would wait for it: a load's
-layer ``i`` when layer ``i`` is first read, an offload's layer ``i`` right after it is
-written, and whatever is left at the end of the batch. Re-placements run on a second
-side stream on CUDA (a load's layers are all queued on the first when it is submitted, so
-a rotation queued behind them would wait for every layer): each layer waits for the
-loads' event of that layer, and records one the forward waits on.
+:meth:`host_slot_ready` asks whether the copies touching a host slot have completed (its
+ticket, :mod:`pcr_sglang.transfer.tickets`), which the scheduler checks before it hands
+the slot to the I/O process; :meth:`fence_before_reuse` makes the compute stream wait (on
+the GPU) for the copies before device slots are reused. On CPU there is no copy engine to
+overlap with, so the same protocol runs each copy inline where CUDA would wait for it: a
+load's layer ``i`` when layer ``i`` is first read, an offload's layer ``i`` right after it
+is written, and whatever is left at the end of the batch. Re-placements run on a second
+side stream on CUDA, each layer after the loads' event of that layer.
 
 The streams and events of the CUDA algorithm go through a
 :class:`~pcr_sglang.transfer.streams.Streams` object: ``torch.cuda``'s on a GPU
@@ -51,8 +46,6 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -60,8 +53,10 @@ import torch
 from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.transfer.copy_kv import Direction, Host, check_copy_slots_on_device, copy_layer
 from pcr_sglang.transfer.host_pointer import resolve as resolve_host_pointer
-from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots_on_device, replace_layer
-from pcr_sglang.transfer.streams import DEVICE_KV, HOST_KV, CudaStreams, Region, Streams
+from pcr_sglang.transfer.replacements import Replacement, Replacements
+from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots_on_device
+from pcr_sglang.transfer.streams import DEVICE_KV, HOST_KV, CudaStreams, Event, Region, Streams
+from pcr_sglang.transfer.tickets import Tickets, Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -83,37 +78,6 @@ class LayerwiseMode(str, enum.Enum):
         return self in (LayerwiseMode.OFFLOAD, LayerwiseMode.BOTH)
 
 
-@dataclass(eq=False)  # compared and hashed by identity: merged copies are cached per set of transfers
-class _Transfer:
-    """Chunks moving one way: ``device_slots`` holds ``chunk_size`` token slots per entry
-    of ``host_slots``. ``next_layer`` counts the layers already issued."""
-
-    direction: Direction
-    device_slots: torch.Tensor
-    host_index: torch.Tensor
-    host_slots: tuple[int, ...]
-    next_layer: int = 0
-    event: Any = None  # streams: recorded on the side stream after the last layer
-
-    def complete(self, num_layers: int) -> bool:
-        if self.next_layer < num_layers:
-            return False
-        return self.event is None or bool(self.event.query())
-
-
-@dataclass(eq=False)
-class _Replacement:
-    """Document reuse: KV of device slots ``src`` into ``dst``, K rotated by ``delta``
-    positions, for layers ``next_layer`` to ``end_layer - 1`` (those not run yet)."""
-
-    src: torch.Tensor
-    dst: torch.Tensor
-    delta: torch.Tensor
-    rope: RopeSpec
-    next_layer: int
-    end_layer: int
-
-
 class TransferEngine:
     """Issues per-layer copies and tells SGLang's forward when a layer is ready. Every
     method runs on the scheduler's thread (which also launches the forward)."""
@@ -123,7 +87,7 @@ class TransferEngine:
 
     def __init__(self, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], host_buffer: torch.Tensor,
                  layout: HostChunkLayout, mode: LayerwiseMode = LayerwiseMode.BOTH,
-                 streams: Optional[Streams] = None, debug_checks: bool = False):
+                 streams: Optional[Streams] = None, debug_checks: bool = False) -> None:
         """``streams``: run the stream algorithm on these (default: CUDA's on a CUDA pool,
         none on a CPU pool, which runs each copy inline). ``debug_checks``
         (``--pcr-debug-checks``): every transfer's and re-placement's slots are checked on
@@ -148,20 +112,14 @@ class TransferEngine:
         self._streams = streams
         self._stream = streams.new_stream("pcr-copy") if streams is not None else None
         self._forward_stream: Any = None  # CUDA: the stream the last forward ran on
-        self._loads: list[_Transfer] = []  # CPU: submitted, layers not all issued yet
-        self._planned: dict[str, list[_Transfer]] = defaultdict(list)  # offloads by request id
-        self._active: list[_Transfer] = []  # offloads of the batch now running
-        self._in_flight: list[_Transfer] = []  # issued, not known complete (CUDA)
-        self._by_host_slot: dict[int, _Transfer] = {}  # the last transfer touching each host slot
-        self._layer_events: list[Any] = [None] * self.num_layers  # CUDA: newest load event per layer
-        self._replacements: list[_Replacement] = []  # CPU: submitted, layers not all run yet
-        self._replace_stream: Any = None  # CUDA: created with the first re-placement
-        # CUDA: the newest re-placement event per layer, and the newest of all (until it
-        # completes); one stream runs them in order, so the newest covers the older ones.
-        self._replace_layer_events: list[Any] = [None] * self.num_layers
-        self._replace_tail: Any = None
+        self._loads: list[Transfer] = []  # CPU: submitted, layers not all issued yet
+        self._tickets = Tickets(self.num_layers)  # each host slot's last copy, offloads planned per request
+        self._active: list[Transfer] = []  # offloads of the batch now running
+        self._in_flight: list[Transfer] = []  # issued, not known complete (CUDA)
+        self._layer_events: list[Optional[Event]] = [None] * self.num_layers  # CUDA: newest load event per layer
+        self._replacements = Replacements(self._kv_layers, self.mode.loads)
         # Concatenated indices of a set of transfers copied together, until one completes.
-        self._merged: dict[tuple[_Transfer, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._merged: dict[tuple[Transfer, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def kernel_operands(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, Host]:
         """Layer ``layer``'s K and V buffers and the host pool as the copy kernel gets them
@@ -179,11 +137,11 @@ class TransferEngine:
         if self._streams is not None:
             self._forward_stream = self._streams.current_stream()
 
-    def _compute_streams(self) -> list:
-        streams = [self._streams.current_stream()]
-        if self._forward_stream is not None and self._forward_stream != streams[0]:
-            streams.append(self._forward_stream)
-        return streams
+    def _compute_streams(self, streams: Streams) -> list[Any]:
+        compute = [streams.current_stream()]
+        if self._forward_stream is not None and self._forward_stream != compute[0]:
+            compute.append(self._forward_stream)
+        return compute
 
     def fence_after_forward(self) -> None:
         """A copy on the current stream is about to read or write device slots a forward
@@ -194,28 +152,33 @@ class TransferEngine:
         if self._forward_stream is not None and self._forward_stream != current:
             self._streams.wait_stream(current, self._forward_stream)
 
-    def _side_waits_for_compute(self) -> None:
-        for stream in self._compute_streams():
-            self._streams.wait_stream(self._stream, stream)
+    def _side_waits_for_compute(self, streams: Streams) -> None:
+        for stream in self._compute_streams(streams):
+            streams.wait_stream(self._stream, stream)
+
+    def _compute_waits_for(self, streams: Streams, transfer: Transfer) -> None:
+        """The next kernel on the compute streams waits for every layer of ``transfer``."""
+        assert transfer.event is not None  # recorded when its last layer was issued
+        for stream in self._compute_streams(streams):
+            streams.wait_event(stream, transfer.event)
 
     # ------------------------------------------------------------------ issuing
-    def _make(self, direction: Direction, device_slots: torch.Tensor, host_slots: Sequence[int]) -> _Transfer:
+    def _make(self, direction: Direction, device_slots: torch.Tensor, host_slots: Sequence[int]) -> Transfer:
         if self._streams is not None:  # staged through pinned memory allocated once (CUDA)
             index = self._streams.index_tensor(host_slots)
         else:
             index = torch.tensor(list(host_slots), dtype=torch.int64)
         # A copy: the caller's slot tensor may be a row of SGLang's req_to_token, rewritten later.
-        transfer = _Transfer(direction, device_slots.to(torch.int64, copy=True), index, tuple(host_slots))
+        transfer = Transfer(direction, device_slots.to(torch.int64, copy=True), index, tuple(host_slots))
         if self.debug_checks:
             if transfer.device_slots.numel() != len(transfer.host_slots) * self.layout.chunk_size:
                 raise ValueError(f"{transfer.device_slots.numel()} device token slots for "
                                  f"{len(transfer.host_slots)} chunks of {self.layout.chunk_size}")
             check_copy_slots_on_device(transfer.device_slots, index, self._pool_tokens(), self.layout.num_slots)
-        for slot in transfer.host_slots:
-            self._by_host_slot[slot] = transfer
+        self._tickets.hold(transfer)
         return transfer
 
-    def _issue(self, transfers: Sequence[_Transfer], up_to: int) -> None:
+    def _issue(self, transfers: Sequence[Transfer], up_to: int) -> None:
         """Issue layers ``[next_layer, up_to]`` of every transfer in ``transfers``.
 
         One copy per layer and direction moves every listed transfer's chunks that are at
@@ -245,7 +208,7 @@ class TransferEngine:
                     transfer.event = event
                     self._in_flight.append(transfer)
 
-    def _copy_layer(self, group: tuple[_Transfer, ...], layer: int) -> None:
+    def _copy_layer(self, group: tuple[Transfer, ...], layer: int) -> None:
         """Layer ``layer`` of every transfer in ``group`` (one direction, all at that layer)."""
         k, v = self._kv_layers[layer]
         direction = group[0].direction
@@ -272,7 +235,7 @@ class TransferEngine:
         for transfer in group:
             transfer.next_layer += 1
 
-    def _merged_indices(self, group: tuple[_Transfer, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _merged_indices(self, group: tuple[Transfer, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The index pairs one layer of ``group`` is copied with: all of them concatenated,
         kept while the group advances layer by layer. An offload group that names a host
         slot twice is copied transfer by transfer instead, so the later write still wins."""
@@ -293,12 +256,12 @@ class TransferEngine:
         """Copy chunks ``host_slots`` into ``device_slots`` before the next forward reads
         them (layer by layer with ``--pcr-layerwise load``)."""
         transfer = self._make(Direction.HOST_TO_DEVICE, device_slots, host_slots)
-        if self._streams is not None:
-            self._side_waits_for_compute()
+        streams = self._streams
+        if streams is not None:
+            self._side_waits_for_compute(streams)
             self._issue((transfer,), self.num_layers - 1)
             if not self.mode.loads:  # the next kernel waits for the whole copy
-                for stream in self._compute_streams():
-                    self._streams.wait_event(stream, transfer.event)
+                self._compute_waits_for(streams, transfer)
         elif self.mode.loads:
             self._loads.append(transfer)
         else:
@@ -311,7 +274,7 @@ class TransferEngine:
         if self._streams is None:
             self._issue(self._loads, layer)
             self._loads = [t for t in self._loads if t.next_layer < self.num_layers]
-            self._run_replacements(layer)
+            self._replacements.run(layer)
             return
         if self._streams.is_capturing():
             return
@@ -320,10 +283,7 @@ class TransferEngine:
         if event is not None:
             self._streams.wait_event(current, event)
             self._layer_events[layer] = None
-        event = self._replace_layer_events[layer]
-        if event is not None:
-            self._streams.wait_event(current, event)
-            self._replace_layer_events[layer] = None
+        self._replacements.wait_layer(self._streams, current, layer)
 
     # ------------------------------------------------------------------ re-placements
     def replace(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor, rope: RopeSpec,
@@ -337,95 +297,32 @@ class TransferEngine:
             return
         if self.debug_checks:
             check_slots_on_device(src, dst, self._pool_tokens())
-        job = _Replacement(src, dst, delta, rope, layers.start, layers.stop)
+        job = Replacement(src, dst, delta, rope, layers.start, layers.stop)
         if self._streams is None:
-            if self.mode.loads:
-                self._replacements.append(job)
-            else:  # loads ran at submission: nothing to wait for
-                self._run_replacement(job, self.num_layers - 1)
-            return
-        streams = self._streams
-        if self._replace_stream is None:
-            self._replace_stream = streams.new_stream("pcr-replace")
-        stream = self._replace_stream
-        for compute in self._compute_streams():  # sources written, or targets last read, by a forward
-            streams.wait_stream(stream, compute)
-        if not self.mode.loads:
-            # Whole loads, submitted before. (Also implied: load() made the compute streams
-            # wait for them, and this stream waited for those just above.)
-            streams.wait_stream(stream, self._stream)
-        with streams.use(stream):
-            for tensor in (src, dst, delta):
-                streams.keep_alive(tensor, stream)
-            event = None
-            for layer in layers:
-                load_event = self._layer_events[layer]
-                if load_event is not None:
-                    streams.wait_event(stream, load_event)
-                k_buffer, v_buffer = self._kv_layers[layer]
-                replace_layer(k_buffer, v_buffer, src, dst, delta, rope, verify_slots=False)
-                if streams.records_accesses:
-                    streams.accesses(stream, [Region(DEVICE_KV, layer, src)], [Region(DEVICE_KV, layer, dst)],
-                                     "re-placement")
-                event = streams.record_event(stream)
-                if self.mode.loads:
-                    self._replace_layer_events[layer] = event
-        job.next_layer = job.end_layer
-        self._replace_tail = event
-        if not self.mode.loads:  # the next kernel waits for the whole re-placement
-            for compute in self._compute_streams():
-                streams.wait_event(compute, event)
-
-    def _run_replacement(self, job: _Replacement, up_to: int) -> None:
-        """CPU: layers ``[job.next_layer, up_to]`` of ``job``, now."""
-        for layer in range(job.next_layer, min(up_to + 1, job.end_layer)):
-            k_buffer, v_buffer = self._kv_layers[layer]
-            replace_layer(k_buffer, v_buffer, job.src, job.dst, job.delta, job.rope, verify_slots=False)
-            job.next_layer = layer + 1
-
-    def _run_replacements(self, up_to: int) -> None:
-        if not self._replacements:
-            return
-        for job in self._replacements:
-            self._run_replacement(job, up_to)
-        self._replacements = [j for j in self._replacements if j.next_layer < j.end_layer]
-
-    def _replacements_in_flight(self) -> bool:
-        """Streams: whether the newest re-placement (so any) is still running."""
-        if self._replace_tail is not None and self._replace_tail.query():
-            self._replace_tail = None
-        return self._replace_tail is not None
+            self._replacements.add(job)
+        else:
+            self._replacements.issue(self._streams, job, layers, self._compute_streams(self._streams), self._stream,
+                                     self._layer_events)
 
     @property
     def pending_replacements(self) -> int:
         """CPU: re-placements with layers not run yet."""
-        return len(self._replacements)
+        return self._replacements.pending
 
     # ------------------------------------------------------------------ offloads
     def plan_offload(self, owner: str, device_slots: torch.Tensor, host_slot: int) -> None:
         """Copy one chunk of request ``owner`` to ``host_slot`` as a batch containing the
         request writes it (the chunk's last tokens are written by that batch's forward)."""
-        self._planned[owner].append(self._make(Direction.DEVICE_TO_HOST, device_slots, (host_slot,)))
+        self._tickets.plan(owner, self._make(Direction.DEVICE_TO_HOST, device_slots, (host_slot,)))
 
     def drop_plans(self, owner: str, host_slots: Optional[Iterable[int]] = None) -> None:
         """Forget offloads planned for request ``owner`` that no batch ran (those into
         ``host_slots`` only, or all): their slots are ready for other uses at once."""
-        only = None if host_slots is None else set(host_slots)
-        kept = []
-        for transfer in self._planned.pop(owner, ()):
-            if only is not None and not only.intersection(transfer.host_slots):
-                kept.append(transfer)
-                continue
-            for slot in transfer.host_slots:
-                if self._by_host_slot.get(slot) is transfer:
-                    del self._by_host_slot[slot]
-        if kept:
-            self._planned[owner] = kept
+        self._tickets.drop(owner, host_slots)
 
     def begin_batch(self, owners: Iterable[str]) -> None:
         """SGLang's ``run_batch`` starts for these requests: their planned offloads run in it."""
-        for owner in owners:
-            self._active.extend(self._planned.pop(owner, ()))
+        self._active.extend(self._tickets.take(owners))
 
     def on_layer_written(self, layer: int) -> None:
         """Called right after the forward wrote layer ``layer``'s new KV."""
@@ -441,13 +338,13 @@ class TransferEngine:
         """``run_batch`` returned: issue what its forward left (layers written outside
         ``set_kv_buffer``, loads no layer read), so every ticket of the batch completes."""
         if self._streams is not None and self._active:
-            self._side_waits_for_compute()
+            self._side_waits_for_compute(self._streams)
         self._issue(self._active + self._loads, self.num_layers - 1)
         self._active, self._loads = [], []
-        self._run_replacements(self.num_layers - 1)
+        self._replacements.run(self.num_layers - 1)
         self._merged.clear()
         self._in_flight = [t for t in self._in_flight if not t.complete(self.num_layers)]
-        self._replacements_in_flight()
+        self._replacements.in_flight()
 
     # ------------------------------------------------------------------ demotions
     def copy_to_host(self, device_slots: torch.Tensor, host_slots: Sequence[int]) -> None:
@@ -455,44 +352,37 @@ class TransferEngine:
         right after this call (on CUDA, later kernels are ordered after the copy)."""
         transfer = self._make(Direction.DEVICE_TO_HOST, device_slots, host_slots)
         if self._streams is not None:
-            self._side_waits_for_compute()
+            self._side_waits_for_compute(self._streams)
         self._issue((transfer,), self.num_layers - 1)
         if self._streams is not None:
-            for stream in self._compute_streams():
-                self._streams.wait_event(stream, transfer.event)
+            self._compute_waits_for(self._streams, transfer)
 
     # ------------------------------------------------------------------ readiness
     def host_slot_ready(self, slot: int) -> bool:
         """Every copy touching host slot ``slot`` has completed: another process may use it."""
-        transfer = self._by_host_slot.get(slot)
-        if transfer is None:
-            return True
-        if transfer.complete(self.num_layers):
-            del self._by_host_slot[slot]
-            return True
-        return False
+        return self._tickets.ready(slot)
 
     def offload_ran(self, slot: int) -> bool:
         """The offload planned into ``slot`` has run (all its layers are issued)."""
-        transfer = self._by_host_slot.get(slot)
-        return transfer is None or transfer.next_layer >= self.num_layers
+        return self._tickets.ran(slot)
 
     def fence_before_reuse(self) -> None:
         """Device slots are about to be freed: no copy still in progress may touch them
         after a later kernel does (CPU: finish pending loads and re-placements; CUDA: a
         GPU-side wait)."""
-        if self._streams is None:
+        streams = self._streams
+        if streams is None:
             self._issue(self._loads, self.num_layers - 1)
             self._loads = []
-            self._run_replacements(self.num_layers - 1)
+            self._replacements.run(self.num_layers - 1)
             return
         self._in_flight = [t for t in self._in_flight if not t.complete(self.num_layers)]
         if self._in_flight:
-            for stream in self._compute_streams():
-                self._streams.wait_stream(stream, self._stream)
-        if self._replacements_in_flight():
-            for stream in self._compute_streams():
-                self._streams.wait_stream(stream, self._replace_stream)
+            for stream in self._compute_streams(streams):
+                streams.wait_stream(stream, self._stream)
+        if self._replacements.in_flight():
+            for stream in self._compute_streams(streams):
+                streams.wait_stream(stream, self._replacements.stream)
 
     @property
     def pending_loads(self) -> int:
@@ -500,4 +390,4 @@ class TransferEngine:
 
     @property
     def planned_offloads(self) -> int:
-        return sum(len(t) for t in self._planned.values())
+        return self._tickets.planned

@@ -37,7 +37,7 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -289,16 +289,19 @@ def _replace_layer_torch(k_buffer: torch.Tensor, v_buffer: torch.Tensor, src_slo
     v_buffer[dst] = v_buffer[src]
 
 
-def _triton_kernel():
-    """Build the kernel on first use, so importing this module never needs Triton."""
+def _triton_kernel() -> Any:
+    """Build the kernel on first use, so importing this module never needs Triton (a
+    ``triton.JITFunction``: Triton ships no types)."""
     import triton
     import triton.language as tl
 
     # Slot and delta tensors are not specialized on their alignment (the re-placement's
     # deltas are a row of a stacked index tensor, aligned or not by its length): the
     # kernel the startup warm-up compiles is the one every later launch uses.
-    @triton.jit(do_not_specialize_on_alignment=["src_ptr", "dst_ptr", "delta_ptr"])
-    def _rope_shift_kernel(
+    # Typing: Triton ships no types (an untyped decorator), and it reads a kernel's parameter
+    # annotations as its own (``tl.constexpr``, argument types), so these carry none.
+    @triton.jit(do_not_specialize_on_alignment=["src_ptr", "dst_ptr", "delta_ptr"])  # type: ignore[untyped-decorator]
+    def _rope_shift_kernel(  # type: ignore[no-untyped-def]
         k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr,
         num_heads, k_stride_tok, k_stride_head, v_stride_tok, v_stride_head,
         HALF: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
@@ -356,7 +359,7 @@ def _triton_kernel():
     return _rope_shift_kernel
 
 
-_KERNEL = None
+_KERNEL: Any = None  # the JITFunction, built at the first launch
 
 
 def _replace_layer_triton(k_buffer: torch.Tensor, v_buffer: torch.Tensor, src_slots: torch.Tensor,

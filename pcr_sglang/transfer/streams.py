@@ -65,7 +65,7 @@ class Streams(Protocol):
 
     def new_stream(self, name: str) -> Any: ...
 
-    def use(self, stream: Any) -> contextlib.AbstractContextManager: ...
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
 
     def record_event(self, stream: Any) -> Event: ...
 
@@ -111,7 +111,7 @@ class CudaStreams:
                  pin: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None,
                  staging_capacity: int = DEFAULT_CAPACITY):
         self.device = device
-        self.cuda = cuda if cuda is not None else torch.cuda
+        self.cuda: Any = cuda if cuda is not None else torch.cuda  # torch.cuda, or a test's stand-in
         self.events_per_stream = max(int(events_per_stream), 2)
         self._rings: list[tuple[Any, list[Any], list[int]]] = []  # (stream, events, [next])
         self.staging = PinnedStaging(device, pin or _pinned_empty,
@@ -133,8 +133,9 @@ class CudaStreams:
         self._ring(stream)  # its events, made now
         return stream
 
-    def use(self, stream: Any) -> contextlib.AbstractContextManager:
-        return self.cuda.stream(stream)  # type: ignore[no-any-return]
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        context: contextlib.AbstractContextManager[Any] = self.cuda.stream(stream)  # torch.cuda.StreamContext
+        return context
 
     def record_event(self, stream: Any) -> Any:
         events, turn = self._ring(stream)

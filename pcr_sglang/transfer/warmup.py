@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from pcr_sglang.transfer.copy_kv import Direction, copy_layer_triton
+from pcr_sglang.transfer.engine import TransferEngine
 from pcr_sglang.transfer.rope_shift import RopeSpec, replace_layer
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ class WarmupReport:
     seconds: float = 0.0
 
 
-def warm_up_copy(engine: Any, report: WarmupReport, copy: Callable[..., None] = copy_layer_triton) -> None:
+def warm_up_copy(engine: TransferEngine, report: WarmupReport,
+                 copy: Callable[..., None] = copy_layer_triton) -> None:
     """The copy kernel, both directions, every layer, on ``engine``'s operands (its KV
     buffers and the host pool as the kernel gets it: on CUDA the device address)."""
     layout = engine.layout
@@ -60,7 +62,8 @@ def warm_up_rotation(kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], rop
         report.launches.append(("rope", layer, rope.signature()))
 
 
-def warm_up_on_cuda(*, engine: Any = None, kv_layers: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None,
+def warm_up_on_cuda(*, engine: Optional[TransferEngine] = None,
+                    kv_layers: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None,
                     rope: Optional[RopeSpec] = None, on_cuda: Optional[bool] = None,
                     copy: Callable[..., None] = copy_layer_triton, rotate: Callable[..., None] = replace_layer,
                     synchronize: Optional[Callable[[], None]] = None) -> Optional[WarmupReport]:
@@ -72,9 +75,11 @@ def warm_up_on_cuda(*, engine: Any = None, kv_layers: Optional[Sequence[tuple[to
     and the real launchers; tests pass recorders to check on CPU what this calls."""
     if engine is None and (kv_layers is None or rope is None):
         return None
-    if on_cuda is None:
-        device = engine.device if engine is not None else kv_layers[0][0].device  # type: ignore[index]
-        on_cuda = device.type == "cuda"
+    if on_cuda is None:  # the engine's device, else the KV layers' (one of them is set: see above)
+        if engine is not None:
+            on_cuda = engine.device.type == "cuda"
+        elif kv_layers is not None:
+            on_cuda = kv_layers[0][0].device.type == "cuda"
     if not on_cuda:
         return None
     report = WarmupReport()

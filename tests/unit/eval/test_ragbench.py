@@ -145,7 +145,8 @@ def test_server_configs_share_budgets():
 
     storage = Path("/nonexistent-store")
     configs = {n: server_config(n, budgets, storage) for n in
-               ("radix", "hicache", "oracle", "pcr", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead")}
+               ("radix", "hicache", "oracle", "pcr", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead", "pcr-device",
+                "pcr-blend-cal-idle")}
 
     def flag(config, name):
         return config.args[config.args.index(name) + 1]
@@ -160,6 +161,10 @@ def test_server_configs_share_budgets():
     assert flag(configs["pcr-prefetch"], "--pcr-prefetch-window") == "0"
     assert flag(configs["pcr-lookahead"], "--pcr-lookahead-window") == "0"
     assert "--enable-pcr" not in configs["radix"].args
+    # PCR over the device pool alone: no host tier, no SSD tier.
+    assert flag(configs["pcr-device"], "--pcr-dram-gb") == "0" and "--pcr-ssd-path" not in configs["pcr-device"].args
+    assert flag(configs["pcr-blend-cal-idle"], "--pcr-doc-warmup") == "idle"
+    assert flag(configs["pcr-blend-cal-idle"], "--pcr-doc-reuse") == "blend"
     with pytest.raises(ValueError, match="unknown configuration"):
         server_config("lmcache", budgets, storage)
 

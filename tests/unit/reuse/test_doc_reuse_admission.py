@@ -1,11 +1,13 @@
 """Document reuse in the scheduler, over SGLang's real CPU pool (the adapter harness): what a
-marked request costs per step, and what a malformed one does there."""
+marked request costs per step, what a malformed one does there, and how admission loads a
+request's documents (it is told what to provide, as data, and hands the slots back)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from pcr_sglang.core import keys as key_module
 from pcr_sglang.reuse.bounds import DocLimits, Recompute
@@ -123,4 +125,61 @@ def test_the_windows_document_chains_are_what_matching_each_chain_gives(make):
     got = docs.canonical_chain_nodes(req)
     assert got == expected()
     assert [len(nodes) for nodes in got] == [4 if span.index % 3 == 0 else 2 for span in spans]
+    h.check()
+
+
+def _two_documents(h):
+    """``S ‖ a ‖ b ‖ question`` with both documents' canonical chains cached: ``S ‖ a`` is
+    the request's own exact prefix, ``b`` is re-placed by 6 positions."""
+    from pcr_sglang.reuse.bounds import parse_doc_bounds
+    from pcr_sglang.reuse.plan import canonical_tokens
+
+    leading, a, b = [7] * 6, list(range(100, 106)), list(range(200, 206))
+    tokens = leading + a + b + [5, 5, 5]
+    bounds = [6, 12, 12, 18]
+    for span in parse_doc_bounds(bounds, len(tokens)):
+        h.serve(canonical_tokens(tokens, span, len(leading), CHUNK, 0), f"warm-{span.index}")
+    req = h.request(tokens, "marked")
+    req.sampling_params = SimpleNamespace(custom_params={"pcr_doc_bounds": bounds})
+    req.kv = SimpleNamespace(cache_protected_len=0, req_pool_idx=0)  # SGLang's row state, set by a load
+    canonical_b = canonical_tokens(tokens, parse_doc_bounds(bounds, len(tokens))[1], len(leading), CHUNK, 0)
+    return tokens, req, h.state.match(iter(h.scheduler.keys.of_tokens(canonical_b)), touch=False).nodes
+
+
+def test_a_load_asks_admission_for_data_and_places_the_documents_into_the_slots_it_gets(make):
+    """``DocReuse.load`` takes no callbacks: it says what admission provides (the chains to
+    lock and bring to the device, the slots, the fence), and ``place`` copies into the slots
+    admission allocated; the request's prefix then ends with them."""
+    from pcr_sglang.reuse.seam import DocLoad
+
+    h = make()
+    docs = _with_docs(h)
+    tokens, req, chain_b = _two_documents(h)
+    h.match(tokens, req)
+    assert docs.load(req) == DocLoad([chain_b], 6, fence=True)  # no transfer engine: copied at admission
+    device, loaded = h.admit(req)
+    assert (device, loaded) == (12, 6) and docs.stats.load_failures == 0
+    private = docs.private_slots(req.rid)
+    canonical = torch.cat([n.device_value for n in chain_b])[6:12]
+    for layer in range(len(h.kvcache.v_buffer)):  # V moves as it is; K is rotated by the delta
+        assert torch.equal(h.kvcache.v_buffer[layer][private], h.kvcache.v_buffer[layer][canonical])
+    assert h.cache.prefix_device_indices(req)[12:].tolist() == private.tolist()
+    assert all(n.lock_ref == 0 for n in chain_b)  # the load's locks are given back
+    h.scheduler.release(req.rid)  # its row never took the slots: they are freed
+    h.check()
+
+
+def test_without_room_for_the_documents_admission_places_nothing_and_it_is_counted(make):
+    """Admission finds no room for the copy's slots (every chunk locked, the rest of the
+    pool taken): ``place`` gets None, the request is recomputed, counted, nothing kept."""
+    h = make()
+    docs = _with_docs(h)
+    tokens, req, chain_b = _two_documents(h)
+    held = h.allocator.alloc(h.allocator.available_size() - 5)  # room for 5 of the 6 tokens
+    try:
+        assert h.admit(req) == (12, 0)
+        assert docs.stats.load_failures == 1 and docs.private_slots(req.rid) is None
+        assert docs.planned(req.rid) is None and all(n.lock_ref == 0 for n in chain_b)
+    finally:
+        h.allocator.free(held)
     h.check()

@@ -145,7 +145,7 @@ def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows
 
 
 def test_blend_selection_asks_the_probe_about_re_placed_tokens_and_refreshes_only_theirs():
-    """``DocReuse._blend_selection`` with a stand-in probe: it is asked to choose among the
+    """``DocCopier._blend_selection`` with a stand-in probe: it is asked to choose among the
     re-placed tokens (delta != 0) only, with the plan's count, anchors, selector, gaps and,
     for the question selectors, the tokens after the documents (up to the request's
     question end); the exact KV it returns lands in those tokens' slots only (exact slots
@@ -154,8 +154,9 @@ def test_blend_selection_asks_the_probe_about_re_placed_tokens_and_refreshes_onl
     from types import SimpleNamespace
 
     from pcr_sglang.reuse.blend_select import ExactKv, Selection
-    from pcr_sglang.reuse.placement import DocReuse
+    from pcr_sglang.reuse.doc_copy import DocCopier
     from pcr_sglang.reuse.plan import CopySegment, ReusePlan
+    from pcr_sglang.transfer.rope_shift import RopeSpec
 
     # Positions 4..7 exact (delta 0), 8..13 re-placed; slots 20..29 hold them.
     plan = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 8, 14, 4)), 4, 14, 8, recompute_count=2,
@@ -175,10 +176,10 @@ def test_blend_selection_asks_the_probe_about_re_placed_tokens_and_refreshes_onl
         return Selection(torch.tensor([5, 8]), exact)
 
     node = SimpleNamespace(path_from_root=lambda: [SimpleNamespace(device_value=torch.tensor([0, 1, 2, 3]))])
-    this = SimpleNamespace(probe=SimpleNamespace(select=select, layers_read=lambda selector: 3), kv_layers=layers,
-                           engine=None)
+    this = DocCopier(layers, RopeSpec(2, 2, True, (1.0,)), allocator=None,
+                     probe=SimpleNamespace(select=select, layers_read=lambda selector: 3))
     req = SimpleNamespace(origin_input_ids=list(range(100, 120)))
-    assert DocReuse._blend_selection(this, req, plan, node, slots) == (9, 12)
+    assert this._blend_selection(req, plan, node, slots) == (9, 12)
     assert calls[-1] == dict(ids=list(range(104, 114)), positions=list(range(4, 14)), prefix=[0, 1, 2, 3],
                              slots=list(range(20, 30)), candidates=[4, 5, 6, 7, 8, 9], count=2,
                              anchored=[False] * 6, selector="deviation", question=None, gaps=[])
@@ -188,20 +189,20 @@ def test_blend_selection_asks_the_probe_about_re_placed_tokens_and_refreshes_onl
     k2, v2 = layers[2]
     assert k2[24:26].eq(3.0).all() and v2[24:26].eq(4.0).all() and k2[26:].eq(0).all() and k2[:24].eq(0).all()
     assert layers[0][0].eq(0).all()
-    DocReuse._blend_selection(this, req, replace(plan, anchors=(8, 9)), node, slots)
+    this._blend_selection(req, replace(plan, anchors=(8, 9)), node, slots)
     assert calls[-1]["anchored"] == [True, True, False, False, False, False]
     # The question selectors get the tokens after the documents; a teacher-forced request
     # marks where its question ends, and the answer after it is not read.
     for selector in ("query", "prophet"):
-        DocReuse._blend_selection(this, req, replace(plan, selector=selector), node, slots)
+        this._blend_selection(req, replace(plan, selector=selector), node, slots)
         assert calls[-1]["selector"] == selector and calls[-1]["question"] == list(range(114, 120))
-    DocReuse._blend_selection(this, req, replace(plan, selector="prophet", question_end=17), node, slots)
+    this._blend_selection(req, replace(plan, selector="prophet", question_end=17), node, slots)
     assert calls[-1]["question"] == [114, 115, 116]
-    DocReuse._blend_selection(this, req, replace(plan, selector="gradual"), node, slots)
+    this._blend_selection(req, replace(plan, selector="gradual"), node, slots)
     assert calls[-1]["question"] is None
     gapped = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 10, 14, 4)), 4, 14, 8, recompute_count=2,
                        gaps=((8, 10),), selector="deviation")
-    DocReuse._blend_selection(this, req, gapped, node, slots)
+    this._blend_selection(req, gapped, node, slots)
     assert calls[-1]["gaps"] == [4, 5] and calls[-1]["candidates"] == [6, 7, 8, 9]
 
 
@@ -340,16 +341,17 @@ def test_prophet_does_not_read_what_gap_slots_hold_above_layer_1():
 def test_blend_copies_the_layers_its_selector_reads_before_the_probe_and_the_rest_after():
     """``_keep_unrecomputed``: every candidate's first layers (as many as the selector
     reads) are copied before the probe, the kept tokens' other layers after it; a question
-    selector with no question after the documents is run (and copied for) as deviation."""
+    selector with no question after the documents is run (and copied for) as deviation.
+    What it placed comes back (the plan served, the kept slots, the row), nothing kept."""
     from types import SimpleNamespace
 
-    from pcr_sglang.reuse.placement import DocReuse, _Planned
-    from pcr_sglang.reuse.plan import CopySegment, ReusePlan
+    from pcr_sglang.reuse.doc_copy import DocCopier
+    from pcr_sglang.reuse.plan import CopySegment, ReusePlan, row_order
 
     plan = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 8, 14, 4)), 4, 14, 8, recompute_count=2)
     for selector, question_after, first in (("deviation", True, 2), ("gradual", True, 3), ("prophet", True, 5),
                                             ("prophet", False, 2)):
-        copies, probed = [], []
+        copies, probed, freed = [], [], []
 
         def copy(plan, chains, slots, layers=None, keep=None):
             copies.append((list(layers), None if keep is None else keep.tolist()))
@@ -358,17 +360,19 @@ def test_blend_copies_the_layers_its_selector_reads_before_the_probe_and_the_res
             probed.append(plan.selector)
             return (9, 12)
 
-        this = SimpleNamespace(_copy=copy, _blend_selection=blend_selection, kv_layers=[None] * 8,
+        this = SimpleNamespace(copy=copy, _blend_selection=blend_selection, kv_layers=[None] * 8,
                                probe=SimpleNamespace(layers_read={"deviation": 2, "gradual": 3, "prophet": 5}.get),
-                               allocator=SimpleNamespace(free=lambda slots: None))
-        entry = _Planned((), plan=ReusePlan(**{**plan.__dict__, "selector": selector}))
+                               allocator=SimpleNamespace(free=lambda slots: freed.append(slots.tolist())))
         req = SimpleNamespace(origin_input_ids=list(range(100, 120 if question_after else 114)))
-        DocReuse._keep_unrecomputed(this, req, entry, None, torch.arange(20, 30))
+        asked = ReusePlan(**{**plan.__dict__, "selector": selector})
+        placed = DocCopier._keep_unrecomputed(this, req, asked, {}, None, torch.arange(20, 30))
         expected = "deviation" if not question_after else selector
-        assert probed == [expected] and entry.plan.selector == expected
+        assert probed == [expected] and placed.plan.selector == expected and placed.plan.recompute == (9, 12)
         kept = [True] * 10
         kept[9 - 4] = kept[12 - 4] = False
         assert copies == [(list(range(first)), None), (list(range(first, 8)), kept)], selector
+        assert placed.slots.tolist() == [20, 21, 22, 23, 24, 26, 27, 29] and freed == [[25, 28]]
+        assert placed.row == row_order(placed.plan) and placed.row.positions[-2:] == (9, 12)
 
 
 def test_a_load_that_did_not_go_through_leaves_no_row_order_behind():

@@ -15,7 +15,9 @@ import torch
 from pcr_sglang.reuse import rows as permuted_rows
 from pcr_sglang.reuse.blend_select import BlendProbe
 from pcr_sglang.reuse.bounds import DocSpan, Recompute
-from pcr_sglang.reuse.placement import DocReuse, DocReuseStats, _Planned, _to_device
+from pcr_sglang.reuse.doc_copy import to_device
+from pcr_sglang.reuse.doc_stats import DocReuseStats
+from pcr_sglang.reuse.placement import DocReuse, _Planned
 from pcr_sglang.reuse.plan import CopySegment, ReusePlan
 from tests.unit.reuse.test_doc_reuse_setup import _stand_in_model
 
@@ -33,8 +35,8 @@ def _fail(what):
 
 
 def _docs(probe_bytes=None, mask_bytes=None, plan=PLAN):
-    """A DocReuse holding one planned request; loading anything, locking, allocating or
-    copying fails the test."""
+    """A DocReuse holding one planned request, its chains on the device; locking or copying
+    fails the test (admission locks, loads and allocates only for a ``DocLoad`` it is given)."""
     model, pools = _stand_in_model(5)
     docs = object.__new__(DocReuse)
     docs.stats = DocReuseStats()
@@ -42,9 +44,10 @@ def _docs(probe_bytes=None, mask_bytes=None, plan=PLAN):
     docs.mask_bytes = mask_bytes
     docs._warned_budget = False
     docs.state = SimpleNamespace(lock=_fail("lock"), unlock=_fail("unlock"))
-    docs.allocator = SimpleNamespace(available_size=_fail("the allocator"), alloc=_fail("the allocator"))
-    docs._copy = _fail("a copy")
+    docs.copier = SimpleNamespace(place=_fail("a copy"), copy=_fail("a copy"))
     entry = _Planned((DocSpan(0, 4, 8), DocSpan(1, 8, 14)), Recompute("blend"), plan=plan)
+    entry.chains = {doc: [SimpleNamespace(on_device=True, on_host=False)] for doc in (0, 1)}  # loadable
+    docs.engine = None
     docs._requests = {"r": entry}
     req = SimpleNamespace(rid="r", origin_input_ids=list(range(100, 100 + TOTAL)), output_ids=[])
     return docs, entry, req
@@ -56,12 +59,13 @@ def _probe_need():
 
 
 def _load(docs, req):
-    return docs.load(req, None, _fail("a chain load"), _fail("an eviction"), _fail("a fence"))
+    """What admission is asked to provide: nothing (no chain to load, no slots, no fence)."""
+    return docs.load(req)
 
 
 def test_a_request_whose_probe_could_exceed_its_budget_is_recomputed_before_anything_runs():
     docs, entry, req = _docs(probe_bytes=_probe_need() - 1)
-    assert _load(docs, req) is False
+    assert _load(docs, req) is None
     assert entry.plan is None and docs.stats.probe_over_budget == 1 and docs.stats.load_failures == 0
     docs, entry, req = _docs(probe_bytes=_probe_need())
     assert docs._over_budget(req, PLAN) is None
@@ -71,7 +75,7 @@ def test_a_request_whose_position_mask_could_exceed_its_budget_is_recomputed_bef
     need = permuted_rows.row_mask_bound(PLAN.start + PLAN.prefix_tokens, TOTAL)
     assert need == (TOTAL - 4 - 8) * TOTAL  # the extend starts after the exact prefix and the 8 kept tokens
     docs, entry, req = _docs(mask_bytes=need - 1)
-    assert _load(docs, req) is False
+    assert _load(docs, req) is None
     assert entry.plan is None and docs.stats.mask_over_budget == 1 and docs.stats.load_failures == 0
     docs, entry, req = _docs(mask_bytes=need)
     assert docs._over_budget(req, PLAN) is None
@@ -103,7 +107,7 @@ def test_admission_indices_cross_through_the_pinned_ring_keeping_their_shape(mon
     monkeypatch.setattr(permuted_rows, "_staging", lambda device: SimpleNamespace(
         to_device=lambda values: seen.append(values.shape) or values.reshape(-1)))
     index = torch.arange(12).reshape(3, 4)
-    out = _to_device(index, torch.device("cuda", 0))
+    out = to_device(index, torch.device("cuda", 0))
     assert seen == [torch.Size([3, 4])] and out.shape == (3, 4) and torch.equal(out, index)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.transfer import engine as engine_module
+from pcr_sglang.transfer import replacements as replacements_module
 from pcr_sglang.transfer.engine import LayerwiseMode, TransferEngine
 from pcr_sglang.transfer.rope_shift import RopeSpec
 from pcr_sglang.transfer.staging import PinnedStaging
@@ -32,8 +33,8 @@ def rig(monkeypatch):
     launches: list[tuple[str, int]] = []
     monkeypatch.setattr(engine_module, "copy_layer", lambda d, k, v, h, ts, hs, layer, lay: launches.append(
         ("copy", layer)))
-    monkeypatch.setattr(engine_module, "replace_layer", lambda k, v, s, d, delta, rope, verify_slots: launches.append(
-        ("rope", [i for i, (kk, _) in enumerate(kv) if kk is k][0])))
+    monkeypatch.setattr(replacements_module, "replace_layer", lambda k, v, s, d, delta, rope, verify_slots:
+                        launches.append(("rope", [i for i, (kk, _) in enumerate(kv) if kk is k][0])))
     monkeypatch.setattr(torch.cuda, "synchronize", cuda.synchronize)
     kv = [(torch.zeros(TOKENS, HEADS, DIM), torch.zeros(TOKENS, HEADS, DIM)) for _ in range(LAYERS)]
     layout = HostChunkLayout(SLOTS, LAYERS, CHUNK, HEADS * DIM * 4)
@@ -157,7 +158,7 @@ def test_a_step_launches_only_kernels_the_warm_up_compiled(monkeypatch):
                              synchronize=lambda: None)
     assert report is not None and compiled
     monkeypatch.setattr(engine_module, "copy_layer", copy)
-    monkeypatch.setattr(engine_module, "replace_layer", rotate)
+    monkeypatch.setattr(replacements_module, "replace_layer", rotate)
     for step in range(3):
         one_step(engine, step, offloads=2)
     assert uncompiled == []

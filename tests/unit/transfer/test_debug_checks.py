@@ -11,6 +11,7 @@ import torch
 
 from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.transfer import engine as engine_module
+from pcr_sglang.transfer import replacements as replacements_module
 from pcr_sglang.transfer.engine import LayerwiseMode, TransferEngine
 from pcr_sglang.transfer.rope_shift import RopeSpec
 from pcr_sglang.transfer.streams import CudaStreams
@@ -23,7 +24,7 @@ ROPE = RopeSpec(DIM, DIM, True, (1.0, 0.1, 0.01, 0.001))
 def make(debug: bool, monkeypatch) -> tuple[RecordingCuda, TransferEngine]:
     cuda = RecordingCuda()
     monkeypatch.setattr(engine_module, "copy_layer", lambda *a: None)  # kernel launches: not the point here
-    monkeypatch.setattr(engine_module, "replace_layer", lambda *a, **k: None)
+    monkeypatch.setattr(replacements_module, "replace_layer", lambda *a, **k: None)
     kv = [(torch.zeros(TOKENS, HEADS, DIM), torch.zeros(TOKENS, HEADS, DIM)) for _ in range(LAYERS)]
     layout = HostChunkLayout(SLOTS, LAYERS, CHUNK, HEADS * DIM * 4)
     host = torch.zeros(layout.total_bytes, dtype=torch.uint8)
