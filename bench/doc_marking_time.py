@@ -109,8 +109,11 @@ def measure(tokenizer: Any, documents: list[str], repeats: int = 50) -> Timing:
 
 def main(argv: Any = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a model folder with its tokenizer (default: SmolLM2 if "
-                                                      "fetched, else the tiny test model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a model folder with its tokenizer (default: SmolLM2 if fetched, else the tiny test model)",
+    )
     parser.add_argument("--documents", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=300, help="tokens per document")
     parser.add_argument("--repeats", type=int, default=50)
@@ -126,8 +129,10 @@ def main(argv: Any = None) -> int:
     print(f"plain render + encode (SGLang without documents): {timing.plain_ms:.2f} ms")
     print(f"documents marked by structure:                  {timing.marked_ms:.2f} ms")
     verdict = "meets" if timing.added_ms <= TARGET_MS else "misses"
-    print(f"added by marking: {timing.added_ms:.2f} ms (median of 5 rounds of {args.repeats}; target <= "
-          f"{TARGET_MS:.0f} ms: {verdict})")
+    print(
+        f"added by marking: {timing.added_ms:.2f} ms (median of 5 rounds of {args.repeats}; target <= "
+        f"{TARGET_MS:.0f} ms: {verdict})"
+    )
     return 0
 
 

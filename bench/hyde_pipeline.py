@@ -66,11 +66,30 @@ CONFIGS = {"none": (False, False), "clusters": (True, False), "hints": (False, T
 
 
 def _server(model: str, store: Path, read_delay_ms: float, read_threads: int = 4) -> ServerProcess:
-    server = ServerProcess(model, ("--enable-pcr", "--pcr-chunk-size", "16", "--pcr-dram-gb", "0.5",
-                                   "--pcr-ssd-path", str(store), "--pcr-ssd-gb", "2", "--pcr-ssd-reserve-gb", "0",
-                                   "--pcr-ssd-read-threads", str(read_threads),
-                                   "--max-total-tokens", "16384", "--context-length", "4096",
-                                   "--log-level", "warning"))
+    server = ServerProcess(
+        model,
+        (
+            "--enable-pcr",
+            "--pcr-chunk-size",
+            "16",
+            "--pcr-dram-gb",
+            "0.5",
+            "--pcr-ssd-path",
+            str(store),
+            "--pcr-ssd-gb",
+            "2",
+            "--pcr-ssd-reserve-gb",
+            "0",
+            "--pcr-ssd-read-threads",
+            str(read_threads),
+            "--max-total-tokens",
+            "16384",
+            "--context-length",
+            "4096",
+            "--log-level",
+            "warning",
+        ),
+    )
     if read_delay_ms > 0:
         server.env = {**server.env, "PCR_IO_TEST_FAULTS": json.dumps({"read_delay_s": read_delay_ms / 1000})}
     return server
@@ -79,20 +98,32 @@ def _server(model: str, store: Path, read_delay_ms: float, read_threads: int = 4
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.hyde_pipeline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--questions", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="pipelines at once (>1: groups of similar questions, run_batch)")
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="pipelines at once (>1: groups of similar questions, run_batch)"
+    )
     parser.add_argument("--docs", type=int, default=1000, help="Wikipedia extracts in the datastore")
     parser.add_argument("--nprobe", type=int, default=8)
-    parser.add_argument("--table-vectors", type=int, default=0,
-                        help="search a synthetic table of this many jittered copies of the documents' embeddings, "
-                             "read cold from disk (0: the documents themselves)")
+    parser.add_argument(
+        "--table-vectors",
+        type=int,
+        default=0,
+        help="search a synthetic table of this many jittered copies of the documents' embeddings, "
+        "read cold from disk (0: the documents themselves)",
+    )
     parser.add_argument("--nlist", type=int, default=1024, help="IVF lists of the synthetic table")
     parser.add_argument("--tier-mb", type=int, default=64, help="the look-ahead's fast tier (MB)")
-    parser.add_argument("--fast-tier", choices=FAST_TIERS, default="auto",
-                        help="where look-ahead clusters land: gpu, host, or auto (the GPU where torch sees one)")
+    parser.add_argument(
+        "--fast-tier",
+        choices=FAST_TIERS,
+        default="auto",
+        help="where look-ahead clusters land: gpu, host, or auto (the GPU where torch sees one)",
+    )
     parser.add_argument("--read-delay-ms", type=float, default=20.0, help="added to each SSD chunk read")
-    parser.add_argument("--read-threads", default="4",
-                        help="comma list of --pcr-ssd-read-threads values; every configuration runs at each")
+    parser.add_argument(
+        "--read-threads",
+        default="4",
+        help="comma list of --pcr-ssd-read-threads values; every configuration runs at each",
+    )
     parser.add_argument("--configs", default="none,clusters,hints,both")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every configuration, interleaved")
     parser.add_argument("--model-path", default=None)
@@ -129,6 +160,7 @@ def main(argv=None) -> int:
         directory = cache_root() / "bench" / f"hyde-ivf-{args.docs}-{args.seed}"
         if not (directory / "meta.json").is_file():
             IVFDatastore.build(embed_texts(texts), max(8, int(4 * len(texts) ** 0.5)), seed=args.seed).save(directory)
+
     def open_datastore() -> IVFDatastore:
         # Cold: no earlier mapping may hold its pages (the caller dropped its datastore).
         return open_cold(directory) if cold else IVFDatastore.load(directory, mmap=True)
@@ -148,8 +180,9 @@ def main(argv=None) -> int:
         budget.observe_bandwidth(bandwidth)
         return budget
 
-    def pipelines_for(server: ServerProcess, clusters: bool, hints: bool,
-                      budget: BudgetModel) -> tuple[Pipelines, LookaheadRetriever, KVHinter]:
+    def pipelines_for(
+        server: ServerProcess, clusters: bool, hints: bool, budget: BudgetModel
+    ) -> tuple[Pipelines, LookaheadRetriever, KVHinter]:
         datastore = open_datastore()
         tier = make_fast_tier(datastore.table, args.tier_mb << 20, args.fast_tier) if clusters else None
         retriever = LookaheadRetriever(datastore, embedder.encode, nprobe=args.nprobe, k=3, tier=tier, budget=budget)
@@ -171,12 +204,14 @@ def main(argv=None) -> int:
             deadline = time.monotonic() + 120
             while server.pcr_state()["ssd"]["writes_in_flight"] and time.monotonic() < deadline:
                 time.sleep(0.5)
-        runs = [(repeat, name, threads) for repeat in range(args.repeats) for threads in thread_counts
-                for name in configs]
+        runs = [
+            (repeat, name, threads) for repeat in range(args.repeats) for threads in thread_counts for name in configs
+        ]
         for repeat, name, threads in runs:
             clusters, hints = CONFIGS[name]
-            print(f"[bench] repeat {repeat + 1}: {name}, {threads} read threads: restarting on the store",
-                  file=sys.stderr)
+            print(
+                f"[bench] repeat {repeat + 1}: {name}, {threads} read threads: restarting on the store", file=sys.stderr
+            )
             with _server(model, store, args.read_delay_ms, threads) as server:
                 budget = new_budget()  # one per configuration: it learns the stage's time
                 # One retriever per configuration, or with --table-vectors one per pipeline
@@ -195,8 +230,9 @@ def main(argv=None) -> int:
                 counters = server.pcr_state()["ssd"]["counters"]
             # Exact mode: each search's documents are faiss IVF's for the same query (checked
             # after the run, outside its timing).
-            reference = LookaheadRetriever(IVFDatastore.load(directory, mmap=True), embedder.encode,
-                                           nprobe=args.nprobe, k=3)  # faiss alone
+            reference = LookaheadRetriever(
+                IVFDatastore.load(directory, mmap=True), embedder.encode, nprobe=args.nprobe, k=3
+            )  # faiss alone
             summed_identical = sum(_same_as_faiss(reference, r) for r in results)
             reference.close()
             del reference
@@ -210,24 +246,30 @@ def main(argv=None) -> int:
 
     med = lambda xs: statistics.median(xs) * 1000  # noqa: E731
     at_once = "one at a time" if args.concurrency == 1 else f"{args.concurrency} at a time"
-    print(f"\nHyDE on SmolLM2-135M, {len(questions)} questions {at_once} x {args.repeats} repeats, "
-          f"{len(texts)} "
-          f"{'vectors (jittered copies of ' + str(args.docs) + ' documents, cold page cache)' if cold else 'documents'}"
-          f" (IVF{nlist}, nprobe {args.nprobe}, memory-mapped), SSD reads +{args.read_delay_ms:g} ms each")
-    print("| config | read threads | pipeline | generation | retrieval | search | search hidden | final request | "
-          "cached host / storage (tokens) | cluster hits | same as faiss | hint chunks in time / late / issued |")
+    print(
+        f"\nHyDE on SmolLM2-135M, {len(questions)} questions {at_once} x {args.repeats} repeats, "
+        f"{len(texts)} "
+        f"{'vectors (jittered copies of ' + str(args.docs) + ' documents, cold page cache)' if cold else 'documents'}"
+        f" (IVF{nlist}, nprobe {args.nprobe}, memory-mapped), SSD reads +{args.read_delay_ms:g} ms each"
+    )
+    print(
+        "| config | read threads | pipeline | generation | retrieval | search | search hidden | final request | "
+        "cached host / storage (tokens) | cluster hits | same as faiss | hint chunks in time / late / issued |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     search_s = lambda r: sum(s.total_s for s in r.searches)  # noqa: E731
     for (name, threads), (results, tiers, c) in rows.items():
         search = med([search_s(r) for r in results])
         plain = rows.get(("none", threads))
         hidden = f"{1 - search / med([search_s(r) for r in plain[0]]):.0%}" if plain and name != "none" else "-"
-        print(f"| {name} | {threads} | {med([r.total_s for r in results]):.0f} ms | "
-              f"{med([r.generation_s for r in results]):.0f} ms | "
-              f"{med([r.retrieval_s for r in results]):.1f} ms | {search:.1f} ms | {hidden} | "
-              f"{med([r.answer_s for r in results]):.0f} ms | "
-              f"{tiers['host']} / {tiers['storage']} | {statistics.mean(r.cluster_hit_rate for r in results):.0%} | "
-              f"{c['identical']}/{len(results)} | {c['hint_in_time']} / {c['hint_late']} / {c['hint_issued']} |")
+        print(
+            f"| {name} | {threads} | {med([r.total_s for r in results]):.0f} ms | "
+            f"{med([r.generation_s for r in results]):.0f} ms | "
+            f"{med([r.retrieval_s for r in results]):.1f} ms | {search:.1f} ms | {hidden} | "
+            f"{med([r.answer_s for r in results]):.0f} ms | "
+            f"{tiers['host']} / {tiers['storage']} | {statistics.mean(r.cluster_hit_rate for r in results):.0%} | "
+            f"{c['identical']}/{len(results)} | {c['hint_in_time']} / {c['hint_late']} / {c['hint_issued']} |"
+        )
     return 0
 
 

@@ -91,8 +91,10 @@ def open_cold(directory: Path) -> IVFDatastore:
     for path in sorted(p for p in directory.iterdir() if p.is_file()):
         left = resident_share(path)
         if left > 0.01:
-            raise RuntimeError(f"{100 * left:.0f}% of {path} stayed in the page cache after the drop: "
-                               "a mapping of it is still open, so the measurement would not be cold")
+            raise RuntimeError(
+                f"{100 * left:.0f}% of {path} stayed in the page cache after the drop: "
+                "a mapping of it is still open, so the measurement would not be cold"
+            )
     return IVFDatastore.load(directory, mmap=True)
 
 
@@ -121,14 +123,19 @@ def main(argv=None) -> int:
     parser.add_argument("--queries", type=int, default=20)
     parser.add_argument("--generation-s", type=float, default=1.0, help="simulated pre-retrieval generation")
     parser.add_argument("--tier-mb", type=int, default=512, help="the fast tier's size (MB)")
-    parser.add_argument("--fast-tier", choices=FAST_TIERS, default="auto",
-                        help="gpu, host, or auto (the GPU where torch sees one)")
-    parser.add_argument("--budget-mb", type=int, default=0,
-                        help="look-ahead budget (default: measured bandwidth x --generation-s)")
+    parser.add_argument(
+        "--fast-tier", choices=FAST_TIERS, default="auto", help="gpu, host, or auto (the GPU where torch sees one)"
+    )
+    parser.add_argument(
+        "--budget-mb", type=int, default=0, help="look-ahead budget (default: measured bandwidth x --generation-s)"
+    )
     parser.add_argument("--dir", type=Path, default=None, help="where the table lives (default: the cache)")
-    parser.add_argument("--no-predict", action="store_true",
-                        help="the look-ahead copies clusters only, without the prediction's faiss search (what "
-                             "KV hints need; it also reads the question's clusters into the page cache)")
+    parser.add_argument(
+        "--no-predict",
+        action="store_true",
+        help="the look-ahead copies clusters only, without the prediction's faiss search (what "
+        "KV hints need; it also reads the question's clusters into the page cache)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -158,24 +165,30 @@ def main(argv=None) -> int:
     for n in range(args.queries):
         plain = LookaheadRetriever(open_cold(directory), embed=None, nprobe=args.nprobe, k=args.k)
         start = time.perf_counter()
-        ref = plain.search_vectors(q_out[n:n + 1])
+        ref = plain.search_vectors(q_out[n : n + 1])
         faiss_ms.append((time.perf_counter() - start) * 1000)
         plain.close()
         del plain
         # A fresh tier per query: what one pipeline's look-ahead fetches, no cache across queries.
-        budget = BudgetModel(default_stage_s=args.generation_s,
-                             stage_bytes={"bench": args.budget_mb << 20} if args.budget_mb else {})
+        budget = BudgetModel(
+            default_stage_s=args.generation_s, stage_bytes={"bench": args.budget_mb << 20} if args.budget_mb else {}
+        )
         budget.observe_bandwidth(bandwidth)
         cold = open_cold(directory)
-        retriever = LookaheadRetriever(cold, embed=None, nprobe=args.nprobe, k=args.k,
-                                       tier=make_fast_tier(cold.table, args.tier_mb << 20, args.fast_tier),
-                                       budget=budget)
+        retriever = LookaheadRetriever(
+            cold,
+            embed=None,
+            nprobe=args.nprobe,
+            k=args.k,
+            tier=make_fast_tier(cold.table, args.tier_mb << 20, args.fast_tier),
+            budget=budget,
+        )
         del cold
         try:
-            ticket = retriever.lookahead_vectors(q_in[n:n + 1], stage="bench", predict=not args.no_predict)
+            ticket = retriever.lookahead_vectors(q_in[n : n + 1], stage="bench", predict=not args.no_predict)
             time.sleep(args.generation_s)  # the LLM writes the query meanwhile
             start = time.perf_counter()
-            got = retriever.search_vectors(q_out[n:n + 1], ticket)
+            got = retriever.search_vectors(q_out[n : n + 1], ticket)
             lookahead_ms.append((time.perf_counter() - start) * 1000)
             copied += retriever.tier.stats.bytes_copied
         finally:
@@ -184,16 +197,20 @@ def main(argv=None) -> int:
         hit_rates.append(got.stats.hit_rate)
         identical += set(got.ids[0]) == set(ref.ids[0])
     f, la = statistics.median(faiss_ms), statistics.median(lookahead_ms)
-    print(f"\n{ntotal} vectors, nlist {nlist}, nprobe {args.nprobe}, k {args.k}, "
-          f"{args.queries} queries, simulated generation {args.generation_s:g} s, tier {args.tier_mb} MB, "
-          f"{'no prediction' if args.no_predict else 'with the prediction search'}, "
-          f"disk read bandwidth {bandwidth / 1e6:.0f} MB/s, {copied / args.queries / 1e6:.0f} MB copied per look-ahead")
+    print(
+        f"\n{ntotal} vectors, nlist {nlist}, nprobe {args.nprobe}, k {args.k}, "
+        f"{args.queries} queries, simulated generation {args.generation_s:g} s, tier {args.tier_mb} MB, "
+        f"{'no prediction' if args.no_predict else 'with the prediction search'}, "
+        f"disk read bandwidth {bandwidth / 1e6:.0f} MB/s, {copied / args.queries / 1e6:.0f} MB copied per look-ahead"
+    )
     print("| search | median latency | P90 |")
     print("| --- | --- | --- |")
     print(f"| faiss on the memory-mapped datastore (cold) | {f:.1f} ms | {np.percentile(faiss_ms, 90):.1f} ms |")
     print(f"| after look-ahead (merged) | {la:.1f} ms | {np.percentile(lookahead_ms, 90):.1f} ms |")
-    print(f"\nhidden: {1 - la / f:.0%} of the median latency; cluster hit rate {statistics.mean(hit_rates):.0%}; "
-          f"results identical to faiss's: {identical}/{args.queries}")
+    print(
+        f"\nhidden: {1 - la / f:.0%} of the median latency; cluster hit rate {statistics.mean(hit_rates):.0%}; "
+        f"results identical to faiss's: {identical}/{args.queries}"
+    )
     return 0
 
 

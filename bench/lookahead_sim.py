@@ -27,8 +27,9 @@ def main() -> None:
     parser.add_argument("--zipf", type=float, default=1.0)
     parser.add_argument("--queue-depth", type=int, default=16)
     parser.add_argument("--windows", default="0,1,2,4,8,16")
-    parser.add_argument("--capacities", default="0.05,0.1,0.2",
-                        help="device capacity as fractions of the trace's working set")
+    parser.add_argument(
+        "--capacities", default="0.05,0.1,0.2", help="device capacity as fractions of the trace's working set"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     params = TraceParams(requests=args.requests, docs=args.docs, zipf_exponent=args.zipf, seed=args.seed)
@@ -36,8 +37,10 @@ def main() -> None:
     trace_keys = [chunk_keys(root, t, params.chunk_size) for t in make_trace(params)]
     ws = working_set_chunks(trace_keys)
     windows = [int(w) for w in args.windows.split(",")]
-    print(f"trace: {params.requests} requests, {params.docs} docs, zipf {params.zipf_exponent}, "
-          f"working set {ws} chunks of {params.chunk_size} tokens, queue depth {args.queue_depth}")
+    print(
+        f"trace: {params.requests} requests, {params.docs} docs, zipf {params.zipf_exponent}, "
+        f"working set {ws} chunks of {params.chunk_size} tokens, queue depth {args.queue_depth}"
+    )
     header = "capacity".ljust(18) + "".join(f"W={w}".rjust(9) for w in windows)
     print(header)
     for frac in (float(c) for c in args.capacities.split(",")):

@@ -56,18 +56,27 @@ def unique_prompts(tokenizer, count: int, docs_per_prompt: int = 3, max_chars: i
         raise SystemExit(f"the corpus has {len(articles)} articles; {needed} are needed")
     prompts = []
     for i in range(count + 1):
-        group = articles[i * docs_per_prompt:(i + 1) * docs_per_prompt]
+        group = articles[i * docs_per_prompt : (i + 1) * docs_per_prompt]
         documents = "\n\n".join(f"Document: {a.title}\n{a.text[:max_chars]}" for a in group)
-        messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"{documents}\n\nQuestion: What is {group[0].title} known for?"}]
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{documents}\n\nQuestion: What is {group[0].title} known for?"},
+        ]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
     return prompts
 
 
 def server_args(config: str, pool_tokens: int, context: int, store: Path) -> tuple[str, ...]:
-    common = ("--max-total-tokens", str(pool_tokens), "--context-length", str(context), "--log-level", "warning",
-              "--sleep-on-idle")
+    common = (
+        "--max-total-tokens",
+        str(pool_tokens),
+        "--context-length",
+        str(context),
+        "--log-level",
+        "warning",
+        "--sleep-on-idle",
+    )
     if config == "radix":
         return common
     pcr = (*common, "--enable-pcr", "--pcr-chunk-size", "16", "--pcr-dram-gb", "0.5")
@@ -108,8 +117,9 @@ def cpu_seconds(server: ServerProcess) -> dict[str, float]:
     return totals
 
 
-def run_config(model: str, config: str, prompts: list[list[int]], pool: int, context: int,
-               max_new_tokens: int) -> RunResult:
+def run_config(
+    model: str, config: str, prompts: list[list[int]], pool: int, context: int, max_new_tokens: int
+) -> RunResult:
     result = RunResult(config)
     with tempfile.TemporaryDirectory(prefix="pcr-overhead-") as store:
         with ServerProcess(model, server_args(config, pool, context, Path(store))) as server:
@@ -124,8 +134,12 @@ def run_config(model: str, config: str, prompts: list[list[int]], pool: int, con
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.pcr_overhead", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.pcr_overhead",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     parser.add_argument("--requests", type=int, default=12, help="measured requests per configuration and round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over the configurations (medians over them)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
@@ -147,8 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = unique_prompts(AutoTokenizer.from_pretrained(model), args.requests)
     longest = max(len(p) for p in prompts)
     pool, context = 2 * longest + 256, longest + 64
-    print(f"{args.requests} prompts of {min(map(len, prompts[1:]))}-{longest} tokens sharing only the system "
-          f"prompt; device pool {pool} tokens; {args.rounds} round(s) of {', '.join(configs)}", flush=True)
+    print(
+        f"{args.requests} prompts of {min(map(len, prompts[1:]))}-{longest} tokens sharing only the system "
+        f"prompt; device pool {pool} tokens; {args.rounds} round(s) of {', '.join(configs)}",
+        flush=True,
+    )
     rounds: list[dict[str, RunResult]] = []
     for index in range(args.rounds):
         results = {}
@@ -157,17 +174,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  round {index + 1} {config}: median TTFT {results[config].median_s * 1000:.0f} ms", flush=True)
         rounds.append(results)
 
-    print("\n| config | TTFT median (median of rounds) | vs radix (median of rounds' ratios) | per-round ratios "
-          "| CPU s per request: scheduler / I/O process / other |")
+    print(
+        "\n| config | TTFT median (median of rounds) | vs radix (median of rounds' ratios) | per-round ratios "
+        "| CPU s per request: scheduler / I/O process / other |"
+    )
     print("| --- | --- | --- | --- | --- |")
     for config in configs:
         medians = [r[config].median_s for r in rounds]
         ratios = [r[config].median_s / r["radix"].median_s for r in rounds]
-        cpu = {role: statistics.median(r[config].cpu_s.get(role, 0.0) for r in rounds) / args.requests
-               for role in ("scheduler", "pcr I/O process", "tokenizer/http/other")}
-        print(f"| {config} | {statistics.median(medians) * 1000:.0f} ms | {statistics.median(ratios):.2f}x | "
-              f"{', '.join(f'{x:.2f}' for x in ratios)} | {cpu['scheduler']:.2f} / {cpu['pcr I/O process']:.2f} / "
-              f"{cpu['tokenizer/http/other']:.2f} |")
+        cpu = {
+            role: statistics.median(r[config].cpu_s.get(role, 0.0) for r in rounds) / args.requests
+            for role in ("scheduler", "pcr I/O process", "tokenizer/http/other")
+        }
+        print(
+            f"| {config} | {statistics.median(medians) * 1000:.0f} ms | {statistics.median(ratios):.2f}x | "
+            f"{', '.join(f'{x:.2f}' for x in ratios)} | {cpu['scheduler']:.2f} / {cpu['pcr I/O process']:.2f} / "
+            f"{cpu['tokenizer/http/other']:.2f} |"
+        )
     return 0
 
 

@@ -104,9 +104,12 @@ def main() -> None:
     for label, layout in SHAPES:
         codec = RecordCodec(key, NAMESPACE, layout, "torch.bfloat16")
         payloads = [os.urandom(layout.slot_bytes) for _ in range(max(2, (args.mib << 20) // layout.slot_bytes))]
-        paths = {"mac (plaintext)": mac_path(codec, payloads), "aead (sealed)": sealed_path(codec, payloads),
-                 "AES-256-GCM alone": cipher_path(AESGCM(key), payloads),
-                 "ChaCha20-Poly1305 alone": cipher_path(ChaCha20Poly1305(key), payloads)}
+        paths = {
+            "mac (plaintext)": mac_path(codec, payloads),
+            "aead (sealed)": sealed_path(codec, payloads),
+            "AES-256-GCM alone": cipher_path(AESGCM(key), payloads),
+            "ChaCha20-Poly1305 alone": cipher_path(ChaCha20Poly1305(key), payloads),
+        }
         # Passes interleaved (each repeat runs every path once): the machine's load drifts,
         # and a drift should not land on one path only.
         rates: dict[tuple[str, int], list[float]] = {(p, k): [] for p in paths for k in (0, 1)}
@@ -115,8 +118,10 @@ def main() -> None:
                 for k, fn in enumerate(fns):
                     rates[path, k].append(rate(fn, len(payloads), layout.slot_bytes))
         median = {pk: statistics.median(r) for pk, r in rates.items()}
-        ratio = [statistics.median(a / b for a, b in zip(rates["aead (sealed)", k], rates["mac (plaintext)", k]))
-                 for k in (0, 1)]
+        ratio = [
+            statistics.median(a / b for a, b in zip(rates["aead (sealed)", k], rates["mac (plaintext)", k]))
+            for k in (0, 1)
+        ]
         name = f"{label} ({layout.slot_bytes / 2**20:.1f} MiB)"
         for path in paths:
             print(f"{name:<40} {path:<24} {median[path, 0]:>12.0f} {median[path, 1]:>10.0f}")

@@ -84,8 +84,11 @@ def dd_direct(path: Path, block_bytes: int, count: int) -> float | None:
     """Seconds for ``dd`` to write ``count`` blocks with O_DIRECT and fsync; None where
     the file system refuses direct I/O (tmpfs, some overlays)."""
     start = time.perf_counter()
-    done = subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={block_bytes}", f"count={count}",
-                           "oflag=direct", "conv=fsync"], capture_output=True, text=True)
+    done = subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", f"bs={block_bytes}", f"count={count}", "oflag=direct", "conv=fsync"],
+        capture_output=True,
+        text=True,
+    )
     elapsed = time.perf_counter() - start
     path.unlink(missing_ok=True)
     return elapsed if done.returncode == 0 else None
@@ -114,8 +117,15 @@ def run_shape(label: str, layout: HostChunkLayout, root: Path, chunks: int, cold
     print(f"\n{label}: {mib:.2f} MiB per chunk, {chunks} chunks")
     keys = [i.to_bytes(16, "little") for i in range(chunks)]
     for durability in ("record", "batch", "none"):
-        store = ChunkFileStore(root / f"files-{durability}", bytes(16), layout, "bench", capacity_bytes=None,
-                               low_watermark_bytes=0, durability=durability)
+        store = ChunkFileStore(
+            root / f"files-{durability}",
+            bytes(16),
+            layout,
+            "bench",
+            capacity_bytes=None,
+            low_watermark_bytes=0,
+            durability=durability,
+        )
 
         def write(i: int) -> None:
             store.write(keys[i], bytes(16), 1, layout.chunk_size, payload)
@@ -128,8 +138,9 @@ def run_shape(label: str, layout: HostChunkLayout, root: Path, chunks: int, cold
         r = timed(lambda i: store.read_into(keys[i], out), chunks)
         assert store.stats.read_chunks == chunks
         store.close()
-        print(f"  file-per-chunk, durability {durability:6}  write {total / w:8.1f} MiB/s   "
-              f"read {total / r:8.1f} MiB/s")
+        print(
+            f"  file-per-chunk, durability {durability:6}  write {total / w:8.1f} MiB/s   read {total / r:8.1f} MiB/s"
+        )
     slab_dir = root / "slab"
     slab_dir.mkdir()
     slab = Slab(slab_dir, layout.slot_bytes, chunks)

@@ -40,8 +40,9 @@ def stream(server: ServerProcess, ids: list[int], max_new_tokens: int) -> Result
     )
     meta = response.final["meta_info"]
     host = (meta.get("cached_tokens_details") or {}).get("host", 0)
-    return Result(response.ttft_s, meta["cached_tokens"], host, meta["prompt_tokens"],
-                  response.final.get("output_ids", []))
+    return Result(
+        response.ttft_s, meta["cached_tokens"], host, meta["prompt_tokens"], response.final.get("output_ids", [])
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -53,11 +54,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--docs", type=int, default=24, help="document pool size")
-    parser.add_argument("--pool-fraction", type=float, default=1 / 7,
-                        help="device KV pool as a fraction of the trace's working set")
+    parser.add_argument(
+        "--pool-fraction", type=float, default=1 / 7, help="device KV pool as a fraction of the trace's working set"
+    )
     parser.add_argument("--dram-gb", type=float, default=2.0)
-    parser.add_argument("--chunk-sizes", default="8,32",
-                        help="PCR chunk sizes to run, comma-separated; the first sizes the pool")
+    parser.add_argument(
+        "--chunk-sizes", default="8,32", help="PCR chunk sizes to run, comma-separated; the first sizes the pool"
+    )
     parser.add_argument("--layerwise", default="both", choices=["off", "load", "offload", "both"])
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")
@@ -70,9 +73,11 @@ def main() -> None:
 
     model = args.model_path or str(build_smollm2())
     tok = AutoTokenizer.from_pretrained(model)
-    workload = make_rag_workload(RagWorkloadParams(
-        num_requests=args.requests, doc_pool_size=args.docs, zipf_exponent=1.0,
-        max_doc_chars=600, seed=args.seed))
+    workload = make_rag_workload(
+        RagWorkloadParams(
+            num_requests=args.requests, doc_pool_size=args.docs, zipf_exponent=1.0, max_doc_chars=600, seed=args.seed
+        )
+    )
     prompts = [tok.encode(chat_prompt(tok, req), add_special_tokens=False) for req in workload]
     chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")]
     working_set = working_set_tokens(prompts, chunk_sizes[0])
@@ -81,11 +86,23 @@ def main() -> None:
     common = ("--context-length", str(longest + 512), "--log-level", "warning", "--sleep-on-idle")
     configs = {"radix": ("--max-total-tokens", str(pool), *common)}
     for chunk in chunk_sizes:
-        configs[f"pcr-{chunk}"] = ("--max-total-tokens", str(pool), "--enable-pcr", "--pcr-chunk-size", str(chunk),
-                                   "--pcr-dram-gb", str(args.dram_gb), "--pcr-layerwise", args.layerwise, *common)
+        configs[f"pcr-{chunk}"] = (
+            "--max-total-tokens",
+            str(pool),
+            "--enable-pcr",
+            "--pcr-chunk-size",
+            str(chunk),
+            "--pcr-dram-gb",
+            str(args.dram_gb),
+            "--pcr-layerwise",
+            args.layerwise,
+            *common,
+        )
     configs["oracle"] = ("--max-total-tokens", str(2 * working_set + 4 * longest), *common)
-    print(f"trace: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, working set "
-          f"{working_set} tokens; device pool {pool} tokens ({pool / working_set:.0%} of it) for radix and pcr")
+    print(
+        f"trace: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, working set "
+        f"{working_set} tokens; device pool {pool} tokens ({pool / working_set:.0%} of it) for radix and pcr"
+    )
     results, pcr_states = {}, {}
     for name, server_args in configs.items():
         with ServerProcess(model, server_args) as server:
@@ -95,26 +112,32 @@ def main() -> None:
         print(f"  {name}: done", flush=True)
 
     oracle = results["oracle"]
-    print(f"\n{'config':8} {'reused tokens':>14} {'vs oracle':>10} {'computed':>9} {'TTFT mean':>10} {'P50':>8} "
-          f"{'P99':>8} {'mean vs oracle':>15} {'mean vs radix':>14}")
+    print(
+        f"\n{'config':8} {'reused tokens':>14} {'vs oracle':>10} {'computed':>9} {'TTFT mean':>10} {'P50':>8} "
+        f"{'P99':>8} {'mean vs oracle':>15} {'mean vs radix':>14}"
+    )
     mean = {n: statistics.mean(r.ttft_s for r in rs) for n, rs in results.items()}
     for name, rs in results.items():
         reused = sum(r.cached for r in rs)
         ttfts = [r.ttft_s for r in rs]
         computed = sum(r.prompt - r.cached for r in rs)
-        print(f"{name:8} {reused:>14} {reused / max(sum(r.cached for r in oracle), 1):>10.1%} {computed:>9} "
-              f"{mean[name] * 1000:>8.0f}ms {statistics.median(ttfts) * 1000:>6.0f}ms "
-              f"{percentile(ttfts, 0.99) * 1000:>6.0f}ms {mean[name] / mean['oracle']:>15.2f} "
-              f"{mean[name] / mean['radix']:>14.2f}")
+        print(
+            f"{name:8} {reused:>14} {reused / max(sum(r.cached for r in oracle), 1):>10.1%} {computed:>9} "
+            f"{mean[name] * 1000:>8.0f}ms {statistics.median(ttfts) * 1000:>6.0f}ms "
+            f"{percentile(ttfts, 0.99) * 1000:>6.0f}ms {mean[name] / mean['oracle']:>15.2f} "
+            f"{mean[name] / mean['radix']:>14.2f}"
+        )
     print()
     for name, state in pcr_states.items():
         counters = state["counters"]
         host = sum(r.host_cached for r in results[name])
         device = sum(r.cached for r in results[name]) - host
-        print(f"{name} reused tokens by tier: device {device}, host {host} "
-              f"({host / max(device + host, 1):.0%} from host memory); chunks offloaded during prefill "
-              f"{counters['offloaded_chunks']}, demoted at eviction {counters['demoted_chunks']}, "
-              f"host evictions {counters['host_evicted_chunks']}; layerwise={state['layerwise']}")
+        print(
+            f"{name} reused tokens by tier: device {device}, host {host} "
+            f"({host / max(device + host, 1):.0%} from host memory); chunks offloaded during prefill "
+            f"{counters['offloaded_chunks']}, demoted at eviction {counters['demoted_chunks']}, "
+            f"host evictions {counters['host_evicted_chunks']}; layerwise={state['layerwise']}"
+        )
     same = all([r.output_ids for r in rs] == [r.output_ids for r in oracle] for rs in results.values())
     print(f"greedy outputs identical across configurations: {same}")
 

@@ -31,14 +31,17 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     ops = ["match", "insert", "lock+unlock", "evict", "lookahead"]
-    print(f"per-chunk cost in microseconds (median of {args.repeats}); chunk {CHUNK} tokens, "
-          f"chains of {CHAIN} chunks")
+    print(f"per-chunk cost in microseconds (median of {args.repeats}); chunk {CHUNK} tokens, chains of {CHAIN} chunks")
     print("tree chunks".rjust(12) + "".join(op.rjust(13) for op in ops))
     for size in sizes:
         t = time.perf_counter()
         figures = measure(size, args.repeats, args.seed)
-        print(f"{size:>12,}" + "".join(f"{figures[op]:13.2f}" for op in ops)
-              + f"   (built+measured in {time.perf_counter() - t:.0f} s)", flush=True)
+        print(
+            f"{size:>12,}"
+            + "".join(f"{figures[op]:13.2f}" for op in ops)
+            + f"   (built+measured in {time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

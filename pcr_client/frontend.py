@@ -82,8 +82,9 @@ class DocReuseEndpoint(RuntimeEndpoint):
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(self.model_info["tokenizer_path"]
-                                                      or self.model_info["model_path"])
+            tokenizer = AutoTokenizer.from_pretrained(
+                self.model_info["tokenizer_path"] or self.model_info["model_path"]
+            )
         self.tokenizer = tokenizer
 
     def _payload(self, s: StreamExecutor, sampling_params: SglSamplingParams) -> Optional[dict]:
@@ -109,8 +110,13 @@ class DocReuseEndpoint(RuntimeEndpoint):
         data = self._payload(s, sampling_params)
         if data is None:
             return super().generate(s, sampling_params)
-        res = requests.post(self.base_url + "/generate", json=data, headers=self._headers(),
-                            verify=self.verify if self.verify is not None else True, timeout=None)
+        res = requests.post(
+            self.base_url + "/generate",
+            json=data,
+            headers=self._headers(),
+            verify=self.verify if self.verify is not None else True,
+            timeout=None,
+        )
         self._check(res)
         obj = res.json()
         return obj["text"], obj["meta_info"]
@@ -121,8 +127,14 @@ class DocReuseEndpoint(RuntimeEndpoint):
             yield from super().generate_stream(s, sampling_params)
             return
         data["stream"] = True
-        res = requests.post(self.base_url + "/generate", json=data, headers=self._headers(), stream=True,
-                            verify=self.verify if self.verify is not None else True, timeout=None)
+        res = requests.post(
+            self.base_url + "/generate",
+            json=data,
+            headers=self._headers(),
+            stream=True,
+            verify=self.verify if self.verify is not None else True,
+            timeout=None,
+        )
         self._check(res)
         pos = 0
         for line in res.iter_lines(decode_unicode=False):

@@ -21,6 +21,10 @@ from pcr_wire import HINT_ACTION, HINT_ACTION_VERSION
 def hint_envelope(payload: dict[str, Any], message_id: str, version: str = HINT_ACTION_VERSION) -> dict[str, Any]:
     """The ``kv_hints`` field of a request carrying one ``pcr.lookahead_prefetch`` action
     (SGLang's ``KvHintsEnvelope`` as JSON)."""
-    return {"protocol_version": "1", "message_id": message_id,
-            "actions": [{"action_id": "lookahead", "action_type": HINT_ACTION, "action_version": version,
-                         "payload": payload}]}
+    return {
+        "protocol_version": "1",
+        "message_id": message_id,
+        "actions": [
+            {"action_id": "lookahead", "action_type": HINT_ACTION, "action_version": version, "payload": payload}
+        ],
+    }

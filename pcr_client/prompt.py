@@ -49,9 +49,16 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
-def build_doc_prompt(tokenizer: Any, system: str, documents: Sequence[str], question: str, *,
-                     use_chat_template: Optional[bool] = None, doc_format: str = DEFAULT_DOC_FORMAT,
-                     question_format: str = DEFAULT_QUESTION_FORMAT) -> DocPrompt:
+def build_doc_prompt(
+    tokenizer: Any,
+    system: str,
+    documents: Sequence[str],
+    question: str,
+    *,
+    use_chat_template: Optional[bool] = None,
+    doc_format: str = DEFAULT_DOC_FORMAT,
+    question_format: str = DEFAULT_QUESTION_FORMAT,
+) -> DocPrompt:
     """``(input_ids, bounds)`` for ``system``, ``documents`` (in the order given) and
     ``question``. ``use_chat_template`` defaults to whether the tokenizer has one."""
     if not documents:
@@ -61,7 +68,8 @@ def build_doc_prompt(tokenizer: Any, system: str, documents: Sequence[str], ques
     tail_text = question_format.format(question=question)
     if use_chat_template:
         messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": _SENTINEL + tail_text}]
+            {"role": "user", "content": _SENTINEL + tail_text}
+        ]
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if rendered.count(_SENTINEL) != 1:
             raise ValueError("the chat template does not keep the user message verbatim")

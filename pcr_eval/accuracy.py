@@ -77,46 +77,87 @@ QUICK_REQUESTS = 12
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m bench.doc_reuse_accuracy", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--modes", type=parse_modes, default=parse_modes("concat,lego,blend"),
-                        help="comma-separated configurations to measure: concat, lego[:K], blend[:R[:A][:S]] "
-                             "(A: anchor tokens, S: deviation, gradual, query or prophet), reorder (exact) "
-                             "(default: concat,lego,blend at the server's K and R)")
-    parser.add_argument("--requests", type=int, default=None,
-                        help=f"first turns of the trace (default {DEFAULT_REQUESTS}; --quick: {QUICK_REQUESTS})")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.doc_reuse_accuracy",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    parser.add_argument(
+        "--modes",
+        type=parse_modes,
+        default=parse_modes("concat,lego,blend"),
+        help="comma-separated configurations to measure: concat, lego[:K], blend[:R[:A][:S]] "
+        "(A: anchor tokens, S: deviation, gradual, query or prophet), reorder (exact) "
+        "(default: concat,lego,blend at the server's K and R)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"first turns of the trace (default {DEFAULT_REQUESTS}; --quick: {QUICK_REQUESTS})",
+    )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="greedy answer length, at most")
     parser.add_argument("--max-doc-chars", type=int, default=600, help="cut Wikipedia extracts to this many characters")
     parser.add_argument("--seed", type=int, default=0, help="the trace's seed")
     parser.add_argument("--chunk-size", type=int, default=16, help="--pcr-chunk-size")
-    parser.add_argument("--max-total-tokens", type=int, default=60000,
-                        help="device KV pool of every server (large enough that nothing is evicted)")
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="prompts in flight at once; 1 (default) keeps every request alone in its batch, "
-                             "so batch composition cannot move an answer")
+    parser.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=60000,
+        help="device KV pool of every server (large enough that nothing is evicted)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="prompts in flight at once; 1 (default) keeps every request alone in its batch, "
+        "so batch composition cannot move an answer",
+    )
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (built offline)")
-    parser.add_argument("--out", type=Path,
-                        default=Path(f"bench/results/{datetime.date.today().isoformat()}/doc_reuse_accuracy"),
-                        help="where the JSON result, the markdown report and the server logs go "
-                             "(default: bench/results/<today>/doc_reuse_accuracy)")
-    parser.add_argument("--workload", choices=("questions", "trace"), default="questions",
-                        help="questions (default): test-split questions about re-placed documents, gold-scored "
-                             "(pcr_eval/questions_workload.py); trace: the first turns of the ragbench trace, "
-                             "scored against full prefill only (the asked-about document is always first there)")
-    parser.add_argument("--models", default="base,tuned",
-                        help="questions workload: comma-separated base (SmolLM2-135M-Instruct) and tuned (the same "
-                             "with the committed document-reuse adapter merged); ignored with --model-path")
-    parser.add_argument("--questions", type=int, default=None,
-                        help=f"questions workload: questions per seed, the kinds in turn (default {DEFAULT_QUESTIONS}; "
-                             f"--quick: {QUICK_QUESTIONS})")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(f"bench/results/{datetime.date.today().isoformat()}/doc_reuse_accuracy"),
+        help="where the JSON result, the markdown report and the server logs go "
+        "(default: bench/results/<today>/doc_reuse_accuracy)",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=("questions", "trace"),
+        default="questions",
+        help="questions (default): test-split questions about re-placed documents, gold-scored "
+        "(pcr_eval/questions_workload.py); trace: the first turns of the ragbench trace, "
+        "scored against full prefill only (the asked-about document is always first there)",
+    )
+    parser.add_argument(
+        "--models",
+        default="base,tuned",
+        help="questions workload: comma-separated base (SmolLM2-135M-Instruct) and tuned (the same "
+        "with the committed document-reuse adapter merged); ignored with --model-path",
+    )
+    parser.add_argument(
+        "--questions",
+        type=int,
+        default=None,
+        help=f"questions workload: questions per seed, the kinds in turn (default {DEFAULT_QUESTIONS}; "
+        f"--quick: {QUICK_QUESTIONS})",
+    )
     parser.add_argument("--seeds", default="0", help="questions workload: comma-separated seeds (repeats)")
-    parser.add_argument("--top-k", type=int, default=10,
-                        help="questions workload: full prefill's top-k tokens per position for the KL (default 10)")
-    parser.add_argument("--reorder-applicability", action="store_true",
-                        help="start no server: replay the ragbench trace's first turns (--requests, in its "
-                             "retrieval and shuffled document orders) through reorder's order store and print "
-                             "how often reorder applies")
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=10,
+        help="questions workload: full prefill's top-k tokens per position for the KL (default 10)",
+    )
+    parser.add_argument(
+        "--reorder-applicability",
+        action="store_true",
+        help="start no server: replay the ragbench trace's first turns (--requests, in its "
+        "retrieval and shuffled document orders) through reorder's order store and print "
+        "how often reorder applies",
+    )
     args = parser.parse_args(argv)
     requests_n = args.requests if args.requests is not None else (QUICK_REQUESTS if args.quick else DEFAULT_REQUESTS)
     if requests_n < 1 or args.max_new_tokens < 1 or args.concurrency < 1:

@@ -24,8 +24,10 @@ def answer_nll(input_token_logprobs: Sequence[Sequence[Any]], answer_ids: Sequen
         raise ValueError("an empty answer has no NLL")
     entries = list(input_token_logprobs)
     if len(entries) != len(answer_ids) + 1:
-        raise ValueError(f"expected {len(answer_ids) + 1} input logprobs (the last prompt token and "
-                         f"{len(answer_ids)} answer tokens), got {len(entries)}")
+        raise ValueError(
+            f"expected {len(answer_ids) + 1} input logprobs (the last prompt token and "
+            f"{len(answer_ids)} answer tokens), got {len(entries)}"
+        )
     tail = entries[1:]
     ids = [int(e[1]) for e in tail]
     if ids != list(answer_ids):
@@ -45,12 +47,23 @@ def _positions(entries: Sequence[Any], expected: int) -> list[Any]:
     return entries[1:]
 
 
-def teacher_forced(server: Any, body: dict[str, Any], prompt_len: int, continuation: Sequence[int], *,
-                   top_k: int = 0, token_ids: Optional[Sequence[int]] = None) -> dict[str, Any]:
+def teacher_forced(
+    server: Any,
+    body: dict[str, Any],
+    prompt_len: int,
+    continuation: Sequence[int],
+    *,
+    top_k: int = 0,
+    token_ids: Optional[Sequence[int]] = None,
+) -> dict[str, Any]:
     """``continuation`` teacher-forced after the prompt of ``body``: per token its logprob,
     and per position the ``top_k`` tokens or the logprobs of ``token_ids``."""
-    request = {**body, "input_ids": list(body["input_ids"]) + list(continuation), "return_logprob": True,
-               "logprob_start_len": prompt_len - 1}
+    request = {
+        **body,
+        "input_ids": list(body["input_ids"]) + list(continuation),
+        "return_logprob": True,
+        "logprob_start_len": prompt_len - 1,
+    }
     request["sampling_params"] = {**body["sampling_params"], "max_new_tokens": 0}
     if top_k:
         request["top_logprobs_num"] = top_k
@@ -60,14 +73,19 @@ def teacher_forced(server: Any, body: dict[str, Any], prompt_len: int, continuat
     tokens = _positions(meta["input_token_logprobs"], len(continuation))
     if [int(e[1]) for e in tokens] != list(continuation):
         raise ValueError("input logprobs are not for the teacher-forced tokens")
-    out: dict[str, Any] = {"logprobs": [float(e[0]) for e in tokens],
-                           "cached_tokens": int(meta.get("cached_tokens", 0))}
+    out: dict[str, Any] = {
+        "logprobs": [float(e[0]) for e in tokens],
+        "cached_tokens": int(meta.get("cached_tokens", 0)),
+    }
     if top_k:
-        out["top"] = [{int(e[1]): float(e[0]) for e in row} for row in _positions(meta["input_top_logprobs"],
-                                                                                   len(continuation))]
+        out["top"] = [
+            {int(e[1]): float(e[0]) for e in row} for row in _positions(meta["input_top_logprobs"], len(continuation))
+        ]
     if token_ids:
-        out["by_id"] = [{int(e[1]): float(e[0]) for e in row} for row in _positions(meta["input_token_ids_logprobs"],
-                                                                                     len(continuation))]
+        out["by_id"] = [
+            {int(e[1]): float(e[0]) for e in row}
+            for row in _positions(meta["input_token_ids_logprobs"], len(continuation))
+        ]
     return out
 
 

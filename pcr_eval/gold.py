@@ -47,6 +47,16 @@ def gold_prompts(questions: Sequence[Question], tokenizer: Any, seed: int) -> li
     for i, q in enumerate(questions):
         prompt, shuffled = q.prompt(tokenizer), q.shuffled(rng).prompt(tokenizer)
         gold_ids = list(tokenizer.encode(q.gold, add_special_tokens=False))
-        out.append(GoldPrompt(i, f"{q.kind}-{seed}-{i}", q, list(prompt.input_ids), list(prompt.doc_bounds),
-                              list(shuffled.input_ids), gold_ids, list(shuffled.doc_bounds)))
+        out.append(
+            GoldPrompt(
+                i,
+                f"{q.kind}-{seed}-{i}",
+                q,
+                list(prompt.input_ids),
+                list(prompt.doc_bounds),
+                list(shuffled.input_ids),
+                gold_ids,
+                list(shuffled.doc_bounds),
+            )
+        )
     return out

@@ -73,8 +73,9 @@ class ModeSpec:
 def parse_mode(text: str) -> ModeSpec:
     name, _, value = text.strip().partition(":")
     if name not in MODES:
-        raise argparse.ArgumentTypeError(f"unknown mode {name!r}; known: {', '.join(MODES)} "
-                                         "(lego:K and blend:R set the recompute)")
+        raise argparse.ArgumentTypeError(
+            f"unknown mode {name!r}; known: {', '.join(MODES)} (lego:K and blend:R set the recompute)"
+        )
     if not value:
         return ModeSpec(name)
     if name in ("concat", "reorder"):
@@ -91,15 +92,18 @@ def parse_mode(text: str) -> ModeSpec:
             else:
                 raise argparse.ArgumentTypeError(
                     f"blend:{value}:{extra}: expected anchor tokens A (an integer >= 0) or a selector "
-                    f"({', '.join(SELECTORS)})")
+                    f"({', '.join(SELECTORS)})"
+                )
     try:
         number = int(value) if name == "lego" else float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{name}:{value}: expected {'an integer K' if name == 'lego' else 'a ratio R'}") from None
+            f"{name}:{value}: expected {'an integer K' if name == 'lego' else 'a ratio R'}"
+        ) from None
     if (name == "lego" and number < 0) or (name == "blend" and not 0.0 <= number <= 1.0):
         raise argparse.ArgumentTypeError(
-            f"{name}:{value}: {'K must be >= 0' if name == 'lego' else 'R must be in [0, 1]'}")
+            f"{name}:{value}: {'K must be >= 0' if name == 'lego' else 'R must be in [0, 1]'}"
+        )
     return ModeSpec(name, number, anchors, selector)
 
 

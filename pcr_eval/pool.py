@@ -50,7 +50,7 @@ class Source:
     @classmethod
     def parse(cls, text: str, with_mode: bool) -> Source:
         parts = text.split(":")
-        if len(parts) < (3 if with_mode else 2) or not all(parts[:3 if with_mode else 2]):
+        if len(parts) < (3 if with_mode else 2) or not all(parts[: 3 if with_mode else 2]):
             shape = "FILE:MODEL:MODE" if with_mode else "FILE:MODEL"
             raise ValueError(f"expected {shape}, got {text!r}")
         if not with_mode:
@@ -92,8 +92,9 @@ class Runs:
             if by_mode is None:
                 raise ValueError(f"{source.path} has no model {source.model!r} (it has {sorted(row['models'])})")
             if source.mode not in by_mode:
-                raise ValueError(f"{source.path} has no mode {source.mode!r} for {source.model} "
-                                 f"(it has {sorted(by_mode)})")
+                raise ValueError(
+                    f"{source.path} has no mode {source.mode!r} for {source.model} (it has {sorted(by_mode)})"
+                )
             out[row["rid"]] = by_mode[source.mode]
         return out
 
@@ -110,12 +111,18 @@ class Runs:
             for seed in seeds:
                 for p in self.prompts_for(seed, questions // len(seeds)):
                     self.prompts.setdefault(p.rid, p)
-            unknown = [r["rid"] for r in rows if r["rid"] not in self.prompts
-                       or r.get("question", self.prompts[r["rid"]].question.question)
-                       != self.prompts[r["rid"]].question.question]
+            unknown = [
+                r["rid"]
+                for r in rows
+                if r["rid"] not in self.prompts
+                or r.get("question", self.prompts[r["rid"]].question.question)
+                != self.prompts[r["rid"]].question.question
+            ]
             if unknown:
-                raise ValueError(f"{path}: questions {unknown[:3]} are not what its seeds ask now (was the "
-                                 "question set changed since?)")
+                raise ValueError(
+                    f"{path}: questions {unknown[:3]} are not what its seeds ask now (was the "
+                    "question set changed since?)"
+                )
             self.results[path] = result
         return self.results[path]
 
@@ -138,8 +145,9 @@ def _gather(runs: Runs, sources: Sequence[Source], what: str) -> dict[str, dict[
     return out
 
 
-def pool(base: Sequence[Source], series: Sequence[Series], prompts_for: PromptsFor,
-         seed: int = 0) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, int], dict[str, int]]:
+def pool(
+    base: Sequence[Source], series: Sequence[Series], prompts_for: PromptsFor, seed: int = 0
+) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, int], dict[str, int]]:
     """The tables' summaries ({model label: {mode label: summary}}), the questions each
     series pooled and those it left out for want of a base reference (by ``model/mode``)."""
     runs = Runs(prompts_for)
@@ -165,8 +173,10 @@ def pool(base: Sequence[Source], series: Sequence[Series], prompts_for: PromptsF
         rows, base_rows, own_rows = [mine[r] for r in rids], [base_full[r] for r in rids], [own[r] for r in rids]
         full = all(src.mode == FULL for src in s.sources)
         summaries.setdefault(s.model_label, {})[s.mode_label] = (
-            summarize_full(rows, prompts, base_rows, seed) if full else
-            summarize_mode(rows, prompts, base_rows, own_rows, seed))
+            summarize_full(rows, prompts, base_rows, seed)
+            if full
+            else summarize_mode(rows, prompts, base_rows, own_rows, seed)
+        )
         counts[label] = len(rids)
         left_out[label] = dropped
     return summaries, counts, left_out
@@ -189,18 +199,37 @@ def _tokenizer_prompts(tokenizer_path: str) -> PromptsFor:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.reuse_pool", description=__doc__.split("\n")[0],
-                                     epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", action="append", required=True, metavar="FILE:MODEL",
-                        help="a run's base-model full-prefill rows (repeatable)")
-    parser.add_argument("--series", action="append", required=True, metavar="MODEL/MODE=FILE:MODEL:MODE[,...]",
-                        help="one row of the tables, pooled from the named runs (repeatable); "
-                             "MODEL/MODE 'tuned/<mode>' and 'base/<mode>' also get the targets checked")
-    parser.add_argument("--default-mode", default=None,
-                        help="the mode label the targets check (default: the first series' mode that is not "
-                             "full prefill)")
-    parser.add_argument("--tokenizer", default=None, help="rebuilds the questions' prompts (default: the base "
-                        "SmolLM2-135M-Instruct, built offline)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.reuse_pool",
+        description=__doc__.split("\n")[0],
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--base",
+        action="append",
+        required=True,
+        metavar="FILE:MODEL",
+        help="a run's base-model full-prefill rows (repeatable)",
+    )
+    parser.add_argument(
+        "--series",
+        action="append",
+        required=True,
+        metavar="MODEL/MODE=FILE:MODEL:MODE[,...]",
+        help="one row of the tables, pooled from the named runs (repeatable); "
+        "MODEL/MODE 'tuned/<mode>' and 'base/<mode>' also get the targets checked",
+    )
+    parser.add_argument(
+        "--default-mode",
+        default=None,
+        help="the mode label the targets check (default: the first series' mode that is not full prefill)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="rebuilds the questions' prompts (default: the base SmolLM2-135M-Instruct, built offline)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the report here (.md and .json)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -220,16 +249,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     default_mode = args.default_mode or next((s.mode_label for s in series if s.mode_label != FULL), FULL)
     command = "python -m bench.reuse_pool " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
-    lines = ["# Document-reuse accuracy, pooled runs", "", f"`{command}`", "",
-             "Pooled: " + ", ".join(f"{k} {v} questions" + (f" ({left_out[k]} without a base reference left out)"
-                                                            if left_out[k] else "") for k, v in counts.items()),
-             "", markdown_tables(summaries), "", "Targets:", "", *[f"    {line}" for line in targets(summaries,
-                                                                                             default_mode)], ""]
+    lines = [
+        "# Document-reuse accuracy, pooled runs",
+        "",
+        f"`{command}`",
+        "",
+        "Pooled: "
+        + ", ".join(
+            f"{k} {v} questions" + (f" ({left_out[k]} without a base reference left out)" if left_out[k] else "")
+            for k, v in counts.items()
+        ),
+        "",
+        markdown_tables(summaries),
+        "",
+        "Targets:",
+        "",
+        *[f"    {line}" for line in targets(summaries, default_mode)],
+        "",
+    ]
     report = "\n".join(lines)
     print(report)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "pooled.md").write_text(report)
-        (args.out / "pooled.json").write_text(json.dumps({"command": command, "questions": counts,
-                                                          "summary": summaries}, indent=1, default=str))
+        (args.out / "pooled.json").write_text(
+            json.dumps({"command": command, "questions": counts, "summary": summaries}, indent=1, default=str)
+        )
     return 0

@@ -86,8 +86,10 @@ def run_questions(args: Any, argv: Sequence[str]) -> int:
         prompts += gold_prompts(question_set("test", count, seed), tokenizer, seed)
     for i, p in enumerate(prompts):
         p.index = i
-    progress(f"{len(prompts)} test-split questions ({', '.join(sorted({p.kind for p in prompts}))}), "
-             f"longest prompt {max(len(p.input_ids) for p in prompts)} tokens")
+    progress(
+        f"{len(prompts)} test-split questions ({', '.join(sorted({p.kind for p in prompts}))}), "
+        f"longest prompt {max(len(p.input_ids) for p in prompts)} tokens"
+    )
     pool = ("--max-total-tokens", str(args.max_total_tokens))
     servers: dict[str, Any] = {}
 
@@ -108,43 +110,91 @@ def run_questions(args: Any, argv: Sequence[str]) -> int:
     for name, path in models.items():
         rows[name] = {}
         with serving(f"{name} full prefill", path, ("--disable-radix-cache",)) as server:
-            rows[name][FULL] = run_all(prompts, lambda p: measure_full(server, p, args.max_new_tokens, args.top_k,
-                                                                      decode), args.concurrency, f"{name} {FULL}")
+            rows[name][FULL] = run_all(
+                prompts,
+                lambda p: measure_full(server, p, args.max_new_tokens, args.top_k, decode),
+                args.concurrency,
+                f"{name} {FULL}",
+            )
         reference = rows[name][FULL]
         with serving(f"{name} doc-reuse", path, flags) as server:
             for spec in args.modes:
                 rows[name][spec.name] = run_all(
-                    prompts, lambda p: measure_reuse(server, p, reference[p.index], spec, args.max_new_tokens, decode,
-                                                     args.chunk_size)
-                    if "error" not in reference[p.index] else {"error": "no reference"},
-                    args.concurrency, f"{name} {spec.name}")
+                    prompts,
+                    lambda p: measure_reuse(
+                        server, p, reference[p.index], spec, args.max_new_tokens, decode, args.chunk_size
+                    )
+                    if "error" not in reference[p.index]
+                    else {"error": "no reference"},
+                    args.concurrency,
+                    f"{name} {spec.name}",
+                )
     # The measurements first: a failure while summarizing must not lose them.
     (args.out / f"{stamp}-rows.json").write_text(json.dumps(rows, default=str))
     base_name = "base" if "base" in rows else next(iter(rows))
     base_full = rows[base_name][FULL]
-    summaries = {name: {mode: (summarize_full(r, prompts, base_full, 0) if mode == FULL else
-                               summarize_mode(r, prompts, base_full, rows[name][FULL], 0))
-                        for mode, r in by_mode.items()}
-                 for name, by_mode in rows.items()}
+    summaries = {
+        name: {
+            mode: (
+                summarize_full(r, prompts, base_full, 0)
+                if mode == FULL
+                else summarize_mode(r, prompts, base_full, rows[name][FULL], 0)
+            )
+            for mode, r in by_mode.items()
+        }
+        for name, by_mode in rows.items()
+    }
     default_mode = next((s.name for s in args.modes if s.mode == "blend"), args.modes[0].name)
     tables = markdown_tables(summaries)
     targets = target_lines(summaries, default_mode)
     elapsed = time.monotonic() - started
     command = "python -m bench.doc_reuse_accuracy " + shlex.join(list(argv))
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command,
-            "models": {n: Path(p).name for n, p in models.items()}, "questions": len(prompts), "seeds": seeds,
-            "machine": machine(),
-            "max_new_tokens": args.max_new_tokens, "top_k": args.top_k, "modes": [s.name for s in args.modes],
-            "servers": servers, "elapsed_s": round(elapsed, 1)}
-    result = {"meta": meta, "summary": summaries, "targets": targets,
-              "rows": [{"rid": p.rid, "kind": p.kind, "question": p.question.question, "gold": p.question.gold,
-                        "targets": list(p.question.targets), "titles": list(p.question.titles),
-                        "models": {n: {m: r[p.index] for m, r in by_mode.items()} for n, by_mode in rows.items()}}
-                       for p in prompts]}
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": command,
+        "models": {n: Path(p).name for n, p in models.items()},
+        "questions": len(prompts),
+        "seeds": seeds,
+        "machine": machine(),
+        "max_new_tokens": args.max_new_tokens,
+        "top_k": args.top_k,
+        "modes": [s.name for s in args.modes],
+        "servers": servers,
+        "elapsed_s": round(elapsed, 1),
+    }
+    result = {
+        "meta": meta,
+        "summary": summaries,
+        "targets": targets,
+        "rows": [
+            {
+                "rid": p.rid,
+                "kind": p.kind,
+                "question": p.question.question,
+                "gold": p.question.gold,
+                "targets": list(p.question.targets),
+                "titles": list(p.question.titles),
+                "models": {n: {m: r[p.index] for m, r in by_mode.items()} for n, by_mode in rows.items()},
+            }
+            for p in prompts
+        ],
+    }
     (args.out / f"{stamp}.json").write_text(json.dumps(result, indent=1, default=str))
-    report = "\n".join([f"# Document-reuse accuracy, {meta['date']}", "", f"`{command}` ({elapsed / 60:.1f} min, "
-                        f"{meta['machine']}; {len(prompts)} test-split questions; models {meta['models']})", "",
-                        tables, "", "Targets:", "", *[f"    {line}" for line in targets], ""])
+    report = "\n".join(
+        [
+            f"# Document-reuse accuracy, {meta['date']}",
+            "",
+            f"`{command}` ({elapsed / 60:.1f} min, "
+            f"{meta['machine']}; {len(prompts)} test-split questions; models {meta['models']})",
+            "",
+            tables,
+            "",
+            "Targets:",
+            "",
+            *[f"    {line}" for line in targets],
+            "",
+        ]
+    )
     (args.out / f"{stamp}.md").write_text(report)
     print(report)
     print(f"wrote {args.out / stamp}.json and .md ({elapsed:.0f} s)")

@@ -22,8 +22,7 @@ class Documents(Protocol):
     def last_doc_end(self) -> int: ...
 
 
-def marked_request(p: GoldPrompt, spec: ModeSpec, max_new_tokens: int, extra_key: str,
-                   **custom: Any) -> dict[str, Any]:
+def marked_request(p: GoldPrompt, spec: ModeSpec, max_new_tokens: int, extra_key: str, **custom: Any) -> dict[str, Any]:
     """A greedy ``/generate`` body for ``p`` with its documents marked, served as ``spec``
     (``custom``: more ``custom_params``), under the cache namespace ``extra_key``."""
     from pcr_client.prompt import DocPrompt
@@ -58,7 +57,7 @@ def warm_request(p: GoldPrompt, spec: ModeSpec, extra_key: str) -> dict[str, Any
         return marked_request(p, spec, 1, extra_key, **{WARM_NOW_PARAM: True})
     if not p.shuffled_bounds:
         raise ValueError(f"{p.rid}: reorder is measured after the shuffled order; this prompt has no shuffled bounds")
-    ids = p.shuffled_ids[:p.shuffled_bounds[-1]]
+    ids = p.shuffled_ids[: p.shuffled_bounds[-1]]
     sampling = DocPrompt(ids, p.shuffled_bounds).sampling_params(temperature=0.0, max_new_tokens=1)
     sampling["custom_params"].update(spec.custom_params())
     return {"input_ids": ids, "sampling_params": sampling, "extra_key": extra_key}

@@ -19,8 +19,7 @@ def normalize_answer(text: str) -> list[str]:
     SQuAD, and any Unicode punctuation), the articles a/an/the removed, split on
     whitespace."""
     text = text.lower()
-    text = "".join(" " if ch in _ASCII_PUNCTUATION or unicodedata.category(ch).startswith("P") else ch
-                   for ch in text)
+    text = "".join(" " if ch in _ASCII_PUNCTUATION or unicodedata.category(ch).startswith("P") else ch for ch in text)
     return _ARTICLES.sub(" ", text).split()
 
 

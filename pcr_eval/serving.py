@@ -33,12 +33,22 @@ def doc_reuse_server_flags(reuse: str, chunk_size: int) -> tuple[str, ...]:
     warm-up send computes its documents' canonical KV and reuses it (with the default,
     warm when a document recurs, the warm-up would be a plain prefill, cached exactly, and
     the measured send would hit that exact prefix)."""
-    return ("--enable-pcr", "--pcr-chunk-size", str(chunk_size), "--pcr-doc-reuse", reuse,
-            "--pcr-doc-warmup", "request", "--pcr-doc-warmup-after", "1")
+    return (
+        "--enable-pcr",
+        "--pcr-chunk-size",
+        str(chunk_size),
+        "--pcr-doc-reuse",
+        reuse,
+        "--pcr-doc-warmup",
+        "request",
+        "--pcr-doc-warmup-after",
+        "1",
+    )
 
 
-def run_all(prompts: Sequence[Any], work: Callable[[Any], dict[str, Any]], concurrency: int,
-            label: str) -> list[dict[str, Any]]:
+def run_all(
+    prompts: Sequence[Any], work: Callable[[Any], dict[str, Any]], concurrency: int, label: str
+) -> list[dict[str, Any]]:
     """``work`` on every prompt, ``concurrency`` at a time; a failure is recorded as the
     row's ``error``. Progress goes to stderr."""
     done, lock, started = [0], threading.Lock(), time.monotonic()
@@ -51,8 +61,11 @@ def run_all(prompts: Sequence[Any], work: Callable[[Any], dict[str, Any]], concu
             row = {"error": f"{type(e).__name__}: {e}"}
         with lock:
             done[0] += 1
-            print(f"[{label}] {done[0]}/{len(prompts)} done ({time.monotonic() - started:.0f} s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{label}] {done[0]}/{len(prompts)} done ({time.monotonic() - started:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
         return row
 
     with ThreadPoolExecutor(max(1, concurrency)) as pool:

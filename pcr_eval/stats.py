@@ -19,12 +19,17 @@ def mean_ci(values: Sequence[float], seed: int = 0) -> dict[str, Optional[float]
         return {"mean": None, "low": None, "high": None, "n": 0}
     rng = random.Random(seed)
     means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(BOOTSTRAP_RESAMPLES))
-    return {"mean": statistics.fmean(values), "low": means[int(0.025 * len(means))],
-            "high": means[int(0.975 * len(means)) - 1], "n": len(values)}
+    return {
+        "mean": statistics.fmean(values),
+        "low": means[int(0.025 * len(means))],
+        "high": means[int(0.975 * len(means)) - 1],
+        "n": len(values),
+    }
 
 
-def ratio_ci(numerator: Sequence[Optional[float]], denominator: Sequence[Optional[float]],
-             seed: int = 0) -> dict[str, Optional[float]]:
+def ratio_ci(
+    numerator: Sequence[Optional[float]], denominator: Sequence[Optional[float]], seed: int = 0
+) -> dict[str, Optional[float]]:
     """mean(numerator) / mean(denominator) over the questions both have, with a paired
     95% bootstrap interval (the field's "% of full prefill")."""
     pairs = [(a, b) for a, b in zip(numerator, denominator) if a is not None and b is not None]
@@ -38,5 +43,9 @@ def ratio_ci(numerator: Sequence[Optional[float]], denominator: Sequence[Optiona
         if den:
             ratios.append(sum(a for a, _ in sample) / den)
     ratios.sort()
-    return {"mean": sum(a for a, _ in pairs) / sum(b for _, b in pairs), "low": ratios[int(0.025 * len(ratios))],
-            "high": ratios[int(0.975 * len(ratios)) - 1], "n": len(pairs)}
+    return {
+        "mean": sum(a for a, _ in pairs) / sum(b for _, b in pairs),
+        "low": ratios[int(0.025 * len(ratios))],
+        "high": ratios[int(0.975 * len(ratios)) - 1],
+        "n": len(pairs),
+    }

@@ -77,6 +77,8 @@ RECOMPUTE_TARGET = 1.3  # a recompute mode -> most its TTFT may be of its recomp
 def recompute_bound_name(spec_name: str) -> str:
     """The run measuring ``spec_name``'s recomputed tokens on top of an exact prefix hit."""
     return f"{EXACT_HIT} + {spec_name} recompute"
+
+
 WARMUP_SEED_OFFSET = 10_000  # the warm-up questions' seed: seed + this, never a measured question
 
 
@@ -102,8 +104,9 @@ def model_order(models: Sequence[str], round_index: int) -> list[str]:
     return list(models) if round_index % 2 == 0 else list(reversed(models))
 
 
-def summarize(starts: Sequence[StartResult], models: Sequence[str], modes: Sequence[str],
-              base: str = "base") -> dict[str, Any]:
+def summarize(
+    starts: Sequence[StartResult], models: Sequence[str], modes: Sequence[str], base: str = "base"
+) -> dict[str, Any]:
     """Per model and mode: the per-start medians, their median and spread (max / min); per
     other model and mode: the ratio to ``base`` in each round both measured it, and the
     median of those ratios."""
@@ -119,8 +122,10 @@ def summarize(starts: Sequence[StartResult], models: Sequence[str], modes: Seque
             }
 
     def in_round(model: str, r: int, mode: str) -> Optional[float]:
-        return next((s.median_ttft_s[mode] for s in starts
-                     if s.model == model and s.round == r and mode in s.median_ttft_s), None)
+        return next(
+            (s.median_ttft_s[mode] for s in starts if s.model == model and s.round == r and mode in s.median_ttft_s),
+            None,
+        )
 
     rounds = sorted({s.round for s in starts})
     for model in models:
@@ -134,7 +139,9 @@ def summarize(starts: Sequence[StartResult], models: Sequence[str], modes: Seque
                 if mine is not None and theirs:
                     ratios.append(mine / theirs)
             out["ratio_to_base"][model][mode] = {
-                "per_round": ratios, "median": statistics.median(ratios) if ratios else None}
+                "per_round": ratios,
+                "median": statistics.median(ratios) if ratios else None,
+            }
     return out
 
 
@@ -154,14 +161,23 @@ def reference_rows(summary: dict[str, Any], models: Sequence[str], modes: Sequen
                 extra = median[recompute_bound_name(mode)]
                 concat = median.get("concat")
                 reference, target = "concat + its recomputed tokens' prefill", RECOMPUTE_TARGET
-                ref_s = (None if extra is None or exact is None else
-                         extra if concat is None else concat + (extra - exact))
+                ref_s = (
+                    None if extra is None or exact is None else extra if concat is None else concat + (extra - exact)
+                )
             else:
                 continue
             mode_s = median[mode]
-            rows.append({"model": model, "mode": mode, "mode_s": mode_s, "reference": reference,
-                         "reference_s": ref_s, "target": target,
-                         "ratio": None if not mode_s or not ref_s else mode_s / ref_s})
+            rows.append(
+                {
+                    "model": model,
+                    "mode": mode,
+                    "mode_s": mode_s,
+                    "reference": reference,
+                    "reference_s": ref_s,
+                    "target": target,
+                    "ratio": None if not mode_s or not ref_s else mode_s / ref_s,
+                }
+            )
     return rows
 
 
@@ -169,23 +185,31 @@ def markdown(summary: dict[str, Any], models: Sequence[str], modes: Sequence[str
     def ms(value: Optional[float]) -> str:
         return "n/a" if value is None else f"{value * 1000:.0f}"
 
-    lines = ["| model | mode | median TTFT (ms) | per start, in round order (ms) | spread between starts |",
-             "| --- | --- | ---: | --- | ---: |"]
+    lines = [
+        "| model | mode | median TTFT (ms) | per start, in round order (ms) | spread between starts |",
+        "| --- | --- | ---: | --- | ---: |",
+    ]
     for model in models:
         for mode in modes:
             s = summary["per_model"][model][mode]
             spread = "n/a" if s["spread"] is None else f"{(s['spread'] - 1) * 100:.0f}%"
-            lines.append(f"| {model} | {mode} | {ms(s['median_s'])} | {', '.join(ms(v) for v in s['starts'])} "
-                         f"| {spread} |")
+            lines.append(
+                f"| {model} | {mode} | {ms(s['median_s'])} | {', '.join(ms(v) for v in s['starts'])} | {spread} |"
+            )
     targets = reference_rows(summary, models, modes)
     if targets:
-        lines += ["", "| model | mode | median TTFT (ms) | reference | reference TTFT (ms) | ratio | target |",
-                  "| --- | --- | ---: | --- | ---: | ---: | --- |"]
+        lines += [
+            "",
+            "| model | mode | median TTFT (ms) | reference | reference TTFT (ms) | ratio | target |",
+            "| --- | --- | ---: | --- | ---: | ---: | --- |",
+        ]
         for row in targets:
             verdict = "n/a" if row["ratio"] is None else ("met" if row["ratio"] <= row["target"] else "missed")
             ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-            lines.append(f"| {row['model']} | {row['mode']} | {ms(row['mode_s'])} | {row['reference']} "
-                         f"| {ms(row['reference_s'])} | {ratio} | <= {row['target']:.2f}x: {verdict} |")
+            lines.append(
+                f"| {row['model']} | {row['mode']} | {ms(row['mode_s'])} | {row['reference']} "
+                f"| {ms(row['reference_s'])} | {ratio} | <= {row['target']:.2f}x: {verdict} |"
+            )
     for model, by_mode in summary["ratio_to_base"].items():
         lines += ["", f"| {model} / {base}, same round | median | per round |", "| --- | ---: | --- |"]
         for mode in modes:
@@ -195,14 +219,20 @@ def markdown(summary: dict[str, Any], models: Sequence[str], modes: Sequence[str
     return "\n".join(lines) + "\n"
 
 
-def measure_start(server: Any, warmup_prompts: Sequence[Any], prompts: Sequence[Any], specs: Sequence[Any],
-                  full_mode: str = FULL, chunk_size: int = 1
-                  ) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+def measure_start(
+    server: Any,
+    warmup_prompts: Sequence[Any],
+    prompts: Sequence[Any],
+    specs: Sequence[Any],
+    full_mode: str = FULL,
+    chunk_size: int = 1,
+) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
     """On one server: ``warmup_prompts`` sent once in every mode, not counted; then every
     prompt unmarked (as ``full_mode``) and in every spec. Returns the median TTFT per mode,
     and per mode the failed requests and those not served as measured (an unmarked one that
     hit the cache, a marked one that did not reuse every document), both left out of the
     medians."""
+
     def streamed_meta(body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         """TTFT and ``meta_info`` of a streamed request; an error SGLang sent inside the
         stream (HTTP 200, then an ``error`` chunk) or an aborted request raises."""
@@ -223,8 +253,7 @@ def measure_start(server: Any, warmup_prompts: Sequence[Any], prompts: Sequence[
             return ttft, int(meta.get("cached_tokens", 0)) == 0
         if isinstance(spec, tuple):  # (EXACT_HIT, tokens recomputed by the mode it bounds)
             cached_end = p.last_doc_end - spec[1](p.doc_bounds)
-            server.generate({"input_ids": p.input_ids[:cached_end], "sampling_params": sampling,
-                             "extra_key": key})
+            server.generate({"input_ids": p.input_ids[:cached_end], "sampling_params": sampling, "extra_key": key})
             ttft, meta = streamed_meta({"input_ids": p.input_ids, "sampling_params": sampling, "extra_key": key})
             cached = int(meta.get("cached_tokens", 0))
             return ttft, cached >= cached_end - cached_end % max(1, chunk_size)
@@ -235,8 +264,11 @@ def measure_start(server: Any, warmup_prompts: Sequence[Any], prompts: Sequence[
     runs: list[tuple[str, Any]] = [(full_mode, None), *((spec.name, spec) for spec in specs)]
     if specs:
         runs.append((EXACT_HIT, (EXACT_HIT, lambda bounds: 0)))
-        runs += [(recompute_bound_name(spec.name), (EXACT_HIT, spec.recomputed_if_all_reused))
-                 for spec in specs if spec.mode in ("blend", "lego")]
+        runs += [
+            (recompute_bound_name(spec.name), (EXACT_HIT, spec.recomputed_if_all_reused))
+            for spec in specs
+            if spec.mode in ("blend", "lego")
+        ]
     for i, p in enumerate(warmup_prompts):
         for name, spec in runs:
             try:
@@ -267,28 +299,50 @@ def measure_start(server: Any, warmup_prompts: Sequence[Any], prompts: Sequence[
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     intro, _, details = __doc__.partition("\n\n")
-    parser = argparse.ArgumentParser(prog="python -m bench.reuse_ttft", description=intro,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=details)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.reuse_ttft",
+        description=intro,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=details,
+    )
     parser.add_argument("--rounds", type=int, default=4, help="rounds; each starts two servers per model (default 4)")
-    parser.add_argument("--questions", type=int, default=12,
-                        help="test-split questions measured on every start, the kinds in turn (default 12)")
-    parser.add_argument("--warmup", type=int, default=2,
-                        help="questions (of another seed) sent first on every start, not counted (default 2)")
+    parser.add_argument(
+        "--questions",
+        type=int,
+        default=12,
+        help="test-split questions measured on every start, the kinds in turn (default 12)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="questions (of another seed) sent first on every start, not counted (default 2)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the measured questions' seed (default 0)")
-    parser.add_argument("--models", default="base,tuned",
-                        help="comma-separated: base (SmolLM2-135M-Instruct), tuned (with the document-reuse "
-                             "adapter merged); the tuned / base ratios need both (default base,tuned)")
-    parser.add_argument("--modes", type=parse_modes, default=parse_modes("concat,blend:0.15:gradual,reorder"),
-                        help="document-reuse configurations, as bench.doc_reuse_accuracy names them "
-                             "(default: concat,blend:0.15:gradual,reorder); full prefill and every mode's reference "
-                             "(an exact prefix hit of the same tokens; a recompute mode's bound) are always measured")
+    parser.add_argument(
+        "--models",
+        default="base,tuned",
+        help="comma-separated: base (SmolLM2-135M-Instruct), tuned (with the document-reuse "
+        "adapter merged); the tuned / base ratios need both (default base,tuned)",
+    )
+    parser.add_argument(
+        "--modes",
+        type=parse_modes,
+        default=parse_modes("concat,blend:0.15:gradual,reorder"),
+        help="document-reuse configurations, as bench.doc_reuse_accuracy names them "
+        "(default: concat,blend:0.15:gradual,reorder); full prefill and every mode's reference "
+        "(an exact prefix hit of the same tokens; a recompute mode's bound) are always measured",
+    )
     parser.add_argument("--chunk-size", type=int, default=16, help="--pcr-chunk-size (default 16)")
-    parser.add_argument("--max-total-tokens", type=int, default=60000,
-                        help="device KV pool of every server (default 60000)")
-    parser.add_argument("--out", type=Path,
-                        default=Path(f"bench/results/{datetime.date.today().isoformat()}/reuse_ttft"),
-                        help="where the JSON result and the markdown report go "
-                             "(default: bench/results/<today>/reuse_ttft)")
+    parser.add_argument(
+        "--max-total-tokens", type=int, default=60000, help="device KV pool of every server (default 60000)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(f"bench/results/{datetime.date.today().isoformat()}/reuse_ttft"),
+        help="where the JSON result and the markdown report go (default: bench/results/<today>/reuse_ttft)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.questions < 1 or args.warmup < 0:
         parser.error("--rounds and --questions must be >= 1, --warmup >= 0")
@@ -323,12 +377,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.reuse_ttft " + shlex.join(argv)
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command,
-            "questions": len(measured), "warmup": len(warmup_prompts), "rounds": args.rounds,
-            "server_args": {name: list(flags) for name, (flags, _, _) in servers.items()},
-            "machine": machine(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset (one per core)"),
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": command,
+        "questions": len(measured),
+        "warmup": len(warmup_prompts),
+        "rounds": args.rounds,
+        "server_args": {name: list(flags) for name, (flags, _, _) in servers.items()},
+        "machine": machine(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset (one per core)"),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
     failed_starts: list[str] = []
     starts: list[StartResult] = []
 
@@ -336,8 +395,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         summary = summarize(starts, models, modes)
         meta["elapsed_s"] = round(time.monotonic() - started, 1)
         meta["complete"] = final
-        (args.out / f"{stamp}.json").write_text(json.dumps(
-            {"meta": meta, "starts": [asdict(s) for s in starts], "summary": summary}, indent=1))
+        (args.out / f"{stamp}.json").write_text(
+            json.dumps({"meta": meta, "starts": [asdict(s) for s in starts], "summary": summary}, indent=1)
+        )
         return summary
 
     for r in range(args.rounds):
@@ -347,35 +407,42 @@ def main(argv: Optional[list[str]] = None) -> int:
                 server = ServerProcess(paths[model], flags)
                 try:
                     server.start()
-                    medians, errors, not_reused = measure_start(server, warmup_prompts, measured, specs, full_mode,
-                                                                args.chunk_size)
+                    medians, errors, not_reused = measure_start(
+                        server, warmup_prompts, measured, specs, full_mode, args.chunk_size
+                    )
                 except Exception as e:  # noqa: BLE001 - a failed start must not lose the other rounds
                     logger.error("round %d: the %s %s server failed: %s", r + 1, model, kind, e)
                     failed_starts.append(f"round {r + 1} {model} {kind}: {type(e).__name__}")
                     continue
                 finally:
                     server.kill()  # nothing of it is wanted; a graceful stop costs seconds
-                starts.append(StartResult(model, r, kind, round(server.startup_seconds, 1), medians,
-                                          errors, not_reused))
-                progress(f"round {r + 1}: {model} {kind}: "
-                         + ", ".join(f"{m} {v * 1000:.0f} ms" for m, v in medians.items())
-                         + f" ({sum(errors.values())} failed, {sum(not_reused.values())} not as measured)")
+                starts.append(
+                    StartResult(model, r, kind, round(server.startup_seconds, 1), medians, errors, not_reused)
+                )
+                progress(
+                    f"round {r + 1}: {model} {kind}: "
+                    + ", ".join(f"{m} {v * 1000:.0f} ms" for m, v in medians.items())
+                    + f" ({sum(errors.values())} failed, {sum(not_reused.values())} not as measured)"
+                )
                 write(final=False)
     meta["failed_starts"] = failed_starts
     summary = write(final=True)
     failed = sum(sum(s.errors.values()) for s in starts)
     skipped = sum(sum(s.not_reused.values()) for s in starts)
     report = markdown(summary, models, modes)
-    notes = [f"{failed} requests failed" if failed else "",
-             f"{skipped} requests not served as measured (left out)" if skipped else "",
-             f"failed starts: {'; '.join(failed_starts)}" if failed_starts else ""]
+    notes = [
+        f"{failed} requests failed" if failed else "",
+        f"{skipped} requests not served as measured (left out)" if skipped else "",
+        f"failed starts: {'; '.join(failed_starts)}" if failed_starts else "",
+    ]
     (args.out / f"{stamp}.md").write_text(
         f"# TTFT of the base and tuned models over server starts ({meta['date']})\n\n`{command}`: "
         f"{len(measured)} test-split questions a start ({len(warmup_prompts)} more first, not counted), "
         f"{args.rounds} rounds of two server starts a model, models alternating, "
         f"{meta['elapsed_s'] / 60:.1f} min, {meta['machine']}, OMP_NUM_THREADS {meta['omp_num_threads']}, "
         f"load average {meta['load_average_at_start'][0]} at the start."
-        f"{''.join(f' {n}.' for n in notes if n)}\n\n{report}")
+        f"{''.join(f' {n}.' for n in notes if n)}\n\n{report}"
+    )
     print(report)
     progress(f"wrote {args.out / stamp}.md and .json")
     return 1 if failed or skipped or failed_starts else 0

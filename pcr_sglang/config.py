@@ -30,6 +30,7 @@ def resolve_layerwise(layerwise: str, args: Any) -> str:
     values are the user's, kept as given (and refused there when they cannot run)."""
     if layerwise != AUTO_LAYERWISE:
         return layerwise
+    # mutant: layerwise-auto-reads-the-unresolved-record
     graphs = getattr(_resolved(args), "cuda_graph_config", None)
     backend = str(getattr(getattr(graphs, "prefill", None), "backend", "disabled") or "disabled").lower()
     return DEFAULT_LAYERWISE if backend in ("disabled", "none") else "offload"
@@ -111,9 +112,13 @@ def flag_rule(name: str) -> FlagRule:
     inner = [t for t in typing.get_args(declared) if t is not type(None)]
     optional = typing.get_origin(declared) is Union
     arg = next((e for e in extras if isinstance(e, Arg)), None)
-    return FlagRule(name, inner[0] if optional else declared, optional,
-                    tuple(arg.choices) if arg is not None and arg.choices else None,
-                    next((e for e in extras if isinstance(e, Range)), None))
+    return FlagRule(
+        name,
+        inner[0] if optional else declared,
+        optional,
+        tuple(arg.choices) if arg is not None and arg.choices else None,
+        next((e for e in extras if isinstance(e, Range)), None),
+    )
 
 
 def flag(name: str, **resolved: Any) -> Any:
@@ -181,8 +186,11 @@ class PCRConfig:
         return cls(**values)
 
     def hint_limits(self) -> HintLimits:
-        return HintLimits(max_ttl_s=float(self.hint_max_ttl_s), rate_per_s=float(self.hint_rate),
-                          burst=max(1, int(2 * self.hint_rate)))
+        return HintLimits(
+            max_ttl_s=float(self.hint_max_ttl_s),
+            rate_per_s=float(self.hint_rate),
+            burst=max(1, int(2 * self.hint_rate)),
+        )
 
     def remote_settings(self) -> Optional[RemoteConfig]:
         """``--pcr-remote-config`` parsed, with its key file checked (None: no remote tier).
@@ -195,8 +203,10 @@ class PCRConfig:
         except RemoteConfigError as e:
             raise PCRConfigError(str(e)) from None
         if importlib.util.find_spec("mooncake") is None:
-            raise PCRConfigError("--pcr-remote mooncake needs the Mooncake client: pip install "
-                                 "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (CUDA)")
+            raise PCRConfigError(
+                "--pcr-remote mooncake needs the Mooncake client: pip install "
+                "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (CUDA)"
+            )
         return config
 
     @property
@@ -240,8 +250,10 @@ def _remote_needs(c: PCRConfig, page_size: int) -> Optional[str]:
     if c.remote == "off":
         return "--pcr-remote-config needs --pcr-remote mooncake" if c.remote_config else None
     if not c.ssd_path:
-        return (f"--pcr-remote {c.remote} needs the SSD tier (--pcr-ssd-path, --pcr-ssd-gb): "
-                "remote chunks are read by its I/O process and tracked at its level")
+        return (
+            f"--pcr-remote {c.remote} needs the SSD tier (--pcr-ssd-path, --pcr-ssd-gb): "
+            "remote chunks are read by its I/O process and tracked at its level"
+        )
     if not c.remote_config:
         return f"--pcr-remote {c.remote} needs --pcr-remote-config (JSON or @path)"
     c.remote_settings()  # raises what is wrong with the configuration or its key file
@@ -250,9 +262,13 @@ def _remote_needs(c: PCRConfig, page_size: int) -> Optional[str]:
 
 def _page_needs(c: PCRConfig, page_size: int) -> Optional[str]:
     if c.doc_reuse not in ("off", "reorder") and page_size > 1:  # reuse.bounds.EXACT_MODES: nothing re-placed
-        return (f"--pcr-doc-reuse {c.doc_reuse} needs --page-size 1: a re-placed document's "
-                "slots are appended to the row token by token")
+        return (
+            f"--pcr-doc-reuse {c.doc_reuse} needs --page-size 1: a re-placed document's "
+            "slots are appended to the row token by token"
+        )
     if page_size > 0 and c.chunk_size % page_size != 0:
-        return (f"--pcr-chunk-size ({c.chunk_size}) must be a multiple of "
-                f"--page-size ({page_size}): a chunk is a whole number of KV pages")
+        return (
+            f"--pcr-chunk-size ({c.chunk_size}) must be a multiple of "
+            f"--page-size ({page_size}): a chunk is a whole number of KV pages"
+        )
     return None

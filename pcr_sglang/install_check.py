@@ -51,7 +51,6 @@ def check_sglang_install() -> Optional[InstallProblem]:
             return InstallProblem(f"Patched file {path} is unreadable ({e}). {FIX_HINT}")
         if actual != digest:
             return InstallProblem(
-                f"{path} changed after pcr-sglang's patches were applied "
-                f"(SGLang reinstalled or edited). {FIX_HINT}"
+                f"{path} changed after pcr-sglang's patches were applied (SGLang reinstalled or edited). {FIX_HINT}"
             )
     return None

@@ -110,20 +110,15 @@ def register() -> None:
 
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_pcr_prefix_cache)
-    HookRegistry.register(
-        "sglang.srt.mem_cache.registry.create_tree_cache", _create_tree_cache, HookType.AROUND
-    )
-    HookRegistry.register(
-        "sglang.srt.server_args.ServerArgs.resolve_once", validate_after_resolution, HookType.AFTER
-    )
+    HookRegistry.register("sglang.srt.mem_cache.registry.create_tree_cache", _create_tree_cache, HookType.AROUND)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.resolve_once", validate_after_resolution, HookType.AFTER)
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", _on_scheduler_step, HookType.BEFORE
     )
+    HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", _add_one_req, HookType.AROUND)
     HookRegistry.register(
-        "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", _add_one_req, HookType.AROUND
-    )
-    HookRegistry.register(
-        "sglang.srt.managers.schedule_policy.PrefillAdder.preempt_to_schedule", _preempt_to_schedule,
+        "sglang.srt.managers.schedule_policy.PrefillAdder.preempt_to_schedule",
+        _preempt_to_schedule,
         HookType.AROUND,
     )
     HookRegistry.register(
@@ -140,8 +135,7 @@ def register() -> None:
         "sglang.srt.model_executor.model_runner.ModelRunner.forward", _around_forward, HookType.AROUND
     )
     HookRegistry.register(
-        "sglang.srt.managers.scheduler_components.internal_state."
-        "SchedulerInternalStateController.get_internal_state",
+        "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state",
         _add_pcr_internal_state,
         HookType.AFTER,
     )
@@ -167,7 +161,8 @@ def register() -> None:
         )
 
     HookRegistry.register(
-        "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue", kv_hints.add_request_to_queue,
+        "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue",
+        kv_hints.add_request_to_queue,
         HookType.AROUND,
     )
     HookRegistry.register(
@@ -181,7 +176,8 @@ def register() -> None:
         HookType.AFTER,
     )
     HookRegistry.register(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager._init_req_state", kv_hints.stamp_caller,
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._init_req_state",
+        kv_hints.stamp_caller,
         HookType.AFTER,
     )
 
@@ -284,19 +280,19 @@ def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **
     for req in fresh:
         if req._cache_breakdown_computed:
             cache.scheduler.admitted(req)
-    cache.scheduler.plan_offloads(batch.reqs, batch.seq_lens_cpu.tolist(), cache.req_to_token_pool.req_to_token,
-                                  decode=False)
+    cache.scheduler.plan_offloads(
+        batch.reqs, batch.seq_lens_cpu.tolist(), cache.req_to_token_pool.req_to_token, decode=False
+    )
     return result
-
-
 
 
 def _plan_decode_offloads(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     """After SGLang prepares a decode step: chunks it completes get offloaded during it."""
     cache = _pcr_cache(batch)
     if cache is not None and batch.reqs:
-        cache.scheduler.plan_offloads(batch.reqs, batch.seq_lens_cpu.tolist(), cache.req_to_token_pool.req_to_token,
-                                      decode=True)
+        cache.scheduler.plan_offloads(
+            batch.reqs, batch.seq_lens_cpu.tolist(), cache.req_to_token_pool.req_to_token, decode=True
+        )
     return result
 
 
@@ -308,8 +304,9 @@ def _around_run_batch(original: Callable[..., Any], scheduler: Any, batch: Any, 
     return worker.run_batch(lambda: original(scheduler, batch, *args, **kwargs), [r.rid for r in batch.reqs])
 
 
-def _around_forward(original: Callable[..., Any], model_runner: Any, forward_batch: Any,
-                    *args: Any, **kwargs: Any) -> Any:
+def _around_forward(
+    original: Callable[..., Any], model_runner: Any, forward_batch: Any, *args: Any, **kwargs: Any
+) -> Any:
     from pcr_sglang.sglang_adapter.worker_side import WorkerSide
 
     worker = WorkerSide.for_pool(getattr(model_runner, "token_to_kv_pool", None))
@@ -344,8 +341,9 @@ def _reserve_doc_scratch(result: Any, configurator: Any, *args: Any, **kwargs: A
     from pcr_sglang.config import PCRConfig
     from pcr_sglang.reuse.scratch import reserve_from_kv_pool, scratch_reserve
 
-    return reserve_from_kv_pool(result, scratch_reserve(PCRConfig.from_server_args(server_args)),
-                                str(getattr(configurator, "device", "")))
+    return reserve_from_kv_pool(
+        result, scratch_reserve(PCRConfig.from_server_args(server_args)), str(getattr(configurator, "device", ""))
+    )
 
 
 def _kv_event_block_size(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
@@ -357,8 +355,7 @@ def _kv_event_block_size(result: Any, server_args: Any, *args: Any, **kwargs: An
     return result
 
 
-def _kv_event_sources(original: Callable[..., Any], publisher: Any, block_size: int, *args: Any,
-                      **kwargs: Any) -> Any:
+def _kv_event_sources(original: Callable[..., Any], publisher: Any, block_size: int, *args: Any, **kwargs: Any) -> Any:
     """The sources SGLang advertises to gRPC routers, at the block size of PCR's events."""
     cache = _pcr_cache(publisher)
     return original(publisher, cache.chunk_size if cache is not None else block_size, *args, **kwargs)

@@ -61,4 +61,5 @@ def request_tenant(req: Any) -> RequestTenant:
     lora_id = getattr(req, "lora_id", None)
     if lora_id is not None and extra_key is not None and extra_key.endswith(lora_id):
         extra_key = extra_key[: len(extra_key) - len(lora_id)] or None
+    # mutant: lora-id-keyed-inside-the-clients-extra-key
     return RequestTenant(extra_key=extra_key, cache_salt=req.cache_salt, lora_id=lora_id)

@@ -41,9 +41,18 @@ DEFAULT_LEGO_TOKENS = (16, 32, 64, 128)
 DEFAULT_BLEND_RATIOS = (0.15, 0.3, 0.5, 0.7, 1.0)
 
 
-def calibrate(server: Any, tokenizer: Any, *, questions: int, target: CalibrationTarget, lego_tokens: Sequence[int],
-              blend_ratios: Sequence[float], max_new_tokens: int = 32, top_k: int = 10,
-              progress: Callable[[str], None] = logger.info) -> DocReuseCalibration:
+def calibrate(
+    server: Any,
+    tokenizer: Any,
+    *,
+    questions: int,
+    target: CalibrationTarget,
+    lego_tokens: Sequence[int],
+    blend_ratios: Sequence[float],
+    max_new_tokens: int = 32,
+    top_k: int = 10,
+    progress: Callable[[str], None] = logger.info,
+) -> DocReuseCalibration:
     from pcr_eval.gold import gold_prompts
     from pcr_eval.modes import ModeSpec
     from pcr_tools.tune.questions import question_set
@@ -77,15 +86,23 @@ def calibrate(server: Any, tokenizer: Any, *, questions: int, target: Calibratio
         for spec in specs:
             result = measure_setting(server, prompts, references, spec, target, max_new_tokens, decode)
             results.append(result)
-            progress(f"{spec.name}: top-1 {_fmt(result.top1)}, gold {_fmt(result.gold_ratio, pct=True)} of full "
-                     f"prefill's, KL {_fmt(result.kl)} -> {'meets' if result.meets else 'misses'} the target")
+            progress(
+                f"{spec.name}: top-1 {_fmt(result.top1)}, gold {_fmt(result.gold_ratio, pct=True)} of full "
+                f"prefill's, KL {_fmt(result.kl)} -> {'meets' if result.meets else 'misses'} the target"
+            )
             if result.meets:
                 break  # the smallest setting that meets it: larger ones recompute more
         modes[mode] = smallest_meeting(mode, results)
     model = Path(str(info.get("model_path", ""))).name  # by name: the file is shared, the path is this machine's
-    return DocReuseCalibration(model_fingerprint=fingerprint, model=model, target=target,
-                               questions=len(prompts), modes=modes, conditions=conditions,
-                               created=datetime.datetime.now().isoformat(timespec="seconds"))
+    return DocReuseCalibration(
+        model_fingerprint=fingerprint,
+        model=model,
+        target=target,
+        questions=len(prompts),
+        modes=modes,
+        conditions=conditions,
+        created=datetime.datetime.now().isoformat(timespec="seconds"),
+    )
 
 
 def _fmt(value: Optional[float], pct: bool = False) -> str:
@@ -95,21 +112,39 @@ def _fmt(value: Optional[float], pct: bool = False) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcr_tools.calibrate", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m pcr_tools.calibrate",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     parser.add_argument("--url", required=True, help="the running server (started with --pcr-doc-reuse)")
     parser.add_argument("--out", type=Path, required=True, help="the calibration file to write (JSON)")
     parser.add_argument("--tokenizer", default=None, help="default: the server's --model-path (a local folder)")
     parser.add_argument("--admin-api-key", default=None, help="the server's --admin-api-key, if it has one")
     parser.add_argument("--questions", type=int, default=24, help="calibration questions (default 24)")
-    parser.add_argument("--top1-min", type=float, default=CalibrationTarget.top1_min,
-                        help="target: teacher-forced top-1 agreement with full prefill (default %(default)s)")
-    parser.add_argument("--gold-ratio-min", type=float, default=CalibrationTarget.gold_ratio_min,
-                        help="target: gold-answer score as a share of full prefill's (default %(default)s)")
-    parser.add_argument("--lego-tokens", default=",".join(map(str, DEFAULT_LEGO_TOKENS)),
-                        help="lego K values tried, smallest first (default %(default)s)")
-    parser.add_argument("--blend-ratios", default=",".join(map(str, DEFAULT_BLEND_RATIOS)),
-                        help="blend R values tried, smallest first (default %(default)s)")
+    parser.add_argument(
+        "--top1-min",
+        type=float,
+        default=CalibrationTarget.top1_min,
+        help="target: teacher-forced top-1 agreement with full prefill (default %(default)s)",
+    )
+    parser.add_argument(
+        "--gold-ratio-min",
+        type=float,
+        default=CalibrationTarget.gold_ratio_min,
+        help="target: gold-answer score as a share of full prefill's (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lego-tokens",
+        default=",".join(map(str, DEFAULT_LEGO_TOKENS)),
+        help="lego K values tried, smallest first (default %(default)s)",
+    )
+    parser.add_argument(
+        "--blend-ratios",
+        default=",".join(map(str, DEFAULT_BLEND_RATIOS)),
+        help="blend R values tried, smallest first (default %(default)s)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=32, help="answer length (default 32)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[calibrate] %(message)s", stream=sys.stderr)
@@ -127,9 +162,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     server = ServerClient(args.url, args.admin_api_key)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or server.server_info()["model_path"])
-        calibration = calibrate(server, tokenizer, questions=args.questions,
-                                target=CalibrationTarget(args.top1_min, args.gold_ratio_min), lego_tokens=lego,
-                                blend_ratios=blend, max_new_tokens=args.max_new_tokens)
+        calibration = calibrate(
+            server,
+            tokenizer,
+            questions=args.questions,
+            target=CalibrationTarget(args.top1_min, args.gold_ratio_min),
+            lego_tokens=lego,
+            blend_ratios=blend,
+            max_new_tokens=args.max_new_tokens,
+        )
     except Exception as e:  # noqa: BLE001 - a CLI: one clear line, not a traceback
         print(f"calibration failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

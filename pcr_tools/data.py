@@ -48,7 +48,5 @@ def load_wiki_articles() -> tuple[Article, ...]:
         entry = raw[key]
         text = (entry.get("extract") or "").strip()
         if text:
-            articles.append(
-                Article(title=entry.get("title") or key, text=text, topic=entry.get("topic") or "")
-            )
+            articles.append(Article(title=entry.get("title") or key, text=text, topic=entry.get("topic") or ""))
     return tuple(articles)

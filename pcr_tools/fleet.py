@@ -54,16 +54,43 @@ class Gateway(ServiceProcess):
 
     install_hint = "pip install smg==1.13.0 (SGLang Model Gateway)"
 
-    def __init__(self, worker_urls: list[str], policy: str = "cache_aware", cache_threshold: float = 0.3,
-                 port: int = 0, log_path: Optional[Path] = None):
+    def __init__(
+        self,
+        worker_urls: list[str],
+        policy: str = "cache_aware",
+        cache_threshold: float = 0.3,
+        port: int = 0,
+        log_path: Optional[Path] = None,
+    ):
         self.worker_urls, self.policy, self.cache_threshold = list(worker_urls), policy, cache_threshold
         port = port or free_port()
         smg = Path(sys.executable).with_name("smg")
-        super().__init__("smg", [
-            str(smg) if smg.exists() else "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *self.worker_urls, "--policy", policy, "--cache-threshold", str(cache_threshold),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn",
-        ], "127.0.0.1", port, log_path)
+        super().__init__(
+            "smg",
+            [
+                str(smg) if smg.exists() else "smg",
+                "launch",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--worker-urls",
+                *self.worker_urls,
+                "--policy",
+                policy,
+                "--cache-threshold",
+                str(cache_threshold),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warn",
+            ],
+            "127.0.0.1",
+            port,
+            log_path,
+        )
 
     @property
     def base_url(self) -> str:
@@ -106,24 +133,35 @@ class Fleet:
             if self.remote:
                 self.master = MooncakeMaster(log_path=self.work_dir / "mooncake-master.log")
                 self.master.start()
-                self.store = MooncakeStoreProcess(self.master, self.store_bytes,
-                                                  log_path=self.work_dir / "mooncake-store.log")
+                self.store = MooncakeStoreProcess(
+                    self.master, self.store_bytes, log_path=self.work_dir / "mooncake-store.log"
+                )
                 self.store.start()
                 key = self.key_file or self.work_dir / "fleet.key"
                 if not key.exists():
                     keygen(key)
-                remote_args = ("--pcr-remote", "mooncake", "--pcr-remote-config",
-                               json.dumps(client_config(self.master, key)))
+                remote_args = (
+                    "--pcr-remote",
+                    "mooncake",
+                    "--pcr-remote-config",
+                    json.dumps(client_config(self.master, key)),
+                )
             for i in range(self.num_servers):
                 ssd = self.work_dir / f"server-{i}" / "ssd"
                 ssd.parent.mkdir(parents=True, exist_ok=True)
-                self.servers.append(ServerProcess(
-                    self.model_path, (*self.server_args, "--pcr-ssd-path", str(ssd), *remote_args),
-                    log_path=self.work_dir / f"server-{i}.log", env=dict(self.server_env)))
+                self.servers.append(
+                    ServerProcess(
+                        self.model_path,
+                        (*self.server_args, "--pcr-ssd-path", str(ssd), *remote_args),
+                        log_path=self.work_dir / f"server-{i}.log",
+                        env=dict(self.server_env),
+                    )
+                )
             for server in self.servers:  # one at a time: each start is mostly imports, on every core
                 server.start()
-            self.gateway = Gateway([s.base_url for s in self.servers], self.policy,
-                                   log_path=self.work_dir / "gateway.log").start()
+            self.gateway = Gateway(
+                [s.base_url for s in self.servers], self.policy, log_path=self.work_dir / "gateway.log"
+            ).start()
         except BaseException:
             self.stop()
             raise
@@ -131,17 +169,22 @@ class Fleet:
         return self
 
     def describe(self) -> dict:
-        return {"gateway": self.gateway.base_url if self.gateway else None, "policy": self.policy,
-                "servers": [s.base_url for s in self.servers],
-                "mooncake_master": self.master.address if self.master else None,
-                "store_bytes": self.store_bytes if self.store else 0}
+        return {
+            "gateway": self.gateway.base_url if self.gateway else None,
+            "policy": self.policy,
+            "servers": [s.base_url for s in self.servers],
+            "mooncake_master": self.master.address if self.master else None,
+            "store_bytes": self.store_bytes if self.store else 0,
+        }
 
     def alive(self) -> Optional[str]:
         """The name of a process that died, or None."""
-        for name, proc in [("gateway", self.gateway.proc if self.gateway else None),
-                           *[(f"server {s.base_url}", s._proc) for s in self.servers],
-                           ("mooncake store", self.store.proc if self.store else None),
-                           ("mooncake master", self.master.proc if self.master else None)]:
+        for name, proc in [
+            ("gateway", self.gateway.proc if self.gateway else None),
+            *[(f"server {s.base_url}", s._proc) for s in self.servers],
+            ("mooncake store", self.store.proc if self.store else None),
+            ("mooncake master", self.master.proc if self.master else None),
+        ]:
             if proc is not None and proc.poll() is not None:
                 return name
         return None
@@ -166,9 +209,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     extra: list[str] = []
     if "--" in argv:
         at = argv.index("--")
-        argv, extra = argv[:at], argv[at + 1:]
-    parser = argparse.ArgumentParser(prog="python -m pcr_tools.fleet", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+        argv, extra = argv[:at], argv[at + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="python -m pcr_tools.fleet",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("keygen", help="write a new fleet key (32 random bytes, mode 0600)")
     gen.add_argument("path", type=Path)
@@ -199,9 +246,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         model = str(build_smollm2())
     # On CPU, idle schedulers sleep: several busy-polling ones would starve each other's cores.
     idle = ("--sleep-on-idle",) if cpu_only() and "--sleep-on-idle" not in extra else ()
-    fleet = Fleet(model, args.dir, args.servers, not args.no_remote, args.policy, int(args.store_gb * 2**30),
-                  ("--enable-pcr", "--pcr-dram-gb", str(args.dram_gb), "--pcr-ssd-gb", str(args.ssd_gb),
-                   "--enable-metrics", *idle, *extra), args.key_file)
+    fleet = Fleet(
+        model,
+        args.dir,
+        args.servers,
+        not args.no_remote,
+        args.policy,
+        int(args.store_gb * 2**30),
+        (
+            "--enable-pcr",
+            "--pcr-dram-gb",
+            str(args.dram_gb),
+            "--pcr-ssd-gb",
+            str(args.ssd_gb),
+            "--enable-metrics",
+            *idle,
+            *extra,
+        ),
+        args.key_file,
+    )
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(signal="SIGTERM"))
     try:

@@ -179,8 +179,9 @@ class ServerRequests:
         """POST ``payload`` with ``stream: true``; measures TTFT at the first data chunk."""
         start = time.perf_counter()
         ttft, final = None, {}
-        with requests.post(f"{self.base_url}/generate", json={**payload, "stream": True},
-                           stream=True, timeout=timeout_s) as r:
+        with requests.post(
+            f"{self.base_url}/generate", json={**payload, "stream": True}, stream=True, timeout=timeout_s
+        ) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line.startswith(b"data:"):
@@ -200,8 +201,7 @@ class ServerRequests:
     def flush_cache(self, timeout_s: float = 30.0) -> None:
         """Empty the server's prefix cache (SGLang's ``/flush_cache``). SGLang flushes only
         an idle server: it waits up to ``timeout_s`` for running requests to finish."""
-        r = requests.post(f"{self.base_url}/flush_cache", params={"timeout": timeout_s},
-                          timeout=timeout_s + 30)
+        r = requests.post(f"{self.base_url}/flush_cache", params={"timeout": timeout_s}, timeout=timeout_s + 30)
         if r.status_code != 200:
             raise RuntimeError(f"flush_cache failed ({r.status_code}): {r.text.strip()}")
 
@@ -270,8 +270,17 @@ class ServerProcess(ServerRequests):
         """The server's command line. Its keys (``--api-key``, ``--admin-api-key``, ...) are
         not on it: they go in a config file only this user can read (``_secrets_file``), so
         ``ps`` shows no secret."""
-        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
-                "--host", "127.0.0.1", "--port", str(self.port)]
+        args = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         if cpu_only():
             args += CPU_SERVER_ARGS
         return args + self._args_with_secrets_in_a_file()
@@ -295,18 +304,25 @@ class ServerProcess(ServerRequests):
         i = 0
         while i < len(args):
             flag, eq, value = args[i].partition("=")
-            if flag.startswith("--") and flag not in SECRET_FLAGS and flag not in _FLAGS_NAMED_LIKE_A_SECRET \
-                    and any(secret.startswith(flag) for secret in SECRET_FLAGS):
+            if (
+                flag.startswith("--")
+                and flag not in SECRET_FLAGS
+                and flag not in _FLAGS_NAMED_LIKE_A_SECRET
+                and any(secret.startswith(flag) for secret in SECRET_FLAGS)
+            ):
                 # SGLang's parser takes an abbreviation (--admin-api-k) for the whole flag;
                 # the launcher keeps only whole secret flags off the command line.
-                raise ValueError(f"{flag}: spell the flag out (one of {sorted(SECRET_FLAGS)}), so its value is "
-                                 "kept off the server's command line")
+                raise ValueError(
+                    f"{flag}: spell the flag out (one of {sorted(SECRET_FLAGS)}), so its value is "
+                    "kept off the server's command line"
+                )
             if flag in SECRET_FLAGS and (eq or i + 1 < len(args)):
                 secrets[flag[2:]] = value if eq else args[i + 1]
                 i += 1 if eq else 2
                 continue
             kept.append(args[i])
             i += 1
+        # mutant: launcher-puts-the-key-on-the-command-line
         if not secrets:
             return args
         if "--config" in kept:
@@ -372,8 +388,12 @@ class ServerProcess(ServerRequests):
             log = open(self.log_path, "w")
             try:
                 self._proc = subprocess.Popen(
-                    keep_niceness(self.argv()), stdout=log, stderr=subprocess.STDOUT, env=server_env, cwd=self.cwd,
-                    start_new_session=True
+                    keep_niceness(self.argv()),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=server_env,
+                    cwd=self.cwd,
+                    start_new_session=True,
                 )
             except BaseException:
                 self._drop_metrics_dir()
@@ -387,8 +407,7 @@ class ServerProcess(ServerRequests):
                 self.kill()
                 if not choose_port or attempt == PORT_ATTEMPTS:
                     raise
-                logger.warning("Port %d was taken before the server bound it; restarting on another.",
-                               self.port)
+                logger.warning("Port %d was taken before the server bound it; restarting on another.", self.port)
                 continue
             except BaseException:
                 self.stop()
@@ -433,9 +452,7 @@ class ServerProcess(ServerRequests):
             except requests.RequestException:
                 pass
             time.sleep(0.5)
-        raise TimeoutError(
-            f"SGLang server not ready after {self.startup_timeout_s:.0f} s; log:\n{self.log_tail()}"
-        )
+        raise TimeoutError(f"SGLang server not ready after {self.startup_timeout_s:.0f} s; log:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():

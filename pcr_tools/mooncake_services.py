@@ -42,8 +42,10 @@ def binary(name: str) -> str:
         return str(beside)
     found = shutil.which(name)
     if found is None:
-        raise MooncakeError(f"{name} not found: pip install mooncake-transfer-engine-non-cuda (CPU) or "
-                            f"mooncake-transfer-engine (CUDA); on Debian it also needs libibverbs1")
+        raise MooncakeError(
+            f"{name} not found: pip install mooncake-transfer-engine-non-cuda (CPU) or "
+            f"mooncake-transfer-engine (CUDA); on Debian it also needs libibverbs1"
+        )
     return found
 
 
@@ -84,23 +86,29 @@ class ServiceProcess:
     def start(self, timeout_s: float = 30.0) -> None:
         log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         except FileNotFoundError:
-            raise MooncakeError(f"{self.args[0]} not found" + (f": {self.install_hint}" if self.install_hint else "")) \
-                from None
+            raise MooncakeError(
+                f"{self.args[0]} not found" + (f": {self.install_hint}" if self.install_hint else "")
+            ) from None
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()
         deadline = time.monotonic() + timeout_s
         while not self.ready():
             if self.proc.poll() is not None:
-                raise MooncakeError(f"{self.name} exited with code {self.proc.returncode} at start"
-                                    + (f" (log: {self.log_path})" if self.log_path else ""))
+                raise MooncakeError(
+                    f"{self.name} exited with code {self.proc.returncode} at start"
+                    + (f" (log: {self.log_path})" if self.log_path else "")
+                )
             if time.monotonic() > deadline:
                 self.kill()
-                raise MooncakeError(f"{self.name} was not ready on {self.host}:{self.port} within {timeout_s:.0f} s"
-                                    + (f" (log: {self.log_path})" if self.log_path else ""))
+                raise MooncakeError(
+                    f"{self.name} was not ready on {self.host}:{self.port} within {timeout_s:.0f} s"
+                    + (f" (log: {self.log_path})" if self.log_path else "")
+                )
             time.sleep(0.05)
         logger.info("%s ready on %s:%d (pid %d)", self.name, self.host, self.port, self.proc.pid)
 
@@ -141,15 +149,31 @@ class MooncakeMaster(ServiceProcess):
     """``mooncake_master`` on loopback: RPC on ``port``, metrics/admin on ``metrics_port``,
     no HTTP metadata server (clients use P2P handshakes)."""
 
-    def __init__(self, port: Optional[int] = None, metrics_port: Optional[int] = None, host: str = "127.0.0.1",
-                 log_path: Optional[Path] = None, lease_ttl_ms: int = 5000):
+    def __init__(
+        self,
+        port: Optional[int] = None,
+        metrics_port: Optional[int] = None,
+        host: str = "127.0.0.1",
+        log_path: Optional[Path] = None,
+        lease_ttl_ms: int = 5000,
+    ):
         port = port or free_port()
         self.metrics_port = metrics_port or free_port()
-        super().__init__("mooncake_master", [
-            binary("mooncake_master"), f"--rpc_address={host}", f"--rpc_port={port}",
-            f"--metrics_host={host}", f"--metrics_port={self.metrics_port}",
-            f"--default_kv_lease_ttl={lease_ttl_ms}", "--eviction_high_watermark_ratio=0.95",
-        ], host, port, log_path)
+        super().__init__(
+            "mooncake_master",
+            [
+                binary("mooncake_master"),
+                f"--rpc_address={host}",
+                f"--rpc_port={port}",
+                f"--metrics_host={host}",
+                f"--metrics_port={self.metrics_port}",
+                f"--default_kv_lease_ttl={lease_ttl_ms}",
+                "--eviction_high_watermark_ratio=0.95",
+            ],
+            host,
+            port,
+            log_path,
+        )
 
     @property
     def address(self) -> str:
@@ -160,18 +184,41 @@ class MooncakeStoreProcess(ServiceProcess):
     """``mooncake_client`` as a standalone store: lends ``segment_bytes`` of its memory to
     the pool, over TCP, registered with ``master``."""
 
-    def __init__(self, master: MooncakeMaster, segment_bytes: int, port: Optional[int] = None,
-                 host: str = "127.0.0.1", log_path: Optional[Path] = None):
+    def __init__(
+        self,
+        master: MooncakeMaster,
+        segment_bytes: int,
+        port: Optional[int] = None,
+        host: str = "127.0.0.1",
+        log_path: Optional[Path] = None,
+    ):
         port = port or free_port()
         self.segment_bytes = segment_bytes
-        super().__init__("mooncake_client", [
-            binary("mooncake_client"), f"--host={host}", f"--port={port}",
-            f"--global_segment_size={segment_bytes}", f"--master_server_address={master.address}",
-            "--metadata_server=P2PHANDSHAKE", "--protocol=tcp",
-        ], host, port, log_path)
+        super().__init__(
+            "mooncake_client",
+            [
+                binary("mooncake_client"),
+                f"--host={host}",
+                f"--port={port}",
+                f"--global_segment_size={segment_bytes}",
+                f"--master_server_address={master.address}",
+                "--metadata_server=P2PHANDSHAKE",
+                "--protocol=tcp",
+            ],
+            host,
+            port,
+            log_path,
+        )
 
 
 def client_config(master: MooncakeMaster, key_file: str | os.PathLike, **extra) -> dict:
     """A ``--pcr-remote-config`` for servers of this store."""
-    return {"master_server_address": master.address, "key_file": str(key_file), "metadata_server": "P2PHANDSHAKE",
-            "protocol": "tcp", "local_hostname": "127.0.0.1", "global_segment_size": 0, **extra}
+    return {
+        "master_server_address": master.address,
+        "key_file": str(key_file),
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": 0,
+        **extra,
+    }

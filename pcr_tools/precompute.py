@@ -62,8 +62,13 @@ def document_requests(tokenizer: Any, system: str, documents: Iterable[str]) -> 
     return out
 
 
-def precompute(url: str, prompts: Sequence[tuple[list[int], list[int]]], concurrency: int = 4,
-               progress: Optional[Callable[[int, int], None]] = None, timeout_s: float = 600.0) -> PrecomputeResult:
+def precompute(
+    url: str,
+    prompts: Sequence[tuple[list[int], list[int]]],
+    concurrency: int = 4,
+    progress: Optional[Callable[[int, int], None]] = None,
+    timeout_s: float = 600.0,
+) -> PrecomputeResult:
     """Send every warm-up request (``concurrency`` at a time); count what failed."""
     session = requests.Session()
     done = failed = 0
@@ -71,9 +76,14 @@ def precompute(url: str, prompts: Sequence[tuple[list[int], list[int]]], concurr
 
     def one(prompt: tuple[list[int], list[int]]) -> bool:
         ids, bounds = prompt
-        payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0, "temperature": 0.0,
-                                                         "custom_params": {"pcr_doc_bounds": bounds,
-                                                                           "pcr_doc_warm": True}}}
+        payload = {
+            "input_ids": ids,
+            "sampling_params": {
+                "max_new_tokens": 0,
+                "temperature": 0.0,
+                "custom_params": {"pcr_doc_bounds": bounds, "pcr_doc_warm": True},
+            },
+        }
         try:
             response = session.post(f"{url}/generate", json=payload, timeout=timeout_s)
         except requests.RequestException as e:
@@ -128,8 +138,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model-path", required=True, help="its model (for the tokenizer and chat template)")
     parser.add_argument("--corpus", type=Path, required=True, help="JSONL, one document object per line")
     parser.add_argument("--system", default="", help="the system prompt the traffic uses")
-    parser.add_argument("--doc-format", default=DEFAULT_DOC_FORMAT.replace("{doc}", "{text}"),
-                        help="how a document appears in a prompt, from its JSON fields (default: %(default)r)")
+    parser.add_argument(
+        "--doc-format",
+        default=DEFAULT_DOC_FORMAT.replace("{doc}", "{text}"),
+        help="how a document appears in a prompt, from its JSON fields (default: %(default)r)",
+    )
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--no-wait", action="store_true", help="return before SSD write-back finishes")
     args = parser.parse_args(argv)
@@ -146,8 +159,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     result = precompute(args.url, prompts, args.concurrency, progress)
     on_disk = False if args.no_wait else wait_for_ssd_writes(args.url)
-    print(f"precomputed {result.documents - result.failed}/{result.documents} documents ({result.tokens} prompt "
-          f"tokens) in {result.seconds:.1f} s; {'on the SSD tier' if on_disk else 'not known to be on SSD'}")
+    print(
+        f"precomputed {result.documents - result.failed}/{result.documents} documents ({result.tokens} prompt "
+        f"tokens) in {result.seconds:.1f} s; {'on the SSD tier' if on_disk else 'not known to be on SSD'}"
+    )
     return 1 if result.failed else 0
 
 

@@ -52,8 +52,7 @@ def build(args: argparse.Namespace) -> int:
     print(f"[rag] embedding {len(texts)} documents (cached after the first time)", file=sys.stderr)
     start = time.perf_counter()
     vectors = embed_texts(texts)
-    print(f"[rag] embedded in {time.perf_counter() - start:.1f} s; training IVF with {nlist} clusters",
-          file=sys.stderr)
+    print(f"[rag] embedded in {time.perf_counter() - start:.1f} s; training IVF with {nlist} clusters", file=sys.stderr)
     datastore = IVFDatastore.build(vectors, nlist, seed=args.seed)
     datastore.save(args.out)
     with open(args.out / TEXTS_FILE, "w", encoding="utf-8") as f:
@@ -95,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         backend = RuntimeEndpoint(args.url)
     hinter = None if args.no_hints else KVHinter(args.url, tokenizer=getattr(backend, "tokenizer", None))
-    config = PipelineConfig(k=args.k, lookahead=not args.no_lookahead, hints=not args.no_hints,
-                            mark_documents=args.mark_documents)
+    config = PipelineConfig(
+        k=args.k, lookahead=not args.no_lookahead, hints=not args.no_hints, mark_documents=args.mark_documents
+    )
     pipelines = Pipelines(retriever, texts, backend, hinter, config)
     questions = _questions(texts, args.questions, args.seed, args.questions_file)
     try:
@@ -109,22 +109,30 @@ def run(args: argparse.Namespace) -> int:
         if hinter is not None:
             hinter.close()
     for n, r in enumerate(results, 1):
-        print(f"[{n:2d}] {r.question}\n     answer: {r.answer!r}\n     documents {r.doc_ids}, cluster hits "
-              f"{r.cluster_hit_rate:.0%}, generation {r.generation_s * 1000:.0f} ms, retrieval "
-              f"{r.retrieval_s * 1000:.1f} ms, answer {r.answer_s * 1000:.0f} ms (cached {r.cached_tokens}, "
-              f"{r.cached_details}), total {r.total_s * 1000:.0f} ms")
+        print(
+            f"[{n:2d}] {r.question}\n     answer: {r.answer!r}\n     documents {r.doc_ids}, cluster hits "
+            f"{r.cluster_hit_rate:.0%}, generation {r.generation_s * 1000:.0f} ms, retrieval "
+            f"{r.retrieval_s * 1000:.1f} ms, answer {r.answer_s * 1000:.0f} ms (cached {r.cached_tokens}, "
+            f"{r.cached_details}), total {r.total_s * 1000:.0f} ms"
+        )
     if results:
-        print(f"\n{len(results)} {args.pipeline} pipelines: "
-              f"mean total {statistics.mean(r.total_s for r in results):.2f} s, "
-              f"mean retrieval {statistics.mean(r.retrieval_s for r in results) * 1000:.1f} ms, mean cluster hit rate "
-              f"{statistics.mean(r.cluster_hit_rate for r in results):.0%}"
-              + (f", hints sent {hinter.stats.sent} (registered {hinter.stats.registered})" if hinter else ""))
+        print(
+            f"\n{len(results)} {args.pipeline} pipelines: "
+            f"mean total {statistics.mean(r.total_s for r in results):.2f} s, "
+            f"mean retrieval {statistics.mean(r.retrieval_s for r in results) * 1000:.1f} ms, mean cluster hit rate "
+            f"{statistics.mean(r.cluster_hit_rate for r in results):.0%}"
+            + (f", hints sent {hinter.stats.sent} (registered {hinter.stats.registered})" if hinter else "")
+        )
     return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcr_tools.rag_cli", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m pcr_tools.rag_cli",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build an IVF datastore over the offline Wikipedia extracts")
     b.add_argument("--out", type=Path, required=True, help="the datastore directory (created)")
@@ -136,19 +144,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     r.add_argument("--datastore", type=Path, required=True, help="built by `build` (memory-mapped)")
     r.add_argument("--pipeline", choices=PIPELINES, default="hyde")
     r.add_argument("--questions", type=int, default=8, help="how many questions")
-    r.add_argument("--questions-file", type=Path, default=None,
-                   help="one question per line (default: about corpus titles)")
+    r.add_argument(
+        "--questions-file", type=Path, default=None, help="one question per line (default: about corpus titles)"
+    )
     r.add_argument("--k", type=int, default=3, help="documents per final prompt")
     r.add_argument("--nprobe", type=int, default=8, help="IVF clusters each search probes")
     r.add_argument("--tier-mb", type=int, default=64, help="the fast tier's size (MB)")
-    r.add_argument("--fast-tier", choices=FAST_TIERS, default="auto",
-                   help="where look-ahead clusters land: gpu (GPU memory, a copy stream, an event per cluster), "
-                        "host (a host buffer), auto (the GPU where torch sees one; default)")
+    r.add_argument(
+        "--fast-tier",
+        choices=FAST_TIERS,
+        default="auto",
+        help="where look-ahead clusters land: gpu (GPU memory, a copy stream, an event per cluster), "
+        "host (a host buffer), auto (the GPU where torch sees one; default)",
+    )
     r.add_argument("--concurrency", type=int, default=1, help=">1: groups of similar questions run at once")
     r.add_argument("--no-lookahead", action="store_true", help="no cluster prefetch (faiss searches everything)")
     r.add_argument("--no-hints", action="store_true", help="no KV hints for the predicted final prompt")
-    r.add_argument("--mark-documents", action="store_true",
-                   help="mark the final prompts' documents, for a server with --pcr-doc-reuse")
+    r.add_argument(
+        "--mark-documents",
+        action="store_true",
+        help="mark the final prompts' documents, for a server with --pcr-doc-reuse",
+    )
     r.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")

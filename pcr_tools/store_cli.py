@@ -27,16 +27,20 @@ def _describe(description: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pcr_tools.store_cli",
-                                     description="Inspect and maintain a PCR SSD store directory.")
+    parser = argparse.ArgumentParser(
+        prog="python -m pcr_tools.store_cli", description="Inspect and maintain a PCR SSD store directory."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("usage", "chunks and bytes per namespace"),
-                            ("verify", "read every record and check its checksum"),
-                            ("purge", "delete one namespace's chunks")):
+    for name, help_text in (
+        ("usage", "chunks and bytes per namespace"),
+        ("verify", "read every record and check its checksum"),
+        ("purge", "delete one namespace's chunks"),
+    ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("dir", type=Path, help="the store directory (--pcr-ssd-path)")
-        p.add_argument("--namespace", required=name == "purge",
-                       help="namespace digest (a subdirectory name, see 'usage')")
+        p.add_argument(
+            "--namespace", required=name == "purge", help="namespace digest (a subdirectory name, see 'usage')"
+        )
     args = parser.parse_args(argv)
     if not args.dir.is_dir():
         print(f"error: {args.dir} is not a directory", file=sys.stderr)
@@ -48,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{args.dir}: no namespaces")
             for ns in namespaces:
                 extra = f", {ns.temp_files} partial writes" if ns.temp_files else ""
-                print(f"{ns.digest_hex}  {ns.chunks} chunks, {ns.bytes / 2**20:.1f} MiB{extra}  "
-                      f"{_describe(ns.description)}")
+                print(
+                    f"{ns.digest_hex}  {ns.chunks} chunks, {ns.bytes / 2**20:.1f} MiB{extra}  "
+                    f"{_describe(ns.description)}"
+                )
             return 0
         if args.command == "purge":
             removed = purge_namespace(args.dir, args.namespace)

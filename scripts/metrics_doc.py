@@ -45,8 +45,10 @@ def main(argv: list[str]) -> int:
     current = rewritten(text)
     if "--check" in argv:
         if current != text:
-            print(f"{DOC.relative_to(REPO)}: the metrics table is not current; run python scripts/metrics_doc.py",
-                  file=sys.stderr)
+            print(
+                f"{DOC.relative_to(REPO)}: the metrics table is not current; run python scripts/metrics_doc.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     DOC.write_text(current, encoding="utf-8")

@@ -36,16 +36,16 @@ if [[ $# -gt 0 ]]; then  # extra arguments: one pytest run over them (kernels ne
   exec "${PYTEST[@]}" "$@"
 fi
 
-echo "[test] stages: lint, unit (types beside it), types, kernels, e2e, e2e-paced"
+echo "[test] stages: lint, format, spelling, unit (types beside it), types, kernels, e2e, e2e-paced"
 stage lint "$VENV/bin/ruff" check .
-# mypy, strict on core/, tiers/, io/, sglang_adapter/, reuse/ and transfer/ (pyproject.toml
-# [tool.mypy]). Without its cache (a clean clone, as in CI) it takes about 40 s, mostly
-# reading torch's types: it runs beside the unit tests at a lower priority (the same session,
+stage format "$VENV/bin/ruff" format --check .
+stage spelling "$VENV/bin/codespell"
+# mypy, strict on the whole server package (pyproject.toml [tool.mypy]). Without its cache (a
+# clean clone, as in CI) it takes about 40 s, mostly reading torch's types: it runs beside the unit tests at a lower priority (the same session,
 # so `nice` applies), and its stage reports after them; if a stage fails first, mypy's result
 # is still printed on the way out.
 types_out="$(mktemp)"
-nice -n 10 "$VENV/bin/mypy" pcr_sglang/core pcr_sglang/tiers pcr_sglang/io pcr_sglang/sglang_adapter \
-  pcr_sglang/reuse pcr_sglang/transfer >"$types_out" 2>&1 &
+nice -n 10 "$VENV/bin/mypy" >"$types_out" 2>&1 &
 types_pid=$!
 types_result() {  # mypy's output and exit status, collected once
   local rc=0

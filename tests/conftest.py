@@ -20,8 +20,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.duration >= SLOW_PHASE_S:
         import time
 
-        print(f"\n[{time.strftime('%H:%M:%S')}] {report.duration:.0f} s {report.when} {report.nodeid}",
-              flush=True)
+        print(f"\n[{time.strftime('%H:%M:%S')}] {report.duration:.0f} s {report.when} {report.nodeid}", flush=True)
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +42,5 @@ def rag_prompt_ids(tokenizer) -> list[list[int]]:
     """50 RAG prompts over Wikipedia articles that share documents (Zipf popularity)."""
     from pcr_tools.workload import RagWorkloadParams, make_rag_workload
 
-    params = RagWorkloadParams(num_requests=50, doc_pool_size=40, min_docs=3, max_docs=5,
-                               max_doc_chars=700, seed=7)
+    params = RagWorkloadParams(num_requests=50, doc_pool_size=40, min_docs=3, max_docs=5, max_doc_chars=700, seed=7)
     return [tokenizer.encode(r.plain_prompt()) for r in make_rag_workload(params)]

@@ -28,8 +28,9 @@ DEFAULT_STAGE_S = 1.0  # a stage's generation time before it has been measured o
 EWMA_WEIGHT = 0.3  # of the newest sample
 
 
-def fill_budget(ranked: Sequence[Sequence[int]], cost: Callable[[int], int], budget_bytes: int,
-                resident: Callable[[int], bool]) -> list[int]:
+def fill_budget(
+    ranked: Sequence[Sequence[int]], cost: Callable[[int], int], budget_bytes: int, resident: Callable[[int], bool]
+) -> list[int]:
     """The clusters to copy, in copy order (see the module docstring)."""
     chosen: list[int] = []
     seen: set[int] = set()

@@ -69,8 +69,13 @@ class SentenceEncoder:
         out = []
         with torch.inference_mode():
             for start in range(0, len(texts), batch_size):
-                batch = self.tokenizer(list(texts[start:start + batch_size]), padding=True, truncation=True,
-                                       max_length=self.max_length, return_tensors="pt")
+                batch = self.tokenizer(
+                    list(texts[start : start + batch_size]),
+                    padding=True,
+                    truncation=True,
+                    max_length=self.max_length,
+                    return_tensors="pt",
+                )
                 hidden = self.model(**batch).last_hidden_state
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)

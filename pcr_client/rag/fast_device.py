@@ -41,8 +41,9 @@ FAST_TIERS = ("auto", "host", "gpu")
 
 
 class DeviceClusterTier(HostClusterTier):
-    def __init__(self, table: ClusterTable, capacity_bytes: int, device: str = "cuda",
-                 page_rows: int = DEFAULT_PAGE_ROWS):
+    def __init__(
+        self, table: ClusterTable, capacity_bytes: int, device: str = "cuda", page_rows: int = DEFAULT_PAGE_ROWS
+    ):
         import torch
 
         self._torch = torch
@@ -58,8 +59,9 @@ class DeviceClusterTier(HostClusterTier):
         super().__init__(table, capacity_bytes, page_rows)
 
     def _allocate_codes(self, num_pages: int):
-        codes = self._torch.zeros((num_pages, self.page_rows, self.table.dim), dtype=self._torch.float32,
-                                  device=self.device)
+        codes = self._torch.zeros(
+            (num_pages, self.page_rows, self.table.dim), dtype=self._torch.float32, device=self.device
+        )
         if self._cuda:
             # The fill runs on the current stream, the copies on the tier's own (which does
             # not wait for it): without this a first copy could land and then be zeroed.
@@ -71,17 +73,17 @@ class DeviceClusterTier(HostClusterTier):
         rows = self.table.rows(entry.cluster)
         n = rows.stop - rows.start
         staged = self._staging[:n]
-        staged.numpy()[:] = self.table.codes[rows.start:rows.stop]  # the read (from disk, if memory-mapped)
+        staged.numpy()[:] = self.table.codes[rows.start : rows.stop]  # the read (from disk, if memory-mapped)
         spans = [(page, m * self.page_rows, min((m + 1) * self.page_rows, n)) for m, page in enumerate(entry.pages)]
         for page, start, end in spans:
-            self.ids[page, :end - start] = self.table.ids[rows.start + start:rows.start + end]
+            self.ids[page, : end - start] = self.table.ids[rows.start + start : rows.start + end]
         if not self._cuda:
             for page, start, end in spans:
-                self.codes[page, :end - start].copy_(staged[start:end])
+                self.codes[page, : end - start].copy_(staged[start:end])
             return
         with torch.cuda.stream(self._stream):
             for page, start, end in spans:
-                self.codes[page, :end - start].copy_(staged[start:end], non_blocking=True)
+                self.codes[page, : end - start].copy_(staged[start:end], non_blocking=True)
             landed = torch.cuda.Event(blocking=True)  # the copy thread sleeps on it, not spins
             landed.record(self._stream)
         landed.synchronize()  # this thread waits for its cluster; searches never wait for copies
@@ -95,8 +97,9 @@ class DeviceClusterTier(HostClusterTier):
         return scores.view(len(pages), self.page_rows).cpu().numpy()
 
 
-def make_fast_tier(table: ClusterTable, capacity_bytes: int, kind: str = "auto",
-                   page_rows: int = DEFAULT_PAGE_ROWS) -> HostClusterTier:
+def make_fast_tier(
+    table: ClusterTable, capacity_bytes: int, kind: str = "auto", page_rows: int = DEFAULT_PAGE_ROWS
+) -> HostClusterTier:
     """The fast tier ``kind`` asks for: ``gpu`` (GPU memory: needs CUDA), ``host`` (a host
     buffer), or ``auto`` (the GPU where torch sees one, else the host)."""
     if kind not in FAST_TIERS:

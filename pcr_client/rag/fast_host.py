@@ -204,8 +204,8 @@ class HostClusterTier:
         for n, page in enumerate(entry.pages):
             start = rows.start + n * self.page_rows
             end = min(start + self.page_rows, rows.stop)
-            self.codes[page, :end - start] = self.table.codes[start:end]
-            self.ids[page, :end - start] = self.table.ids[start:end]
+            self.codes[page, : end - start] = self.table.codes[start:end]
+            self.ids[page, : end - start] = self.table.ids[start:end]
 
     # ------------------------------------------------------------------ search
     @contextmanager
@@ -213,8 +213,12 @@ class HostClusterTier:
         """The landed clusters among ``clusters``, pinned (not evictable) while in use:
         what :meth:`search` reads."""
         with self._lock:
-            entries = [self._clusters[c] for c in set(clusters)
-                       if c in self._clusters and self._clusters[c].state == "landed"]
+            entries = [
+                self._clusters[c]
+                for c in set(clusters)
+                # mutant: rag-unlanded-clusters-searched
+                if c in self._clusters and self._clusters[c].state == "landed"
+            ]
             for entry in entries:
                 entry.pins += 1
                 self._clusters.move_to_end(entry.cluster)
@@ -225,8 +229,9 @@ class HostClusterTier:
                 for entry in entries:
                     entry.pins -= 1
 
-    def search(self, queries: np.ndarray, clusters: Sequence[Sequence[int]], k: int,
-               pinned: dict[int, _Cluster]) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, queries: np.ndarray, clusters: Sequence[Sequence[int]], k: int, pinned: dict[int, _Cluster]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Top ``k`` inner products of each query over its clusters, all in ``pinned``
         (from :meth:`pinned`); rows padded with ``-inf`` / ``-1`` when fewer exist."""
         n = len(queries)
@@ -242,10 +247,13 @@ class HostClusterTier:
             if not pages:
                 continue
             scores = self._page_scores(pages, queries[i])
-            top_d, top_i = top_k(np.concatenate([scores[j, :rows] for j, rows in enumerate(counts)]),
-                                 np.concatenate([self.ids[page, :rows] for page, rows in zip(pages, counts)]), k)
-            distances[i, :len(top_d)] = top_d
-            labels[i, :len(top_i)] = top_i
+            top_d, top_i = top_k(
+                np.concatenate([scores[j, :rows] for j, rows in enumerate(counts)]),
+                np.concatenate([self.ids[page, :rows] for page, rows in zip(pages, counts)]),
+                k,
+            )
+            distances[i, : len(top_d)] = top_d
+            labels[i, : len(top_i)] = top_i
         return distances, labels
 
     def _page_scores(self, pages: Sequence[int], query: np.ndarray) -> np.ndarray:

@@ -38,8 +38,9 @@ def _faiss():
     try:
         import faiss
     except ImportError as e:  # pragma: no cover - installed by scripts/install.sh
-        raise ImportError("pcr_client.rag needs faiss-cpu: pip install faiss-cpu==1.15.1 "
-                          "(scripts/install.sh installs it)") from e
+        raise ImportError(
+            "pcr_client.rag needs faiss-cpu: pip install faiss-cpu==1.15.1 (scripts/install.sh installs it)"
+        ) from e
     return faiss
 
 
@@ -83,13 +84,21 @@ class IVFDatastore:
         self.table = table
         self.directory = directory
         if table.nlist != index.nlist or table.dim != index.d:
-            raise DatastoreError(f"the cluster table ({table.nlist} clusters, {table.dim} dims) does not "
-                                 f"match the index ({index.nlist} clusters, {index.d} dims)")
+            raise DatastoreError(
+                f"the cluster table ({table.nlist} clusters, {table.dim} dims) does not "
+                f"match the index ({index.nlist} clusters, {index.d} dims)"
+            )
 
     # ------------------------------------------------------------------ build
     @classmethod
-    def build(cls, vectors: np.ndarray, nlist: int, seed: int = 0, ids: Optional[np.ndarray] = None,
-              max_points_per_centroid: int = 64) -> IVFDatastore:
+    def build(
+        cls,
+        vectors: np.ndarray,
+        nlist: int,
+        seed: int = 0,
+        ids: Optional[np.ndarray] = None,
+        max_points_per_centroid: int = 64,
+    ) -> IVFDatastore:
         """Train k-means on ``vectors`` (normalised here) and index them; document ``i`` is
         ``ids[i]`` (default ``i``)."""
         faiss = _faiss()
@@ -115,8 +124,10 @@ class IVFDatastore:
         counts = np.bincount(assign[:, 0], minlength=index.nlist)
         for cluster in range(index.nlist):
             if index.invlists.list_size(cluster) != counts[cluster]:
-                raise DatastoreError(f"cluster {cluster}: the index holds {index.invlists.list_size(cluster)} "
-                                     f"vectors, the assignment {counts[cluster]}")
+                raise DatastoreError(
+                    f"cluster {cluster}: the index holds {index.invlists.list_size(cluster)} "
+                    f"vectors, the assignment {counts[cluster]}"
+                )
         offsets = np.zeros(index.nlist + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         return ClusterTable(np.ascontiguousarray(x[order]), doc_ids[order].copy(), offsets)
@@ -129,8 +140,12 @@ class IVFDatastore:
         np.save(directory / "codes.npy", np.asarray(self.table.codes))
         np.save(directory / "ids.npy", np.asarray(self.table.ids))
         np.save(directory / "offsets.npy", np.asarray(self.table.offsets))
-        meta = {"version": FORMAT_VERSION, "vectors": int(self.index.ntotal), "dim": int(self.index.d),
-                "nlist": int(self.index.nlist)}
+        meta = {
+            "version": FORMAT_VERSION,
+            "vectors": int(self.index.ntotal),
+            "dim": int(self.index.d),
+            "nlist": int(self.index.nlist),
+        }
         (directory / META_FILE).write_text(json.dumps(meta))
         self.directory = directory
 
@@ -143,23 +158,28 @@ class IVFDatastore:
         except (OSError, json.JSONDecodeError) as e:
             raise DatastoreError(f"{directory} is not a datastore ({META_FILE}: {e})") from None
         if meta.get("version") != FORMAT_VERSION:
-            raise DatastoreError(f"{directory}: datastore format {meta.get('version')!r}, "
-                                 f"this version reads {FORMAT_VERSION}")
+            raise DatastoreError(
+                f"{directory}: datastore format {meta.get('version')!r}, this version reads {FORMAT_VERSION}"
+            )
         flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
         try:
             index = faiss.read_index(str(directory / INDEX_FILE), flags)
             if not isinstance(index, faiss.IndexIVFFlat) or index.metric_type != faiss.METRIC_INNER_PRODUCT:
-                raise DatastoreError(f"{directory / INDEX_FILE} is a {type(index).__name__}, not an "
-                                     "inner-product IndexIVFFlat")
+                raise DatastoreError(
+                    f"{directory / INDEX_FILE} is a {type(index).__name__}, not an inner-product IndexIVFFlat"
+                )
             mode = "r" if mmap else None
-            table = ClusterTable(np.load(directory / "codes.npy", mmap_mode=mode),
-                                 np.load(directory / "ids.npy", mmap_mode=mode),
-                                 np.load(directory / "offsets.npy"))
+            table = ClusterTable(
+                np.load(directory / "codes.npy", mmap_mode=mode),
+                np.load(directory / "ids.npy", mmap_mode=mode),
+                np.load(directory / "offsets.npy"),
+            )
         except (OSError, RuntimeError, ValueError) as e:
             raise DatastoreError(f"{directory}: cannot read the datastore: {e}") from None
         if int(table.offsets[-1]) != index.ntotal or len(table.ids) != index.ntotal:
-            raise DatastoreError(f"{directory}: the table holds {int(table.offsets[-1])} vectors, "
-                                 f"the index {index.ntotal}")
+            raise DatastoreError(
+                f"{directory}: the table holds {int(table.offsets[-1])} vectors, the index {index.ntotal}"
+            )
         return cls(index, table, directory)
 
     # ------------------------------------------------------------------ search
@@ -176,8 +196,9 @@ class IVFDatastore:
         params = _faiss().SearchParametersIVF(nprobe=min(nprobe, self.nlist))
         return self.index.search(normalized(queries), k, params=params)
 
-    def search_preassigned(self, queries: np.ndarray, k: int, clusters: np.ndarray,
-                           scores: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    def search_preassigned(
+        self, queries: np.ndarray, k: int, clusters: np.ndarray, scores: Optional[np.ndarray] = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Search only ``clusters`` (one row per query, ``-1`` entries skipped)."""
         clusters = np.ascontiguousarray(clusters, dtype=np.int64)
         if clusters.shape[1] == 0:
@@ -186,13 +207,21 @@ class IVFDatastore:
         faiss = _faiss()
         x = normalized(queries)
         n = len(x)
-        dq = (np.zeros(clusters.shape, np.float32) if scores is None
-              else np.ascontiguousarray(scores, dtype=np.float32))
+        dq = np.zeros(clusters.shape, np.float32) if scores is None else np.ascontiguousarray(scores, dtype=np.float32)
         distances = np.empty((n, k), np.float32)
         labels = np.empty((n, k), np.int64)
         # The C++ call with per-search parameters: faiss's Python wrapper reads the index's
         # shared ``nprobe`` instead, which concurrent searches with other widths would race on.
         params = faiss.SearchParametersIVF(nprobe=clusters.shape[1])
-        self.index.search_preassigned_c(n, faiss.swig_ptr(x), k, faiss.swig_ptr(clusters), faiss.swig_ptr(dq),
-                                        faiss.swig_ptr(distances), faiss.swig_ptr(labels), False, params)
+        self.index.search_preassigned_c(
+            n,
+            faiss.swig_ptr(x),
+            k,
+            faiss.swig_ptr(clusters),
+            faiss.swig_ptr(dq),
+            faiss.swig_ptr(distances),
+            faiss.swig_ptr(labels),
+            False,
+            params,
+        )
         return distances, labels

@@ -74,9 +74,18 @@ class SearchResult:
 
 
 class LookaheadRetriever:
-    def __init__(self, datastore: IVFDatastore, embed: Callable[[list[str]], np.ndarray], nprobe: int, k: int,
-                 tier: Optional[HostClusterTier] = None, prefetch_nprobe: Optional[int] = None,
-                 predict_k: Optional[int] = None, mode: str = "exact", budget: Optional[BudgetModel] = None):
+    def __init__(
+        self,
+        datastore: IVFDatastore,
+        embed: Callable[[list[str]], np.ndarray],
+        nprobe: int,
+        k: int,
+        tier: Optional[HostClusterTier] = None,
+        prefetch_nprobe: Optional[int] = None,
+        predict_k: Optional[int] = None,
+        mode: str = "exact",
+        budget: Optional[BudgetModel] = None,
+    ):
         if mode not in SEARCH_MODES:
             raise ValueError(f"mode must be one of {', '.join(SEARCH_MODES)}, got {mode!r}")
         if not 1 <= nprobe <= datastore.nlist:
@@ -107,8 +116,9 @@ class LookaheadRetriever:
         for the real search."""
         return self.lookahead_vectors(self._embed(inputs), stage, prefetch, predict)
 
-    def lookahead_vectors(self, vectors: np.ndarray, stage: str = "default", prefetch: bool = True,
-                          predict: bool = True) -> Ticket:
+    def lookahead_vectors(
+        self, vectors: np.ndarray, stage: str = "default", prefetch: bool = True, predict: bool = True
+    ) -> Ticket:
         x = normalized(vectors)
         _, ranked = self.datastore.probe(x, self.prefetch_nprobe)
         submitted: list[int] = []
@@ -117,7 +127,7 @@ class LookaheadRetriever:
             self.budget.observe_bandwidth(self.tier.stats.bandwidth_bytes_s)
             budget = min(self.budget.budget_bytes(stage), self.tier.capacity_bytes)
             chosen = fill_budget(ranked, self.tier.cost, budget, self.tier.is_resident)
-            protect = {int(c) for c in ranked[:, :self.nprobe].ravel() if c >= 0}
+            protect = {int(c) for c in ranked[:, : self.nprobe].ravel() if c >= 0}
             submitted = self.tier.submit(chosen, protect=protect)
         if predict:
             scores, ids = self.datastore.search(x, self.predict_k, self.nprobe)
@@ -153,11 +163,13 @@ class LookaheadRetriever:
             stats.hits = int(hit.sum())
             if ticket is not None:
                 stats.from_ticket = int(np.isin(probe[hit], ticket.submitted).sum())
-            stats.in_flight = sum(1 for c in probe.ravel() if c >= 0 and c not in landed
-                                  and self.tier.is_resident(int(c)))
+            stats.in_flight = sum(
+                1 for c in probe.ravel() if c >= 0 and c not in landed and self.tier.is_resident(int(c))
+            )
             misses = np.where(hit, -1, probe)
             slow = self._slow.submit(self._timed_preassigned, x, misses, probe_scores)
             fast_start = time.perf_counter()
+            # mutant: rag-exact-mode-searches-every-landed-cluster
             if self.mode == "exact":
                 mine = [[int(c) for c in row[h]] for row, h in zip(probe, hit)]
             else:  # every landed cluster, probed or not
@@ -201,6 +213,6 @@ def merge_top_k(distances: Sequence[np.ndarray], ids: Sequence[np.ndarray], k: i
     for row in range(n):
         valid = i[row] >= 0
         top_d, top_i = top_k(d[row][valid], i[row][valid], k)
-        out_d[row, :len(top_d)] = top_d
-        out_i[row, :len(top_i)] = top_i
+        out_d[row, : len(top_d)] = top_d
+        out_i[row, : len(top_i)] = top_i
     return out_d, out_i

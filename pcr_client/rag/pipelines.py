@@ -71,8 +71,7 @@ def programs():
 
     @sgl.function
     def hyde_passage(s, question, max_tokens):
-        s += ("Write a short encyclopedia passage that answers the question.\n"
-              f"Question: {question}\nPassage:")
+        s += f"Write a short encyclopedia passage that answers the question.\nQuestion: {question}\nPassage:"
         s += sgl.gen("passage", max_tokens=max_tokens, temperature=0)
 
     @sgl.function
@@ -103,8 +102,14 @@ class KVHinter:
     ``tokenizer``: the one a ``DocReuseEndpoint`` uses; needed to hint prompts with marked
     documents, which go as token ids with their bounds, exactly as the final request."""
 
-    def __init__(self, url: str, ttl_s: float = 15.0, cache_salt: Optional[str] = None, timeout_s: float = 10.0,
-                 tokenizer: Any = None):
+    def __init__(
+        self,
+        url: str,
+        ttl_s: float = 15.0,
+        cache_salt: Optional[str] = None,
+        timeout_s: float = 10.0,
+        tokenizer: Any = None,
+    ):
         self.url = url.rstrip("/")
         self.tokenizer = tokenizer
         self.ttl_s = ttl_s
@@ -123,8 +128,10 @@ class KVHinter:
         for rank, prompt in enumerate(prompts):
             payload: dict[str, Any] = {
                 **self._prompt_fields(prompt),
-                "kv_hints": hint_envelope({"hint_only": True, "ttl_s": self.ttl_s, "group": group, "rank": rank},
-                                          uuid.uuid4().hex)}
+                "kv_hints": hint_envelope(
+                    {"hint_only": True, "ttl_s": self.ttl_s, "group": group, "rank": rank}, uuid.uuid4().hex
+                ),
+            }
             if self.cache_salt is not None:
                 payload["cache_salt"] = self.cache_salt
             self.stats.sent += 1
@@ -147,8 +154,7 @@ class KVHinter:
         if self.tokenizer is None:
             raise ValueError("a prompt with marked documents needs KVHinter(tokenizer=...)")
         ids, bounds = marked_input(self.tokenizer, prompt)
-        return {"input_ids": ids, "sampling_params": {"max_new_tokens": 0,
-                                                      "custom_params": {DOC_BOUNDS_PARAM: bounds}}}
+        return {"input_ids": ids, "sampling_params": {"max_new_tokens": 0, "custom_params": {DOC_BOUNDS_PARAM: bounds}}}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -194,8 +200,14 @@ class PipelineConfig:
 class Pipelines:
     """The pipelines over one retriever, corpus and SGLang backend."""
 
-    def __init__(self, retriever: LookaheadRetriever, texts: Sequence[str], backend: Any,
-                 hinter: Optional[KVHinter] = None, config: PipelineConfig = PipelineConfig()):
+    def __init__(
+        self,
+        retriever: LookaheadRetriever,
+        texts: Sequence[str],
+        backend: Any,
+        hinter: Optional[KVHinter] = None,
+        config: PipelineConfig = PipelineConfig(),
+    ):
         self.retriever = retriever
         self.texts = list(texts)
         self.backend = backend
@@ -205,12 +217,15 @@ class Pipelines:
             from pcr_client.frontend import DocReuseEndpoint
 
             if not isinstance(backend, DocReuseEndpoint):
-                raise ValueError("PipelineConfig(mark_documents=True) needs a "
-                                 "pcr_client.frontend.DocReuseEndpoint backend: a RuntimeEndpoint would send "
-                                 "the markers as text")
+                raise ValueError(
+                    "PipelineConfig(mark_documents=True) needs a "
+                    "pcr_client.frontend.DocReuseEndpoint backend: a RuntimeEndpoint would send "
+                    "the markers as text"
+                )
             if hinter is not None and config.hints and hinter.tokenizer is None:
-                raise ValueError("PipelineConfig(mark_documents=True) with hints needs "
-                                 "KVHinter(tokenizer=backend.tokenizer)")
+                raise ValueError(
+                    "PipelineConfig(mark_documents=True) with hints needs KVHinter(tokenizer=backend.tokenizer)"
+                )
 
     def _docs(self, result: SearchResult, row: int = 0) -> list[int]:
         return [int(i) for i in result.ids[row] if i >= 0][: self.config.k]
@@ -318,8 +333,13 @@ def group_queries(vectors: np.ndarray, group_size: int) -> list[list[int]]:
     return groups
 
 
-def run_batch(pipelines: Pipelines, name: str, questions: Sequence[str], group_size: int = 4,
-              embed: Optional[Callable[[list[str]], np.ndarray]] = None) -> list[PipelineResult]:
+def run_batch(
+    pipelines: Pipelines,
+    name: str,
+    questions: Sequence[str],
+    group_size: int = 4,
+    embed: Optional[Callable[[list[str]], np.ndarray]] = None,
+) -> list[PipelineResult]:
     """Run ``questions`` a group at a time, each group's pipelines concurrently. Before a
     group starts, one look-ahead over all its questions fetches the clusters they share
     (round-robin by rank within one budget); each pipeline's own look-ahead then finds those

@@ -36,34 +36,63 @@ def config_list(text: str) -> tuple[str, ...]:
 
 def workload_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--source", choices=["retrieval", "synthetic"], default="retrieval",
-                   help="retrieval: Wikipedia extracts chosen by the embedder; synthetic: lognormal-length documents")
+    g.add_argument(
+        "--source",
+        choices=["retrieval", "synthetic"],
+        default="retrieval",
+        help="retrieval: Wikipedia extracts chosen by the embedder; synthetic: lognormal-length documents",
+    )
     g.add_argument("--requests", type=int, default=20, help="first turns in the headline trace")
-    g.add_argument("--corpus-docs", type=int, default=1000,
-                   help="articles retrieval searches (or synthetic documents made)")
+    g.add_argument(
+        "--corpus-docs", type=int, default=1000, help="articles retrieval searches (or synthetic documents made)"
+    )
     g.add_argument("--min-docs", type=int, default=3, help="documents per request, at least")
     g.add_argument("--max-docs", type=int, default=5, help="documents per request, at most")
-    g.add_argument("--zipf", type=float, default=None,
-                   help="topic popularity exponent (default: calibrated so 3%% of topics draw 60%%)")
-    g.add_argument("--max-doc-chars", type=int, default=600,
-                   help="cut Wikipedia extracts to this many characters (whole sentences); 0: no cut")
+    g.add_argument(
+        "--zipf",
+        type=float,
+        default=None,
+        help="topic popularity exponent (default: calibrated so 3%% of topics draw 60%%)",
+    )
+    g.add_argument(
+        "--max-doc-chars",
+        type=int,
+        default=600,
+        help="cut Wikipedia extracts to this many characters (whole sentences); 0: no cut",
+    )
     g.add_argument("--followups", type=int, default=0, help="follow-up turns per session")
     g.add_argument("--max-new-tokens", type=int, default=8, help="output tokens per request (greedy)")
     g.add_argument("--seed", type=int, default=0, help="seeds documents, questions and arrivals")
-    g.add_argument("--doc-order", choices=["retrieval", "shuffled"], default="retrieval",
-                   help="retrieval: each request lists its documents as retrieved (a topic's neighbours in "
-                        "the same order); shuffled: each request in its own order (documents recur in random order)")
-    g.add_argument("--unique-docs", action="store_true",
-                   help="no document in two first turns (retrieval source): only the system prompt recurs "
-                        "(follow-ups keep their session's documents)")
+    g.add_argument(
+        "--doc-order",
+        choices=["retrieval", "shuffled"],
+        default="retrieval",
+        help="retrieval: each request lists its documents as retrieved (a topic's neighbours in "
+        "the same order); shuffled: each request in its own order (documents recur in random order)",
+    )
+    g.add_argument(
+        "--unique-docs",
+        action="store_true",
+        help="no document in two first turns (retrieval source): only the system prompt recurs "
+        "(follow-ups keep their session's documents)",
+    )
 
 
 def workload_params(args: argparse.Namespace, **overrides) -> WorkloadParams:
     params = WorkloadParams(
-        source=args.source, num_requests=args.requests, corpus_docs=args.corpus_docs,
-        min_docs=args.min_docs, max_docs=args.max_docs, zipf_exponent=args.zipf,
-        max_doc_chars=args.max_doc_chars or None, followups=args.followups,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, doc_order=args.doc_order, unique_docs=args.unique_docs)
+        source=args.source,
+        num_requests=args.requests,
+        corpus_docs=args.corpus_docs,
+        min_docs=args.min_docs,
+        max_docs=args.max_docs,
+        zipf_exponent=args.zipf,
+        max_doc_chars=args.max_doc_chars or None,
+        followups=args.followups,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        doc_order=args.doc_order,
+        unique_docs=args.unique_docs,
+    )
     return replace(params, **overrides)
 
 
@@ -104,8 +133,9 @@ class Model:
         whole = self._render(trace.messages(request, answers))
         if not whole.startswith(head):  # a template that re-renders earlier turns: no shared prefix
             return self.encode(trace.messages(request, answers)), []
-        return list(first.input_ids) + self.tokenizer.encode(whole[len(head):], add_special_tokens=False), \
-            list(first.doc_bounds)
+        return list(first.input_ids) + self.tokenizer.encode(whole[len(head) :], add_special_tokens=False), list(
+            first.doc_bounds
+        )
 
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes per token as served: layers x (K, V) x KV heads x head dim x the
@@ -131,26 +161,36 @@ def trace_shape(trace: Trace, model: Model, chunk_size: int) -> dict[str, int]:
     turns = 1 + trace.params.followups
     # A follow-up's prompt: its first turn's, plus each earlier answer and question.
     per_turn = trace.params.max_new_tokens + 64
-    return {"longest": max(map(len, prompts)) + (turns - 1) * per_turn,
-            "total": sum(map(len, prompts)) * turns + sum(range(turns)) * per_turn * len(prompts),
-            "working_set": working_set_tokens(prompts, chunk_size)}
+    return {
+        "longest": max(map(len, prompts)) + (turns - 1) * per_turn,
+        "total": sum(map(len, prompts)) * turns + sum(range(turns)) * per_turn * len(prompts),
+        "working_set": working_set_tokens(prompts, chunk_size),
+    }
 
 
-def budgets_for(shape: dict[str, int], pool_fraction: float, host_fraction: float, chunk_size: int,
-                bytes_per_token: int) -> Budgets:
+def budgets_for(
+    shape: dict[str, int], pool_fraction: float, host_fraction: float, chunk_size: int, bytes_per_token: int
+) -> Budgets:
     """Device pool at ``pool_fraction`` of the working set (never below one longest prompt
     plus slack), host memory at ``host_fraction`` of it, disk enough for all of it."""
     pool = max(int(shape["working_set"] * pool_fraction), shape["longest"] + SLACK_TOKENS)
     host_gb = max(shape["working_set"] * host_fraction * bytes_per_token / 2**30, 0.05)
     ssd_gb = max(4 * shape["working_set"] * bytes_per_token / 2**30, 1.0)
-    return Budgets(device_pool_tokens=pool, oracle_pool_tokens=2 * shape["total"] + 4 * shape["longest"],
-                   host_gb=round(host_gb, 3), ssd_gb=round(ssd_gb, 2),
-                   context_length=shape["longest"] + SLACK_TOKENS, kv_bytes_per_token=bytes_per_token,
-                   chunk_size=chunk_size, page_size=chunk_size)
+    return Budgets(
+        device_pool_tokens=pool,
+        oracle_pool_tokens=2 * shape["total"] + 4 * shape["longest"],
+        host_gb=round(host_gb, 3),
+        ssd_gb=round(ssd_gb, 2),
+        context_length=shape["longest"] + SLACK_TOKENS,
+        kv_bytes_per_token=bytes_per_token,
+        chunk_size=chunk_size,
+        page_size=chunk_size,
+    )
 
 
-def batch_pool_budgets(shape: dict[str, int], batch_prompts: int, host_fraction: float, chunk_size: int,
-                       bytes_per_token: int) -> tuple[Budgets, float]:
+def batch_pool_budgets(
+    shape: dict[str, int], batch_prompts: int, host_fraction: float, chunk_size: int, bytes_per_token: int
+) -> tuple[Budgets, float]:
     """Budgets whose device pool holds ``batch_prompts`` of the trace's longest prompts (plus
     slack), so several requests batch while the working set stays larger; and that pool as
     a fraction of the working set."""

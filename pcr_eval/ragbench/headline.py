@@ -107,7 +107,7 @@ def shuffled_prompt(ids: Sequence[int], bounds: Sequence[int], rng: random.Rando
     order = list(range(len(docs)))
     while order == sorted(order):
         rng.shuffle(order)
-    out: list[int] = list(ids[:bounds[0]])
+    out: list[int] = list(ids[: bounds[0]])
     for i, (start, end) in enumerate(zip(bounds[::2], bounds[1::2])):
         out += docs[order[i]]
         following = bounds[2 * i + 2] if 2 * i + 2 < len(bounds) else len(ids)
@@ -115,8 +115,9 @@ def shuffled_prompt(ids: Sequence[int], bounds: Sequence[int], rng: random.Rando
     return out
 
 
-def measure_reference(model: Model, trace: Trace, budgets: Budgets, work_dir: Path, seed: int
-                      ) -> tuple[Capacity, Reference]:
+def measure_reference(
+    model: Model, trace: Trace, budgets: Budgets, work_dir: Path, seed: int
+) -> tuple[Capacity, Reference]:
     """One ``--disable-radix-cache`` server: every request at once (the capacity, and full
     prefill's answers), then every request with its documents shuffled, one at a time."""
     run = plan_run("nocache", budgets, trace, 1e6, "reference", 0.0, work_dir)
@@ -128,16 +129,21 @@ def measure_reference(model: Model, trace: Trace, budgets: Budgets, work_dir: Pa
             shuffled: dict[str, list[int]] = {}
             for request in trace.first_turns():
                 ids, bounds = model.prompt(trace, request, {})
-                reply = server.generate({"input_ids": shuffled_prompt(ids, bounds, rng), "sampling_params": {
-                    "temperature": 0.0, "max_new_tokens": request.max_new_tokens}})
+                reply = server.generate(
+                    {
+                        "input_ids": shuffled_prompt(ids, bounds, rng),
+                        "sampling_params": {"temperature": 0.0, "max_new_tokens": request.max_new_tokens},
+                    }
+                )
                 shuffled[request.rid] = list(reply.get("output_ids") or [])
         finally:
             servers.release(0, server)
     return capacity, Reference({r.rid: r.output_ids for r in records}, shuffled)
 
 
-def agreement(outputs: dict[str, list[int]], reference: dict[str, list[int]],
-              decode: Any) -> dict[str, Optional[float]]:
+def agreement(
+    outputs: dict[str, list[int]], reference: dict[str, list[int]], decode: Any
+) -> dict[str, Optional[float]]:
     """Mean token F1 of ``outputs`` against ``reference`` (decoded answers, SQuAD's
     normalization) and the share identical token for token, over the requests both have."""
     from pcr_eval.scores import token_f1
@@ -162,16 +168,25 @@ def run_row(run: RunResult, load: float, reference: Reference, decode: Any) -> d
     def stat(values: list[float], q: float) -> Optional[float]:
         return percentile(values, q) if values else None
 
-    return {"config": run.config, "load": load, "rate": run.rate, "requests": len(run.records),
-            "failed": len(run.records) - len(ok),
-            "ttft_median_ms": stat(ttft, 50), "ttft_p99_ms": stat(ttft, 99),
-            "ttft_mean_ms": statistics.mean(ttft) if ttft else None,
-            "e2e_p99_ms": stat(e2e, 99), "reused_tokens": cached, "prompt_tokens": prompt,
-            "reused_share": cached / prompt if prompt else None,
-            "f1_vs_full": answers["f1"], "identical_to_full": answers["identical"],
-            # Document reuse's own counters (warm-ups, documents reused, requests refused): in
-            # headline.json, where a configuration's cost is read.
-            "doc_reuse_counters": ((run.server_state or {}).get("doc_reuse") or {}).get("counters")}
+    return {
+        "config": run.config,
+        "load": load,
+        "rate": run.rate,
+        "requests": len(run.records),
+        "failed": len(run.records) - len(ok),
+        "ttft_median_ms": stat(ttft, 50),
+        "ttft_p99_ms": stat(ttft, 99),
+        "ttft_mean_ms": statistics.mean(ttft) if ttft else None,
+        "e2e_p99_ms": stat(e2e, 99),
+        "reused_tokens": cached,
+        "prompt_tokens": prompt,
+        "reused_share": cached / prompt if prompt else None,
+        "f1_vs_full": answers["f1"],
+        "identical_to_full": answers["identical"],
+        # Document reuse's own counters (warm-ups, documents reused, requests refused): in
+        # headline.json, where a configuration's cost is read.
+        "doc_reuse_counters": ((run.server_state or {}).get("doc_reuse") or {}).get("counters"),
+    }
 
 
 # Exact prefix reuse: where PCR's P99 edge over HiCache is read (pcr-device, PCR without its
@@ -203,16 +218,22 @@ def anatomy(run: RunResult, load: float) -> dict[str, Any]:
         for tier, tokens in r.cached_by_tier.items():
             tiers[tier] = tiers.get(tier, 0) + tokens
     row: dict[str, Any] = {
-        "config": run.config, "load": load, "ttft_p99_ms": percentile(ys, 99) if ys else None,
-        "ms_per_uncached_token": slope, "intercept_ms": intercept,
+        "config": run.config,
+        "load": load,
+        "ttft_p99_ms": percentile(ys, 99) if ys else None,
+        "ms_per_uncached_token": slope,
+        "intercept_ms": intercept,
         "uncached_mean": statistics.mean(xs) if xs else None,
         "slowest_ttft_ms": 1000 * slowest.ttft_s if slowest else None,
         "slowest_uncached": slowest.prompt_tokens - slowest.cached_tokens if slowest else None,
-        "slowest_wait_ms": (1000 * slowest.ttft_s - (intercept + slope * (slowest.prompt_tokens
-                                                                         - slowest.cached_tokens))
-                            if slowest and slope is not None and intercept is not None else None),
+        "slowest_wait_ms": (
+            1000 * slowest.ttft_s - (intercept + slope * (slowest.prompt_tokens - slowest.cached_tokens))
+            if slowest and slope is not None and intercept is not None
+            else None
+        ),
         "reused_by_tier": {t: v / prompt for t, v in sorted(tiers.items())} if prompt else {},
-        "queue_depth_mean": run.queue_depth_mean}
+        "queue_depth_mean": run.queue_depth_mean,
+    }
     state = run.server_state or {}
     steps = state.get("scheduler_step") or {}
     if steps:
@@ -222,16 +243,27 @@ def anatomy(run: RunResult, load: float) -> dict[str, Any]:
         row["iteration_p99_ms"] = (steps.get("iteration") or {}).get("p99_ms")
     ssd = (state.get("ssd") or {}).get("counters") or {}
     if ssd:
-        row["ssd"] = {k: ssd.get(k) for k in ("hit_chunks", "on_demand_reads", "prefetch_in_time", "prefetch_late",
-                                              "recompute_chosen_chunks", "bytes_read_on_demand")}
+        row["ssd"] = {
+            k: ssd.get(k)
+            for k in (
+                "hit_chunks",
+                "on_demand_reads",
+                "prefetch_in_time",
+                "prefetch_late",
+                "recompute_chosen_chunks",
+                "bytes_read_on_demand",
+            )
+        }
     return row
 
 
 def anatomy_table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["| load | config | TTFT P99 | ms per uncached token | intercept | uncached tokens, mean "
-             "| slowest: TTFT, uncached, above the line | reused by tier | queue | PCR step p50 / p99 "
-             "| iteration p50 / p99 | SSD: hits, on-demand reads, prefetch late |",
-             "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | --- | --- |"]
+    lines = [
+        "| load | config | TTFT P99 | ms per uncached token | intercept | uncached tokens, mean "
+        "| slowest: TTFT, uncached, above the line | reused by tier | queue | PCR step p50 / p99 "
+        "| iteration p50 / p99 | SSD: hits, on-demand reads, prefetch late |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | --- | --- |",
+    ]
     for r in rows:
         tiers = ", ".join(f"{t} {v:.0%}" for t, v in r["reused_by_tier"].items()) or "-"
         ssd = r.get("ssd") or {}
@@ -244,7 +276,8 @@ def anatomy_table(rows: Sequence[dict[str, Any]]) -> str:
             f"| {_fmt(r.get('pcr_step_p50_ms'), '{:g}')} / {_fmt(r.get('pcr_step_p99_ms'), '{:g}')} ms "
             f"| {_fmt(r.get('iteration_p50_ms'), '{:g}')} / {_fmt(r.get('iteration_p99_ms'), '{:g}')} ms "
             f"| {_fmt(ssd.get('hit_chunks'), '{}')}, {_fmt(ssd.get('on_demand_reads'), '{}')}, "
-            f"{_fmt(ssd.get('prefetch_late'), '{}')} |")
+            f"{_fmt(ssd.get('prefetch_late'), '{}')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -257,22 +290,40 @@ def check_targets(rows: Sequence[dict[str, Any]], noise_floor_f1: Optional[float
     for config in DOC_REUSE:
         mine, hicache = by.get((config, TARGET_LOAD)), by.get(("hicache", TARGET_LOAD))
         for figure, key in (("P99 TTFT", "ttft_p99_ms"), ("mean TTFT", "ttft_mean_ms")):
-            value = (hicache[key] / mine[key] if mine and hicache and mine[key] and hicache[key] else None)
-            checks.append({"what": f"{config} at {TARGET_LOAD:.0%} load: HiCache's {figure} / its own",
-                           "target": f">= {VS_HICACHE_TARGET:.1f}x", "value": value, "format": "{:.2f}x",
-                           "met": None if value is None else value >= VS_HICACHE_TARGET})
+            value = hicache[key] / mine[key] if mine and hicache and mine[key] and hicache[key] else None
+            checks.append(
+                {
+                    "what": f"{config} at {TARGET_LOAD:.0%} load: HiCache's {figure} / its own",
+                    "target": f">= {VS_HICACHE_TARGET:.1f}x",
+                    "value": value,
+                    "format": "{:.2f}x",
+                    "met": None if value is None else value >= VS_HICACHE_TARGET,
+                }
+            )
         value = mine["f1_vs_full"] if mine else None
-        checks.append({"what": f"{config} at {TARGET_LOAD:.0%} load: answers' F1 vs full prefill",
-                       "target": f">= noise floor ({'-' if noise_floor_f1 is None else f'{noise_floor_f1:.3f}'})",
-                       "value": value, "format": "{:.3f}",
-                       "met": None if value is None or noise_floor_f1 is None else value >= noise_floor_f1})
+        checks.append(
+            {
+                "what": f"{config} at {TARGET_LOAD:.0%} load: answers' F1 vs full prefill",
+                "target": f">= noise floor ({'-' if noise_floor_f1 is None else f'{noise_floor_f1:.3f}'})",
+                "value": value,
+                "format": "{:.3f}",
+                "met": None if value is None or noise_floor_f1 is None else value >= noise_floor_f1,
+            }
+        )
     for (config, load), row in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         radix = by.get(("radix", load))
         if not config.startswith("pcr") or radix is None or not radix["ttft_mean_ms"] or not row["ttft_mean_ms"]:
             continue
         value = row["ttft_mean_ms"] / radix["ttft_mean_ms"]
-        checks.append({"what": f"{config} at {load:.0%} load: mean TTFT / radix's", "target": "<= 1.00x",
-                       "value": value, "format": "{:.2f}x", "met": value <= 1.0})
+        checks.append(
+            {
+                "what": f"{config} at {load:.0%} load: mean TTFT / radix's",
+                "target": "<= 1.00x",
+                "value": value,
+                "format": "{:.2f}x",
+                "met": value <= 1.0,
+            }
+        )
     return checks
 
 
@@ -282,49 +333,74 @@ def _fmt(value: Any, pattern: str) -> str:
 
 def table(rows: Sequence[dict[str, Any]], noise_floor: dict[str, Optional[float]]) -> str:
     """The headline table, as the README shows it."""
-    lines = ["| load | config | TTFT median | TTFT P99 | E2E P99 | prompt tokens reused | failed "
-             "| F1 vs full prefill | identical |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| load | config | TTFT median | TTFT P99 | E2E P99 | prompt tokens reused | failed "
+        "| F1 vs full prefill | identical |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         lines.append(
             f"| {r['load']:.0%} ({r['rate']:.2f}/s) | {r['config']} | {_fmt(r['ttft_median_ms'], '{:.0f} ms')} "
             f"| {_fmt(r['ttft_p99_ms'], '{:.0f} ms')} | {_fmt(r['e2e_p99_ms'], '{:.0f} ms')} "
             f"| {_fmt(r['reused_share'], '{:.0%}')} | {r['failed']} | {_fmt(r['f1_vs_full'], '{:.3f}')} "
-            f"| {_fmt(r['identical_to_full'], '{:.0%}')} |")
-    lines.append(f"| | full prefill, documents shuffled (noise floor) | | | | | "
-                 f"| {_fmt(noise_floor['f1'], '{:.3f}')} | {_fmt(noise_floor['identical'], '{:.0%}')} |")
+            f"| {_fmt(r['identical_to_full'], '{:.0%}')} |"
+        )
+    lines.append(
+        f"| | full prefill, documents shuffled (noise floor) | | | | | "
+        f"| {_fmt(noise_floor['f1'], '{:.3f}')} | {_fmt(noise_floor['identical'], '{:.0%}')} |"
+    )
     return "\n".join(lines) + "\n"
 
 
-def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], noise_floor: dict[str, Optional[float]],
-             checks: Sequence[dict[str, Any]], anatomy_rows: Sequence[dict[str, Any]] = ()) -> str:
-    lines = [f"# Headline: document reuse against HiCache on the retrieval trace ({meta['date']})", "",
-             f"`{meta['command']}` on {meta['commit']}: {meta['machine']}, {meta['elapsed_s'] / 60:.1f} min.", "",
-             f"- model: {meta['model']}",
-             f"- trace: {meta['trace']}",
-             f"- device pool {meta['pool_tokens']} tokens (the working set is {meta['working_set_over_pool']:.1f}x "
-             f"it); host {meta['host_gb']:g} GB and disk {meta['ssd_gb']:g} GB for every tiered configuration",
-             f"- no-cache capacity {meta['capacity_rps']:.3f} requests/s ("
-             + (f"{meta['capacity_requests']} at once in {meta['capacity_makespan_s']:.1f} s"
-                if meta.get("capacity_measured", True) else "given with --capacity-rps")
-             + "); loads "
-             + ", ".join(f"{load:.0%} = {rate:.3f}/s" for load, rate in meta["rates"].items()),
-             "", table(rows, noise_floor),
-             "F1: SQuAD token F1 of each greedy answer against full prefill's answer to the same request "
-             "(a `--disable-radix-cache` server), averaged; the noise floor is full prefill's own answer with "
-             "the request's documents shuffled. P99 over this few requests is the slowest one or two.", "",
-             "Targets:", ""]
+def markdown(
+    meta: dict[str, Any],
+    rows: Sequence[dict[str, Any]],
+    noise_floor: dict[str, Optional[float]],
+    checks: Sequence[dict[str, Any]],
+    anatomy_rows: Sequence[dict[str, Any]] = (),
+) -> str:
+    lines = [
+        f"# Headline: document reuse against HiCache on the retrieval trace ({meta['date']})",
+        "",
+        f"`{meta['command']}` on {meta['commit']}: {meta['machine']}, {meta['elapsed_s'] / 60:.1f} min.",
+        "",
+        f"- model: {meta['model']}",
+        f"- trace: {meta['trace']}",
+        f"- device pool {meta['pool_tokens']} tokens (the working set is {meta['working_set_over_pool']:.1f}x "
+        f"it); host {meta['host_gb']:g} GB and disk {meta['ssd_gb']:g} GB for every tiered configuration",
+        f"- no-cache capacity {meta['capacity_rps']:.3f} requests/s ("
+        + (
+            f"{meta['capacity_requests']} at once in {meta['capacity_makespan_s']:.1f} s"
+            if meta.get("capacity_measured", True)
+            else "given with --capacity-rps"
+        )
+        + "); loads "
+        + ", ".join(f"{load:.0%} = {rate:.3f}/s" for load, rate in meta["rates"].items()),
+        "",
+        table(rows, noise_floor),
+        "F1: SQuAD token F1 of each greedy answer against full prefill's answer to the same request "
+        "(a `--disable-radix-cache` server), averaged; the noise floor is full prefill's own answer with "
+        "the request's documents shuffled. P99 over this few requests is the slowest one or two.",
+        "",
+        "Targets:",
+        "",
+    ]
     for c in checks:
         verdict = "not measured" if c["met"] is None else ("met" if c["met"] else "MISSED")
         lines.append(f"- {c['what']} {c['target']}: {_fmt(c['value'], c['format'])} ({verdict})")
     if anatomy_rows:
-        lines += ["", "## Prefix-only: where the TTFT goes", "",
-                  "Each run's TTFT against its requests' uncached prompt tokens, as a least-squares line over all "
-                  "but the slowest request: the slope "
-                  "is the prefill cost per token, the intercept what a request with nothing to compute waits; the "
-                  "slowest request's distance above the line is its waiting (queue, reads, scheduling). PCR's "
-                  "step is its own work in each scheduler iteration (histogram bucket edges).", "",
-                  anatomy_table(anatomy_rows)]
+        lines += [
+            "",
+            "## Prefix-only: where the TTFT goes",
+            "",
+            "Each run's TTFT against its requests' uncached prompt tokens, as a least-squares line over all "
+            "but the slowest request: the slope "
+            "is the prefill cost per token, the intercept what a request with nothing to compute waits; the "
+            "slowest request's distance above the line is its waiting (queue, reads, scheduling). PCR's "
+            "step is its own work in each scheduler iteration (histogram bucket edges).",
+            "",
+            anatomy_table(anatomy_rows),
+        ]
     if meta.get("failed_runs"):
         lines += ["", "Failed runs: " + "; ".join(meta["failed_runs"])]
     return "\n".join(lines) + "\n"
@@ -340,8 +416,11 @@ def plot(rows: Sequence[dict[str, Any]], out_dir: Path) -> Optional[Path]:
     configs = list(dict.fromkeys(r["config"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for config in configs:
-        points = sorted((r["rate"], r["ttft_median_ms"], r["ttft_p99_ms"]) for r in rows
-                        if r["config"] == config and r["ttft_median_ms"] is not None)
+        points = sorted(
+            (r["rate"], r["ttft_median_ms"], r["ttft_p99_ms"])
+            for r in rows
+            if r["config"] == config and r["ttft_median_ms"] is not None
+        )
         for ax, index in zip(axes, (1, 2)):
             ax.plot([p[0] for p in points], [p[index] / 1000 for p in points], marker="o", label=config)
     for ax, title in zip(axes, ("median TTFT", "P99 TTFT")):
@@ -382,13 +461,22 @@ def merge(run_dirs: Sequence[Path], out_dir: Path) -> int:
     noise_floor = runs[0]["noise_floor"]
     checks = check_targets(merged, noise_floor["f1"])
     first = runs[0]["meta"]
-    meta = {**first, "command": " + ".join(f"`{r['meta']['command']}` ({r['meta']['commit']})" for r in runs),
-            "rates": {float(k): v for r in runs for k, v in r["meta"]["rates"].items()},
-            "elapsed_s": sum(r["meta"]["elapsed_s"] for r in runs), "failed_runs": failed,
-            "commit": "the commits named beside each command"}
+    meta = {
+        **first,
+        "command": " + ".join(f"`{r['meta']['command']}` ({r['meta']['commit']})" for r in runs),
+        "rates": {float(k): v for r in runs for k, v in r["meta"]["rates"].items()},
+        "elapsed_s": sum(r["meta"]["elapsed_s"] for r in runs),
+        "failed_runs": failed,
+        "commit": "the commits named beside each command",
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
-    text = markdown(meta, merged, noise_floor, checks,
-                    sorted(anatomy_rows.values(), key=lambda r: (r["load"], order.get(r["config"], len(order)))))
+    text = markdown(
+        meta,
+        merged,
+        noise_floor,
+        checks,
+        sorted(anatomy_rows.values(), key=lambda r: (r["load"], order.get(r["config"], len(order)))),
+    )
     text = text.replace(f"`{meta['command']}` on {meta['commit']}", f"Merged from {meta['command']}", 1)
     if replaced:
         text += f"\nRows replaced by a later run: {', '.join(replaced)}.\n"
@@ -401,31 +489,59 @@ def merge(run_dirs: Sequence[Path], out_dir: Path) -> int:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--merge"]:
         end = argv.index("--out") if "--out" in argv else len(argv)
-        dirs, out = [Path(a) for a in argv[1:end]], argv[end + 1:end + 2]
+        dirs, out = [Path(a) for a in argv[1:end]], argv[end + 1 : end + 2]
         if len(dirs) < 2 or len(out) != 1 or Path(out[0]) in dirs:
             raise SystemExit("usage: python -m bench.ragbench headline --merge RUN_DIR RUN_DIR... --out DIR")
         return merge(dirs, Path(out[0]))
     intro, _, details = (__doc__ or "").partition("\n\n")
-    parser = argparse.ArgumentParser(prog="python -m bench.ragbench headline", description=intro,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=details)
-    parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK_REQUESTS} requests at {QUICK_LOADS[0] * 100:.0f}%% of the capacity only")
-    parser.add_argument("--out", type=Path,
-                        default=Path(f"bench/results/{datetime.date.today().isoformat()}/headline"),
-                        help="where the reports, plot, trace and server logs go "
-                             "(default: bench/results/<today>/headline)")
-    parser.add_argument("--configs", type=config_list, default=HEADLINE_CONFIGS,
-                        help=f"comma-separated configurations (default: {','.join(HEADLINE_CONFIGS)})")
-    parser.add_argument("--loads", type=float_list, default=None,
-                        help="fractions of the no-cache capacity (default 0.3,0.6,0.9; --quick: 0.6)")
-    parser.add_argument("--batch-prompts", type=int, default=3,
-                        help="device pool in longest prompts (plus slack): how many requests can batch")
-    parser.add_argument("--host-fraction", type=float, default=0.25,
-                        help="host memory (PCR and HiCache alike) as a fraction of the working set")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.ragbench headline",
+        description=intro,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=details,
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_REQUESTS} requests at {QUICK_LOADS[0] * 100:.0f}%% of the capacity only",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(f"bench/results/{datetime.date.today().isoformat()}/headline"),
+        help="where the reports, plot, trace and server logs go (default: bench/results/<today>/headline)",
+    )
+    parser.add_argument(
+        "--configs",
+        type=config_list,
+        default=HEADLINE_CONFIGS,
+        help=f"comma-separated configurations (default: {','.join(HEADLINE_CONFIGS)})",
+    )
+    parser.add_argument(
+        "--loads",
+        type=float_list,
+        default=None,
+        help="fractions of the no-cache capacity (default 0.3,0.6,0.9; --quick: 0.6)",
+    )
+    parser.add_argument(
+        "--batch-prompts",
+        type=int,
+        default=3,
+        help="device pool in longest prompts (plus slack): how many requests can batch",
+    )
+    parser.add_argument(
+        "--host-fraction",
+        type=float,
+        default=0.25,
+        help="host memory (PCR and HiCache alike) as a fraction of the working set",
+    )
     parser.add_argument("--chunk-size", type=int, default=16, help="PCR chunk and HiCache page, in tokens")
-    parser.add_argument("--capacity-rps", type=float, default=None,
-                        help="use this no-cache capacity instead of the measured one (the reference answers "
-                             "are measured either way)")
+    parser.add_argument(
+        "--capacity-rps",
+        type=float,
+        default=None,
+        help="use this no-cache capacity instead of the measured one (the reference answers are measured either way)",
+    )
     workload_args(parser)
     parser.set_defaults(requests=None, max_new_tokens=16)
     args = parser.parse_args(argv)
@@ -433,8 +549,10 @@ def main(argv: list[str]) -> int:
     if any(not 0 < load <= 2 for load in loads):
         parser.error("--loads: fractions of the capacity in (0, 2]")
     if args.followups:
-        parser.error("--followups: the headline measures first turns (a follow-up's prompt holds each server's own "
-                     "earlier answers, so its answers are not the same requests'); use python -m bench.ragbench")
+        parser.error(
+            "--followups: the headline measures first turns (a follow-up's prompt holds each server's own "
+            "earlier answers, so its answers are not the same requests'); use python -m bench.ragbench"
+        )
     if args.batch_prompts < 1 or (args.capacity_rps is not None and args.capacity_rps <= 0):
         parser.error("--batch-prompts must be >= 1 and --capacity-rps > 0")
     if args.requests is None:
@@ -453,25 +571,35 @@ def main(argv: list[str]) -> int:
     trace = make_trace(workload_params(args), count_tokens=model.count_tokens)
     save_trace(trace, out_dir / "trace.jsonl")
     shape = trace_shape(trace, model, args.chunk_size)
-    budgets, fraction = batch_pool_budgets(shape, args.batch_prompts, args.host_fraction, args.chunk_size,
-                                           model.kv_bytes_per_token())
+    budgets, fraction = batch_pool_budgets(
+        shape, args.batch_prompts, args.host_fraction, args.chunk_size, model.kv_bytes_per_token()
+    )
     budgets = replace(budgets, context_length=max(budgets.context_length, CALIBRATED_CONTEXT_LENGTH))
     pool_tokens = budgets.device_pool_tokens
-    logger.info("pool %d tokens; working set %d tokens (%.1fx the pool)", pool_tokens, shape["working_set"],
-                shape["working_set"] / pool_tokens)
+    logger.info(
+        "pool %d tokens; working set %d tokens (%.1fx the pool)",
+        pool_tokens,
+        shape["working_set"],
+        shape["working_set"] / pool_tokens,
+    )
     if "hicache" in args.configs:
         build_hicache_extension()
     measured, reference = measure_reference(model, trace, budgets, work, args.seed)
-    capacity = measured if args.capacity_rps is None else Capacity(
-        len(trace.first_turns()), len(trace.first_turns()) / args.capacity_rps)
+    capacity = (
+        measured
+        if args.capacity_rps is None
+        else Capacity(len(trace.first_turns()), len(trace.first_turns()) / args.capacity_rps)
+    )
     rates = {load: round(load * capacity.rps, 4) for load in loads}
     logger.info("no-cache capacity %.3f requests/s: rates %s", capacity.rps, rates)
 
     planned = []
     for i, load in enumerate(loads):
         configs = args.configs if i % 2 == 0 else tuple(reversed(args.configs))
-        planned += [(load, plan_run(config, budgets, trace, rates[load], f"load-{load:g}", fraction, work))
-                    for config in configs]
+        planned += [
+            (load, plan_run(config, budgets, trace, rates[load], f"load-{load:g}", fraction, work))
+            for config in configs
+        ]
     runs: list[tuple[float, RunResult]] = []
     failed: list[str] = []
     servers = ServerPool(model.path, [run.plan for _, run in planned])
@@ -479,8 +607,14 @@ def main(argv: list[str]) -> int:
         for index, (load, run) in enumerate(planned):
             bar.set_description(f"{run.config} @{load:.0%}")
             try:
-                result = run_planned(run, servers, index, lambda r, a: model.prompt(trace, r, a), model.decode,
-                                     on_done=lambda: bar.update(1))
+                result = run_planned(
+                    run,
+                    servers,
+                    index,
+                    lambda r, a: model.prompt(trace, r, a),
+                    model.decode,
+                    on_done=lambda: bar.update(1),
+                )
             except (RuntimeError, TimeoutError, OSError, requests.RequestException) as e:
                 logger.error("%s at %.0f%% failed: %s", run.config, 100 * load, e)
                 reason = str(e).splitlines()[-1][:200] if str(e) else type(e).__name__
@@ -491,28 +625,47 @@ def main(argv: list[str]) -> int:
 
     noise_floor = agreement(reference.shuffled, reference.full, model.decode)
     order = {c: i for i, c in enumerate(args.configs)}
-    rows = sorted((run_row(run, load, reference, model.decode) for load, run in runs),
-                  key=lambda r: (r["load"], order[r["config"]]))
+    rows = sorted(
+        (run_row(run, load, reference, model.decode) for load, run in runs),
+        key=lambda r: (r["load"], order[r["config"]]),
+    )
     checks = check_targets(rows, noise_floor["f1"])
-    anatomy_rows = sorted((anatomy(run, load) for load, run in runs if run.config in PREFIX_CONFIGS),
-                          key=lambda r: (r["load"], order[r["config"]]))
+    anatomy_rows = sorted(
+        (anatomy(run, load) for load, run in runs if run.config in PREFIX_CONFIGS),
+        key=lambda r: (r["load"], order[r["config"]]),
+    )
     meta: dict[str, Any] = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
-        "command": "python -m bench.ragbench headline " + shlex.join(argv), "commit": _commit(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": "python -m bench.ragbench headline " + shlex.join(argv),
+        "commit": _commit(),
         "model": f"{Path(model.path).name} (the document-reuse tuned SmolLM2-135M-Instruct)",
-        "trace": (f"{len(trace.requests)} requests, {shape['working_set']} working-set tokens, longest prompt "
-                  f"{shape['longest']} tokens, documents in {trace.params.doc_order} order, "
-                  f"{trace.params.max_new_tokens} output tokens at most (greedy)"),
-        "pool_tokens": pool_tokens, "working_set_over_pool": shape["working_set"] / pool_tokens,
-        "host_gb": budgets.host_gb, "ssd_gb": budgets.ssd_gb, "capacity_rps": capacity.rps,
-        "capacity_requests": capacity.requests, "capacity_makespan_s": capacity.makespan_s,
-        "rates": rates, "failed_runs": failed, "headline_label": None, "capacity_measured": args.capacity_rps is None}
+        "trace": (
+            f"{len(trace.requests)} requests, {shape['working_set']} working-set tokens, longest prompt "
+            f"{shape['longest']} tokens, documents in {trace.params.doc_order} order, "
+            f"{trace.params.max_new_tokens} output tokens at most (greedy)"
+        ),
+        "pool_tokens": pool_tokens,
+        "working_set_over_pool": shape["working_set"] / pool_tokens,
+        "host_gb": budgets.host_gb,
+        "ssd_gb": budgets.ssd_gb,
+        "capacity_rps": capacity.rps,
+        "capacity_requests": capacity.requests,
+        "capacity_makespan_s": capacity.makespan_s,
+        "rates": rates,
+        "failed_runs": failed,
+        "headline_label": None,
+        "capacity_measured": args.capacity_rps is None,
+    }
     report = build_report([run for _, run in runs], meta)
     write_report(report, out_dir)
     meta["elapsed_s"] = time.monotonic() - started
-    (out_dir / "headline.json").write_text(json.dumps(
-        {"meta": meta, "rows": rows, "noise_floor": noise_floor, "targets": checks, "anatomy": anatomy_rows},
-        indent=1))
+    (out_dir / "headline.json").write_text(
+        json.dumps(
+            {"meta": meta, "rows": rows, "noise_floor": noise_floor, "targets": checks, "anatomy": anatomy_rows},
+            indent=1,
+        )
+    )
     text = markdown(meta, rows, noise_floor, checks, anatomy_rows)
     (out_dir / "headline.md").write_text(text)
     plot(rows, out_dir)

@@ -53,11 +53,21 @@ DEFAULT_CONFIGS = ("radix", "oracle", "pcr-docs", "pcr-blend-pre")
 LOW_LOAD, HIGH_LOAD = 0.5, 0.8
 # The targets at the 50% rate: reuse against the prefix oracle's, and mean TTFT
 # against the oracle's (precomputed corpus, lego or blend mode); reuse without precompute.
-TARGETS = (("pcr-blend-pre", "reuse_vs_oracle", ">=", 3.0),
-           ("pcr-blend-pre", "mean_vs_oracle", "<=", 1 / 3),
-           ("pcr-docs", "reuse_vs_oracle", ">=", 1.25))
-MEDIAN_FIELDS = ("ttft_mean_ms", "ttft_p99_ms", "hit_ratio", "reuse_vs_oracle", "mean_vs_radix", "mean_vs_oracle",
-                 "throughput_rps", "queue_depth_mean")
+TARGETS = (
+    ("pcr-blend-pre", "reuse_vs_oracle", ">=", 3.0),
+    ("pcr-blend-pre", "mean_vs_oracle", "<=", 1 / 3),
+    ("pcr-docs", "reuse_vs_oracle", ">=", 1.25),
+)
+MEDIAN_FIELDS = (
+    "ttft_mean_ms",
+    "ttft_p99_ms",
+    "hit_ratio",
+    "reuse_vs_oracle",
+    "mean_vs_radix",
+    "mean_vs_oracle",
+    "throughput_rps",
+    "queue_depth_mean",
+)
 
 
 @dataclass(frozen=True)
@@ -102,18 +112,26 @@ def medians(report: dict[str, Any]) -> list[dict[str, Any]]:
     for s in runs:
         same = {o["config"]: o for o in runs if o["label"] == s["label"] and o["rate"] == s["rate"]}
         oracle = same.get("oracle")
-        values = {"ttft_mean_ms": s["ttft_ms"]["mean"], "ttft_p99_ms": s["ttft_ms"]["p99"],
-                  "hit_ratio": s["hit_ratio"], "reuse_vs_oracle": s.get("reuse_vs_oracle"),
-                  "throughput_rps": s["throughput_rps"], "queue_depth_mean": s["queue_depth_mean"],
-                  "mean_vs_radix": (s["ttft_ms"]["mean"] / same["radix"]["ttft_ms"]["mean"]
-                                    if "radix" in same else None),
-                  "mean_vs_oracle": (s["ttft_ms"]["mean"] / oracle["ttft_ms"]["mean"] if oracle else None),
-                  "errors": s["errors"]}
+        values = {
+            "ttft_mean_ms": s["ttft_ms"]["mean"],
+            "ttft_p99_ms": s["ttft_ms"]["p99"],
+            "hit_ratio": s["hit_ratio"],
+            "reuse_vs_oracle": s.get("reuse_vs_oracle"),
+            "throughput_rps": s["throughput_rps"],
+            "queue_depth_mean": s["queue_depth_mean"],
+            "mean_vs_radix": (s["ttft_ms"]["mean"] / same["radix"]["ttft_ms"]["mean"] if "radix" in same else None),
+            "mean_vs_oracle": (s["ttft_ms"]["mean"] / oracle["ttft_ms"]["mean"] if oracle else None),
+            "errors": s["errors"],
+        }
         rows.setdefault((s["config"], s["rate"]), []).append(values)
     table = []
     for (config, rate), repeats in rows.items():
-        row: dict[str, Any] = {"config": config, "rate": rate, "repeats": len(repeats),
-                               "errors": sum(r["errors"] for r in repeats)}
+        row: dict[str, Any] = {
+            "config": config,
+            "rate": rate,
+            "repeats": len(repeats),
+            "errors": sum(r["errors"] for r in repeats),
+        }
         for name in MEDIAN_FIELDS:
             values = [r[name] for r in repeats if r[name] is not None]
             row[name] = statistics.median(values) if values else None
@@ -128,8 +146,9 @@ def check_targets(table: list[dict[str, Any]], low_rate: float) -> list[dict[str
         row = next((r for r in table if r["config"] == config and r["rate"] == low_rate), None)
         value = row.get(field_name) if row else None
         met = None if value is None else (value >= target if op == ">=" else value <= target)
-        checks.append({"config": config, "figure": field_name, "target": f"{op} {target:.2f}", "value": value,
-                       "met": met})
+        checks.append(
+            {"config": config, "figure": field_name, "target": f"{op} {target:.2f}", "value": value, "met": met}
+        )
     return checks
 
 
@@ -138,17 +157,22 @@ def _fmt(value: Any, pattern: str) -> str:
 
 
 def markdown(meta: dict[str, Any], table: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
-    lines = [f"# Document reuse at operating points ({meta['date']})", "",
-             f"Machine: {meta['machine']}. Command: `{meta['command']}`.", "",
-             f"- trace: {meta['trace']}",
-             f"- device pool: {meta['pool_tokens']} tokens ({meta['batch_prompts']} longest prompts; the working set "
-             f"is {meta['working_set_over_pool']:.1f}x the pool)",
-             f"- no-cache capacity: {meta['capacity_rps']:.2f} first turns/s ({meta['capacity_requests']} at once in "
-             f"{meta['capacity_makespan_s']:.1f} s); rates {meta['low_rate']:g} (50%) and {meta['high_rate']:g} (80%)",
-             f"- elapsed: {meta['elapsed_s'] / 60:.1f} min", "",
-             "| rate | config | repeats | TTFT mean (median) | range | P99 | hit ratio | reuse vs oracle | "
-             "mean vs radix | mean vs oracle | req/s | queue | errors |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Document reuse at operating points ({meta['date']})",
+        "",
+        f"Machine: {meta['machine']}. Command: `{meta['command']}`.",
+        "",
+        f"- trace: {meta['trace']}",
+        f"- device pool: {meta['pool_tokens']} tokens ({meta['batch_prompts']} longest prompts; the working set "
+        f"is {meta['working_set_over_pool']:.1f}x the pool)",
+        f"- no-cache capacity: {meta['capacity_rps']:.2f} first turns/s ({meta['capacity_requests']} at once in "
+        f"{meta['capacity_makespan_s']:.1f} s); rates {meta['low_rate']:g} (50%) and {meta['high_rate']:g} (80%)",
+        f"- elapsed: {meta['elapsed_s'] / 60:.1f} min",
+        "",
+        "| rate | config | repeats | TTFT mean (median) | range | P99 | hit ratio | reuse vs oracle | "
+        "mean vs radix | mean vs oracle | req/s | queue | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in table:
         low, high = r["ttft_mean_ms_range"] or (None, None)
         lines.append(
@@ -156,10 +180,17 @@ def markdown(meta: dict[str, Any], table: list[dict[str, Any]], checks: list[dic
             f"{_fmt(low, '{:.0f}')}-{_fmt(high, '{:.0f}')} | {_fmt(r['ttft_p99_ms'], '{:.0f}')} ms | "
             f"{_fmt(r['hit_ratio'], '{:.0%}')} | {_fmt(r['reuse_vs_oracle'], '{:.2f}x')} | "
             f"{_fmt(r['mean_vs_radix'], '{:.2f}x')} | {_fmt(r['mean_vs_oracle'], '{:.2f}x')} | "
-            f"{_fmt(r['throughput_rps'], '{:.2f}')} | {_fmt(r['queue_depth_mean'], '{:.1f}')} | {r['errors']} |")
-    lines += ["", "Medians over the repeats; ratios are taken within each repeat, then their median. "
-              "Reuse vs oracle: prompt tokens reused over what the oracle (a prefix cache that never evicts) "
-              "reused in the same repeat.", "", "Targets at the 50% rate:", ""]
+            f"{_fmt(r['throughput_rps'], '{:.2f}')} | {_fmt(r['queue_depth_mean'], '{:.1f}')} | {r['errors']} |"
+        )
+    lines += [
+        "",
+        "Medians over the repeats; ratios are taken within each repeat, then their median. "
+        "Reuse vs oracle: prompt tokens reused over what the oracle (a prefix cache that never evicts) "
+        "reused in the same repeat.",
+        "",
+        "Targets at the 50% rate:",
+        "",
+    ]
     for c in checks:
         verdict = "not measured" if c["met"] is None else ("met" if c["met"] else "MISSED")
         lines.append(f"- {c['config']} {c['figure']} {c['target']}: {_fmt(c['value'], '{:.2f}')} ({verdict})")
@@ -167,27 +198,46 @@ def markdown(meta: dict[str, Any], table: list[dict[str, Any]], checks: list[dic
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.ragbench operating-points",
-                                     description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--out", type=Path,
-                        default=Path(f"bench/results/{datetime.date.today().isoformat()}/ragbench-operating-points"),
-                        help="where the report, traces and server logs go "
-                             "(default: bench/results/<today>/ragbench-operating-points)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.ragbench operating-points",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(f"bench/results/{datetime.date.today().isoformat()}/ragbench-operating-points"),
+        help="where the report, traces and server logs go (default: bench/results/<today>/ragbench-operating-points)",
+    )
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (built offline)")
-    parser.add_argument("--configs", type=config_list, default=DEFAULT_CONFIGS,
-                        help="comma-separated configurations (default: %(default)s); the targets need "
-                             "oracle, pcr-docs and pcr-blend-pre")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs of each configuration at the 50%% rate (0: only the 80%% rate)")
+    parser.add_argument(
+        "--configs",
+        type=config_list,
+        default=DEFAULT_CONFIGS,
+        help="comma-separated configurations (default: %(default)s); the targets need "
+        "oracle, pcr-docs and pcr-blend-pre",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of each configuration at the 50%% rate (0: only the 80%% rate)"
+    )
     parser.add_argument("--high-repeats", type=int, default=1, help="runs of each configuration at the 80%% rate")
-    parser.add_argument("--batch-prompts", type=int, default=3,
-                        help="device pool in longest prompts (plus slack): how many requests can batch")
-    parser.add_argument("--host-fraction", type=float, default=0.25,
-                        help="host-memory budget (PCR) as a fraction of the working set")
+    parser.add_argument(
+        "--batch-prompts",
+        type=int,
+        default=3,
+        help="device pool in longest prompts (plus slack): how many requests can batch",
+    )
+    parser.add_argument(
+        "--host-fraction", type=float, default=0.25, help="host-memory budget (PCR) as a fraction of the working set"
+    )
     parser.add_argument("--chunk-size", type=int, default=16, help="PCR chunk, in tokens")
-    parser.add_argument("--capacity-rps", type=float, default=None,
-                        help="skip the capacity run and use this no-cache capacity (first turns/s)")
+    parser.add_argument(
+        "--capacity-rps",
+        type=float,
+        default=None,
+        help="skip the capacity run and use this no-cache capacity (first turns/s)",
+    )
     workload_args(parser)
     parser.set_defaults(requests=30)
     args = parser.parse_args(argv)
@@ -208,11 +258,16 @@ def main(argv: list[str]) -> int:
     trace = make_trace(workload_params(args), count_tokens=model.count_tokens)
     save_trace(trace, out_dir / "trace.jsonl")
     shape = trace_shape(trace, model, args.chunk_size)
-    budgets, fraction = batch_pool_budgets(shape, args.batch_prompts, args.host_fraction, args.chunk_size,
-                                           model.kv_bytes_per_token())
+    budgets, fraction = batch_pool_budgets(
+        shape, args.batch_prompts, args.host_fraction, args.chunk_size, model.kv_bytes_per_token()
+    )
     pool_tokens = budgets.device_pool_tokens
-    logger.info("pool %d tokens; working set %d tokens (%.1fx the pool)", pool_tokens, shape["working_set"],
-                shape["working_set"] / pool_tokens)
+    logger.info(
+        "pool %d tokens; working set %d tokens (%.1fx the pool)",
+        pool_tokens,
+        shape["working_set"],
+        shape["working_set"] / pool_tokens,
+    )
     if args.capacity_rps is None:
         capacity = measure_capacity(model, trace, budgets, work)
     else:
@@ -233,8 +288,14 @@ def main(argv: list[str]) -> int:
         for index, run in enumerate(planned):
             bar.set_description(f"{run.label} {run.config} @{run.rate:g}/s")
             try:
-                result = run_planned(run, servers, index, lambda r, a: model.prompt(trace, r, a), model.decode,
-                                     on_done=lambda: bar.update(1))
+                result = run_planned(
+                    run,
+                    servers,
+                    index,
+                    lambda r, a: model.prompt(trace, r, a),
+                    model.decode,
+                    on_done=lambda: bar.update(1),
+                )
             except (RuntimeError, TimeoutError, OSError, requests.RequestException) as e:
                 logger.error("%s %s @%g/s failed: %s", run.label, run.config, run.rate, e)
                 reason = str(e).splitlines()[-1][:200] if str(e) else type(e).__name__
@@ -243,23 +304,33 @@ def main(argv: list[str]) -> int:
             result.server_state["budgets"] = run.budgets.__dict__
             runs.append(result)
     meta: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(), "machine": machine(),
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
         "command": "python -m bench.ragbench operating-points " + shlex.join(argv),
-        "trace": (f"{len(trace.requests)} requests, {shape['working_set']} working-set tokens, longest prompt "
-                  f"{shape['longest']} tokens, Zipf {trace.stats['zipf_exponent']:.2f}, documents in "
-                  f"{trace.params.doc_order} order"),
-        "traces": {}, "pool_tokens": pool_tokens, "batch_prompts": args.batch_prompts,
+        "trace": (
+            f"{len(trace.requests)} requests, {shape['working_set']} working-set tokens, longest prompt "
+            f"{shape['longest']} tokens, Zipf {trace.stats['zipf_exponent']:.2f}, documents in "
+            f"{trace.params.doc_order} order"
+        ),
+        "traces": {},
+        "pool_tokens": pool_tokens,
+        "batch_prompts": args.batch_prompts,
         "working_set_over_pool": shape["working_set"] / pool_tokens,
-        "capacity_rps": capacity.rps, "capacity_requests": capacity.requests,
-        "capacity_makespan_s": capacity.makespan_s, "low_rate": low, "high_rate": high,
-        "failed_runs": failed}
+        "capacity_rps": capacity.rps,
+        "capacity_requests": capacity.requests,
+        "capacity_makespan_s": capacity.makespan_s,
+        "low_rate": low,
+        "high_rate": high,
+        "failed_runs": failed,
+    }
     report = build_report(runs, meta)
     write_report(report, out_dir)
     meta["elapsed_s"] = time.monotonic() - started
     table = medians(report)
     checks = check_targets(table, low)
-    (out_dir / "operating_points.json").write_text(json.dumps({"meta": meta, "table": table, "targets": checks},
-                                                              indent=1))
+    (out_dir / "operating_points.json").write_text(
+        json.dumps({"meta": meta, "table": table, "targets": checks}, indent=1)
+    )
     text = markdown(meta, table, checks)
     (out_dir / "operating_points.md").write_text(text)
     print(text)

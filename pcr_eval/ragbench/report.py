@@ -74,23 +74,31 @@ def summarize(run: RunResult, oracle: Optional[RunResult]) -> dict[str, Any]:
         for tier, tokens in r.cached_by_tier.items():
             tiers[tier] = tiers.get(tier, 0) + tokens
     summary: dict[str, Any] = {
-        "config": run.config, "rate": run.rate, "label": run.label, "pool_fraction": run.pool_fraction,
+        "config": run.config,
+        "rate": run.rate,
+        "label": run.label,
+        "pool_fraction": run.pool_fraction,
         "device_pool_tokens": (run.server_state.get("budgets") or {}).get(
-            "oracle_pool_tokens" if run.config == "oracle" else "device_pool_tokens"),
-        "requests": len(run.records), "errors": len(run.records) - len(ok),
+            "oracle_pool_tokens" if run.config == "oracle" else "device_pool_tokens"
+        ),
+        "requests": len(run.records),
+        "errors": len(run.records) - len(ok),
         "ttft_ms": {k: 1000 * v for k, v in _stats(ttft).items()},
         "e2e_ms": {k: 1000 * v for k, v in _stats(e2e).items()},
         "ttft_percentiles_ms": {str(q): 1000 * percentile(ttft, q) for q in PLOTTED_PERCENTILES},
         "itl_ms_mean": 1000 * statistics.mean(itl) if itl else None,
-        "prompt_tokens": prompt, "cached_tokens": cached,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
         "hit_ratio": cached / prompt if prompt else 0.0,
         "reuse_potential_tokens": potential,
         "reuse_vs_potential": cached / potential if potential else None,
         "hit_ratio_by_tier": {t: v / prompt for t, v in sorted(tiers.items())} if prompt else {},
         "throughput_rps": len(ok) / run.makespan_s if run.makespan_s else 0.0,
         "output_tokens_per_s": sum(len(r.output_ids) for r in ok) / run.makespan_s if run.makespan_s else 0.0,
-        "makespan_s": run.makespan_s, "startup_s": run.startup_s,
-        "queue_depth_mean": run.queue_depth_mean, "queue_depth_max": run.queue_depth_max,
+        "makespan_s": run.makespan_s,
+        "startup_s": run.startup_s,
+        "queue_depth_mean": run.queue_depth_mean,
+        "queue_depth_max": run.queue_depth_max,
         "prefetch_timeliness": (run.server_state.get("ssd") or {}).get("prefetch_timeliness"),
     }
     if oracle is not None:
@@ -100,8 +108,9 @@ def summarize(run: RunResult, oracle: Optional[RunResult]) -> dict[str, Any]:
         if run.config in APPROXIMATE_CONFIGS:
             summary["answers_match_oracle_share"] = sum(same) / len(same) if same else None
         else:
-            summary["outputs_match_oracle"] = (
-                [r.output_ids for r in run.records] == [r.output_ids for r in oracle.records])
+            summary["outputs_match_oracle"] = [r.output_ids for r in run.records] == [
+                r.output_ids for r in oracle.records
+            ]
         summary["cached_tokens"] = cached
         summary["oracle_cached_tokens"] = oracle_cached
     return summary
@@ -110,12 +119,17 @@ def summarize(run: RunResult, oracle: Optional[RunResult]) -> dict[str, Any]:
 def _stats(values: Sequence[float]) -> dict[str, float]:
     if not values:
         return {"mean": float("nan"), "p50": float("nan"), "p95": float("nan"), "p99": float("nan")}
-    return {"mean": statistics.mean(values), "p50": percentile(values, 50),
-            "p95": percentile(values, 95), "p99": percentile(values, 99)}
+    return {
+        "mean": statistics.mean(values),
+        "p50": percentile(values, 50),
+        "p95": percentile(values, 95),
+        "p99": percentile(values, 99),
+    }
 
 
 def build_report(runs: Sequence[RunResult], meta: dict[str, Any]) -> dict[str, Any]:
     """Summaries of every run, with each run checked against the oracle on its trace."""
+
     def oracle_for(run: RunResult) -> Optional[RunResult]:
         """The oracle's run on the same trace, at the same rate when there is one."""
         candidates = [o for o in runs if o.config == "oracle" and o.label == run.label]
@@ -127,10 +141,16 @@ def build_report(runs: Sequence[RunResult], meta: dict[str, Any]) -> dict[str, A
     for s in summaries:
         if s["config"] != "pcr":
             continue
-        row = {"label": s["label"], "rate": s["rate"], "pool_fraction": s["pool_fraction"],
-               "pcr_ttft_mean_ms": s["ttft_ms"]["mean"], "pcr_ttft_p99_ms": s["ttft_ms"]["p99"],
-               "reuse_vs_potential": s["reuse_vs_potential"], "reuse_vs_oracle": s.get("reuse_vs_oracle"),
-               "queue_depth_mean": s["queue_depth_mean"]}
+        row = {
+            "label": s["label"],
+            "rate": s["rate"],
+            "pool_fraction": s["pool_fraction"],
+            "pcr_ttft_mean_ms": s["ttft_ms"]["mean"],
+            "pcr_ttft_p99_ms": s["ttft_ms"]["p99"],
+            "reuse_vs_potential": s["reuse_vs_potential"],
+            "reuse_vs_oracle": s.get("reuse_vs_oracle"),
+            "queue_depth_mean": s["queue_depth_mean"],
+        }
         for base in BASELINES:
             other = _find(summaries, base, s)
             if other is not None:
@@ -141,28 +161,44 @@ def build_report(runs: Sequence[RunResult], meta: dict[str, Any]) -> dict[str, A
     for s in summaries:
         if s["config"] not in APPROXIMATE_CONFIGS:
             continue
-        row = {"label": s["label"], "rate": s["rate"], "pool_fraction": s["pool_fraction"], "config": s["config"],
-               "ttft_mean_ms": s["ttft_ms"]["mean"], "ttft_p99_ms": s["ttft_ms"]["p99"],
-               "reuse_vs_oracle": s.get("reuse_vs_oracle"), "hit_ratio": s["hit_ratio"],
-               "answers_match_oracle_share": s.get("answers_match_oracle_share")}
+        row = {
+            "label": s["label"],
+            "rate": s["rate"],
+            "pool_fraction": s["pool_fraction"],
+            "config": s["config"],
+            "ttft_mean_ms": s["ttft_ms"]["mean"],
+            "ttft_p99_ms": s["ttft_ms"]["p99"],
+            "reuse_vs_oracle": s.get("reuse_vs_oracle"),
+            "hit_ratio": s["hit_ratio"],
+            "answers_match_oracle_share": s.get("answers_match_oracle_share"),
+        }
         for base in ("radix", "pcr", "oracle"):
             other = _find(summaries, base, s)
             if other is not None:
                 row[f"mean_vs_{base}"] = s["ttft_ms"]["mean"] / other["ttft_ms"]["mean"]
         doc_headline.append(row)
     checked = [s for s in summaries if "outputs_match_oracle" in s]
-    return {"meta": meta, "runs": summaries, "headline": headline, "doc_headline": doc_headline,
-            "outputs_identical": bool(checked) and all(s["outputs_match_oracle"] for s in checked),
-            "outputs_mismatched": [f"{s['label']}/{s['config']}@{s['rate']:g}" for s in checked
-                                   if not s["outputs_match_oracle"]]}
+    return {
+        "meta": meta,
+        "runs": summaries,
+        "headline": headline,
+        "doc_headline": doc_headline,
+        "outputs_identical": bool(checked) and all(s["outputs_match_oracle"] for s in checked),
+        "outputs_mismatched": [
+            f"{s['label']}/{s['config']}@{s['rate']:g}" for s in checked if not s["outputs_match_oracle"]
+        ],
+    }
 
 
 def _find(summaries: Sequence[dict[str, Any]], config: str, like: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The run of ``config`` on the same trace, rate and pool as ``like``. The oracle bounds
     reuse on a trace whatever the rate or pool: any of its runs on the trace will do."""
     for s in summaries:
-        if s["config"] == config and s["label"] == like["label"] and (
-                config == "oracle" or (s["rate"] == like["rate"] and s["pool_fraction"] == like["pool_fraction"])):
+        if (
+            s["config"] == config
+            and s["label"] == like["label"]
+            and (config == "oracle" or (s["rate"] == like["rate"] and s["pool_fraction"] == like["pool_fraction"]))
+        ):
             return s
     return None
 
@@ -176,15 +212,22 @@ def _fmt(value: Any, pattern: str = "{:.0f}") -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
-    lines = [f"# RAG serving benchmark ({meta.get('date', '')})", "",
-             f"Machine: {meta.get('machine', '')}. Model: {meta.get('model', '')}. "
-             f"Command: `{meta.get('command', '')}`.", ""]
+    lines = [
+        f"# RAG serving benchmark ({meta.get('date', '')})",
+        "",
+        f"Machine: {meta.get('machine', '')}. Model: {meta.get('model', '')}. Command: `{meta.get('command', '')}`.",
+        "",
+    ]
     for label, trace in meta.get("traces", {}).items():
         lines.append(f"- trace `{label}`: {trace}")
-    lines += ["", "## Headline: PCR against the baselines", "",
-              "| trace | pool | rate (req/s) | queue | PCR TTFT mean | P99 | reuse vs potential | vs oracle run | "
-              "mean vs radix | P99 vs radix | mean vs hicache | P99 vs hicache | mean vs oracle | P99 vs oracle |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "## Headline: PCR against the baselines",
+        "",
+        "| trace | pool | rate (req/s) | queue | PCR TTFT mean | P99 | reuse vs potential | vs oracle run | "
+        "mean vs radix | P99 vs radix | mean vs hicache | P99 vs hicache | mean vs oracle | P99 vs oracle |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for h in report["headline"]:
         lines.append(
             f"| {h['label']} | {h['pool_fraction']:.0%} | {h['rate']:g} | {h['queue_depth_mean']:.1f} | "
@@ -192,18 +235,24 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_fmt(h['pcr_ttft_p99_ms'])} ms | {_fmt(h['reuse_vs_potential'], '{:.1%}')} | "
             f"{_fmt(h.get('reuse_vs_oracle'), '{:.1%}')} | "
             + " | ".join(f"{_fmt(h.get(f'{k}_vs_{b}'), '{:.2f}x')}" for b in BASELINES for k in ("mean", "p99"))
-            + " |")
-    lines += ["", "Ratios are PCR's figure divided by the baseline's (below 1: PCR is faster). Reuse vs "
-              "potential: PCR's reused prompt tokens over what a never-evicting cache could reuse serving "
-              "the same requests one at a time; vs oracle run: over what the oracle server reused in "
-              "the same trace's run (the oracle admits concurrent requests that share a prefix into one "
-              "batch, so under load it can reuse less than a small pool that serialises them).", "",
-              *_doc_section(report),
-              "## All runs", "",
-              "| trace | pool (tokens) | config | rate | TTFT mean | P50 | P95 | P99 | E2E mean | P50 | P95 | P99 | "
-              "ITL | hit ratio (by tier) | reuse vs potential | vs oracle run | req/s | queue | timeliness | errors |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-              "| --- | --- | --- | --- |"]
+            + " |"
+        )
+    lines += [
+        "",
+        "Ratios are PCR's figure divided by the baseline's (below 1: PCR is faster). Reuse vs "
+        "potential: PCR's reused prompt tokens over what a never-evicting cache could reuse serving "
+        "the same requests one at a time; vs oracle run: over what the oracle server reused in "
+        "the same trace's run (the oracle admits concurrent requests that share a prefix into one "
+        "batch, so under load it can reuse less than a small pool that serialises them).",
+        "",
+        *_doc_section(report),
+        "## All runs",
+        "",
+        "| trace | pool (tokens) | config | rate | TTFT mean | P50 | P95 | P99 | E2E mean | P50 | P95 | P99 | "
+        "ITL | hit ratio (by tier) | reuse vs potential | vs oracle run | req/s | queue | timeliness | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+        "| --- | --- | --- | --- |",
+    ]
     for s in report["runs"]:
         t, e = s["ttft_ms"], s["e2e_ms"]
         tiers = ", ".join(f"{k} {v:.0%}" for k, v in s["hit_ratio_by_tier"].items())
@@ -214,33 +263,44 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_fmt(e['p99'])} | {_fmt(s['itl_ms_mean'])} | {s['hit_ratio']:.0%} ({tiers or '-'}) | "
             f"{_fmt(s['reuse_vs_potential'], '{:.1%}')} | {_fmt(s.get('reuse_vs_oracle'), '{:.1%}')} | "
             f"{s['throughput_rps']:.2f} | "
-            f"{s['queue_depth_mean']:.1f} | {_fmt(s['prefetch_timeliness'], '{:.0%}')} | {s['errors']} |")
-    lines += ["", "Latencies in ms. Hit ratio: cached prompt tokens over prompt tokens, split by the "
-              "tier SGLang reports (`device`, `host`, `storage`). Queue: mean of SGLang's "
-              "`sglang:num_queue_reqs` during the run.", ""]
+            f"{s['queue_depth_mean']:.1f} | {_fmt(s['prefetch_timeliness'], '{:.0%}')} | {s['errors']} |"
+        )
+    lines += [
+        "",
+        "Latencies in ms. Hit ratio: cached prompt tokens over prompt tokens, split by the "
+        "tier SGLang reports (`device`, `host`, `storage`). Queue: mean of SGLang's "
+        "`sglang:num_queue_reqs` during the run.",
+        "",
+    ]
     if meta.get("failed_runs"):
         lines += ["## Runs that failed", ""] + [f"- {f}" for f in meta["failed_runs"]] + [""]
     cross = meta.get("cross_check")
     if cross:
         w = cross["workload"]
-        lines += ["## Cross-check with `sglang.benchmark.serving`", "",
-                  f"generated-shared-prefix, {w['num_groups']} groups with Zipf alpha {w['zipf_alpha']:g}, "
-                  f"{w['prompts']} prompts ({w['system_prompt_len']}-token shared prefix + {w['question_len']}-token "
-                  f"question, {w['output_len']} output tokens) at {cross['rate']:g} req/s; device pool "
-                  f"{cross['budgets']['device_pool_tokens']} tokens. Figures from SGLang's client.", "",
-                  "| config | TTFT mean | P50 | P99 | E2E mean | P99 | req/s | completed | "
-                  "hit rate (device / host / storage tokens) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "## Cross-check with `sglang.benchmark.serving`",
+            "",
+            f"generated-shared-prefix, {w['num_groups']} groups with Zipf alpha {w['zipf_alpha']:g}, "
+            f"{w['prompts']} prompts ({w['system_prompt_len']}-token shared prefix + {w['question_len']}-token "
+            f"question, {w['output_len']} output tokens) at {cross['rate']:g} req/s; device pool "
+            f"{cross['budgets']['device_pool_tokens']} tokens. Figures from SGLang's client.",
+            "",
+            "| config | TTFT mean | P50 | P99 | E2E mean | P99 | req/s | completed | "
+            "hit rate (device / host / storage tokens) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for name, r in cross["configs"].items():
             if "error" in r:
                 lines.append(f"| {name} | failed: {r['error'][:80]} |  |  |  |  |  |  |  |")
                 continue
-            lines.append(f"| {name} | {_fmt(r['mean_ttft_ms'])} | {_fmt(r['median_ttft_ms'])} | "
-                         f"{_fmt(r['p99_ttft_ms'])} | {_fmt(r['mean_e2e_latency_ms'])} | "
-                         f"{_fmt(r['p99_e2e_latency_ms'])} | {_fmt(r['request_throughput'], '{:.2f}')} | "
-                         f"{_fmt(r['completed'])} | {_fmt(r.get('cache_hit_rate_pct'), '{:.1f}%')} "
-                         f"({_fmt(r.get('device_cached_tokens'))} / {_fmt(r.get('host_cached_tokens'))} / "
-                         f"{_fmt(r.get('storage_cached_tokens'))}) |")
+            lines.append(
+                f"| {name} | {_fmt(r['mean_ttft_ms'])} | {_fmt(r['median_ttft_ms'])} | "
+                f"{_fmt(r['p99_ttft_ms'])} | {_fmt(r['mean_e2e_latency_ms'])} | "
+                f"{_fmt(r['p99_e2e_latency_ms'])} | {_fmt(r['request_throughput'], '{:.2f}')} | "
+                f"{_fmt(r['completed'])} | {_fmt(r.get('cache_hit_rate_pct'), '{:.1f}%')} "
+                f"({_fmt(r.get('device_cached_tokens'))} / {_fmt(r.get('host_cached_tokens'))} / "
+                f"{_fmt(r.get('storage_cached_tokens'))}) |"
+            )
         lines.append("")
     if report["outputs_identical"]:
         lines.append("Outputs check: every configuration's greedy outputs match the oracle's, token for token.")
@@ -253,25 +313,33 @@ def _doc_section(report: dict[str, Any]) -> list[str]:
     rows = report.get("doc_headline") or []
     if not rows:
         return []
-    lines = ["## Document reuse (`--pcr-doc-reuse concat`)", "",
-             "| trace | pool | rate | config | hit ratio | reuse vs oracle run | TTFT mean | P99 | mean vs radix | "
-             "mean vs pcr | mean vs oracle | answers equal to the oracle's |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "## Document reuse (`--pcr-doc-reuse concat`)",
+        "",
+        "| trace | pool | rate | config | hit ratio | reuse vs oracle run | TTFT mean | P99 | mean vs radix | "
+        "mean vs pcr | mean vs oracle | answers equal to the oracle's |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for h in rows:
         lines.append(
             f"| {h['label']} | {h['pool_fraction']:.0%} | {h['rate']:g} | {h['config']} | {h['hit_ratio']:.0%} | "
             f"{_fmt(h.get('reuse_vs_oracle'), '{:.2f}x')} | {_fmt(h['ttft_mean_ms'])} ms | "
             f"{_fmt(h['ttft_p99_ms'])} ms | "
             + " | ".join(_fmt(h.get(f"mean_vs_{b}"), "{:.2f}x") for b in ("radix", "pcr", "oracle"))
-            + f" | {_fmt(h.get('answers_match_oracle_share'), '{:.0%}')} |")
-    lines += ["", "Reuse vs oracle run: prompt tokens reused over what the oracle (a prefix cache that never "
-              "evicts) reused on the same trace (recomputed document tokens are not reused ones). `-pre` "
-              "configurations start on a store filled with every trace document's canonical KV (then "
-              "restarted). `pcr-docs` is concat (no recompute), `pcr-blend` recomputes 15% of re-placed "
-              "tokens; both warm a document when it recurs (`-eager`: at its first sighting, before its "
-              "request; `-idle`: at its first sighting, after its request, when nothing else runs); answers "
-              "differ from full prefill's (see bench/README's accuracy table) and are not "
-              "part of the outputs check below.", ""]
+            + f" | {_fmt(h.get('answers_match_oracle_share'), '{:.0%}')} |"
+        )
+    lines += [
+        "",
+        "Reuse vs oracle run: prompt tokens reused over what the oracle (a prefix cache that never "
+        "evicts) reused on the same trace (recomputed document tokens are not reused ones). `-pre` "
+        "configurations start on a store filled with every trace document's canonical KV (then "
+        "restarted). `pcr-docs` is concat (no recompute), `pcr-blend` recomputes 15% of re-placed "
+        "tokens; both warm a document when it recurs (`-eager`: at its first sighting, before its "
+        "request; `-idle`: at its first sighting, after its request, when nothing else runs); answers "
+        "differ from full prefill's (see bench/README's accuracy table) and are not "
+        "part of the outputs check below.",
+        "",
+    ]
     return lines
 
 
@@ -301,8 +369,12 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     meta = report["meta"]
-    runs = [s for s in report["runs"] if s["label"] == meta.get("headline_label")
-            and s["pool_fraction"] == meta.get("headline_pool_fraction", s["pool_fraction"])]
+    runs = [
+        s
+        for s in report["runs"]
+        if s["label"] == meta.get("headline_label")
+        and s["pool_fraction"] == meta.get("headline_pool_fraction", s["pool_fraction"])
+    ]
     if not runs:
         return []
     configs = list(dict.fromkeys(s["config"] for s in runs))
@@ -310,8 +382,7 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for config in configs:
-        points = sorted((s["rate"], s["ttft_ms"]["mean"], s["ttft_ms"]["p99"]) for s in runs
-                        if s["config"] == config)
+        points = sorted((s["rate"], s["ttft_ms"]["mean"], s["ttft_ms"]["p99"]) for s in runs if s["config"] == config)
         axes[0].plot([p[0] for p in points], [p[1] for p in points], marker="o", label=config)
         axes[1].plot([p[0] for p in points], [p[2] for p in points], marker="o", label=config)
     for ax, title in zip(axes, ("mean TTFT", "P99 TTFT")):

@@ -48,9 +48,27 @@ from pcr_tools.models.smollm2 import TUNED_CALIBRATION
 
 logger = logging.getLogger(__name__)
 
-CONFIG_NAMES = ("radix", "nocache", "hicache", "oracle", "pcr", "pcr-docs", "pcr-docs-pre", "pcr-blend",
-                "pcr-blend-pre", "pcr-docs-eager", "pcr-docs-idle", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead",
-                "pcr-blend-cal", "pcr-blend-cal-pre", "pcr-blend-cal-idle", "pcr-reorder", "pcr-device")
+CONFIG_NAMES = (
+    "radix",
+    "nocache",
+    "hicache",
+    "oracle",
+    "pcr",
+    "pcr-docs",
+    "pcr-docs-pre",
+    "pcr-blend",
+    "pcr-blend-pre",
+    "pcr-docs-eager",
+    "pcr-docs-idle",
+    "pcr-layerwise",
+    "pcr-prefetch",
+    "pcr-lookahead",
+    "pcr-blend-cal",
+    "pcr-blend-cal-pre",
+    "pcr-blend-cal-idle",
+    "pcr-reorder",
+    "pcr-device",
+)
 # PCR with document reuse in any order: requests mark their documents; "docs" is concat
 # (no recompute), "blend" recomputes the default 15% of re-placed tokens (CacheBlend);
 # "-pre" first fills the store with every trace document's canonical KV (TurboRAG's
@@ -59,30 +77,39 @@ CONFIG_NAMES = ("radix", "nocache", "hicache", "oracle", "pcr", "pcr-docs", "pcr
 # document when it recurs, before the request that sees it again; "-eager" warms every
 # first sighting before its request; "-idle" every first sighting, after its request,
 # while nothing else is in flight.
-DOC_REUSE_CONFIGS = {"pcr-docs": ("--pcr-doc-reuse", "concat"), "pcr-docs-pre": ("--pcr-doc-reuse", "concat"),
-                     "pcr-blend": ("--pcr-doc-reuse", "blend"), "pcr-blend-pre": ("--pcr-doc-reuse", "blend"),
-                     "pcr-docs-eager": ("--pcr-doc-reuse", "concat", "--pcr-doc-warmup-after", "1"),
-                     "pcr-docs-idle": ("--pcr-doc-reuse", "concat", "--pcr-doc-warmup", "idle",
-                                       "--pcr-doc-warmup-after", "1"),
-                     # The tuned model's calibrated default (its committed calibration chooses the
-                     # mode's R and selector, and refuses other weights), and the exact mode that
-                     # serves documents in an order already cached.
-                     "pcr-blend-cal": ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration",
-                                       str(TUNED_CALIBRATION)),
-                     "pcr-blend-cal-pre": ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration",
-                                           str(TUNED_CALIBRATION)),
-                     # The same with warm-ups only while the server is idle: a request never
-                     # waits for its documents' warm-ups (what they cost under load, read
-                     # against pcr-blend-cal).
-                     "pcr-blend-cal-idle": ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration",
-                                            str(TUNED_CALIBRATION), "--pcr-doc-warmup", "idle"),
-                     "pcr-reorder": ("--pcr-doc-reuse", "reorder")}
+DOC_REUSE_CONFIGS = {
+    "pcr-docs": ("--pcr-doc-reuse", "concat"),
+    "pcr-docs-pre": ("--pcr-doc-reuse", "concat"),
+    "pcr-blend": ("--pcr-doc-reuse", "blend"),
+    "pcr-blend-pre": ("--pcr-doc-reuse", "blend"),
+    "pcr-docs-eager": ("--pcr-doc-reuse", "concat", "--pcr-doc-warmup-after", "1"),
+    "pcr-docs-idle": ("--pcr-doc-reuse", "concat", "--pcr-doc-warmup", "idle", "--pcr-doc-warmup-after", "1"),
+    # The tuned model's calibrated default (its committed calibration chooses the
+    # mode's R and selector, and refuses other weights), and the exact mode that
+    # serves documents in an order already cached.
+    "pcr-blend-cal": ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration", str(TUNED_CALIBRATION)),
+    "pcr-blend-cal-pre": ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration", str(TUNED_CALIBRATION)),
+    # The same with warm-ups only while the server is idle: a request never
+    # waits for its documents' warm-ups (what they cost under load, read
+    # against pcr-blend-cal).
+    "pcr-blend-cal-idle": (
+        "--pcr-doc-reuse",
+        "blend",
+        "--pcr-doc-reuse-calibration",
+        str(TUNED_CALIBRATION),
+        "--pcr-doc-warmup",
+        "idle",
+    ),
+    "pcr-reorder": ("--pcr-doc-reuse", "reorder"),
+}
 # Configurations that need the document-reuse tuned model (its calibration refuses others).
 TUNED_ONLY_CONFIGS = ("pcr-blend-cal", "pcr-blend-cal-pre", "pcr-blend-cal-idle")
 # What runs without --configs: the warm-up variants and the tuned model's only when asked for.
-DEFAULT_CONFIGS = tuple(c for c in CONFIG_NAMES
-                        if c not in ("nocache", "pcr-docs-eager", "pcr-docs-idle", "pcr-reorder", "pcr-device",
-                                     *TUNED_ONLY_CONFIGS))
+DEFAULT_CONFIGS = tuple(
+    c
+    for c in CONFIG_NAMES
+    if c not in ("nocache", "pcr-docs-eager", "pcr-docs-idle", "pcr-reorder", "pcr-device", *TUNED_ONLY_CONFIGS)
+)
 PRECOMPUTED_CONFIGS = ("pcr-docs-pre", "pcr-blend-pre", "pcr-blend-cal-pre")
 # PCR without one feature: the flag that turns it off.
 ABLATIONS = {
@@ -128,8 +155,14 @@ class ServerConfig:
 
 
 def server_config(name: str, budgets: Budgets, storage_dir: Path) -> ServerConfig:
-    common = ("--context-length", str(budgets.context_length), "--log-level", "warning",
-              "--sleep-on-idle", "--enable-metrics")
+    common = (
+        "--context-length",
+        str(budgets.context_length),
+        "--log-level",
+        "warning",
+        "--sleep-on-idle",
+        "--enable-metrics",
+    )
     pool = ("--max-total-tokens", str(budgets.device_pool_tokens))
     if name == "radix":
         return ServerConfig(name, (*pool, *common))
@@ -140,19 +173,43 @@ def server_config(name: str, budgets: Budgets, storage_dir: Path) -> ServerConfi
     if name == "hicache":
         return ServerConfig(
             name,
-            (*pool, *common, "--page-size", str(budgets.page_size), "--enable-hierarchical-cache",
-             "--hicache-ratio", f"{budgets.hicache_ratio:.4f}", "--hicache-storage-backend", "file"),
+            (
+                *pool,
+                *common,
+                "--page-size",
+                str(budgets.page_size),
+                "--enable-hierarchical-cache",
+                "--hicache-ratio",
+                f"{budgets.hicache_ratio:.4f}",
+                "--hicache-storage-backend",
+                "file",
+            ),
             storage_dir=storage_dir,
-            env={HICACHE_STORAGE_ENV: str(storage_dir), HICACHE_MAX_SIZE_ENV: str(int(budgets.ssd_gb * 2**30))})
+            env={HICACHE_STORAGE_ENV: str(storage_dir), HICACHE_MAX_SIZE_ENV: str(int(budgets.ssd_gb * 2**30))},
+        )
     if name == "pcr-device":  # PCR's chunk tree over the device pool alone: what its tiers cost, read against pcr
-        return ServerConfig(name, (*pool, *common, "--enable-pcr", "--pcr-chunk-size", str(budgets.chunk_size),
-                                   "--pcr-dram-gb", "0"))
+        return ServerConfig(
+            name, (*pool, *common, "--enable-pcr", "--pcr-chunk-size", str(budgets.chunk_size), "--pcr-dram-gb", "0")
+        )
     if name == "pcr" or name in ABLATIONS or name in DOC_REUSE_CONFIGS:
-        args = (*pool, *common, "--enable-pcr", "--pcr-chunk-size", str(budgets.chunk_size),
-                "--pcr-dram-gb", _gb_arg(budgets.host_gb), "--pcr-ssd-path", str(storage_dir),
-                "--pcr-ssd-gb", _gb_arg(budgets.ssd_gb), "--pcr-ssd-reserve-gb", "0")
-        return ServerConfig(name, (*args, *ABLATIONS.get(name, ()), *DOC_REUSE_CONFIGS.get(name, ())),
-                            storage_dir=storage_dir)
+        args = (
+            *pool,
+            *common,
+            "--enable-pcr",
+            "--pcr-chunk-size",
+            str(budgets.chunk_size),
+            "--pcr-dram-gb",
+            _gb_arg(budgets.host_gb),
+            "--pcr-ssd-path",
+            str(storage_dir),
+            "--pcr-ssd-gb",
+            _gb_arg(budgets.ssd_gb),
+            "--pcr-ssd-reserve-gb",
+            "0",
+        )
+        return ServerConfig(
+            name, (*args, *ABLATIONS.get(name, ()), *DOC_REUSE_CONFIGS.get(name, ())), storage_dir=storage_dir
+        )
     raise ValueError(f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}")
 
 
@@ -161,16 +218,17 @@ def build_hicache_extension(timeout_s: float = 600.0) -> None:
     with torch's JIT loader in the scheduler process, after the server says it is ready
     (about 20-35 s of compiler on one core here), and torch's cache sometimes wants a
     rebuild. Done during a run, that would slow whichever run is in progress."""
-    code = ("from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module; "
-            "_load_native_hash_module()")
+    code = "from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module; _load_native_hash_module()"
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         logger.warning("building HiCache's hash extension took over %.0f s; HiCache servers build it", timeout_s)
         return
     if done.returncode != 0:
-        logger.warning("could not build HiCache's hash extension ahead (HiCache servers will try): %s",
-                       done.stderr.strip().splitlines()[-1:] or done.returncode)
+        logger.warning(
+            "could not build HiCache's hash extension ahead (HiCache servers will try): %s",
+            done.stderr.strip().splitlines()[-1:] or done.returncode,
+        )
 
 
 def _gb_arg(value: float) -> str:
@@ -256,9 +314,16 @@ class QueueSampler:
 Prompter = Callable[[TraceRequest, dict[str, str]], tuple[list[int], list[int]]]
 
 
-def replay(server: ServerProcess, trace: Trace, prompt_of: Prompter, decode: Callable[[list[int]], str],
-           rate: float, on_done: Callable[[], None] = lambda: None, timeout_s: float = 900.0,
-           mark_docs: bool = False) -> tuple[list[RequestRecord], float, list[float]]:
+def replay(
+    server: ServerProcess,
+    trace: Trace,
+    prompt_of: Prompter,
+    decode: Callable[[list[int]], str],
+    rate: float,
+    on_done: Callable[[], None] = lambda: None,
+    timeout_s: float = 900.0,
+    mark_docs: bool = False,
+) -> tuple[list[RequestRecord], float, list[float]]:
     """Send ``trace`` at ``rate`` first turns per second; a session's follow-ups go after its
     previous answer and think time. ``prompt_of`` gives a request's token ids and its
     documents' bounds (given answers so far); with ``mark_docs`` the bounds are sent too.
@@ -288,8 +353,9 @@ def replay(server: ServerProcess, trace: Trace, prompt_of: Prompter, decode: Cal
             if mark_docs and bounds:
                 sampling["custom_params"] = {"pcr_doc_bounds": list(bounds)}
             try:
-                reply = server.generate_stream({"input_ids": list(ids), "sampling_params": sampling},
-                                               timeout_s=timeout_s)
+                reply = server.generate_stream(
+                    {"input_ids": list(ids), "sampling_params": sampling}, timeout_s=timeout_s
+                )
                 # A reply with no data chunk before the end has its first token at the end.
                 ttft = reply.latency_s if math.isnan(reply.ttft_s) else reply.ttft_s
                 meta = reply.final.get("meta_info", {})
@@ -297,23 +363,53 @@ def replay(server: ServerProcess, trace: Trace, prompt_of: Prompter, decode: Cal
                 answers[request.rid] = decode(output_ids)
                 completion = max(len(output_ids), 1)
                 records[request.rid] = RequestRecord(
-                    rid=request.rid, session=request.session, turn=request.turn, scheduled_s=scheduled,
-                    sent_s=sent, ttft_s=ttft, e2e_s=reply.latency_s,
+                    rid=request.rid,
+                    session=request.session,
+                    turn=request.turn,
+                    scheduled_s=scheduled,
+                    sent_s=sent,
+                    ttft_s=ttft,
+                    e2e_s=reply.latency_s,
                     itl_s=(reply.latency_s - ttft) / (completion - 1) if completion > 1 else None,
                     prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
                     cached_tokens=int(meta.get("cached_tokens", 0)),
-                    cached_by_tier=_cached_by_tier(meta), output_ids=output_ids, input_ids=list(ids))
+                    cached_by_tier=_cached_by_tier(meta),
+                    output_ids=output_ids,
+                    input_ids=list(ids),
+                )
             except (requests.RequestException, ValueError) as e:
                 records[request.rid] = RequestRecord(
-                    rid=request.rid, session=request.session, turn=request.turn, scheduled_s=scheduled,
-                    sent_s=sent, ttft_s=float("nan"), e2e_s=float("nan"), itl_s=None,
-                    prompt_tokens=len(ids), cached_tokens=0, cached_by_tier={}, output_ids=[], error=str(e))
+                    rid=request.rid,
+                    session=request.session,
+                    turn=request.turn,
+                    scheduled_s=scheduled,
+                    sent_s=sent,
+                    ttft_s=float("nan"),
+                    e2e_s=float("nan"),
+                    itl_s=None,
+                    prompt_tokens=len(ids),
+                    cached_tokens=0,
+                    cached_by_tier={},
+                    output_ids=[],
+                    error=str(e),
+                )
                 on_done()
-                for skipped in turns[turns.index(request) + 1:]:  # the session cannot go on
+                for skipped in turns[turns.index(request) + 1 :]:  # the session cannot go on
                     records[skipped.rid] = RequestRecord(
-                        rid=skipped.rid, session=skipped.session, turn=skipped.turn, scheduled_s=scheduled,
-                        sent_s=sent, ttft_s=float("nan"), e2e_s=float("nan"), itl_s=None, prompt_tokens=0,
-                        cached_tokens=0, cached_by_tier={}, output_ids=[], error="previous turn failed")
+                        rid=skipped.rid,
+                        session=skipped.session,
+                        turn=skipped.turn,
+                        scheduled_s=scheduled,
+                        sent_s=sent,
+                        ttft_s=float("nan"),
+                        e2e_s=float("nan"),
+                        itl_s=None,
+                        prompt_tokens=0,
+                        cached_tokens=0,
+                        cached_by_tier={},
+                        output_ids=[],
+                        error="previous turn failed",
+                    )
                     on_done()
                 return
             on_done()
@@ -370,8 +466,9 @@ class PlannedRun:
         return self.plan.config
 
 
-def plan_run(config_name: str, budgets: Budgets, trace: Trace, rate: float, label: str,
-             pool_fraction: float, work_dir: Path) -> PlannedRun:
+def plan_run(
+    config_name: str, budgets: Budgets, trace: Trace, rate: float, label: str, pool_fraction: float, work_dir: Path
+) -> PlannedRun:
     plan = plan_server(config_name, budgets, work_dir, f"{label}-{config_name}-{rate:g}.log")
     return PlannedRun(plan, budgets, trace, rate, label, pool_fraction)
 
@@ -432,15 +529,20 @@ class ServerPool:
         seen: set[str] = set()
         for request in trace.first_turns():
             ids, bounds = prompt_of(request, {})
-            leading = ids[:bounds[0]]
+            leading = ids[: bounds[0]]
             for doc_id, start, end in zip(request.doc_ids, bounds[::2], bounds[1::2]):
                 if doc_id not in seen:
                     seen.add(doc_id)
                     warmups.append(document_warmup(leading, ids[start:end]))
         result = precompute(server.base_url, warmups)
         on_disk = wait_for_ssd_writes(server.base_url)
-        logger.info("precomputed %d documents (%d tokens) in %.1f s, %s; restarting", result.documents,
-                    result.tokens, result.seconds, "on SSD" if on_disk else "NOT all on SSD")
+        logger.info(
+            "precomputed %d documents (%d tokens) in %.1f s, %s; restarting",
+            result.documents,
+            result.tokens,
+            result.seconds,
+            "on SSD" if on_disk else "NOT all on SSD",
+        )
         server.stop()
         plan = self.plans[index]
         restarted = ServerProcess(self.model_path, plan.server.args, env=plan.server.env, log_path=plan.log_path)
@@ -462,21 +564,36 @@ class ServerPool:
         self.close()
 
 
-def run_planned(run: PlannedRun, servers: ServerPool, index: int, prompt_of: Prompter,
-                decode: Callable[[list[int]], str], on_done: Callable[[], None] = lambda: None) -> RunResult:
+def run_planned(
+    run: PlannedRun,
+    servers: ServerPool,
+    index: int,
+    prompt_of: Prompter,
+    decode: Callable[[list[int]], str],
+    on_done: Callable[[], None] = lambda: None,
+) -> RunResult:
     """Replay ``run`` on server ``index`` of ``servers`` (see ``ServerPool``)."""
     server, reused = servers.acquire(index)
     failed = True
     try:
         if run.config in PRECOMPUTED_CONFIGS:
             server = servers.precompute(index, server, run.trace, prompt_of)
-        records, makespan, samples = replay(server, run.trace, prompt_of, decode, run.rate, on_done,
-                                            mark_docs=run.config in DOC_REUSE_CONFIGS)
+        records, makespan, samples = replay(
+            server, run.trace, prompt_of, decode, run.rate, on_done, mark_docs=run.config in DOC_REUSE_CONFIGS
+        )
         state: dict[str, Any] = server.pcr_state() if run.config.startswith("pcr") else {}
         failed = False
     finally:
         servers.release(index, server, failed=failed)
-    return RunResult(config=run.config, rate=run.rate, label=run.label, pool_fraction=run.pool_fraction,
-                     records=records, makespan_s=makespan, startup_s=0.0 if reused else server.startup_seconds,
-                     queue_depth_mean=statistics.mean(samples) if samples else 0.0,
-                     queue_depth_max=max(samples) if samples else 0.0, server_state=state)
+    return RunResult(
+        config=run.config,
+        rate=run.rate,
+        label=run.label,
+        pool_fraction=run.pool_fraction,
+        records=records,
+        makespan_s=makespan,
+        startup_s=0.0 if reused else server.startup_seconds,
+        queue_depth_mean=statistics.mean(samples) if samples else 0.0,
+        queue_depth_max=max(samples) if samples else 0.0,
+        server_state=state,
+    )

@@ -37,10 +37,7 @@ from pcr_tools.data import Article, load_wiki_articles
 logger = logging.getLogger(__name__)
 
 TRACE_VERSION = 1
-SYSTEM_PROMPT = (
-    "You are a helpful assistant. Answer the question using only the documents below. "
-    "Be brief."
-)
+SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using only the documents below. Be brief."
 # One retrieved document in a prompt (document-reuse prompts: no position number).
 DOC_FORMAT = "Document ({title}):\n{text}\n\n"
 # The skew reported for RAG corpora: about 3% of documents draw about 60% of retrievals.
@@ -142,10 +139,13 @@ class Trace:
         while chain[-1].parent is not None:
             chain.append(self._by_rid()[chain[-1].parent])
         chain.reverse()
-        docs = "".join(DOC_FORMAT.format(title=self.documents[d].title, text=self.documents[d].text)
-                       for d in chain[0].doc_ids)
-        messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                    {"role": "user", "content": f"{docs}Question: {chain[0].question}"}]
+        docs = "".join(
+            DOC_FORMAT.format(title=self.documents[d].title, text=self.documents[d].text) for d in chain[0].doc_ids
+        )
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"{docs}Question: {chain[0].question}"},
+        ]
         for earlier, later in zip(chain, chain[1:]):
             messages.append({"role": "assistant", "content": answers[earlier.rid]})
             messages.append({"role": "user", "content": f"Question: {later.question}"})
@@ -158,10 +158,17 @@ class Trace:
         every configuration is sent these same tokens)."""
         if request.parent is not None:
             raise ValueError("doc_prompt builds first turns; follow-ups extend them")
-        documents = [DOC_FORMAT.format(title=self.documents[d].title, text=self.documents[d].text)
-                     for d in request.doc_ids]  # the same text as messages(), tokenized piece by piece
-        return build_doc_prompt(tokenizer, SYSTEM_PROMPT, documents, request.question,
-                                doc_format="{doc}", question_format="Question: {question}")
+        documents = [
+            DOC_FORMAT.format(title=self.documents[d].title, text=self.documents[d].text) for d in request.doc_ids
+        ]  # the same text as messages(), tokenized piece by piece
+        return build_doc_prompt(
+            tokenizer,
+            SYSTEM_PROMPT,
+            documents,
+            request.question,
+            doc_format="{doc}",
+            question_format="Question: {question}",
+        )
 
     def _by_rid(self) -> dict[str, TraceRequest]:
         if len(self._index) != len(self.requests):
@@ -218,15 +225,17 @@ def _content_word(text: str, title: str, rng: random.Random) -> str:
     return rng.choice(words) if words else title
 
 
-def _synthetic_documents(params: WorkloadParams, articles: Sequence[Article], rng: random.Random,
-                         count_tokens: Callable[[str], int]) -> list[Document]:
+def _synthetic_documents(
+    params: WorkloadParams, articles: Sequence[Article], rng: random.Random, count_tokens: Callable[[str], int]
+) -> list[Document]:
     vocabulary = sorted({w for a in articles[:2000] for w in re.findall(r"[A-Za-z]{3,}", a.text)})
     mu = math.log(math.sqrt(params.synthetic_min_tokens * params.synthetic_max_tokens))
     sigma = math.log(params.synthetic_max_tokens / params.synthetic_min_tokens) / 4
     documents = []
     for i in range(params.corpus_docs):
-        target = min(max(round(rng.lognormvariate(mu, sigma)), params.synthetic_min_tokens),
-                     params.synthetic_max_tokens)
+        target = min(
+            max(round(rng.lognormvariate(mu, sigma)), params.synthetic_min_tokens), params.synthetic_max_tokens
+        )
         words = rng.choices(vocabulary, k=target)  # at least one token per word: enough
         low, high = 1, len(words)  # the most words that stay within the target
         while low < high:
@@ -240,9 +249,12 @@ def _synthetic_documents(params: WorkloadParams, articles: Sequence[Article], rn
     return documents
 
 
-def make_trace(params: WorkloadParams, retriever: Optional[Callable[[list[str], int], list[list[int]]]] = None,
-               count_tokens: Optional[Callable[[str], int]] = None,
-               articles: Optional[Sequence[Article]] = None) -> Trace:
+def make_trace(
+    params: WorkloadParams,
+    retriever: Optional[Callable[[list[str], int], list[list[int]]]] = None,
+    count_tokens: Optional[Callable[[str], int]] = None,
+    articles: Optional[Sequence[Article]] = None,
+) -> Trace:
     """Build a trace. ``retriever(questions, k)`` returns, per question, indices into the
     corpus documents in retrieval order (``retrieval`` source; default: the packaged
     embedder over this corpus). ``count_tokens`` sizes synthetic documents."""
@@ -255,14 +267,15 @@ def make_trace(params: WorkloadParams, retriever: Optional[Callable[[list[str], 
         documents = _synthetic_documents(params, corpus_articles, rng, count_tokens)
     else:
         chosen = rng.sample(corpus_articles, min(params.corpus_docs, len(corpus_articles)))
-        documents = [Document(doc_id=f"w{i:05d}", title=a.title, text=_trim(a.text, params.max_doc_chars))
-                     for i, a in enumerate(chosen)]
+        documents = [
+            Document(doc_id=f"w{i:05d}", title=a.title, text=_trim(a.text, params.max_doc_chars))
+            for i, a in enumerate(chosen)
+        ]
     popularity_order = list(range(len(documents)))
     rng.shuffle(popularity_order)  # which document is most popular: seeded, not corpus order
     weights = zipf_weights(len(documents), exponent)
     ks = [rng.randint(params.min_docs, params.max_docs) for _ in range(params.num_requests)]
-    topics = [popularity_order[i] for i in rng.choices(range(len(documents)), weights=weights,
-                                                         k=params.num_requests)]
+    topics = [popularity_order[i] for i in rng.choices(range(len(documents)), weights=weights, k=params.num_requests)]
     if params.source == "retrieval":
         questions = []
         for topic in topics:
@@ -280,8 +293,10 @@ def make_trace(params: WorkloadParams, retriever: Optional[Callable[[list[str], 
             for hits, k in zip(retrieved, ks):
                 picked = [d for d in hits if d not in used][:k]
                 if len(picked) < k:
-                    raise ValueError(f"unique_docs: the corpus of {len(documents)} documents has too few left "
-                                     f"for {params.num_requests} requests of up to {params.max_docs}")
+                    raise ValueError(
+                        f"unique_docs: the corpus of {len(documents)} documents has too few left "
+                        f"for {params.num_requests} requests of up to {params.max_docs}"
+                    )
                 used.update(picked)
                 doc_lists.append(picked)
         else:
@@ -296,9 +311,10 @@ def make_trace(params: WorkloadParams, retriever: Optional[Callable[[list[str], 
                 if extra not in picked:
                     picked.append(extra)
             doc_lists.append(picked)
-        questions = [rng.choice(_QUESTIONS).format(title=documents[t].title,
-                                                   word=_content_word(documents[t].text, "", rng))
-                     for t in topics]
+        questions = [
+            rng.choice(_QUESTIONS).format(title=documents[t].title, word=_content_word(documents[t].text, "", rng))
+            for t in topics
+        ]
     if params.doc_order == "shuffled":  # its own generator: the rest of the trace is unchanged
         order_rng = random.Random(params.seed + 7919)
         doc_lists = [order_rng.sample(list(docs), len(docs)) for docs in doc_lists]
@@ -307,18 +323,33 @@ def make_trace(params: WorkloadParams, retriever: Optional[Callable[[list[str], 
     for i, (docs, question, arrival, topic) in enumerate(zip(doc_lists, questions, arrivals, topics)):
         session = f"r{params.seed}-{i:05d}"
         doc_ids = tuple(documents[d].doc_id for d in docs)
-        requests.append(TraceRequest(rid=session, doc_ids=doc_ids, question=question,
-                                     max_new_tokens=params.max_new_tokens, arrival=arrival, session=session))
+        requests.append(
+            TraceRequest(
+                rid=session,
+                doc_ids=doc_ids,
+                question=question,
+                max_new_tokens=params.max_new_tokens,
+                arrival=arrival,
+                session=session,
+            )
+        )
         parent = session
         for turn in range(1, params.followups + 1):
             doc = documents[topic]
             followup = rng.choice(_FOLLOWUPS).format(title=doc.title, word=_content_word(doc.text, doc.title, rng))
             rid = f"{session}-t{turn}"
-            requests.append(TraceRequest(rid=rid, doc_ids=doc_ids, question=followup,
-                                         max_new_tokens=params.max_new_tokens, parent=parent,
-                                         think_s=(rng.expovariate(1 / params.think_time_s)
-                                                  if params.think_time_s else 0.0),
-                                         session=session, turn=turn))
+            requests.append(
+                TraceRequest(
+                    rid=rid,
+                    doc_ids=doc_ids,
+                    question=followup,
+                    max_new_tokens=params.max_new_tokens,
+                    parent=parent,
+                    think_s=(rng.expovariate(1 / params.think_time_s) if params.think_time_s else 0.0),
+                    session=session,
+                    turn=turn,
+                )
+            )
             parent = rid
     trace = Trace(params=params, documents={d.doc_id: d for d in documents}, requests=requests)
     trace.stats = skew_stats(trace, exponent)
@@ -349,8 +380,13 @@ def save_trace(trace: Trace, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        header = {"type": "header", "version": TRACE_VERSION, "params": asdict(trace.params),
-                  "stats": trace.stats, "documents": [asdict(d) for d in trace.documents.values()]}
+        header = {
+            "type": "header",
+            "version": TRACE_VERSION,
+            "params": asdict(trace.params),
+            "stats": trace.stats,
+            "documents": [asdict(d) for d in trace.documents.values()],
+        }
         f.write(json.dumps(header) + "\n")
         for request in trace.requests:
             f.write(json.dumps({"type": "request", **asdict(request)}) + "\n")

@@ -120,8 +120,7 @@ class Costs:
         PCR's load-or-recompute model decides)."""
         recompute = self.chunk_tokens / self.prefill_tps
         fetch = self.chunk_bytes / (self.net_gbps * 1e9) + self.rtt_us * 1e-6
-        return (computed * recompute + local * self.chunk_bytes / (self.pcie_gbps * 1e9)
-                + remote * min(fetch, recompute))
+        return computed * recompute + local * self.chunk_bytes / (self.pcie_gbps * 1e9) + remote * min(fetch, recompute)
 
 
 class LruChains:
@@ -170,8 +169,11 @@ class Router:
     def __post_init__(self) -> None:
         self._load = [0] * self.servers
         if self.policy == "prefix_hash":
-            self._ring = sorted((int.from_bytes(hashlib.blake2b(f"{s}/{v}".encode(), digest_size=8).digest(), "big"), s)
-                                for s in range(self.servers) for v in range(64))
+            self._ring = sorted(
+                (int.from_bytes(hashlib.blake2b(f"{s}/{v}".encode(), digest_size=8).digest(), "big"), s)
+                for s in range(self.servers)
+                for v in range(64)
+            )
 
     def _least_loaded(self, among: Optional[Sequence[int]] = None) -> int:
         candidates = range(self.servers) if among is None else among
@@ -270,15 +272,23 @@ class Result:
         for s in range(self.servers):
             if not self.requests[s]:
                 continue
-            mean_s = costs.service_s(self.local_chunks[s], self.remote_chunks[s],
-                                     self.computed_chunks[s]) / self.requests[s]
+            mean_s = (
+                costs.service_s(self.local_chunks[s], self.remote_chunks[s], self.computed_chunks[s]) / self.requests[s]
+            )
             rho = rate * self.requests[s] / total * mean_s
             weighted += self.requests[s] * (mean_s / (1 - rho) if rho < 1 else math.inf)
         return 1000 * weighted / total
 
 
-def simulate(requests: list[list[bytes]], servers: int, policy: str, local_chunks: int, shared_chunks: int,
-             window: int = 8, seed: int = 0) -> Result:
+def simulate(
+    requests: list[list[bytes]],
+    servers: int,
+    policy: str,
+    local_chunks: int,
+    shared_chunks: int,
+    window: int = 8,
+    seed: int = 0,
+) -> Result:
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
     router = Router(policy, servers, rng)
@@ -293,7 +303,7 @@ def simulate(requests: list[list[bytes]], servers: int, policy: str, local_chunk
     for i, keys in enumerate(requests):
         s = routed[i]
         position[s] += 1
-        upcoming = [requests[j] for j in by_server[s][position[s]:position[s] + window]]
+        upcoming = [requests[j] for j in by_server[s][position[s] : position[s] + window]]
         hit = caches[s].admit(keys, upcoming)
         far = 0
         if shared is not None:
@@ -302,8 +312,16 @@ def simulate(requests: list[list[bytes]], servers: int, policy: str, local_chunk
         local[s] += hit
         remote[s] += far
         computed[s] += len(keys) - hit - far
-    return Result(policy, servers, shared is not None, [len(b) for b in by_server], local, remote, computed,
-                  time.perf_counter() - started)
+    return Result(
+        policy,
+        servers,
+        shared is not None,
+        [len(b) for b in by_server],
+        local,
+        remote,
+        computed,
+        time.perf_counter() - started,
+    )
 
 
 @dataclass(frozen=True)
@@ -354,8 +372,14 @@ def che_hit_ratio(probabilities: np.ndarray, capacity: int) -> float:
     return float(np.sum(probabilities * (1 - np.exp(-probabilities * lo))))
 
 
-def checks(docs: int = 20_000, alpha: float = 0.9, requests: int = 60_000, capacity: int = 1_000,
-           servers: int = 8, seed: int = 1) -> list[tuple[str, float, float]]:
+def checks(
+    docs: int = 20_000,
+    alpha: float = 0.9,
+    requests: int = 60_000,
+    capacity: int = 1_000,
+    servers: int = 8,
+    seed: int = 1,
+) -> list[tuple[str, float, float]]:
     """(what, simulated, closed form) for one-chunk objects under Zipf(alpha)."""
     rng = np.random.default_rng(seed)
     sample, p = zipf_sampler(docs, alpha, rng)
@@ -373,10 +397,15 @@ def checks(docs: int = 20_000, alpha: float = 0.9, requests: int = 60_000, capac
     one = hit_ratio(lambda i, k: 0, [LruChains(capacity)])
     rand = hit_ratio(lambda i, k: int(rng.integers(servers)), [LruChains(capacity) for _ in range(servers)])
     part = hit_ratio(lambda i, k: k[0][0] % servers, [LruChains(capacity) for _ in range(servers)])
-    return [(f"one LRU cache of {capacity} (Che)", one, che_hit_ratio(p, capacity)),
-            (f"random over {servers} caches of {capacity} (= one of {capacity})", rand, che_hit_ratio(p, capacity)),
-            (f"partitioned over {servers} caches of {capacity} (= one of {servers * capacity})", part,
-             che_hit_ratio(p, servers * capacity))]
+    return [
+        (f"one LRU cache of {capacity} (Che)", one, che_hit_ratio(p, capacity)),
+        (f"random over {servers} caches of {capacity} (= one of {capacity})", rand, che_hit_ratio(p, capacity)),
+        (
+            f"partitioned over {servers} caches of {capacity} (= one of {servers * capacity})",
+            part,
+            che_hit_ratio(p, servers * capacity),
+        ),
+    ]
 
 
 def plot(rows: list[dict], networks: Sequence[Network], path: Path) -> Path:
@@ -390,20 +419,29 @@ def plot(rows: list[dict], networks: Sequence[Network], path: Path) -> Path:
     corpora = sorted({r["docs"] for r in rows})
     metrics = [("hit", "hit ratio (prompt chunks reused)"), ("imbalance", "busiest server / mean")]
     metrics += [(f"ttft_ms[{n.name}]", f"projected TTFT, ms ({n.name})") for n in networks]
-    fig, axes = plt.subplots(len(metrics), len(corpora), figsize=(4.2 * len(corpora), 3.0 * len(metrics)),
-                             squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(metrics), len(corpora), figsize=(4.2 * len(corpora), 3.0 * len(metrics)), squeeze=False, sharex=True
+    )
     colours = dict(zip(POLICIES, ("tab:grey", "tab:blue", "tab:red", "tab:green")))
     for col, docs in enumerate(corpora):
         for row, (metric, label) in enumerate(metrics):
             ax = axes[row][col]
             for policy in POLICIES:
                 for shared in (False, True):
-                    points = sorted((r["servers"], _metric(r, metric)) for r in rows
-                                    if r["docs"] == docs and r["policy"] == policy and r["shared"] == shared)
+                    points = sorted(
+                        (r["servers"], _metric(r, metric))
+                        for r in rows
+                        if r["docs"] == docs and r["policy"] == policy and r["shared"] == shared
+                    )
                     if points:
-                        ax.plot(*zip(*points), marker="o", markersize=3, color=colours[policy],
-                                linestyle="--" if shared else "-",
-                                label=f"{policy}{' + shared tier' if shared else ''}")
+                        ax.plot(
+                            *zip(*points),
+                            marker="o",
+                            markersize=3,
+                            color=colours[policy],
+                            linestyle="--" if shared else "-",
+                            label=f"{policy}{' + shared tier' if shared else ''}",
+                        )
             ax.set_xscale("log", base=2)
             ax.grid(True, alpha=0.3)
             if row == 0:
@@ -421,42 +459,67 @@ def plot(rows: list[dict], networks: Sequence[Network], path: Path) -> Path:
 
 def _metric(row: dict, metric: str) -> float:
     if metric.startswith("ttft_ms["):
-        return row["ttft_ms"][metric[len("ttft_ms["):-1]]
+        return row["ttft_ms"][metric[len("ttft_ms[") : -1]]
     return row[metric]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     import datetime
 
-    parser = argparse.ArgumentParser(prog="python -m bench.fleet_sim", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fleet_sim",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     parser.add_argument("--check", action="store_true", help="only the closed-form checks")
-    parser.add_argument("--docs", type=int_list, default=[10_000, 100_000, 1_000_000],
-                        help="corpus sizes, comma-separated (one table each)")
+    parser.add_argument(
+        "--docs",
+        type=int_list,
+        default=[10_000, 100_000, 1_000_000],
+        help="corpus sizes, comma-separated (one table each)",
+    )
     parser.add_argument("--zipf", type=float, default=1.0)
     parser.add_argument("--doc-chunks", type=int, default=4)
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--servers", type=int_list, default=[2, 8, 32, 128, 256])
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--local-chunks", type=int, default=2_000, help="each server's cache, in chunks")
-    parser.add_argument("--shared-per-server", type=int, default=2_000,
-                        help="shared-tier chunks each server adds (0: no shared tier runs)")
+    parser.add_argument(
+        "--shared-per-server",
+        type=int,
+        default=2_000,
+        help="shared-tier chunks each server adds (0: no shared tier runs)",
+    )
     parser.add_argument("--chunk-tokens", type=int, default=64)
     parser.add_argument("--prefill-tps", type=float, default=15_000.0)
     parser.add_argument("--pcie-gbps", type=float, default=25.0)
-    parser.add_argument("--networks", type=parse_networks, default=parse_networks("10GbE=1.25@50,RDMA=25@10"),
-                        help="links to the shared tier to price remote reads over, NAME=GB/s@RTT_us, "
-                             "comma-separated (one TTFT column each)")
+    parser.add_argument(
+        "--networks",
+        type=parse_networks,
+        default=parse_networks("10GbE=1.25@50,RDMA=25@10"),
+        help="links to the shared tier to price remote reads over, NAME=GB/s@RTT_us, "
+        "comma-separated (one TTFT column each)",
+    )
     parser.add_argument("--rate-per-server", type=float, default=4.0, help="requests/s per server offered")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=f"bench/results/{datetime.date.today().isoformat()}/fleet_sim",
-                        help="folder for results.json and fleet_sim.png (default: bench/results/<today>/fleet_sim; "
-                             "'' to write nothing)")
+    parser.add_argument(
+        "--out",
+        default=f"bench/results/{datetime.date.today().isoformat()}/fleet_sim",
+        help="folder for results.json and fleet_sim.png (default: bench/results/<today>/fleet_sim; "
+        "'' to write nothing)",
+    )
     args = parser.parse_args(argv)
-    for flag, value in (("--requests", args.requests), ("--local-chunks", args.local_chunks),
-                        ("--chunk-tokens", args.chunk_tokens), ("--doc-chunks", args.doc_chunks),
-                        ("--prefill-tps", args.prefill_tps), ("--pcie-gbps", args.pcie_gbps),
-                        ("--rate-per-server", args.rate_per_server), ("--zipf", args.zipf)):
+    for flag, value in (
+        ("--requests", args.requests),
+        ("--local-chunks", args.local_chunks),
+        ("--chunk-tokens", args.chunk_tokens),
+        ("--doc-chunks", args.doc_chunks),
+        ("--prefill-tps", args.prefill_tps),
+        ("--pcie-gbps", args.pcie_gbps),
+        ("--rate-per-server", args.rate_per_server),
+        ("--zipf", args.zipf),
+    ):
         if not value > 0:
             parser.error(f"{flag} must be > 0, got {value}")
     if args.shared_per_server < 0:
@@ -474,37 +537,63 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{what:<62} {simulated:9.3f} {formula:9.3f}")
     if args.check:
         return 0
-    prices = {n.name: Costs(args.chunk_tokens, prefill_tps=args.prefill_tps, pcie_gbps=args.pcie_gbps,
-                            net_gbps=n.gbps, rtt_us=n.rtt_us) for n in args.networks}
+    prices = {
+        n.name: Costs(
+            args.chunk_tokens, prefill_tps=args.prefill_tps, pcie_gbps=args.pcie_gbps, net_gbps=n.gbps, rtt_us=n.rtt_us
+        )
+        for n in args.networks
+    }
     shared_options = (False, True) if args.shared_per_server else (False,)
     rows: list[dict] = []
     for docs in args.docs:
         requests = make_requests(Workload(docs, args.zipf, args.doc_chunks, requests=args.requests, seed=args.seed))
-        print(f"\n{args.requests} requests over {docs} documents (Zipf {args.zipf}), {args.local_chunks} chunks "
-              f"per server, shared tier {args.shared_per_server} chunks per server, {args.rate_per_server:g} req/s "
-              f"per server")
-        print(f"{'servers':>7} {'policy':<12} {'shared':<6} {'hit':>6} {'local':>6} {'remote':>6} {'max/mean':>8} "
-              + " ".join(f"{'TTFT ' + name:>14}" for name in prices))
+        print(
+            f"\n{args.requests} requests over {docs} documents (Zipf {args.zipf}), {args.local_chunks} chunks "
+            f"per server, shared tier {args.shared_per_server} chunks per server, {args.rate_per_server:g} req/s "
+            f"per server"
+        )
+        print(
+            f"{'servers':>7} {'policy':<12} {'shared':<6} {'hit':>6} {'local':>6} {'remote':>6} {'max/mean':>8} "
+            + " ".join(f"{'TTFT ' + name:>14}" for name in prices)
+        )
         for n in args.servers:
             for policy in policies:
                 for shared in shared_options:
-                    r = simulate(requests, n, policy, args.local_chunks,
-                                 args.shared_per_server * n if shared else 0, seed=args.seed)
+                    r = simulate(
+                        requests,
+                        n,
+                        policy,
+                        args.local_chunks,
+                        args.shared_per_server * n if shared else 0,
+                        seed=args.seed,
+                    )
                     ttft = {name: r.ttft_ms(costs, args.rate_per_server * n) for name, costs in prices.items()}
-                    rows.append({"docs": docs, "servers": n, "policy": policy, "shared": shared, "hit": r.hit,
-                                 "local_hit": r.local_hit, "remote_hit": r.remote_hit,
-                                 "imbalance": r.imbalance, "ttft_ms": ttft, "seconds": r.seconds})
-                    print(f"{n:>7} {policy:<12} {'yes' if shared else 'no':<6} {r.hit:6.1%} {r.local_hit:6.1%} "
-                          f"{r.remote_hit:6.1%} {r.imbalance:8.2f} "
-                          + " ".join(f"{v:11.1f} ms" for v in ttft.values()), flush=True)
+                    rows.append(
+                        {
+                            "docs": docs,
+                            "servers": n,
+                            "policy": policy,
+                            "shared": shared,
+                            "hit": r.hit,
+                            "local_hit": r.local_hit,
+                            "remote_hit": r.remote_hit,
+                            "imbalance": r.imbalance,
+                            "ttft_ms": ttft,
+                            "seconds": r.seconds,
+                        }
+                    )
+                    print(
+                        f"{n:>7} {policy:<12} {'yes' if shared else 'no':<6} {r.hit:6.1%} {r.local_hit:6.1%} "
+                        f"{r.remote_hit:6.1%} {r.imbalance:8.2f} " + " ".join(f"{v:11.1f} ms" for v in ttft.values()),
+                        flush=True,
+                    )
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if k not in ("out", "check", "networks")}
         settings["networks"] = [vars(n) for n in args.networks]
         # A queue at or past saturation (rho >= 1) has no finite TTFT: null in the JSON.
-        finite = [{**r, "ttft_ms": {k: v if math.isfinite(v) else None for k, v in r["ttft_ms"].items()}}
-                  for r in rows]
+        finite = [{**r, "ttft_ms": {k: v if math.isfinite(v) else None for k, v in r["ttft_ms"].items()}} for r in rows]
         (out / "results.json").write_text(json.dumps({"settings": settings, "rows": finite}, indent=1))
         print(f"\nwrote {out / 'results.json'} and {plot(rows, args.networks, out / 'fleet_sim.png')}")
     return 0

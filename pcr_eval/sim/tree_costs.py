@@ -41,7 +41,6 @@ def build(root: bytes, num_chunks: int, rng: random.Random) -> tuple[ChunkTree, 
     return tree, prompts
 
 
-
 def measure(size: int, repeats: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     root = root_key(CacheNamespace("bench", "float16", CHUNK).digest())

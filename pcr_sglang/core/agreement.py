@@ -68,22 +68,41 @@ def agree(view: LocalView, reduce_min: Optional[ReduceMin]) -> Agreed:
     """The step's agreed facts; with ``reduce_min`` None (one rank) this rank's own."""
     if reduce_min is None:
         outcomes = [(seq, *view.finished[seq]) for seq in view.outstanding if seq in view.finished]
-        return Agreed(view.healthy, view.prefers_load, outcomes, list(view.still_waiting),
-                      hint_clock_ms=view.hint_clock_ms)
+        return Agreed(
+            view.healthy, view.prefers_load, outcomes, list(view.still_waiting), hint_clock_ms=view.hint_clock_ms
+        )
     orders, waiting = len(view.outstanding), len(view.still_waiting)
     digest = view.admission_digest
-    header = reduce_min([orders, -orders, waiting, -waiting, int(view.healthy), int(view.prefers_load),
-                         digest, -digest, view.hint_clock_ms])
+    header = reduce_min(
+        [
+            orders,
+            -orders,
+            waiting,
+            -waiting,
+            int(view.healthy),
+            int(view.prefers_load),
+            digest,
+            -digest,
+            view.hint_clock_ms,
+        ]
+    )
     digests_match = header[6] == -header[7]
     if header[0] != -header[1] or header[2] != -header[3] or header[0] != orders or header[2] != waiting:
-        return Agreed(False, False, consistent=False, digests_match=digests_match, error=(
-            f"TP ranks disagree on the SSD tier's outstanding orders ({header[0]}..{-header[1]}, "
-            f"this rank {orders}) or waiting requests ({header[2]}..{-header[3]}, this rank {waiting})"))
+        return Agreed(
+            False,
+            False,
+            consistent=False,
+            digests_match=digests_match,
+            error=(
+                f"TP ranks disagree on the SSD tier's outstanding orders ({header[0]}..{-header[1]}, "
+                f"this rank {orders}) or waiting requests ({header[2]}..{-header[3]}, this rank {waiting})"
+            ),
+        )
+    # mutant: hint-clock-is-each-ranks-own
     agreed = Agreed(bool(header[4]), bool(header[5]), digests_match=digests_match, hint_clock_ms=header[8])
     if not orders and not waiting:
         return agreed
-    body = [int(view.finished[seq][0]) if seq in view.finished else int(IoOutcome.PENDING)
-            for seq in view.outstanding]
+    body = [int(view.finished[seq][0]) if seq in view.finished else int(IoOutcome.PENDING) for seq in view.outstanding]
     body += [int(w) for w in view.still_waiting]
     body = reduce_min(body)
     for seq, code in zip(view.outstanding, body[:orders]):

@@ -119,18 +119,16 @@ def ssd_tier(node: ChunkNode) -> Tier:
 
 def is_device_leaf(node: ChunkNode) -> bool:
     """Device eviction may take ``node``: on the device, unlocked, no child there."""
-    return (
-        node.parent is not None
-        and node.on_device
-        and node.lock_ref == 0
-        and node.device_children == 0
-    )
+    return node.parent is not None and node.on_device and node.lock_ref == 0 and node.device_children == 0
 
 
 def is_host_leaf(node: ChunkNode) -> bool:
     """Host eviction may take ``node``: in host memory, unlocked, unpinned, no child there."""
     return (
-        node.parent is not None and node.on_host and node.lock_ref == 0 and node.host_children == 0
+        node.parent is not None
+        and node.on_host
+        and node.lock_ref == 0
+        and node.host_children == 0
         and node.host_pins == 0
     )
 

@@ -163,9 +163,7 @@ class ChunkTree:
             node = child
         if nodes:
             self._touch_chain(nodes)
-        return InsertOutcome(
-            nodes=nodes, last_node=node, num_existing=num_existing, new_nodes=new_nodes
-        )
+        return InsertOutcome(nodes=nodes, last_node=node, num_existing=num_existing, new_nodes=new_nodes)
 
     # ------------------------------------------------------------------ residency
     def set_device(self, node: ChunkNode, value: Any) -> None:
@@ -217,8 +215,9 @@ class ChunkTree:
         node.remote_only = False
         self._log(TierEventKind.STORED, node, Tier.SSD)
 
-    def drop_ssd(self, node: ChunkNode, on_drop_host: Optional[NodeCallback] = None,
-                 on_drop_ssd: Optional[NodeCallback] = None) -> None:
+    def drop_ssd(
+        self, node: ChunkNode, on_drop_host: Optional[NodeCallback] = None, on_drop_ssd: Optional[NodeCallback] = None
+    ) -> None:
         """``node``'s SSD record is gone (unreadable, corrupt): forget it. A chunk left in
         no tier is removed with the descendants only it made reachable."""
         if node.on_ssd:
@@ -262,8 +261,16 @@ class ChunkTree:
         ``on_drop_ssd`` free the host slot and the SSD record. Leaves for which
         ``is_protected`` answers true go only after every other (look-ahead protection).
         """
-        return self._evict_leaves(self._tiers.device, self._tiers.leave_device, num_chunks, on_evict, is_protected,
-                                  on_drop_host, on_drop_ssd, None)
+        return self._evict_leaves(
+            self._tiers.device,
+            self._tiers.leave_device,
+            num_chunks,
+            on_evict,
+            is_protected,
+            on_drop_host,
+            on_drop_ssd,
+            None,
+        )
 
     def evict_host(
         self,
@@ -282,8 +289,16 @@ class ChunkTree:
         the descendants it made reachable (``on_drop_host`` and ``on_drop_ssd`` release
         their host slots and SSD records).
         """
-        return self._evict_leaves(self._tiers.host, self._tiers.leave_host, num_chunks, on_evict, is_protected,
-                                  on_drop_host, on_drop_ssd, take)
+        return self._evict_leaves(
+            self._tiers.host,
+            self._tiers.leave_host,
+            num_chunks,
+            on_evict,
+            is_protected,
+            on_drop_host,
+            on_drop_ssd,
+            take,
+        )
 
     def evict_ssd(
         self,
@@ -298,13 +313,21 @@ class ChunkTree:
         ``on_evict(node)`` runs first (the caller deletes the record there). A chunk left
         in no tier is removed, with the descendants it made reachable.
         """
-        return self._evict_leaves(self._tiers.ssd, self._tiers.leave_ssd, num_chunks, on_evict, is_protected,
-                                  on_drop_host, on_drop_ssd, None)
+        return self._evict_leaves(
+            self._tiers.ssd, self._tiers.leave_ssd, num_chunks, on_evict, is_protected, on_drop_host, on_drop_ssd, None
+        )
 
-    def _evict_leaves(self, tier: TierLeaves, drop: NodeCallback, num_chunks: int,
-                      on_evict: Optional[NodeCallback], is_protected: Optional[NodePredicate],
-                      on_drop_host: Optional[NodeCallback], on_drop_ssd: Optional[NodeCallback],
-                      take: Optional[Callable[[ChunkNode], Optional[bool]]]) -> list[ChunkNode]:
+    def _evict_leaves(
+        self,
+        tier: TierLeaves,
+        drop: NodeCallback,
+        num_chunks: int,
+        on_evict: Optional[NodeCallback],
+        is_protected: Optional[NodePredicate],
+        on_drop_host: Optional[NodeCallback],
+        on_drop_ssd: Optional[NodeCallback],
+        take: Optional[Callable[[ChunkNode], Optional[bool]]],
+    ) -> list[ChunkNode]:
         """Each tier's eviction: take ``tier``'s LRU leaves out of it (``drop``); a chunk
         left in no tier goes, with the descendants only it made reachable."""
         evicted: list[ChunkNode] = []
@@ -315,8 +338,13 @@ class ChunkTree:
             evicted.append(node)
         return evicted
 
-    def _leave(self, node: ChunkNode, drop: NodeCallback, on_drop_host: Optional[NodeCallback],
-               on_drop_ssd: Optional[NodeCallback]) -> None:
+    def _leave(
+        self,
+        node: ChunkNode,
+        drop: NodeCallback,
+        on_drop_host: Optional[NodeCallback],
+        on_drop_ssd: Optional[NodeCallback],
+    ) -> None:
         """Take ``node`` out of one tier (``drop``); a chunk that tier held alone leaves the
         tree, and the descendants only it made reachable go first (so that events name
         children before parents)."""
@@ -327,19 +355,22 @@ class ChunkTree:
         if last:
             self._remove_leaf(node)
 
-    def _drop_children(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
-                       on_drop_ssd: Optional[NodeCallback]) -> None:
+    def _drop_children(
+        self, node: ChunkNode, on_drop_host: Optional[NodeCallback], on_drop_ssd: Optional[NodeCallback]
+    ) -> None:
         for child in list(node.children.values()):
             self._drop_subtree(child, on_drop_host, on_drop_ssd)
 
-    def _drop_subtree(self, node: ChunkNode, on_drop_host: Optional[NodeCallback],
-                      on_drop_ssd: Optional[NodeCallback] = None) -> None:
+    def _drop_subtree(
+        self, node: ChunkNode, on_drop_host: Optional[NodeCallback], on_drop_ssd: Optional[NodeCallback] = None
+    ) -> None:
         stack = [node]
         order = []
         while stack:
             n = stack.pop()
             order.append(n)
             stack.extend(n.children.values())
+        # mutant: kv-events-parent-removed-before-children
         for n in reversed(order):  # children before parents
             assert not n.on_device and n.lock_ref == 0, n
             if n.on_host:

@@ -51,6 +51,7 @@ HINT_CAPABILITIES = ("kv_hint.prefetch.v1", "pcr.lookahead_prefetch.v1")
 def is_hint_action(action: Any) -> bool:
     """Whether a ``kv_hints`` action is a prefetch hint this server implements (under either
     name); other actions are left to whoever implements them."""
+    # mutant: kv-hints-upstream-action-name-ignored
     return getattr(action, "action_type", None) in HINT_ACTION_VERSIONS
 
 
@@ -178,8 +179,16 @@ class HintBook:
     _seq: int = 0
     _live: Optional[tuple[Hint, ...]] = None  # live()'s order, until the book changes
 
-    def register(self, hint_id: str, keys: Sequence[ChunkKey], payload: HintPayload, now: float,
-                 charge: bool = True, tenant: str = DEFAULT_TENANT, caller: Optional[str] = None) -> bool:
+    def register(
+        self,
+        hint_id: str,
+        keys: Sequence[ChunkKey],
+        payload: HintPayload,
+        now: float,
+        charge: bool = True,
+        tenant: str = DEFAULT_TENANT,
+        caller: Optional[str] = None,
+    ) -> bool:
         """False when ``tenant``'s or ``caller``'s bucket is empty (the hint is dropped, the
         request still answered; neither bucket is charged then). ``caller`` None: the
         payload's, else the local caller. ``charge=False``: part of a hint already charged
@@ -206,8 +215,15 @@ class HintBook:
             self.stats.expired += 1
         return True
 
-    def register_documents(self, hint_id: str, chains: Sequence[Sequence[ChunkKey]], payload: HintPayload,
-                           now: float, tenant: str = DEFAULT_TENANT, caller: Optional[str] = None) -> int:
+    def register_documents(
+        self,
+        hint_id: str,
+        chains: Sequence[Sequence[ChunkKey]],
+        payload: HintPayload,
+        now: float,
+        tenant: str = DEFAULT_TENANT,
+        caller: Optional[str] = None,
+    ) -> int:
         """The per-document hints of hint-only request ``hint_id`` (registered, and
         charged, just before): ``{hint_id}#doc{n}``, one per marked document's canonical
         chain. The request's token covers the first ``DOC_HINTS_PER_TOKEN``; each further
@@ -227,6 +243,7 @@ class HintBook:
     def _victim(self) -> str:
         """The hint that goes over ``max_live``: the oldest of the fullest tenant of the
         caller holding the most live hints."""
+        # mutant: hint-max-live-ignores-the-caller
         caller = _fullest(self._by_caller)
         mine: dict[str, OrderedDict[str, Hint]] = {}
         for hint_id, hint in self._by_caller[caller].items():
@@ -250,6 +267,7 @@ class HintBook:
         factor = CALLER_RATE_FACTOR
         own = _refilled(self._buckets, tenant, now, rate, burst)
         theirs = _refilled(self._caller_buckets, caller, now, rate * factor, burst * factor)
+        # mutant: hint-rate-per-salt-only
         if own.tokens < 1.0 or theirs.tokens < 1.0:
             return False
         own.tokens -= 1.0
@@ -313,6 +331,7 @@ class HintBook:
 def _fullest(index: dict[str, OrderedDict[str, Hint]]) -> str:
     """The name holding the most live hints; of equals, the newest (whose oldest live hint
     is the newest): a newcomer that matches another's count loses first, never the other."""
+    # mutant: hint-ties-broken-against-the-oldest
     return max(index, key=lambda name: (len(index[name]), next(iter(index[name].values())).seq))
 
 
@@ -332,6 +351,7 @@ def _refilled(buckets: dict[str, _Bucket], name: str, now: float, rate: float, b
 
 def _group_of(hint: Hint) -> tuple[str, int, str]:
     """A hint's group, in its tenant's namespace (a hint without one is a group of its own)."""
+    # mutant: hint-groups-shared-by-all-tenants
     return (hint.tenant, 0, hint.group) if hint.group is not None else (hint.tenant, 1, hint.hint_id)
 
 
@@ -349,6 +369,8 @@ def hint_payload(envelope: Any) -> Optional[HintPayload]:
     action = ours[0]
     version = HINT_ACTION_VERSIONS[action.action_type]
     if action.action_version != version:
-        raise HintError(f"{action.action_type} action_version {action.action_version!r} is not supported "
-                        f"(this server implements {version!r})")
+        raise HintError(
+            f"{action.action_type} action_version {action.action_version!r} is not supported "
+            f"(this server implements {version!r})"
+        )
     return HintPayload.parse(action.payload)

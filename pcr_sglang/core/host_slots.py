@@ -136,7 +136,8 @@ class HostSlots:
         for slot, state in enumerate(self._state):
             if (state is SlotState.FREE) != (slot in free):
                 raise HostSlotError(
-                    f"host slot {slot} is {state.value} but {'' if slot in free else 'not '}free-listed")
+                    f"host slot {slot} is {state.value} but {'' if slot in free else 'not '}free-listed"
+                )
             if state is SlotState.RESIDENT and resident_owners.get(slot) is not self._owner[slot]:
                 raise HostSlotError(f"host slot {slot} is resident for a chunk the tree does not place there")
             if state is SlotState.RELEASING and not self._io[slot]:

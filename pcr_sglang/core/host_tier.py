@@ -40,8 +40,16 @@ class WriteBack(Protocol):
 
 
 class HostTier:
-    def __init__(self, config: CacheStateConfig, tree: ChunkTree, slots: Optional[HostSlots], stats: CacheStats,
-                 lookahead: LookaheadProtection, unused: UnusedReads, hint_chains: HintedChains):
+    def __init__(
+        self,
+        config: CacheStateConfig,
+        tree: ChunkTree,
+        slots: Optional[HostSlots],
+        stats: CacheStats,
+        lookahead: LookaheadProtection,
+        unused: UnusedReads,
+        hint_chains: HintedChains,
+    ):
         self.config = config  # the host tier's settings never change at run time
         self.tree = tree
         self.slots = slots
@@ -104,9 +112,14 @@ class HostTier:
             return not write_back.writing(node)  # not written (no room on SSD): it may go
 
         release = lambda n: self.release(n, effects)  # noqa: E731
-        evicted = self.tree.evict_host(num_chunks, on_evict=release, is_protected=self.protected,
-                                       on_drop_host=release,
-                                       on_drop_ssd=lambda n: write_back.forget(n, effects), take=take)
+        evicted = self.tree.evict_host(
+            num_chunks,
+            on_evict=release,
+            is_protected=self.protected,
+            on_drop_host=release,
+            on_drop_ssd=lambda n: write_back.forget(n, effects),
+            take=take,
+        )
         self.stats.host_evicted_chunks += len(evicted)
         return len(evicted)
 
@@ -168,8 +181,10 @@ class HostTier:
         resident = {n.host_slot: n for n in self.tree.iter_nodes() if n.host_slot is not None}
         self.slots.check(resident)
         if len(self._decode_reserved) > self.decode_offload_limit:
-            raise AssertionError(f"decode offloads hold {len(self._decode_reserved)} host slots, over their "
-                                 f"share of {self.decode_offload_limit}")
+            raise AssertionError(
+                f"decode offloads hold {len(self._decode_reserved)} host slots, over their "
+                f"share of {self.decode_offload_limit}"
+            )
         for slot in self._decode_reserved:
             state = self.slots.state(slot)
             if state is not SlotState.RESERVED:

@@ -159,8 +159,9 @@ class IoLedger:
             for node, seq in index.items():
                 op = self._pending.get(seq)
                 if op is None or op.node is not node or op.is_read is not is_read or op.orphaned:
-                    raise AssertionError(f"{node!r} is indexed as order {seq}, which is not its live "
-                                         f"{'read' if is_read else 'write'}")
+                    raise AssertionError(
+                        f"{node!r} is indexed as order {seq}, which is not its live {'read' if is_read else 'write'}"
+                    )
         for seq in self._cancelling:
             if seq not in self._pending or not self._pending[seq].is_read:
                 raise AssertionError(f"order {seq} is being cancelled but is no read in flight")

@@ -56,13 +56,16 @@ class CacheNamespace:
         """What chunk keys fold in: the same on every TP rank of a server."""
         # v3: ``numerics`` joined the chain and the fingerprint reads the weights' tensors,
         # so no store or key of the v2 scheme is ever matched again.
-        text = "|".join(["pcr-chain-v3", self.model_fingerprint, self.kv_dtype, str(self.chunk_size), self.layout,
-                         self.numerics])
+        text = "|".join(
+            ["pcr-chain-v3", self.model_fingerprint, self.kv_dtype, str(self.chunk_size), self.layout, self.numerics]
+        )
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
 
 
 def root_key(
-    namespace_digest: bytes, extra_key: Optional[str] = None, cache_salt: Optional[str] = None,
+    namespace_digest: bytes,
+    extra_key: Optional[str] = None,
+    cache_salt: Optional[str] = None,
     lora_id: Optional[str] = None,
 ) -> ChunkKey:
     """Key of the (virtual) parent of a request's first chunk.
@@ -142,18 +145,29 @@ class ChainKeyer:
         self.chain_digest = chain_digest
         self.chunk_size = chunk_size
 
-    def root(self, extra_key: Optional[str] = None, cache_salt: Optional[str] = None,
-             lora_id: Optional[str] = None) -> ChunkKey:
+    def root(
+        self, extra_key: Optional[str] = None, cache_salt: Optional[str] = None, lora_id: Optional[str] = None
+    ) -> ChunkKey:
         """The root a request's chain starts from: the namespace and its tenant."""
         return root_key(self.chain_digest, extra_key, cache_salt, lora_id)
 
-    def iter_keys(self, tokens: Sequence[int], extra_key: Optional[str] = None,
-                  cache_salt: Optional[str] = None, lora_id: Optional[str] = None) -> Iterator[ChunkKey]:
+    def iter_keys(
+        self,
+        tokens: Sequence[int],
+        extra_key: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        lora_id: Optional[str] = None,
+    ) -> Iterator[ChunkKey]:
         """The keys of ``tokens``' whole chunks, lazily (a match stops at its first miss)."""
         return iter_chunk_keys(self.root(extra_key, cache_salt, lora_id), tokens, self.chunk_size)
 
-    def keys(self, tokens: Sequence[int], extra_key: Optional[str] = None,
-             cache_salt: Optional[str] = None, lora_id: Optional[str] = None) -> list[ChunkKey]:
+    def keys(
+        self,
+        tokens: Sequence[int],
+        extra_key: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        lora_id: Optional[str] = None,
+    ) -> list[ChunkKey]:
         return list(self.iter_keys(tokens, extra_key, cache_salt, lora_id))
 
     def request_root(self, tenant: RequestTenant) -> ChunkKey:

@@ -52,8 +52,9 @@ class TierLeaves:
                 return entry
         return None
 
-    def pop_lru(self, count: int, is_protected: Optional[NodePredicate],
-                take: Optional[Callable[[Any], Optional[bool]]] = None) -> Iterable[Any]:
+    def pop_lru(
+        self, count: int, is_protected: Optional[NodePredicate], take: Optional[Callable[[Any], Optional[bool]]] = None
+    ) -> Iterable[Any]:
         """Yield up to ``count`` leaves, LRU first, protected ones after all others.
 
         The caller removes each yielded leaf from the tier before asking for the next,

@@ -76,8 +76,9 @@ class UnusedReads:
             if node in self.landed and node in self.hinted:
                 self.promoted.add(node)
 
-    def drop_unneeded(self, needed: set[ChunkNode], hinted_chain: Callable[[ChunkNode], bool],
-                      reading: Callable[[ChunkNode], bool]) -> None:
+    def drop_unneeded(
+        self, needed: set[ChunkNode], hinted_chain: Callable[[ChunkNode], bool], reading: Callable[[ChunkNode], bool]
+    ) -> None:
         """After a prefetch plan: landed or promoted reads that no waiting request and no
         live hint needs any more are counted (unused or wasted) and forgotten."""
         for node in [n for n in self.landed if n not in needed and not hinted_chain(n)]:
@@ -103,12 +104,22 @@ class PrefetchBudgets:
     hint_cap: int  # new reads for live hints: at most this, and what the queue left
 
 
-def prefetch_budgets(*, host_slots: int, prefetch_budget: int, hint_budget: int, queue_reads_in_flight: int,
-                     reads_in_flight: int, unused: int, hinted_held: int) -> PrefetchBudgets:
+def prefetch_budgets(
+    *,
+    host_slots: int,
+    prefetch_budget: int,
+    hint_budget: int,
+    queue_reads_in_flight: int,
+    reads_in_flight: int,
+    unused: int,
+    hinted_held: int,
+) -> PrefetchBudgets:
     """The queue prefetch reads within its budget and half the host tier (counting reads
     in flight and landed unused ones); hinted reads, in flight or landed, have their own
     budget and never take the queue's: they count only against it, and against at most a
     quarter of the host tier."""
     room = host_slots // 2 - reads_in_flight - unused
-    return PrefetchBudgets(queue=min(prefetch_budget - queue_reads_in_flight, room),
-                           hint_cap=min(hint_budget - hinted_held, host_slots // 4 - hinted_held))
+    return PrefetchBudgets(
+        queue=min(prefetch_budget - queue_reads_in_flight, room),
+        hint_cap=min(hint_budget - hinted_held, host_slots // 4 - hinted_held),
+    )

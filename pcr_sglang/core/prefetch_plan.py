@@ -29,8 +29,15 @@ __all__ = ["PrefetchPlanner"]
 
 
 class PrefetchPlanner:
-    def __init__(self, ssd: SsdTier, host: HostTier, ledger: IoLedger, unused: UnusedReads,
-                 hint_chains: HintedChains, ssd_stats: SSDStats):
+    def __init__(
+        self,
+        ssd: SsdTier,
+        host: HostTier,
+        ledger: IoLedger,
+        unused: UnusedReads,
+        hint_chains: HintedChains,
+        ssd_stats: SSDStats,
+    ):
         self.ssd = ssd
         self.host = host
         self.ledger = ledger
@@ -38,8 +45,14 @@ class PrefetchPlanner:
         self.hint_chains = hint_chains
         self.ssd_stats = ssd_stats
 
-    def plan(self, chains: Sequence[Sequence[ChunkNode]], keep: Iterable[ChunkNode],
-             effects: Effects, queue_depth: int, hinted: Sequence[LiveHint] = ()) -> None:
+    def plan(
+        self,
+        chains: Sequence[Sequence[ChunkNode]],
+        keep: Iterable[ChunkNode],
+        effects: Effects,
+        queue_depth: int,
+        hinted: Sequence[LiveHint] = (),
+    ) -> None:
         """Each scheduler step: order the SSD-only chunks of the waiting requests' chains
         (earliest request first) within the prefetch budget and half the host tier, then
         those of the ``hinted`` hints' chains (the live KV hints, in reading order) with
@@ -54,12 +67,17 @@ class PrefetchPlanner:
         tracked = self.hint_chains.sync(hinted)
         self.ssd_stats.max_queue_depth = max(self.ssd_stats.max_queue_depth, queue_depth)
         needed = set(keep)
+        # mutant: hint-budget-counts-only-reads-in-flight
         hinted_held = len(self.unused.hinted)
         budgets = prefetch_budgets(
-            host_slots=config.host_slots, prefetch_budget=config.prefetch_budget_chunks,
-            hint_budget=config.hint_budget_chunks, reads_in_flight=self.ledger.reads_in_flight,
-            unused=len(self.unused.landed), hinted_held=hinted_held,
-            queue_reads_in_flight=self.ledger.queue_reads_in_flight(self.unused.hinted))
+            host_slots=config.host_slots,
+            prefetch_budget=config.prefetch_budget_chunks,
+            hint_budget=config.hint_budget_chunks,
+            reads_in_flight=self.ledger.reads_in_flight,
+            unused=len(self.unused.landed),
+            hinted_held=hinted_held,
+            queue_reads_in_flight=self.ledger.queue_reads_in_flight(self.unused.hinted),
+        )
         budget = budgets.queue
         for chain in chains:
             needed.update(chain)
@@ -74,8 +92,7 @@ class PrefetchPlanner:
                 continue
             # From the first chunk to read (none before it is): the chain's tail is locked
             # meanwhile, as for any read, so making room never evicts the chain itself.
-            ordered = self.ssd.order_reads(hint_chain.nodes[start:], effects, urgent=False, limit=hint_room,
-                                           hint=True)
+            ordered = self.ssd.order_reads(hint_chain.nodes[start:], effects, urgent=False, limit=hint_room, hint=True)
             hint_room -= ordered
             self.ssd_stats.hint_issued += ordered
         hinted_chain = self.hint_chains.covers  # an index of the hinted chains, not a walk of them

@@ -73,14 +73,21 @@ class CacheState:
         self.ssd_stats = SSDStats()
         self.unused = UnusedReads(self.ssd_stats)  # reads landed that no request has used yet
         self.hint_chains = HintedChains(self.tree)  # the live KV hints' matched chains
-        self.host = HostTier(config, self.tree, self.slots, self.stats, self.lookahead, self.unused,
-                             self.hint_chains)
+        self.host = HostTier(config, self.tree, self.slots, self.stats, self.lookahead, self.unused, self.hint_chains)
         self.ledger = IoLedger(self.slots)
-        self.ssd = SsdTier(config, self.tree, self.host, self.ledger, self.lookahead, self.cost_model,
-                           self.ssd_stats, self.unused, self.hint_chains)
+        self.ssd = SsdTier(
+            config,
+            self.tree,
+            self.host,
+            self.ledger,
+            self.lookahead,
+            self.cost_model,
+            self.ssd_stats,
+            self.unused,
+            self.hint_chains,
+        )
         self.host.write_back = self.ssd
-        self.prefetch = PrefetchPlanner(self.ssd, self.host, self.ledger, self.unused, self.hint_chains,
-                                        self.ssd_stats)
+        self.prefetch = PrefetchPlanner(self.ssd, self.host, self.ledger, self.unused, self.hint_chains, self.ssd_stats)
         self.prefer_load = True  # agreed across TP ranks each scheduler step, as the SSD tier's io_healthy
 
     @property
@@ -118,9 +125,13 @@ class CacheState:
     def evict_device(self, num_chunks: int, effects: Effects) -> int:
         """Take up to ``num_chunks`` chunks off the device (demoting them to host memory)."""
         protected = self._lookahead_predicate()
-        evicted = self.tree.evict(num_chunks, on_evict=lambda n: self._leave_device(n, effects),
-                                  is_protected=protected, on_drop_host=lambda n: self.host.release(n, effects),
-                                  on_drop_ssd=lambda n: self.ssd.forget(n, effects))
+        evicted = self.tree.evict(
+            num_chunks,
+            on_evict=lambda n: self._leave_device(n, effects),
+            is_protected=protected,
+            on_drop_host=lambda n: self.host.release(n, effects),
+            on_drop_ssd=lambda n: self.ssd.forget(n, effects),
+        )
         if protected is not None:
             self.stats.evicted_protected_chunks += sum(1 for n in evicted if protected(n))
         self.stats.evicted_chunks += len(evicted)
@@ -273,8 +284,9 @@ class CacheState:
     def release_reserved(self, slot: int) -> None:
         self.host.release_reserved(slot)
 
-    def order_reads(self, nodes: Sequence[ChunkNode], effects: Effects, *, urgent: bool, limit: int,
-                    hint: bool = False) -> int:
+    def order_reads(
+        self, nodes: Sequence[ChunkNode], effects: Effects, *, urgent: bool, limit: int, hint: bool = False
+    ) -> int:
         """Order reads of the SSD-only chunks of a chain (:meth:`SsdTier.order_reads`)."""
         return self.ssd.order_reads(nodes, effects, urgent=urgent, limit=limit, hint=hint)
 
@@ -305,8 +317,14 @@ class CacheState:
         """``node`` was read from SSD and no admitted request has used it yet."""
         return node in self.unused
 
-    def plan_prefetch(self, chains: Sequence[Sequence[ChunkNode]], keep: Iterable[ChunkNode],
-                      effects: Effects, queue_depth: int, hinted: Sequence[LiveHint] = ()) -> None:
+    def plan_prefetch(
+        self,
+        chains: Sequence[Sequence[ChunkNode]],
+        keep: Iterable[ChunkNode],
+        effects: Effects,
+        queue_depth: int,
+        hinted: Sequence[LiveHint] = (),
+    ) -> None:
         """Each scheduler step's read-ahead (:meth:`PrefetchPlanner.plan`)."""
         self.prefetch.plan(chains, keep, effects, queue_depth, hinted)
 

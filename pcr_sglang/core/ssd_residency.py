@@ -43,9 +43,18 @@ class PersistedChunk:
 
 
 class SsdTier:
-    def __init__(self, config: CacheStateConfig, tree: ChunkTree, host: HostTier, ledger: IoLedger,
-                 lookahead: LookaheadProtection, cost_model: LoadOrRecompute, ssd_stats: SSDStats,
-                 unused: UnusedReads, hint_chains: HintedChains):
+    def __init__(
+        self,
+        config: CacheStateConfig,
+        tree: ChunkTree,
+        host: HostTier,
+        ledger: IoLedger,
+        lookahead: LookaheadProtection,
+        cost_model: LoadOrRecompute,
+        ssd_stats: SSDStats,
+        unused: UnusedReads,
+        hint_chains: HintedChains,
+    ):
         self.config = config  # replaced when the SSD tier is resized (the one setting that changes)
         self.tree = tree
         self.host = host
@@ -87,14 +96,25 @@ class SsdTier:
         parent = node.parent
         seq = self.ledger.begin_write(node, node.host_slot)
         self.tree.pin_host(node)  # its host copy stays until the write is done
-        effects.orders.append(WriteChunk(seq, node.key, parent.key if parent.depth else NO_PARENT, node.depth,
-                                         self.config.chunk_size, node.host_slot))
+        effects.orders.append(
+            WriteChunk(
+                seq,
+                node.key,
+                parent.key if parent.depth else NO_PARENT,
+                node.depth,
+                self.config.chunk_size,
+                node.host_slot,
+            )
+        )
 
     def evict(self, num_chunks: int, effects: Effects) -> int:
-        evicted = self.tree.evict_ssd(num_chunks, on_evict=lambda n: self.forget(n, effects),
-                                      is_protected=lambda n: n in self.lookahead or self.ledger.reading(n),
-                                      on_drop_host=lambda n: self.host.release(n, effects),
-                                      on_drop_ssd=lambda n: self.forget(n, effects))
+        evicted = self.tree.evict_ssd(
+            num_chunks,
+            on_evict=lambda n: self.forget(n, effects),
+            is_protected=lambda n: n in self.lookahead or self.ledger.reading(n),
+            on_drop_host=lambda n: self.host.release(n, effects),
+            on_drop_ssd=lambda n: self.forget(n, effects),
+        )
         self.ssd_stats.evicted_chunks += len(evicted)
         return len(evicted)
 
@@ -102,8 +122,9 @@ class SsdTier:
         effects.orders.append(DeleteChunk(node.key))
 
     # ------------------------------------------------------------------ SSD reads
-    def order_reads(self, nodes: Sequence[ChunkNode], effects: Effects, *, urgent: bool, limit: int,
-                    hint: bool = False) -> int:
+    def order_reads(
+        self, nodes: Sequence[ChunkNode], effects: Effects, *, urgent: bool, limit: int, hint: bool = False
+    ) -> int:
         """Order reads of the SSD-only chunks among ``nodes`` (a chain, in order), at most
         ``limit`` new ones; reads already in flight are moved ahead when ``urgent``.
         Returns how many were ordered. The chain is locked meanwhile, so making room in
@@ -183,7 +204,7 @@ class SsdTier:
         assert slots is not None
         if op.orphaned:
             return  # the reset already gave up the slot; io_end frees it
-        landed = (outcome is IoOutcome.OK and node.parent is not None and node.on_ssd and not node.on_host)
+        landed = outcome is IoOutcome.OK and node.parent is not None and node.on_ssd and not node.on_host
         if landed:
             slots.bind(slot, node)
             self.tree.set_host(node, slot)
@@ -221,8 +242,11 @@ class SsdTier:
             if node.lock_ref:  # in a chain being served: retried at the next outcome
                 self.bad.append(node)
                 continue
-            self.tree.drop_ssd(node, on_drop_host=lambda n: self.host.release(n, effects),
-                               on_drop_ssd=lambda n: self.forget(n, effects))
+            self.tree.drop_ssd(
+                node,
+                on_drop_host=lambda n: self.host.release(n, effects),
+                on_drop_ssd=lambda n: self.forget(n, effects),
+            )
 
     # ------------------------------------------------------------------ restore
     def restore(self, records: Iterable[PersistedChunk]) -> list[ChunkKey]:
@@ -264,9 +288,10 @@ class SsdTier:
         if len(nodes) < start:
             return 0
         parent = nodes[-1] if nodes else None
-        for key in keys[len(nodes):end]:
+        for key in keys[len(nodes) : end]:
             parent = self.tree.add_persisted(parent, key, remote_only=True)
         added = end - len(nodes)
+        # mutant: remote-adopted-chunks-not-made-recent
         self.tree.match(iter(keys[:end]))  # the most recent now: a request is about to read them
         self.ssd_stats.remote_adopted_chunks += added
         excess = self.tree.ssd_chunks - self.config.ssd_capacity_chunks
@@ -275,8 +300,11 @@ class SsdTier:
         return added
 
     def persisted_chunks(self) -> list[PersistedChunk]:
-        return [PersistedChunk(n.key, n.parent.key if n.parent.depth else NO_PARENT, n.depth)
-                for n in self.tree.iter_nodes() if n.on_ssd and n.parent is not None]  # the root holds no KV
+        return [
+            PersistedChunk(n.key, n.parent.key if n.parent.depth else NO_PARENT, n.depth)
+            for n in self.tree.iter_nodes()
+            if n.on_ssd and n.parent is not None
+        ]  # the root holds no KV
 
     def resize(self, capacity_chunks: int) -> None:
         """The SSD tier is another store now (the namespace moved with the weights), of

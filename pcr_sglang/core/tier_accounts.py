@@ -122,6 +122,7 @@ class TierAccounts:
         parent.host_children -= 1
         self.host.leaves.discard(node)
         self.host.refresh(parent)
+        # mutant: kv-events-host-removal-left-out
         self._log(TierEventKind.REMOVED, node, Tier.HOST)
 
     def leave_ssd(self, node: ChunkNode) -> None:

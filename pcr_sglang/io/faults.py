@@ -56,10 +56,16 @@ class TestFaults:
         ranks = spec.get("tp_ranks")
         if ranks is not None and tp_rank not in ranks:
             return None
-        faults = cls(float(spec.get("read_delay_s", 0.0)), bool(spec.get("fail_reads", False)),
-                     bool(spec.get("fail_writes", False)), float(spec.get("write_delay_s", 0.0)),
-                     float(spec.get("remote_delay_s", 0.0)), bool(spec.get("remote_fail", False)),
-                     float(spec.get("remote_read_delay_s", 0.0)), int(spec.get("read_rendezvous", 0)))
+        faults = cls(
+            float(spec.get("read_delay_s", 0.0)),
+            bool(spec.get("fail_reads", False)),
+            bool(spec.get("fail_writes", False)),
+            float(spec.get("write_delay_s", 0.0)),
+            float(spec.get("remote_delay_s", 0.0)),
+            bool(spec.get("remote_fail", False)),
+            float(spec.get("remote_read_delay_s", 0.0)),
+            int(spec.get("read_rendezvous", 0)),
+        )
         logger.warning("PCR I/O process of TP rank %d: test faults %s (%s)", tp_rank, faults, FAULTS_ENV)
         return faults
 

@@ -87,11 +87,17 @@ class IoProcess:
         self.slot_bytes = layout.slot_bytes
         self.faults = TestFaults.from_env(config.tp_rank)
         write_delay_s = self.faults.write_delay_s if self.faults is not None else 0.0
-        self.store = ChunkFileStore(config.store_root, bytes.fromhex(config.namespace_hex), layout,
-                                    config.dtype, capacity_bytes=None,
-                                    low_watermark_bytes=config.reserve_bytes,
-                                    durability=config.durability, slot=config.writer_slot or None,
-                                    fileops=DelayedRenames(write_delay_s) if write_delay_s > 0 else None)
+        self.store = ChunkFileStore(
+            config.store_root,
+            bytes.fromhex(config.namespace_hex),
+            layout,
+            config.dtype,
+            capacity_bytes=None,
+            low_watermark_bytes=config.reserve_bytes,
+            durability=config.durability,
+            slot=config.writer_slot or None,
+            fileops=DelayedRenames(write_delay_s) if write_delay_s > 0 else None,
+        )
         # Batch durability: (key, completion) of writes acknowledged after the group fsync.
         self._unsynced: list[tuple[bytes, Done]] = []
         self.shm = _attach(config.shm_name)
@@ -113,25 +119,35 @@ class IoProcess:
         if config.remote_config:
             try:
                 remote = RemoteConfig(**msgspec.json.decode(config.remote_config))
-                codec = RecordCodec(load_fleet_key(remote.key_file), bytes.fromhex(config.namespace_hex), layout,
-                                    config.dtype)
+                codec = RecordCodec(
+                    load_fleet_key(remote.key_file), bytes.fromhex(config.namespace_hex), layout, config.dtype
+                )
             except (RemoteConfigError, ValueError, TypeError, msgspec.DecodeError) as e:
                 # The SSD tier goes on without it (a key file removed since the server started).
                 self.remote_error = f"remote tier off: {e}"
                 logger.error("PCR I/O process: %s", self.remote_error)
             else:
-                faults = (RemoteFaults(self.faults.remote_delay_s, self.faults.remote_fail,
-                                       self.faults.remote_read_delay_s) if self.faults is not None else None)
-                self.remote = RemoteThread(RemoteChunkStore(remote, codec), self.ctx, config.replies_endpoint,
-                                           self.slot, faults, on_read=lambda *r: self._to_cache.append(r),
-                                           deadline_s=config.remote_call_timeout_s,
-                                           new_store=lambda: RemoteChunkStore(remote, codec))
+                faults = (
+                    RemoteFaults(self.faults.remote_delay_s, self.faults.remote_fail, self.faults.remote_read_delay_s)
+                    if self.faults is not None
+                    else None
+                )
+                self.remote = RemoteThread(
+                    RemoteChunkStore(remote, codec),
+                    self.ctx,
+                    config.replies_endpoint,
+                    self.slot,
+                    faults,
+                    on_read=lambda *r: self._to_cache.append(r),
+                    deadline_s=config.remote_call_timeout_s,
+                    new_store=lambda: RemoteChunkStore(remote, codec),
+                )
 
     def slot(self, index: int) -> memoryview:
         start = index * self.slot_bytes
         buf = self.shm.buf
         assert buf is not None  # attached for the process's whole life
-        return buf[start:start + self.slot_bytes]
+        return buf[start : start + self.slot_bytes]
 
     def read(self, order: ReadChunk) -> Optional[Done]:
         """One read, on a reader thread (None: the remote thread answers it). The thread
@@ -166,8 +182,12 @@ class IoProcess:
                 self.store.write(order.key, order.parent_key, order.depth, order.num_tokens, payload)
                 # from a copy: the slot is reused after the reply
                 if self.remote is not None and self.remote.has_room():
-                    self.remote.write(order.key, self.remote.store.build_record(
-                        order.key, order.parent_key, order.depth, order.num_tokens, payload))
+                    self.remote.write(
+                        order.key,
+                        self.remote.store.build_record(
+                            order.key, order.parent_key, order.depth, order.num_tokens, payload
+                        ),
+                    )
                 done = Done(order.seq, IoOutcome.OK, seconds=time.perf_counter() - start)
                 if self.store.pending_writes:  # batch durability: not durable yet
                     self._unsynced.append((order.key, done))
@@ -197,12 +217,16 @@ class IoProcess:
         start = time.perf_counter()
         try:
             durable = set(self.store.flush())
-            replies = [d if d.outcome != IoOutcome.OK or key in durable
-                       else Done(d.seq, IoOutcome.CANCELLED, "not made durable by the flush")
-                       for key, d in held]
+            replies = [
+                d
+                if d.outcome != IoOutcome.OK or key in durable
+                else Done(d.seq, IoOutcome.CANCELLED, "not made durable by the flush")
+                for key, d in held
+            ]
         except OSError as e:
-            replies = [Done(d.seq, IoOutcome.BAD, str(e), e.errno or 0) if d.outcome == IoOutcome.OK else d
-                       for _, d in held]
+            replies = [
+                Done(d.seq, IoOutcome.BAD, str(e), e.errno or 0) if d.outcome == IoOutcome.OK else d for _, d in held
+            ]
         share = (time.perf_counter() - start) / len(held)
         for done in replies:
             done.seconds += share
@@ -228,13 +252,15 @@ class IoProcess:
                 self.execute(order)  # DeleteChunk: not acknowledged
                 deletes += 1
 
-    def _write_ready(self, urgent: collections.deque[ReadChunk], reads: _ReadQueue,
-                     writes: collections.deque[WriteChunk]) -> bool:
+    def _write_ready(
+        self, urgent: collections.deque[ReadChunk], reads: _ReadQueue, writes: collections.deque[WriteChunk]
+    ) -> bool:
         """A write may run: no read waits, and none of its chunk runs."""
         return bool(writes) and not urgent and not reads and not self.readers.reading(writes[0].key)
 
-    def _ready(self, urgent: collections.deque[ReadChunk], reads: _ReadQueue,
-               writes: collections.deque[WriteChunk]) -> bool:
+    def _ready(
+        self, urgent: collections.deque[ReadChunk], reads: _ReadQueue, writes: collections.deque[WriteChunk]
+    ) -> bool:
         """Work the main thread can do without waiting for a reader thread: a write, or more
         deletes of a long run of them."""
         if reads and isinstance(reads[0], DeleteChunk):
@@ -244,7 +270,7 @@ class IoProcess:
     def reorder(self, request: Reorder, urgent: collections.deque[ReadChunk], reads: _ReadQueue) -> None:
         """Expedite a queued prefetch read, or cancel a queued read (a read that a request
         waited for is cancelled too once that request has gone)."""
-        for pending in ((reads, urgent) if request.cancel else (reads,)):
+        for pending in (reads, urgent) if request.cancel else (reads,):
             for order in pending:
                 if isinstance(order, ReadChunk) and order.seq == request.target:
                     pending.remove(order)
@@ -256,8 +282,9 @@ class IoProcess:
 
     def probe(self, order: ProbeRemote) -> None:
         if self.remote is None:
-            self.replies.send(reply_encoder.encode(Probed(order.seq, [0] * len(order.chains),
-                                                          self.remote_error or "no remote tier")))
+            self.replies.send(
+                reply_encoder.encode(Probed(order.seq, [0] * len(order.chains), self.remote_error or "no remote tier"))
+            )
         else:
             self.remote.probe(order)
 
@@ -265,19 +292,26 @@ class IoProcess:
         """The remote thread's watchdog, run from the main loop: a call past its deadline
         gets the thread replaced (see :meth:`RemoteThread.replace`). False: too many
         replaced threads are still stuck, and the process should exit."""
+        # mutant: remote-watchdog-never-gives-up-on-a-hung-call
         hung_s = self.remote.overdue_s(now) if self.remote is not None else 0.0
         if not hung_s:
             return True
         assert self.remote is not None  # only a remote thread's call hangs
         self._hung_remote = [t for t in self._hung_remote if t.alive]
         if len(self._hung_remote) >= MAX_HUNG_REMOTE_THREADS:
-            logger.error("PCR I/O process: a remote-tier call has not returned for %.0f s, and %d replaced remote "
-                         "threads are still stuck; exiting so that the supervisor restarts it", hung_s,
-                         len(self._hung_remote))
+            logger.error(
+                "PCR I/O process: a remote-tier call has not returned for %.0f s, and %d replaced remote "
+                "threads are still stuck; exiting so that the supervisor restarts it",
+                hung_s,
+                len(self._hung_remote),
+            )
             return False
         why = f"a call did not return in {self.remote.deadline_s:g} s"
-        logger.error("PCR I/O process: a remote-tier call has not returned for %.0f s: its order fails, the "
-                     "remote client is restarted and the stuck call left behind", hung_s)
+        logger.error(
+            "PCR I/O process: a remote-tier call has not returned for %.0f s: its order fails, the "
+            "remote client is restarted and the stuck call left behind",
+            hung_s,
+        )
         hung, self.remote = self.remote, self.remote.replace(why)
         self._hung_remote.append(hung)
         self.remote.start()
@@ -356,8 +390,11 @@ class IoProcess:
                 if hung_s > self.config.stall_timeout_s:
                     # The other threads may still answer, so the supervisor would not see the
                     # stall: the process goes, and its orders come back cancelled.
-                    logger.error("PCR I/O process: a read has not returned for %.0f s (a hung disk?); exiting "
-                                 "so that the supervisor restarts it", hung_s)
+                    logger.error(
+                        "PCR I/O process: a read has not returned for %.0f s (a hung disk?); exiting "
+                        "so that the supervisor restarts it",
+                        hung_s,
+                    )
                     return
 
 

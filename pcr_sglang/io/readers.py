@@ -56,8 +56,9 @@ class ReaderThreads:
     reads cost about one; on two busy CPU cores, copies and MACs overlap little).
     """
 
-    def __init__(self, threads: int, ctx: zmq.SyncContext, replies_endpoint: str,
-                 read: Callable[[ReadChunk], Optional[Done]]):
+    def __init__(
+        self, threads: int, ctx: zmq.SyncContext, replies_endpoint: str, read: Callable[[ReadChunk], Optional[Done]]
+    ):
         self.threads = threads
         self._read = read
         self._ctx = ctx
@@ -71,8 +72,9 @@ class ReaderThreads:
         self._keys: collections.Counter[bytes] = collections.Counter()
         self._orders: queue.SimpleQueue[ReadChunk] = queue.SimpleQueue()
         self._clock = BusyClock()
-        self._threads = [threading.Thread(target=self._run, name=f"pcr-io-read-{i}", daemon=True)
-                         for i in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"pcr-io-read-{i}", daemon=True) for i in range(threads)
+        ]
         for thread in self._threads:
             thread.start()
 

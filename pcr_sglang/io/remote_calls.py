@@ -70,8 +70,13 @@ class CallingThread(Protocol):
 
     def _call(self, fn: Callable[[], _T]) -> _T: ...
 
-    def _answer(self, reply: Reply, final: bool = False, into_slot: Optional[int] = None,
-                counts: Optional[dict[str, float]] = None) -> bool: ...
+    def _answer(
+        self,
+        reply: Reply,
+        final: bool = False,
+        into_slot: Optional[int] = None,
+        counts: Optional[dict[str, float]] = None,
+    ) -> bool: ...
 
 
 def probe(thread: CallingThread, order: ProbeRemote) -> None:
@@ -84,8 +89,11 @@ def probe(thread: CallingThread, order: ProbeRemote) -> None:
         error = ""
     except RemoteError as e:
         present, error = [0] * len(order.chains), str(e)
-    thread._answer(Probed(order.seq, present, error, time.perf_counter() - start), final=True,
-                   counts={"found_chunks": sum(present)})
+    thread._answer(
+        Probed(order.seq, present, error, time.perf_counter() - start),
+        final=True,
+        counts={"found_chunks": sum(present)},
+    )
 
 
 def read(thread: CallingThread, order: ReadChunk) -> None:
@@ -103,27 +111,40 @@ def read(thread: CallingThread, order: ReadChunk) -> None:
     try:
         result = thread._call(read_into_scratch)
     except RemoteError as e:
-        thread._answer(Done(order.seq, IoOutcome.BAD, f"not on the local SSD; remote tier: {e}",
-                            seconds=time.perf_counter() - start, source=SOURCE_REMOTE), final=True,
-                       counts={"read_failed": 1})
+        thread._answer(
+            Done(
+                order.seq,
+                IoOutcome.BAD,
+                f"not on the local SSD; remote tier: {e}",
+                seconds=time.perf_counter() - start,
+                source=SOURCE_REMOTE,
+            ),
+            final=True,
+            counts={"read_failed": 1},
+        )
         return
     seconds = time.perf_counter() - start
     if result is ReadResult.OK:
         record = thread.store.last_record
         counts = {"read_ok": 1, "read_bytes": thread.store.codec.record_bytes, "read_seconds": seconds}
-        if not thread._answer(Done(order.seq, IoOutcome.OK, seconds=seconds, source=SOURCE_REMOTE),
-                              final=True, into_slot=order.host_slot, counts=counts):
+        if not thread._answer(
+            Done(order.seq, IoOutcome.OK, seconds=seconds, source=SOURCE_REMOTE),
+            final=True,
+            into_slot=order.host_slot,
+            counts=counts,
+        ):
             return  # replaced meanwhile: its order was answered as failed, the slot is not ours
         on_read = thread.on_read
         if on_read is not None and record is not None:
             on_read(order.key, record, bytes(thread._scratch))
         return
     if result is ReadResult.CORRUPT:
-        logger.warning("PCR remote tier: chunk %s failed verification; removed, it will be recomputed",
-                       order.key.hex())
-    thread._answer(Done(order.seq, IoOutcome.BAD, f"remote tier: {result.value}", seconds=seconds,
-                        source=SOURCE_REMOTE), final=True,
-                   counts={"read_corrupt" if result is ReadResult.CORRUPT else "read_missing": 1})
+        logger.warning("PCR remote tier: chunk %s failed verification; removed, it will be recomputed", order.key.hex())
+    thread._answer(
+        Done(order.seq, IoOutcome.BAD, f"remote tier: {result.value}", seconds=seconds, source=SOURCE_REMOTE),
+        final=True,
+        counts={"read_corrupt" if result is ReadResult.CORRUPT else "read_missing": 1},
+    )
 
 
 def write(thread: CallingThread, key: bytes, record: bytes | bytearray) -> None:

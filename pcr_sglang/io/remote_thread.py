@@ -77,10 +77,17 @@ class _Running:
 
 
 class RemoteThread:
-    def __init__(self, store: RemoteChunkStore, ctx: zmq.SyncContext, replies_endpoint: str,
-                 slot: Callable[[int], memoryview], faults: Optional[RemoteFaults] = None,
-                 on_read: Optional[Callable[[bytes, ChunkRecord, bytes], None]] = None, deadline_s: float = 10.0,
-                 new_store: Optional[Callable[[], RemoteChunkStore]] = None):
+    def __init__(
+        self,
+        store: RemoteChunkStore,
+        ctx: zmq.SyncContext,
+        replies_endpoint: str,
+        slot: Callable[[int], memoryview],
+        faults: Optional[RemoteFaults] = None,
+        on_read: Optional[Callable[[bytes, ChunkRecord, bytes], None]] = None,
+        deadline_s: float = 10.0,
+        new_store: Optional[Callable[[], RemoteChunkStore]] = None,
+    ):
         self.store = store
         self.new_store = new_store  # a fresh client of the same store, for a successor (replace)
         self.slot = slot
@@ -155,8 +162,16 @@ class RemoteThread:
             counters, self.counters = self.counters, RemoteCounters()  # its late counts go nowhere
             on_read, self.on_read = self.on_read, None
             outbox, self._outbox = self._outbox, collections.deque()  # decided before: the successor sends them
-        successor = RemoteThread(self.new_store(), self._ctx, self._replies_endpoint, self.slot, self.faults,
-                                 on_read, self.deadline_s, self.new_store)
+        successor = RemoteThread(
+            self.new_store(),
+            self._ctx,
+            self._replies_endpoint,
+            self.slot,
+            self.faults,
+            on_read,
+            self.deadline_s,
+            self.new_store,
+        )
         successor.counters = counters
         successor._outbox = outbox
         successor._probes, successor._urgent, successor._reads, successor._writes = queues
@@ -215,10 +230,14 @@ class RemoteThread:
                     while not (self._probes or self._urgent or self._reads or self._writes):
                         if self._replaced:
                             return
+                        # mutant: remote-idle-thread-never-asks-the-store
                         if not self.healthy and time.monotonic() >= self._retry_at:
                             break  # down, back-off over, nothing to do: ask the store itself
-                        wait = STATUS_INTERVAL_S if self.healthy else max(min(self._retry_at - time.monotonic(),
-                                                                              STATUS_INTERVAL_S), 0.01)
+                        wait = (
+                            STATUS_INTERVAL_S
+                            if self.healthy
+                            else max(min(self._retry_at - time.monotonic(), STATUS_INTERVAL_S), 0.01)
+                        )
                         self._cv.wait(wait)
                         self._send_status()
                     else:
@@ -269,8 +288,9 @@ class RemoteThread:
         """Answer an order as failed (a read BAD: its slot is freed and the chunk
         recomputed; a probe as finding nothing)."""
         if isinstance(item, ReadChunk):
-            self._answer(Done(item.seq, IoOutcome.BAD, error, source=SOURCE_REMOTE), final=True,
-                         counts={"read_failed": 1})
+            self._answer(
+                Done(item.seq, IoOutcome.BAD, error, source=SOURCE_REMOTE), final=True, counts={"read_failed": 1}
+            )
         elif isinstance(item, ProbeRemote):
             self._answer(Probed(item.seq, [0] * len(item.chains), error), final=True)
 
@@ -305,14 +325,20 @@ class RemoteThread:
     def _down(self, why: str) -> None:
         if self.healthy or self.counters.outages == 0:
             self.counters.outages += 1
-            logger.warning("PCR remote tier down (%s): serving from the local tiers; retrying in %.0f s",
-                           why, self._backoff_s)
+            logger.warning(
+                "PCR remote tier down (%s): serving from the local tiers; retrying in %.0f s", why, self._backoff_s
+            )
         self.healthy, self.error = False, why
         self._retry_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
 
-    def _answer(self, reply: Reply, final: bool = False, into_slot: Optional[int] = None,
-                counts: Optional[dict[str, float]] = None) -> bool:
+    def _answer(
+        self,
+        reply: Reply,
+        final: bool = False,
+        into_slot: Optional[int] = None,
+        counts: Optional[dict[str, float]] = None,
+    ) -> bool:
         """Add ``counts`` to the counters, copy the read into host slot ``into_slot`` and send
         ``reply``, unless the thread was replaced: then none of it happens, and False is
         returned. ``final``: it answers the call in progress, which the watchdog stops timing."""
@@ -325,6 +351,7 @@ class RemoteThread:
                 memoryview(self.slot(into_slot)).cast("B")[:] = self._scratch
             if final:
                 self._running = None
+            # mutant: remote-reply-sent-blocking-under-the-lock
             self._outbox.append(reply_encoder.encode(reply))
             self._send_outbox()
             return True
@@ -354,8 +381,11 @@ class RemoteThread:
             return
         with self._cv:
             queued_writes, queued_reads = len(self._writes), len(self._urgent) + len(self._reads)
-        counters = {**{k: float(v) for k, v in asdict(self.counters).items()}, "queued_writes": float(queued_writes),
-                    "queued_reads": float(queued_reads)}
+        counters = {
+            **{k: float(v) for k, v in asdict(self.counters).items()},
+            "queued_writes": float(queued_writes),
+            "queued_reads": float(queued_reads),
+        }
         state = (self.healthy, self.error, tuple(counters.values()))
         if not force and state == self._last_status:
             return

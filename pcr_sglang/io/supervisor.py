@@ -47,12 +47,20 @@ Outcome = tuple[int, IoOutcome, float]
 
 
 class IOSupervisor:
-    def __init__(self, config: IoProcessConfig, *, stall_timeout_s: float = 30.0,
-                 startup_timeout_s: float = 60.0, exit_wait_s: float = 10.0):
+    def __init__(
+        self,
+        config: IoProcessConfig,
+        *,
+        stall_timeout_s: float = 30.0,
+        startup_timeout_s: float = 60.0,
+        exit_wait_s: float = 10.0,
+    ):
         self._channel = IOChannel()
         self.config = msgspec.structs.replace(
-            config, orders_endpoint=self._channel.orders_endpoint,
-            replies_endpoint=self._channel.replies_endpoint, parent_pid=os.getpid(),
+            config,
+            orders_endpoint=self._channel.orders_endpoint,
+            replies_endpoint=self._channel.replies_endpoint,
+            parent_pid=os.getpid(),
             stall_timeout_s=stall_timeout_s,
         )
         self.stall_timeout_s = stall_timeout_s
@@ -83,7 +91,8 @@ class IOSupervisor:
         env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING")}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "pcr_sglang.io.process", msgspec.msgpack.encode(self.config).hex()],
-            stdin=subprocess.DEVNULL, env=env,
+            stdin=subprocess.DEVNULL,
+            env=env,
             # The store's writer lease: held by the I/O process too, so a peer starting on
             # the directory never takes over the slot while this process still writes.
             pass_fds=(self.config.lease_fd,) if self.config.lease_fd >= 0 else (),
@@ -147,14 +156,20 @@ class IOSupervisor:
         self._probed = {}
         self.remote_status = None
         self.config = msgspec.structs.replace(
-            config, orders_endpoint=self._channel.orders_endpoint,
-            replies_endpoint=self._channel.replies_endpoint, parent_pid=os.getpid(),
+            config,
+            orders_endpoint=self._channel.orders_endpoint,
+            replies_endpoint=self._channel.replies_endpoint,
+            parent_pid=os.getpid(),
             stall_timeout_s=self.stall_timeout_s,
         )
+        # mutant: io-restart-cancels-orders-of-a-live-process
         if self._phase is not _Phase.DOWN and not self._kill_and_wait():
-            logger.error("PCR I/O process %d: its %d orders keep their host slots reserved until it exits; "
-                         "the process on the new store starts then", self._proc.pid if self._proc else -1,
-                         len(self._outstanding))
+            logger.error(
+                "PCR I/O process %d: its %d orders keep their host slots reserved until it exits; "
+                "the process on the new store starts then",
+                self._proc.pid if self._proc else -1,
+                len(self._outstanding),
+            )
             self._respawn_at_exit = True
             self._said_stuck = True
             self._enter(_Phase.DYING)
@@ -251,15 +266,18 @@ class IOSupervisor:
         elif self._phase is _Phase.STARTING and now - self._since > self.startup_timeout_s:
             self._kill("did not start")
         elif self._phase is _Phase.DYING and now - self._since > 10.0 and not self._said_stuck:
-            logger.error("PCR I/O process %d does not exit after SIGKILL; its %d orders keep their "
-                         "host slots reserved until it does", self._proc.pid, len(self._outstanding))
+            logger.error(
+                "PCR I/O process %d does not exit after SIGKILL; its %d orders keep their "
+                "host slots reserved until it does",
+                self._proc.pid,
+                len(self._outstanding),
+            )
             self._said_stuck = True
 
     def _kill(self, why: str) -> None:
         assert self._proc is not None
         self.failures += 1
-        logger.warning("PCR I/O process %d %s: killing it; serving without the SSD tier meanwhile",
-                       self._proc.pid, why)
+        logger.warning("PCR I/O process %d %s: killing it; serving without the SSD tier meanwhile", self._proc.pid, why)
         self._proc.kill()
         self._said_stuck = False
         self._enter(_Phase.DYING)
@@ -273,8 +291,7 @@ class IOSupervisor:
         if self._respawn_at_exit:  # restart() asked for a process on a new store: not a failure
             self._respawn_at_exit = False
             self._restart_at = now
-            logger.warning("PCR I/O process gone: %d orders cancelled; starting the one on the new store",
-                           cancelled)
+            logger.warning("PCR I/O process gone: %d orders cancelled; starting the one on the new store", cancelled)
             return
         self._restart_at = now + self._backoff_s
         logger.warning("PCR I/O process gone: %d orders cancelled; restart in %.0f s", cancelled, self._backoff_s)

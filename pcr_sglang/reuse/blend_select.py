@@ -62,6 +62,7 @@ GRADUAL_WIDTH = 2
 # ``prophet``: the question's attention is fused over layers 1..QUERY_LAYERS (fewer on a
 # shallower model). Its layers must be copied before the probe, so this bounds how much
 # of the layer-wise copy the selection waits for.
+# mutant: blend-prophet-fuses-layer-1-only
 QUERY_LAYERS = 4
 
 
@@ -76,7 +77,7 @@ def probe_support(model: Any) -> Optional[str]:
     layers = getattr(inner, "layers", None)
     if layers is None or getattr(inner, "embed_tokens", None) is None or len(layers) < 2:
         return f"{type(model).__name__} has no model.embed_tokens / two model.layers for blend's probe"
-    for layer in list(layers)[:probe_layers(len(layers))]:
+    for layer in list(layers)[: probe_layers(len(layers))]:
         name = type(layer).__name__
         if name not in PROBE_LAYERS:
             return f"blend's probe reproduces {', '.join(PROBE_LAYERS)}; this model's layers are {name}"
@@ -157,14 +158,15 @@ def _width(module: Any, fallback: int) -> int:
 
 
 class BlendProbe:
-    def __init__(self, model: Any, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
-                 scratch_bytes: Optional[int] = None):
+    def __init__(
+        self, model: Any, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], scratch_bytes: Optional[int] = None
+    ):
         """``scratch_bytes`` (``--pcr-blend-probe-mb``): the most scratch memory one
         selection may need by :meth:`scratch_estimate`; a request that would need more is
         refused before anything is allocated (:class:`ProbeBudgetError`), so the probe,
         which runs beside a forward in flight, never takes more than this."""
         self.embed = model.model.embed_tokens
-        self.layers = list(model.model.layers)[:probe_layers(len(kv_layers))]
+        self.layers = list(model.model.layers)[: probe_layers(len(kv_layers))]
         self.kv_layers = kv_layers
         self.scratch_bytes = scratch_bytes
 
@@ -198,10 +200,12 @@ class BlendProbe:
         if self.scratch_bytes is None:
             return
         need = self.scratch_estimate(tokens, prefix, question)
+        # mutant: gpu-blend-probe-over-its-budget-runs
         if need > self.scratch_bytes:
             raise ProbeBudgetError(
                 f"blend's probe would need about {need / 2**20:.0f} MiB of scratch for {tokens} tokens after a "
-                f"{prefix}-token prefix, over --pcr-blend-probe-mb {self.scratch_bytes / 2**20:.0f}: recomputed")
+                f"{prefix}-token prefix, over --pcr-blend-probe-mb {self.scratch_bytes / 2**20:.0f}: recomputed"
+            )
 
     def layers_read(self, selector: str) -> int:
         """How many leading layers of the pool ``selector`` reads (they must be copied first)."""
@@ -213,10 +217,19 @@ class BlendProbe:
 
     # ------------------------------------------------------------------ the selection
     @torch.no_grad()
-    def select(self, token_ids: torch.Tensor, positions: torch.Tensor, prefix_slots: torch.Tensor,
-               reused_slots: torch.Tensor, candidates: torch.Tensor, count: int, anchored: torch.Tensor,
-               selector: str, question_ids: Optional[torch.Tensor] = None,
-               gap_offsets: Optional[torch.Tensor] = None) -> Selection:
+    def select(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prefix_slots: torch.Tensor,
+        reused_slots: torch.Tensor,
+        candidates: torch.Tensor,
+        count: int,
+        anchored: torch.Tensor,
+        selector: str,
+        question_ids: Optional[torch.Tensor] = None,
+        gap_offsets: Optional[torch.Tensor] = None,
+    ) -> Selection:
         """The ``count`` of ``candidates`` (offsets of the re-placed tokens among
         ``token_ids``) to recompute, ranked by ``selector``; ``anchored`` (a mask over the
         candidates, on the candidates' device) come first. ``token_ids`` sit at
@@ -227,8 +240,11 @@ class BlendProbe:
         ``gap_offsets``: tokens with no cached KV (the forward computes them in place),
         which the question cannot see above layer 1 before then. A selection that would
         need more than ``scratch_bytes`` raises :class:`ProbeBudgetError` first."""
-        self.check_budget(int(token_ids.shape[0]), int(prefix_slots.shape[0]),
-                           int(question_ids.shape[0]) if question_ids is not None else 0)
+        self.check_budget(
+            int(token_ids.shape[0]),
+            int(prefix_slots.shape[0]),
+            int(question_ids.shape[0]) if question_ids is not None else 0,
+        )
         first = self.layer1(token_ids, positions, prefix_slots, reused_slots)
         exact = [ExactKv(1, candidates, first.k1[candidates], first.v1[candidates])]
         if count <= 0:
@@ -237,25 +253,28 @@ class BlendProbe:
         if selector in QUESTION_SELECTORS and has_question:
             assert question_ids is not None
             depth = 1 if selector == "query" else self.layers_read("prophet") - 1
-            scores = self.question_attention(first, question_ids, positions, prefix_slots, reused_slots,
-                                             depth, gap_offsets)[candidates]
+            scores = self.question_attention(
+                first, question_ids, positions, prefix_slots, reused_slots, depth, gap_offsets
+            )[candidates]
         else:
             scores = first.deviation[candidates]
         if selector == "gradual" and len(self.layers) > 2:
             width = min(candidates.shape[0], GRADUAL_WIDTH * count)
             wide = torch.topk(scores.float().masked_fill(anchored, float("inf")), width).indices
-            second, deviation2 = self.layer2_deviation(first, candidates[wide], positions, prefix_slots,
-                                                       reused_slots)
+            second, deviation2 = self.layer2_deviation(first, candidates[wide], positions, prefix_slots, reused_slots)
+            # mutant: blend-gradual-keeps-re-placed-layer-2
             exact.append(second)
             scores = torch.full_like(scores, float("-inf"), dtype=torch.float32)
             scores[wide] = deviation2
+        # mutant: blend-anchors-ignored-at-admission
         top = torch.topk(scores.float().masked_fill(anchored, float("inf")), count).indices
         return Selection(candidates[top], exact)
 
     # ------------------------------------------------------------------ layer 1 in full context
     @torch.no_grad()
-    def layer1(self, token_ids: torch.Tensor, positions: torch.Tensor, prefix_slots: torch.Tensor,
-               reused_slots: torch.Tensor) -> Layer1Result:
+    def layer1(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, prefix_slots: torch.Tensor, reused_slots: torch.Tensor
+    ) -> Layer1Result:
         """Full-context layer-1 KV for the reused tokens ``token_ids`` at ``positions``,
         whose re-placed KV sits in ``reused_slots``, and its deviation from that KV.
         Queries run in blocks, so the attention scores of one block stay within
@@ -273,8 +292,14 @@ class BlendProbe:
         deviation = _v_deviation(v1, v1_pool, reused_slots)
         return Layer1Result(deviation, k1, v1, residual, q1, keys, values, key_positions)
 
-    def layer2_deviation(self, first: Layer1Result, offsets: torch.Tensor, positions: torch.Tensor,
-                         prefix_slots: torch.Tensor, reused_slots: torch.Tensor) -> tuple[ExactKv, torch.Tensor]:
+    def layer2_deviation(
+        self,
+        first: Layer1Result,
+        offsets: torch.Tensor,
+        positions: torch.Tensor,
+        prefix_slots: torch.Tensor,
+        reused_slots: torch.Tensor,
+    ) -> tuple[ExactKv, torch.Tensor]:
         """Full-context layer-2 KV of the tokens at ``offsets`` (their layer-1 attention
         over every token's exact layer-1 KV: the prefix's in the pool, the reused ones'
         from ``first``; then layer 1's MLP and layer 2's projections), and its deviation
@@ -290,9 +315,16 @@ class BlendProbe:
         v2 = v2.to(v2_pool.dtype)
         return ExactKv(2, offsets, k2.to(k2_pool.dtype), v2), _v_deviation(v2, v2_pool, reused_slots[offsets])
 
-    def question_attention(self, first: Layer1Result, question_ids: torch.Tensor, positions: torch.Tensor,
-                           prefix_slots: torch.Tensor, reused_slots: torch.Tensor, depth: int,
-                           gap_offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def question_attention(
+        self,
+        first: Layer1Result,
+        question_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prefix_slots: torch.Tensor,
+        reused_slots: torch.Tensor,
+        depth: int,
+        gap_offsets: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """The attention the question (``question_ids``, right after ``positions``) gives
         each reused token at layers 1..``depth``, summed over layers, question tokens and
         heads. Layer 1 sees every reused token's full-context K (``first``); the layers
@@ -317,11 +349,20 @@ class BlendProbe:
             context = (first.k1, first.v1) if layer == 1 else (k_pool[reused_slots], v_pool[reused_slots])
             keys = torch.cat([k_pool[prefix_slots].to(q.dtype), context[0].to(q.dtype), k])
             values = torch.cat([v_pool[prefix_slots].to(q.dtype), context[1].to(q.dtype), v])
-            out = self._attend(layer, q, q_positions, keys, values, all_positions, weights,
-                               filled if layer > 1 else None)
+            out = self._attend(
+                layer,
+                q,
+                q_positions,
+                keys,
+                values,
+                all_positions,
+                weights,
+                # mutant: blend-prophet-reads-gap-slots
+                filled if layer > 1 else None,
+            )
             if layer < depth:
                 hidden = self._finish(layer, hidden, out)
-        return weights[start:start + positions.shape[0]]
+        return weights[start : start + positions.shape[0]]
 
     # ------------------------------------------------------------------ one decoder layer
     def _project(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -330,8 +371,11 @@ class BlendProbe:
         module = self.layers[layer]
         attn = module.self_attn
         n, d = hidden.shape[0], attn.head_dim
-        q, k, v = torch.split(_first(attn.qkv_proj(_first(module.input_layernorm(hidden)))),
-                              [attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k, v = torch.split(
+            _first(attn.qkv_proj(_first(module.input_layernorm(hidden)))),
+            [attn.q_size, attn.kv_size, attn.kv_size],
+            dim=-1,
+        )
         q, k = attn.rotary_emb(positions, q, k)
         return q.reshape(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)
 
@@ -342,9 +386,17 @@ class BlendProbe:
         mlp_out: torch.Tensor = module.mlp(_first(module.post_attention_layernorm(residual)))
         return residual + mlp_out
 
-    def _attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, key_positions: torch.Tensor,
-                weights: Optional[torch.Tensor] = None, key_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key_positions: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+        key_valid: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Position-causal attention of ``q`` ([n, heads, d] at ``positions``) over
         ``keys``/``values`` ([keys, kv_heads, d] at ``key_positions``), flat per token.
         With ``weights`` ([keys] float32), each key's attention (summed over queries and
@@ -364,9 +416,13 @@ class BlendProbe:
                 mask &= key_valid
             if weights is None:
                 out = torch.nn.functional.scaled_dot_product_attention(
-                    q[begin:end].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-                    values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=attn.scaling,
-                    enable_gqa=heads != kv_heads)
+                    q[begin:end].transpose(0, 1).unsqueeze(0),
+                    keys.transpose(0, 1).unsqueeze(0),
+                    values.transpose(0, 1).unsqueeze(0),
+                    attn_mask=mask,
+                    scale=attn.scaling,
+                    enable_gqa=heads != kv_heads,
+                )
                 parts.append(out.squeeze(0).transpose(0, 1).reshape(end - begin, -1))
                 continue
             grouped = q[begin:end].reshape(end - begin, kv_heads, heads // kv_heads, d).float()

@@ -77,8 +77,9 @@ def doc_params(custom_params: Any) -> Optional[dict[str, Any]]:
     if custom_params is None:
         return None
     if not isinstance(custom_params, dict):
-        raise DocBoundsError(f"{CUSTOM_PARAMS_FIELD} must be an object of named parameters, "
-                             f"got {type(custom_params).__name__}")
+        raise DocBoundsError(
+            f"{CUSTOM_PARAMS_FIELD} must be an object of named parameters, got {type(custom_params).__name__}"
+        )
     return custom_params or None
 
 
@@ -110,8 +111,10 @@ def request_mode(custom_params: Any, server_mode: str = "concat") -> str:
     if mode not in REQUEST_MODES:
         raise DocBoundsError(f"{DOC_MODE_PARAM} must be one of {', '.join(map(repr, REQUEST_MODES))}, got {mode!r}")
     if mode in RECOMPUTE_MODES and server_mode not in RECOMPUTE_MODES:
-        raise DocBoundsError(f"{DOC_MODE_PARAM}={mode!r} recomputes tokens: this server runs --pcr-doc-reuse "
-                             f"{server_mode}; start it with --pcr-doc-reuse lego or blend")
+        raise DocBoundsError(
+            f"{DOC_MODE_PARAM}={mode!r} recomputes tokens: this server runs --pcr-doc-reuse "
+            f"{server_mode}; start it with --pcr-doc-reuse lego or blend"
+        )
     return mode
 
 
@@ -121,6 +124,7 @@ def request_recompute(custom_params: Any, server: Recompute) -> Optional[Recompu
     for settings outside the server's calibration (``server.gate``; unless it only warns)."""
     custom_params = doc_params(custom_params) or {}
     mode = request_mode(custom_params, server.mode)
+    # mutant: reorder-not-exact-in-the-scheduler
     if mode in EXACT_MODES:
         return None  # served exactly (reorder's order is chosen in the tokenizer process)
     tokens = custom_params.get(RECOMPUTE_TOKENS_PARAM, server.tokens)
@@ -136,10 +140,12 @@ def request_recompute(custom_params: Any, server: Recompute) -> Optional[Recompu
     if selector not in SELECTORS:
         raise DocBoundsError(f"{SELECTOR_PARAM} must be one of {', '.join(map(repr, SELECTORS))}, got {selector!r}")
     question_end = custom_params.get(QUESTION_END_PARAM)
-    if question_end is not None and (isinstance(question_end, bool) or not isinstance(question_end, int)
-                                     or question_end < 1):
+    if question_end is not None and (
+        isinstance(question_end, bool) or not isinstance(question_end, int) or question_end < 1
+    ):
         raise DocBoundsError(f"{QUESTION_END_PARAM} must be a positive token offset, got {question_end!r}")
     asked = Recompute(mode, int(tokens), float(ratio), int(anchors), selector, question_end)
+    # mutant: calibration-gate-judges-the-server-mode-only
     if server.gate is not None:
         server.gate.check(asked)
     return asked
@@ -177,13 +183,16 @@ def parse_doc_bounds(raw: object, num_tokens: int, limits: Optional[DocLimits] =
     returns as HTTP 400.
     """
     if not isinstance(raw, (list, tuple)):
-        raise DocBoundsError(f"{DOC_BOUNDS_PARAM} must be a flat list of token offsets [s0, e0, s1, e1, ...], "
-                             f"got {type(raw).__name__}")
+        raise DocBoundsError(
+            f"{DOC_BOUNDS_PARAM} must be a flat list of token offsets [s0, e0, s1, e1, ...], got {type(raw).__name__}"
+        )
     if len(raw) == 0 or len(raw) % 2:
         raise DocBoundsError(f"{DOC_BOUNDS_PARAM} must hold pairs of offsets [start, end), got {len(raw)} values")
     if limits is not None and len(raw) // 2 > limits.max_documents:
-        raise DocBoundsError(f"{DOC_BOUNDS_PARAM} marks {len(raw) // 2} documents; this server takes at most "
-                             f"{limits.max_documents} per request (--pcr-doc-max-documents)")
+        raise DocBoundsError(
+            f"{DOC_BOUNDS_PARAM} marks {len(raw) // 2} documents; this server takes at most "
+            f"{limits.max_documents} per request (--pcr-doc-max-documents)"
+        )
     values: list[int] = []
     for value in raw:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -195,23 +204,30 @@ def parse_doc_bounds(raw: object, num_tokens: int, limits: Optional[DocLimits] =
         start, end = values[i], values[i + 1]
         doc = i // 2
         if start < 0 or end > num_tokens:
-            raise DocBoundsError(f"{DOC_BOUNDS_PARAM}: document {doc} [{start}, {end}) is outside the prompt's "
-                                 f"{num_tokens} tokens")
+            raise DocBoundsError(
+                f"{DOC_BOUNDS_PARAM}: document {doc} [{start}, {end}) is outside the prompt's {num_tokens} tokens"
+            )
         if end <= start:
             raise DocBoundsError(f"{DOC_BOUNDS_PARAM}: document {doc} [{start}, {end}) is empty or reversed")
         if start < previous_end:
-            raise DocBoundsError(f"{DOC_BOUNDS_PARAM}: document {doc} starts at {start}, before the previous "
-                                 f"document ends ({previous_end}): bounds must be sorted and not overlap")
+            raise DocBoundsError(
+                f"{DOC_BOUNDS_PARAM}: document {doc} starts at {start}, before the previous "
+                f"document ends ({previous_end}): bounds must be sorted and not overlap"
+            )
         if doc == 0 and start == 0:
-            raise DocBoundsError(f"{DOC_BOUNDS_PARAM}: the first document starts at token 0; the tokens before "
-                                 "it (BOS, system prompt) are what every document's KV is computed behind")
+            raise DocBoundsError(
+                f"{DOC_BOUNDS_PARAM}: the first document starts at token 0; the tokens before "
+                "it (BOS, system prompt) are what every document's KV is computed behind"
+            )
         spans.append(DocSpan(doc, start, end))
         previous_end = end
     short = next((span for span in spans if span.length < limits.min_tokens), None) if limits is not None else None
     if short is not None and limits is not None:  # after the format: a malformed list is named as such first
-        raise DocBoundsError(f"{DOC_BOUNDS_PARAM}: document {short.index} [{short.start}, {short.end}) has "
-                             f"{short.length} tokens; this server takes documents of at least {limits.min_tokens} "
-                             "(--pcr-doc-min-tokens)")
+        raise DocBoundsError(
+            f"{DOC_BOUNDS_PARAM}: document {short.index} [{short.start}, {short.end}) has "
+            f"{short.length} tokens; this server takes documents of at least {limits.min_tokens} "
+            "(--pcr-doc-min-tokens)"
+        )
     return tuple(spans)
 
 
@@ -220,8 +236,9 @@ def parse_doc_bounds(raw: object, num_tokens: int, limits: Optional[DocLimits] =
 RECOMPUTE_ATTENTION_BACKENDS = ("torch_native", "triton")
 
 
-def request_doc_reuse(req: PcrReq, num_tokens: int, server: Recompute, limits: Optional[DocLimits] = None
-                      ) -> Optional[tuple[tuple[DocSpan, ...], Recompute]]:
+def request_doc_reuse(
+    req: PcrReq, num_tokens: int, server: Recompute, limits: Optional[DocLimits] = None
+) -> Optional[tuple[tuple[DocSpan, ...], Recompute]]:
     """The documents ``req`` marked and how it wants them repaired, or None (not asking,
     or asking for ``off``, or document reuse stopped by the calibration gate). Raises
     :class:`DocBoundsError` for bounds that do not fit its tokens or the server's

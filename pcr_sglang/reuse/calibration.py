@@ -55,8 +55,11 @@ class CalibrationConditions:
 
     def differences(self, other: "CalibrationConditions") -> list[str]:
         """``name: file's vs other's`` for each condition that differs."""
-        return [f"{name} {getattr(self, name)!r} (this server: {getattr(other, name)!r})"
-                for name in ("selector", "anchor_tokens", "kv_dtype") if getattr(self, name) != getattr(other, name)]
+        return [
+            f"{name} {getattr(self, name)!r} (this server: {getattr(other, name)!r})"
+            for name in ("selector", "anchor_tokens", "kv_dtype")
+            if getattr(self, name) != getattr(other, name)
+        ]
 
     @classmethod
     def from_dict(cls, raw: Any) -> "CalibrationConditions":
@@ -119,9 +122,13 @@ class DocReuseCalibration:
             for name, entry in dict(raw["modes"]).items():
                 if name not in CALIBRATED_MODES:
                     raise CalibrationError(f"unknown mode {name!r}")
-                written = ModeCalibration(name, _flag(entry["meets"], f"modes.{name}.meets"),
-                                          _setting(name, entry.get("value")),
-                                          _measured(name, entry.get("measured", ()), target))
+                written = ModeCalibration(
+                    name,
+                    _flag(entry["meets"], f"modes.{name}.meets"),
+                    _setting(name, entry.get("value")),
+                    _measured(name, entry.get("measured", ()), target),
+                )
+                # mutant: calibration-file-verdicts-trusted-as-written
                 modes[name] = _consistent(written, target)
             questions = raw["questions"]
             if isinstance(questions, bool) or not isinstance(questions, int) or questions < 1:
@@ -130,8 +137,15 @@ class DocReuseCalibration:
             if not isinstance(fingerprint, str) or not fingerprint:
                 raise CalibrationError(f"model_fingerprint must be a non-empty string, got {fingerprint!r}")
             conditions = CalibrationConditions.from_dict(raw["conditions"])
-            return cls(model_fingerprint=fingerprint, model=str(raw.get("model", "")), target=target,
-                       questions=questions, modes=modes, conditions=conditions, created=str(raw.get("created", "")))
+            return cls(
+                model_fingerprint=fingerprint,
+                model=str(raw.get("model", "")),
+                target=target,
+                questions=questions,
+                modes=modes,
+                conditions=conditions,
+                created=str(raw.get("created", "")),
+            )
         except CalibrationError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -171,8 +185,12 @@ def _setting(mode: str, value: Any, where: str = "") -> Optional[float]:
     if mode == "concat":
         raise CalibrationError(f"{where} must be null (concat recomputes nothing), got {value!r}")
     if mode == "lego":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf") \
-                or float(value) != int(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0 <= value < float("inf")
+            or float(value) != int(value)
+        ):
             raise CalibrationError(f"{where} must be an integer K >= 0, got {value!r}")
         return float(value)
     return _share(value, where)
@@ -195,17 +213,21 @@ def _measured(mode: str, raw: Any, target: CalibrationTarget) -> tuple[SettingRe
         where = f"modes.{mode}.measured[{i}]"
         if not isinstance(entry, dict) or set(entry) != {"setting", "top1", "gold_ratio", "kl", "meets"}:
             raise CalibrationError(f"{where} must name setting, top1, gold_ratio, kl and meets, got {entry!r}")
-        result = SettingResult(_setting(mode, entry["setting"], f"{where}.setting"),
-                               _figure(entry["top1"], f"{where}.top1"),
-                               _figure(entry["gold_ratio"], f"{where}.gold_ratio"),
-                               _figure(entry["kl"], f"{where}.kl"), _flag(entry["meets"], f"{where}.meets"))
+        result = SettingResult(
+            _setting(mode, entry["setting"], f"{where}.setting"),
+            _figure(entry["top1"], f"{where}.top1"),
+            _figure(entry["gold_ratio"], f"{where}.gold_ratio"),
+            _figure(entry["kl"], f"{where}.kl"),
+            _flag(entry["meets"], f"{where}.meets"),
+        )
         if mode != "concat" and result.setting is None:
             raise CalibrationError(f"{where}.setting must be the K or R measured, got null")
         if result.meets != target.met_by(result.top1, result.gold_ratio):
             raise CalibrationError(
                 f"{where} says meets {str(result.meets).lower()}, but top-1 {result.top1} and gold ratio "
                 f"{result.gold_ratio} {'meet' if not result.meets else 'miss'} the target (top-1 >= "
-                f"{target.top1_min}, gold ratio >= {target.gold_ratio_min})")
+                f"{target.top1_min}, gold ratio >= {target.gold_ratio_min})"
+            )
         results.append(result)
     return tuple(results)
 
@@ -214,11 +236,14 @@ def _consistent(written: ModeCalibration, target: CalibrationTarget) -> ModeCali
     """``written`` if its ``meets`` and ``value`` are what its measured settings give."""
     derived = smallest_meeting(written.mode, list(written.measured))
     if (written.meets, written.value) != (derived.meets, derived.value):
+
         def said(verdict: ModeCalibration) -> str:
             return f"meets {str(verdict.meets).lower()}, value {verdict.value}"
 
-        raise CalibrationError(f"modes.{written.mode} says {said(written)}, but its measured settings give "
-                               f"{said(derived)} (the smallest setting measured that met the target)")
+        raise CalibrationError(
+            f"modes.{written.mode} says {said(written)}, but its measured settings give "
+            f"{said(derived)} (the smallest setting measured that met the target)"
+        )
     return written
 
 

@@ -63,8 +63,9 @@ async def _body_documents(raw_request: Any) -> Any:
     return body.get(DOCUMENTS_FIELD) if isinstance(body, dict) else None
 
 
-async def handle_request(original: Callable[..., Any], serving: Any, request: Any, raw_request: Any = None,
-                         *args: Any, **kwargs: Any) -> Any:
+async def handle_request(
+    original: Callable[..., Any], serving: Any, request: Any, raw_request: Any = None, *args: Any, **kwargs: Any
+) -> Any:
     """AROUND ``handle_request`` of SGLang's chat and completions serving classes."""
     raw = await _body_documents(raw_request)
     if raw is None:
@@ -97,8 +98,9 @@ def _is_chat(serving: Any) -> bool:
 def _check_chat_supported(serving: Any, request: Any) -> None:
     """Documents are rendered into a Jinja chat template's text: refuse other encodings."""
     if getattr(request, "input_ids", None) is not None:
-        raise DocumentsError(f"{DOCUMENTS_FIELD} cannot go with input_ids (mark token prompts with "
-                             f"custom_params.{DOC_BOUNDS_PARAM})")
+        raise DocumentsError(
+            f"{DOCUMENTS_FIELD} cannot go with input_ids (mark token prompts with custom_params.{DOC_BOUNDS_PARAM})"
+        )
     manager = serving.tokenizer_manager
     reason = None
     if getattr(manager.model_config, "is_multimodal", False):
@@ -120,13 +122,13 @@ def _attach_to_completion(request: Any, raw: Any) -> None:
         raise DocumentsError(f"{DOCUMENTS_FIELD} go with one text prompt, not a batch or token ids")
     custom = request.custom_params or {}
     if DOC_BOUNDS_PARAM in custom:
-        raise DocumentsError(f"{DOCUMENTS_FIELD} and custom_params.{DOC_BOUNDS_PARAM} both mark documents: "
-                             "send one of them")
+        raise DocumentsError(
+            f"{DOCUMENTS_FIELD} and custom_params.{DOC_BOUNDS_PARAM} both mark documents: send one of them"
+        )
     request.custom_params = {**custom, DOCUMENTS_PARAM: raw}
 
 
-def convert_chat_request(original: Callable[..., Any], serving: Any, request: Any, *args: Any,
-                         **kwargs: Any) -> Any:
+def convert_chat_request(original: Callable[..., Any], serving: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``OpenAIServingChat._convert_to_internal_request`` (runs in a worker thread)."""
     documents = _PENDING.get(id(request))
     if documents is None:
@@ -140,22 +142,23 @@ def convert_chat_request(original: Callable[..., Any], serving: Any, request: An
     if job.marked is None:  # SGLang took a path that does not render the template's text
         raise DocumentsError(f"{DOCUMENTS_FIELD} are not supported with this request's chat encoding")
     if adapted.input_ids != job.marked.input_ids:  # an assistant prefix was appended: after the documents
-        if adapted.input_ids is None or adapted.input_ids[:len(job.marked.input_ids)] != job.marked.input_ids:
+        if adapted.input_ids is None or adapted.input_ids[: len(job.marked.input_ids)] != job.marked.input_ids:
             raise DocumentsError(f"{DOCUMENTS_FIELD}: the prompt SGLang built is not the one rendered with them")
     sampling = dict(adapted.sampling_params or {})
     custom = sampling.get("custom_params")
     if custom is not None and not isinstance(custom, dict):
         raise DocumentsError("custom_params must be an object of named parameters")
     if custom and DOC_BOUNDS_PARAM in custom:
-        raise DocumentsError(f"{DOCUMENTS_FIELD} and custom_params.{DOC_BOUNDS_PARAM} both mark documents: "
-                             "send one of them")
+        raise DocumentsError(
+            f"{DOCUMENTS_FIELD} and custom_params.{DOC_BOUNDS_PARAM} both mark documents: send one of them"
+        )
+    # mutant: chat-documents-bounds-dropped
     sampling["custom_params"] = {**(custom or {}), DOC_BOUNDS_PARAM: list(job.marked.doc_bounds)}
     adapted.sampling_params = sampling
     return adapted, processed
 
 
-def render_chat_template(original: Callable[..., Any], serving: Any, messages: Any, *args: Any,
-                         **kwargs: Any) -> Any:
+def render_chat_template(original: Callable[..., Any], serving: Any, messages: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``OpenAIServingChat._render_and_encode_chat_template``: with documents, the
     template's text with them marked; returns SGLang's ``(prompt_ids, decoded_prompt)``."""
     job: Optional[_ChatJob] = getattr(_LOCAL, "job", None)
@@ -166,7 +169,13 @@ def render_chat_template(original: Callable[..., Any], serving: Any, messages: A
     template_kwargs = dict(kwargs.get("template_kwargs") or {})
     if DOCUMENTS_FIELD in template_kwargs:
         raise DocumentsError(f"{DOCUMENTS_FIELD} given twice: as the request's field and in chat_template_kwargs")
-    job.marked = render_chat(serving.tokenizer_manager.tokenizer, list(messages), job.documents,
-                             marking_rules(serving.tokenizer_manager), tools=kwargs.get("tools"),
-                             add_generation_prompt=kwargs.get("add_generation_prompt", True), **template_kwargs)
+    job.marked = render_chat(
+        serving.tokenizer_manager.tokenizer,
+        list(messages),
+        job.documents,
+        marking_rules(serving.tokenizer_manager),
+        tools=kwargs.get("tools"),
+        add_generation_prompt=kwargs.get("add_generation_prompt", True),
+        **template_kwargs,
+    )
     return list(job.marked.input_ids), None

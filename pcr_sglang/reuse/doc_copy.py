@@ -47,16 +47,28 @@ class DocCopier:
     """Fills private slots with documents' canonical KV (``kv_layers``: the pool's per-layer
     K and V buffers; ``allocator``: SGLang's, given the dropped tokens' slots back)."""
 
-    def __init__(self, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], rope: RopeSpec, allocator: Any,
-                 engine: Optional[TransferEngine] = None, probe: Optional[BlendProbe] = None):
+    def __init__(
+        self,
+        kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        rope: RopeSpec,
+        allocator: Any,
+        engine: Optional[TransferEngine] = None,
+        probe: Optional[BlendProbe] = None,
+    ):
         self.kv_layers = list(kv_layers)
         self.rope = rope
         self.allocator = allocator
         self.engine = engine
         self.probe = probe  # blend's selection (built for the recompute modes)
 
-    def place(self, req: PcrReq, plan: ReusePlan, chains: dict[int, list[ChunkNode]], prefix_node: ChunkNode,
-              slots: torch.Tensor) -> Placed:
+    def place(
+        self,
+        req: PcrReq,
+        plan: ReusePlan,
+        chains: dict[int, list[ChunkNode]],
+        prefix_node: ChunkNode,
+        slots: torch.Tensor,
+    ) -> Placed:
         """Copy ``plan``'s documents (their canonical ``chains``, on the device) into
         ``slots`` (one per token of ``plan``), past ``prefix_node`` (the end of the
         request's exact prefix). With recompute, the recomputed tokens' slots are freed
@@ -66,8 +78,14 @@ class DocCopier:
         self.copy(plan, chains, slots)
         return Placed(plan, slots, None)
 
-    def _keep_unrecomputed(self, req: PcrReq, plan: ReusePlan, chains: dict[int, list[ChunkNode]],
-                           prefix_node: ChunkNode, slots: torch.Tensor) -> Placed:
+    def _keep_unrecomputed(
+        self,
+        req: PcrReq,
+        plan: ReusePlan,
+        chains: dict[int, list[ChunkNode]],
+        prefix_node: ChunkNode,
+        slots: torch.Tensor,
+    ) -> Placed:
         """Choose the recomputed tokens (``blend``: by the probe, after re-placing the
         layers it reads for every candidate), re-place the kept ones (the rest of their layers), free
         the others' slots and the gaps', and lay out the row; returns the kept tokens'
@@ -92,11 +110,12 @@ class DocCopier:
         # of ``slots`` on an exception.
         kept = keep.nonzero().squeeze(1)
         both = to_device(torch.cat((kept, (~keep).nonzero().squeeze(1))), slots.device)  # one host-to-device copy
-        self.allocator.free(slots[both[len(kept):]])
-        return Placed(plan, slots[both[:len(kept)]], row)
+        self.allocator.free(slots[both[len(kept) :]])
+        return Placed(plan, slots[both[: len(kept)]], row)
 
-    def _blend_selection(self, req: PcrReq, plan: ReusePlan, prefix_node: ChunkNode,
-                         slots: torch.Tensor) -> tuple[int, ...]:
+    def _blend_selection(
+        self, req: PcrReq, plan: ReusePlan, prefix_node: ChunkNode, slots: torch.Tensor
+    ) -> tuple[int, ...]:
         """The ``plan.recompute_count`` re-placed tokens the plan's selector ranks first
         (``reuse/blend_select.py``), the plan's anchors first whatever their score. The
         probe's full-context KV (layer 1; layer 2 for ``gradual``'s finalists) replaces the
@@ -111,17 +130,33 @@ class DocCopier:
         candidates = torch.tensor(plan.rotated_positions(), dtype=torch.int64)
         gaps = torch.tensor(plan.gap_positions(), dtype=torch.int64)
         anchored = torch.isin(candidates, torch.tensor(plan.anchors, dtype=torch.int64))
-        question_ids = req.origin_input_ids[plan.end:question_end(req, plan)] \
-            if plan.selector in QUESTION_SELECTORS else []
+        question_ids = (
+            req.origin_input_ids[plan.end : question_end(req, plan)] if plan.selector in QUESTION_SELECTORS else []
+        )
         sizes = [plan.tokens, len(candidates), len(gaps), len(candidates), len(question_ids)]
-        host = torch.cat((torch.tensor(req.origin_input_ids[plan.start:plan.end], dtype=torch.int64),
-                          candidates - plan.start, gaps - plan.start, anchored.to(torch.int64),
-                          torch.tensor(question_ids, dtype=torch.int64)))
+        host = torch.cat(
+            (
+                torch.tensor(req.origin_input_ids[plan.start : plan.end], dtype=torch.int64),
+                candidates - plan.start,
+                gaps - plan.start,
+                anchored.to(torch.int64),
+                torch.tensor(question_ids, dtype=torch.int64),
+            )
+        )
         ids, offsets, gap_offsets, anchors, question = torch.split(to_device(host, device), sizes)  # one copy
         positions = torch.arange(plan.start, plan.end, dtype=torch.int64, device=device)
-        selection = self.probe.select(ids, positions, prefix[:plan.start], slots, offsets, plan.recompute_count,
-                                      anchors.bool(), plan.selector, question if len(question_ids) else None,
-                                      gap_offsets)
+        selection = self.probe.select(
+            ids,
+            positions,
+            prefix[: plan.start],
+            slots,
+            offsets,
+            plan.recompute_count,
+            anchors.bool(),
+            plan.selector,
+            question if len(question_ids) else None,
+            gap_offsets,
+        )
         for exact in selection.exact:  # only re-placed tokens: delta-0 slots may enter the tree
             # Below the layers the kept tokens' copy starts at, or that copy would overwrite it.
             assert exact.layer < self.probe.layers_read(plan.selector), exact.layer
@@ -133,8 +168,14 @@ class DocCopier:
         # (docs/document-reuse.md).
         return tuple(sorted(plan.start + int(o) for o in selection.chosen.cpu()))
 
-    def copy(self, plan: ReusePlan, chains: dict[int, list[ChunkNode]], slots: torch.Tensor,
-             layers: Optional[range] = None, keep: Optional[torch.Tensor] = None) -> None:
+    def copy(
+        self,
+        plan: ReusePlan,
+        chains: dict[int, list[ChunkNode]],
+        slots: torch.Tensor,
+        layers: Optional[range] = None,
+        keep: Optional[torch.Tensor] = None,
+    ) -> None:
         """Each segment's canonical KV into its offset of ``slots`` (gaps get nothing), for
         ``layers`` (default all) and, with ``keep`` (a mask over the plan's tokens), only
         the kept tokens."""
@@ -157,10 +198,11 @@ class DocCopier:
             source = torch.arange(start, start + segment.length, dtype=torch.int64)
             target = torch.arange(offset, offset + segment.length, dtype=torch.int64)
             if keep is not None:
-                kept = keep[offset: offset + segment.length]
+                kept = keep[offset : offset + segment.length]
                 source, target = source[kept], target[kept]
             sources.append(source)
             targets.append(target)
+            # mutant: doc-reuse-concat-without-rotation
             deltas.append(torch.full((source.numel(),), segment.delta, dtype=torch.int64))
         index = torch.stack((torch.cat(sources), torch.cat(targets), torch.cat(deltas)))
         if index.shape[1] == 0 or not len(layers):

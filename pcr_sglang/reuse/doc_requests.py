@@ -44,8 +44,11 @@ def marking_rules(manager: Any) -> MarkingRules:
     from pcr_sglang.reuse.tokenizer import server_limits
 
     args = getattr(manager, "server_args", None)
-    return MarkingRules(doc_format_from_flag(flag_value(args, "pcr_doc_format")), server_limits(args),
-                        getattr(manager, "context_len", None))
+    return MarkingRules(
+        doc_format_from_flag(flag_value(args, "pcr_doc_format")),
+        server_limits(args),
+        getattr(manager, "context_len", None),
+    )
 
 
 def _custom(sampling_params: Any) -> Optional[dict[str, Any]]:
@@ -59,12 +62,15 @@ def with_documents(sampling_params: Any, documents: Any) -> dict[str, Any]:
     if sampling_params is None:
         sampling_params = {}
     if not isinstance(sampling_params, dict):
-        raise DocumentsError(f"{DOCUMENTS_FIELD} go with one prompt and its sampling_params object; a batch "
-                             f"gives each prompt's sampling_params.custom_params.{DOCUMENTS_PARAM}")
+        raise DocumentsError(
+            f"{DOCUMENTS_FIELD} go with one prompt and its sampling_params object; a batch "
+            f"gives each prompt's sampling_params.custom_params.{DOCUMENTS_PARAM}"
+        )
     custom = sampling_params.get("custom_params")
     if custom is not None and not isinstance(custom, dict):
-        raise DocumentsError("sampling_params.custom_params must be an object of named parameters, "
-                             f"got {type(custom).__name__}")
+        raise DocumentsError(
+            f"sampling_params.custom_params must be an object of named parameters, got {type(custom).__name__}"
+        )
     return {**sampling_params, "custom_params": {**(custom or {}), DOCUMENTS_PARAM: documents}}
 
 
@@ -79,8 +85,9 @@ async def _body_documents(request: Any) -> Any:
     return body.get(DOCUMENTS_FIELD) if isinstance(body, dict) else None
 
 
-async def generate_request(original: Callable[..., Any], manager: Any, obj: Any, request: Any = None,
-                           *args: Any, **kwargs: Any) -> Any:
+async def generate_request(
+    original: Callable[..., Any], manager: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any
+) -> Any:
     """AROUND ``TokenizerManager.generate_request`` (an async generator)."""
     documents = await _body_documents(request) if request is not None else None
     if documents is not None:
@@ -91,8 +98,7 @@ async def generate_request(original: Callable[..., Any], manager: Any, obj: Any,
         yield out
 
 
-def engine_generate(original: Callable[..., Any], engine: Any, *args: Any, documents: Any = None,
-                    **kwargs: Any) -> Any:
+def engine_generate(original: Callable[..., Any], engine: Any, *args: Any, documents: Any = None, **kwargs: Any) -> Any:
     """AROUND ``Engine.generate`` and ``Engine.async_generate``: ``documents=``."""
     if documents is not None:
         if len(args) > 2:  # (prompt, sampling_params, ...): name the rest, as the documents' path reads them
@@ -104,8 +110,9 @@ def engine_generate(original: Callable[..., Any], engine: Any, *args: Any, docum
     return original(engine, *args, **kwargs)
 
 
-async def tokenize_with_documents(original: Callable[..., Any], manager: Any, obj: Any, *args: Any,
-                                  **kwargs: Any) -> Any:
+async def tokenize_with_documents(
+    original: Callable[..., Any], manager: Any, obj: Any, *args: Any, **kwargs: Any
+) -> Any:
     """AROUND ``TokenizerManager._tokenize_one_request``."""
     custom = _custom(getattr(obj, "sampling_params", None))
     if custom is None or DOCUMENTS_PARAM not in custom or getattr(obj, "input_ids", None) is not None:
@@ -127,9 +134,11 @@ def refuse_unrendered(result: Any, manager: Any, obj: Any, *args: Any, **kwargs:
     """AFTER ``TokenizerManager._validate_one_request``."""
     custom = _custom(getattr(obj, "sampling_params", None))
     if custom is not None and DOCUMENTS_PARAM in custom:
-        raise DocumentsError(f"{DOCUMENTS_FIELD} go with one text prompt: not with input_ids (mark token prompts "
-                             f"with {DOC_BOUNDS_PARAM}), nor in a batch tokenized at once "
-                             "(--enable-tokenizer-batch-encode)")
+        raise DocumentsError(
+            f"{DOCUMENTS_FIELD} go with one text prompt: not with input_ids (mark token prompts "
+            f"with {DOC_BOUNDS_PARAM}), nor in a batch tokenized at once "
+            "(--enable-tokenizer-batch-encode)"
+        )
     return None
 
 

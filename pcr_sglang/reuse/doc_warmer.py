@@ -87,6 +87,7 @@ class TenantPlaces:
         self._places: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
 
     async def acquire(self, tenant: str) -> None:
+        # mutant: warm-ups-not-capped-per-tenant
         semaphore, users = self._places.setdefault(tenant, (asyncio.Semaphore(self.per_tenant), [0]))
         users[0] += 1
         try:
@@ -120,10 +121,17 @@ class DocWarmer:
     """Sends the warm-up prefills :class:`WarmupLedger` asks for, at most once at a time per
     document (a request that needs one being warmed waits for it)."""
 
-    def __init__(self, chunk_size: int, pad_token_id: int, server: Recompute = Recompute(),
-                 policy: WarmupPolicy = WarmupPolicy(), clock: Callable[[], float] = time.monotonic,
-                 limits: Optional[DocLimits] = None, caps: WarmupCaps = WarmupCaps(),
-                 wait: WarmupWait = WarmupWait()):
+    def __init__(
+        self,
+        chunk_size: int,
+        pad_token_id: int,
+        server: Recompute = Recompute(),
+        policy: WarmupPolicy = WarmupPolicy(),
+        clock: Callable[[], float] = time.monotonic,
+        limits: Optional[DocLimits] = None,
+        caps: WarmupCaps = WarmupCaps(),
+        wait: WarmupWait = WarmupWait(),
+    ):
         self.server = server
         self.chunk = chunk_size
         self.pad_token_id = pad_token_id
@@ -151,8 +159,9 @@ class DocWarmer:
         one = statistics.median(self._prefill_s)
         return min(max(self.wait.floor_s, self.wait.multiple * one), WARM_TIMEOUT_S)
 
-    def _keys(self, tokens: Any, spans: tuple[DocSpan, ...], extra_key: Optional[str],
-              cache_salt: Optional[str]) -> list[bytes]:
+    def _keys(
+        self, tokens: Any, spans: tuple[DocSpan, ...], extra_key: Optional[str], cache_salt: Optional[str]
+    ) -> list[bytes]:
         """Each document's ledger key: a digest of its canonical sequence ``S ‖ d ‖ pad``
         under the tenant, with ``S`` hashed once for all documents (the digest of ``S`` is
         copied and continued with each document)."""
@@ -164,9 +173,10 @@ class DocWarmer:
         keys = []
         for span in spans:
             digest = prefix.copy()
-            digest.update(array(_TOKEN_TYPECODE, tokens[span.start:span.end]).tobytes())
-            digest.update(array(_TOKEN_TYPECODE,
-                                [self.pad_token_id] * (-(leading + span.length) % self.chunk)).tobytes())
+            digest.update(array(_TOKEN_TYPECODE, tokens[span.start : span.end]).tobytes())
+            digest.update(
+                array(_TOKEN_TYPECODE, [self.pad_token_id] * (-(leading + span.length) % self.chunk)).tobytes()
+            )
             keys.append(digest.digest())
         return keys
 
@@ -185,6 +195,7 @@ class DocWarmer:
             return  # checked at validation; the scheduler serves it without reuse
         extra_key, salt = getattr(tokenized, "extra_key", None), getattr(tokenized, "cache_salt", None)
         request_slots = asyncio.Semaphore(self.caps.per_request)
+        # mutant: a-request-waits-for-its-warm-ups-up-to-two-minutes
         wait_s = self.wait_s()
         waits = []
         for span, key in zip(spans, self._keys(tokens, spans, extra_key, salt)):
@@ -200,26 +211,41 @@ class DocWarmer:
                 self._queue_for_idle(manager, send, key, (canonical, extra_key, salt))
                 continue
             self._idle_queue.pop(key, None)
-            waits.append(self._start(manager, send, key, canonical, extra_key, salt,
-                                     getattr(tokenized, "priority", None), request_slots))
+            waits.append(
+                self._start(
+                    manager, send, key, canonical, extra_key, salt, getattr(tokenized, "priority", None), request_slots
+                )
+            )
         if waits and (self.policy.when == "request" or now):
             # Shielded: a waiter cancelled (its client gone) must not cancel another's warm-up.
             try:
-                await asyncio.wait_for(asyncio.gather(*(asyncio.shield(w) for w in waits), return_exceptions=True),
-                                       wait_s)
+                await asyncio.wait_for(
+                    asyncio.gather(*(asyncio.shield(w) for w in waits), return_exceptions=True), wait_s
+                )
             except asyncio.TimeoutError:
                 self.stats.wait_timeouts += 1
-                logger.info("PCR document reuse: warm-ups not done after %.1f s; the request goes without them",
-                            wait_s)
+                logger.info("PCR document reuse: warm-ups not done after %.1f s; the request goes without them", wait_s)
 
-    def _start(self, manager: Any, send: Callable[..., Any], key: bytes, canonical: list[int],
-               extra_key: Optional[str], salt: Optional[str], priority: Optional[int],
-               request_slots: Optional[asyncio.Semaphore] = None) -> asyncio.Future[None]:
+    def _start(
+        self,
+        manager: Any,
+        send: Callable[..., Any],
+        key: bytes,
+        canonical: list[int],
+        extra_key: Optional[str],
+        salt: Optional[str],
+        priority: Optional[int],
+        request_slots: Optional[asyncio.Semaphore] = None,
+    ) -> asyncio.Future[None]:
         """Order one warm-up: registered at once (a request needing the same document
         waits for this one), sent once it has a place under both caps."""
-        future = asyncio.ensure_future(self._capped(request_slots, hint_tenant(salt, extra_key),
-                                                    self._prefill(manager, send, canonical, extra_key, salt,
-                                                                  priority)))
+        future = asyncio.ensure_future(
+            self._capped(
+                request_slots,
+                hint_tenant(salt, extra_key),
+                self._prefill(manager, send, canonical, extra_key, salt, priority),
+            )
+        )
         self._in_flight[key] = future
         future.add_done_callback(functools.partial(self._done, key))
         return future
@@ -258,8 +284,9 @@ class DocWarmer:
         self.ledger.completed(key)
 
     # ------------------------------------------------------------------ idle
-    def _queue_for_idle(self, manager: Any, send: Callable[..., Any], key: bytes,
-                        job: tuple[list[int], Optional[str], Optional[str]]) -> None:
+    def _queue_for_idle(
+        self, manager: Any, send: Callable[..., Any], key: bytes, job: tuple[list[int], Optional[str], Optional[str]]
+    ) -> None:
         self._idle_queue[key] = job
         while len(self._idle_queue) > IDLE_QUEUE_MAX:
             self._idle_queue.popitem(last=False)
@@ -272,27 +299,37 @@ class DocWarmer:
         tokenizer manager's ``rid_to_state`` is empty): low priority without preemption,
         so a request arriving meanwhile waits at most for one document's prefill."""
         while self._idle_queue:
+            # mutant: warmup-idle-drain-ignores-requests-in-flight
             if getattr(manager, "rid_to_state", None):
                 await asyncio.sleep(IDLE_POLL_S)
                 continue
             key, (canonical, extra_key, salt) = self._idle_queue.popitem(last=False)
             try:
-                await asyncio.wait_for(asyncio.shield(self._start(manager, send, key, canonical, extra_key, salt,
-                                                                  None)), WARM_TIMEOUT_S)
+                await asyncio.wait_for(
+                    asyncio.shield(self._start(manager, send, key, canonical, extra_key, salt, None)), WARM_TIMEOUT_S
+                )
             except Exception:  # failures are counted and logged by _done; a hung one is left behind
                 pass
 
-    async def _prefill(self, manager: Any, send: Callable[..., Any], canonical: list[int],
-                       extra_key: Optional[str], salt: Optional[str], priority: Optional[int]) -> None:
+    async def _prefill(
+        self,
+        manager: Any,
+        send: Callable[..., Any],
+        canonical: list[int],
+        extra_key: Optional[str],
+        salt: Optional[str],
+        priority: Optional[int],
+    ) -> None:
         """One canonical prefill, through the steps of ``generate_request`` without its
         locks (the marked request holds them)."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         obj = GenerateReqInput(
             input_ids=canonical,
-            sampling_params={"max_new_tokens": 0, "temperature": 0.0,
-                             "custom_params": {CANONICAL_PARAM: 1}},
-            extra_key=extra_key, cache_salt=salt, priority=priority,
+            sampling_params={"max_new_tokens": 0, "temperature": 0.0, "custom_params": {CANONICAL_PARAM: 1}},
+            extra_key=extra_key,
+            cache_salt=salt,
+            priority=priority,
         )
         obj.normalize_batch_and_arguments()
         manager._init_req_state(obj, None)

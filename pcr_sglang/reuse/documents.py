@@ -82,19 +82,21 @@ class MarkingRules:
     context_len: Optional[int] = None
 
 
-def parse_documents(raw: Any, limits: Optional[DocLimits] = None, field: str = DOCUMENTS_FIELD
-                    ) -> tuple[Document, ...]:
+def parse_documents(raw: Any, limits: Optional[DocLimits] = None, field: str = DOCUMENTS_FIELD) -> tuple[Document, ...]:
     """A request's documents: a non-empty list of non-empty strings or ``{"title", "text"}``
     objects, at most ``limits.max_documents`` of them (counted before anything is
     tokenized). Raises :class:`DocumentsError` naming the field and the item."""
     if not isinstance(raw, (list, tuple)):
-        raise DocumentsError(f"{field} must be a list of strings or of {{\"title\", \"text\"}} objects, "
-                             f"got {type(raw).__name__}")
+        raise DocumentsError(
+            f'{field} must be a list of strings or of {{"title", "text"}} objects, got {type(raw).__name__}'
+        )
     if not raw:
         raise DocumentsError(f"{field} is empty: send at least one document, or leave the field out")
     if limits is not None and len(raw) > limits.max_documents:
-        raise DocumentsError(f"{field} holds {len(raw)} documents; this server takes at most "
-                             f"{limits.max_documents} per request (--pcr-doc-max-documents)")
+        raise DocumentsError(
+            f"{field} holds {len(raw)} documents; this server takes at most "
+            f"{limits.max_documents} per request (--pcr-doc-max-documents)"
+        )
     documents = []
     for i, item in enumerate(raw):
         where = f"{field}[{i}]"
@@ -104,15 +106,16 @@ def parse_documents(raw: Any, limits: Optional[DocLimits] = None, field: str = D
         elif isinstance(item, dict):
             unknown = sorted(set(map(str, item)) - set(DOCUMENT_KEYS))
             if unknown:
-                raise DocumentsError(f"{where} has unknown keys {unknown}: a document object takes "
-                                     f"{' and '.join(map(repr, DOCUMENT_KEYS))}")
+                raise DocumentsError(
+                    f"{where} has unknown keys {unknown}: a document object takes "
+                    f"{' and '.join(map(repr, DOCUMENT_KEYS))}"
+                )
             text, title = item.get("text"), item.get("title")
             if title is not None and not isinstance(title, str):
                 raise DocumentsError(f"{where}.title must be a string, got {type(title).__name__}")
             where += ".text"
         else:
-            raise DocumentsError(f"{where} must be a string or a {{\"title\", \"text\"}} object, "
-                                 f"got {type(item).__name__}")
+            raise DocumentsError(f'{where} must be a string or a {{"title", "text"}} object, got {type(item).__name__}')
         if not isinstance(text, str):
             raise DocumentsError(f"{where} must be a string, got {type(text).__name__}")
         if not text.strip():
@@ -163,23 +166,32 @@ def _assemble(pieces: Sequence[tuple[list[int], bool]], rules: MarkingRules, fie
             if not tokens:
                 raise DocumentsError(f"{field}[{doc}] renders to no tokens")
             if not ids:
-                raise DocumentsError(f"{field}: nothing precedes the first document (the model adds no BOS); "
-                                     f"put {DOCUMENTS_PLACEHOLDER} in the text after a leading part")
+                raise DocumentsError(
+                    f"{field}: nothing precedes the first document (the model adds no BOS); "
+                    f"put {DOCUMENTS_PLACEHOLDER} in the text after a leading part"
+                )
             limits = rules.limits
+            # mutant: documents-as-text-min-tokens-unchecked
             if limits is not None and len(tokens) < limits.min_tokens:
-                raise DocumentsError(f"{field}[{doc}] is {len(tokens)} tokens as rendered; this server takes "
-                                     f"documents of at least {limits.min_tokens} (--pcr-doc-min-tokens)")
+                raise DocumentsError(
+                    f"{field}[{doc}] is {len(tokens)} tokens as rendered; this server takes "
+                    f"documents of at least {limits.min_tokens} (--pcr-doc-min-tokens)"
+                )
+            # mutant: documents-as-text-bounds-off-by-one
             bounds += [len(ids), len(ids) + len(tokens)]
             doc += 1
         ids += tokens
     if rules.context_len is not None and len(ids) >= rules.context_len:
-        raise DocumentsError(f"{field}: the prompt with its {doc} documents is {len(ids)} tokens, over the "
-                             f"model's context length ({rules.context_len} tokens)")
+        raise DocumentsError(
+            f"{field}: the prompt with its {doc} documents is {len(ids)} tokens, over the "
+            f"model's context length ({rules.context_len} tokens)"
+        )
     return MarkedPrompt(ids, bounds)
 
 
-def mark_text(tokenizer: Any, text: str, documents: Sequence[Document], rules: MarkingRules,
-              field: str = DOCUMENTS_FIELD) -> MarkedPrompt:
+def mark_text(
+    tokenizer: Any, text: str, documents: Sequence[Document], rules: MarkingRules, field: str = DOCUMENTS_FIELD
+) -> MarkedPrompt:
     """A text prompt with ``documents`` where it holds ``{{documents}}`` (else before it).
     The part before is tokenized as SGLang tokenizes a text prompt (with the tokenizer's
     leading special tokens), the rest without."""
@@ -192,7 +204,7 @@ def mark_text(tokenizer: Any, text: str, documents: Sequence[Document], rules: M
     leading = list(tokenizer.encode(head))  # add_special_tokens as SGLang's text prompts: a BOS if the model has one
     formatted = [rules.doc_format.format(doc=d.body) for d in documents]
     encoded = _encode_many(tokenizer, formatted + ([tail] if tail else []))
-    pieces = [(leading, False)] + [(ids, True) for ids in encoded[:len(documents)]]
+    pieces = [(leading, False)] + [(ids, True) for ids in encoded[: len(documents)]]
     if tail:
         pieces.append((encoded[-1], False))
     return _assemble(pieces, rules, field)
@@ -221,8 +233,10 @@ def _reads_documents(chat_template: str) -> bool:
         parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template)
         return "documents" in meta.find_undeclared_variables(parsed)
     except jinja2.TemplateError:
-        return any(re.search(r"\bdocuments\b", block)
-                   for block in re.findall(r"\{[{%](.*?)[%}]\}", chat_template, flags=re.DOTALL))
+        return any(
+            re.search(r"\bdocuments\b", block)
+            for block in re.findall(r"\{[{%](.*?)[%}]\}", chat_template, flags=re.DOTALL)
+        )
 
 
 def _with_sentinel(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -244,15 +258,20 @@ def _with_sentinel(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         message["content"] = parts
     else:
         raise DocumentsError(f"{DOCUMENTS_FIELD}: the last user message's content is not text")
-    return [*messages[:last], message, *messages[last + 1:]]
+    return [*messages[:last], message, *messages[last + 1 :]]
 
 
 def _doc_sentinels(i: int) -> tuple[str, str]:
     return f"\x00PCR-TITLE-{i}\x00", f"\x00PCR-TEXT-{i}\x00"
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], documents: Sequence[Document], rules: MarkingRules,
-                **template_kwargs: Any) -> MarkedPrompt:
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    documents: Sequence[Document],
+    rules: MarkingRules,
+    **template_kwargs: Any,
+) -> MarkedPrompt:
     """The chat prompt of ``messages`` with ``documents`` marked (``template_kwargs``: the
     tools, ``add_generation_prompt`` and template variables SGLang renders with)."""
     render_kwargs = dict(template_kwargs, tokenize=False, return_dict=False)
@@ -267,8 +286,13 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], documents: Seque
     return _assemble(pieces, rules, DOCUMENTS_FIELD)
 
 
-def _render_with_template_documents(tokenizer: Any, messages: list[dict[str, Any]], documents: Sequence[Document],
-                                    rules: MarkingRules, render_kwargs: dict[str, Any]) -> MarkedPrompt:
+def _render_with_template_documents(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    documents: Sequence[Document],
+    rules: MarkingRules,
+    render_kwargs: dict[str, Any],
+) -> MarkedPrompt:
     """The template renders the documents; each one's span (its title and text, and what
     the template writes between them) is found through sentinels in their place."""
     stand_ins = []
@@ -282,9 +306,12 @@ def _render_with_template_documents(tokenizer: Any, messages: list[dict[str, Any
         title_mark, text_mark = _doc_sentinels(i)
         marks = [m for m in ((title_mark,) if doc.title else ()) + (text_mark,)]
         if any(rendered.count(m) != 1 for m in marks):
-            raise DocumentsError(f"{DOCUMENTS_FIELD}: the chat template does not render each document's title "
-                                 "and text once; set a template without documents= to use "
-                                 f"{DOC_FORMAT_FLAG}")
+            raise DocumentsError(
+                f"{DOCUMENTS_FIELD}: the chat template does not render each document's title "
+                "and text once; set a template without documents= to use "
+                f"{DOC_FORMAT_FLAG}"
+            )
+        # mutant: documents-as-text-template-index-marked
         start, end = rendered.index(marks[0]), rendered.index(text_mark) + len(text_mark)
         if start < cursor or end < start:
             raise DocumentsError(f"{DOCUMENTS_FIELD}: the chat template does not render the documents in order")

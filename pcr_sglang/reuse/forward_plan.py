@@ -70,21 +70,26 @@ class ForwardPlan:
             size = int(req_pool_indices.shape[0])  # shapes are host metadata: no sync
             outside = [i for i in self.bound if i >= size]
             if outside:
-                raise RuntimeError(f"PCR document reuse: permuted rows for batch entries {outside}, but this forward "
-                                   f"has {size}; refusing to attend with wrong positions")
+                raise RuntimeError(
+                    f"PCR document reuse: permuted rows for batch entries {outside}, but this forward "
+                    f"has {size}; refusing to attend with wrong positions"
+                )
             device = req_pool_indices.device
             entries = permuted_rows.to_device(torch.tensor(list(self.bound), dtype=torch.int64), device)
             rows = [row for row, _ in self.bound.values()]
             expected = permuted_rows.to_device(torch.tensor(rows, dtype=torch.int64), device)
-            torch._assert_async((req_pool_indices[entries].to(torch.int64) == expected).all(),
-                                "PCR document reuse: a permuted row is not in this forward; refusing to attend "
-                                "with wrong positions")
+            torch._assert_async(
+                (req_pool_indices[entries].to(torch.int64) == expected).all(),
+                "PCR document reuse: a permuted row is not in this forward; refusing to attend with wrong positions",
+            )
             return {i: positions for i, (_, positions) in self.bound.items()}
         pool = req_pool_indices.tolist()
         for i, (row, _) in self.bound.items():
             if i >= len(pool) or int(pool[i]) != row:
-                raise RuntimeError(f"PCR document reuse: the permuted row of batch entry {i} (request-pool row "
-                                   f"{row}) is not in this forward ({pool}); refusing to attend with wrong positions")
+                raise RuntimeError(
+                    f"PCR document reuse: the permuted row of batch entry {i} (request-pool row "
+                    f"{row}) is not in this forward ({pool}); refusing to attend with wrong positions"
+                )
         return {i: positions for i, (_, positions) in self.bound.items()}
 
 
@@ -151,9 +156,11 @@ class ForwardPlans:
         for i, extend in enumerate(extend_lens):
             if i in plan.rows:
                 prefix = prefix_lens[i]
+                # mutant: gpu-row-positions-pageable
                 positions = permuted_rows.to_device(plan.rows[i], device)  # one non-blocking copy per permuted request
-                forward_batch.positions[start: start + extend] = positions[prefix: prefix + extend].to(
-                    forward_batch.positions.dtype)
+                forward_batch.positions[start : start + extend] = positions[prefix : prefix + extend].to(
+                    forward_batch.positions.dtype
+                )
                 bound[i] = (int(batch.reqs[i].kv.req_pool_idx), positions)
             start += extend
         plan.bound, plan.prefix_lens, plan.extend_lens, plan.position_mask = bound, prefix_lens, extend_lens, False
@@ -167,12 +174,16 @@ class ForwardPlans:
         logged once (no configuration PCR serves gets there)."""
         found = _on_host(getattr(forward_batch, f"{name}_cpu", None))
         if found is None and batch is not None and batch_name:
+            # mutant: gpu-row-lengths-read-from-the-device
             found = _on_host(getattr(batch, batch_name, None))
         if found is not None:
             return found
         if self.host_waits == 0:
-            logger.warning("PCR document reuse: %s has no host copy in this forward; reading it from the "
-                           "device waits for the GPU (counted in host_waits)", name)
+            logger.warning(
+                "PCR document reuse: %s has no host copy in this forward; reading it from the "
+                "device waits for the GPU (counted in host_waits)",
+                name,
+            )
         self.host_waits += 1
         return [int(x) for x in getattr(forward_batch, name).tolist()]
 

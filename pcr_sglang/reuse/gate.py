@@ -80,8 +80,11 @@ class CalibrationGate:
         if self.mode == "lego":
             parts.append(f"{RECOMPUTE_TOKENS_PARAM} >= {self.tokens}")
         if self.mode == "blend":
-            parts += [f"{RECOMPUTE_RATIO_PARAM} >= {self.ratio:g}", f"{SELECTOR_PARAM} {self.selector!r}",
-                      f"{ANCHOR_TOKENS_PARAM} {self.anchor_tokens}"]
+            parts += [
+                f"{RECOMPUTE_RATIO_PARAM} >= {self.ratio:g}",
+                f"{SELECTOR_PARAM} {self.selector!r}",
+                f"{ANCHOR_TOKENS_PARAM} {self.anchor_tokens}",
+            ]
         return ", ".join(parts)
 
     def check(self, asked: "Recompute", record: bool = False) -> None:
@@ -92,9 +95,11 @@ class CalibrationGate:
         if not differences:
             return
         if not self.warn:
-            raise DocBoundsError(f"{', '.join(setting for _, setting in differences)}: outside this server's "
-                                 f"calibration {Path(self.file).name} (--pcr-doc-reuse-calibration), which "
-                                 f"allows {self.allows()}")
+            raise DocBoundsError(
+                f"{', '.join(setting for _, setting in differences)}: outside this server's "
+                f"calibration {Path(self.file).name} (--pcr-doc-reuse-calibration), which "
+                f"allows {self.allows()}"
+            )
         if record:
             for what, _ in differences:
                 self.overrides[what] += 1

@@ -152,8 +152,7 @@ def _check_against_cache(m: Any, inv_freq: torch.Tensor, rows: int) -> None:
     half = inv_freq.numel()
     if got.shape[-1] != 2 * half:
         raise UnsupportedRope(
-            f"{type(m).__name__}.cos_sin_cache rows are {got.shape[-1]} wide, expected "
-            f"cos and sin of {half} pairs"
+            f"{type(m).__name__}.cos_sin_cache rows are {got.shape[-1]} wide, expected cos and sin of {half} pairs"
         )
     mscale = float(getattr(m, "mscale", 1.0))
     pos = torch.tensor(positions, dtype=torch.float64)[:, None]
@@ -161,7 +160,7 @@ def _check_against_cache(m: Any, inv_freq: torch.Tensor, rows: int) -> None:
     want = torch.cat((angle.cos(), angle.sin()), dim=-1) * mscale
     # float32 forms t * inv_freq (and t / factor) with a rounding each: ~2 ulps of the
     # angle, plus the cache's own dtype rounding.
-    angle_err = 4 * 2.0 ** -24 * angle.abs().max(dim=-1, keepdim=True).values
+    angle_err = 4 * 2.0**-24 * angle.abs().max(dim=-1, keepdim=True).values
     tol = abs(mscale) * (angle_err + 4 * torch.finfo(cache.dtype).eps) + 1e-6
     bad = ((got - want).abs() > tol).any(dim=-1)
     if bool(bad.any()):
@@ -183,9 +182,12 @@ def rope_spec_of(rotary_emb: Any) -> RopeSpec:
     inv_freq = inv_freq_of(rotary_emb).detach().to("cpu", torch.float64).reshape(-1)
     head_dim, rotary_dim = int(rotary_emb.head_size), int(rotary_emb.rotary_dim)
     try:
-        spec = RopeSpec(head_dim=head_dim, rotary_dim=rotary_dim,
-                        is_neox_style=bool(rotary_emb.is_neox_style),
-                        inv_freq=tuple(inv_freq.tolist()))
+        spec = RopeSpec(
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
+            is_neox_style=bool(rotary_emb.is_neox_style),
+            inv_freq=tuple(inv_freq.tolist()),
+        )
     except ValueError as e:
         raise UnsupportedRope(f"{type(rotary_emb).__name__}: {e}") from e
     _check_against_cache(rotary_emb, inv_freq, checked_rows(rotary_emb))

@@ -93,13 +93,24 @@ class _Planned:
 class DocReuse:
     enabled = True  # beside reuse.disabled.NoDocReuse, the null collaborator without --pcr-doc-reuse
 
-    def __init__(self, state: CacheState, recompute: Recompute, chunk_size: int, pad_token_id: int,
-                 rope: RopeSpec, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], allocator: Any,
-                 keyer: ChainKeyer,
-                 free_slots: Callable[[torch.Tensor], None], probe: Optional[BlendProbe] = None,
-                 fill_gaps: bool = False, engine: Optional[TransferEngine] = None,
-                 limits: Optional[DocLimits] = None, forward_stream: Any = None,
-                 mask_bytes: Optional[int] = None):
+    def __init__(
+        self,
+        state: CacheState,
+        recompute: Recompute,
+        chunk_size: int,
+        pad_token_id: int,
+        rope: RopeSpec,
+        kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        allocator: Any,
+        keyer: ChainKeyer,
+        free_slots: Callable[[torch.Tensor], None],
+        probe: Optional[BlendProbe] = None,
+        fill_gaps: bool = False,
+        engine: Optional[TransferEngine] = None,
+        limits: Optional[DocLimits] = None,
+        forward_stream: Any = None,
+        mask_bytes: Optional[int] = None,
+    ):
         self.state = state
         self.server = recompute
         self.mode = recompute.mode
@@ -247,6 +258,7 @@ class DocReuse:
             return None
         entry.row = None  # laid out again at :meth:`place`, for this plan
         plan = entry.plan
+        # mutant: gpu-scratch-budgets-checked-only-once-copying
         refusal = self._over_budget(req, plan)
         if refusal is not None:  # before anything is loaded, allocated or run
             log = logger.info if self._warned_budget else logger.warning
@@ -275,8 +287,9 @@ class DocReuse:
         try:
             placed = self.copier.place(req, entry.plan, entry.chains, prefix_node, slots)
         except Exception:  # noqa: BLE001 - a failed copy or probe recomputes the request, never loses slots
-            logger.exception("PCR document reuse: re-placing request %s's documents failed; they are "
-                             "recomputed", req.rid)
+            logger.exception(
+                "PCR document reuse: re-placing request %s's documents failed; they are recomputed", req.rid
+            )
             self.free_slots(slots)
             entry.row = None
             return self._failed(entry)
@@ -295,10 +308,13 @@ class DocReuse:
             return None  # an in-order row: no position mask, no probe
         total = len(req.origin_input_ids) + len(getattr(req, "output_ids", None) or ())
         need = permuted_rows.row_mask_bound(plan.start + plan.prefix_tokens, total)
+        # mutant: gpu-position-mask-unbounded
         if self.mask_bytes is not None and need > self.mask_bytes:
             self.stats.mask_over_budget += 1
-            return (f"its position mask could need {need / 2**20:.0f} MiB, over --pcr-position-mask-mb "
-                    f"{self.mask_bytes / 2**20:.0f}")
+            return (
+                f"its position mask could need {need / 2**20:.0f} MiB, over --pcr-position-mask-mb "
+                f"{self.mask_bytes / 2**20:.0f}"
+            )
         if plan.recompute_count and not plan.recompute and self.probe is not None:
             selector = effective_selector(req, plan)
             question = max(question_end(req, plan) - plan.end, 0) if selector in QUESTION_SELECTORS else 0
@@ -380,4 +396,3 @@ class DocReuse:
 
     def count_canonical(self) -> None:
         self.stats.canonical_requests += 1
-

@@ -42,15 +42,17 @@ from pcr_sglang.core.keys import ChunkKey, chunk_keys
 from pcr_sglang.reuse.bounds import DEFAULT_SELECTOR, DocSpan, Recompute
 
 
-def canonical_tokens(tokens: Sequence[int], span: DocSpan, leading_len: int, chunk_size: int,
-                     pad_token_id: int) -> list[int]:
+def canonical_tokens(
+    tokens: Sequence[int], span: DocSpan, leading_len: int, chunk_size: int, pad_token_id: int
+) -> list[int]:
     """``S ‖ d ‖ pad``: the sequence whose chain holds document ``span``'s canonical KV."""
-    body = list(tokens[:leading_len]) + list(tokens[span.start:span.end])
+    body = list(tokens[:leading_len]) + list(tokens[span.start : span.end])
     return body + [pad_token_id] * (-len(body) % chunk_size)
 
 
-def canonical_chain_keys(root: ChunkKey, tokens: Sequence[int], spans: Sequence[DocSpan], chunk_size: int,
-                         pad_token_id: int) -> list[list[ChunkKey]]:
+def canonical_chain_keys(
+    root: ChunkKey, tokens: Sequence[int], spans: Sequence[DocSpan], chunk_size: int, pad_token_id: int
+) -> list[list[ChunkKey]]:
     """Each document's canonical chain keys (``chunk_keys`` of :func:`canonical_tokens`),
     with ``S`` hashed once for all of them: every chain starts with the keys of ``S``'s
     whole chunks, and only the chunk straddling the seam needs ``S``'s last tokens again.
@@ -65,7 +67,7 @@ def canonical_chain_keys(root: ChunkKey, tokens: Sequence[int], spans: Sequence[
     tail = list(tokens[whole:leading])
     chains = []
     for span in spans:
-        body = tail + list(tokens[span.start:span.end])
+        body = tail + list(tokens[span.start : span.end])
         body += [pad_token_id] * (-len(body) % chunk_size)
         chains.append(shared + chunk_keys(parent, body, chunk_size))
     return chains
@@ -150,8 +152,13 @@ class ReusePlan:
         return [p for s in self.segments if s.delta != 0 for p in range(s.start, s.end)]
 
 
-def plan_reuse(spans: Sequence[DocSpan], exact_len: int, limit: int,
-               canonical_cached: Callable[[DocSpan], bool], fill_gaps: bool = False) -> Optional[ReusePlan]:
+def plan_reuse(
+    spans: Sequence[DocSpan],
+    exact_len: int,
+    limit: int,
+    canonical_cached: Callable[[DocSpan], bool],
+    fill_gaps: bool = False,
+) -> Optional[ReusePlan]:
     """Extend an exact prefix of ``exact_len`` tokens with canonical document KV.
 
     Reuse starts where the exact prefix ends and goes document by document, never past
@@ -225,8 +232,9 @@ def with_recompute(plan: ReusePlan, spans: Sequence[DocSpan], recompute: Recompu
     firsts = {span.index: span.start for span in spans}
 
     def leading(tokens: int) -> tuple[int, ...]:
-        return tuple(p for s in plan.segments if s.delta != 0
-                     for p in range(s.start, min(s.end, firsts[s.doc] + tokens)))
+        return tuple(
+            p for s in plan.segments if s.delta != 0 for p in range(s.start, min(s.end, firsts[s.doc] + tokens))
+        )
 
     anchors: tuple[int, ...] = ()
     if recompute.mode == "lego":
@@ -236,13 +244,20 @@ def with_recompute(plan: ReusePlan, spans: Sequence[DocSpan], recompute: Recompu
         rotated = plan.rotated_tokens
         chosen, count = (), min(rotated, int(round(recompute.ratio * rotated)))
         # Anchors fill the budget in document order; the budget never grows for them.
+        # mutant: blend-anchors-overrun-the-budget
         anchors = leading(recompute.anchor_tokens)[:count] if recompute.anchor_tokens else ()
     if count == 0:
         return plan
     if count >= plan.reused_tokens:
         return None
-    return replace(plan, recompute_count=count, recompute=chosen, anchors=anchors, selector=recompute.selector,
-                   question_end=recompute.question_end)
+    return replace(
+        plan,
+        recompute_count=count,
+        recompute=chosen,
+        anchors=anchors,
+        selector=recompute.selector,
+        question_end=recompute.question_end,
+    )
 
 
 @dataclass(frozen=True)
@@ -263,7 +278,7 @@ class RowOrder:
 
     def positions_of_slots(self, begin: int, end: int) -> list[int]:
         """Request positions of row slots ``[begin, end)``."""
-        inside = list(self.positions[max(begin - self.start, 0): max(min(end, self.end) - self.start, 0)])
+        inside = list(self.positions[max(begin - self.start, 0) : max(min(end, self.end) - self.start, 0)])
         head = list(range(begin, min(end, self.start)))
         tail = list(range(max(begin, self.end), end))
         return head + inside + tail

@@ -130,14 +130,21 @@ def _field(value: Optional[str]) -> bytes:
 
 def root_key(tenant: Tenant, leading: Sequence[int]) -> bytes:
     """The root a request's orders are remembered under."""
-    return _digest(b"pcr-doc-order-v1", _field(tenant.extra_key), _field(tenant.cache_salt),
-                   _field(tenant.lora_id), _field(tenant.lora_name), _tokens_bytes(leading))
+    # mutant: reorder-tenants-share-orders
+    return _digest(
+        b"pcr-doc-order-v1",
+        _field(tenant.extra_key),
+        _field(tenant.cache_salt),
+        _field(tenant.lora_id),
+        _field(tenant.lora_name),
+        _tokens_bytes(leading),
+    )
 
 
 def _gaps(tokens: Sequence[int], spans: Sequence[DocSpan]) -> list[list[int]]:
     """The tokens before each slot's document, after the previous one (slot 0's: none;
     what precedes it is the leading part)."""
-    return [[]] + [list(tokens[spans[j - 1].end:spans[j].start]) for j in range(1, len(spans))]
+    return [[]] + [list(tokens[spans[j - 1].end : spans[j].start]) for j in range(1, len(spans))]
 
 
 class OrderStore:
@@ -171,6 +178,7 @@ class OrderStore:
             for j, item in enumerate(seq[:n]):
                 gap, doc = item[:_HASH_BYTES], item[_HASH_BYTES:]
                 ids = available.get(doc)
+                # mutant: reorder-run-ignores-separators
                 if gap != gap_hashes[j] or not ids:
                     break
                 run.append(ids.pop(0))
@@ -193,10 +201,10 @@ class OrderStore:
             sequences = self._roots[root] = OrderedDict()
         self._roots.move_to_end(root)
         for seq in list(sequences):
-            if seq[:len(items)] == items:  # already covered
+            if seq[: len(items)] == items:  # already covered
                 sequences.move_to_end(seq)
                 return
-            if items[:len(seq)] == seq:  # the new one covers it
+            if items[: len(seq)] == seq:  # the new one covers it
                 del sequences[seq]
                 self._size -= 1
         sequences[items] = None
@@ -204,6 +212,7 @@ class OrderStore:
         while len(sequences) > self.limits.per_root:
             sequences.popitem(last=False)
             self._size -= 1
+        # mutant: reorder-store-unbounded
         while self._size > self.limits.max_sequences:
             oldest_root, oldest = next(iter(self._roots.items()))
             oldest.popitem(last=False)
@@ -216,19 +225,19 @@ class OrderStore:
         spans = list(spans)
         gaps = _gaps(tokens, spans)
         gap_hashes = [_digest(_tokens_bytes(g)) for g in gaps]
-        doc_hashes = [_digest(_tokens_bytes(tokens[s.start:s.end])) for s in spans]
-        root = root_key(tenant, tokens[:spans[0].start])
+        doc_hashes = [_digest(_tokens_bytes(tokens[s.start : s.end])) for s in spans]
+        root = root_key(tenant, tokens[: spans[0].start])
         run = self.best_run(root, gap_hashes, doc_hashes)
         placed = set(run)
         order = tuple(run + [i for i in range(len(spans)) if i not in placed])
-        ids = list(tokens[:spans[0].start])
+        ids = list(tokens[: spans[0].start])
         bounds: list[int] = []
         for slot, index in enumerate(order):
             ids += gaps[slot]
             span = spans[index]
             bounds += [len(ids), len(ids) + span.length]
-            ids += tokens[span.start:span.end]
-        ids += tokens[spans[-1].end:]
+            ids += tokens[span.start : span.end]
+        ids += tokens[spans[-1].end :]
         self.record(root, tuple(gap_hashes[slot] + doc_hashes[index] for slot, index in enumerate(order)))
         result = Reordering(order, ids, bounds, len(run))
         self.stats.requests += 1
@@ -261,22 +270,32 @@ def reorder_request(manager: Any, tokenized: Any, server_mode: str) -> Optional[
         if not custom or DOC_BOUNDS_PARAM not in custom or request_mode(custom, server_mode) != REORDER_MODE:
             return None
         tokens = getattr(tokenized, "input_ids", None)
-        if (tokens is None or getattr(tokenized, "input_embeds", None) is not None
-                or getattr(tokenized, "mm_inputs", None)):
+        if (
+            tokens is None
+            or getattr(tokenized, "input_embeds", None) is not None
+            or getattr(tokenized, "mm_inputs", None)
+        ):
             return None  # only plain token prompts: embeddings and media are placed by position
         spans = parse_doc_bounds(custom[DOC_BOUNDS_PARAM], len(tokens))  # its limits: checked at validation
     except DocBoundsError:
         return None
-    tenant = Tenant(getattr(tokenized, "extra_key", None), getattr(tokenized, "cache_salt", None),
-                    _str_or_none(getattr(tokenized, "lora_id", None)),
-                    _str_or_none(getattr(tokenized, "lora_name", None)))
+    tenant = Tenant(
+        getattr(tokenized, "extra_key", None),
+        getattr(tokenized, "cache_salt", None),
+        _str_or_none(getattr(tokenized, "lora_id", None)),
+        _str_or_none(getattr(tokenized, "lora_name", None)),
+    )
     result = _store_for(manager).plan(list(tokens), spans, tenant)
     if result.moved:
         # New objects, never edits: the samples of a request (``n`` > 1) are shallow copies of
         # one tokenized request, sharing its ``sampling_params`` (and its custom_params dict).
-        tokenized.input_ids = (array(tokens.typecode, result.input_ids) if isinstance(tokens, array)
-                               else list(result.input_ids))
+        # mutant: reorder-bounds-without-tokens
+        tokenized.input_ids = (
+            array(tokens.typecode, result.input_ids) if isinstance(tokens, array) else list(result.input_ids)
+        )
+        # mutant: reorder-writes-the-samples-shared-sampling-params
         tokenized.sampling_params = copy.copy(tokenized.sampling_params)
+        # mutant: reorder-edits-the-shared-custom-params
         tokenized.sampling_params.custom_params = {**custom, DOC_BOUNDS_PARAM: result.doc_bounds}
     state = getattr(manager, "rid_to_state", {}).get(getattr(tokenized, "rid", None))
     if state is not None:
@@ -305,5 +324,14 @@ def order_stats(manager: Any) -> Optional[OrderStats]:
     return store.stats if store is not None else None
 
 
-__all__ = ["ORDER_META_KEY", "OrderLimits", "OrderStats", "OrderStore", "Reordering", "Tenant",
-           "reorder_request", "report_doc_order", "root_key"]
+__all__ = [
+    "ORDER_META_KEY",
+    "OrderLimits",
+    "OrderStats",
+    "OrderStore",
+    "Reordering",
+    "Tenant",
+    "reorder_request",
+    "report_doc_order",
+    "root_key",
+]

@@ -60,8 +60,7 @@ def permute_extend_inputs(batch: Any, row_of: Callable[[str], Optional[RowOrder]
     part, put the tokens of the slots' positions in the batch's extend input ids, and
     return the positions of its row slots ``[0, seq_len)`` by batch index (None if none)."""
     rows: dict[int, torch.Tensor] = {}
-    ids = batch.prefill_input_ids_cpu if getattr(batch, "prefill_input_ids_cpu", None) is not None \
-        else batch.input_ids
+    ids = batch.prefill_input_ids_cpu if getattr(batch, "prefill_input_ids_cpu", None) is not None else batch.input_ids
     offset = 0
     for i, req in enumerate(batch.reqs):
         prefix, extend = int(batch.prefix_lens[i]), int(batch.extend_lens[i])
@@ -70,7 +69,7 @@ def permute_extend_inputs(batch: Any, row_of: Callable[[str], Optional[RowOrder]
             positions = row.positions_of_slots(0, prefix + extend)
             fill = req.get_fill_ids()
             tokens = torch.tensor([fill[p] for p in positions[prefix:]], dtype=torch.int64)
-            ids[offset: offset + extend] = to_device(tokens, ids.device).to(ids.dtype)
+            ids[offset : offset + extend] = to_device(tokens, ids.device).to(ids.dtype)
             rows[i] = torch.tensor(positions, dtype=torch.int64)
         offset += extend
     return rows or None
@@ -96,12 +95,21 @@ def _slot_positions(rows: dict[int, torch.Tensor], i: int, seq_len: int, device:
     return positions[:seq_len]
 
 
-def position_causal_sdpa_extend(rows: dict[int, torch.Tensor], query: torch.Tensor, output: torch.Tensor,
-                                k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-                                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                                extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
-                                scaling: Optional[float], enable_gqa: bool,
-                                host_lengths: Optional[tuple[list[int], list[int], list[int]]] = None) -> torch.Tensor:
+def position_causal_sdpa_extend(
+    rows: dict[int, torch.Tensor],
+    query: torch.Tensor,
+    output: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    scaling: Optional[float],
+    enable_gqa: bool,
+    host_lengths: Optional[tuple[list[int], list[int], list[int]]] = None,
+) -> torch.Tensor:
     """``torch_native``'s extend attention (query ``[tokens, heads, dim]``) with query
     ``i`` of a request attending the row keys whose position is at most its own: for a
     request without a permuted row that is the bottom-right causal mask of a plain extend.
@@ -111,7 +119,7 @@ def position_causal_sdpa_extend(rows: dict[int, torch.Tensor], query: torch.Tens
         host_lengths = (extend_prefix_lens.tolist(), extend_seq_lens.tolist(), seq_lens.tolist())
     start = 0
     for i, (prefix, extend, seq_len) in enumerate(zip(*host_lengths)):
-        q = query[start: start + extend].movedim(0, 1)  # [heads, extend, dim]
+        q = query[start : start + extend].movedim(0, 1)  # [heads, extend, dim]
         slots = req_to_token[req_pool_indices[i], :seq_len]
         k = k_cache[slots].movedim(0, 1)
         v = v_cache[slots].movedim(0, 1)
@@ -120,14 +128,16 @@ def position_causal_sdpa_extend(rows: dict[int, torch.Tensor], query: torch.Tens
         positions = _slot_positions(rows, i, seq_len, q.device)
         mask = positions.unsqueeze(0) <= positions[prefix:seq_len].unsqueeze(1)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=enable_gqa)
-        output[start: start + extend] = out.squeeze(0).movedim(1, 0)
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=enable_gqa
+        )
+        output[start : start + extend] = out.squeeze(0).movedim(1, 0)
         start += extend
     return output
 
 
-def triton_position_mask(rows: dict[int, torch.Tensor], seq_lens: list[int], prefix_lens: list[int],
-                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_position_mask(
+    rows: dict[int, torch.Tensor], seq_lens: list[int], prefix_lens: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """SGLang's Triton extend ``custom_mask`` (flat bool, per request ``[extend x seq_len]``
     row-major, keys in row order: prefix then extend) and its ``mask_indptr``, for a
     position-causal mask over every request of the batch (pass
@@ -140,8 +150,12 @@ def triton_position_mask(rows: dict[int, torch.Tensor], seq_lens: list[int], pre
     mask = torch.empty(offsets[-1], dtype=torch.bool, device=device)
     for i, (seq_len, prefix) in enumerate(zip(seq_lens, prefix_lens)):
         positions = _slot_positions(rows, i, seq_len, device)
-        torch.le(positions.unsqueeze(0), positions[prefix:seq_len].unsqueeze(1),
-                 out=mask[offsets[i]: offsets[i + 1]].view(seq_len - prefix, seq_len))
+        # mutant: position-mask-excludes-the-query-itself
+        torch.le(
+            positions.unsqueeze(0),
+            positions[prefix:seq_len].unsqueeze(1),
+            out=mask[offsets[i] : offsets[i + 1]].view(seq_len - prefix, seq_len),
+        )
     indptr = to_device(torch.tensor(offsets, dtype=torch.int64), device)
     return mask, indptr
 
@@ -154,25 +168,39 @@ def _signature(function: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(function)
 
 
-def native_extend_with_rows(original: Callable[..., Any], backend: Any, plan: ForwardPlan, *args: Any,
-                            **kwargs: Any) -> Any:
+def native_extend_with_rows(
+    original: Callable[..., Any], backend: Any, plan: ForwardPlan, *args: Any, **kwargs: Any
+) -> Any:
     """Around ``TorchNativeAttnBackend._run_sdpa_forward_extend`` in a forward that carries
     permuted rows: the position-causal loop for full causal attention; anything else
     (cross-attention, sliding windows: refused at startup for recompute modes) unchanged."""
     bound = _signature(original).bind(backend, *args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
+    # mutant: doc-reuse-recompute-without-position-mask
     rows = plan.for_attention(a["req_pool_indices"])
     if not rows or not a.get("causal", True) or a.get("is_cross_attn") or a.get("sliding_window_size") is not None:
         return original(backend, *args, **kwargs)
     return position_causal_sdpa_extend(
-        rows, a["query"], a["output"], a["k_cache"], a["v_cache"], a["req_to_token"], a["req_pool_indices"],
-        a["seq_lens"], a["extend_prefix_lens"], a["extend_seq_lens"], a.get("scaling"), bool(a.get("enable_gqa")),
-        plan.host_lengths(int(a["seq_lens"].shape[0])))
+        rows,
+        a["query"],
+        a["output"],
+        a["k_cache"],
+        a["v_cache"],
+        a["req_to_token"],
+        a["req_pool_indices"],
+        a["seq_lens"],
+        a["extend_prefix_lens"],
+        a["extend_seq_lens"],
+        a.get("scaling"),
+        bool(a.get("enable_gqa")),
+        plan.host_lengths(int(a["seq_lens"].shape[0])),
+    )
 
 
-def set_triton_position_mask(backend: Any, forward_batch: Any, rows: dict[int, torch.Tensor], plan: ForwardPlan,
-                             plans: ForwardPlans) -> bool:
+def set_triton_position_mask(
+    backend: Any, forward_batch: Any, rows: dict[int, torch.Tensor], plan: ForwardPlan, plans: ForwardPlans
+) -> bool:
     """After ``TritonAttnBackend.init_forward_metadata`` for a forward with permuted rows
     (``plan``, its ``rows`` checked by :meth:`ForwardPlan.for_attention`): whether the mask
     was set (an extend; the kernel must then mask the prefix too,
@@ -181,13 +209,15 @@ def set_triton_position_mask(backend: Any, forward_batch: Any, rows: dict[int, t
     if metadata is None or not forward_batch.forward_mode.is_extend() or forward_batch.forward_mode.is_target_verify():
         return False
     host = plan.host_lengths(int(forward_batch.seq_lens.shape[0]))  # a shape: no wait
+    # mutant: gpu-row-mask-lengths-read-from-the-device
     if host is not None:
         prefix_lens, _, seq_lens = host
     else:
         seq_lens = plans.host_list(forward_batch, "seq_lens")
         prefix_lens = plans.host_list(forward_batch, "extend_prefix_lens")
-    plans.mask_bytes_peak = max(plans.mask_bytes_peak,
-                                position_mask_bytes(prefix_lens, [s - p for s, p in zip(seq_lens, prefix_lens)]))
+    plans.mask_bytes_peak = max(
+        plans.mask_bytes_peak, position_mask_bytes(prefix_lens, [s - p for s, p in zip(seq_lens, prefix_lens)])
+    )
     mask, indptr = triton_position_mask(rows, seq_lens, prefix_lens, forward_batch.seq_lens.device)
     metadata.custom_mask = mask
     metadata.mask_indptr = indptr

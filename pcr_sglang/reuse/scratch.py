@@ -52,14 +52,21 @@ def reserve_from_kv_pool(available_bytes: int, reserve: ScratchReserve, device: 
     nothing would be left for the pool."""
     if not reserve.total or not str(device).startswith("cuda"):
         return available_bytes
+    # mutant: gpu-scratch-not-reserved-from-the-kv-pool
     left = available_bytes - reserve.total
     if left <= 0:
         raise ValueError(
             f"PCR document reuse reserves {reserve.total / 2**20:.0f} MiB of GPU scratch "
             f"(--pcr-blend-probe-mb {reserve.probe >> 20}, --pcr-position-mask-mb {reserve.mask >> 20}) and "
             f"SGLang's KV pool had only {available_bytes / 2**20:.0f} MiB: lower those flags or raise "
-            "--mem-fraction-static")
-    logger.info("PCR document reuse: %d MiB of GPU scratch reserved from the KV pool (blend probe %d MiB, "
-                "position mask %d MiB); the pool is sized from the remaining %d MiB", reserve.total >> 20,
-                reserve.probe >> 20, reserve.mask >> 20, left >> 20)
+            "--mem-fraction-static"
+        )
+    logger.info(
+        "PCR document reuse: %d MiB of GPU scratch reserved from the KV pool (blend probe %d MiB, "
+        "position mask %d MiB); the pool is sized from the remaining %d MiB",
+        reserve.total >> 20,
+        reserve.probe >> 20,
+        reserve.mask >> 20,
+        left >> 20,
+    )
     return left

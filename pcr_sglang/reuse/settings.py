@@ -32,9 +32,17 @@ def recompute(config: PCRConfig) -> Recompute:
     found = calibration(config) if verdict is not None else None
     gate = None
     if found is not None and verdict is not None and config.doc_reuse_calibration:
-        gate = CalibrationGate(config.doc_reuse_calibration, found.model_fingerprint, config.doc_reuse, int(tokens),
-                               ratio, found.conditions.selector, found.conditions.anchor_tokens,
-                               warn=config.doc_reuse_calibration_warn, meets=verdict.meets)
+        gate = CalibrationGate(
+            config.doc_reuse_calibration,
+            found.model_fingerprint,
+            config.doc_reuse,
+            int(tokens),
+            ratio,
+            found.conditions.selector,
+            found.conditions.anchor_tokens,
+            warn=config.doc_reuse_calibration_warn,
+            meets=verdict.meets,
+        )
     return Recompute(config.doc_reuse, tokens, ratio, config.doc_anchor_tokens, config.doc_selector, gate=gate)
 
 
@@ -55,8 +63,10 @@ def calibration_verdict(config: PCRConfig) -> Optional[ModeCalibration]:
         return None  # nothing approximated: nothing for a calibration to vouch for
     verdict = found.modes.get(config.doc_reuse)
     if verdict is None:
-        raise PCRConfigError(f"--pcr-doc-reuse-calibration {config.doc_reuse_calibration} has no measurement of "
-                             f"--pcr-doc-reuse {config.doc_reuse} (it has {', '.join(found.modes) or 'none'})")
+        raise PCRConfigError(
+            f"--pcr-doc-reuse-calibration {config.doc_reuse_calibration} has no measurement of "
+            f"--pcr-doc-reuse {config.doc_reuse} (it has {', '.join(found.modes) or 'none'})"
+        )
     return verdict
 
 

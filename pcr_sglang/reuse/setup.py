@@ -67,8 +67,11 @@ def layer0_self_test(model: Any, spec: RopeSpec, kv_dtype: torch.dtype) -> Optio
     layer = layers[0]
     attn = getattr(layer, "self_attn", None)
     needed = ("qkv_proj", "rotary_emb", "q_size", "kv_size", "head_dim")
-    if attn is None or getattr(layer, "input_layernorm", None) is None or any(
-            not hasattr(attn, name) for name in needed):
+    if (
+        attn is None
+        or getattr(layer, "input_layernorm", None) is None
+        or any(not hasattr(attn, name) for name in needed)
+    ):
         return f"{type(model).__name__}'s layer 0 is not a q/k/v-projection attention the self-test can run"
     weight = next(iter(embed.parameters()), None)
     device = weight.device if weight is not None else torch.device("cpu")
@@ -103,18 +106,27 @@ def layer0_self_test(model: Any, spec: RopeSpec, kv_dtype: torch.dtype) -> Optio
             values = torch.zeros((2 * n, heads, 1), dtype=kv_dtype, device=device)
             pool[:n] = at_p
             src = torch.arange(n, device=device)
-            replace_layer(pool, values, src, src + n, torch.full((n,), delta, dtype=torch.int64, device=device),
-                          spec)
+            replace_layer(pool, values, src, src + n, torch.full((n,), delta, dtype=torch.int64, device=device), spec)
             error = ((pool[n:].float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30)).item()
             if not error <= tolerance:
-                return (f"layer-0 K rotated by {delta} positions differs from the model's own RoPE at the new "
-                        f"positions by {error:.2e} (relative; tolerance {tolerance:.0e})")
+                return (
+                    f"layer-0 K rotated by {delta} positions differs from the model's own RoPE at the new "
+                    f"positions by {error:.2e} (relative; tolerance {tolerance:.0e})"
+                )
     return None
 
 
-def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, allocator: Any, tp_worker: Any,
-                     hf_config: Any, tp_size: int = 1, row_flags_problem: Optional[str] = None,
-                     model_fingerprint: str = "") -> Optional[DocReuse]:
+def attach_doc_reuse(
+    config: PCRConfig,
+    state: CacheState,
+    scheduler: Any,
+    allocator: Any,
+    tp_worker: Any,
+    hf_config: Any,
+    tp_size: int = 1,
+    row_flags_problem: Optional[str] = None,
+    model_fingerprint: str = "",
+) -> Optional[DocReuse]:
     """The document-reuse side for ``--pcr-doc-reuse`` (None when off). Raises
     :class:`PCRConfigError` naming the flag when the model cannot support it.
     ``row_flags_problem``: why the server's flags cannot run a permuted row
@@ -129,11 +141,14 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
     kvcache = allocator.get_kvcache()
     k_buffers, v_buffers = getattr(kvcache, "k_buffer", None), getattr(kvcache, "v_buffer", None)
     if not k_buffers or not v_buffers:
-        raise PCRConfigError(f"{flag} needs a KV pool with per-layer K and V buffers (MHA/GQA), "
-                             f"not {type(kvcache).__name__}")
+        raise PCRConfigError(
+            f"{flag} needs a KV pool with per-layer K and V buffers (MHA/GQA), not {type(kvcache).__name__}"
+        )
     if k_buffers[0].dim() != 3 or v_buffers[0].dim() != 3:
-        raise PCRConfigError(f"{flag} rotates token-major K rows ([tokens, heads, head_dim]); this pool's "
-                             f"buffers are {tuple(k_buffers[0].shape)} (a head- or page-major layout)")
+        raise PCRConfigError(
+            f"{flag} rotates token-major K rows ([tokens, heads, head_dim]); this pool's "
+            f"buffers are {tuple(k_buffers[0].shape)} (a head- or page-major layout)"
+        )
     kv_dtype = k_buffers[0].dtype
     if kv_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise PCRConfigError(f"{flag} rotates K in the KV dtype; {kv_dtype} KV (quantized) is not supported")
@@ -151,32 +166,56 @@ def attach_doc_reuse(config: PCRConfig, state: CacheState, scheduler: Any, alloc
         problem = recompute_support(tp_worker, model, tp_size)
         if problem is not None:
             raise PCRConfigError(f"{flag} is refused: {problem}")
-        if isinstance(config.blend_probe_mb, bool) or not isinstance(config.blend_probe_mb, int) \
-                or config.blend_probe_mb <= 0:
-            raise PCRConfigError(f"--pcr-blend-probe-mb must be a positive number of MiB, "
-                                 f"got {config.blend_probe_mb!r}")
+        if (
+            isinstance(config.blend_probe_mb, bool)
+            or not isinstance(config.blend_probe_mb, int)
+            or config.blend_probe_mb <= 0
+        ):
+            raise PCRConfigError(
+                f"--pcr-blend-probe-mb must be a positive number of MiB, got {config.blend_probe_mb!r}"
+            )
         probe = BlendProbe(model, kv_layers, scratch_bytes=config.blend_probe_mb << 20)
         fill_gaps = True  # DocReuse fills gaps in every recompute mode (its rows are permuted anyway)
     else:
         gap_problem = row_flags_problem or permuted_row_support(tp_worker, tp_size)
         fill_gaps = gap_problem is None
         if not fill_gaps:
-            logger.info("PCR document reuse (concat): a request's reuse stops at its first document that is not "
-                        "cached; computing that document in place needs a permuted row (%s)", gap_problem)
+            logger.info(
+                "PCR document reuse (concat): a request's reuse stops at its first document that is not "
+                "cached; computing that document in place needs a permuted row (%s)",
+                gap_problem,
+            )
     pad = doc_pad_token_id(hf_config)
-    conditions = CalibrationConditions(config.doc_selector, int(config.doc_anchor_tokens),
-                                       str(kv_dtype).removeprefix("torch."))
+    conditions = CalibrationConditions(
+        config.doc_selector, int(config.doc_anchor_tokens), str(kv_dtype).removeprefix("torch.")
+    )
     calibration = calibration_status(config, model_fingerprint, conditions)
-    logger.info("PCR document reuse: mode %s, RoPE %s, layer-0 self-test passed, pad token %d",
-                config.doc_reuse, spec.signature(), pad)
+    logger.info(
+        "PCR document reuse: mode %s, RoPE %s, layer-0 self-test passed, pad token %d",
+        config.doc_reuse,
+        spec.signature(),
+        pad,
+    )
     # Without an engine, a copy is ordered after the forward in flight on this stream (a
     # GPU-side wait; HiCache fences on the same one).
     forward_stream = getattr(getattr(tp_worker, "model_runner", None), "forward_stream", None)
-    docs = DocReuse(state, reuse_settings.recompute(config), config.chunk_size, pad, spec, kv_layers, allocator,
-                    scheduler.keyer, scheduler.executor.free_private, probe=probe, fill_gaps=fill_gaps,
-                    engine=scheduler.engine, limits=reuse_settings.limits(config),
-                    forward_stream=forward_stream if kv_layers[0][0].is_cuda else None,
-                    mask_bytes=config.position_mask_mb << 20 if fill_gaps else None)
+    docs = DocReuse(
+        state,
+        reuse_settings.recompute(config),
+        config.chunk_size,
+        pad,
+        spec,
+        kv_layers,
+        allocator,
+        scheduler.keyer,
+        scheduler.executor.free_private,
+        probe=probe,
+        fill_gaps=fill_gaps,
+        engine=scheduler.engine,
+        limits=reuse_settings.limits(config),
+        forward_stream=forward_stream if kv_layers[0][0].is_cuda else None,
+        mask_bytes=config.position_mask_mb << 20 if fill_gaps else None,
+    )
     docs.calibration = with_gate(calibration, docs.server.gate)
     docs.conditions = conditions
     return docs
@@ -202,11 +241,14 @@ def recheck_calibration(docs: DocReuseStatus, model_fingerprint: str) -> None:
     if gate is None:
         return
     stopped = None
+    # mutant: calibration-not-rechecked-after-a-weight-update
     if model_fingerprint != gate.fingerprint:
-        stopped = (f"the weights changed in place (fingerprint {model_fingerprint[:16]}...); the calibration "
-                   f"{Path(gate.file).name} was measured on {gate.fingerprint[:16]}...: document reuse is off "
-                   "(marked requests are served exactly) until those weights are back; calibrate these and "
-                   "restart with that file to reuse documents on them")
+        stopped = (
+            f"the weights changed in place (fingerprint {model_fingerprint[:16]}...); the calibration "
+            f"{Path(gate.file).name} was measured on {gate.fingerprint[:16]}...: document reuse is off "
+            "(marked requests are served exactly) until those weights are back; calibrate these and "
+            "restart with that file to reuse documents on them"
+        )
     if stopped != gate.stopped:
         if stopped:
             logger.warning("PCR document reuse: %s", stopped)
@@ -216,8 +258,9 @@ def recheck_calibration(docs: DocReuseStatus, model_fingerprint: str) -> None:
     docs.calibration.update(stopped=stopped, meets_target=None if stopped else gate.meets)
 
 
-def calibration_status(config: PCRConfig, model_fingerprint: str,
-                       conditions: Optional[CalibrationConditions] = None) -> dict[str, Any]:
+def calibration_status(
+    config: PCRConfig, model_fingerprint: str, conditions: Optional[CalibrationConditions] = None
+) -> dict[str, Any]:
     """What is known of the mode's accuracy on this model, for the startup log and
     ``/server_info``; raises :class:`PCRConfigError` for a calibration of other weights or
     measured under other ``conditions`` (selector, anchor tokens, KV dtype), or of a mode
@@ -225,38 +268,62 @@ def calibration_status(config: PCRConfig, model_fingerprint: str,
     flag = f"--pcr-doc-reuse {config.doc_reuse}"
     calibration = reuse_settings.calibration(config)
     if calibration is None:
-        logger.warning("PCR document reuse: %s changes answers, by an amount that depends on the model, and its "
-                       "accuracy on this model is unmeasured: measure it with `python -m pcr_tools.calibrate --url "
-                       "URL` and start with --pcr-doc-reuse-calibration FILE", flag)
+        logger.warning(
+            "PCR document reuse: %s changes answers, by an amount that depends on the model, and its "
+            "accuracy on this model is unmeasured: measure it with `python -m pcr_tools.calibrate --url "
+            "URL` and start with --pcr-doc-reuse-calibration FILE",
+            flag,
+        )
         return {"file": None, "measured": False}
     if model_fingerprint and calibration.model_fingerprint != model_fingerprint:
-        raise PCRConfigError(f"--pcr-doc-reuse-calibration {config.doc_reuse_calibration} was measured on other "
-                             f"weights ({calibration.model or 'a model'} with fingerprint "
-                             f"{calibration.model_fingerprint[:16]}..., this server's is {model_fingerprint[:16]}...): "
-                             f"calibrate this model")
+        raise PCRConfigError(
+            f"--pcr-doc-reuse-calibration {config.doc_reuse_calibration} was measured on other "
+            f"weights ({calibration.model or 'a model'} with fingerprint "
+            f"{calibration.model_fingerprint[:16]}..., this server's is {model_fingerprint[:16]}...): "
+            f"calibrate this model"
+        )
     differences = calibration.conditions.differences(conditions) if conditions is not None else []
     if differences:
-        raise PCRConfigError(f"--pcr-doc-reuse-calibration {config.doc_reuse_calibration} was measured under other "
-                             f"conditions: {'; '.join(differences)}: calibrate under this server's")
+        raise PCRConfigError(
+            f"--pcr-doc-reuse-calibration {config.doc_reuse_calibration} was measured under other "
+            f"conditions: {'; '.join(differences)}: calibrate under this server's"
+        )
     verdict = reuse_settings.calibration_verdict(config)
     assert verdict is not None
     target = calibration.target
-    status = {"file": config.doc_reuse_calibration, "measured": True, "meets_target": verdict.meets,
-              "value": verdict.value, "target": {"top1_min": target.top1_min, "gold_ratio_min": target.gold_ratio_min},
-              "questions": calibration.questions, "created": calibration.created,
-              "conditions": asdict(calibration.conditions)}
-    what = (f"top-1 agreement >= {target.top1_min:.0%} and gold answers >= {target.gold_ratio_min:.0%} of full "
-            f"prefill's on {calibration.questions} questions")
+    status = {
+        "file": config.doc_reuse_calibration,
+        "measured": True,
+        "meets_target": verdict.meets,
+        "value": verdict.value,
+        "target": {"top1_min": target.top1_min, "gold_ratio_min": target.gold_ratio_min},
+        "questions": calibration.questions,
+        "created": calibration.created,
+        "conditions": asdict(calibration.conditions),
+    }
+    what = (
+        f"top-1 agreement >= {target.top1_min:.0%} and gold answers >= {target.gold_ratio_min:.0%} of full "
+        f"prefill's on {calibration.questions} questions"
+    )
     if not verdict.meets:
         if not config.doc_reuse_calibration_warn:
-            raise PCRConfigError(f"{flag} missed its accuracy target on this model ({what}) in "
-                                 f"{config.doc_reuse_calibration}; pass --pcr-doc-reuse-calibration-warn to serve it "
-                                 f"anyway, or choose another mode")
-        logger.warning("PCR document reuse: %s MISSED its accuracy target on this model (%s); served anyway "
-                       "(--pcr-doc-reuse-calibration-warn)", flag, what)
+            raise PCRConfigError(
+                f"{flag} missed its accuracy target on this model ({what}) in "
+                f"{config.doc_reuse_calibration}; pass --pcr-doc-reuse-calibration-warn to serve it "
+                f"anyway, or choose another mode"
+            )
+        logger.warning(
+            "PCR document reuse: %s MISSED its accuracy target on this model (%s); served anyway "
+            "(--pcr-doc-reuse-calibration-warn)",
+            flag,
+            what,
+        )
     else:
-        setting = "" if verdict.value is None else (f", K={int(verdict.value)}" if config.doc_reuse == "lego"
-                                                     else f", R={verdict.value:g}")
+        setting = (
+            ""
+            if verdict.value is None
+            else (f", K={int(verdict.value)}" if config.doc_reuse == "lego" else f", R={verdict.value:g}")
+        )
         logger.info("PCR document reuse: %s meets its accuracy target on this model (%s%s)", flag, what, setting)
     return status
 
@@ -273,8 +340,10 @@ def permuted_row_support(tp_worker: Any, tp_size: int) -> Optional[str]:
             names.add(type(inner).__name__)
     allowed = {"TorchNativeAttnBackend", "TritonAttnBackend"}
     if not names & allowed or any(n not in allowed and n != "HybridAttnBackend" for n in names):
-        return (f"a permuted row needs --attention-backend {' or '.join(RECOMPUTE_ATTENTION_BACKENDS)} "
-                f"(a position-causal mask over a permuted row); this server's is {', '.join(sorted(names))}")
+        return (
+            f"a permuted row needs --attention-backend {' or '.join(RECOMPUTE_ATTENTION_BACKENDS)} "
+            f"(a position-causal mask over a permuted row); this server's is {', '.join(sorted(names))}"
+        )
     if tp_size > 1:
         return "runs permuted rows on one rank only; --tp-size > 1 is not supported"
     return None

@@ -100,6 +100,7 @@ def server_recompute(args: Any) -> Recompute:
 
     return reuse_settings.recompute(PCRConfig.from_server_args(args))
 
+
 def _warmer_for(manager: Any) -> Optional[DocWarmer]:
     warmer = getattr(manager, "_pcr_doc_warmer", None)
     if warmer is not None:
@@ -113,8 +114,13 @@ def _warmer_for(manager: Any) -> Optional[DocWarmer]:
 
     hf_config = getattr(getattr(manager, "model_config", None), "hf_config", None)
     config = PCRConfig.from_server_args(args)
-    warmer = DocWarmer(int(config.chunk_size), doc_pad_token_id(hf_config), reuse_settings.recompute(config),
-                       reuse_settings.warmup_policy(config), limits=reuse_settings.limits(config))
+    warmer = DocWarmer(
+        int(config.chunk_size),
+        doc_pad_token_id(hf_config),
+        reuse_settings.recompute(config),
+        reuse_settings.warmup_policy(config),
+        limits=reuse_settings.limits(config),
+    )
     manager._pcr_doc_warmer = warmer
     return warmer
 
@@ -123,8 +129,9 @@ def _marked(tokenized: Any) -> bool:
     """A request whose documents may need warming: it marks them, and it will be computed
     (a hint-only KV hint is not: its documents' chains are read by the hint itself)."""
     custom = custom_params(tokenized)
-    if not (isinstance(custom, dict) and DOC_BOUNDS_PARAM in custom
-            and getattr(tokenized, "input_ids", None) is not None):
+    if not (
+        isinstance(custom, dict) and DOC_BOUNDS_PARAM in custom and getattr(tokenized, "input_ids", None) is not None
+    ):
         return False
     return not _hint_only(tokenized)
 
@@ -167,8 +174,10 @@ def _reorder(manager: Any, tokenized: Any) -> None:
         reorder_request(manager, tokenized, flag_value(args, "pcr_doc_reuse"))
 
 
-async def send_after_warming(original: Callable[..., Any], manager: Any, tokenized: Any, *args: Any,
-                             **kwargs: Any) -> Any:
+async def send_after_warming(
+    original: Callable[..., Any], manager: Any, tokenized: Any, *args: Any, **kwargs: Any
+) -> Any:
+    # mutant: reorder-not-applied-at-send
     """AROUND ``TokenizerManager._send_one_request``."""
     _reorder(manager, tokenized)
     if not _marked(tokenized):
@@ -179,8 +188,9 @@ async def send_after_warming(original: Callable[..., Any], manager: Any, tokeniz
     return result
 
 
-async def send_batch_after_warming(original: Callable[..., Any], manager: Any, tokenized_objs: Any, *args: Any,
-                                   **kwargs: Any) -> Any:
+async def send_batch_after_warming(
+    original: Callable[..., Any], manager: Any, tokenized_objs: Any, *args: Any, **kwargs: Any
+) -> Any:
     """AROUND ``TokenizerManager._send_batch_request`` (batches of token prompts)."""
     for tokenized in tokenized_objs:
         _reorder(manager, tokenized)

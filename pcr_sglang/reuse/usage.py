@@ -58,4 +58,5 @@ def split_details(details: Any, reused: int) -> Any:
 
 def split_cached_details(result: Any, streamer: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER ``SchedulerOutputStreamer.get_cached_tokens_details``."""
+    # mutant: reused-documents-reported-as-exact-hits
     return split_details(result, getattr(req, _ATTR, 0))

@@ -73,6 +73,7 @@ class WarmupLedger:
             return False
         count = self._seen.pop(key, 0) + 1
         self._remember(self._seen, key, count)
+        # mutant: warmup-ignores-the-sighting-count
         if count < self.policy.after and not now:
             self.stats.not_yet += 1
             return False

@@ -41,9 +41,18 @@ from pcr_sglang.sglang_adapter.step_agreement import StepAgreement
 
 
 class Admission:
-    def __init__(self, state: CacheState, executor: EffectsExecutor, keys: RequestKeys, requests: RequestRegistry,
-                 hints: HintBook, probes: RemoteProbes | NoRemoteProbes, agreement: StepAgreement, *,
-                 tensor_parallel: bool):
+    def __init__(
+        self,
+        state: CacheState,
+        executor: EffectsExecutor,
+        keys: RequestKeys,
+        requests: RequestRegistry,
+        hints: HintBook,
+        probes: RemoteProbes | NoRemoteProbes,
+        agreement: StepAgreement,
+        *,
+        tensor_parallel: bool,
+    ):
         self.state = state
         self.executor = executor
         self.allocator = executor.allocator
@@ -68,9 +77,11 @@ class Admission:
         The verdicts are core's (:mod:`pcr_sglang.core.admission`); this gathers their facts."""
         entry = self.requests.peek(req.rid)
         held_chain = entry.held_chain if entry is not None else []
-        gate = at_gate(entry.phase if entry is not None else AdmissionPhase.NEW,
-                       tier_on=self.state.ssd_enabled and self.agreement.broken is None,
-                       still_reading=lambda: any(self.state.reading(n) for n in held_chain))
+        gate = at_gate(
+            entry.phase if entry is not None else AdmissionPhase.NEW,
+            tier_on=self.state.ssd_enabled and self.agreement.broken is None,
+            still_reading=lambda: any(self.state.reading(n) for n in held_chain),
+        )
         if entry is not None:
             entry.phase = gate.phase
             if not gate.phase.held:
@@ -87,8 +98,11 @@ class Admission:
         entry = self._first_consideration(req.rid, match, [n for m in docs for n in m.nodes])
         chains = [m for m in [match, *docs] if m.ssd_nodes]
         ssd_chunks = sum(len(m.ssd_nodes) for m in chains)
-        verdict = read_or_recompute(ssd_chunks=ssd_chunks, io_healthy=self.state.io_healthy,
-                                    choose_load=lambda: self.state.cost_model.decide(self.state.prefer_load))
+        verdict = read_or_recompute(
+            ssd_chunks=ssd_chunks,
+            io_healthy=self.state.io_healthy,
+            choose_load=lambda: self.state.cost_model.decide(self.state.prefer_load),
+        )
         if verdict is Verdict.RECOMPUTE:
             self.state.note_recompute_chosen(ssd_chunks)
         if verdict is not Verdict.READ:
@@ -100,8 +114,10 @@ class Admission:
         for nodes in reads:
             self.state.order_reads(nodes, effects, urgent=True, limit=len(nodes))
         self.executor.execute(effects)
-        held = after_reads(entry.phase if entry is not None else AdmissionPhase.NEW,
-                           reading=any(self.state.reading(n) for nodes in reads for n in nodes))
+        held = after_reads(
+            entry.phase if entry is not None else AdmissionPhase.NEW,
+            reading=any(self.state.reading(n) for nodes in reads for n in nodes),
+        )
         if held.verdict is Verdict.ADMIT:
             return True  # nothing could be ordered (no host slot): recompute
         entry = entry or self.requests.get(req.rid)
@@ -116,8 +132,11 @@ class Admission:
         all of them, or, where the remote tier's measured cost says recompute, up to the
         first chunk only the remote tier holds (those are a chain's last: a probe adopts
         only past the local match)."""
-        if (not self.probes.enabled or not any(n.remote_only for nodes in chains for n in nodes)
-                or self.state.cost_model.decide_remote(self.chunk)):
+        if (
+            not self.probes.enabled
+            or not any(n.remote_only for nodes in chains for n in nodes)
+            or self.state.cost_model.decide_remote(self.chunk)
+        ):
             return [nodes for nodes in chains if nodes]
         kept = []
         for nodes in chains:
@@ -127,8 +146,9 @@ class Admission:
                 kept.append(local)
         return kept
 
-    def _first_consideration(self, rid: str, match: ChainMatch,
-                             doc_nodes: Sequence[ChunkNode] = ()) -> Optional[RequestState]:
+    def _first_consideration(
+        self, rid: str, match: ChainMatch, doc_nodes: Sequence[ChunkNode] = ()
+    ) -> Optional[RequestState]:
         """Snapshot how timely the SSD chunks this request needs are, once (``doc_nodes``:
         its documents' canonical chains, which only KV hints read ahead of it)."""
         entry = self.requests.peek(rid)
@@ -154,9 +174,13 @@ class Admission:
         device_node = req.last_node
         plan = self.docs.planned(req.rid)
         exact_host = host_hit_length - (plan.prefix_tokens if plan is not None else 0)
-        nodes = host_node.path_from_root()[device_node.depth:]
-        if (len(nodes) * self.chunk != exact_host or (nodes and nodes[0].parent is not device_node)
-                or any(not (n.on_host or n.on_device) for n in nodes) or (not nodes and plan is None)):
+        nodes = host_node.path_from_root()[device_node.depth :]
+        if (
+            len(nodes) * self.chunk != exact_host
+            or (nodes and nodes[0].parent is not device_node)
+            or any(not (n.on_host or n.on_device) for n in nodes)
+            or (not nodes and plan is None)
+        ):
             return 0, device_node  # the chain changed since the match: recompute
         if nodes and not self.load_chain(req, nodes):
             return 0, device_node
@@ -248,8 +272,7 @@ class Admission:
         entry = self.requests.peek(req.rid)
         in_time = late = on_demand = 0
         if entry is not None and entry.timeliness is not None:
-            in_time, late, on_demand = (entry.timeliness.in_time, entry.timeliness.late,
-                                        entry.timeliness.on_demand)
+            in_time, late, on_demand = (entry.timeliness.in_time, entry.timeliness.late, entry.timeliness.on_demand)
             entry.timeliness = None
         host = req.cached_tokens_host
         if is_canonical_request(req):
@@ -257,8 +280,14 @@ class Admission:
         plan = self.docs.reused(req.rid)
         if plan is not None:  # SGLang counts them as host hits (they came through load_back)
             host = max(host - plan.prefix_tokens, 0)
-        self.state.count_admission(req.cached_tokens_device // chunk, host // chunk,
-                                   req.cached_tokens_storage // chunk, in_time, late, on_demand)
+        self.state.count_admission(
+            req.cached_tokens_device // chunk,
+            host // chunk,
+            req.cached_tokens_storage // chunk,
+            in_time,
+            late,
+            on_demand,
+        )
         if len(self.hints):
             self.hints.consume(self.keys.own(req))
         if self.tensor_parallel:

@@ -99,8 +99,11 @@ class EffectsExecutor:
                 else:
                     kept.urgent = True
                 return
-        elif (isinstance(order, (ReadChunk, WriteChunk)) and self.engine is not None
-              and not self.engine.host_slot_ready(order.host_slot)):
+        elif (
+            isinstance(order, (ReadChunk, WriteChunk))
+            and self.engine is not None
+            and not self.engine.host_slot_ready(order.host_slot)
+        ):
             self.deferred.append(order)
             return
         self.io.submit(order)

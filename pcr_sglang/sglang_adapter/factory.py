@@ -77,9 +77,7 @@ def build_host_pool(config: PCRConfig, allocator: Any) -> HostChunkPool:
         )
     layout = getattr(kvcache, "kv_cache_layout", "nhd")
     if layout != "nhd":
-        raise PCRConfigError(
-            f"--pcr-dram-gb copies token-major (NHD) KV rows; this KV pool's layout is {layout}"
-        )
+        raise PCRConfigError(f"--pcr-dram-gb copies token-major (NHD) KV rows; this KV pool's layout is {layout}")
     row_bytes = _row_bytes(k_buffers)
     if _row_bytes(v_buffers) != row_bytes or len(v_buffers) != len(k_buffers):
         raise PCRConfigError("--pcr-dram-gb needs K and V rows of the same size")
@@ -87,8 +85,7 @@ def build_host_pool(config: PCRConfig, allocator: Any) -> HostChunkPool:
     num_slots = config.dram_bytes // per_slot
     if num_slots == 0:
         raise PCRConfigError(
-            f"--pcr-dram-gb {config.dram_gb} holds no chunk: one chunk of this model needs "
-            f"{per_slot / 2**20:.1f} MiB"
+            f"--pcr-dram-gb {config.dram_gb} holds no chunk: one chunk of this model needs {per_slot / 2**20:.1f} MiB"
         )
     layout = HostChunkLayout(num_slots, len(k_buffers), config.chunk_size, row_bytes)
     try:
@@ -98,22 +95,32 @@ def build_host_pool(config: PCRConfig, allocator: Any) -> HostChunkPool:
     atexit.register(pool.close)
     logger.info(
         "PCR host tier: %d chunk slots, %.2f GiB in shared memory %s%s",
-        num_slots, layout.total_bytes / 2**30, pool.info().shm_name, " (pinned)" if pool.pinned else "",
+        num_slots,
+        layout.total_bytes / 2**30,
+        pool.info().shm_name,
+        " (pinned)" if pool.pinned else "",
     )
     return pool
 
 
-def build_ssd_store(config: PCRConfig, namespace: CacheNamespace, host_pool: HostChunkPool,
-                    kept_bytes: int = 0) -> ChunkFileStore:
+def build_ssd_store(
+    config: PCRConfig, namespace: CacheNamespace, host_pool: HostChunkPool, kept_bytes: int = 0
+) -> ChunkFileStore:
     """The SSD store of ``namespace``, within ``--pcr-ssd-gb`` less ``kept_bytes`` (the
     namespaces kept for a rollback, charged to the same budget) and the disk's free space."""
     assert config.ssd_path is not None
     layout = host_pool.layout
     try:
         store = ChunkFileStore(
-            config.ssd_path, namespace.digest(), layout, namespace.kv_dtype, max(config.ssd_bytes - kept_bytes, 0),
+            # mutant: ssd-kept-namespaces-not-charged
+            config.ssd_path,
+            namespace.digest(),
+            layout,
+            namespace.kv_dtype,
+            max(config.ssd_bytes - kept_bytes, 0),
             namespace_description=describe_namespace(namespace, layout),
-            low_watermark_bytes=int(config.ssd_reserve_gb * (1 << 30)), durability=config.ssd_durability,
+            low_watermark_bytes=int(config.ssd_reserve_gb * (1 << 30)),
+            durability=config.ssd_durability,
         )
     except SSDStoreError as e:
         raise PCRConfigError(str(e)) from e
@@ -122,11 +129,18 @@ def build_ssd_store(config: PCRConfig, namespace: CacheNamespace, host_pool: Hos
         raise PCRConfigError(
             f"--pcr-ssd-gb {config.ssd_gb} under {config.ssd_path} holds no chunk (one needs "
             f"{store.record_bytes / 2**20:.1f} MiB, and the disk must keep its free-space reserve"
-            + (f"; {kept_bytes / 2**30:.2f} GiB go to namespaces kept for a rollback" if kept_bytes else "") + ")"
+            + (f"; {kept_bytes / 2**30:.2f} GiB go to namespaces kept for a rollback" if kept_bytes else "")
+            + ")"
         )
     atexit.register(store.close)  # the writer lease (the I/O process holds it too)
-    logger.info("PCR SSD tier: up to %d chunks (%.2f GiB) in %s, writer slot %s, durability %s",
-                store.capacity_chunks, store.capacity_bytes / 2**30, store.dir, store.slot, store.durability)
+    logger.info(
+        "PCR SSD tier: up to %d chunks (%.2f GiB) in %s, writer slot %s, durability %s",
+        store.capacity_chunks,
+        store.capacity_bytes / 2**30,
+        store.dir,
+        store.slot,
+        store.durability,
+    )
     return store
 
 
@@ -147,33 +161,46 @@ def build_pcr_prefix_cache(ctx: TreeCacheBuildContext) -> PCRPrefixCache:
     reasons = unsupported_reasons(collect_inputs(resolved, config, ctx.model_config, weights_loaded=True))
     if reasons:
         raise PCRConfigError("; ".join(reasons))
-    namespace = cache_namespace(ctx.server_args, ctx.model_config, _kv_dtype_name(ctx), config.chunk_size,
-                                ctx.tp_rank, ctx.tp_size)
+    namespace = cache_namespace(
+        ctx.server_args, ctx.model_config, _kv_dtype_name(ctx), config.chunk_size, ctx.tp_rank, ctx.tp_size
+    )
     cache = assemble_pcr_cache(ctx.params, config, namespace, TpGroup.from_cache_params(ctx.params), ctx.tp_rank)
     if cache.scheduler.engine is not None:  # --pcr-debug-checks: transfer slots checked on the device too
         cache.scheduler.engine.debug_checks = bool(flag_value(ctx.server_args, "pcr_debug_checks"))
     cache.weights_identity = WeightsIdentity(
-        ctx.model_config, ctx.server_args.model_path, getattr(ctx.server_args, "revision", None),
-        getattr(ctx.server_args, "download_dir", None), adapters_text(ctx.server_args))
+        ctx.model_config,
+        ctx.server_args.model_path,
+        getattr(ctx.server_args, "revision", None),
+        getattr(ctx.server_args, "download_dir", None),
+        adapters_text(ctx.server_args),
+    )
     try:
-        cache.scheduler.docs = attach_doc_reuse(config, cache.state, cache.scheduler,
-                                                ctx.params.token_to_kv_pool_allocator, ctx.tp_worker,
-                                                ctx.model_config.hf_config, tp_size=ctx.tp_size,
-                                                row_flags_problem=permuted_row_flags(resolved),
-                                                model_fingerprint=namespace.model_fingerprint)
+        cache.scheduler.docs = attach_doc_reuse(
+            config,
+            cache.state,
+            cache.scheduler,
+            ctx.params.token_to_kv_pool_allocator,
+            ctx.tp_worker,
+            ctx.model_config.hf_config,
+            tp_size=ctx.tp_size,
+            row_flags_problem=permuted_row_flags(resolved),
+            model_fingerprint=namespace.model_fingerprint,
+        )
     except BaseException:
         cache.scheduler.close()
         raise
     return cache
 
 
-def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace, tp: Optional[TpGroup] = None,
-                       tp_rank: int = 0) -> PCRPrefixCache:
+def assemble_pcr_cache(
+    params: Any, config: PCRConfig, namespace: CacheNamespace, tp: Optional[TpGroup] = None, tp_rank: int = 0
+) -> PCRPrefixCache:
     """The tiers, the cache state, the I/O process and both sides, over SGLang's pools."""
     # Chunk keys (and so restore, eviction ties and every prefix length) derive from the
     # namespace: each rank fingerprints the weights it reads, and they must agree.
-    _check_same_on_every_rank(tp, "the model fingerprint (the weights each rank reads)",
-                              int.from_bytes(namespace.chain_digest()[:7], "big"))
+    _check_same_on_every_rank(
+        tp, "the model fingerprint (the weights each rank reads)", int.from_bytes(namespace.chain_digest()[:7], "big")
+    )
     allocator = params.token_to_kv_pool_allocator
     host_pool = store = worker = io = None
     if config.dram_bytes > 0:
@@ -185,17 +212,20 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
         assert host_pool is not None  # validate() requires the host tier
         store = _on_every_rank(tp, lambda: build_ssd_store(config, namespace, host_pool))
         capacity = _agreed_capacity(store, tp)
-    state = CacheState(CacheStateConfig(
-        chunk_size=config.chunk_size,
-        lookahead_window=config.lookahead_window,
-        host_slots=host_pool.layout.num_slots if host_pool is not None else 0,
-        chunk_bytes=host_pool.layout.slot_bytes if host_pool is not None else 0,
-        ssd_capacity_chunks=capacity,
-        write_through=config.ssd_write == "through",
-        prefetch_budget_chunks=max((config.prefetch_budget_mb << 20) // store.record_bytes, 1) if store else 0,
-        hint_budget_chunks=max((config.hint_budget_mb << 20) // store.record_bytes, 1)
-        if store and config.hint_budget_mb > 0 else 0,
-    ))
+    state = CacheState(
+        CacheStateConfig(
+            chunk_size=config.chunk_size,
+            lookahead_window=config.lookahead_window,
+            host_slots=host_pool.layout.num_slots if host_pool is not None else 0,
+            chunk_bytes=host_pool.layout.slot_bytes if host_pool is not None else 0,
+            ssd_capacity_chunks=capacity,
+            write_through=config.ssd_write == "through",
+            prefetch_budget_chunks=max((config.prefetch_budget_mb << 20) // store.record_bytes, 1) if store else 0,
+            hint_budget_chunks=max((config.hint_budget_mb << 20) // store.record_bytes, 1)
+            if store and config.hint_budget_mb > 0
+            else 0,
+        )
+    )
     # Attached before the restore: chunks found on SSD are announced once their tokens are known.
     kv_events = PCRKvEvents(state.tree, config.chunk_size) if getattr(params, "enable_kv_cache_events", False) else None
     remote = None
@@ -203,12 +233,19 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
         assert host_pool is not None  # the SSD tier needs the host tier (above)
         _restore(state, store, tp)
         remote = config.remote_settings()
-        io = start_io_process(store, host_pool, tp_rank, remote.to_json() if remote is not None else "",
-                              read_threads=config.ssd_read_threads)
-    scheduler = SchedulerSide(state, config, namespace.chain_digest(), allocator, worker=worker, io=io, tp=tp,
-                              remote=remote)
-    cache = PCRPrefixCache(params, state, scheduler, namespace=namespace, host_pool=host_pool, store=store,
-                           kv_events=kv_events)
+        io = start_io_process(
+            store,
+            host_pool,
+            tp_rank,
+            remote.to_json() if remote is not None else "",
+            read_threads=config.ssd_read_threads,
+        )
+    scheduler = SchedulerSide(
+        state, config, namespace.chain_digest(), allocator, worker=worker, io=io, tp=tp, remote=remote
+    )
+    cache = PCRPrefixCache(
+        params, state, scheduler, namespace=namespace, host_pool=host_pool, store=store, kv_events=kv_events
+    )
     cache.namespace_mover = move_namespace
     cache.remote_follower = RemoteFollower.of(scheduler)  # no remote tier under an in-memory update's namespace
     if store is not None:
@@ -217,9 +254,14 @@ def assemble_pcr_cache(params: Any, config: PCRConfig, namespace: CacheNamespace
         # Registered after the host pool's close, so it runs first: the I/O process is
         # gone before the slots it reads and writes are unmapped.
         atexit.register(scheduler.close)
-    logger.info("Tree cache initialized: source=pcr impl=%s, chunk_size=%d, lookahead_window=%d, namespace=%s%s",
-                type(cache).__name__, config.chunk_size, config.lookahead_window, namespace,
-                f", TP group of {tp.size}" if tp is not None else "")
+    logger.info(
+        "Tree cache initialized: source=pcr impl=%s, chunk_size=%d, lookahead_window=%d, namespace=%s%s",
+        type(cache).__name__,
+        config.chunk_size,
+        config.lookahead_window,
+        namespace,
+        f", TP group of {tp.size}" if tp is not None else "",
+    )
     return cache
 
 
@@ -253,9 +295,15 @@ def _agreed_capacity(store: ChunkFileStore, tp: Optional[TpGroup]) -> int:
 
 def _store_fields(store: ChunkFileStore) -> dict[str, Any]:
     """What the I/O process's config says about the store it serves."""
-    return dict(store_root=str(store.root), namespace_hex=store.namespace.hex(), dtype=store.dtype,
-                reserve_bytes=store.low_watermark_bytes, writer_slot=store.slot or "", lease_fd=store.lease_fd,
-                durability=store.durability)
+    return dict(
+        store_root=str(store.root),
+        namespace_hex=store.namespace.hex(),
+        dtype=store.dtype,
+        reserve_bytes=store.low_watermark_bytes,
+        writer_slot=store.slot or "",
+        lease_fd=store.lease_fd,
+        durability=store.durability,
+    )
 
 
 def _restore(state: CacheState, store: ChunkFileStore, tp: Optional[TpGroup]) -> None:
@@ -269,19 +317,35 @@ def _restore(state: CacheState, store: ChunkFileStore, tp: Optional[TpGroup]) ->
         store.delete(key)  # at startup or a namespace move: the scheduler's only own disk work besides the scan
     restored = state.ssd_stats.restored_chunks
     if restored or unreachable or len(common) < len(keys):
-        logger.info("PCR SSD tier: restored %d chunks from %s (%d unreachable records and %d not on every "
-                    "TP rank deleted)", restored, store.dir, len(unreachable), len(keys) - len(common))
+        logger.info(
+            "PCR SSD tier: restored %d chunks from %s (%d unreachable records and %d not on every TP rank deleted)",
+            restored,
+            store.dir,
+            len(unreachable),
+            len(keys) - len(common),
+        )
 
 
-def start_io_process(store: ChunkFileStore, host_pool: HostChunkPool, tp_rank: int,
-                     remote_config: str, read_threads: int) -> IOSupervisor:
+def start_io_process(
+    store: ChunkFileStore, host_pool: HostChunkPool, tp_rank: int, remote_config: str, read_threads: int
+) -> IOSupervisor:
     layout = host_pool.layout
-    io = IOSupervisor(IoProcessConfig(
-        **_store_fields(store),
-        num_slots=layout.num_slots, num_layers=layout.num_layers, chunk_size=layout.chunk_size,
-        row_bytes=layout.row_bytes, shm_name=host_pool.info().shm_name, orders_endpoint="",
-        replies_endpoint="", parent_pid=0, tp_rank=tp_rank, remote_config=remote_config, read_threads=read_threads,
-    ))
+    io = IOSupervisor(
+        IoProcessConfig(
+            **_store_fields(store),
+            num_slots=layout.num_slots,
+            num_layers=layout.num_layers,
+            chunk_size=layout.chunk_size,
+            row_bytes=layout.row_bytes,
+            shm_name=host_pool.info().shm_name,
+            orders_endpoint="",
+            replies_endpoint="",
+            parent_pid=0,
+            tp_rank=tp_rank,
+            remote_config=remote_config,
+            read_threads=read_threads,
+        )
+    )
     if not io.wait_ready():
         logger.warning("PCR I/O process did not start; the SSD tier waits for its restart")
     return io
@@ -315,20 +379,28 @@ def move_namespace(cache: PCRPrefixCache, namespace: CacheNamespace) -> None:
     config, kept = scheduler.config, cache.ssd_namespaces
     assert kept is not None  # built with the store
     in_memory = old is not None and old.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
-    room = kept.make_room(None if in_memory else old_store.namespace.hex(), namespace.digest().hex(),
-                          keep=config.ssd_keep_namespaces, budget_bytes=config.ssd_bytes)
+    room = kept.make_room(
+        None if in_memory else old_store.namespace.hex(),
+        namespace.digest().hex(),
+        keep=config.ssd_keep_namespaces,
+        budget_bytes=config.ssd_bytes,
+    )
     try:
         store = _on_every_rank(tp, lambda: build_ssd_store(config, namespace, cache.host_pool, room.charged_bytes))
     except PCRConfigError as e:
-        logger.error("PCR: the weights changed, but the SSD store of the new namespace cannot be opened (%s); "
-                     "serving on with SSD writes off (nothing of the old weights is read)", e)
+        logger.error(
+            "PCR: the weights changed, but the SSD store of the new namespace cannot be opened (%s); "
+            "serving on with SSD writes off (nothing of the old weights is read)",
+            e,
+        )
         kept.writes_off_reason = f"the SSD store of namespace {namespace.digest().hex()} cannot be opened: {e}"
         scheduler.state.stop_writes()
         return
     scheduler.state.resize_ssd(_agreed_capacity(store, tp))
     _restore(scheduler.state, store, tp)
-    if not scheduler.io.restart(io_config_under(cache, namespace,
-                                                msgspec.structs.replace(scheduler.io.config, **_store_fields(store)))):
+    if not scheduler.io.restart(
+        io_config_under(cache, namespace, msgspec.structs.replace(scheduler.io.config, **_store_fields(store)))
+    ):
         logger.warning("PCR I/O process did not start on the new namespace; the SSD tier waits for its restart")
     cache.store = store
     old_store.close()
@@ -339,5 +411,9 @@ def move_namespace(cache: PCRPrefixCache, namespace: CacheNamespace) -> None:
         kept.purge_left(left, "(the namespace just left) to stay within --pcr-ssd-keep-namespaces and --pcr-ssd-gb")
     elif left != store.namespace.hex():
         kept.left(left)
-    logger.info("PCR: the weights changed; the cache now serves namespace %s (SSD tier %s, %d chunks restored)",
-                namespace, store.dir, scheduler.state.ssd_stats.restored_chunks)
+    logger.info(
+        "PCR: the weights changed; the cache now serves namespace %s (SSD tier %s, %d chunks restored)",
+        namespace,
+        store.dir,
+        scheduler.state.ssd_stats.restored_chunks,
+    )

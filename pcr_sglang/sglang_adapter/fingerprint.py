@@ -91,8 +91,9 @@ def _config_text(model_config: Any) -> str:
     return json.dumps(config, sort_keys=True, default=repr)
 
 
-def resolve_weights_dir(model_path: str, revision: Optional[str] = None,
-                        download_dir: Optional[str] = None) -> Optional[Path]:
+def resolve_weights_dir(
+    model_path: str, revision: Optional[str] = None, download_dir: Optional[str] = None
+) -> Optional[Path]:
     """The local folder (or single weight file) SGLang loads ``model_path`` from; None if a
     hub id is not in the local cache. Never uses the network."""
     path = Path(model_path)
@@ -101,11 +102,14 @@ def resolve_weights_dir(model_path: str, revision: Optional[str] = None,
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model_path, revision=revision, cache_dir=download_dir,
-                                      local_files_only=True))
+        return Path(snapshot_download(model_path, revision=revision, cache_dir=download_dir, local_files_only=True))
     except Exception as e:  # not a hub id, or not downloaded: fall back to the name
-        logger.warning("PCR: cannot find the local files of --model-path %s (%s); the cache "
-                       "namespace uses the name and revision only", model_path, e)
+        logger.warning(
+            "PCR: cannot find the local files of --model-path %s (%s); the cache "
+            "namespace uses the name and revision only",
+            model_path,
+            e,
+        )
         return None
 
 
@@ -118,8 +122,9 @@ def _weights_path(model_config: Any, model_path: str, weights_path: Optional[str
     return weights_path or str(getattr(model_config, "model_path", None) or model_path)
 
 
-def weights_are_local(model_config: Any, model_path: str, revision: Optional[str] = None,
-                      download_dir: Optional[str] = None) -> bool:
+def weights_are_local(
+    model_config: Any, model_path: str, revision: Optional[str] = None, download_dir: Optional[str] = None
+) -> bool:
     """Whether :func:`model_fingerprint` reads the weights' files (False: their name only)."""
     return resolve_weights_dir(_weights_path(model_config, model_path), revision, download_dir) is not None
 
@@ -147,7 +152,8 @@ def _safetensors_header(fd: int, size: int) -> Optional[tuple[bytes, int, dict[s
 
 def _tensor_windows(header: dict[str, Any], data_start: int) -> list[int]:
     spans = sorted(
-        tuple(v["data_offsets"]) for k, v in header.items()
+        tuple(v["data_offsets"])
+        for k, v in header.items()
         if k != "__metadata__" and isinstance(v, dict) and len(v.get("data_offsets", ())) == 2
     )
     if len(spans) > _MAX_SAMPLED_TENSORS:
@@ -193,9 +199,16 @@ def weights_digest(root: Path) -> str:
     return h.hexdigest()
 
 
-def model_fingerprint(model_config: Any, model_path: str, revision: Optional[str] = None,
-                      download_dir: Optional[str] = None, *, weights_path: Optional[str] = None,
-                      adapters: str = "", require_files: bool = False) -> str:
+def model_fingerprint(
+    model_config: Any,
+    model_path: str,
+    revision: Optional[str] = None,
+    download_dir: Optional[str] = None,
+    *,
+    weights_path: Optional[str] = None,
+    adapters: str = "",
+    require_files: bool = False,
+) -> str:
     """Config + weights identity (see the module docstring for what it reads).
 
     ``weights_path``: the folder the weights are read from when it is not the one SGLang
@@ -278,8 +291,11 @@ def adapters_text(server_args: Any) -> str:
 
 def unresolved_adapters(server_args: Any) -> list[str]:
     """Startup adapters whose files are not on this machine (a hub id SGLang downloads)."""
-    return [f"{name}={path}" for name, path in _adapter_paths(getattr(server_args, "lora_paths", None))
-            if not Path(path).exists()]
+    return [
+        f"{name}={path}"
+        for name, path in _adapter_paths(getattr(server_args, "lora_paths", None))
+        if not Path(path).exists()
+    ]
 
 
 def _file_digest(path: Optional[str]) -> str:
@@ -291,8 +307,9 @@ def _file_digest(path: Optional[str]) -> str:
         return str(path)
 
 
-def numerics_text(server_args: Any, model_config: Any = None,
-                  fields: tuple[tuple[str, str], ...] = NUMERICS_FIELDS) -> str:
+def numerics_text(
+    server_args: Any, model_config: Any = None, fields: tuple[tuple[str, str], ...] = NUMERICS_FIELDS
+) -> str:
     """The numerics flags, canonical (``name=value;...``), as the namespace records them."""
     parts = []
     for name, _why in fields:
@@ -307,14 +324,19 @@ def numerics_text(server_args: Any, model_config: Any = None,
     return ";".join(parts)
 
 
-def cache_namespace(server_args: Any, model_config: Any, kv_dtype: str, chunk_size: int,
-                    tp_rank: int = 0, tp_size: int = 1) -> CacheNamespace:
+def cache_namespace(
+    server_args: Any, model_config: Any, kv_dtype: str, chunk_size: int, tp_rank: int = 0, tp_size: int = 1
+) -> CacheNamespace:
     """The cache namespace of a server: its weights, its numerics flags, its KV pool."""
     return CacheNamespace(
-        model_fingerprint=model_fingerprint(model_config, server_args.model_path,
-                                            getattr(server_args, "revision", None),
-                                            getattr(server_args, "download_dir", None),
-                                            adapters=adapters_text(server_args)),
+        model_fingerprint=model_fingerprint(
+            model_config,
+            server_args.model_path,
+            getattr(server_args, "revision", None),
+            getattr(server_args, "download_dir", None),
+            # mutant: lora-adapter-files-not-in-the-namespace
+            adapters=adapters_text(server_args),
+        ),
         kv_dtype=kv_dtype,
         chunk_size=chunk_size,
         layout="token-major",

@@ -25,8 +25,9 @@ TRITON_BACKEND = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend"
 
 
 def register(HookRegistry: Any, HookType: Any) -> None:
-    HookRegistry.register("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", bind_forward_plan,
-                          HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", bind_forward_plan, HookType.AFTER
+    )
     HookRegistry.register(f"{NATIVE_BACKEND}._run_sdpa_forward_extend", native_extend, HookType.AROUND)
     HookRegistry.register(f"{TRITON_BACKEND}.init_forward_metadata", triton_metadata, HookType.AROUND)
     HookRegistry.register(f"{TRITON_BACKEND}._forward_extend_kernel", triton_extend_kernel, HookType.AROUND)
@@ -66,7 +67,8 @@ def triton_metadata(original: Callable[..., Any], backend: Any, forward_batch: A
         pool = getattr(forward_batch, "req_pool_indices_cpu", None)
         rows = plan.for_attention(pool if pool is not None else forward_batch.req_pool_indices)
         plan.position_mask = rows is not None and permuted_rows.set_triton_position_mask(
-            backend, forward_batch, rows, plan, plans)
+            backend, forward_batch, rows, plan, plans
+        )
     return result
 
 

@@ -35,8 +35,17 @@ class KvHints:
     agreement hands it in (:meth:`agreed`), and a registration agrees on one of its own.
     """
 
-    def __init__(self, state: CacheState, book: HintBook, keys: RequestKeys, executor: EffectsExecutor,
-                 tp: Optional[TpGroup], *, promote: bool, free_floor_tokens: int):
+    def __init__(
+        self,
+        state: CacheState,
+        book: HintBook,
+        keys: RequestKeys,
+        executor: EffectsExecutor,
+        tp: Optional[TpGroup],
+        *,
+        promote: bool,
+        free_floor_tokens: int,
+    ):
         self.state = state
         self.book = book
         self.keys = keys
@@ -89,6 +98,7 @@ class KvHints:
             # the tenant's live hints (never another tenant's), and past the first 16 they
             # take rate tokens.
             doc_payload = replace(payload, group=payload.group or f"pcr-hint:{req.rid}")
+            # mutant: hint-only-request-skips-document-chains
             self.book.register_documents(req.rid, self.docs.canonical_chain_keys(req), doc_payload, now, tenant)
             self.docs.release(req.rid)  # the hint-only request never reaches admission
         return True

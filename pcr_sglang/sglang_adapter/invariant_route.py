@@ -99,6 +99,7 @@ def add_server_info_route(result: Any, *args: Any, **kwargs: Any) -> Any:
     async def redacted_server_info() -> Any:
         """SGLang's answer with the server's secrets taken out (``redaction``)."""
         answer = await sglang_server_info()
+        # mutant: server-info-route-passes-sglangs-answer-through
         return redact(answer, secret_values(_server_args(http_server), _serving_config()))
 
     redacted_server_info.__doc__ = sglang_server_info.__doc__
@@ -110,9 +111,15 @@ def add_server_info_route(result: Any, *args: Any, **kwargs: Any) -> Any:
         if asked and not _may_check(http_server, request.headers.get("authorization")):
             from fastapi.responses import JSONResponse
 
-            return JSONResponse(status_code=403, content={"error": (
-                f"{QUERY_PARAMETER} walks the whole cache in the scheduler thread: start the server with "
-                f"--pcr-debug-checks, or send SGLang's --admin-api-key as 'Authorization: Bearer <key>'")})
+            return JSONResponse(
+                status_code=403,
+                content={
+                    "error": (
+                        f"{QUERY_PARAMETER} walks the whole cache in the scheduler thread: start the server with "
+                        f"--pcr-debug-checks, or send SGLang's --admin-api-key as 'Authorization: Bearer <key>'"
+                    )
+                },
+            )
         token = _check_requested.set(asked)
         try:
             return await redacted_server_info()

@@ -47,8 +47,12 @@ from pcr_sglang.core.tier_events import Tier, TierEventKind, TierEventLog
 
 logger = logging.getLogger(__name__)
 
-MEDIUM = {Tier.DEVICE: StorageMedium.GPU, Tier.HOST: StorageMedium.CPU, Tier.SSD: StorageMedium.DISK,
-          Tier.REMOTE: StorageMedium.EXTERNAL}
+MEDIUM = {
+    Tier.DEVICE: StorageMedium.GPU,
+    Tier.HOST: StorageMedium.CPU,
+    Tier.SSD: StorageMedium.DISK,
+    Tier.REMOTE: StorageMedium.EXTERNAL,
+}
 TIERS = (Tier.DEVICE, Tier.HOST, Tier.SSD, Tier.REMOTE)  # announced in this order: the fastest first
 
 
@@ -94,7 +98,7 @@ class PCRKvEvents:
             chunk = self._chunks.get(node.key)
             if chunk is None or chunk.tokens is not None:
                 continue
-            chunk.tokens = array("i", tokens[i * size:(i + 1) * size])
+            chunk.tokens = array("i", tokens[i * size : (i + 1) * size])
             chunk.cache_salt = cache_salt
             for tier in TIERS:
                 if chunk.held & tier:
@@ -137,6 +141,7 @@ class PCRKvEvents:
                 self._chunks.pop(event.key, None)
             else:  # CLEARED: tokens are kept for the chunks the reset puts back (persisted ones)
                 for chunk in self._chunks.values():
+                    # mutant: kv-events-reset-remembers-what-it-announced
                     chunk.held = chunk.announced = Tier(0)
                 self._out.record_all_cleared()
                 self.stats.clears += 1
@@ -149,9 +154,15 @@ class PCRKvEvents:
             return
         chunk.announced |= tier
         assert chunk.tokens is not None  # announced once its tokens are known
-        self._out.enqueue(BlockStored(
-            block_hashes=[block_hash(key)],
-            parent_block_hash=block_hash(chunk.parent_key) if chunk.parent_key is not None else None,
-            token_ids=list(chunk.tokens), block_size=self.chunk_size, lora_id=None, medium=MEDIUM[tier],
-            cache_salt=chunk.cache_salt))
+        self._out.enqueue(
+            BlockStored(
+                block_hashes=[block_hash(key)],
+                parent_block_hash=block_hash(chunk.parent_key) if chunk.parent_key is not None else None,
+                token_ids=list(chunk.tokens),
+                block_size=self.chunk_size,
+                lora_id=None,
+                medium=MEDIUM[tier],
+                cache_salt=chunk.cache_salt,
+            )
+        )
         self.stats.stored_blocks += 1

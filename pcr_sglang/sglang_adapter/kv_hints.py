@@ -72,8 +72,12 @@ def request_caller(request: Any) -> str:
 def _with_caller(envelope: Any, caller: str) -> Any:
     if envelope is None or not any(is_hint_action(a) for a in envelope.actions):
         return envelope
-    actions = [msgspec.structs.replace(a, payload={**a.payload, CALLER_FIELD: caller})
-               if is_hint_action(a) and isinstance(a.payload, dict) else a for a in envelope.actions]
+    actions = [
+        msgspec.structs.replace(a, payload={**a.payload, CALLER_FIELD: caller})
+        if is_hint_action(a) and isinstance(a.payload, dict)
+        else a
+        for a in envelope.actions
+    ]
     return msgspec.structs.replace(envelope, actions=actions)
 
 
@@ -84,6 +88,7 @@ def stamp_caller(result: Any, manager: Any, obj: Any, request: Any = None, *args
     hints = getattr(obj, "kv_hints", None)
     if hints is None:
         return None
+    # mutant: hint-caller-taken-from-the-client
     caller = request_caller(request)
     if isinstance(hints, list):
         obj.kv_hints = [_with_caller(e, caller) for e in hints]

@@ -26,8 +26,14 @@ class Offloads:
         self.requests = requests
         self.chunk = chunk_size
 
-    def plan(self, reqs: Sequence[Any], seq_lens: Sequence[int], req_to_token: torch.Tensor, decode: bool,
-             exact_end: Callable[[str], Optional[int]]) -> Effects:
+    def plan(
+        self,
+        reqs: Sequence[Any],
+        seq_lens: Sequence[int],
+        req_to_token: torch.Tensor,
+        decode: bool,
+        exact_end: Callable[[str], Optional[int]],
+    ) -> Effects:
         """Give each whole chunk the coming forward completes a host slot. A prefill may
         evict host chunks for them; a decode step takes only free slots, within the decode
         share of the host tier (:meth:`CacheState.reserve_offload_slot`): a chunk that gets
@@ -57,7 +63,7 @@ class Offloads:
                 if slot is None:
                     break
                 entry.offload_slots[index] = slot
-                self.engine.plan_offload(req.rid, row[index * self.chunk:(index + 1) * self.chunk], slot)
+                self.engine.plan_offload(req.rid, row[index * self.chunk : (index + 1) * self.chunk], slot)
         return effects
 
     def adopt(self, rid: str, path: Sequence[ChunkNode], first: int, num_existing: int, end: int) -> Effects:

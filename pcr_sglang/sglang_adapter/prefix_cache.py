@@ -62,9 +62,17 @@ def radix_key_tenant(key: RadixKey) -> RequestTenant:
 class PCRPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang ships no types: its base is Any
     """A chunk-granular prefix cache on SGLang's device KV pool, with host and SSD tiers."""
 
-    def __init__(self, params: CacheInitParams, state: CacheState, scheduler: SchedulerSide, *,
-                 namespace: Optional[CacheNamespace] = None, host_pool: Optional[HostChunkPool] = None,
-                 store: Optional[ChunkFileStore] = None, kv_events: Optional[PCRKvEvents] = None):
+    def __init__(
+        self,
+        params: CacheInitParams,
+        state: CacheState,
+        scheduler: SchedulerSide,
+        *,
+        namespace: Optional[CacheNamespace] = None,
+        host_pool: Optional[HostChunkPool] = None,
+        store: Optional[ChunkFileStore] = None,
+        kv_events: Optional[PCRKvEvents] = None,
+    ):
         if params.is_eagle:
             raise ValueError("--enable-pcr does not support speculative decoding yet")
         self.disable = False
@@ -98,6 +106,7 @@ class PCRPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang ships no 
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
         pending, self.pending_namespace = self.pending_namespace, None
+        # mutant: weight-update-flush-restores-the-old-weights-records
         if pending is not None and self.namespace_mover is not None:
             self.namespace_mover(self, pending)  # resets too, keeping nothing of the old weights
         else:
@@ -117,11 +126,14 @@ class PCRPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang ships no 
             scheduler = self.scheduler
             docs = scheduler.doc_status  # None without document reuse
             gate = docs.server.gate if docs is not None else None  # --pcr-doc-reuse-calibration
-            self.metrics.sync(self.state, docs.stats if docs is not None else None, scheduler.hints.stats,
-                              scheduler.probes.stats if scheduler.probes.enabled else None,
-                              scheduler.io.remote_status if scheduler.probes.enabled and scheduler.io is not None
-                              else None,
-                              calibration_overrides=gate.overrides if gate is not None else None)
+            self.metrics.sync(
+                self.state,
+                docs.stats if docs is not None else None,
+                scheduler.hints.stats,
+                scheduler.probes.stats if scheduler.probes.enabled else None,
+                scheduler.io.remote_status if scheduler.probes.enabled and scheduler.io is not None else None,
+                calibration_overrides=gate.overrides if gate is not None else None,
+            )
 
     def supports_fast_match_prefix(self) -> bool:
         # A match hashes the prompt chunk by chunk (BLAKE2b) up to its first miss: cheap,
@@ -151,8 +163,9 @@ class PCRPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang ships no 
             doc_tokens = plan.prefix_tokens if plan is not None else 0
         return self._result(device_node, host_node, host_chunks, doc_tokens)
 
-    def _result(self, device_node: ChunkNode, host_node: ChunkNode, host_chunks: int,
-                doc_tokens: int = 0) -> MatchResult:
+    def _result(
+        self, device_node: ChunkNode, host_node: ChunkNode, host_chunks: int, doc_tokens: int = 0
+    ) -> MatchResult:
         return MatchResult(
             device_prefix_len=device_node.depth * self.chunk_size,
             last_device_node=device_node,
@@ -213,8 +226,11 @@ class PCRPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang ships no 
         outcome = self.state.insert(keys, list(torch.split(values, self.chunk_size)))
         if self.kv_events is not None:
             self.kv_events.learn(outcome.nodes, tokens, tenant.cache_salt)
-        return InsertResult(prefix_len=outcome.num_existing * self.chunk_size,
-                            total_len=num_chunks * self.chunk_size, last_device_node=outcome.last_node)
+        return InsertResult(
+            prefix_len=outcome.num_existing * self.chunk_size,
+            total_len=num_chunks * self.chunk_size,
+            last_device_node=outcome.last_node,
+        )
 
     def checkpoint(self, req: Req, *, up_to: int, **kwargs: Any) -> None:
         """Hand the request's whole chunks in ``[0, up_to)`` to the tree.
@@ -226,6 +242,7 @@ class PCRPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang ships no 
         ends, so SGLang's ``release_kv_cache`` frees the rest. Chunks offloaded to host
         memory during their forward become host-resident too.
         """
+        # mutant: update-without-flush-keys-old-kv-anew
         if self.scheduler.computed_before_an_update(req.rid):
             return  # its KV is partly the old weights' (an update without flush): it stays its own
         kv = req.kv
@@ -241,15 +258,21 @@ class PCRPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang ships no 
         kv.cache_inserted_len = max(kv.cache_inserted_len, aligned_len)
         if result.prefix_len > kv.cache_protected_len:  # our duplicates of chunks the tree had
             self.state.note_duplicates((result.prefix_len - kv.cache_protected_len) // self.chunk_size)
-            self._free_device(row[kv.cache_protected_len: result.prefix_len].clone(), kv.cache_protected_len)
+            self._free_device(row[kv.cache_protected_len : result.prefix_len].clone(), kv.cache_protected_len)
         new_last_node: ChunkNode = result.last_device_node
         tree_indices = self.path_device_indices(new_last_node)
         assert len(tree_indices) == aligned_len, (len(tree_indices), aligned_len)
-        self.req_to_token_pool.write((kv.req_pool_idx, slice(kv.cache_protected_len, aligned_len)),
-                                     tree_indices[kv.cache_protected_len:].to(row.dtype))
-        self.scheduler.adopt_offloads(req.rid, new_last_node.path_from_root(),
-                                      kv.cache_protected_len // self.chunk_size,
-                                      result.prefix_len // self.chunk_size, aligned_len // self.chunk_size)
+        self.req_to_token_pool.write(
+            (kv.req_pool_idx, slice(kv.cache_protected_len, aligned_len)),
+            tree_indices[kv.cache_protected_len :].to(row.dtype),
+        )
+        self.scheduler.adopt_offloads(
+            req.rid,
+            new_last_node.path_from_root(),
+            kv.cache_protected_len // self.chunk_size,
+            result.prefix_len // self.chunk_size,
+            aligned_len // self.chunk_size,
+        )
         kv.cache_protected_len = aligned_len
         self.unlock(req.lock)
         req.lock = self.lock(new_last_node)
@@ -313,8 +336,10 @@ class PCRPrefixCache(BasePrefixCache):  # type: ignore[misc]  # SGLang ships no 
 
     def pretty_print(self) -> None:
         stats = self.state.tree.stats()
-        print(f"PCR chunk tree: {stats.num_chunks} chunks of {self.chunk_size} tokens, "
-              f"{stats.locked_chunks} locked, {stats.evictable_leaves} evictable leaves")
+        print(
+            f"PCR chunk tree: {stats.num_chunks} chunks of {self.chunk_size} tokens, "
+            f"{stats.locked_chunks} locked, {stats.evictable_leaves} evictable leaves"
+        )
 
 
 def pcr_cache_of(owner: Any) -> Optional[PCRPrefixCache]:

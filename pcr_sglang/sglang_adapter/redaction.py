@@ -25,14 +25,16 @@ logger = logging.getLogger(__name__)
 REDACTED = "<redacted>"
 # ServerArgs fields that hold a credential or a key (SGLang 0.5.23). The watermark ones
 # SGLang already redacts; they stay here so a future route that forgets is still covered.
-SECRET_FIELDS = frozenset({
-    "api_key",
-    "admin_api_key",
-    "ssl_keyfile_password",
-    "watermark_key",
-    "watermark_key_b",
-    "watermark_config",
-})
+SECRET_FIELDS = frozenset(
+    {
+        "api_key",
+        "admin_api_key",
+        "ssl_keyfile_password",
+        "watermark_key",
+        "watermark_key_b",
+        "watermark_config",
+    }
+)
 SECRET_FLAGS = frozenset("--" + name.replace("_", "-") for name in SECRET_FIELDS)
 COMMAND_FIELDS = frozenset({"launch_command"})
 # A value shorter than this is not searched for inside other strings (a one-letter key
@@ -99,6 +101,7 @@ def _redact(value: Any, secrets: tuple[str, ...]) -> Any:
     if isinstance(value, dict):
         out: dict[Any, Any] = {}
         for key, item in value.items():
+            # mutant: server-info-answers-with-the-admin-key
             if isinstance(key, str) and key in SECRET_FIELDS and item is not None:
                 out[key] = REDACTED
             elif isinstance(key, str) and key in COMMAND_FIELDS and isinstance(item, str):

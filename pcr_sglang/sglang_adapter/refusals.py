@@ -81,8 +81,7 @@ Rule = Callable[[SupportInputs], Optional[str]]
 def check_eviction_policy(x: SupportInputs) -> Optional[str]:
     policy = getattr(x.cfg, "radix_eviction_policy", "lru") or "lru"
     if policy != "lru":
-        return (f"--enable-pcr evicts chunks in LRU order only: drop --radix-eviction-policy {policy} "
-                "(or pass lru)")
+        return f"--enable-pcr evicts chunks in LRU order only: drop --radix-eviction-policy {policy} (or pass lru)"
     return None
 
 
@@ -104,8 +103,10 @@ def check_full_attention(x: SupportInputs) -> Optional[str]:
     if not kinds:
         return None
     arch = ",".join(getattr(mc.hf_config, "architectures", None) or ["?"])
-    return (f"--enable-pcr supports models whose layers all use full attention; --model-path "
-            f"{x.cfg.model_path} ({arch}) has {' and '.join(kinds)} layers: run it without --enable-pcr")
+    return (
+        f"--enable-pcr supports models whose layers all use full attention; --model-path "
+        f"{x.cfg.model_path} ({arch}) has {' and '.join(kinds)} layers: run it without --enable-pcr"
+    )
 
 
 def check_mla_host_tier(x: SupportInputs) -> Optional[str]:
@@ -115,17 +116,21 @@ def check_mla_host_tier(x: SupportInputs) -> Optional[str]:
     from sglang.srt.configs.model_config import AttentionArch
 
     if mc.attention_arch == AttentionArch.MLA:
-        return ("--pcr-dram-gb copies separate K and V rows (MHA/GQA); this model uses MLA (one "
-                "latent KV buffer): drop --pcr-dram-gb (PCR on the device pool alone works)")
+        return (
+            "--pcr-dram-gb copies separate K and V rows (MHA/GQA); this model uses MLA (one "
+            "latent KV buffer): drop --pcr-dram-gb (PCR on the device pool alone works)"
+        )
     return None
 
 
 def check_scale_buffers(x: SupportInputs) -> Optional[str]:
     dtype = getattr(x.cfg, "kv_cache_dtype", "auto")
     if x.host_tier and dtype in SCALE_BUFFER_KV_DTYPES:
-        return (f"--pcr-dram-gb copies only the K and V buffers, not the per-token scale buffers "
-                f"of --kv-cache-dtype {dtype}: use --kv-cache-dtype auto, bf16 or fp8_e4m3/fp8_e5m2 "
-                "with the host tier, or drop --pcr-dram-gb")
+        return (
+            f"--pcr-dram-gb copies only the K and V buffers, not the per-token scale buffers "
+            f"of --kv-cache-dtype {dtype}: use --kv-cache-dtype auto, bf16 or fp8_e4m3/fp8_e5m2 "
+            "with the host tier, or drop --pcr-dram-gb"
+        )
     return None
 
 
@@ -143,8 +148,10 @@ def check_token_major_layout(x: SupportInputs) -> Optional[str]:
         what = "SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d"
     if what is None:
         return None
-    return (f"--pcr-dram-gb copies token-major (NHD) KV rows; {what} lays the pool out by pages "
-            "or heads: drop that setting, or drop --pcr-dram-gb")
+    return (
+        f"--pcr-dram-gb copies token-major (NHD) KV rows; {what} lays the pool out by pages "
+        "or heads: drop that setting, or drop --pcr-dram-gb"
+    )
 
 
 LOADING_LAYERWISE_MODES = ("load", "both")
@@ -157,10 +164,12 @@ def prefill_graph_backend(cfg: Any) -> str:
 
 def check_full_prefill_graph(x: SupportInputs) -> Optional[str]:
     if x.host_tier and x.pcr.layerwise in LOADING_LAYERWISE_MODES and prefill_graph_backend(x.cfg) == "full":
-        return (f"--pcr-layerwise {x.pcr.layerwise} has each layer's copies waited for (or, for a reused "
-                "document, run) where the forward first reads the layer, which a full prefill CUDA graph "
-                "replays without: pass --pcr-layerwise offload (or off), or --cuda-graph-backend-prefill "
-                "disabled (--cuda-graph-backend-prefill breakable is refused with it too, see below)")
+        return (
+            f"--pcr-layerwise {x.pcr.layerwise} has each layer's copies waited for (or, for a reused "
+            "document, run) where the forward first reads the layer, which a full prefill CUDA graph "
+            "replays without: pass --pcr-layerwise offload (or off), or --cuda-graph-backend-prefill "
+            "disabled (--cuda-graph-backend-prefill breakable is refused with it too, see below)"
+        )
     return None
 
 
@@ -172,26 +181,37 @@ def check_graph_prefill_layerwise(x: SupportInputs) -> Optional[str]:
     whose copies were never waited for. Refused until a GPU run shows the hook order at
     capture and replay (issue 42)."""
     backend = prefill_graph_backend(x.cfg)
+    # mutant: gpu-breakable-prefill-graph-with-layerwise-loads
     if not x.host_tier or x.pcr.layerwise not in LOADING_LAYERWISE_MODES or backend in ("disabled", "none", "full"):
         return None
-    return (f"--pcr-layerwise {x.pcr.layerwise} with --cuda-graph-backend-prefill {backend}: that each layer's "
-            "copies are waited for at a prefill graph's replay has not been shown on a GPU yet: pass "
-            "--pcr-layerwise offload (or off), or --cuda-graph-backend-prefill disabled")
+    return (
+        f"--pcr-layerwise {x.pcr.layerwise} with --cuda-graph-backend-prefill {backend}: that each layer's "
+        "copies are waited for at a prefill graph's replay has not been shown on a GPU yet: pass "
+        "--pcr-layerwise offload (or off), or --cuda-graph-backend-prefill disabled"
+    )
 
 
 def check_two_batch_overlap(x: SupportInputs) -> Optional[str]:
-    if (x.host_tier and x.pcr.layerwise in OFFLOADING_LAYERWISE_MODES
-            and getattr(x.cfg, "enable_two_batch_overlap", False)):
-        return (f"--pcr-layerwise {x.pcr.layerwise} copies layer i to the host tier when the first "
-                "micro-batch writes it, before --enable-two-batch-overlap's second micro-batch has: "
-                "pass --pcr-layerwise load (or off), or drop --enable-two-batch-overlap")
+    if (
+        x.host_tier
+        and x.pcr.layerwise in OFFLOADING_LAYERWISE_MODES
+        and getattr(x.cfg, "enable_two_batch_overlap", False)
+    ):
+        return (
+            f"--pcr-layerwise {x.pcr.layerwise} copies layer i to the host tier when the first "
+            "micro-batch writes it, before --enable-two-batch-overlap's second micro-batch has: "
+            "pass --pcr-layerwise load (or off), or drop --enable-two-batch-overlap"
+        )
     return None
 
 
 # RoPE variants whose angle is not position x a fixed frequency per pair (so a cached K
 # cannot be moved by rotating it), or that have several position components.
-DOC_REUSE_REFUSED_ROPE = {"dynamic": "dynamic NTK scaling (frequencies depend on the sequence length)",
-                          "mrope": "multi-axis mRoPE", "default_mrope": "multi-axis mRoPE"}
+DOC_REUSE_REFUSED_ROPE = {
+    "dynamic": "dynamic NTK scaling (frequencies depend on the sequence length)",
+    "mrope": "multi-axis mRoPE",
+    "default_mrope": "multi-axis mRoPE",
+}
 
 
 # Extend attention backends that take a position-causal mask over a permuted row.
@@ -203,9 +223,11 @@ def permuted_row_flags(cfg: Any) -> Optional[str]:
     one; ``concat`` uses one to compute an uncached document in place between reused ones."""
     prefill = getattr(cfg, "prefill_attention_backend", None) or getattr(cfg, "attention_backend", None)
     if prefill is not None and prefill not in RECOMPUTE_ATTENTION_BACKENDS:
-        return (f"recomputes tokens inside a permuted row, which needs the "
-                f"{' or '.join(RECOMPUTE_ATTENTION_BACKENDS)} attention backend for prefill; this server's is "
-                f"{prefill}: pass --attention-backend triton (GPU) or torch_native (CPU), or use concat")
+        return (
+            f"recomputes tokens inside a permuted row, which needs the "
+            f"{' or '.join(RECOMPUTE_ATTENTION_BACKENDS)} attention backend for prefill; this server's is "
+            f"{prefill}: pass --attention-backend triton (GPU) or torch_native (CPU), or use concat"
+        )
     if getattr(cfg, "enable_dp_attention", False):
         return "is not supported with --enable-dp-attention: use concat"
     if int(getattr(cfg, "dcp_size", 1) or 1) > 1:
@@ -214,8 +236,10 @@ def permuted_row_flags(cfg: Any) -> Optional[str]:
         return "is not supported with --enable-pdmux (a split prefill runs one batch over several forwards)"
     prefill_graph = prefill_graph_backend(cfg)
     if prefill_graph not in ("disabled", "none"):
-        return (f"sets extend positions and a position-causal mask per batch, which a captured prefill CUDA "
-                f"graph (backend {prefill_graph}) does not see: pass --disable-prefill-cuda-graph")
+        return (
+            f"sets extend positions and a position-causal mask per batch, which a captured prefill CUDA "
+            f"graph (backend {prefill_graph}) does not see: pass --disable-prefill-cuda-graph"
+        )
     return None
 
 
@@ -226,11 +250,14 @@ def _recompute_flags(cfg: Any) -> Optional[str]:
     if problem is not None:
         return problem
     if int(getattr(cfg, "tp_size", 1) or 1) > 1:
-        return "(a recompute mode: a request on it may ask for blend, whose probe runs on one rank) " \
-               "does not support --tp-size > 1: use concat"
+        return (
+            "(a recompute mode: a request on it may ask for blend, whose probe runs on one rank) "
+            "does not support --tp-size > 1: use concat"
+        )
     if getattr(cfg, "enable_lora", False) or getattr(cfg, "lora_paths", None):
-        return "(a recompute mode: blend's probe runs the base model's layers) does not support LoRA " \
-               "adapters: use concat"
+        return (
+            "(a recompute mode: blend's probe runs the base model's layers) does not support LoRA adapters: use concat"
+        )
     return None
 
 
@@ -271,8 +298,10 @@ def check_doc_reuse_tp(x: SupportInputs) -> Optional[str]:
     outcome is agreed across ranks, no document reuse under TP (recompute modes are refused
     for their own reason in :func:`check_doc_reuse`)."""
     if x.pcr.doc_reuse == "concat" and int(getattr(x.cfg, "tp_size", 1) or 1) > 1:
-        return ("--pcr-doc-reuse concat does not support --tp-size > 1 yet (a rank-local copy failure "
-                "would change one rank's prefix length): run it with TP size 1, or without document reuse")
+        return (
+            "--pcr-doc-reuse concat does not support --tp-size > 1 yet (a rank-local copy failure "
+            "would change one rank's prefix length): run it with TP size 1, or without document reuse"
+        )
     return None
 
 
@@ -280,10 +309,13 @@ def check_pipeline_parallel(x: SupportInputs) -> Optional[str]:
     """Every pipeline stage would name its KV by the same namespace (one SSD directory, one
     key), so a stage could read another stage's layers as its own, and whether a read
     landed is agreed across TP ranks only, not across stages."""
+    # mutant: pipeline-parallelism-accepted
     if int(getattr(x.cfg, "pp_size", 1) or 1) > 1:
-        return (f"--enable-pcr does not support pipeline parallelism (--pp-size {x.cfg.pp_size}) yet: its cache "
-                f"namespace does not tell the stages apart and the stages do not agree on prefix lengths; "
-                f"use --tp-size instead")
+        return (
+            f"--enable-pcr does not support pipeline parallelism (--pp-size {x.cfg.pp_size}) yet: its cache "
+            f"namespace does not tell the stages apart and the stages do not agree on prefix lengths; "
+            f"use --tp-size instead"
+        )
     return None
 
 
@@ -297,9 +329,11 @@ def check_lora_persistent_tiers(x: SupportInputs) -> Optional[str]:
 
     missing = unresolved_adapters(x.cfg)
     if missing:
-        return (f"the SSD and remote tiers key KV by the LoRA adapters' files, and these are not local "
-                f"folders: {', '.join(missing)}; pass local adapter folders in --lora-paths, or run without "
-                f"--pcr-ssd-path/--pcr-remote")
+        return (
+            f"the SSD and remote tiers key KV by the LoRA adapters' files, and these are not local "
+            f"folders: {', '.join(missing)}; pass local adapter folders in --lora-paths, or run without "
+            f"--pcr-ssd-path/--pcr-remote"
+        )
     return None
 
 
@@ -309,18 +343,22 @@ def check_weights_local(x: SupportInputs) -> Optional[str]:
     alone, so every revision pushed under that name would share the SSD and remote tiers'
     KV. Decided once SGLang has loaded the weights (a hub id is downloaded then): at flag
     resolution a hub id not yet downloaded is not refused."""
+    # mutant: name-only-fingerprint-accepted-with-persistent-tiers
     if not x.weights_loaded or x.model_config is None or (x.pcr.ssd_bytes <= 0 and x.pcr.remote == "off"):
         return None
     from pcr_sglang.sglang_adapter.fingerprint import weights_are_local
 
     model_path = str(getattr(x.cfg, "model_path", "") or "")
-    if weights_are_local(x.model_config, model_path, getattr(x.cfg, "revision", None),
-                         getattr(x.cfg, "download_dir", None)):
+    if weights_are_local(
+        x.model_config, model_path, getattr(x.cfg, "revision", None), getattr(x.cfg, "download_dir", None)
+    ):
         return None
-    return (f"the SSD and remote tiers key KV by the weights' files, and those of --model-path {model_path} "
-            f"are not found on this machine (the cache namespace would be its name only, shared by every "
-            f"revision): download the model and pass its local folder in --model-path, or run without "
-            f"--pcr-ssd-path/--pcr-remote")
+    return (
+        f"the SSD and remote tiers key KV by the weights' files, and those of --model-path {model_path} "
+        f"are not found on this machine (the cache namespace would be its name only, shared by every "
+        f"revision): download the model and pass its local folder in --model-path, or run without "
+        f"--pcr-ssd-path/--pcr-remote"
+    )
 
 
 def check_remote(x: SupportInputs) -> Optional[str]:

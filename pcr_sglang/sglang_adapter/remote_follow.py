@@ -55,6 +55,7 @@ def io_config_under(cache: Any, namespace: CacheNamespace, io_config: IoProcessC
     follower: Optional[RemoteFollower] = getattr(cache, "remote_follower", None)
     if follower is None:
         return io_config
+    # mutant: remote-write-through-under-an-in-memory-namespace
     on = shared(namespace)
     cache.scheduler.use_probes(follower.probes if on else NoRemoteProbes())
     return msgspec.structs.replace(io_config, remote_config=follower.config_json if on else "")
@@ -66,10 +67,16 @@ def leave_for_pending(cache: Any, namespace: CacheNamespace) -> None:
     to the remote tier now, not at the flush: it is restarted on the same store without it
     (its orders in flight come back cancelled, as at any restart)."""
     io = getattr(cache.scheduler, "io", None)
-    if getattr(cache, "remote_follower", None) is None or shared(namespace) or io is None \
-            or not io.config.remote_config:
+    if (
+        getattr(cache, "remote_follower", None) is None
+        or shared(namespace)
+        or io is None
+        or not io.config.remote_config
+    ):
         return
     if not io.restart(io_config_under(cache, namespace, io.config)):
         logger.warning("PCR I/O process did not restart without the remote tier; the SSD tier waits for it")
-    logger.info("PCR: the remote tier is off under an in-memory update's namespace (nothing of it can be shared); "
-                "it comes back when the weights move to a checkpoint's")
+    logger.info(
+        "PCR: the remote tier is off under an in-memory update's namespace (nothing of it can be shared); "
+        "it comes back when the weights move to a checkpoint's"
+    )

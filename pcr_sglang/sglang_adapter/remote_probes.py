@@ -91,7 +91,7 @@ class RemoteProbes:
         self._probes[seq] = _Probe(rid, chains, starts, now, now + self.timeout_s)
         entry.phase, entry.probe_seq = AdmissionPhase.PROBING, seq
         self.stats.probes += 1
-        self.io.submit(ProbeRemote(seq, [c[s:s + MAX_PROBE_CHUNKS] for c, s in zip(chains, starts)]))
+        self.io.submit(ProbeRemote(seq, [c[s : s + MAX_PROBE_CHUNKS] for c, s in zip(chains, starts)]))
 
     def awaiting(self, rid: str, needed_keys: Callable[[], Sequence[Sequence[ChunkKey]]]) -> bool:
         """Hold request ``rid`` while its probe is out and within its timeout (a probe is

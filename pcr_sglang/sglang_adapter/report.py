@@ -57,31 +57,46 @@ def build_report(cache: Any, check_invariants: bool = False) -> dict[str, Any]:
         "layerwise": engine.mode.value if engine is not None else None,
         "forwards": scheduler.worker.forwards if scheduler.worker is not None else None,
         "transfers": {"pending_loads": engine.pending_loads, "planned_offloads": engine.planned_offloads}
-        if engine is not None else None,
+        if engine is not None
+        else None,
         "counters": asdict(state.stats),
         "requests": {"tracked": len(scheduler.requests), "waiting_for_reads": len(scheduler.requests.holds())},
         # Cumulative histograms (bucket edges: pcr_sglang.sglang_adapter.step_timing).
         "scheduler_step": {"pcr": scheduler.step_time.report(), "iteration": scheduler.iteration_time.report()},
-        "tp": {"size": scheduler.tp.size if scheduler.tp is not None else 1,
-               "agreement_rounds": scheduler.agreement.rounds, "inconsistent": scheduler.agreement.broken,
-               # Rounds in which the ranks' digests of admitted prefix lengths differed.
-               "prefix_digest_mismatches": scheduler.agreement.digest_mismatches},
+        "tp": {
+            "size": scheduler.tp.size if scheduler.tp is not None else 1,
+            "agreement_rounds": scheduler.agreement.rounds,
+            "inconsistent": scheduler.agreement.broken,
+            # Rounds in which the ranks' digests of admitted prefix lengths differed.
+            "prefix_digest_mismatches": scheduler.agreement.digest_mismatches,
+        },
         "ssd": _ssd_report(cache) if state.ssd_enabled else None,
-        "hints": {"live": len(scheduler.hints), "counters": asdict(scheduler.hints.stats),
-                  "capabilities": list(HINT_CAPABILITIES)},
+        "hints": {
+            "live": len(scheduler.hints),
+            "counters": asdict(scheduler.hints.stats),
+            "capabilities": list(HINT_CAPABILITIES),
+        },
         "remote": remote_report(scheduler) if scheduler.probes.enabled else None,
         "kv_events": cache.kv_events.report() if cache.kv_events is not None else None,
         "doc_reuse": _doc_reuse_report(scheduler.doc_status) if scheduler.doc_status is not None else None,
-        "invariants": {"checked": check_invariants, "ok": (invariant_error is None) if check_invariants else None,
-                       "error": invariant_error},
+        "invariants": {
+            "checked": check_invariants,
+            "ok": (invariant_error is None) if check_invariants else None,
+            "error": invariant_error,
+        },
     }
     return report
 
 
 def _doc_reuse_report(docs: DocReuseStatus) -> dict[str, Any]:
-    return {"mode": docs.mode, "rope": docs.rope.signature(), "fill_gaps": docs.fill_gaps,
-            "calibration": docs.calibration, "conditions": asdict(docs.conditions) if docs.conditions else None,
-            "counters": asdict(docs.stats)}
+    return {
+        "mode": docs.mode,
+        "rope": docs.rope.signature(),
+        "fill_gaps": docs.fill_gaps,
+        "calibration": docs.calibration,
+        "conditions": asdict(docs.conditions) if docs.conditions else None,
+        "counters": asdict(docs.stats),
+    }
 
 
 def _ssd_report(cache: Any) -> dict[str, Any]:
@@ -103,7 +118,8 @@ def _ssd_report(cache: Any) -> dict[str, Any]:
         "prefetch_window": scheduler.config.prefetch_window,
         "prefetch_timeliness": state.timeliness(),
         "io_process": {"pid": io.pid, "healthy": io.healthy, "phase": io.phase, "in_flight": io.in_flight}
-        if io is not None else None,
+        if io is not None
+        else None,
         "counters": asdict(state.ssd_stats),
         "cost_model": asdict(state.cost_model),
         "store": asdict(store.stats) if store is not None else None,  # this process's own store I/O
@@ -141,7 +157,10 @@ def remote_report(scheduler: Any) -> dict[str, Any]:
         "backend": scheduler.config.remote,
         "healthy": status.healthy if status is not None else None,
         "error": status.error if status is not None else "no report from the I/O process yet",
-        "probes": {**probes, "in_flight": scheduler.probes.in_flight,
-                   "mean_seconds": probes["seconds_total"] / answered if answered else None},
+        "probes": {
+            **probes,
+            "in_flight": scheduler.probes.in_flight,
+            "mean_seconds": probes["seconds_total"] / answered if answered else None,
+        },
         "store": dict(status.counters) if status is not None else None,
     }

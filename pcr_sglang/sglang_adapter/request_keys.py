@@ -62,6 +62,7 @@ class RequestKeys:
         """The cached part of each chain of :meth:`needed` (document chains share their
         leading chunks: :meth:`DocReuse.canonical_chain_nodes` walks those once)."""
         own = self.state.match(iter(self.own(req)), touch=False).nodes
+        # mutant: queue-prefetch-skips-document-chains
         return [own, *self.docs.canonical_chain_nodes(req)]
 
     def refresh_window(self, window: Sequence[PcrReq]) -> None:

@@ -60,9 +60,18 @@ if TYPE_CHECKING:
 
 
 class SchedulerSide:
-    def __init__(self, state: CacheState, config: PCRConfig, chain_digest: bytes, allocator: Any, *,
-                 worker: Optional[WorkerSide] = None, io: Optional[IOSupervisor] = None,
-                 tp: Optional[TpGroup] = None, remote: Optional[RemoteConfig] = None):
+    def __init__(
+        self,
+        state: CacheState,
+        config: PCRConfig,
+        chain_digest: bytes,
+        allocator: Any,
+        *,
+        worker: Optional[WorkerSide] = None,
+        io: Optional[IOSupervisor] = None,
+        tp: Optional[TpGroup] = None,
+        remote: Optional[RemoteConfig] = None,
+    ):
         self.state = state
         self.config = config
         self.chunk = config.chunk_size
@@ -86,18 +95,35 @@ class SchedulerSide:
             self.forward_plans.attach(allocator.get_kvcache())
         self.offloads = Offloads(state, self.engine, self.requests, config.chunk_size)
         # The remote tier (--pcr-remote, parsed by the factory): probes in flight, by probe seq.
-        self.probes: RemoteProbes | NoRemoteProbes = \
-            RemoteProbes(state, io, self.requests, remote.probe_timeout_ms / 1000) \
-            if remote is not None and io is not None else NoRemoteProbes()
+        self.probes: RemoteProbes | NoRemoteProbes = (
+            RemoteProbes(state, io, self.requests, remote.probe_timeout_ms / 1000)
+            if remote is not None and io is not None
+            else NoRemoteProbes()
+        )
         self.hints = HintBook(config.hint_limits())
         # --pcr-hint-to-device: 'auto' is on where the KV pool is on a GPU.
         on_gpu = str(getattr(allocator, "device", "cpu")).startswith("cuda")
         promote = config.hint_to_device == "on" or (config.hint_to_device == "auto" and on_gpu)
-        self.kv_hints = KvHints(state, self.hints, self.keys, self.executor, tp, promote=promote,
-                                free_floor_tokens=int(HINT_TO_DEVICE_FREE_SHARE * getattr(allocator, "size", 0)))
+        self.kv_hints = KvHints(
+            state,
+            self.hints,
+            self.keys,
+            self.executor,
+            tp,
+            promote=promote,
+            free_floor_tokens=int(HINT_TO_DEVICE_FREE_SHARE * getattr(allocator, "size", 0)),
+        )
         self.agreement = StepAgreement(state, self.executor, io, tp, self.requests, self.kv_hints)
-        self.admission = Admission(state, self.executor, self.keys, self.requests, self.hints, self.probes,
-                                   self.agreement, tensor_parallel=tp is not None)
+        self.admission = Admission(
+            state,
+            self.executor,
+            self.keys,
+            self.requests,
+            self.hints,
+            self.probes,
+            self.agreement,
+            tensor_parallel=tp is not None,
+        )
         self._docs: DocReuseSeam = NoDocReuse()
         self.doc_status: Optional[DocReuseStatus] = None  # what is reported of document reuse, where it is on
         self.step_time = StepHistogram()  # PCR's own work per scheduler step
@@ -110,6 +136,7 @@ class SchedulerSide:
         would keep probing a tier the I/O process no longer has and hold every request
         until the probe times out."""
         self.probes = probes
+        # mutant: admission-keeps-probing-after-an-in-memory-update
         self.admission.probes = probes
 
     @property
@@ -155,7 +182,7 @@ class SchedulerSide:
     def _update_window(self, waiting_queue: Sequence[PcrReq]) -> None:
         lookahead, prefetch = self.config.lookahead_window, self.config.prefetch_window
         ssd = self.state.ssd_enabled
-        window = list(waiting_queue[:max(lookahead, prefetch if ssd else 0)])
+        window = list(waiting_queue[: max(lookahead, prefetch if ssd else 0)])
         self.keys.refresh_window(window)
         # Per request: its own prefix, then (document reuse) its documents' canonical chains.
         chains = [self.keys.needed_chains(req) for req in window]
@@ -170,8 +197,7 @@ class SchedulerSide:
             held = [n for s in self.requests.holds() for n in s.held_chain]
             effects = Effects()
             healthy = self.state.io_healthy
-            wanted: list[Sequence[ChunkNode]] = [c for per_req in chains[:prefetch] for c in per_req] \
-                if healthy else []
+            wanted: list[Sequence[ChunkNode]] = [c for per_req in chains[:prefetch] for c in per_req] if healthy else []
             if self.probes.enabled and not self.state.cost_model.prefers_remote_load(self.chunk):
                 wanted = [up_to_first_remote_only(c) for c in wanted]  # not worth reading ahead either
             hinted = self.kv_hints.live() if healthy else ()
@@ -207,8 +233,9 @@ class SchedulerSide:
         rows = permute_extend_inputs(batch, self.docs.row) if self.docs.fill_gaps else None
         self.forward_plans.prepared(batch, rows)
 
-    def plan_offloads(self, reqs: Sequence[PcrReq], seq_lens: Sequence[int], req_to_token: torch.Tensor,
-                      decode: bool) -> None:
+    def plan_offloads(
+        self, reqs: Sequence[PcrReq], seq_lens: Sequence[int], req_to_token: torch.Tensor, decode: bool
+    ) -> None:
         """Host slots for the whole chunks the coming forward completes (:class:`Offloads`)."""
         self.executor.execute(self.offloads.plan(reqs, seq_lens, req_to_token, decode, self.docs.exact_end))
 
@@ -237,11 +264,13 @@ class SchedulerSide:
         """``/flush_cache``: forget every request's bookkeeping, live KV hint and cached
         chunk (but the persisted ones, unless ``keep_persisted`` is False). A hint outliving
         the flush would read its chains back from the SSD into the cache just emptied."""
+        # mutant: flush-keeps-live-hints
         self.requests.clear()
         self.hints.clear()
         self.probes.clear()
         self.docs.reset()
         self.keys.forget()
+        # mutant: deferred-orders-survive-a-reset
         self.executor.cancel_deferred()  # CUDA: orders still waiting for their slot's copies
         self.executor.execute(self.state.reset(keep_persisted))
 
@@ -252,6 +281,7 @@ class SchedulerSide:
         chains) are dropped or derived again."""
         self.keyer.rekey(chain_digest)
         self.generation += 1
+        # mutant: weight-update-rekey-keeps-live-hints
         self.keys.forget()
         self.hints.clear()
         self.probes.clear()

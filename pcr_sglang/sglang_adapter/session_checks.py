@@ -62,7 +62,7 @@ def session_params_error(session_params: Any, session_id: Any = None) -> str | N
 def validate_session_fields(result: Any, manager: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``TokenizerManager._validate_one_request``: a ``ValueError`` is SGLang's 400."""
     problem = session_params_error(getattr(obj, "session_params", None), getattr(obj, "session_id", None))
+    # mutant: session-id-of-any-type-reaches-the-scheduler
     if problem is not None:
         raise ValueError(problem)
     return None
-

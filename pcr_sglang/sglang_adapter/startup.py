@@ -19,8 +19,10 @@ def pcr_selected(server_args: Any) -> bool:
     """``--enable-pcr`` or ``--radix-cache-backend pcr``."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    return bool(flag_value(server_args, "enable_pcr")
-                or getattr(resolving_view(server_args), "radix_cache_backend", None) == BACKEND_NAME)
+    return bool(
+        flag_value(server_args, "enable_pcr")
+        or getattr(resolving_view(server_args), "radix_cache_backend", None) == BACKEND_NAME
+    )
 
 
 _CONFLICTS = (
@@ -38,7 +40,8 @@ _CONFLICT_ADVICE = {
         "(UnifiedRadixCache), outside any tree, which PCR's chunk tree does not provide yet. "
         "Drop the flag and send each turn with the whole conversation so far (no session): "
         "PCR's tree then serves the history from its device, host and SSD tiers, all but the "
-        "last partial chunk (docs/testing.md, 'Streaming sessions')"),
+        "last partial chunk (docs/testing.md, 'Streaming sessions')"
+    ),
 }
 
 
@@ -60,6 +63,7 @@ def validate_after_resolution(result: Any, server_args: Any, *args: Any, **kwarg
     reuse_settings.validate(config)
     for field, flag in _CONFLICTS:
         if getattr(cfg, field, False):
+            # mutant: streaming-session-refusal-without-advice
             raise PCRStartupError(f"--enable-pcr cannot be combined with {flag}{_CONFLICT_ADVICE.get(field, '')}")
     backend = getattr(cfg, "radix_cache_backend", None)
     if backend not in (None, BACKEND_NAME):

@@ -31,8 +31,15 @@ logger = logging.getLogger(__name__)
 
 
 class StepAgreement:
-    def __init__(self, state: CacheState, executor: EffectsExecutor, io: Optional[IOSupervisor],
-                 tp: Optional[TpGroup], requests: RequestRegistry, hints: KvHints):
+    def __init__(
+        self,
+        state: CacheState,
+        executor: EffectsExecutor,
+        io: Optional[IOSupervisor],
+        tp: Optional[TpGroup],
+        requests: RequestRegistry,
+        hints: KvHints,
+    ):
         self.state = state
         self.executor = executor
         self.io = io
@@ -59,16 +66,23 @@ class StepAgreement:
             return
         now = time.monotonic()
         chunk = self.state.chunk_size
-        view = LocalView(healthy=self.io is not None and self.io.healthy,
-                         prefers_load=self.state.cost_model.prefers_load(chunk), outstanding=outstanding,
-                         finished=finished, still_waiting=[now < entry.deadline for entry in holds],
-                         admission_digest=admission_digest, hint_clock_ms=self.hints.clock_ms())
+        view = LocalView(
+            healthy=self.io is not None and self.io.healthy,
+            prefers_load=self.state.cost_model.prefers_load(chunk),
+            outstanding=outstanding,
+            finished=finished,
+            still_waiting=[now < entry.deadline for entry in holds],
+            admission_digest=admission_digest,
+            hint_clock_ms=self.hints.clock_ms(),
+        )
         agreed = agree(view, self.tp.reduce_min if self.tp is not None else None)
         self.rounds += 1
         if not agreed.digests_match:
             self.digest_mismatches += 1
-            logger.error("PCR: the TP ranks admitted requests with different prefix lengths (a bug: please "
-                         "report it); outputs may be wrong")
+            logger.error(
+                "PCR: the TP ranks admitted requests with different prefix lengths (a bug: please "
+                "report it); outputs may be wrong"
+            )
         if not agreed.consistent:
             self.broken = agreed.error
             self.state.stop_io()
@@ -82,9 +96,11 @@ class StepAgreement:
             del finished[seq]
         self.state.apply_outcomes(agreed.outcomes, effects)
         if self._writes_were_enabled and not self.state.writes_enabled:
-            logger.warning("PCR SSD tier: a write failed (on this or another TP rank); SSD write-back is "
-                           "stopped, serving continues from device and host memory (chunks already on SSD "
-                           "stay readable)")
+            logger.warning(
+                "PCR SSD tier: a write failed (on this or another TP rank); SSD write-back is "
+                "stopped, serving continues from device and host memory (chunks already on SSD "
+                "stay readable)"
+            )
         self._writes_were_enabled = self.state.writes_enabled
         for entry, still in zip(holds, agreed.still_waiting):
             if not still:

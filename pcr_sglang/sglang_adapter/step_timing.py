@@ -13,9 +13,9 @@ import math
 from typing import Any, Optional, Sequence
 
 _FIRST_S = 1e-5
-_GROWTH = 2 ** 0.25
+_GROWTH = 2**0.25
 _BUCKETS = 96
-UPPER_EDGES_S = [_FIRST_S * _GROWTH ** i for i in range(_BUCKETS)]
+UPPER_EDGES_S = [_FIRST_S * _GROWTH**i for i in range(_BUCKETS)]
 
 
 class StepHistogram:
@@ -30,8 +30,13 @@ class StepHistogram:
         self.max_s = max(self.max_s, seconds)
 
     def report(self) -> dict[str, Any]:
-        return {"p50_ms": percentile_ms(self.counts, 0.50), "p99_ms": percentile_ms(self.counts, 0.99),
-                "max_ms": round(self.max_s * 1000, 3), "samples": self.total, "counts": list(self.counts)}
+        return {
+            "p50_ms": percentile_ms(self.counts, 0.50),
+            "p99_ms": percentile_ms(self.counts, 0.99),
+            "max_ms": round(self.max_s * 1000, 3),
+            "samples": self.total,
+            "counts": list(self.counts),
+        }
 
 
 def percentile_ms(counts: Sequence[int], q: float) -> Optional[float]:

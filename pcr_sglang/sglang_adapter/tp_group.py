@@ -29,8 +29,11 @@ class TpGroup:
         """The group of ``CacheInitParams``' ranks, or None when the cache runs alone."""
         if not torch.distributed.is_available() or not torch.distributed.is_initialized():
             return None
-        wide = [g for g in (getattr(params, "attn_cp_cache_group", None), getattr(params, "attn_tp_cache_group", None))
-                if g is not None and torch.distributed.get_world_size(group=g) > 1]
+        wide = [
+            g
+            for g in (getattr(params, "attn_cp_cache_group", None), getattr(params, "attn_tp_cache_group", None))
+            if g is not None and torch.distributed.get_world_size(group=g) > 1
+        ]
         if not wide:
             tp = getattr(params, "tp_cache_group", None)
             if tp is not None and torch.distributed.get_world_size(group=tp) > 1:

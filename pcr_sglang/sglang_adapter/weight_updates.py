@@ -58,8 +58,12 @@ from pcr_sglang.sglang_adapter.tp_group import TpGroup, min_max
 logger = logging.getLogger(__name__)
 
 # SGLang's SchedulerWeightUpdaterManager methods that change the served weights.
-UPDATE_METHODS = ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed",
-                  "update_weights_from_ipc")
+UPDATE_METHODS = (
+    "update_weights_from_disk",
+    "update_weights_from_tensor",
+    "update_weights_from_distributed",
+    "update_weights_from_ipc",
+)
 # These two run only inside a begin_weight_update()/end_weight_update() session: outside
 # one SGLang refuses them before touching any weight.
 SESSION_METHODS = ("update_weights_from_tensor", "update_weights_from_distributed")
@@ -67,6 +71,7 @@ SESSION_BEGIN = "begin_weight_update"
 SESSION_END = "end_weight_update"
 CHECK_WEIGHTS = "check_weights"  # its action "reset_tensors" overwrites every tensor
 MEMORY_RESUME = "resume_memory_occupation"  # weights released without a CPU backup come back unwritten
+# mutant: weight-update-session-begin-not-hooked
 WRAPPED_METHODS = (*UPDATE_METHODS, SESSION_BEGIN, SESSION_END, CHECK_WEIGHTS, MEMORY_RESUME)
 # The manager's other public methods, and why none changes the served weights.
 WEIGHTS_UNCHANGED = {
@@ -76,7 +81,7 @@ WEIGHTS_UNCHANGED = {
     "destroy_weights_update_group": "destroys that process group",
     "get_weights_by_name": "reads a parameter",
     "release_memory_occupation": "frees the memory (the server is idle and serves nothing until the resume, "
-                                 "which is wrapped)",
+    "which is wrapped)",
     "save_remote_model": "writes the weights out",
     "save_sharded_model": "writes the weights out",
 }
@@ -99,10 +104,18 @@ class WeightsIdentity:
         update call (into its default cache, and perhaps a newer revision than any snapshot
         here), so no fingerprint taken before the call can name what it loads, and one made
         of the name alone would be shared by every revision under that name."""
+        # mutant: weight-update-hub-id-gets-a-name-only-namespace
         if not Path(path).exists():
             raise WeightsNotLocal(f"{path} is not a local file or folder")
-        return model_fingerprint(self.model_config, self.model_path, self.revision, self.download_dir,
-                                 weights_path=path, adapters=self.adapters, require_files=True)
+        return model_fingerprint(
+            self.model_config,
+            self.model_path,
+            self.revision,
+            self.download_dir,
+            weights_path=path,
+            adapters=self.adapters,
+            require_files=True,
+        )
 
 
 def _agreed_nonce(tp: Optional[TpGroup]) -> int:
@@ -143,9 +156,12 @@ def next_namespace(cache: Any, method: str, recv_req: Any) -> CacheNamespace:
         try:
             fingerprint = identity.of_checkpoint(str(path))
         except WeightsNotLocal as e:
-            logger.warning("PCR: cannot fingerprint the weights of %s before SGLang loads them (%s); their KV gets "
-                           "a namespace of its own (pass a local folder to keep it across restarts and rollbacks)",
-                           path, e)
+            logger.warning(
+                "PCR: cannot fingerprint the weights of %s before SGLang loads them (%s); their KV gets "
+                "a namespace of its own (pass a local folder to keep it across restarts and rollbacks)",
+                path,
+                e,
+            )
             fingerprint = UNREADABLE
         except Exception as e:  # a path SGLang will refuse too: never an error in the scheduler loop
             logger.warning("PCR: cannot fingerprint %s (%s); its KV gets a namespace of its own", path, e)
@@ -160,10 +176,12 @@ def next_namespace(cache: Any, method: str, recv_req: Any) -> CacheNamespace:
     return in_memory_namespace(cache)
 
 
-def around_weight_update(method: str, original: Callable[..., Any], manager: Any, recv_req: Any, *args: Any,
-                         **kwargs: Any) -> Any:
+def around_weight_update(
+    method: str, original: Callable[..., Any], manager: Any, recv_req: Any, *args: Any, **kwargs: Any
+) -> Any:
     """SGLang's update call, with the PCR cache's namespace moved to the new weights'."""
     cache: Any = getattr(getattr(manager, "scheduler", None), "tree_cache", None)  # SGLang ships no types
+    # mutant: weight-update-hook-does-nothing
     if getattr(cache, "namespace_mover", None) is None or getattr(cache, "namespace", None) is None:
         return original(manager, recv_req, *args, **kwargs)
     if method in SESSION_METHODS and getattr(manager, "_session", True) is None:
@@ -176,8 +194,11 @@ def around_weight_update(method: str, original: Callable[..., Any], manager: Any
             # overwrites them), agreed on every rank (all run the same call, and the
             # session state SGLang checks is replicated on every rank).
             begin(cache, in_memory_namespace(cache))
-            logger.info("PCR: %s: chunk keys follow a namespace of their own from now on; the SSD tier moves "
-                        "to it at the next /flush_cache", method)
+            logger.info(
+                "PCR: %s: chunk keys follow a namespace of their own from now on; the SSD tier moves "
+                "to it at the next /flush_cache",
+                method,
+            )
         return original(manager, recv_req, *args, **kwargs)
     target = next_namespace(cache, method, recv_req)
     # Agreed before the call: what follows it must not be a collective, since whether an
@@ -193,13 +214,17 @@ def around_weight_update(method: str, original: Callable[..., Any], manager: Any
         if not getattr(out, "success", False):
             unknown_weights(cache, fallback)
         else:
-            logger.warning("PCR: %s without a cache flush: new requests' chunk keys follow the new weights now; "
-                           "the SSD tier moves to them at the next /flush_cache", method)
+            logger.warning(
+                "PCR: %s without a cache flush: new requests' chunk keys follow the new weights now; "
+                "the SSD tier moves to them at the next /flush_cache",
+                method,
+            )
     return out
 
 
-def _around_session_end(cache: Any, original: Callable[..., Any], manager: Any, recv_req: Any, *args: Any,
-                        **kwargs: Any) -> Any:
+def _around_session_end(
+    cache: Any, original: Callable[..., Any], manager: Any, recv_req: Any, *args: Any, **kwargs: Any
+) -> Any:
     """``end_weight_update``: a session may have changed the weights without any of the
     update calls (written into device memory directly, over P2P or RDMA, between
     ``begin_weight_update`` and this). So every session that ends moves the cache to a
@@ -208,16 +233,21 @@ def _around_session_end(cache: Any, original: Callable[..., Any], manager: Any, 
     session = getattr(manager, "_session", None)
     namespace = in_memory_namespace(cache) if session is not None else None
     out = original(manager, recv_req, *args, **kwargs)
+    # mutant: weight-update-session-end-keeps-the-namespace
     if namespace is not None:
         begin(cache, namespace)
-        logger.info("PCR: a weight-update session ended; chunk keys now follow its weights, and the SSD tier "
-                    "moves to them at the next /flush_cache")
+        logger.info(
+            "PCR: a weight-update session ended; chunk keys now follow its weights, and the SSD tier "
+            "moves to them at the next /flush_cache"
+        )
     return out
 
 
 def _writes_weights(method: str, manager: Any, recv_req: Any) -> bool:
     """Whether this call of ``method`` may leave other weights served than before it."""
     if method == SESSION_BEGIN:
+        # mutant: weight-update-session-begin-keeps-the-namespace
+        # mutant: weight-update-session-begin-keeps-the-namespace-on-a-server
         return getattr(manager, "_session", None) is None  # SGLang refuses a second open session
     if method == CHECK_WEIGHTS:
         return getattr(recv_req, "action", None) == "reset_tensors"
@@ -225,8 +255,9 @@ def _writes_weights(method: str, manager: Any, recv_req: Any) -> bool:
 
     tags = getattr(recv_req, "tags", None)
     server_args = getattr(getattr(manager, "scheduler", None), "server_args", None)
-    return (not tags or GPU_MEMORY_TYPE_WEIGHTS in tags) and not getattr(server_args, "enable_weights_cpu_backup",
-                                                                           False)
+    return (not tags or GPU_MEMORY_TYPE_WEIGHTS in tags) and not getattr(
+        server_args, "enable_weights_cpu_backup", False
+    )
 
 
 def begin(cache: Any, namespace: CacheNamespace) -> None:
@@ -234,6 +265,7 @@ def begin(cache: Any, namespace: CacheNamespace) -> None:
     the next reset."""
     cache.pending_namespace = namespace
     cache.scheduler.rekey(namespace.chain_digest())
+    # mutant: remote-write-through-while-a-nonce-namespace-is-pending
     leave_for_pending(cache, namespace)  # an in-memory update's keys: nothing more to the remote tier
     # A document-reuse calibration holds for the weights it was measured on only.
     if cache.scheduler.doc_status is not None:
@@ -244,5 +276,7 @@ def unknown_weights(cache: Any, namespace: CacheNamespace) -> None:
     """The update failed without a flush: the served weights may be partly new, so they
     get ``namespace``, one of their own."""
     begin(cache, namespace)
-    logger.warning("PCR: a weight update did not complete; the cache moves to a namespace of its own "
-                   "(nothing computed before or after it is shared with any other weights)")
+    logger.warning(
+        "PCR: a weight update did not complete; the cache moves to a namespace of its own "
+        "(nothing computed before or after it is shared with any other weights)"
+    )

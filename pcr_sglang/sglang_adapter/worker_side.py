@@ -115,7 +115,6 @@ class WorkerSide:
 def attach_worker_side(allocator: Any, host_buffer: torch.Tensor, layout: Any, mode: str) -> WorkerSide:
     """Build the transfer engine over the allocator's KV pool and hook it in."""
     kvcache = allocator.get_kvcache()
-    engine = TransferEngine(list(zip(kvcache.k_buffer, kvcache.v_buffer)), host_buffer, layout,
-                            LayerwiseMode(mode))
+    engine = TransferEngine(list(zip(kvcache.k_buffer, kvcache.v_buffer)), host_buffer, layout, LayerwiseMode(mode))
     warm_up_on_cuda(engine=engine)  # the copy kernel compiled now, not at the first host hit
     return WorkerSide(kvcache, engine)

@@ -141,4 +141,3 @@ class RecordingFileOps(FileOps):
             return
         super().fsync_dir(path)
         self.log.append(Op("fsync_dir", str(path)))
-

@@ -162,15 +162,22 @@ def remove_stale_segments(shm_dir: str = SHM_DIR, *, expected: bool = False) -> 
         if _remove_if_unlocked(shm_dir, name, segment_too=True):
             removed.append(name)
     if removed:
-        logger.log(logging.INFO if expected else logging.WARNING,
-                   "Removed %d host pool(s) left by dead processes: %s", len(removed), removed)
+        logger.log(
+            logging.INFO if expected else logging.WARNING,
+            "Removed %d host pool(s) left by dead processes: %s",
+            len(removed),
+            removed,
+        )
     new_unowned = [n for n in unowned if n not in _reported_unowned]
     if new_unowned:
         _reported_unowned.update(new_unowned)
-        logger.warning("Host pool segment(s) in %s with no owner lock (left by an older version, or a live server "
-                       "of one): %s; not removed, since their owner cannot be told dead from another pid "
-                       "namespace. Remove them by hand once no server of an older version runs.",
-                       shm_dir, new_unowned)
+        logger.warning(
+            "Host pool segment(s) in %s with no owner lock (left by an older version, or a live server "
+            "of one): %s; not removed, since their owner cannot be told dead from another pid "
+            "namespace. Remove them by hand once no server of an older version runs.",
+            shm_dir,
+            new_unowned,
+        )
     return removed
 
 
@@ -228,8 +235,13 @@ def register_in_pieces(cudart: Any, base: int, total: int, piece: int) -> list[t
     pieces = -(-total // piece) if total else 0
     progress = total >= PROGRESS_BYTES
     if progress:
-        logger.info("PCR host tier: pinning %.1f GiB (cudaHostRegister in %d piece(s) of up to %.1f GiB, $%s)",
-                    total / 2**30, pieces, piece / 2**30, REGISTER_CHUNK_ENV)
+        logger.info(
+            "PCR host tier: pinning %.1f GiB (cudaHostRegister in %d piece(s) of up to %.1f GiB, $%s)",
+            total / 2**30,
+            pieces,
+            piece / 2**30,
+            REGISTER_CHUNK_ENV,
+        )
     start = time.monotonic()
     offset = 0
     while offset < total:
@@ -240,12 +252,17 @@ def register_in_pieces(cudart: Any, base: int, total: int, piece: int) -> list[t
             raise HostPoolError(
                 f"cudaHostRegister failed with code {rc} at offset {offset / 2**30:.2f} GiB (piece of "
                 f"{size / 2**30:.2f} GiB, pool {total / 2**30:.2f} GiB): check the memlock limit (ulimit -l) "
-                f"and free memory, set ${REGISTER_CHUNK_ENV} lower, or lower --pcr-dram-gb")
+                f"and free memory, set ${REGISTER_CHUNK_ENV} lower, or lower --pcr-dram-gb"
+            )
         done.append((base + offset, size))
         offset += size
         if progress:
-            logger.info("PCR host tier: pinned %.1f of %.1f GiB (%.1f s)", offset / 2**30, total / 2**30,
-                        time.monotonic() - start)
+            logger.info(
+                "PCR host tier: pinned %.1f of %.1f GiB (%.1f s)",
+                offset / 2**30,
+                total / 2**30,
+                time.monotonic() - start,
+            )
     return done
 
 
@@ -266,8 +283,14 @@ class HostPoolInfo:
 
 
 class HostChunkPool:
-    def __init__(self, layout: HostChunkLayout, *, pin: Optional[bool] = None,
-                 shm_name: Optional[str] = None, create: bool = True):
+    def __init__(
+        self,
+        layout: HostChunkLayout,
+        *,
+        pin: Optional[bool] = None,
+        shm_name: Optional[str] = None,
+        create: bool = True,
+    ):
         self.layout = layout
         size = layout.total_bytes
         self._lock_fd: Optional[int] = None
@@ -305,6 +328,7 @@ class HostChunkPool:
             try:
                 self._pin()
             except BaseException:
+                # mutant: gpu-host-pool-pin-failure-leaks-its-segment
                 self.close()  # a pool that cannot be pinned leaves no segment behind
                 raise
 
@@ -333,6 +357,7 @@ class HostChunkPool:
                 "of memory is available"
             )
         shm_free = shm_free_bytes()
+        # mutant: gpu-shm-capacity-not-checked
         if shm_free is not None and size > shm_free:
             raise HostPoolError(
                 f"the host pool needs {size / 2**30:.2f} GiB of shared memory but {SHM_DIR} has "
@@ -348,8 +373,13 @@ class HostChunkPool:
         whole number of chunk slots so no slot spans two registrations; progress goes to the
         startup log for a large pool. A failed piece unregisters those done and raises."""
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch leaves cudart() unannotated
-        ranges = register_in_pieces(cudart, self.buffer.data_ptr(), self.buffer.numel(),
-                                    register_piece_bytes(self.layout.slot_bytes))
+        ranges = register_in_pieces(
+            cudart,
+            self.buffer.data_ptr(),
+            self.buffer.numel(),
+            # mutant: gpu-host-pool-pinned-in-one-call
+            register_piece_bytes(self.layout.slot_bytes),
+        )
         self._registered = ranges
         self.pinned = True
 

@@ -91,6 +91,7 @@ class KeptNamespaces:
             candidates.append(KeptNamespace(leaving, namespace_bytes(self.root, leaving)))
         room = Room(charged_bytes=0, purge_leaving=False)
         share = int(budget_bytes * KEPT_SHARE)
+        # mutant: ssd-kept-namespaces-unbounded
         while candidates and (len(candidates) > keep or sum(c.bytes for c in candidates) > share):
             oldest = candidates.pop(0)
             if oldest.digest_hex == leaving:
@@ -129,5 +130,8 @@ class KeptNamespaces:
         """For ``/server_info``: the kept namespaces (oldest first) with their bytes as
         measured at the last move, and how many were purged to stay within the bounds."""
         sizes = [self._bytes.get(h, 0) for h in self.kept]
-        return {"kept": [{"namespace": h, "bytes": b} for h, b in zip(self.kept, sizes)],
-                "kept_bytes": sum(sizes), "purged": self.purged}
+        return {
+            "kept": [{"namespace": h, "bytes": b} for h, b in zip(self.kept, sizes)],
+            "kept_bytes": sum(sizes),
+            "purged": self.purged,
+        }

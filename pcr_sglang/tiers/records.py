@@ -72,8 +72,9 @@ class RecordCodec:
         object-name keys), independent of the MAC keys and of every other ``purpose``:
         HKDF-SHA256 (RFC 5869) with the purpose as its info. Knowing a derived key tells
         nothing of the codec's key nor of the other derived keys."""
-        return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
-                    info=b"pcr-sglang " + purpose).derive(self._secret)
+        return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=b"pcr-sglang " + purpose).derive(
+            self._secret
+        )
 
     @staticmethod
     def _mac(key: bytes, data: ReadableBuffer) -> bytes:
@@ -81,24 +82,59 @@ class RecordCodec:
 
     def header(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload: bytes | memoryview) -> bytes:
         fields = _FIELDS.pack(
-            MAGIC, FORMAT_VERSION, HEADER_BYTES, 0, key, parent_key, self.namespace, depth, num_tokens,
-            self.layout.num_layers, self.layout.chunk_size, self.layout.row_bytes, self._dtype_field,
-            len(payload), self._mac(self._payload_key, payload),
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_BYTES,
+            0,
+            key,
+            parent_key,
+            self.namespace,
+            depth,
+            num_tokens,
+            self.layout.num_layers,
+            self.layout.chunk_size,
+            self.layout.row_bytes,
+            self._dtype_field,
+            len(payload),
+            self._mac(self._payload_key, payload),
         )
         return fields + self._mac(self._header_key, fields)
 
     def parse_header(self, raw: bytes) -> Optional[ChunkRecord]:
         """The record's header if its MAC verifies and it belongs to this namespace and layout."""
-        if (len(raw) < HEADER_BYTES
-                or self._mac(self._header_key, raw[: _FIELDS.size]) != raw[_FIELDS.size:HEADER_BYTES]):
+        if (
+            len(raw) < HEADER_BYTES
+            or self._mac(self._header_key, raw[: _FIELDS.size]) != raw[_FIELDS.size : HEADER_BYTES]
+        ):
             return None
-        (magic, version, header_bytes, _flags, key, parent_key, namespace, depth, num_tokens, num_layers,
-         chunk_size, row_bytes, dtype, payload_bytes, payload_mac) = _FIELDS.unpack_from(raw)
-        if (magic != MAGIC or version != FORMAT_VERSION or header_bytes != HEADER_BYTES
-                or namespace != self.namespace or dtype != self._dtype_field
-                or (num_layers, chunk_size, row_bytes) != (self.layout.num_layers, self.layout.chunk_size,
-                                                           self.layout.row_bytes)
-                or payload_bytes != self.layout.slot_bytes or depth < 1):
+        (
+            magic,
+            version,
+            header_bytes,
+            _flags,
+            key,
+            parent_key,
+            namespace,
+            depth,
+            num_tokens,
+            num_layers,
+            chunk_size,
+            row_bytes,
+            dtype,
+            payload_bytes,
+            payload_mac,
+        ) = _FIELDS.unpack_from(raw)
+        if (
+            magic != MAGIC
+            or version != FORMAT_VERSION
+            or header_bytes != HEADER_BYTES
+            or namespace != self.namespace
+            or dtype != self._dtype_field
+            or (num_layers, chunk_size, row_bytes)
+            != (self.layout.num_layers, self.layout.chunk_size, self.layout.row_bytes)
+            or payload_bytes != self.layout.slot_bytes
+            or depth < 1
+        ):
             return None
         return ChunkRecord(key, parent_key, depth, num_tokens, payload_bytes, payload_mac)
 

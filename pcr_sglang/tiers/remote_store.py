@@ -126,9 +126,13 @@ class RemoteConfig:
             if f.name not in raw or f.name in ("global_segment_size", "local_buffer_size"):
                 continue
             value, want = raw[f.name], type(getattr(_DEFAULTS, f.name, ""))
-            ok = (isinstance(value, str) if want is str else
-                  isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else
-                  isinstance(value, int) and not isinstance(value, bool))
+            ok = (
+                isinstance(value, str)
+                if want is str
+                else isinstance(value, (int, float)) and not isinstance(value, bool)
+                if want is float
+                else isinstance(value, int) and not isinstance(value, bool)
+            )
             if not ok:
                 raise RemoteConfigError(f"{source}: {f.name} must be a {want.__name__}, got {value!r}")
         config = cls(**raw)
@@ -152,15 +156,18 @@ def load_fleet_key(path: str) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY)  # a symlink is followed; the file it names is checked
     except OSError as e:
-        raise RemoteConfigError(f"--pcr-remote-config key_file {path}: {e.strerror or e} (create one with "
-                                f"`python -m pcr_tools.fleet keygen {path}`)") from None
+        raise RemoteConfigError(
+            f"--pcr-remote-config key_file {path}: {e.strerror or e} (create one with "
+            f"`python -m pcr_tools.fleet keygen {path}`)"
+        ) from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             raise RemoteConfigError(f"key_file {path} must be a regular file owned by this user")
         if st.st_mode & 0o077:
-            raise RemoteConfigError(f"key_file {path} is readable by others (mode {st.st_mode & 0o777:o}); "
-                                    f"chmod 600 it")
+            raise RemoteConfigError(
+                f"key_file {path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it"
+            )
         key = f.read(KEY_BYTES + 1)
     if len(key) != KEY_BYTES:
         raise RemoteConfigError(f"key_file {path} must hold exactly {KEY_BYTES} bytes, it has {len(key)}")
@@ -192,17 +199,26 @@ class RemoteChunkStore:
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
-            raise RemoteConfigError(f"--pcr-remote mooncake needs the Mooncake client "
-                                    f"(pip install mooncake-transfer-engine-non-cuda, or "
-                                    f"mooncake-transfer-engine with CUDA): {e}") from None
+            raise RemoteConfigError(
+                f"--pcr-remote mooncake needs the Mooncake client "
+                f"(pip install mooncake-transfer-engine-non-cuda, or "
+                f"mooncake-transfer-engine with CUDA): {e}"
+            ) from None
         c = self.config
         self._check_master_reachable()
         buffer = c.local_buffer_size or max(16 << 20, 4 * self.codec.record_bytes)
         client = MooncakeDistributedStore()
-        rc = client.setup({"local_hostname": c.local_hostname, "metadata_server": c.metadata_server,
-                           "global_segment_size": c.global_segment_size, "local_buffer_size": buffer,
-                           "protocol": c.protocol, "rdma_devices": c.device_name,
-                           "master_server_addr": c.master_server_address})
+        rc = client.setup(
+            {
+                "local_hostname": c.local_hostname,
+                "metadata_server": c.metadata_server,
+                "global_segment_size": c.global_segment_size,
+                "local_buffer_size": buffer,
+                "protocol": c.protocol,
+                "rdma_devices": c.device_name,
+                "master_server_addr": c.master_server_address,
+            }
+        )
         if rc != 0:
             client.close()
             raise RemoteError(f"Mooncake client setup against {c.master_server_address} failed (code {rc})")
@@ -322,6 +338,7 @@ class RemoteChunkStore:
         authentication (garbage a client without the fleet key put there, a torn or
         another fleet's record) is removed and replaced, so it cannot block the key's good
         writes. One still being written by another client counts as held."""
+        # mutant: remote-bad-object-blocks-good-writes
         if self.exists(key) and not self._replace_if_bad(key):
             return False
         rc = self.client.put(self.object_key(key), record)
@@ -352,7 +369,8 @@ class RemoteChunkStore:
         self._remove(key)
         return True
 
-    def build_record(self, key: bytes, parent_key: bytes, depth: int, num_tokens: int,
-                     payload: ReadableBuffer) -> bytearray:
+    def build_record(
+        self, key: bytes, parent_key: bytes, depth: int, num_tokens: int, payload: ReadableBuffer
+    ) -> bytearray:
         """Chunk ``key``'s sealed object (``payload``: its host slot, copied)."""
         return self.codec.seal(key, parent_key, depth, num_tokens, payload)

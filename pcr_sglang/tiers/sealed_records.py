@@ -85,17 +85,24 @@ class SealedRecordCodec:
         self.epochs_drawn = 1
         self._read_keys: OrderedDict[bytes, AESGCM] = OrderedDict()  # open_into's thread only
         self._name_key = codec.derive_key(b"remote object name key")
-        self._context = _CONTEXT.pack(SEAL_MAGIC, SEAL_VERSION, codec.namespace, codec.layout.num_layers,
-                                      codec.layout.chunk_size, codec.layout.row_bytes,
-                                      codec.dtype.encode()[:16].ljust(16, b"\0"))
+        self._context = _CONTEXT.pack(
+            SEAL_MAGIC,
+            SEAL_VERSION,
+            codec.namespace,
+            codec.layout.num_layers,
+            codec.layout.chunk_size,
+            codec.layout.row_bytes,
+            codec.dtype.encode()[:16].ljust(16, b"\0"),
+        )
         self.plaintext_bytes = _INNER.size + codec.layout.slot_bytes
         self.record_bytes = _PREFIX.size + self.plaintext_bytes + TAG_BYTES
         self._plaintext: Optional[np.ndarray] = None  # allocated on first open_into
 
     def object_name(self, key: bytes) -> str:
         """The object that holds chunk ``key``: computable only with the fleet key."""
-        digest = hashlib.blake2b(self.namespace + key, digest_size=32, key=self._name_key,
-                                 person=b"pcr-object-name").hexdigest()
+        digest = hashlib.blake2b(
+            self.namespace + key, digest_size=32, key=self._name_key, person=b"pcr-object-name"
+        ).hexdigest()
         return NAME_PREFIX + digest
 
     def _associated_data(self, name: str) -> bytes:
@@ -113,6 +120,7 @@ class SealedRecordCodec:
         sealed ``seals_per_epoch`` records is never used again."""
         with self._seal_lock:
             epoch, aead, sealed = self._sealing
+            # mutant: remote-record-key-never-rotates
             if sealed[0] >= self.seals_per_epoch:
                 self._sealing = epoch, aead, sealed = self._new_epoch()
                 self.epochs_drawn += 1
@@ -140,8 +148,9 @@ class SealedRecordCodec:
         plaintext = b"".join((_INNER.pack(key, parent_key, depth, num_tokens, len(payload)), payload))
         record = bytearray(self.record_bytes)
         _PREFIX.pack_into(record, 0, SEAL_MAGIC, SEAL_VERSION, 0, epoch, nonce)
-        aead.encrypt_into(nonce, plaintext, self._associated_data(self.object_name(key)),
-                                memoryview(record)[_PREFIX.size:])
+        aead.encrypt_into(
+            nonce, plaintext, self._associated_data(self.object_name(key)), memoryview(record)[_PREFIX.size :]
+        )
         return record
 
     def open_into(self, key: bytes, raw: memoryview, out: Optional[memoryview] = None) -> Optional[ChunkRecord]:
@@ -158,14 +167,16 @@ class SealedRecordCodec:
             self._plaintext = np.zeros(self.plaintext_bytes, dtype=np.uint8)
         plaintext = self._plaintext.data  # the array's memoryview
         try:
-            self._opening_key(epoch).decrypt_into(nonce, raw[_PREFIX.size:],
-                                                  self._associated_data(self.object_name(key)), plaintext)
+            # mutant: remote-record-opened-under-the-readers-epoch
+            self._opening_key(epoch).decrypt_into(
+                nonce, raw[_PREFIX.size :], self._associated_data(self.object_name(key)), plaintext
+            )
         except InvalidTag:
             return None
         inner_key, parent_key, depth, num_tokens, payload_bytes = _INNER.unpack_from(plaintext)
         if inner_key != key or payload_bytes != self.layout.slot_bytes or depth < 1:
             return None
         if out is not None:
-            memoryview(out).cast("B")[:] = plaintext[_INNER.size:]
+            memoryview(out).cast("B")[:] = plaintext[_INNER.size :]
         # The AEAD tag stands where the SSD record has its payload MAC.
         return ChunkRecord(key, parent_key, depth, num_tokens, payload_bytes, bytes(raw[-TAG_BYTES:]))

@@ -94,16 +94,27 @@ class ChunkFileStore:
     everything else and never writes or deletes a key while it is being read.
     """
 
-    def __init__(self, root: str | os.PathLike[str], namespace_digest: bytes, layout: HostChunkLayout,
-                 dtype: str, capacity_bytes: Optional[int], *,
-                 namespace_description: Optional[dict[str, Any]] = None,
-                 low_watermark_bytes: int = 1 << 30, durability: str = "record", slot: Optional[str] = None,
-                 read_only: bool = False, fileops: Optional[FileOps] = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        namespace_digest: bytes,
+        layout: HostChunkLayout,
+        dtype: str,
+        capacity_bytes: Optional[int],
+        *,
+        namespace_description: Optional[dict[str, Any]] = None,
+        low_watermark_bytes: int = 1 << 30,
+        durability: str = "record",
+        slot: Optional[str] = None,
+        read_only: bool = False,
+        fileops: Optional[FileOps] = None,
+    ) -> None:
         if len(namespace_digest) != 16:
             raise ValueError("namespace digest must be 16 bytes")
         if durability not in DURABILITY_CHOICES:
-            raise SSDStoreError(f"--pcr-ssd-durability must be one of {', '.join(DURABILITY_CHOICES)}, "
-                                f"got {durability!r}")
+            raise SSDStoreError(
+                f"--pcr-ssd-durability must be one of {', '.join(DURABILITY_CHOICES)}, got {durability!r}"
+            )
         self.root = Path(root)
         self.namespace = namespace_digest
         self.layout = layout
@@ -140,8 +151,12 @@ class ChunkFileStore:
             self._key = load_key(self.dir, self.ops, create=not self.read_only)
             meta = self.dir / NAMESPACE_FILE
             if not self.read_only and not meta.exists():
-                self._write_durably(meta, json.dumps({"format_version": FORMAT_VERSION, "dtype": self.dtype,
-                                                      **description}, indent=1).encode())
+                self._write_durably(
+                    meta,
+                    json.dumps(
+                        {"format_version": FORMAT_VERSION, "dtype": self.dtype, **description}, indent=1
+                    ).encode(),
+                )
             if not self.read_only:
                 if slot is None:
                     self.slot, self.lease_fd = take_slot(self.dir, self.ops)
@@ -179,7 +194,11 @@ class ChunkFileStore:
             logger.warning(
                 "--pcr-ssd-gb asks for %.2f GiB but %s has %.2f GiB usable (free space above a "
                 "%.2f GiB reserve, plus this store's files): using %.2f GiB",
-                requested / 2**30, self.root, usable / 2**30, self.low_watermark_bytes / 2**30, usable / 2**30,
+                requested / 2**30,
+                self.root,
+                usable / 2**30,
+                self.low_watermark_bytes / 2**30,
+                usable / 2**30,
             )
             return usable
         return requested
@@ -252,6 +271,7 @@ class ChunkFileStore:
             if self.durability == "batch":
                 self._pending.append(_Pending(key, fd, tmp, final))
                 return
+            # mutant: store-record-write-without-fsync
             if self.durability == "record":
                 self.ops.fsync(fd)
             self.ops.close(fd)
@@ -342,8 +362,12 @@ class ChunkFileStore:
         the peer's rewrite of it (we verified an inode, an unlink goes by name)."""
         self.stats.corrupt_chunks += 1
         ours = not self.read_only and self.slot is not None and path.parent.parent == self.own_dir
-        logger.warning("PCR SSD store: %s: %s; %s, the chunk will be recomputed", path.name, why,
-                       "deleted" if ours else "left to the writer that owns it")
+        logger.warning(
+            "PCR SSD store: %s: %s; %s, the chunk will be recomputed",
+            path.name,
+            why,
+            "deleted" if ours else "left to the writer that owns it",
+        )
         if ours:
             self._unlink(path)
         return False
@@ -385,12 +409,19 @@ def namespace_store(root: str | os.PathLike[str], digest_hex: str) -> ChunkFileS
     except (OSError, ValueError) as e:
         raise SSDStoreError(f"{ns_dir} is not a PCR store namespace: {e}") from e
     layout = HostChunkLayout(1, *(int(description[k]) for k in ("num_layers", "chunk_size", "row_bytes")))
-    return ChunkFileStore(root, bytes.fromhex(digest_hex), layout, description["dtype"], capacity_bytes=0,
-                          namespace_description=description, low_watermark_bytes=0, read_only=True)
+    return ChunkFileStore(
+        root,
+        bytes.fromhex(digest_hex),
+        layout,
+        description["dtype"],
+        capacity_bytes=0,
+        namespace_description=description,
+        low_watermark_bytes=0,
+        read_only=True,
+    )
 
 
 def describe_namespace(namespace: object, layout: HostChunkLayout) -> dict[str, Any]:
     """What ``namespace.json`` records: the namespace's fields and the record layout."""
     fields = asdict(cast("DataclassInstance", namespace)) if hasattr(namespace, "__dataclass_fields__") else {}
-    return {**fields, "num_layers": layout.num_layers, "chunk_size": layout.chunk_size,
-            "row_bytes": layout.row_bytes}
+    return {**fields, "num_layers": layout.num_layers, "chunk_size": layout.chunk_size, "row_bytes": layout.row_bytes}

@@ -52,12 +52,16 @@ def owned_private_dir(path: Path, what: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise SSDStoreError(f"--pcr-ssd-path: {what} {path} is not a directory")
     if st.st_uid != os.geteuid():
-        raise SSDStoreError(f"--pcr-ssd-path: {what} {path} is owned by uid {st.st_uid}, not by this "
-                            f"user ({os.geteuid()}); use a directory of your own")
+        raise SSDStoreError(
+            f"--pcr-ssd-path: {what} {path} is owned by uid {st.st_uid}, not by this "
+            f"user ({os.geteuid()}); use a directory of your own"
+        )
     if st.st_mode & 0o022:
-        raise SSDStoreError(f"--pcr-ssd-path: {what} {path} is writable by other users "
-                            f"(mode {stat.S_IMODE(st.st_mode):o}); PCR leaves it as it is: fix its mode "
-                            f"(chmod go-w) or use another directory")
+        raise SSDStoreError(
+            f"--pcr-ssd-path: {what} {path} is writable by other users "
+            f"(mode {stat.S_IMODE(st.st_mode):o}); PCR leaves it as it is: fix its mode "
+            f"(chmod go-w) or use another directory"
+        )
 
 
 def check_store_root(root: Path) -> None:
@@ -68,14 +72,17 @@ def check_store_root(root: Path) -> None:
     another user could otherwise point it elsewhere between our checks."""
     link = os.lstat(root)
     if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.geteuid(), 0):
-        raise SSDStoreError(f"--pcr-ssd-path {root} is a symbolic link owned by uid {link.st_uid}: it must be "
-                            f"owned by this user ({os.geteuid()}) or root")
+        raise SSDStoreError(
+            f"--pcr-ssd-path {root} is a symbolic link owned by uid {link.st_uid}: it must be "
+            f"owned by this user ({os.geteuid()}) or root"
+        )
     st = os.stat(root)
     if not stat.S_ISDIR(st.st_mode):
         raise SSDStoreError(f"--pcr-ssd-path {root} is not a writable directory (not a directory)")
     if st.st_uid not in (os.geteuid(), 0):
-        raise SSDStoreError(f"--pcr-ssd-path {root} is owned by uid {st.st_uid}: it must be owned by this "
-                            f"user ({os.geteuid()}) or root")
+        raise SSDStoreError(
+            f"--pcr-ssd-path {root} is owned by uid {st.st_uid}: it must be owned by this user ({os.geteuid()}) or root"
+        )
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
         raise SSDStoreError(
             f"--pcr-ssd-path {root} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}) and not "
@@ -233,8 +240,14 @@ def purge_namespace(root: str | os.PathLike[str], digest_hex: str) -> int:
             if fd < 0:
                 raise SSDStoreError(f"namespace {digest_hex} is in use by a running server ({slot_dir.name})")
             leases.append(fd)
-        count = sum(1 for slot_dir in ns_dir.iterdir() if slot_dir.is_dir()
-                    for sub in subdirs(slot_dir) for p in sub.iterdir() if p.suffix == SUFFIX)
+        count = sum(
+            1
+            for slot_dir in ns_dir.iterdir()
+            if slot_dir.is_dir()
+            for sub in subdirs(slot_dir)
+            for p in sub.iterdir()
+            if p.suffix == SUFFIX
+        )
         shutil.rmtree(ns_dir)
     finally:
         for fd in leases:

@@ -71,8 +71,9 @@ def scan_store(store: ScannedStore) -> list[ChunkRecord]:
                 except OSError as e:
                     # What was not adopted stays in the dead slot, readable as a peer's
                     # records, for the next start to adopt.
-                    logger.warning("PCR SSD store: adopting the records of %s failed (%s); they stay "
-                                   "there, readable", slot_dir, e)
+                    logger.warning(
+                        "PCR SSD store: adopting the records of %s failed (%s); they stay there, readable", slot_dir, e
+                    )
                 finally:
                     os.close(fd)
     store._peers = [d for d in slot_dirs(store.dir) if d != own]
@@ -85,8 +86,11 @@ def scan_store(store: ScannedStore) -> list[ChunkRecord]:
     if store.stats.corrupt_chunks or store.stats.discarded_tmp_files or store.stats.adopted_chunks:
         logger.warning(
             "PCR SSD store %s: discarded %d records that failed verification and %d partial writes; "
-            "adopted %d records of servers that are gone", store.dir, store.stats.corrupt_chunks,
-            store.stats.discarded_tmp_files, store.stats.adopted_chunks,
+            "adopted %d records of servers that are gone",
+            store.dir,
+            store.stats.corrupt_chunks,
+            store.stats.discarded_tmp_files,
+            store.stats.adopted_chunks,
         )
     return list(records.values())
 
@@ -160,8 +164,7 @@ def _scan_slot(store: ScannedStore, slot_dir: Path) -> Iterator[ChunkRecord]:
             record = store.codec.parse_header(bytes(raw[:n]))
             if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
                 store._drop_corrupt(path, f"owned by uid {st.st_uid}, not by this user")
-            elif (record is None or path.name != f"{record.key.hex()}{SUFFIX}"
-                  or st.st_size != store.record_bytes):
+            elif record is None or path.name != f"{record.key.hex()}{SUFFIX}" or st.st_size != store.record_bytes:
                 store._drop_corrupt(path, "fails verification on open")
             else:
                 yield record

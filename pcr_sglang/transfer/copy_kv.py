@@ -63,36 +63,48 @@ def _host_tensor(host: Host) -> torch.Tensor:
     return host.tensor if isinstance(host, HostPointer) else host
 
 
-def _check(layout: HostChunkLayout, host: torch.Tensor, token_slots: torch.Tensor,
-           host_slots: torch.Tensor, layer: int) -> None:
+def _check(
+    layout: HostChunkLayout, host: torch.Tensor, token_slots: torch.Tensor, host_slots: torch.Tensor, layer: int
+) -> None:
     if host.dtype != torch.uint8 or host.numel() != layout.total_bytes:
         raise ValueError(f"host pool must be a uint8 tensor of {layout.total_bytes} bytes")
     if token_slots.numel() != host_slots.numel() * layout.chunk_size:
         raise ValueError(
-            f"{token_slots.numel()} device token slots for {host_slots.numel()} chunks of "
-            f"{layout.chunk_size}"
+            f"{token_slots.numel()} device token slots for {host_slots.numel()} chunks of {layout.chunk_size}"
         )
     if not 0 <= layer < layout.num_layers:
         raise ValueError(f"layer {layer} out of range [0, {layout.num_layers})")
 
 
-def check_copy_slots_on_device(token_slots: torch.Tensor, host_slots: torch.Tensor, pool_tokens: int,
-                               num_host_slots: int) -> None:
+def check_copy_slots_on_device(
+    token_slots: torch.Tensor, host_slots: torch.Tensor, pool_tokens: int, num_host_slots: int
+) -> None:
     """The copy's slot bounds as device-side asserts (``--pcr-debug-checks``): the kernel has
     no bounds check, so an out-of-range slot would read or write outside the pools. Queued
     on the current stream without a host wait (``torch._assert_async``); on CPU it raises
     at once."""
     if token_slots.numel():
-        torch._assert_async(((token_slots >= 0) & (token_slots < pool_tokens)).all(),
-                            f"PCR debug check: a copy's device token slot is outside the KV pool [0, {pool_tokens})")
+        torch._assert_async(
+            ((token_slots >= 0) & (token_slots < pool_tokens)).all(),
+            f"PCR debug check: a copy's device token slot is outside the KV pool [0, {pool_tokens})",
+        )
     if host_slots.numel():
-        torch._assert_async(((host_slots >= 0) & (host_slots < num_host_slots)).all(),
-                            f"PCR debug check: a copy's host slot is outside the host pool [0, {num_host_slots})")
+        torch._assert_async(
+            ((host_slots >= 0) & (host_slots < num_host_slots)).all(),
+            f"PCR debug check: a copy's host slot is outside the host pool [0, {num_host_slots})",
+        )
 
 
-def copy_layer_torch(direction: Direction, device_k: torch.Tensor, device_v: torch.Tensor,
-                     host: torch.Tensor, token_slots: torch.Tensor, host_slots: torch.Tensor,
-                     layer: int, layout: HostChunkLayout) -> None:
+def copy_layer_torch(
+    direction: Direction,
+    device_k: torch.Tensor,
+    device_v: torch.Tensor,
+    host: torch.Tensor,
+    token_slots: torch.Tensor,
+    host_slots: torch.Tensor,
+    layer: int,
+    layout: HostChunkLayout,
+) -> None:
     """Reference and CPU path: per K and V, one gather and one scatter over all chunks
     (a chunk's layer block is contiguous on the host, so one index per chunk names it).
     ``host_slots`` must not repeat (a scatter into one slot twice has no order)."""
@@ -114,6 +126,7 @@ def copy_layer_torch(direction: Direction, device_k: torch.Tensor, device_v: tor
         if direction == Direction.DEVICE_TO_HOST:
             words[slots, layer, kv] = dev_rows[rows].view(chunks, chunk, -1).to(host.device)
         else:
+            # mutant: oracle-host-load-shifts-tokens
             dev_rows[rows] = words[slots, layer, kv].reshape(chunks * chunk, -1).to(device.device)
 
 
@@ -130,9 +143,17 @@ def _triton_kernel() -> Any:
     # annotations as its own (``tl.constexpr``, argument types), so these carry none.
     @triton.jit(do_not_specialize=["layer"], do_not_specialize_on_alignment=["token_slots_ptr", "host_slots_ptr"])  # type: ignore[untyped-decorator]
     def copy_layer_kernel(  # type: ignore[no-untyped-def]
-        dev_k_ptr, dev_v_ptr, host_ptr, token_slots_ptr, host_slots_ptr,
-        layer, num_layers, chunk_size, row_bytes,
-        DIRECTION: tl.constexpr, BLOCK: tl.constexpr,
+        dev_k_ptr,
+        dev_v_ptr,
+        host_ptr,
+        token_slots_ptr,
+        host_slots_ptr,
+        layer,
+        num_layers,
+        chunk_size,
+        row_bytes,
+        DIRECTION: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         token = tl.program_id(0)
         block = tl.program_id(1)
@@ -168,12 +189,20 @@ def kernel_host_arg(host: Host, device: torch.device) -> Union[torch.Tensor, Hos
         return host
     if host.is_cuda:
         return host
+    # mutant: gpu-kernel-host-arg-not-resolved
     return resolve(host, device)
 
 
-def copy_layer_triton(direction: Direction, device_k: torch.Tensor, device_v: torch.Tensor,
-                      host: Host, token_slots: torch.Tensor, host_slots: torch.Tensor,
-                      layer: int, layout: HostChunkLayout) -> None:
+def copy_layer_triton(
+    direction: Direction,
+    device_k: torch.Tensor,
+    device_v: torch.Tensor,
+    host: Host,
+    token_slots: torch.Tensor,
+    host_slots: torch.Tensor,
+    layer: int,
+    layout: HostChunkLayout,
+) -> None:
     global _KERNEL
     _check(layout, _host_tensor(host), token_slots, host_slots, layer)
     if host_slots.numel() == 0:
@@ -184,21 +213,35 @@ def copy_layer_triton(direction: Direction, device_k: torch.Tensor, device_v: to
 
     grid = (token_slots.numel(), triton.cdiv(layout.row_bytes, _BLOCK_BYTES))
     _KERNEL[grid](
-        _byte_rows(device_k, layout.row_bytes), _byte_rows(device_v, layout.row_bytes),
+        _byte_rows(device_k, layout.row_bytes),
+        _byte_rows(device_v, layout.row_bytes),
+        # mutant: gpu-copy-kernel-gets-the-cpu-tensor
         kernel_host_arg(host, device_k.device),
-        token_slots, host_slots, layer, layout.num_layers, layout.chunk_size, layout.row_bytes,
-        DIRECTION=int(direction), BLOCK=_BLOCK_BYTES,
+        token_slots,
+        host_slots,
+        layer,
+        layout.num_layers,
+        layout.chunk_size,
+        layout.row_bytes,
+        DIRECTION=int(direction),
+        BLOCK=_BLOCK_BYTES,
     )
 
 
-def copy_layer(direction: Direction, device_k: torch.Tensor, device_v: torch.Tensor,
-               host: Host, token_slots: torch.Tensor, host_slots: torch.Tensor,
-               layer: int, layout: HostChunkLayout) -> None:
+def copy_layer(
+    direction: Direction,
+    device_k: torch.Tensor,
+    device_v: torch.Tensor,
+    host: Host,
+    token_slots: torch.Tensor,
+    host_slots: torch.Tensor,
+    layer: int,
+    layout: HostChunkLayout,
+) -> None:
     """Copy ``layer`` of every listed chunk; the Triton kernel on CUDA, torch elsewhere.
     ``host``: the pool's tensor, or (CUDA) its :class:`HostPointer`, resolved once by the
     caller (a tensor is resolved at each call)."""
     if device_k.is_cuda:
         copy_layer_triton(direction, device_k, device_v, host, token_slots, host_slots, layer, layout)
     else:
-        copy_layer_torch(direction, device_k, device_v, _host_tensor(host), token_slots, host_slots, layer,
-                         layout)
+        copy_layer_torch(direction, device_k, device_v, _host_tensor(host), token_slots, host_slots, layer, layout)

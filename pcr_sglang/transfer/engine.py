@@ -85,9 +85,15 @@ class TransferEngine:
     # SGLang's pool consults ``consumer_index >= 0`` before some per-layer waits.
     consumer_index = 0
 
-    def __init__(self, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], host_buffer: torch.Tensor,
-                 layout: HostChunkLayout, mode: LayerwiseMode = LayerwiseMode.BOTH,
-                 streams: Optional[Streams] = None, debug_checks: bool = False) -> None:
+    def __init__(
+        self,
+        kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        host_buffer: torch.Tensor,
+        layout: HostChunkLayout,
+        mode: LayerwiseMode = LayerwiseMode.BOTH,
+        streams: Optional[Streams] = None,
+        debug_checks: bool = False,
+    ) -> None:
         """``streams``: run the stream algorithm on these (default: CUDA's on a CUDA pool,
         none on a CPU pool, which runs each copy inline). ``debug_checks``
         (``--pcr-debug-checks``): every transfer's and re-placement's slots are checked on
@@ -154,6 +160,7 @@ class TransferEngine:
 
     def _side_waits_for_compute(self, streams: Streams) -> None:
         for stream in self._compute_streams(streams):
+            # mutant: ordering-side-stream-skips-the-compute-streams
             streams.wait_stream(self._stream, stream)
 
     def _compute_waits_for(self, streams: Streams, transfer: Transfer) -> None:
@@ -165,15 +172,20 @@ class TransferEngine:
     # ------------------------------------------------------------------ issuing
     def _make(self, direction: Direction, device_slots: torch.Tensor, host_slots: Sequence[int]) -> Transfer:
         if self._streams is not None:  # staged through pinned memory allocated once (CUDA)
+            # mutant: gpu-index-tensor-pageable-per-transfer
             index = self._streams.index_tensor(host_slots)
         else:
             index = torch.tensor(list(host_slots), dtype=torch.int64)
         # A copy: the caller's slot tensor may be a row of SGLang's req_to_token, rewritten later.
+        # mutant: gpu-serving-launch-not-warmed
         transfer = Transfer(direction, device_slots.to(torch.int64, copy=True), index, tuple(host_slots))
         if self.debug_checks:
             if transfer.device_slots.numel() != len(transfer.host_slots) * self.layout.chunk_size:
-                raise ValueError(f"{transfer.device_slots.numel()} device token slots for "
-                                 f"{len(transfer.host_slots)} chunks of {self.layout.chunk_size}")
+                raise ValueError(
+                    f"{transfer.device_slots.numel()} device token slots for "
+                    f"{len(transfer.host_slots)} chunks of {self.layout.chunk_size}"
+                )
+            # mutant: gpu-debug-checks-skip-copies
             check_copy_slots_on_device(transfer.device_slots, index, self._pool_tokens(), self.layout.num_slots)
         self._tickets.hold(transfer)
         return transfer
@@ -241,6 +253,7 @@ class TransferEngine:
         slot twice is copied transfer by transfer instead, so the later write still wins."""
         if len(group) == 1:
             return [(group[0].device_slots, group[0].host_index)]
+        # mutant: gpu-merged-indices-made-per-layer
         merged = self._merged.get(group)
         if merged is None:
             slots = [s for t in group for s in t.host_slots]
@@ -274,6 +287,7 @@ class TransferEngine:
         if self._streams is None:
             self._issue(self._loads, layer)
             self._loads = [t for t in self._loads if t.next_layer < self.num_layers]
+            # mutant: doc-reuse-replacement-after-the-forwards-read
             self._replacements.run(layer)
             return
         if self._streams.is_capturing():
@@ -286,8 +300,9 @@ class TransferEngine:
         self._replacements.wait_layer(self._streams, current, layer)
 
     # ------------------------------------------------------------------ re-placements
-    def replace(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor, rope: RopeSpec,
-                layers: Optional[range] = None) -> None:
+    def replace(
+        self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor, rope: RopeSpec, layers: Optional[range] = None
+    ) -> None:
         """Re-place device KV ``src`` -> ``dst`` (int64 slot tensors on the pool's device,
         checked by the caller), K rotated by ``delta`` positions, for ``layers`` (default:
         all), before the next forward reads each layer. Without ``--pcr-layerwise load`` it
@@ -296,13 +311,15 @@ class TransferEngine:
         if not len(layers):
             return
         if self.debug_checks:
+            # mutant: gpu-debug-checks-skip-replacements
             check_slots_on_device(src, dst, self._pool_tokens())
         job = Replacement(src, dst, delta, rope, layers.start, layers.stop)
         if self._streams is None:
             self._replacements.add(job)
         else:
-            self._replacements.issue(self._streams, job, layers, self._compute_streams(self._streams), self._stream,
-                                     self._layer_events)
+            self._replacements.issue(
+                self._streams, job, layers, self._compute_streams(self._streams), self._stream, self._layer_events
+            )
 
     @property
     def pending_replacements(self) -> int:
@@ -331,6 +348,7 @@ class TransferEngine:
         if self._streams is not None:
             if self._streams.is_capturing():
                 return  # a graph replay would skip this: end_batch issues what is left
+            # mutant: ordering-offload-before-the-forward-wrote-the-layer
             self._streams.wait_stream(self._stream, self._streams.current_stream())
         self._issue([t for t in self._active if t.next_layer == layer], layer)
 
@@ -382,6 +400,7 @@ class TransferEngine:
                 streams.wait_stream(stream, self._stream)
         if self._replacements.in_flight():
             for stream in self._compute_streams(streams):
+                # mutant: ordering-slots-reused-before-the-replacement-read-them
                 streams.wait_stream(stream, self._replacements.stream)
 
     @property

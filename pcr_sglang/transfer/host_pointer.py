@@ -55,9 +55,14 @@ def _sgl_kernel_fn() -> Optional[Callable[[torch.Tensor, int], int]]:
     return fn
 
 
-def resolve(host: torch.Tensor, device: torch.device, *, resolver: Optional[Callable[..., Any]] = None,
-            is_hip: Optional[bool] = None,
-            is_pinned: Callable[[torch.Tensor], bool] = torch.Tensor.is_pinned) -> HostPointer:
+def resolve(
+    host: torch.Tensor,
+    device: torch.device,
+    *,
+    resolver: Optional[Callable[..., Any]] = None,
+    is_hip: Optional[bool] = None,
+    is_pinned: Callable[[torch.Tensor], bool] = torch.Tensor.is_pinned,
+) -> HostPointer:
     """The device address of registered host buffer ``host`` for CUDA device ``device``.
 
     Called once per buffer (the transfer engine keeps the result). ``resolver``,
@@ -70,7 +75,8 @@ def resolve(host: torch.Tensor, device: torch.device, *, resolver: Optional[Call
     if not is_pinned(host):
         raise HostPointerError(
             "the host buffer is not registered with CUDA (cudaHostRegister or pin_memory): a GPU kernel "
-            "cannot address it")
+            "cannot address it"
+        )
     index = device.index if device.index is not None else torch.cuda.current_device()
     fn = resolver if resolver is not None else _sgl_kernel_fn()
     hip = bool(torch.version.hip) if is_hip is None else is_hip
@@ -79,12 +85,15 @@ def resolve(host: torch.Tensor, device: torch.device, *, resolver: Optional[Call
     elif hip:
         raise HostPointerError(
             "sgl_kernel.kvcacheio.get_device_accessible_ptr is missing: on ROCm registered host memory has a "
-            "device address of its own, which PCR's copy kernel needs (install an sglang-kernel that has it)")
+            "device address of its own, which PCR's copy kernel needs (install an sglang-kernel that has it)"
+        )
     else:
         # CUDA's unified addressing: registered host memory has the same address on the device.
         address = host.data_ptr()
-        logger.info("PCR host tier: sgl_kernel.kvcacheio.get_device_accessible_ptr is not installed; the copy "
-                    "kernel uses the host address of the registered pool (equal on CUDA with unified addressing)")
+        logger.info(
+            "PCR host tier: sgl_kernel.kvcacheio.get_device_accessible_ptr is not installed; the copy "
+            "kernel uses the host address of the registered pool (equal on CUDA with unified addressing)"
+        )
     if address == 0:
         raise HostPointerError("no device address for the registered host buffer")
     return HostPointer(host, address)

@@ -86,8 +86,15 @@ class Replacements:
         return len(self._queued)
 
     # ------------------------------------------------------------------ CUDA: a side stream
-    def issue(self, streams: Streams, job: Replacement, layers: range, compute: Sequence[Any], loads: Any,
-              load_events: Sequence[Optional[Event]]) -> None:
+    def issue(
+        self,
+        streams: Streams,
+        job: Replacement,
+        layers: range,
+        compute: Sequence[Any],
+        loads: Any,
+        load_events: Sequence[Optional[Event]],
+    ) -> None:
         """Queue ``layers`` of ``job`` on the re-placement stream: after the work on the
         ``compute`` streams (sources written, or targets last read, by a forward) and each
         layer after ``load_events`` (the loads' newest event per layer); without layer-wise
@@ -109,12 +116,14 @@ class Replacements:
             for layer in layers:
                 load_event = load_events[layer]
                 if load_event is not None:
+                    # mutant: ordering-replacement-before-its-layers-load
                     streams.wait_event(stream, load_event)
                 k_buffer, v_buffer = self._kv_layers[layer]
                 replace_layer(k_buffer, v_buffer, job.src, job.dst, job.delta, job.rope, verify_slots=False)
                 if streams.records_accesses:
-                    streams.accesses(stream, [Region(DEVICE_KV, layer, job.src)],
-                                     [Region(DEVICE_KV, layer, job.dst)], "re-placement")
+                    streams.accesses(
+                        stream, [Region(DEVICE_KV, layer, job.src)], [Region(DEVICE_KV, layer, job.dst)], "re-placement"
+                    )
                 event = streams.record_event(stream)
                 if self._layerwise:
                     self._layer_events[layer] = event

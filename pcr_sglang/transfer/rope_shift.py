@@ -75,13 +75,9 @@ class RopeSpec:
         if not isinstance(self.rotary_dim, int) or self.rotary_dim <= 0:
             raise ValueError(f"RopeSpec.rotary_dim must be a positive int, got {self.rotary_dim!r}")
         if self.rotary_dim % 2:
-            raise ValueError(
-                f"RopeSpec.rotary_dim must be even (dims rotate in pairs), got {self.rotary_dim}"
-            )
+            raise ValueError(f"RopeSpec.rotary_dim must be even (dims rotate in pairs), got {self.rotary_dim}")
         if self.rotary_dim > self.head_dim:
-            raise ValueError(
-                f"RopeSpec.rotary_dim {self.rotary_dim} exceeds head_dim {self.head_dim}"
-            )
+            raise ValueError(f"RopeSpec.rotary_dim {self.rotary_dim} exceeds head_dim {self.head_dim}")
         if len(self.inv_freq) != self.rotary_dim // 2:
             raise ValueError(
                 f"RopeSpec.inv_freq has {len(self.inv_freq)} frequencies; rotary_dim "
@@ -99,7 +95,9 @@ class RopeSpec:
         """A 16-hex-digit digest of every field, stable across processes and machines
         (frequencies hashed by their exact bits), for use in cache keys."""
         text = "rope-v1|%d|%d|%d|%s" % (
-            self.head_dim, self.rotary_dim, int(self.is_neox_style),
+            self.head_dim,
+            self.rotary_dim,
+            int(self.is_neox_style),
             ",".join(f.hex() for f in self.inv_freq),
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -126,9 +124,7 @@ def shift_keys_torch(keys: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec) -
     Dims ``>= rotary_dim`` and every row whose delta is 0 come back bit-identical.
     """
     if keys.dim() != 3 or keys.shape[-1] != spec.head_dim:
-        raise ValueError(
-            f"keys must be [n, num_heads, {spec.head_dim}], got {list(keys.shape)}"
-        )
+        raise ValueError(f"keys must be [n, num_heads, {spec.head_dim}], got {list(keys.shape)}")
     if not keys.is_floating_point():
         raise ValueError(f"keys must be a float tensor, got {keys.dtype}")
     _check_deltas(deltas, keys.shape[0], keys.device)
@@ -158,9 +154,7 @@ def shift_keys_torch(keys: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec) -
 
 def _check_deltas(deltas: torch.Tensor, n: int, device: torch.device) -> None:
     if deltas.dtype != torch.int64 or deltas.dim() != 1:
-        raise ValueError(
-            f"deltas must be a 1-D int64 tensor, got {deltas.dtype} {list(deltas.shape)}"
-        )
+        raise ValueError(f"deltas must be a 1-D int64 tensor, got {deltas.dtype} {list(deltas.shape)}")
     if deltas.numel() != n:
         raise ValueError(f"{deltas.numel()} deltas for {n} tokens")
     if deltas.device != device:
@@ -181,11 +175,13 @@ def check_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor, pool_size: int
         return
     both = torch.cat((src_slots, dst_slots))
     ordered = torch.sort(dst_slots).values
-    verdicts = torch.stack((
-        (both.min() < 0) | (both.max() >= pool_size),
-        (ordered[1:] == ordered[:-1]).any(),
-        torch.isin(src_slots, dst_slots).any(),
-    )).tolist()
+    verdicts = torch.stack(
+        (
+            (both.min() < 0) | (both.max() >= pool_size),
+            (ordered[1:] == ordered[:-1]).any(),
+            torch.isin(src_slots, dst_slots).any(),
+        )
+    ).tolist()
     if verdicts[0]:
         raise ValueError(f"a slot is outside the pool [0, {pool_size})")
     if verdicts[1]:
@@ -206,26 +202,34 @@ def check_slots_on_device(src_slots: torch.Tensor, dst_slots: torch.Tensor, pool
         return
     both = torch.cat((src_slots, dst_slots))
     ordered = torch.sort(dst_slots).values
-    torch._assert_async(((both >= 0) & (both < pool_size)).all(),
-                        f"PCR debug check: a re-placement slot is outside the KV pool [0, {pool_size})")
-    torch._assert_async((ordered[1:] != ordered[:-1]).all(),
-                        "PCR debug check: a re-placement destination slot appears twice")
-    torch._assert_async(torch.logical_not(torch.isin(src_slots, dst_slots).any()),
-                        "PCR debug check: re-placement source and destination slots overlap")
+    torch._assert_async(
+        ((both >= 0) & (both < pool_size)).all(),
+        f"PCR debug check: a re-placement slot is outside the KV pool [0, {pool_size})",
+    )
+    torch._assert_async(
+        (ordered[1:] != ordered[:-1]).all(), "PCR debug check: a re-placement destination slot appears twice"
+    )
+    torch._assert_async(
+        torch.logical_not(torch.isin(src_slots, dst_slots).any()),
+        "PCR debug check: re-placement source and destination slots overlap",
+    )
 
 
-def _check_layer(k_buffer: torch.Tensor, v_buffer: torch.Tensor, src_slots: torch.Tensor,
-                 dst_slots: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec) -> None:
+def _check_layer(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    deltas: torch.Tensor,
+    spec: RopeSpec,
+) -> None:
     if k_buffer.dim() != 3 or v_buffer.dim() != 3:
         raise ValueError(
             f"k_buffer and v_buffer must be [pool_size, num_kv_heads, head_dim], got "
             f"{list(k_buffer.shape)} and {list(v_buffer.shape)}"
         )
     if k_buffer.shape[-1] != spec.head_dim:
-        raise ValueError(
-            f"k_buffer head_dim {k_buffer.shape[-1]} does not match the RoPE spec's "
-            f"{spec.head_dim}"
-        )
+        raise ValueError(f"k_buffer head_dim {k_buffer.shape[-1]} does not match the RoPE spec's {spec.head_dim}")
     if v_buffer.shape[:2] != k_buffer.shape[:2]:
         raise ValueError(
             f"v_buffer {list(v_buffer.shape)} and k_buffer {list(k_buffer.shape)} differ in "
@@ -239,14 +243,10 @@ def _check_layer(k_buffer: torch.Tensor, v_buffer: torch.Tensor, src_slots: torc
     if v_buffer.device != k_buffer.device:
         raise ValueError(f"v_buffer is on {v_buffer.device}, k_buffer on {k_buffer.device}")
     if v_buffer.data_ptr() == k_buffer.data_ptr():
-        raise ValueError(
-            "k_buffer and v_buffer are the same memory (an MLA pool has no separate V)"
-        )
+        raise ValueError("k_buffer and v_buffer are the same memory (an MLA pool has no separate V)")
     for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
         if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"{name} must be a 1-D int32/int64 tensor, got {slots.dtype} {list(slots.shape)}"
-            )
+            raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {slots.dtype} {list(slots.shape)}")
         if slots.device != k_buffer.device:
             raise ValueError(f"{name} is on {slots.device}, the buffers on {k_buffer.device}")
     if src_slots.numel() != dst_slots.numel():
@@ -254,9 +254,17 @@ def _check_layer(k_buffer: torch.Tensor, v_buffer: torch.Tensor, src_slots: torc
     _check_deltas(deltas, src_slots.numel(), k_buffer.device)
 
 
-def replace_layer(k_buffer: torch.Tensor, v_buffer: torch.Tensor, src_slots: torch.Tensor,
-                  dst_slots: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec, *,
-                  use_triton: Optional[bool] = None, verify_slots: bool = True) -> None:
+def replace_layer(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    deltas: torch.Tensor,
+    spec: RopeSpec,
+    *,
+    use_triton: Optional[bool] = None,
+    verify_slots: bool = True,
+) -> None:
     """Re-place tokens within one layer of SGLang's token-indexed pool, in place:
     ``k_buffer[dst] = R(delta) . k_buffer[src]`` and ``v_buffer[dst] = v_buffer[src]``.
 
@@ -281,8 +289,14 @@ def replace_layer(k_buffer: torch.Tensor, v_buffer: torch.Tensor, src_slots: tor
         _replace_layer_torch(k_buffer, v_buffer, src_slots, dst_slots, deltas, spec)
 
 
-def _replace_layer_torch(k_buffer: torch.Tensor, v_buffer: torch.Tensor, src_slots: torch.Tensor,
-                         dst_slots: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec) -> None:
+def _replace_layer_torch(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    deltas: torch.Tensor,
+    spec: RopeSpec,
+) -> None:
     """Reference and CPU path: gather, rotate, scatter."""
     src, dst = src_slots.long(), dst_slots.long()
     k_buffer[dst] = shift_keys_torch(k_buffer[src], deltas, spec)
@@ -302,11 +316,25 @@ def _triton_kernel() -> Any:
     # annotations as its own (``tl.constexpr``, argument types), so these carry none.
     @triton.jit(do_not_specialize_on_alignment=["src_ptr", "dst_ptr", "delta_ptr"])  # type: ignore[untyped-decorator]
     def _rope_shift_kernel(  # type: ignore[no-untyped-def]
-        k_ptr, v_ptr, src_ptr, dst_ptr, delta_ptr, inv_freq_ptr,
-        num_heads, k_stride_tok, k_stride_head, v_stride_tok, v_stride_head,
-        HALF: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
-        IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-        BLOCK_PASS: tl.constexpr, BLOCK_V: tl.constexpr,
+        k_ptr,
+        v_ptr,
+        src_ptr,
+        dst_ptr,
+        delta_ptr,
+        inv_freq_ptr,
+        num_heads,
+        k_stride_tok,
+        k_stride_head,
+        v_stride_tok,
+        v_stride_head,
+        HALF: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        V_HEAD_DIM: tl.constexpr,
+        IS_NEOX: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        BLOCK_PASS: tl.constexpr,
+        BLOCK_V: tl.constexpr,
     ):
         token = tl.program_id(0)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -347,8 +375,7 @@ def _triton_kernel() -> Any:
         if BLOCK_PASS > 0:  # dims >= rotary_dim: copied as they are
             rest = 2 * HALF + tl.arange(0, BLOCK_PASS)
             rest_mask = head_mask[:, None] & (rest < HEAD_DIM)[None, :]
-            tl.store(k_dst + rest[None, :], tl.load(k_src + rest[None, :], mask=rest_mask),
-                     mask=rest_mask)
+            tl.store(k_dst + rest[None, :], tl.load(k_src + rest[None, :], mask=rest_mask), mask=rest_mask)
 
         vd = tl.arange(0, BLOCK_V)
         v_mask = head_mask[:, None] & (vd < V_HEAD_DIM)[None, :]
@@ -362,8 +389,14 @@ def _triton_kernel() -> Any:
 _KERNEL: Any = None  # the JITFunction, built at the first launch
 
 
-def _replace_layer_triton(k_buffer: torch.Tensor, v_buffer: torch.Tensor, src_slots: torch.Tensor,
-                          dst_slots: torch.Tensor, deltas: torch.Tensor, spec: RopeSpec) -> None:
+def _replace_layer_triton(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    deltas: torch.Tensor,
+    spec: RopeSpec,
+) -> None:
     """The kernel: one program per (token, block of heads); the last dim must be dense."""
     global _KERNEL
     if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
@@ -375,14 +408,25 @@ def _replace_layer_triton(k_buffer: torch.Tensor, v_buffer: torch.Tensor, src_sl
     num_heads = k_buffer.shape[1]
     pass_dims = spec.head_dim - spec.rotary_dim
     widest = max(spec.head_dim, v_buffer.shape[-1])
-    block_h = min(triton.next_power_of_2(num_heads),
-                  max(1, _MAX_BLOCK_ELEMS // triton.next_power_of_2(widest)))
+    block_h = min(triton.next_power_of_2(num_heads), max(1, _MAX_BLOCK_ELEMS // triton.next_power_of_2(widest)))
     grid = (src_slots.numel(), triton.cdiv(num_heads, block_h))
     _KERNEL[grid](
-        k_buffer, v_buffer, src_slots, dst_slots, deltas, _inv_freq_on(spec, k_buffer.device),
-        num_heads, k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        HALF=spec.half, HEAD_DIM=spec.head_dim, V_HEAD_DIM=v_buffer.shape[-1],
-        IS_NEOX=spec.is_neox_style, BLOCK_H=block_h,
+        k_buffer,
+        v_buffer,
+        src_slots,
+        dst_slots,
+        deltas,
+        _inv_freq_on(spec, k_buffer.device),
+        num_heads,
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        HALF=spec.half,
+        HEAD_DIM=spec.head_dim,
+        V_HEAD_DIM=v_buffer.shape[-1],
+        IS_NEOX=spec.is_neox_style,
+        BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(spec.half),
         BLOCK_PASS=triton.next_power_of_2(pass_dims) if pass_dims else 0,
         BLOCK_V=triton.next_power_of_2(v_buffer.shape[-1]),

@@ -36,8 +36,13 @@ def _host_int64(values: Union[Sequence[int], torch.Tensor]) -> torch.Tensor:
 class PinnedStaging:
     """A ring over one pinned int64 buffer (see the module docstring)."""
 
-    def __init__(self, device: torch.device, pin: Callable[[int, torch.dtype], torch.Tensor],
-                 record_event: Callable[[], Any], capacity: int = DEFAULT_CAPACITY):
+    def __init__(
+        self,
+        device: torch.device,
+        pin: Callable[[int, torch.dtype], torch.Tensor],
+        record_event: Callable[[], Any],
+        capacity: int = DEFAULT_CAPACITY,
+    ):
         """``pin(n, dtype)`` allocates pinned host memory (called here once, and on overflow);
         ``record_event()`` records an event on the current stream."""
         self.device = device
@@ -70,18 +75,23 @@ class PinnedStaging:
             return out
         self._retire()
         start = self._head if self._head + n <= self.capacity else 0
+        # mutant: gpu-staging-overwrites-a-region-in-flight
         if n > self.capacity or not self._free(start, start + n):
             self.overflows += 1
             if self.overflows == 1:
-                logger.warning("PCR transfer staging: %d index entries in flight exceed the pinned ring of %d; "
-                               "allocating pinned memory for this transfer (counted, logged once)",
-                               n + sum(e - s for s, e, _ in self._in_use), self.capacity)
+                logger.warning(
+                    "PCR transfer staging: %d index entries in flight exceed the pinned ring of %d; "
+                    "allocating pinned memory for this transfer (counted, logged once)",
+                    n + sum(e - s for s, e, _ in self._in_use),
+                    self.capacity,
+                )
             staged = self._pin(n, torch.int64)
             staged.copy_(_host_int64(values))
             out.copy_(staged, non_blocking=True)
             return out
-        region = self._buffer[start: start + n]
+        region = self._buffer[start : start + n]
         region.copy_(_host_int64(values))
+        # mutant: gpu-staging-uploads-from-pageable-memory
         out.copy_(region, non_blocking=True)
         self._in_use.append((start, start + n, self._record_event()))
         self._head = start + n

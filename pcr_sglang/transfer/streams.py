@@ -107,15 +107,22 @@ class CudaStreams:
 
     records_accesses = False
 
-    def __init__(self, device: torch.device, *, events_per_stream: int = 256, cuda: Any = None,
-                 pin: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None,
-                 staging_capacity: int = DEFAULT_CAPACITY):
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        events_per_stream: int = 256,
+        cuda: Any = None,
+        pin: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None,
+        staging_capacity: int = DEFAULT_CAPACITY,
+    ):
         self.device = device
         self.cuda: Any = cuda if cuda is not None else torch.cuda  # torch.cuda, or a test's stand-in
         self.events_per_stream = max(int(events_per_stream), 2)
         self._rings: list[tuple[Any, list[Any], list[int]]] = []  # (stream, events, [next])
-        self.staging = PinnedStaging(device, pin or _pinned_empty,
-                                     lambda: self.record_event(self.current_stream()), staging_capacity)
+        self.staging = PinnedStaging(
+            device, pin or _pinned_empty, lambda: self.record_event(self.current_stream()), staging_capacity
+        )
 
     def _ring(self, stream: Any) -> tuple[list[Any], list[int]]:
         for own, events, turn in self._rings:
@@ -139,6 +146,7 @@ class CudaStreams:
 
     def record_event(self, stream: Any) -> Any:
         events, turn = self._ring(stream)
+        # mutant: gpu-event-made-per-record
         event = events[turn[0]]
         turn[0] = (turn[0] + 1) % len(events)
         event.record(stream)
@@ -294,8 +302,9 @@ class OrderingModel:
     def index_tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.int64)
 
-    def accesses(self, stream: ModelStream, reads: Sequence[Region], writes: Sequence[Region],
-                 what: str = "access") -> None:
+    def accesses(
+        self, stream: ModelStream, reads: Sequence[Region], writes: Sequence[Region], what: str = "access"
+    ) -> None:
         """Work on ``stream`` reading ``reads`` and writing ``writes``: checked against every
         earlier conflicting access, then remembered."""
         count = self._issue(stream)
@@ -304,23 +313,24 @@ class OrderingModel:
             for cell, where in self._cells_of(region):
                 write = cell.last_write
                 if write is not None and not self._ordered(write, stream):
-                    raise OrderingError(f"{access.label} reads {where}, written by {write.label} "
-                                        "with nothing ordering the two")
+                    raise OrderingError(
+                        f"{access.label} reads {where}, written by {write.label} with nothing ordering the two"
+                    )
                 cell.reads[stream.index] = access
         for region in writes:
             for cell, where in self._cells_of(region):
                 earlier = ([cell.last_write] if cell.last_write is not None else []) + list(cell.reads.values())
                 for other in earlier:
                     if not self._ordered(other, stream):
-                        raise OrderingError(f"{access.label} writes {where}, accessed by {other.label} "
-                                            "with nothing ordering the two")
+                        raise OrderingError(
+                            f"{access.label} writes {where}, accessed by {other.label} with nothing ordering the two"
+                        )
                 cell.last_write = access
                 cell.reads = {}
         self.log.append(("access", stream.name, what))
 
     # ------------------------------------------------------------------ the test's side
-    def host_accesses(self, reads: Sequence[Region] = (), writes: Sequence[Region] = (),
-                      what: str = "host") -> None:
+    def host_accesses(self, reads: Sequence[Region] = (), writes: Sequence[Region] = (), what: str = "host") -> None:
         """The host reads or writes (e.g. the I/O process, a host slot)."""
         self.accesses(self.host, reads, writes, what)
 
@@ -335,8 +345,7 @@ class OrderingModel:
 
     def count(self, operation: str, stream: Optional[ModelStream] = None) -> int:
         """How many ``operation`` (``wait_event``, ``wait_stream``, ...) were issued (on ``stream``)."""
-        return sum(1 for op, name, _ in self.log
-                   if op == operation and (stream is None or name == stream.name))
+        return sum(1 for op, name, _ in self.log if op == operation and (stream is None or name == stream.name))
 
     # ------------------------------------------------------------------ internals
     def _issue(self, stream: ModelStream) -> int:

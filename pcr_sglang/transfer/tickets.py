@@ -40,6 +40,7 @@ class Transfer:
     def complete(self, num_layers: int) -> bool:
         if self.next_layer < num_layers:
             return False
+        # mutant: gpu-step-waits-for-a-copy
         return self.event is None or bool(self.event.query())
 
 

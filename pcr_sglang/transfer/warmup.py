@@ -37,8 +37,7 @@ class WarmupReport:
     seconds: float = 0.0
 
 
-def warm_up_copy(engine: TransferEngine, report: WarmupReport,
-                 copy: Callable[..., None] = copy_layer_triton) -> None:
+def warm_up_copy(engine: TransferEngine, report: WarmupReport, copy: Callable[..., None] = copy_layer_triton) -> None:
     """The copy kernel, both directions, every layer, on ``engine``'s operands (its KV
     buffers and the host pool as the kernel gets it: on CUDA the device address)."""
     layout = engine.layout
@@ -46,27 +45,45 @@ def warm_up_copy(engine: TransferEngine, report: WarmupReport,
         k, v, host = engine.kernel_operands(layer)
         token_slots = torch.zeros(layout.chunk_size, dtype=torch.int64, device=k.device)
         host_slots = torch.zeros(1, dtype=torch.int64, device=k.device)
+        # mutant: gpu-warm-up-copies-one-direction
         for direction in (Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE):
             copy(direction, k, v, host, token_slots, host_slots, layer, layout)
             report.launches.append(("copy", layer, direction.name))
 
 
-def warm_up_rotation(kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]], rope: RopeSpec,
-                     report: WarmupReport, rotate: Callable[..., None] = replace_layer) -> None:
+def warm_up_rotation(
+    kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    rope: RopeSpec,
+    report: WarmupReport,
+    rotate: Callable[..., None] = replace_layer,
+) -> None:
     """The rotation kernel on every layer's buffers with the model's RoPE: slot 0 onto
     itself, delta 0 (bits kept)."""
     for layer, (k, v) in enumerate(kv_layers):
         slot = torch.zeros(1, dtype=torch.int64, device=k.device)
-        rotate(k, v, slot, slot, torch.zeros(1, dtype=torch.int64, device=k.device), rope,
-               use_triton=True, verify_slots=False)
+        rotate(
+            k,
+            v,
+            slot,
+            slot,
+            torch.zeros(1, dtype=torch.int64, device=k.device),
+            rope,
+            use_triton=True,
+            verify_slots=False,
+        )
         report.launches.append(("rope", layer, rope.signature()))
 
 
-def warm_up_on_cuda(*, engine: Optional[TransferEngine] = None,
-                    kv_layers: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None,
-                    rope: Optional[RopeSpec] = None, on_cuda: Optional[bool] = None,
-                    copy: Callable[..., None] = copy_layer_triton, rotate: Callable[..., None] = replace_layer,
-                    synchronize: Optional[Callable[[], None]] = None) -> Optional[WarmupReport]:
+def warm_up_on_cuda(
+    *,
+    engine: Optional[TransferEngine] = None,
+    kv_layers: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None,
+    rope: Optional[RopeSpec] = None,
+    on_cuda: Optional[bool] = None,
+    copy: Callable[..., None] = copy_layer_triton,
+    rotate: Callable[..., None] = replace_layer,
+    synchronize: Optional[Callable[[], None]] = None,
+) -> Optional[WarmupReport]:
     """Where the cache is assembled (on each rank): compile the copy kernel for ``engine``
     and the rotation kernel for ``kv_layers`` with ``rope``, if they run on CUDA (elsewhere
     the torch paths run and nothing is compiled: returns None); waits for the launches.
@@ -88,9 +105,14 @@ def warm_up_on_cuda(*, engine: Optional[TransferEngine] = None,
         if engine is not None:
             warm_up_copy(engine, report, copy)
         if kv_layers is not None and rope is not None:
+            # mutant: gpu-warm-up-skips-the-rotation-kernel
             warm_up_rotation(kv_layers, rope, report, rotate)
     (synchronize or torch.cuda.synchronize)()
     report.seconds = time.monotonic() - start
-    logger.info("PCR: compiled the transfer kernels at startup (%s: %d launches, %.1f s)",
-                ", ".join(sorted({kernel for kernel, _, _ in report.launches})), len(report.launches), report.seconds)
+    logger.info(
+        "PCR: compiled the transfer kernels at startup (%s: %d launches, %.1f s)",
+        ", ".join(sorted({kernel for kernel, _, _ in report.launches})),
+        len(report.launches),
+        report.seconds,
+    )
     return report

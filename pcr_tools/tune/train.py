@@ -176,14 +176,16 @@ def validation_questions(params: TuneParams) -> list[Question]:
     """Fixed ``train``-split questions (never a test article), targets never first."""
     rng = random.Random(f"tune-validation:{params.seed}")
     articles = split_articles("train")
-    return [make_question(KINDS[i % len(KINDS)], articles, rng, documents=3)
-            for i in range(params.validation_questions)]
+    return [
+        make_question(KINDS[i % len(KINDS)], articles, rng, documents=3) for i in range(params.validation_questions)
+    ]
 
 
 def validation_kl(model: Any, tokenizer: Any, questions: Sequence[Question], answer_tokens: int) -> float:
     with torch.no_grad():
         return sum(float(sample_loss(model, tokenizer, q, "concat", answer_tokens)) for q in questions) / max(
-            1, len(questions))
+            1, len(questions)
+        )
 
 
 def train(params: TuneParams, progress: Callable[[str], None] = logger.info) -> TuneResult:
@@ -198,8 +200,12 @@ def train(params: TuneParams, progress: Callable[[str], None] = logger.info) -> 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     base = AutoModelForCausalLM.from_pretrained(params.base_model, dtype=torch.float32).to(device)
     progress(f"tuning {params.base_model} on {device}")
-    model = get_peft_model(base, LoraConfig(r=params.rank, lora_alpha=params.alpha, lora_dropout=0.0,
-                                            target_modules=list(TARGET_MODULES), bias="none"))
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=params.rank, lora_alpha=params.alpha, lora_dropout=0.0, target_modules=list(TARGET_MODULES), bias="none"
+        ),
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=0.0)
     total_steps = max(1, math.ceil(params.samples / params.grad_accum))
@@ -255,8 +261,10 @@ def train(params: TuneParams, progress: Callable[[str], None] = logger.info) -> 
             window.clear()
             gold_window.clear()
             elapsed = time.monotonic() - started
-            progress(f"sample {samples}/{params.samples}  {'  '.join(said)}  {elapsed / 60:.1f} min "
-                     f"(about {elapsed / samples * (params.samples - samples) / 60:.1f} min left)")
+            progress(
+                f"sample {samples}/{params.samples}  {'  '.join(said)}  {elapsed / 60:.1f} min "
+                f"(about {elapsed / samples * (params.samples - samples) / 60:.1f} min left)"
+            )
     if samples % params.grad_accum:
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
@@ -266,9 +274,16 @@ def train(params: TuneParams, progress: Callable[[str], None] = logger.info) -> 
     kl_after = validation_kl(model, tokenizer, held_out, params.answer_tokens)
     progress(f"validation KL after: {kl_after:.4f}")
     elapsed = time.monotonic() - started
-    result = TuneResult(adapter_dir=params.out_dir, samples=samples, optimizer_steps=steps, elapsed_s=round(elapsed, 1),
-                        validation_kl_before=round(kl_before, 5), validation_kl_after=round(kl_after, 5),
-                        loss_curve=curve, gold_curve=gold_curve)
+    result = TuneResult(
+        adapter_dir=params.out_dir,
+        samples=samples,
+        optimizer_steps=steps,
+        elapsed_s=round(elapsed, 1),
+        validation_kl_before=round(kl_before, 5),
+        validation_kl_after=round(kl_after, 5),
+        loss_curve=curve,
+        gold_curve=gold_curve,
+    )
     save_adapter(model, Path(params.out_dir), params, result)
     return result
 
@@ -292,7 +307,8 @@ def save_adapter(model: Any, out_dir: Path, params: TuneParams, result: TuneResu
     result.adapter_config_sha256 = hashlib.sha256((out_dir / "adapter_config.json").read_bytes()).hexdigest()
     recipe = {
         "what": "LoRA for --pcr-doc-reuse concat by self-distillation from full prefill"
-                + (" and gold answers" if params.gold_share > 0 else "") + " (pcr_tools.tune)",
+        + (" and gold answers" if params.gold_share > 0 else "")
+        + " (pcr_tools.tune)",
         "params": {k: v for k, v in asdict(params).items() if k not in ("base_model", "out_dir")},
         "base_model_sha256": weights_sha256(Path(params.base_model)),
         "split": "articles by blake2b(title) % 100 < 20 -> test (never trained on)",

@@ -14,8 +14,16 @@ from tests.e2e.helpers import BASELINE_ARGS, generate_greedy
 # other work beside it), fingerprint ~4.5, torch_native_extend ~3, ragbench ~2.5, flags ~1.5,
 # engine ~1. A module not listed goes first (its weight is unknown); the paced modules run
 # one after another, in any order.
-MODULES_LONGEST_FIRST = ("test_doc_reuse.py", "test_http_server.py", "test_sglang_kits.py", "test_fingerprint.py",
-                         "test_torch_native_extend.py", "test_ragbench.py", "test_flags.py", "test_engine.py")
+MODULES_LONGEST_FIRST = (
+    "test_doc_reuse.py",
+    "test_http_server.py",
+    "test_sglang_kits.py",
+    "test_fingerprint.py",
+    "test_torch_native_extend.py",
+    "test_ragbench.py",
+    "test_flags.py",
+    "test_engine.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -11,7 +11,12 @@ from tests.conftest import CHUNK_SIZE
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
 COMMON_ARGS = (
-    "--max-total-tokens", "24000", "--context-length", "4096", "--log-level", "warning",
+    "--max-total-tokens",
+    "24000",
+    "--context-length",
+    "4096",
+    "--log-level",
+    "warning",
     "--sleep-on-idle",
 )
 
@@ -43,8 +48,11 @@ def server_budget(count: int) -> Iterator[None]:
 
 
 @contextmanager
-def serving(servers: dict[str, ServerProcess], start_first: Sequence[str] = (),
-            shared: Mapping[str, ServerProcess] = MappingProxyType({})) -> Iterator[dict[str, ServerProcess]]:
+def serving(
+    servers: dict[str, ServerProcess],
+    start_first: Sequence[str] = (),
+    shared: Mapping[str, ServerProcess] = MappingProxyType({}),
+) -> Iterator[dict[str, ServerProcess]]:
     """Start several servers at once (their startup is mostly import time); on exit kill
     every server the dict then holds (a test may replace one with a restarted server).
     ``start_first`` are started alone beforehand: HiCache checks at startup that host
@@ -86,15 +94,27 @@ def generate_greedy(server: ServerProcess, prompts: Sequence[list[int]], concurr
 
 # Device pool ~2.6k tokens and host memory ~5k tokens, for a ~26k-token working set.
 TIERED_ARGS = (
-    "--max-total-tokens", "2600", "--context-length", "2048", "--log-level", "warning", "--sleep-on-idle",
-    "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.01",
+    "--max-total-tokens",
+    "2600",
+    "--context-length",
+    "2048",
+    "--log-level",
+    "warning",
+    "--sleep-on-idle",
+    "--enable-pcr",
+    "--pcr-debug-checks",
+    "--pcr-chunk-size",
+    str(CHUNK_SIZE),
+    "--pcr-dram-gb",
+    "0.01",
 )
 
 
 def ssd_server(model: str, path, *extra: str) -> ServerProcess:
     """A PCR server with device, host and SSD tiers (store under ``path``)."""
-    return ServerProcess(model, (*TIERED_ARGS, "--pcr-ssd-path", str(path), "--pcr-ssd-gb", "0.5",
-                                 "--pcr-ssd-reserve-gb", "0", *extra))
+    return ServerProcess(
+        model, (*TIERED_ARGS, "--pcr-ssd-path", str(path), "--pcr-ssd-gb", "0.5", "--pcr-ssd-reserve-gb", "0", *extra)
+    )
 
 
 def wait_for_write_back(server, timeout_s: float = 60) -> dict:

@@ -82,18 +82,24 @@ def _generate(server: ServerProcess, prompt, marked: bool, mode=None, **custom):
     return server.generate({"input_ids": prompt.input_ids, "sampling_params": sampling})
 
 
-@pytest.mark.parametrize("bounds, message", [
-    ([5, 3], "empty or reversed"),
-    ([2, 9, 7, 12], "before the previous document ends"),
-    ([2, 9999], "outside the prompt"),
-    ([0, 4], "token 0"),
-    ([2, 5, 7], "pairs"),
-    ("2,5", "flat list"),
-])
+@pytest.mark.parametrize(
+    "bounds, message",
+    [
+        ([5, 3], "empty or reversed"),
+        ([2, 9, 7, 12], "before the previous document ends"),
+        ([2, 9999], "outside the prompt"),
+        ([0, 4], "token 0"),
+        ([2, 5, 7], "pairs"),
+        ("2,5", "flat list"),
+    ],
+)
 def test_bad_bounds_get_http_400_naming_the_problem(servers, tokenizer, bounds, message):
     ids = tokenizer.encode("A short prompt that has several tokens in it for the bounds.")
-    response = requests.post(servers["docs"].base_url + "/generate", timeout=60, json={
-        "input_ids": ids, "sampling_params": {**SAMPLING, "custom_params": {"pcr_doc_bounds": bounds}}})
+    response = requests.post(
+        servers["docs"].base_url + "/generate",
+        timeout=60,
+        json={"input_ids": ids, "sampling_params": {**SAMPLING, "custom_params": {"pcr_doc_bounds": bounds}}},
+    )
     assert response.status_code == 400, response.text
     assert message in response.text
 
@@ -102,34 +108,56 @@ def _bounds(count: int, length: int, start: int = 2) -> list[int]:
     return [b for i in range(count) for b in (start + i * length, start + (i + 1) * length)]
 
 
-@pytest.mark.parametrize("ids, custom, message", [
-    ([1] + [42] * (65 * 16) + [2], {"pcr_doc_bounds": _bounds(65, 16, 1)},
-     r"marks 65 documents; this server takes at most 64 per request \(--pcr-doc-max-documents\)"),
-    ([1] + [42] * 40, {"pcr_doc_bounds": [1, 20, 20, 35, 35, 40]},
-     r"document 1 \[20, 35\) has 15 tokens; this server takes documents of at least 16 \(--pcr-doc-min-tokens\)"),
-    ([1] + [42] * 40, "xpcr_doc_boundsx", "custom_params must be an object of named parameters, got str"),
-    ([1] + [42] * 40, ["pcr_doc_bounds"], "custom_params must be an object of named parameters, got list"),
-], ids=["too-many-documents", "too-short", "string-custom-params", "list-custom-params"])
+@pytest.mark.parametrize(
+    "ids, custom, message",
+    [
+        (
+            [1] + [42] * (65 * 16) + [2],
+            {"pcr_doc_bounds": _bounds(65, 16, 1)},
+            r"marks 65 documents; this server takes at most 64 per request \(--pcr-doc-max-documents\)",
+        ),
+        (
+            [1] + [42] * 40,
+            {"pcr_doc_bounds": [1, 20, 20, 35, 35, 40]},
+            r"document 1 \[20, 35\) has 15 tokens; this server takes documents of at least 16 \(--pcr-doc-min-tokens\)",
+        ),
+        ([1] + [42] * 40, "xpcr_doc_boundsx", "custom_params must be an object of named parameters, got str"),
+        ([1] + [42] * 40, ["pcr_doc_bounds"], "custom_params must be an object of named parameters, got list"),
+    ],
+    ids=["too-many-documents", "too-short", "string-custom-params", "list-custom-params"],
+)
 def test_requests_past_the_document_limits_or_with_non_dict_custom_params_get_http_400(servers, ids, custom, message):
     """Review findings 4 and 14: any number of documents of any length was accepted (one
     warm-up prefill each, hashing in the scheduler thread), and a string ``custom_params``
     containing the parameter's name got an AttributeError instead of a 400. The server goes
     on serving marked requests afterwards."""
     docs = servers["docs"]
-    response = requests.post(docs.base_url + "/generate", timeout=60, json={
-        "input_ids": ids, "sampling_params": {**SAMPLING, "custom_params": custom}})
+    response = requests.post(
+        docs.base_url + "/generate",
+        timeout=60,
+        json={"input_ids": ids, "sampling_params": {**SAMPLING, "custom_params": custom}},
+    )
     assert response.status_code == 400, response.text
     assert re.search(message, response.text), response.text
-    fine = docs.generate({"input_ids": [1] + [42] * 40, "sampling_params": {
-        **SAMPLING, "ignore_eos": True, "custom_params": {"pcr_doc_bounds": _bounds(2, 16, 1)}}})
+    fine = docs.generate(
+        {
+            "input_ids": [1] + [42] * 40,
+            "sampling_params": {**SAMPLING, "ignore_eos": True, "custom_params": {"pcr_doc_bounds": _bounds(2, 16, 1)}},
+        }
+    )
     assert len(fine["output_ids"]) == SAMPLING["max_new_tokens"]
 
 
 def test_unknown_mode_gets_http_400(servers, tokenizer):
     ids = tokenizer.encode("Another short prompt with a few tokens.")
-    response = requests.post(servers["docs"].base_url + "/generate", timeout=60, json={
-        "input_ids": ids, "sampling_params": {**SAMPLING, "custom_params": {
-            "pcr_doc_bounds": [2, 5], "pcr_doc_reuse": "magic"}}})
+    response = requests.post(
+        servers["docs"].base_url + "/generate",
+        timeout=60,
+        json={
+            "input_ids": ids,
+            "sampling_params": {**SAMPLING, "custom_params": {"pcr_doc_bounds": [2, 5], "pcr_doc_reuse": "magic"}},
+        },
+    )
     assert response.status_code == 400 and "pcr_doc_reuse" in response.text
 
 
@@ -152,8 +180,9 @@ def test_documents_are_reused_in_any_order(servers, tokenizer, passages):
     trio = passages[10:13]
     orders = [(0, 1, 2), (2, 0, 1), (1, 2, 0), (2, 1, 0)]
     for n, order in enumerate(orders):
-        prompt = build_doc_prompt(tokenizer, "Answer from the documents.", [trio[i] for i in order],
-                                  "Which document mentions a year?")
+        prompt = build_doc_prompt(
+            tokenizer, "Answer from the documents.", [trio[i] for i in order], "Which document mentions a year?"
+        )
         before = _doc_counters(docs)
         out = _generate(docs, prompt, marked=True)
         after = _doc_counters(docs)
@@ -170,8 +199,10 @@ def test_blended_kv_never_reaches_a_request_that_did_not_ask(servers, tokenizer,
     and their exact prefix ends where the reused documents' blended KV began."""
     docs, ref = servers["docs"], servers["nocache"]
     trio = passages[20:23]
-    prompts = [build_doc_prompt(tokenizer, "Be brief.", [trio[i] for i in order], "Summarize.")
-               for order in [(0, 1, 2), (1, 0, 2), (2, 1, 0)]]
+    prompts = [
+        build_doc_prompt(tokenizer, "Be brief.", [trio[i] for i in order], "Summarize.")
+        for order in [(0, 1, 2), (1, 0, 2), (2, 1, 0)]
+    ]
     for prompt in prompts:
         _generate(docs, prompt, marked=True)
     for prompt in prompts:
@@ -182,8 +213,12 @@ def test_blended_kv_never_reaches_a_request_that_did_not_ask(servers, tokenizer,
 
 
 # Per request: unmarked, concat, lego (K=8), blend (R=30%): the modes batched together.
-MIXED_MODES = [(False, None, {}), (True, "concat", {}), (True, "lego", {"pcr_doc_recompute_tokens": 8}),
-               (True, "blend", {"pcr_doc_recompute_ratio": 0.3})]
+MIXED_MODES = [
+    (False, None, {}),
+    (True, "concat", {}),
+    (True, "lego", {"pcr_doc_recompute_tokens": 8}),
+    (True, "blend", {"pcr_doc_recompute_ratio": 0.3}),
+]
 
 
 def test_concurrent_reuse_and_exact_requests_and_everything_balances(servers, tokenizer, passages):
@@ -219,8 +254,9 @@ def test_a_request_can_opt_out_on_a_server_with_reuse(servers, tokenizer, passag
     docs, ref = servers["docs"], servers["nocache"]
     prompt = build_doc_prompt(tokenizer, "Opt out.", passages[45:48][::-1], "Why?")
     before = _doc_counters(docs)
-    out = docs.generate({"input_ids": prompt.input_ids,
-                         "sampling_params": prompt.sampling_params(mode="off", **SAMPLING)})
+    out = docs.generate(
+        {"input_ids": prompt.input_ids, "sampling_params": prompt.sampling_params(mode="off", **SAMPLING)}
+    )
     assert out["output_ids"] == _generate(ref, prompt, marked=False)["output_ids"]
     assert _doc_counters(docs)["requests"] == before["requests"]
 
@@ -248,8 +284,9 @@ def _hf_concat_reference(model, prompt, max_new_tokens: int, shift: bool = True)
             pieces.append([(layer.keys[:, :, keep], layer.values[:, :, keep]) for layer in cache.layers])
         cache = DynamicCache()
         for layer in range(len(pieces[0])):
-            cache.update(torch.cat([p[layer][0] for p in pieces], dim=2),
-                         torch.cat([p[layer][1] for p in pieces], dim=2), layer)
+            cache.update(
+                torch.cat([p[layer][0] for p in pieces], dim=2), torch.cat([p[layer][1] for p in pieces], dim=2), layer
+            )
         position = spans[-1][1]
         step = torch.tensor([ids[position:]])
         out: list[int] = []
@@ -301,10 +338,14 @@ def test_the_tuning_trains_on_what_the_server_serves(servers, tokenizer, passage
         prompt = build_doc_prompt(tokenizer, "Tuning check.", rng.sample(pool, 3), f"Which {i}?")
         answer = tokenizer.encode(" It is the first one, then the second.", add_special_tokens=False)
         _generate(docs, prompt, marked=True, mode="concat")  # warm its documents
-        reply = docs.generate({"input_ids": prompt.input_ids + answer,
-                               "sampling_params": prompt.sampling_params(mode="concat", temperature=0.0,
-                                                                         max_new_tokens=0),
-                               "return_logprob": True, "logprob_start_len": len(prompt.input_ids) - 1})
+        reply = docs.generate(
+            {
+                "input_ids": prompt.input_ids + answer,
+                "sampling_params": prompt.sampling_params(mode="concat", temperature=0.0, max_new_tokens=0),
+                "return_logprob": True,
+                "logprob_start_len": len(prompt.input_ids) - 1,
+            }
+        )
         meta = reply["meta_info"]
         assert meta["cached_tokens"] == prompt.doc_bounds[-1]  # every document reused
         served = torch.tensor([e[0] for e in meta["input_token_logprobs"][1:]])
@@ -313,7 +354,7 @@ def test_the_tuning_trains_on_what_the_server_serves(servers, tokenizer, passage
 
         def logprobs(mode: str) -> torch.Tensor:
             with torch.no_grad():
-                rows = served_logits(hf_model, marked, answer, mode=mode)[first: first + len(answer)]
+                rows = served_logits(hf_model, marked, answer, mode=mode)[first : first + len(answer)]
             return rows.log_softmax(-1).gather(1, torch.tensor(answer)[:, None])[:, 0]
 
         assert torch.allclose(logprobs("concat"), served, atol=2e-3), (logprobs("concat") - served).abs().max()
@@ -328,14 +369,17 @@ def check_the_gate_over_http(server: ServerProcess, prompt, file_name: str, rati
     """On a server started with ``--pcr-doc-reuse-calibration`` (blend at R=``ratio``,
     ``gradual``, no anchors): requests outside it get HTTP 400 naming the file and what it
     allows (review N4); one asking for more recompute is served."""
-    for custom, named in (({"pcr_doc_reuse": "concat"}, "pcr_doc_reuse='concat'"),
-                          ({"pcr_doc_recompute_ratio": 0.0}, "pcr_doc_recompute_ratio=0"),
-                          ({"pcr_doc_selector": "deviation"}, "pcr_doc_selector='deviation'"),
-                          ({"pcr_doc_anchor_tokens": 4}, "pcr_doc_anchor_tokens=4")):
+    for custom, named in (
+        ({"pcr_doc_reuse": "concat"}, "pcr_doc_reuse='concat'"),
+        ({"pcr_doc_recompute_ratio": 0.0}, "pcr_doc_recompute_ratio=0"),
+        ({"pcr_doc_selector": "deviation"}, "pcr_doc_selector='deviation'"),
+        ({"pcr_doc_anchor_tokens": 4}, "pcr_doc_anchor_tokens=4"),
+    ):
         sampling = prompt.sampling_params(**SAMPLING)
         sampling["custom_params"].update(custom)
-        response = requests.post(server.base_url + "/generate", timeout=60,
-                                 json={"input_ids": prompt.input_ids, "sampling_params": sampling})
+        response = requests.post(
+            server.base_url + "/generate", timeout=60, json={"input_ids": prompt.input_ids, "sampling_params": sampling}
+        )
         assert response.status_code == 400, response.text
         assert f"{named}: outside this server's calibration {file_name}" in response.text, response.text
         assert f"pcr_doc_recompute_ratio >= {ratio:g}, pcr_doc_selector 'gradual'" in response.text
@@ -345,8 +389,9 @@ def check_the_gate_over_http(server: ServerProcess, prompt, file_name: str, rati
     assert calibration["stopped"] is None and sum(calibration["overrides"].values()) == 0
 
 
-def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(servers, tiny_model, tmp_path,
-                                                                               tokenizer, passages):
+def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(
+    servers, tiny_model, tmp_path, tokenizer, passages
+):
     """``python -m pcr_tools.calibrate`` against a live blend server: every mode measured
     (concat, lego and blend at the settings asked), the weights' fingerprint recorded, and
     the file accepted at startup for those weights (and refused for others), and held to by
@@ -358,8 +403,29 @@ def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(
 
     docs = servers["docs"]
     out = tmp_path / "calibration.json"
-    assert main(["--url", docs.base_url, "--out", str(out), "--questions", "2", "--lego-tokens", "4",
-                 "--blend-ratios", "0.3", "--max-new-tokens", "4", "--top1-min", "0", "--gold-ratio-min", "0"]) == 0
+    assert (
+        main(
+            [
+                "--url",
+                docs.base_url,
+                "--out",
+                str(out),
+                "--questions",
+                "2",
+                "--lego-tokens",
+                "4",
+                "--blend-ratios",
+                "0.3",
+                "--max-new-tokens",
+                "4",
+                "--top1-min",
+                "0",
+                "--gold-ratio-min",
+                "0",
+            ]
+        )
+        == 0
+    )
     calibration = DocReuseCalibration.load(out)
     fingerprint = docs.pcr_state()["namespace"]["model_fingerprint"]
     assert calibration.model_fingerprint == fingerprint and calibration.questions == 2
@@ -388,10 +454,21 @@ def test_calibrate_measures_the_served_model_and_writes_a_file_the_server_takes(
             pass
 
 
-def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: int = 0, ratio: float = 0.0,
-                            positions: bool = True, gaps=(), largest: bool = True,
-                            anchors: int = 0, attention_model=None, gradual: bool = False,
-                            prophet_model=None) -> tuple[list[int], list[int]]:
+def _hf_recompute_reference(
+    model,
+    prompt,
+    max_new_tokens: int,
+    mode: str,
+    k: int = 0,
+    ratio: float = 0.0,
+    positions: bool = True,
+    gaps=(),
+    largest: bool = True,
+    anchors: int = 0,
+    attention_model=None,
+    gradual: bool = False,
+    prophet_model=None,
+) -> tuple[list[int], list[int]]:
     """What lego and blend must compute, built with Hugging Face transformers: the concat
     KV (as in :func:`_hf_concat_reference`), then the recomputed tokens, lego's first ``k``
     of each re-placed document or blend's ``ratio`` of them whose layer-1 V deviates most
@@ -422,12 +499,15 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
         pieces = []
         for n, (start, stop) in enumerate(sorted(spans + list(gaps))):
             seq = torch.tensor([ids[:leading] + ids[start:stop]])
-            cache = model(seq, position_ids=torch.arange(seq.shape[1]).unsqueeze(0) + (start - leading),
-                          use_cache=True).past_key_values
+            cache = model(
+                seq, position_ids=torch.arange(seq.shape[1]).unsqueeze(0) + (start - leading), use_cache=True
+            ).past_key_values
             keep = slice(0, None) if n == 0 else slice(leading, None)
             pieces.append([(layer.keys[:, :, keep], layer.values[:, :, keep]) for layer in cache.layers])
-        layers = [[torch.cat([p[i][0] for p in pieces], dim=2), torch.cat([p[i][1] for p in pieces], dim=2)]
-                  for i in range(len(pieces[0]))]
+        layers = [
+            [torch.cat([p[i][0] for p in pieces], dim=2), torch.cat([p[i][1] for p in pieces], dim=2)]
+            for i in range(len(pieces[0]))
+        ]
         rotated = [p for start, stop in spans[1:] for p in range(start, stop)]
         if mode == "lego":
             chosen = [p for start, stop in spans[1:] for p in range(start, min(stop, start + k))]
@@ -445,8 +525,12 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
                 seen = DynamicCache()
                 for i, (keys, values) in enumerate(layers):
                     seen.update(keys.clone(), values.clone(), i)
-                attentions = prophet_model(torch.tensor([ids[end:]]), position_ids=torch.arange(end, len(ids))[None],
-                                           past_key_values=seen, output_attentions=True).attentions
+                attentions = prophet_model(
+                    torch.tensor([ids[end:]]),
+                    position_ids=torch.arange(end, len(ids))[None],
+                    past_key_values=seen,
+                    output_attentions=True,
+                ).attentions
                 depth = min(4, len(layers) - 1)
                 deviation = sum(attentions[i][0][:, :, :end].sum(dim=(0, 1)) for i in range(1, depth + 1))[index]
             count = min(len(rotated), int(round(ratio * len(rotated))))
@@ -454,8 +538,9 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
             if gradual:
                 rest = torch.tensor([p not in set(first) for p in rotated])
                 width = min(len(rotated), 2 * count)
-                finalists = torch.tensor(sorted(first + index[rest][torch.topk(deviation[rest], width - len(first))
-                                                                      .indices].tolist()))
+                finalists = torch.tensor(
+                    sorted(first + index[rest][torch.topk(deviation[rest], width - len(first)).indices].tolist())
+                )
                 full2 = full_layers[2]
                 deviation2 = (full2.values[0][:, finalists] - layers[2][1][0][:, finalists]).square().sum(dim=(0, 2))
                 layers[2][0][:, :, finalists] = full2.keys[:, :, finalists]
@@ -476,25 +561,32 @@ def _hf_recompute_reference(model, prompt, max_new_tokens: int, mode: str, k: in
         mask = (key_positions.unsqueeze(0) <= q.unsqueeze(1))[None, None]
         run_at = q if positions else torch.arange(len(kept), len(row))
         step = torch.tensor([[ids[p] for p in query_positions]])
-        logits = model(step, position_ids=run_at.unsqueeze(0), past_key_values=cache, attention_mask=mask,
-                       use_cache=True).logits
+        logits = model(
+            step, position_ids=run_at.unsqueeze(0), past_key_values=cache, attention_mask=mask, use_cache=True
+        ).logits
         out: list[int] = []
         position = len(ids)
         for _ in range(max_new_tokens):
             token = int(logits[0, -1].argmax())
             out.append(token)
-            logits = model(torch.tensor([[token]]), position_ids=torch.tensor([[position]]), past_key_values=cache,
-                           use_cache=True).logits
+            logits = model(
+                torch.tensor([[token]]), position_ids=torch.tensor([[position]]), past_key_values=cache, use_cache=True
+            ).logits
             position += 1
     return out, chosen
 
 
-@pytest.mark.parametrize("mode, custom, expected_kwargs", [
-    ("lego", {"pcr_doc_recompute_tokens": 6}, {"k": 6}),
-    ("blend", {"pcr_doc_recompute_ratio": 0.3}, {"ratio": 0.3}),
-], ids=["lego", "blend"])
-def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, passages, hf_model, mode, custom,
-                                                          expected_kwargs):
+@pytest.mark.parametrize(
+    "mode, custom, expected_kwargs",
+    [
+        ("lego", {"pcr_doc_recompute_tokens": 6}, {"k": 6}),
+        ("blend", {"pcr_doc_recompute_ratio": 0.3}, {"ratio": 0.3}),
+    ],
+    ids=["lego", "blend"],
+)
+def test_recompute_outputs_equal_an_independent_reference(
+    servers, tokenizer, passages, hf_model, mode, custom, expected_kwargs
+):
     """Permuted rows, true positions, the position-causal mask and blend's probe,
     checked against transformers (no code shared with PCR or SGLang's attention). Negative
     controls: the same reference without the position override, and concat's output, differ
@@ -513,13 +605,13 @@ def test_recompute_outputs_equal_an_independent_reference(servers, tokenizer, pa
         prompt = build_doc_prompt(tokenizer, "Recompute check.", rng.sample(pool, 3), f"Point {i}?")
         _generate(docs, prompt, marked=True, mode="concat")  # warm: every document cached
         out = _generate(docs, prompt, marked=True, mode=mode, **custom)
-        expected, chosen = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], mode,
-                                                   **expected_kwargs)
+        expected, chosen = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], mode, **expected_kwargs)
         assert out["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1] - len(chosen), i
         assert out["output_ids"] == expected, i
         recomputed += len(chosen)
-        unplaced, _ = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], mode, positions=False,
-                                              **expected_kwargs)
+        unplaced, _ = _hf_recompute_reference(
+            model, prompt, SAMPLING["max_new_tokens"], mode, positions=False, **expected_kwargs
+        )
         differs_unplaced += unplaced != expected
         differs_concat += _generate(docs, prompt, marked=True, mode="concat")["output_ids"] != expected
     assert _doc_counters(docs)["tokens_recomputed"] - before["tokens_recomputed"] == recomputed
@@ -542,9 +634,11 @@ def deep_server(deep_model):
         yield server["deep"]
 
 
-@pytest.mark.parametrize("anchors, selector", [(0, "deviation"), (16, "deviation"), (0, "query"), (0, "gradual"),
-                                               (0, "prophet")],
-                         ids=["deviation", "anchors-then-deviation", "query", "gradual", "prophet"])
+@pytest.mark.parametrize(
+    "anchors, selector",
+    [(0, "deviation"), (16, "deviation"), (0, "query"), (0, "gradual"), (0, "prophet")],
+    ids=["deviation", "anchors-then-deviation", "query", "gradual", "prophet"],
+)
 def test_blend_on_four_layers_equals_an_independent_reference(deep_server, deep_model, passages, anchors, selector):
     """On two layers blend's probe makes every kept token exact (layer 0 is, layer 1 comes
     from the probe), so neither its pick nor its copy of the kept tokens' other layers can
@@ -566,24 +660,37 @@ def test_blend_on_four_layers_equals_an_independent_reference(deep_server, deep_
     assert model.config.num_hidden_layers == 4
     eager = None
     if selector in ("query", "prophet"):
-        eager = AutoModelForCausalLM.from_pretrained(deep_model, dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
-    how = {"attention_model": eager if selector == "query" else None,
-           "prophet_model": eager if selector == "prophet" else None, "gradual": selector == "gradual"}
+        eager = AutoModelForCausalLM.from_pretrained(
+            deep_model, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+    how = {
+        "attention_model": eager if selector == "query" else None,
+        "prophet_model": eager if selector == "prophet" else None,
+        "gradual": selector == "gradual",
+    }
     pool = passages[50:56]
     rng = random.Random(11)
     differs_pick = differs_from_deviation = 0
     for i in range(4):
         prompt = build_doc_prompt(tokenizer, "Deep check.", rng.sample(pool, 3), f"Point {i}?")
         _generate(deep_server, prompt, marked=True, mode="concat")  # warm: every document cached
-        out = _generate(deep_server, prompt, marked=True, mode="blend", pcr_doc_recompute_ratio=0.3,
-                        pcr_doc_anchor_tokens=anchors, pcr_doc_selector=selector)
-        expected, chosen = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3,
-                                                   anchors=anchors, **how)
+        out = _generate(
+            deep_server,
+            prompt,
+            marked=True,
+            mode="blend",
+            pcr_doc_recompute_ratio=0.3,
+            pcr_doc_anchor_tokens=anchors,
+            pcr_doc_selector=selector,
+        )
+        expected, chosen = _hf_recompute_reference(
+            model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3, anchors=anchors, **how
+        )
         assert out["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1] - len(chosen), i
         assert out["output_ids"] == expected, i
-        other_pick, _ = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3,
-                                                largest=False, anchors=anchors, **how)
+        other_pick, _ = _hf_recompute_reference(
+            model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3, largest=False, anchors=anchors, **how
+        )
         differs_pick += other_pick != expected
         if anchors or selector != "deviation":  # the pick moved: the server's output is not deviation's alone
             by_deviation, _ = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], "blend", ratio=0.3)
@@ -592,12 +699,17 @@ def test_blend_on_four_layers_equals_an_independent_reference(deep_server, deep_
     assert (not anchors and selector == "deviation") or differs_from_deviation >= 1, differs_from_deviation
 
 
-@pytest.mark.parametrize("mode, custom, reference", [
-    ("concat", {}, ("lego", {"k": 0})),
-    ("lego", {"pcr_doc_recompute_tokens": 6}, ("lego", {"k": 6})),
-], ids=["concat", "lego"])
-def test_a_passage_with_no_cached_kv_between_reused_documents_is_computed_in_place(servers, tokenizer, passages,
-                                                                                 hf_model, mode, custom, reference):
+@pytest.mark.parametrize(
+    "mode, custom, reference",
+    [
+        ("concat", {}, ("lego", {"k": 0})),
+        ("lego", {"pcr_doc_recompute_tokens": 6}, ("lego", {"k": 6})),
+    ],
+    ids=["concat", "lego"],
+)
+def test_a_passage_with_no_cached_kv_between_reused_documents_is_computed_in_place(
+    servers, tokenizer, passages, hf_model, mode, custom, reference
+):
     """A prefix of cached documents would stop at the first one with no cached KV; here
     the passage between two reused documents is unmarked (nobody's canonical KV), is
     extended in place at its true positions, and the document after it is still reused.
@@ -621,8 +733,9 @@ def test_a_passage_with_no_cached_kv_between_reused_documents_is_computed_in_pla
         before = _doc_counters(docs)["gap_tokens"]
         out = _generate(docs, prompt, marked=True, mode=mode, **custom)
         assert _doc_counters(docs)["gap_tokens"] - before == b[3] - b[2]
-        expected, chosen = _hf_recompute_reference(model, prompt, SAMPLING["max_new_tokens"], reference[0],
-                                                   gaps=[(b[2], b[3])], **reference[1])
+        expected, chosen = _hf_recompute_reference(
+            model, prompt, SAMPLING["max_new_tokens"], reference[0], gaps=[(b[2], b[3])], **reference[1]
+        )
         assert out["meta_info"]["cached_tokens"] == b[5] - len(chosen), i
         assert out["output_ids"] == expected, i
         control, _ = _hf_recompute_reference(model, full, SAMPLING["max_new_tokens"], reference[0], **reference[1])
@@ -630,38 +743,47 @@ def test_a_passage_with_no_cached_kv_between_reused_documents_is_computed_in_pla
     assert differs_control >= 1, differs_control
 
 
-@pytest.mark.parametrize("mode, custom", [("lego", {"pcr_doc_recompute_tokens": 100000}),
-                                          ("blend", {"pcr_doc_recompute_ratio": 1.0})], ids=["lego", "blend"])
+@pytest.mark.parametrize(
+    "mode, custom",
+    [("lego", {"pcr_doc_recompute_tokens": 100000}), ("blend", {"pcr_doc_recompute_ratio": 1.0})],
+    ids=["lego", "blend"],
+)
 def test_every_document_token_recomputed_equals_full_prefill(servers, tokenizer, passages, mode, custom):
     """The correctness gate: with every re-placed token recomputed, the outputs are the
     no-cache server's, token for token (only the exact first document stays reused)."""
     docs, ref = servers["docs"], servers["nocache"]
     for i in range(3):
-        prompt = build_doc_prompt(tokenizer, "Gate.", [passages[i + 3], passages[i + 7], passages[i + 12]][::-1],
-                                  f"Gate {i}?")
+        prompt = build_doc_prompt(
+            tokenizer, "Gate.", [passages[i + 3], passages[i + 7], passages[i + 12]][::-1], f"Gate {i}?"
+        )
         _generate(docs, prompt, marked=True, mode="concat")
         out = _generate(docs, prompt, marked=True, mode=mode, **custom)
         assert out["output_ids"] == _generate(ref, prompt, marked=False)["output_ids"], i
         assert out["meta_info"]["cached_tokens"] <= prompt.doc_bounds[1]  # at most S and the first document
 
 
-@pytest.mark.parametrize("custom, message", [
-    ({"pcr_doc_recompute_tokens": -2}, "pcr_doc_recompute_tokens must be an integer >= 0"),
-    ({"pcr_doc_recompute_ratio": 2}, r"pcr_doc_recompute_ratio must be a number in \[0, 1\]"),
-    ({"pcr_doc_warm": "yes"}, "pcr_doc_warm must be true or false"),
-])
+@pytest.mark.parametrize(
+    "custom, message",
+    [
+        ({"pcr_doc_recompute_tokens": -2}, "pcr_doc_recompute_tokens must be an integer >= 0"),
+        ({"pcr_doc_recompute_ratio": 2}, r"pcr_doc_recompute_ratio must be a number in \[0, 1\]"),
+        ({"pcr_doc_warm": "yes"}, "pcr_doc_warm must be true or false"),
+    ],
+)
 def test_bad_recompute_parameters_get_http_400(servers, tokenizer, custom, message):
     prompt = build_doc_prompt(tokenizer, "Bad.", ["a document", "another one"], "Why?")
     sampling = prompt.sampling_params(**SAMPLING)
     sampling["custom_params"].update(custom)
-    response = requests.post(servers["docs"].base_url + "/generate", timeout=60,
-                             json={"input_ids": prompt.input_ids, "sampling_params": sampling})
+    response = requests.post(
+        servers["docs"].base_url + "/generate",
+        timeout=60,
+        json={"input_ids": prompt.input_ids, "sampling_params": sampling},
+    )
     assert response.status_code == 400, response.text
     assert re.search(message, response.text), response.text
 
 
-def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, tokenizer, passages, tiny_model,
-                                                                   store_dir):
+def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, tokenizer, passages, tiny_model, store_dir):
     """TurboRAG's offline phase: ``pcr_tools.precompute`` fills the store through one
     server; a server started later on the same store, which never saw these documents in
     traffic, reuses every one of them (read from SSD), and answers as the first server
@@ -701,9 +823,13 @@ def test_precomputed_documents_are_served_from_ssd_after_a_restart(servers, toke
         # here) comes second, behind corpus[2] (already in memory): the prompt's own chain
         # has nothing on SSD, so every hinted read is a document's canonical chain.
         hinted = build_doc_prompt(tokenizer, system, [corpus[2], corpus[1]], "What is it?")
-        hint = restarted.generate({"input_ids": hinted.input_ids, "sampling_params": {
-            "max_new_tokens": 0, "custom_params": hinted.custom_params()},
-            "kv_hints": hint_envelope({"ttl_s": 30}, "m1")})
+        hint = restarted.generate(
+            {
+                "input_ids": hinted.input_ids,
+                "sampling_params": {"max_new_tokens": 0, "custom_params": hinted.custom_params()},
+                "kv_hints": hint_envelope({"ttl_s": 30}, "m1"),
+            }
+        )
         assert hint["meta_info"]["finish_reason"]["pcr_hint"] == "registered"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -746,14 +872,18 @@ def test_frontend_dsl_programs_mark_documents(servers, tokenizer, passages):
         answer = state["answer"]  # waits for the program (it runs in a thread of its own)
         assert state.error() is None
         after = _doc_counters(docs)
-        text = ("Answer from the documents.\n\n" + "".join(doc(chosen[i] + "\n\n") for i in order)
-                + "Question: Who?\nAnswer:")
+        text = (
+            "Answer from the documents.\n\n"
+            + "".join(doc(chosen[i] + "\n\n") for i in order)
+            + "Question: Who?\nAnswer:"
+        )
         ids, bounds = marked_input(tokenizer, text)
         assert after["requests"] == before["requests"] + 1
         # Every document reused (the first one partly by the exact prefix it shares).
         assert state.get_meta_info("answer")["cached_tokens"] == bounds[-1]
-        direct = docs.generate({"input_ids": ids, "sampling_params": {
-            **SAMPLING, "custom_params": {"pcr_doc_bounds": bounds}}})
+        direct = docs.generate(
+            {"input_ids": ids, "sampling_params": {**SAMPLING, "custom_params": {"pcr_doc_bounds": bounds}}}
+        )
         assert answer == direct["text"]
 
 
@@ -775,8 +905,13 @@ def test_a_hyde_pipeline_marking_its_documents_reuses_them_and_hints_them(server
     retriever = LookaheadRetriever(datastore, embedder.encode, nprobe=2, k=3)  # every cluster: exact
     backend = DocReuseEndpoint(docs.base_url, tokenizer=tokenizer)
     hinter = KVHinter(docs.base_url, tokenizer=tokenizer)
-    pipelines = Pipelines(retriever, texts, backend, hinter,
-                          PipelineConfig(hyde_tokens=8, answer_tokens=8, lookahead=False, mark_documents=True))
+    pipelines = Pipelines(
+        retriever,
+        texts,
+        backend,
+        hinter,
+        PipelineConfig(hyde_tokens=8, answer_tokens=8, lookahead=False, mark_documents=True),
+    )
     question = "What does the first passage describe?"
     try:
         registered = docs.pcr_state()["hints"]["counters"]["registered"]
@@ -793,8 +928,9 @@ def test_a_hyde_pipeline_marking_its_documents_reuses_them_and_hints_them(server
     assert first.doc_ids == second.doc_ids and len(first.doc_ids) == 3
     ids, bounds = marked_input(tokenizer, render_rag_prompt([texts[i] for i in first.doc_ids], question, True))
     assert len(bounds) == 6
-    direct = docs.generate({"input_ids": ids, "sampling_params": {
-        **SAMPLING, "custom_params": {"pcr_doc_bounds": bounds}}})
+    direct = docs.generate(
+        {"input_ids": ids, "sampling_params": {**SAMPLING, "custom_params": {"pcr_doc_bounds": bounds}}}
+    )
     assert second.answer == direct["text"].strip()
     assert second.cached_tokens == bounds[-1], second.cached_details  # every document reused
 
@@ -805,9 +941,17 @@ def test_openai_completions_with_a_token_prompt_mark_documents(servers, tokenize
     prompt = build_doc_prompt(tokenizer, "OpenAI client.", passages[43:45], "Which?")
     _generate(docs, prompt, marked=True)  # warm
     before = _doc_counters(docs)
-    response = requests.post(docs.base_url + "/v1/completions", timeout=120, json={
-        "model": "default", "prompt": prompt.input_ids, "max_tokens": 8, "temperature": 0,
-        "custom_params": prompt.custom_params()})
+    response = requests.post(
+        docs.base_url + "/v1/completions",
+        timeout=120,
+        json={
+            "model": "default",
+            "prompt": prompt.input_ids,
+            "max_tokens": 8,
+            "temperature": 0,
+            "custom_params": prompt.custom_params(),
+        },
+    )
     assert response.status_code == 200, response.text
     after = _doc_counters(docs)
     assert after["docs_reused"] - before["docs_reused"] == 2
@@ -820,11 +964,17 @@ def test_a_batch_of_marked_prompts_is_warmed_and_reused(servers, tokenizer, pass
     documents are warmed all together first, so each prompt reuses every document."""
     docs = servers["docs"]
     fresh = passages[24:28]
-    prompts = [build_doc_prompt(tokenizer, "Batch.", [fresh[i] for i in order], "Which one?")
-               for order in ((0, 1, 2), (3, 2, 1))]
+    prompts = [
+        build_doc_prompt(tokenizer, "Batch.", [fresh[i] for i in order], "Which one?")
+        for order in ((0, 1, 2), (3, 2, 1))
+    ]
     before = _doc_counters(docs)
-    outs = docs.generate({"input_ids": [p.input_ids for p in prompts],
-                          "sampling_params": [p.sampling_params(**SAMPLING) for p in prompts]})
+    outs = docs.generate(
+        {
+            "input_ids": [p.input_ids for p in prompts],
+            "sampling_params": [p.sampling_params(**SAMPLING) for p in prompts],
+        }
+    )
     after = _doc_counters(docs)
     assert after["canonical_requests"] - before["canonical_requests"] == 4  # each document once
     for prompt, out in zip(prompts, outs):
@@ -836,6 +986,7 @@ def test_a_batch_of_marked_prompts_is_warmed_and_reused(servers, tokenizer, pass
 # ``extra_body``, a LangChain retriever and chat model, /generate and /v1/completions with
 # text plus documents. The oracle is the marked-token-id path: the same prompt built on
 # the client (``build_doc_prompt``) and sent as ``input_ids`` with ``pcr_doc_bounds``.
+
 
 @pytest.fixture(scope="module")
 def text_passages():
@@ -862,12 +1013,14 @@ def openai_client(servers):
 
 def _marked_twin(server: ServerProcess, prompt, **sampling) -> dict:
     """The same prompt through the marked-token-id path."""
-    return server.generate({"input_ids": prompt.input_ids,
-                            "sampling_params": prompt.sampling_params(**{**SAMPLING, **sampling})})
+    return server.generate(
+        {"input_ids": prompt.input_ids, "sampling_params": prompt.sampling_params(**{**SAMPLING, **sampling})}
+    )
 
 
 def test_openai_chat_documents_are_reused_in_another_order_and_answer_as_marked_token_ids(
-        servers, openai_client, chat_tokenizer, text_passages):
+    servers, openai_client, chat_tokenizer, text_passages
+):
     docs = servers["docs"]
     trio = text_passages[0:3]
     system, question = "Answer from the documents.", "Which document mentions a year?"
@@ -875,8 +1028,12 @@ def test_openai_chat_documents_are_reused_in_another_order_and_answer_as_marked_
         documents = [trio[i] for i in order]
         before = _doc_counters(docs)
         reply = openai_client.chat.completions.create(
-            model="default", messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
-            max_tokens=8, temperature=0, extra_body={"documents": documents})
+            model="default",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"documents": documents},
+        )
         after = _doc_counters(docs)
         prompt = build_doc_prompt(chat_tokenizer, system, documents, question, question_format="{question}")
         assert reply.usage.prompt_tokens == len(prompt.input_ids)
@@ -889,30 +1046,42 @@ def test_openai_chat_documents_are_reused_in_another_order_and_answer_as_marked_
         assert twin["meta_info"]["cached_tokens"] == prompt.doc_bounds[-1]
     # Streamed, the same answer and usage.
     stream = openai_client.chat.completions.create(
-        model="default", messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
-        max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True},
-        extra_body={"documents": documents})
+        model="default",
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"documents": documents},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == twin["text"]
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == prompt.doc_bounds[-1]
 
 
-def test_chat_documents_report_reuse_apart_and_keep_n_stop_and_logprobs(servers, openai_client, chat_tokenizer,
-                                                                         text_passages):
+def test_chat_documents_report_reuse_apart_and_keep_n_stop_and_logprobs(
+    servers, openai_client, chat_tokenizer, text_passages
+):
     """``meta_info`` and /metrics give the reused documents apart from exact prefix hits;
     ``n``, ``stop`` and ``logprobs`` work as without documents."""
     docs = servers["docs"]
     documents = [{"title": "First", "text": text_passages[3]}, text_passages[4]]
     messages = [{"role": "user", "content": "Summarize."}]
-    openai_client.chat.completions.create(model="default", messages=messages, max_tokens=1,
-                                          extra_body={"documents": documents})  # warm both
-    prompt = build_doc_prompt(chat_tokenizer, "", [text_passages[4], "First\n" + text_passages[3]], "Summarize.",
-                              question_format="{question}")
+    openai_client.chat.completions.create(
+        model="default", messages=messages, max_tokens=1, extra_body={"documents": documents}
+    )  # warm both
+    prompt = build_doc_prompt(
+        chat_tokenizer, "", [text_passages[4], "First\n" + text_passages[3]], "Summarize.", question_format="{question}"
+    )
     exact_before = prometheus_counts(docs, "sglang:cached_tokens_total", "cache_source")
     reused_before = _doc_counters(docs)["tokens_reused"]
     reply = openai_client.chat.completions.create(
-        model="default", messages=messages, max_tokens=6, temperature=0,
-        extra_body={"documents": documents[::-1], "return_meta_info": True})
+        model="default",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"documents": documents[::-1], "return_meta_info": True},
+    )
     exact_after = prometheus_counts(docs, "sglang:cached_tokens_total", "cache_source")
     reused = _doc_counters(docs)["tokens_reused"] - reused_before
     details = reply.choices[0].meta_info["cached_tokens_details"]
@@ -927,18 +1096,37 @@ def test_chat_documents_report_reuse_apart_and_keep_n_stop_and_logprobs(servers,
     twin = _marked_twin(docs, prompt, max_new_tokens=6)
     assert reply.choices[0].message.content == twin["text"]
     several = openai_client.chat.completions.create(
-        model="default", messages=messages, max_tokens=6, temperature=0, n=2, logprobs=True, top_logprobs=2,
-        extra_body={"documents": documents[::-1]})
+        model="default",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"documents": documents[::-1]},
+    )
     assert [c.message.content for c in several.choices] == [twin["text"]] * 2
-    assert all(len(c.logprobs.content) == 6 and len(c.logprobs.content[0].top_logprobs) == 2
-               for c in several.choices)
+    assert all(len(c.logprobs.content) == 6 and len(c.logprobs.content[0].top_logprobs) == 2 for c in several.choices)
     # Tools go to the template as without documents (this one ignores them: the same prompt).
-    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
-                                               "parameters": {"type": "object", "properties": {
-                                                   "word": {"type": "string"}}, "required": ["word"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "Look a word up.",
+                "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+            },
+        }
+    ]
     with_tools = openai_client.chat.completions.create(
-        model="default", messages=messages, max_tokens=6, temperature=0, tools=tools, tool_choice="auto",
-        extra_body={"documents": documents[::-1]})
+        model="default",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        tools=tools,
+        tool_choice="auto",
+        extra_body={"documents": documents[::-1]},
+    )
     assert with_tools.usage.prompt_tokens == len(prompt.input_ids)
     # With tools SGLang keeps special tokens in the text (for a tool parser to see them).
     kept = _marked_twin(docs, prompt, max_new_tokens=6, skip_special_tokens=False)["text"]
@@ -946,10 +1134,15 @@ def test_chat_documents_report_reuse_apart_and_keep_n_stop_and_logprobs(servers,
     words = twin["text"].split()
     if len(words) > 1:
         stopped = openai_client.chat.completions.create(
-            model="default", messages=messages, max_tokens=6, temperature=0, stop=[words[1]],
-            extra_body={"documents": documents[::-1]})
+            model="default",
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stop=[words[1]],
+            extra_body={"documents": documents[::-1]},
+        )
         assert stopped.choices[0].finish_reason == "stop"
-        assert stopped.choices[0].message.content == twin["text"][:twin["text"].index(words[1])]
+        assert stopped.choices[0].message.content == twin["text"][: twin["text"].index(words[1])]
 
 
 def test_a_chat_request_without_documents_is_served_as_before(servers, openai_client, chat_tokenizer):
@@ -961,7 +1154,8 @@ def test_a_chat_request_without_documents_is_served_as_before(servers, openai_cl
 
 
 def test_a_langchain_retriever_and_chat_model_reuse_documents_with_no_client_tokenizer(
-        servers, chat_tokenizer, text_passages):
+    servers, chat_tokenizer, text_passages
+):
     """LangChain's ``ChatOpenAI`` answering from an in-memory vector store's retriever (the
     project's sentence embedder): the retrieved documents go in ``extra_body``; the second
     question retrieves the same documents in another order and reuses all of them."""
@@ -984,13 +1178,15 @@ def test_a_langchain_retriever_and_chat_model_reuse_documents_with_no_client_tok
     docs = servers["docs"]
     corpus = text_passages[5:8]
     retriever = InMemoryVectorStore.from_texts(corpus, ProjectEmbeddings()).as_retriever(search_kwargs={"k": 3})
-    llm = ChatOpenAI(base_url=docs.base_url + "/v1", api_key="none", model="default", temperature=0, max_tokens=8,
-                     max_retries=0)
+    llm = ChatOpenAI(
+        base_url=docs.base_url + "/v1", api_key="none", model="default", temperature=0, max_tokens=8, max_retries=0
+    )
 
     def answer(question: str):
         retrieved = [d.page_content for d in retriever.invoke(question)]
-        reply = llm.invoke([("system", "Answer from the documents."), ("human", question)],
-                           extra_body={"documents": retrieved})
+        reply = llm.invoke(
+            [("system", "Answer from the documents."), ("human", question)], extra_body={"documents": retrieved}
+        )
         return retrieved, reply
 
     first_docs, _ = answer(corpus[0][:80])
@@ -999,8 +1195,9 @@ def test_a_langchain_retriever_and_chat_model_reuse_documents_with_no_client_tok
     second_docs, reply = answer(question)
     after = _doc_counters(docs)
     assert sorted(first_docs) == sorted(second_docs) == sorted(corpus) and first_docs != second_docs
-    prompt = build_doc_prompt(chat_tokenizer, "Answer from the documents.", second_docs, question,
-                              question_format="{question}")
+    prompt = build_doc_prompt(
+        chat_tokenizer, "Answer from the documents.", second_docs, question, question_format="{question}"
+    )
     assert after["docs_reused"] - before["docs_reused"] == 3
     assert reply.usage_metadata["input_token_details"]["cache_read"] == prompt.doc_bounds[-1]
     assert reply.content == _marked_twin(docs, prompt)["text"]
@@ -1018,16 +1215,19 @@ def test_generate_and_completions_take_text_plus_documents(servers, tokenizer, t
     assert out["text"] == _marked_twin(docs, prompt)["text"]
     # The same documents in custom_params (what an Engine or batch client sends), reversed: reused.
     before = _doc_counters(docs)
-    reversed_prompt = build_doc_prompt(tokenizer, "Answer from the documents.", pair[::-1], "Which?",
-                                       use_chat_template=False)
+    reversed_prompt = build_doc_prompt(
+        tokenizer, "Answer from the documents.", pair[::-1], "Which?", use_chat_template=False
+    )
     reversed_prompt = type(client)(reversed_prompt.input_ids[1:], [b - 1 for b in reversed_prompt.doc_bounds])
-    out = docs.generate({"text": text, "sampling_params": {
-        **SAMPLING, "custom_params": {"pcr_documents": pair[::-1]}}})
+    out = docs.generate({"text": text, "sampling_params": {**SAMPLING, "custom_params": {"pcr_documents": pair[::-1]}}})
     assert _doc_counters(docs)["docs_reused"] - before["docs_reused"] == 2
     assert out["meta_info"]["cached_tokens"] == reversed_prompt.doc_bounds[-1]
     assert out["meta_info"]["cached_tokens_details"]["documents"] > 0
-    response = requests.post(docs.base_url + "/v1/completions", timeout=120, json={
-        "model": "default", "prompt": text, "documents": pair[::-1], "max_tokens": 8, "temperature": 0})
+    response = requests.post(
+        docs.base_url + "/v1/completions",
+        timeout=120,
+        json={"model": "default", "prompt": text, "documents": pair[::-1], "max_tokens": 8, "temperature": 0},
+    )
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == out["text"]
     assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == reversed_prompt.doc_bounds[-1]
@@ -1040,24 +1240,35 @@ BAD_DOCUMENTS = [
     ("not a list", "documents must be a list"),
     (["Long enough document about the sea and its tides here."] * 65, r"holds 65 documents; .*--pcr-doc-max-documents"),
     (["too short"], r"documents\[0\] is \d+ tokens as rendered; .*--pcr-doc-min-tokens"),
-    (["A very long document. " * 600], r"documents: the prompt with its 1 documents is \d+ tokens, over the model's "
-                                       r"context length \(2048 tokens\)"),
+    (
+        ["A very long document. " * 600],
+        r"documents: the prompt with its 1 documents is \d+ tokens, over the model's "
+        r"context length \(2048 tokens\)",
+    ),
 ]
 
 
-@pytest.mark.parametrize("documents, message", BAD_DOCUMENTS,
-                         ids=["empty", "empty-item", "not-string", "not-list", "too-many", "too-short", "over-context"])
+@pytest.mark.parametrize(
+    "documents, message",
+    BAD_DOCUMENTS,
+    ids=["empty", "empty-item", "not-string", "not-list", "too-many", "too-short", "over-context"],
+)
 def test_bad_documents_get_http_400_naming_the_field_on_every_entry_point(servers, openai_client, documents, message):
     import openai
 
     docs = servers["docs"]
     with pytest.raises(openai.BadRequestError, match=message):
-        openai_client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Q?"}],
-                                              max_tokens=4, extra_body={"documents": documents})
+        openai_client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": "Q?"}],
+            max_tokens=4,
+            extra_body={"documents": documents},
+        )
     text = "Answer.\n\n{{documents}}Question?"
-    for path, body in (("/v1/completions", {"model": "default", "prompt": text, "documents": documents,
-                                            "max_tokens": 4}),
-                       ("/generate", {"text": text, "documents": documents, "sampling_params": SAMPLING})):
+    for path, body in (
+        ("/v1/completions", {"model": "default", "prompt": text, "documents": documents, "max_tokens": 4}),
+        ("/generate", {"text": text, "documents": documents, "sampling_params": SAMPLING}),
+    ):
         response = requests.post(docs.base_url + path, json=body, timeout=60)
         assert response.status_code == 400, (path, response.text)
         assert re.search(message, response.text), (path, response.text)
@@ -1080,8 +1291,13 @@ def test_reorder_serves_documents_in_a_served_order_token_for_token_as_the_unmar
 
     def ask(order, question, **extra):
         prompt = build_doc_prompt(tokenizer, system, [passages[i] for i in order], question)
-        out = docs.generate({"input_ids": prompt.input_ids, **extra,
-                             "sampling_params": prompt.sampling_params(mode="reorder", **SAMPLING)})
+        out = docs.generate(
+            {
+                "input_ids": prompt.input_ids,
+                **extra,
+                "sampling_params": prompt.sampling_params(mode="reorder", **SAMPLING),
+            }
+        )
         served = [order[i] for i in _served_order(out)]
         twin = build_doc_prompt(tokenizer, system, [passages[i] for i in served], question)
         expected = ref.generate({"input_ids": twin.input_ids, "sampling_params": dict(SAMPLING)})
@@ -1135,16 +1351,21 @@ def test_a_hint_only_request_with_text_documents_hints_each_documents_chain(serv
         return docs.pcr_state()["hints"]["live"]
 
     before = live_hints()
-    out = docs.generate({"text": text, "documents": pair, "sampling_params": {"max_new_tokens": 0},
-                         "kv_hints": envelope("text-docs")})
+    out = docs.generate(
+        {"text": text, "documents": pair, "sampling_params": {"max_new_tokens": 0}, "kv_hints": envelope("text-docs")}
+    )
     assert out["meta_info"]["finish_reason"]["pcr_hint"] == "registered"
     by_text = live_hints() - before
-    client = build_doc_prompt(tokenizer, "Answer from the documents.", pair, "Which is older?",
-                              use_chat_template=False)
+    client = build_doc_prompt(tokenizer, "Answer from the documents.", pair, "Which is older?", use_chat_template=False)
     ids, bounds = client.input_ids[1:], [b - 1 for b in client.doc_bounds]  # the tiny tokenizer adds no BOS
     assert out["meta_info"]["prompt_tokens"] == len(ids)
     before = live_hints()
-    out = docs.generate({"input_ids": ids, "sampling_params": {
-        "max_new_tokens": 0, "custom_params": {"pcr_doc_bounds": bounds}}, "kv_hints": envelope("ids")})
+    out = docs.generate(
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 0, "custom_params": {"pcr_doc_bounds": bounds}},
+            "kv_hints": envelope("ids"),
+        }
+    )
     assert out["meta_info"]["finish_reason"]["pcr_hint"] == "registered"
     assert by_text == live_hints() - before == 1 + len(pair)  # the prompt's chain and each document's

@@ -16,8 +16,12 @@ from tests.e2e.helpers import GREEDY
 pytestmark = pytest.mark.e2e
 
 ENGINE_KWARGS = dict(
-    device="cpu", attention_backend="torch_native", dtype="float32", max_total_tokens=24000,
-    context_length=4096, log_level="warning",
+    device="cpu",
+    attention_backend="torch_native",
+    dtype="float32",
+    max_total_tokens=24000,
+    context_length=4096,
+    log_level="warning",
 )
 
 
@@ -48,9 +52,11 @@ def documents_job(engine, documents):
     tokenizer = AutoTokenizer.from_pretrained(engine.server_args.model_path)
     first = engine.generate(prompt=DOC_TEXT, sampling_params=GREEDY, documents=documents)
     second = asyncio.get_event_loop().run_until_complete(
-        engine.async_generate(prompt=DOC_TEXT, sampling_params=GREEDY, documents=documents[::-1]))
-    marked = build_doc_prompt(tokenizer, "Answer from the documents.", documents[::-1], "Which one?",
-                              use_chat_template=False)
+        engine.async_generate(prompt=DOC_TEXT, sampling_params=GREEDY, documents=documents[::-1])
+    )
+    marked = build_doc_prompt(
+        tokenizer, "Answer from the documents.", documents[::-1], "Which one?", use_chat_template=False
+    )
     ids, bounds = marked.input_ids[1:], [b - 1 for b in marked.doc_bounds]  # the tiny tokenizer adds no BOS
     twin = engine.generate(input_ids=ids, sampling_params={**GREEDY, "custom_params": {"pcr_doc_bounds": bounds}})
     try:
@@ -58,9 +64,16 @@ def documents_job(engine, documents):
         refused = None
     except ValueError as e:
         refused = str(e)
-    return {"first": first["output_ids"], "second": second["output_ids"], "twin": twin["output_ids"],
-            "second_cached": second["meta_info"]["cached_tokens"], "bounds_end": bounds[-1],
-            "prompt_tokens": second["meta_info"]["prompt_tokens"], "ids": len(ids), "refused": refused}
+    return {
+        "first": first["output_ids"],
+        "second": second["output_ids"],
+        "twin": twin["output_ids"],
+        "second_cached": second["meta_info"]["cached_tokens"],
+        "bounds_end": bounds[-1],
+        "prompt_tokens": second["meta_info"]["prompt_tokens"],
+        "ids": len(ids),
+        "refused": refused,
+    }
 
 
 def test_engine_outputs_equal_baseline(tiny_model, rag_prompt_ids, baseline_outputs):
@@ -70,8 +83,16 @@ def test_engine_outputs_equal_baseline(tiny_model, rag_prompt_ids, baseline_outp
 
     documents = [a.text[:300] for a in load_wiki_articles()[580:583]]
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pcr, docs = pool.submit(run_engine, tiny_model, rag_prompt_ids, documents, enable_pcr=True,
-                                pcr_chunk_size=CHUNK_SIZE, pcr_doc_reuse="concat", pcr_doc_warmup_after=1).result()
+        pcr, docs = pool.submit(
+            run_engine,
+            tiny_model,
+            rag_prompt_ids,
+            documents,
+            enable_pcr=True,
+            pcr_chunk_size=CHUNK_SIZE,
+            pcr_doc_reuse="concat",
+            pcr_doc_warmup_after=1,
+        ).result()
     assert [ids for ids, _ in pcr] == baseline_outputs  # the baseline server's: no prefix cache
     cached = [c for _, c in pcr]
     assert all(c % CHUNK_SIZE == 0 for c in cached)

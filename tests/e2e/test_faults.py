@@ -65,8 +65,9 @@ def settled_state(server, timeout_s: float = 90) -> dict:
     while True:
         state = server.pcr_state(check_invariants=True)
         ssd = state["ssd"] or {}
-        if (not state["requests"]["tracked"] and not ssd.get("reads_in_flight") and not ssd.get("writes_in_flight")) \
-                or time.monotonic() > deadline:
+        if (
+            not state["requests"]["tracked"] and not ssd.get("reads_in_flight") and not ssd.get("writes_in_flight")
+        ) or time.monotonic() > deadline:
             return state
         server.generate({"input_ids": [3] * 8, "sampling_params": {"max_new_tokens": 1}})
         time.sleep(0.3)
@@ -142,8 +143,14 @@ def servers(tiny_model, baseline_server, tmp_path_factory, mounts):
     # Two requests run at a time, so the tail of 16 sent at once is still queued (its reads
     # prefetching) when the test aborts it, however slowly the machine runs: with no limit,
     # the whole batch could finish before the aborts arrived (seen on a loaded machine).
-    slow_reads = ssd_server(tiny_model, tmp_path_factory.mktemp("pcr-slow") / "store", "--pcr-prefetch-window", "16",
-                            "--max-running-requests", "2")
+    slow_reads = ssd_server(
+        tiny_model,
+        tmp_path_factory.mktemp("pcr-slow") / "store",
+        "--pcr-prefetch-window",
+        "16",
+        "--max-running-requests",
+        "2",
+    )
     slow_reads.env = {**slow_reads.env, "PCR_IO_TEST_FAULTS": json.dumps({"read_delay_s": 0.25})}
     everything = {"readonly": readonly, "filling": filling, "slow_reads": slow_reads}
     with serving(everything, shared={"baseline": baseline_server}):
@@ -153,8 +160,11 @@ def servers(tiny_model, baseline_server, tmp_path_factory, mounts):
 def test_a_prompt_longer_than_the_device_pool(servers, rag_prompt_ids, baseline_outputs):
     server = servers["readonly"]
     generate_greedy(server, rag_prompt_ids[:6], concurrency=3)  # the tiers hold chunks
-    r = requests.post(f"{server.base_url}/generate",
-                      json={"input_ids": [11 + i % 3000 for i in range(3200)], "sampling_params": GREEDY}, timeout=60)
+    r = requests.post(
+        f"{server.base_url}/generate",
+        json={"input_ids": [11 + i % 3000 for i in range(3200)], "sampling_params": GREEDY},
+        timeout=60,
+    )
     assert r.status_code == 400 and "exceeds the maximum allowed length" in r.text, r.text
     # Prompts of nearly the whole pool, four at once: each must evict every cached chunk
     # (to host memory) and they take turns; all complete, token for token.
@@ -211,8 +221,9 @@ def test_the_disk_filling_during_a_warm_restart(servers, tiny_model, mounts, rag
     assert counters["hit_chunks"] > 0, counters  # what the restart restored serves
     assert ssd["chunks"] <= ssd["capacity_chunks"], ssd
     # New chunks replace its own old records (or, where even that fails, write-back stops).
-    assert (counters["written_chunks"] > 0 and counters["evicted_chunks"] > 0) or \
-        (counters["write_errors"] >= 1 and not ssd["writes_enabled"]), counters
+    assert (counters["written_chunks"] > 0 and counters["evicted_chunks"] > 0) or (
+        counters["write_errors"] >= 1 and not ssd["writes_enabled"]
+    ), counters
     assert_no_slot_leaks(state)
     assert [ids for ids, _ in generate_greedy(restarted, rag_prompt_ids[:10])] == baseline_outputs[:10]
 
@@ -257,6 +268,5 @@ def test_a_request_aborted_while_its_chunks_are_prefetched(servers, tiny_model, 
     assert counters["abandoned_reads"] > 0 and counters["cancelled_reads"] > 0, counters
     assert_no_slot_leaks(state)
     # The aborted requests' chunks serve the next ones, token for token.
-    assert [ids for ids, _ in generate_greedy(restarted, rag_prompt_ids[8:16], concurrency=4)] == \
-        baseline_outputs[8:16]
+    assert [ids for ids, _ in generate_greedy(restarted, rag_prompt_ids[8:16], concurrency=4)] == baseline_outputs[8:16]
     assert_no_slot_leaks(settled_state(restarted))

@@ -95,8 +95,9 @@ def _update_weights(server, model_path: str) -> None:
     assert r.status_code == 200 and r.json()["success"], r.text
 
 
-def test_a_weight_update_in_place_never_serves_the_old_weights_kv(tiny_model, model_b, prompts, baseline_b,
-                                                                  tmp_path_factory):
+def test_a_weight_update_in_place_never_serves_the_old_weights_kv(
+    tiny_model, model_b, prompts, baseline_b, tmp_path_factory
+):
     """The namespace follows the weights: after ``/update_weights_from_disk`` to B, no KV
     of A is served from any tier (the flush used to restore every SSD record of A under the
     startup namespace), and outputs equal a fresh server's on B; after an update back to A,

@@ -28,8 +28,9 @@ def resolve():
 
 
 def test_valid_flags_resolve(resolve, tiny_model):
-    args = resolve(tiny_model, "--enable-pcr", "--pcr-chunk-size", "32", "--page-size", "16",
-                   "--pcr-lookahead-window", "0")
+    args = resolve(
+        tiny_model, "--enable-pcr", "--pcr-chunk-size", "32", "--page-size", "16", "--pcr-lookahead-window", "0"
+    )
     assert args.enable_pcr is True and args.pcr_chunk_size == 32 and args.pcr_lookahead_window == 0
 
 
@@ -47,12 +48,18 @@ def test_valid_flags_resolve(resolve, tiny_model):
         (("--pcr-dram-gb", "0.01", "--enable-two-batch-overlap"), "--enable-two-batch-overlap"),
         (("--pcr-doc-reuse", "concat", "--page-size", "16"), "--pcr-doc-reuse concat needs --page-size 1"),
         (("--pcr-doc-reuse", "concat", "--kv-cache-dtype", "fp8_e4m3"), "--kv-cache-dtype fp8_e4m3 is quantized"),
-        (("--pcr-doc-reuse", "blend", "--pcr-doc-recompute-ratio", "1.5"),
-         r"--pcr-doc-recompute-ratio must be a number in \[0, 1\], got 1.5"),
-        (("--pcr-doc-reuse", "lego", "--pcr-doc-recompute-tokens", "-3"),
-         "--pcr-doc-recompute-tokens must be an integer >= 0, got -3"),
-        (("--pcr-doc-reuse", "lego", "--attention-backend", "flashinfer"),
-         "--pcr-doc-reuse lego recomputes tokens inside a permuted row, which needs the torch_native or triton"),
+        (
+            ("--pcr-doc-reuse", "blend", "--pcr-doc-recompute-ratio", "1.5"),
+            r"--pcr-doc-recompute-ratio must be a number in \[0, 1\], got 1.5",
+        ),
+        (
+            ("--pcr-doc-reuse", "lego", "--pcr-doc-recompute-tokens", "-3"),
+            "--pcr-doc-recompute-tokens must be an integer >= 0, got -3",
+        ),
+        (
+            ("--pcr-doc-reuse", "lego", "--attention-backend", "flashinfer"),
+            "--pcr-doc-reuse lego recomputes tokens inside a permuted row, which needs the torch_native or triton",
+        ),
     ],
 )
 def test_invalid_flags_fail_naming_the_flag(resolve, tiny_model, flags, message):
@@ -67,8 +74,11 @@ def test_doc_reuse_needs_pcr(resolve, tiny_model):
 
 @pytest.mark.parametrize(
     "flags,message",
-    [(("--pcr-chunk-size", "big"), "--pcr-chunk-size"), (("--pcr-bogus", "1"), "--pcr-bogus"),
-     (("--pcr-doc-reuse", "blend-everything"), "--pcr-doc-reuse")],
+    [
+        (("--pcr-chunk-size", "big"), "--pcr-chunk-size"),
+        (("--pcr-bogus", "1"), "--pcr-bogus"),
+        (("--pcr-doc-reuse", "blend-everything"), "--pcr-doc-reuse"),
+    ],
 )
 def test_malformed_and_unknown_options_are_argparse_errors(resolve, tiny_model, flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -79,9 +89,23 @@ def test_malformed_and_unknown_options_are_argparse_errors(resolve, tiny_model, 
 
 def test_launch_server_exits_fast_with_clear_message(tiny_model):
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", tiny_model, "--device", "cpu",
-         "--attention-backend", "torch_native", "--enable-pcr", "--pcr-chunk-size", "0"],
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            tiny_model,
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--enable-pcr",
+            "--pcr-chunk-size",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode != 0
     assert "--pcr-chunk-size must be a positive integer, got 0" in proc.stderr
@@ -89,10 +113,25 @@ def test_launch_server_exits_fast_with_clear_message(tiny_model):
 
 def test_dram_tier_larger_than_memory_fails_at_startup(tiny_model):
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", tiny_model, "--device", "cpu",
-         "--attention-backend", "torch_native", "--max-total-tokens", "2048", "--enable-pcr",
-         "--pcr-dram-gb", "100000"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            tiny_model,
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--max-total-tokens",
+            "2048",
+            "--enable-pcr",
+            "--pcr-dram-gb",
+            "100000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode != 0
     assert "--pcr-dram-gb 100000" in proc.stderr and "of memory is available" in proc.stderr
@@ -116,9 +155,21 @@ def test_unsupported_model_is_refused_before_any_weight_loads(tiny_model, tmp_pa
 
     def launch(*flags):
         proc = subprocess.run(
-            [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tmp_path), "--device", "cpu",
-             "--attention-backend", "torch_native", *flags],
-            capture_output=True, text=True, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "sglang.launch_server",
+                "--model-path",
+                str(tmp_path),
+                "--device",
+                "cpu",
+                "--attention-backend",
+                "torch_native",
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         return proc.returncode, proc.stdout + proc.stderr
 

@@ -17,7 +17,12 @@ from tests.e2e.helpers import COMMON_ARGS, GREEDY, generate_greedy, prometheus_c
 pytestmark = pytest.mark.e2e
 
 SMALL_POOL_ARGS = (
-    "--max-total-tokens", "2600", "--context-length", "2048", "--log-level", "warning",
+    "--max-total-tokens",
+    "2600",
+    "--context-length",
+    "2048",
+    "--log-level",
+    "warning",
     "--sleep-on-idle",
 )
 
@@ -43,17 +48,34 @@ def servers(tiny_model, baseline_server):
     # The same small device pool with PCR's host tier behind it.
     pcr_dram = ServerProcess(
         tiny_model,
-        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE),
-         "--pcr-dram-gb", "0.25", "--enable-metrics"),
+        (
+            *SMALL_POOL_ARGS,
+            "--enable-pcr",
+            "--pcr-debug-checks",
+            "--pcr-chunk-size",
+            str(CHUNK_SIZE),
+            "--pcr-dram-gb",
+            "0.25",
+            "--enable-metrics",
+        ),
     )
     # A cache-aware policy: every pass matches the whole waiting queue (up to 128 requests).
     pcr_lpm = ServerProcess(
         tiny_model,
-        (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE),
-         "--pcr-dram-gb", "0.25", "--schedule-policy", "lpm", "--enable-metrics"),
+        (
+            *SMALL_POOL_ARGS,
+            "--enable-pcr",
+            "--pcr-debug-checks",
+            "--pcr-chunk-size",
+            str(CHUNK_SIZE),
+            "--pcr-dram-gb",
+            "0.25",
+            "--schedule-policy",
+            "lpm",
+            "--enable-metrics",
+        ),
     )
-    everything = {"pcr": pcr, "pcr_small": pcr_small, "hicache": hicache,
-                  "pcr_dram": pcr_dram, "pcr_lpm": pcr_lpm}
+    everything = {"pcr": pcr, "pcr_small": pcr_small, "hicache": hicache, "pcr_dram": pcr_dram, "pcr_lpm": pcr_lpm}
     # The other --pcr-layerwise settings (pcr_dram runs the default, both).
     # The 'off' one without --pcr-debug-checks and with an admin key: the tree check is
     # for the admin only there.
@@ -61,8 +83,17 @@ def servers(tiny_model, baseline_server):
         checks = ("--admin-api-key", ADMIN_KEY) if mode == "off" else ("--pcr-debug-checks",)
         everything[f"pcr_dram_{mode}"] = ServerProcess(
             tiny_model,
-            (*SMALL_POOL_ARGS, "--enable-pcr", *checks, "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb",
-             "0.25", "--pcr-layerwise", mode),
+            (
+                *SMALL_POOL_ARGS,
+                "--enable-pcr",
+                *checks,
+                "--pcr-chunk-size",
+                str(CHUNK_SIZE),
+                "--pcr-dram-gb",
+                "0.25",
+                "--pcr-layerwise",
+                mode,
+            ),
         )
     with serving(everything, start_first=("hicache",), shared={"baseline": baseline_server}):
         yield everything
@@ -98,8 +129,9 @@ def test_the_tree_check_needs_the_debug_flag_or_the_admin_key(servers):
     url = f"{server.base_url}/server_info"
     refused = requests.get(url, params={"pcr_check_invariants": "1"}, timeout=30)
     assert refused.status_code == 403 and "--pcr-debug-checks" in refused.json()["error"]
-    wrong = requests.get(url, params={"pcr_check_invariants": "1"}, headers={"Authorization": "Bearer nope"},
-                         timeout=30)
+    wrong = requests.get(
+        url, params={"pcr_check_invariants": "1"}, headers={"Authorization": "Bearer nope"}, timeout=30
+    )
     assert wrong.status_code == 403
     assert requests.get(url, timeout=30).status_code == 200  # the counters stay open to all
     asked = server.pcr_state(check_invariants=True)["invariants"]  # sends the admin key
@@ -108,9 +140,23 @@ def test_the_tree_check_needs_the_debug_flag_or_the_admin_key(servers):
 
 # GET routes that act rather than read (profiling, GC, sessions, memory): not called here.
 # Each is admin-only or harmless without the key, but none answers with configuration.
-_ACTING_GET = ("start_", "stop_", "dump_", "freeze_", "slow_down", "release_", "resume_", "open_session",
-               "close_session", "configure_logging", "set_trace_level", "flush_cache", "health_generate",
-               "weights_checker", "get_weights_by_name")
+_ACTING_GET = (
+    "start_",
+    "stop_",
+    "dump_",
+    "freeze_",
+    "slow_down",
+    "release_",
+    "resume_",
+    "open_session",
+    "close_session",
+    "configure_logging",
+    "set_trace_level",
+    "flush_cache",
+    "health_generate",
+    "weights_checker",
+    "get_weights_by_name",
+)
 
 
 def test_no_route_answers_with_the_admin_key_and_admin_routes_still_need_it(servers):
@@ -126,8 +172,11 @@ def test_no_route_answers_with_the_admin_key_and_admin_routes_still_need_it(serv
     server = servers["pcr_dram_off"]
     assert server.admin_api_key == ADMIN_KEY
     spec = requests.get(f"{server.base_url}/openapi.json", timeout=30).json()
-    routes = [path for path, ops in spec["paths"].items() if "get" in ops and "{" not in path
-              and not any(path.lstrip("/").startswith(verb) for verb in _ACTING_GET)]
+    routes = [
+        path
+        for path, ops in spec["paths"].items()
+        if "get" in ops and "{" not in path and not any(path.lstrip("/").startswith(verb) for verb in _ACTING_GET)
+    ]
     assert {"/server_info", "/get_server_info", "/model_info", "/v1/models"} <= set(routes), routes
     for path in [*routes, "/metrics"]:
         for params in ({}, {"pcr_check_invariants": "1"}):
@@ -140,21 +189,24 @@ def test_no_route_answers_with_the_admin_key_and_admin_routes_still_need_it(serv
         assert ADMIN_KEY not in " ".join(process.cmdline())
     refused = requests.post(f"{server.base_url}/flush_cache", timeout=60)
     assert refused.status_code in (401, 403), refused.text
-    allowed = requests.post(f"{server.base_url}/flush_cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-                            timeout=60)
+    allowed = requests.post(
+        f"{server.base_url}/flush_cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60
+    )
     assert allowed.status_code == 200, allowed.text
 
 
-def test_a_session_id_that_is_not_a_string_gets_400_and_the_server_serves_on(servers, rag_prompt_ids,
-                                                                               baseline_outputs):
+def test_a_session_id_that_is_not_a_string_gets_400_and_the_server_serves_on(servers, rag_prompt_ids, baseline_outputs):
     """SGLang 0.5.23's scheduler died on ``session_params.id`` = a JSON object (``TypeError:
     unhashable type: 'dict'`` in its session lookup), taking every request with it; the
     request is now refused at the door, and the server answers the next one."""
     import requests
 
     server = servers["pcr"]
-    bad = requests.post(f"{server.base_url}/generate", timeout=60, json={
-        "input_ids": rag_prompt_ids[0], "sampling_params": GREEDY, "session_params": {"id": {"error": "x"}}})
+    bad = requests.post(
+        f"{server.base_url}/generate",
+        timeout=60,
+        json={"input_ids": rag_prompt_ids[0], "sampling_params": GREEDY, "session_params": {"id": {"error": "x"}}},
+    )
     assert bad.status_code == 400 and "session_params.id" in bad.text, bad.text
     assert generate_greedy(server, rag_prompt_ids[:1])[0][0] == baseline_outputs[0]
 
@@ -174,8 +226,9 @@ def test_reuse_is_exactly_the_shared_whole_chunks(servers, tokenizer):
     prompt = [rng.randrange(10, vocab) for _ in range(10 * CHUNK_SIZE + 5)]
 
     def cached(ids):
-        return server.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})[
-            "meta_info"]["cached_tokens"]
+        return server.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})["meta_info"][
+            "cached_tokens"
+        ]
 
     assert cached(prompt) == 0
     first_differs = [prompt[0] + 1 if prompt[0] + 1 < vocab else 10] + prompt[1:]
@@ -243,8 +296,7 @@ def test_host_tier_serves_evicted_chunks_back_without_recomputing(servers, rag_p
     assert [ids for ids, _ in results] == baseline_outputs
     before = server.pcr_state()["counters"]
     # The first prompts' chunks left the small device pool long ago, to host memory.
-    replay_meta = [server.generate({"input_ids": p, "sampling_params": GREEDY})
-                   for p in rag_prompt_ids[:10]]
+    replay_meta = [server.generate({"input_ids": p, "sampling_params": GREEDY}) for p in rag_prompt_ids[:10]]
     replay = [(m["output_ids"], m["meta_info"]["cached_tokens"]) for m in replay_meta]
     assert [ids for ids, _ in replay] == baseline_outputs[:10]
     # Responses say which tier the reused tokens came from.
@@ -275,8 +327,9 @@ def test_lpm_with_a_host_tier_under_24_concurrent_requests(servers, rag_prompt_i
     outs = []
     for _ in range(2):  # the second round finds the first's chunks on the device and in host memory
         with ThreadPoolExecutor(24) as pool:
-            outs += list(pool.map(lambda p: server.generate({"input_ids": p, "sampling_params": GREEDY}),
-                                  rag_prompt_ids))
+            outs += list(
+                pool.map(lambda p: server.generate({"input_ids": p, "sampling_params": GREEDY}), rag_prompt_ids)
+            )
     assert [o["output_ids"] for o in outs] == baseline_outputs * 2
     details = [o["meta_info"].get("cached_tokens_details") or {} for o in outs]
     reported = {tier: sum(d.get(tier, 0) for d in details) for tier in ("device", "host")}
@@ -294,7 +347,9 @@ def test_lpm_with_a_host_tier_under_24_concurrent_requests(servers, rag_prompt_i
     assert exported == reported, (exported, reported)
     counters = state["counters"]
     assert (counters["device_hit_chunks"] * CHUNK_SIZE, counters["host_hit_chunks"] * CHUNK_SIZE) == (
-        reported["device"], reported["host"])
+        reported["device"],
+        reported["host"],
+    )
     assert state["invariants"]["ok"] and state["tree"]["locked_chunks"] == 0
     assert state["device_pool_free_tokens"] + state["cached_tokens"] == state["device_pool_tokens"]
     assert state["host_pool_slots"] - state["host_pool_free_slots"] == state["tree"]["host_chunks"]
@@ -309,8 +364,7 @@ def test_workload_is_five_to_ten_times_the_small_pool(rag_prompt_ids):
 
 
 @pytest.mark.parametrize("mode", ["off", "load", "offload", "both"])
-def test_every_layerwise_setting_serves_host_hits_token_for_token(servers, rag_prompt_ids, baseline_outputs,
-                                                                  mode):
+def test_every_layerwise_setting_serves_host_hits_token_for_token(servers, rag_prompt_ids, baseline_outputs, mode):
     server = servers["pcr_dram" if mode == "both" else f"pcr_dram_{mode}"]
     results = generate_greedy(server, rag_prompt_ids, concurrency=4)
     replay = generate_greedy(server, rag_prompt_ids[:10])
@@ -368,11 +422,15 @@ def test_token_for_token_check_detects_one_corrupted_host_chunk(servers, baselin
             first, slots = _served_into_new_host_slots(server, shm, slot_bytes, ids)
             assert first == expected and len(slots) == 4, slots
             if name == "corrupted":
-                _flip_signs(shm.buf[slots[1] * slot_bytes:(slots[1] + 1) * slot_bytes], element_bytes)
+                _flip_signs(shm.buf[slots[1] * slot_bytes : (slots[1] + 1) * slot_bytes], element_bytes)
             # Unrelated prompts push it out of the device pool; its chunks stay in host memory.
             for k in range(4):
-                server.generate({"input_ids": [rng.randrange(10, 4000) for _ in range(1500)],
-                                 "sampling_params": {"max_new_tokens": 1}})
+                server.generate(
+                    {
+                        "input_ids": [rng.randrange(10, 4000) for _ in range(1500)],
+                        "sampling_params": {"max_new_tokens": 1},
+                    }
+                )
             out = server.generate({"input_ids": ids, "sampling_params": GREEDY})
             assert out["meta_info"]["cached_tokens_details"]["host"] == 4 * CHUNK_SIZE, out["meta_info"]
             results[name] = (out["output_ids"], expected)

@@ -39,16 +39,39 @@ def servers(tiny_model, baseline_server, tmp_path_factory):
 
     # It publishes KV cache events, which the last test replays (SGLang's replay socket
     # keeps every batch since the start, so no subscriber has to be there first).
-    events = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}", "bind": True,
-              "replay_endpoint": f"tcp://127.0.0.1:{free_port()}", "buffer_steps": 1_000_000, "topic": "kv"}
-    prefetch = ssd_server(tiny_model, tmp_path_factory.mktemp("pcr-prefetch") / "store",
-                          "--pcr-prefetch-window", "16", "--enable-metrics", "--kv-events-config", json.dumps(events))
+    events = {
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "bind": True,
+        "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "buffer_steps": 1_000_000,
+        "topic": "kv",
+    }
+    prefetch = ssd_server(
+        tiny_model,
+        tmp_path_factory.mktemp("pcr-prefetch") / "store",
+        "--pcr-prefetch-window",
+        "16",
+        "--enable-metrics",
+        "--kv-events-config",
+        json.dumps(events),
+    )
     prefetch.kv_events = events
     # Host memory of ~100 chunks for a working set of ~1,600: every burst of evictions
     # cycles host slots many times over (the benchmark that found a batched-copy bug).
-    churn = ServerProcess(tiny_model, (*TIERED_ARGS[:-1], "0.003", "--pcr-ssd-path",
-                                       str(tmp_path_factory.mktemp("pcr-churn") / "store"), "--pcr-ssd-gb", "0.5",
-                                       "--pcr-ssd-reserve-gb", "0"))
+    churn = ServerProcess(
+        tiny_model,
+        (
+            *TIERED_ARGS[:-1],
+            "0.003",
+            "--pcr-ssd-path",
+            str(tmp_path_factory.mktemp("pcr-churn") / "store"),
+            "--pcr-ssd-gb",
+            "0.5",
+            "--pcr-ssd-reserve-gb",
+            "0",
+        ),
+    )
     everything = {"prefetch": prefetch, "churn": churn}
     with serving(everything, shared={"baseline": baseline_server}):
         yield everything
@@ -58,12 +81,17 @@ def io_pid(server) -> int:
     return server.pcr_state()["ssd"]["io_process"]["pid"]
 
 
-PROMETHEUS_OUTCOMES = {"issued": "prefetch_issued", "in_time": "prefetch_in_time",
-                       "late": "prefetch_late", "on_demand": "on_demand_reads"}
+PROMETHEUS_OUTCOMES = {
+    "issued": "prefetch_issued",
+    "in_time": "prefetch_in_time",
+    "late": "prefetch_late",
+    "on_demand": "on_demand_reads",
+}
 
 
 def test_deep_queue_with_prefetch_matches_baseline_and_scheduler_does_no_disk_io(
-        servers, rag_prompt_ids, baseline_outputs):
+    servers, rag_prompt_ids, baseline_outputs
+):
     server = servers["prefetch"]
     results = generate_greedy(server, rag_prompt_ids, concurrency=4)  # fills all tiers
     assert [ids for ids, _ in results] == baseline_outputs
@@ -119,8 +147,12 @@ def wait_until_settled(server, timeout_s: float = 90) -> dict:
     while True:
         state = server.pcr_state(check_invariants=True)
         ssd = state["ssd"]
-        if (ssd["io_process"]["healthy"] and not ssd["reads_in_flight"] and not ssd["writes_in_flight"]
-                and not state["requests"]["tracked"]) or time.monotonic() > deadline:
+        if (
+            ssd["io_process"]["healthy"]
+            and not ssd["reads_in_flight"]
+            and not ssd["writes_in_flight"]
+            and not state["requests"]["tracked"]
+        ) or time.monotonic() > deadline:
             return state
         generate_greedy(server, [[7] * 40])  # scheduler steps drive the supervisor
         time.sleep(0.5)
@@ -138,7 +170,7 @@ def test_an_io_process_stopped_for_30_s_costs_no_request_and_no_slot(servers, ra
     try:
         while time.monotonic() - start < 30:
             i = len(outputs) % len(rag_prompt_ids)
-            batch = rag_prompt_ids[i:i + 8]
+            batch = rag_prompt_ids[i : i + 8]
             outputs += [(i + k, ids) for k, (ids, _) in enumerate(generate_greedy(server, batch, concurrency=8))]
     finally:
         try:
@@ -236,7 +268,7 @@ def mirror(events) -> tuple[dict[str, set[int]], dict[int, tuple]]:
             for i, h in enumerate(event.block_hashes):
                 assert h not in blocks, (event.medium, h)
                 blocks.add(h)
-                blocks_seen[h] = (parent, list(event.token_ids[i * CHUNK_SIZE:(i + 1) * CHUNK_SIZE]))
+                blocks_seen[h] = (parent, list(event.token_ids[i * CHUNK_SIZE : (i + 1) * CHUNK_SIZE]))
                 parent = h
         elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
@@ -253,7 +285,7 @@ def expected_blocks(server, sequences) -> dict[int, tuple]:
     for seq in sequences:
         parent = None
         for i, key in enumerate(chunk_keys(root_key(ns.chain_digest()), seq, CHUNK_SIZE)):
-            expected[block_hash(key)] = (parent, list(seq[i * CHUNK_SIZE:(i + 1) * CHUNK_SIZE]))
+            expected[block_hash(key)] = (parent, list(seq[i * CHUNK_SIZE : (i + 1) * CHUNK_SIZE]))
             parent = block_hash(key)
     return expected
 
@@ -267,8 +299,9 @@ def test_kv_cache_events_replayed_hold_what_the_tree_holds(servers, rag_prompt_i
     assert info["kv_events"]["block_size"] == CHUNK_SIZE  # PCR's chunks, not SGLang's page size
     driving = [7] * 40  # the supervisor test's prompt
     served = [p + out for p, out in zip(rag_prompt_ids, baseline_outputs)]
-    served.append(driving
-                  + servers["baseline"].generate({"input_ids": driving, "sampling_params": GREEDY})["output_ids"])
+    served.append(
+        driving + servers["baseline"].generate({"input_ids": driving, "sampling_params": GREEDY})["output_ids"]
+    )
     expected = expected_blocks(server, served)
     deadline = time.monotonic() + 60
     while True:

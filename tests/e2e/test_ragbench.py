@@ -16,13 +16,30 @@ pytestmark = pytest.mark.e2e
 
 def test_quick_benchmark_runs_every_configuration_and_reports(tiny_model, tmp_path):
     out = tmp_path / "report"
-    code = main(["--quick", "--model-path", tiny_model, "--configs", "radix,pcr,oracle",
-                 "--requests", "4", "--followups", "1", "--corpus-docs", "60", "--rates", "8,16",
-                 "--out", str(out)])
+    code = main(
+        [
+            "--quick",
+            "--model-path",
+            tiny_model,
+            "--configs",
+            "radix,pcr,oracle",
+            "--requests",
+            "4",
+            "--followups",
+            "1",
+            "--corpus-docs",
+            "60",
+            "--rates",
+            "8,16",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads((out / "report.json").read_text())
     assert code == 0 and report["outputs_identical"] and not report["meta"]["failed_runs"]
     assert {(r["config"], r["rate"]) for r in report["runs"]} == {
-        (c, rate) for c in ("radix", "pcr", "oracle") for rate in (8, 16)}
+        (c, rate) for c in ("radix", "pcr", "oracle") for rate in (8, 16)
+    }
     for run in report["runs"]:
         assert run["requests"] == 8 and run["errors"] == 0  # 4 sessions of two turns
         assert run["ttft_ms"]["p99"] >= run["ttft_ms"]["p50"] > 0

@@ -47,9 +47,27 @@ REMOTE_CHUNK = 64
 
 def remote_server(model, path, mooncake, env=None, extra=(), **config) -> ServerProcess:
     remote = json.dumps(client_config(mooncake["master"], mooncake["key"], **config))
-    return ServerProcess(model, (*TIERED_ARGS, "--pcr-chunk-size", str(REMOTE_CHUNK), "--pcr-ssd-path", str(path),
-                                 "--pcr-ssd-gb", "0.5", "--pcr-ssd-reserve-gb", "0", "--enable-metrics",
-                                 "--pcr-remote", "mooncake", "--pcr-remote-config", remote, *extra), env=env or {})
+    return ServerProcess(
+        model,
+        (
+            *TIERED_ARGS,
+            "--pcr-chunk-size",
+            str(REMOTE_CHUNK),
+            "--pcr-ssd-path",
+            str(path),
+            "--pcr-ssd-gb",
+            "0.5",
+            "--pcr-ssd-reserve-gb",
+            "0",
+            "--enable-metrics",
+            "--pcr-remote",
+            "mooncake",
+            "--pcr-remote-config",
+            remote,
+            *extra,
+        ),
+        env=env or {},
+    )
 
 
 # A and B also serve document reuse (concat): a request that marks nothing is served as
@@ -66,8 +84,9 @@ def servers(tiny_model, mooncake, tmp_path_factory, baseline_server):
         "b": remote_server(tiny_model, root / "b", mooncake, extra=DOC_REUSE),
         # Every remote read takes 2 s there (probes are quick): its requests stop waiting
         # for them and recompute, and the test can evict objects between probe and read.
-        "slow": remote_server(tiny_model, root / "slow", mooncake,
-                              env={"PCR_IO_TEST_FAULTS": json.dumps({"remote_read_delay_s": 2.0})}),
+        "slow": remote_server(
+            tiny_model, root / "slow", mooncake, env={"PCR_IO_TEST_FAULTS": json.dumps({"remote_read_delay_s": 2.0})}
+        ),
     }
     with serving(everything, shared={"baseline": baseline_server}):
         yield everything
@@ -129,7 +148,7 @@ def object_keys(server, prompt, mooncake) -> list[str]:
     """The remote objects of ``prompt``'s whole chunks on ``server``: keyed hashes of its
     namespace and the chunk keys, which only a holder of the fleet key can compute."""
     ns = CacheNamespace(**server.pcr_state()["namespace"])
-    keys = chunk_keys(root_key(ns.chain_digest()), prompt[:len(prompt) - 1], REMOTE_CHUNK)
+    keys = chunk_keys(root_key(ns.chain_digest()), prompt[: len(prompt) - 1], REMOTE_CHUNK)
     namer = remote_store(mooncake, ns.digest())
     names = [namer.object_key(k) for k in keys]
     assert not any(k.hex() in name for k, name in zip(keys, names))
@@ -140,8 +159,9 @@ def remote_store(mooncake, namespace: bytes = bytes(16)) -> RemoteChunkStore:
     """A store client of the test's own under the fleet key (the layout does not matter:
     it only names, puts and removes objects)."""
     config = RemoteConfig.parse(json.dumps(client_config(mooncake["master"], mooncake["key"])))
-    return RemoteChunkStore(config, RecordCodec(load_fleet_key(config.key_file), namespace,
-                                                HostChunkLayout(1, 1, 1, 1), "x"))
+    return RemoteChunkStore(
+        config, RecordCodec(load_fleet_key(config.key_file), namespace, HostChunkLayout(1, 1, 1, 1), "x")
+    )
 
 
 def raw_client(mooncake):
@@ -182,9 +202,15 @@ def test_a_document_one_server_computed_is_reused_by_another_at_another_position
     system = "Answer the question from the documents below."
     on_a = build_doc_prompt(tokenizer, system, docs, "Which of these is the oldest?")
     before_written = written(a)
-    out_a = a.generate({"input_ids": on_a.input_ids,
-                        "sampling_params": {**on_a.sampling_params(**GREEDY),
-                                            "custom_params": {**on_a.custom_params(), "pcr_doc_warm": True}}})
+    out_a = a.generate(
+        {
+            "input_ids": on_a.input_ids,
+            "sampling_params": {
+                **on_a.sampling_params(**GREEDY),
+                "custom_params": {**on_a.custom_params(), "pcr_doc_warm": True},
+            },
+        }
+    )
     assert out_a["meta_info"]["cached_tokens"] >= on_a.doc_bounds[-1] - REMOTE_CHUNK  # A reused its warm-ups
     wait_for_write_back(a)
     deadline = time.monotonic() + 60
@@ -203,8 +229,13 @@ def test_a_document_one_server_computed_is_reused_by_another_at_another_position
     assert out_b["meta_info"]["cached_tokens"] >= on_b.doc_bounds[-1] - REMOTE_CHUNK, out_b["meta_info"]
 
     own = {**on_b.custom_params(), "pcr_doc_warm": True}  # B computes them itself, for another tenant
-    reference = b.generate({"input_ids": on_b.input_ids, "cache_salt": "b-computes-its-own",
-                            "sampling_params": {**on_b.sampling_params(**GREEDY), "custom_params": own}})
+    reference = b.generate(
+        {
+            "input_ids": on_b.input_ids,
+            "cache_salt": "b-computes-its-own",
+            "sampling_params": {**on_b.sampling_params(**GREEDY), "custom_params": own},
+        }
+    )
     assert reference["meta_info"]["cached_tokens"] >= on_b.doc_bounds[-1] - REMOTE_CHUNK
     assert out_b["output_ids"] == reference["output_ids"]
 
@@ -244,8 +275,7 @@ def test_a_corrupt_remote_object_is_detected_and_recomputed(servers, mooncake, r
     assert b.pcr_state(check_invariants=True)["invariants"]["ok"]
 
 
-def test_an_object_evicted_between_probe_and_read_is_recomputed(servers, mooncake, rag_prompt_ids,
-                                                                 baseline_outputs):
+def test_an_object_evicted_between_probe_and_read_is_recomputed(servers, mooncake, rag_prompt_ids, baseline_outputs):
     """Runs before the slow-tier test: the slow server has timed no remote read yet, so its
     request orders reads (afterwards its cost model would recompute instead)."""
     a, slow = servers["a"], servers["slow"]
@@ -307,12 +337,16 @@ def test_a_slow_remote_tier_costs_hits_not_tokens(servers, rag_prompt_ids, basel
 def test_the_gateway_serves_the_fleet(servers, rag_prompt_ids, baseline_outputs, tmp_path):
     """SGLang Model Gateway (smg, cache_aware) in front of the two servers: requests come
     back with the baseline's tokens, and a repeated prompt goes where its prefix is."""
-    gateway = Gateway([servers["a"].base_url, servers["b"].base_url], "cache_aware",
-                      log_path=tmp_path / "gateway.log").start()
+    gateway = Gateway(
+        [servers["a"].base_url, servers["b"].base_url], "cache_aware", log_path=tmp_path / "gateway.log"
+    ).start()
     try:
         for i in (14, 15, 14):
-            r = requests.post(f"{gateway.base_url}/generate",
-                              json={"input_ids": rag_prompt_ids[i], "sampling_params": GREEDY}, timeout=300)
+            r = requests.post(
+                f"{gateway.base_url}/generate",
+                json={"input_ids": rag_prompt_ids[i], "sampling_params": GREEDY},
+                timeout=300,
+            )
             r.raise_for_status()
             assert r.json()["output_ids"] == baseline_outputs[i]
         assert r.json()["meta_info"]["cached_tokens"] > 0  # the repeat hit where the first one ran
@@ -330,8 +364,9 @@ def test_hits_survive_the_writer_being_killed(servers, rag_prompt_ids, baseline_
     assert storage_tokens(outs) > 0, (remote(b), [o["meta_info"] for o in outs])
 
 
-def test_the_store_process_killed_under_a_live_master_costs_hits_not_tokens(servers, mooncake, rag_prompt_ids,
-                                                                            baseline_outputs):
+def test_the_store_process_killed_under_a_live_master_costs_hits_not_tokens(
+    servers, mooncake, rag_prompt_ids, baseline_outputs
+):
     """Only the store process dies (it holds the objects' bytes; the master lives on and
     lists them until the dead process's lease expires, about 10 s): B's reads of what
     another server wrote fail, or find a restarted process's memory where the record was

@@ -42,10 +42,25 @@ def mooncake(tmp_path_factory):
 def servers(tiny_model, mooncake, tmp_path_factory, baseline_server):
     ssd = tmp_path_factory.mktemp("pcr-remote-watchdog")
     remote = json.dumps(client_config(mooncake["master"], mooncake["key"]))
-    hung = ServerProcess(tiny_model, (*TIERED_ARGS, "--pcr-chunk-size", str(CHUNK), "--pcr-ssd-path", str(ssd),
-                                      "--pcr-ssd-gb", "0.5", "--pcr-ssd-reserve-gb", "0",
-                                      "--pcr-remote", "mooncake", "--pcr-remote-config", remote),
-                         env={"PCR_IO_TEST_FAULTS": json.dumps({"remote_read_delay_s": HUNG_READ_S})})
+    hung = ServerProcess(
+        tiny_model,
+        (
+            *TIERED_ARGS,
+            "--pcr-chunk-size",
+            str(CHUNK),
+            "--pcr-ssd-path",
+            str(ssd),
+            "--pcr-ssd-gb",
+            "0.5",
+            "--pcr-ssd-reserve-gb",
+            "0",
+            "--pcr-remote",
+            "mooncake",
+            "--pcr-remote-config",
+            remote,
+        ),
+        env={"PCR_IO_TEST_FAULTS": json.dumps({"remote_read_delay_s": HUNG_READ_S})},
+    )
     hung.ssd_path = ssd
     with serving({"hung": hung}, shared={"baseline": baseline_server}) as running:
         yield running
@@ -58,7 +73,7 @@ def send(server, prompt) -> dict:
 def prompt_keys(server, prompt) -> set[bytes]:
     """The keys of ``prompt``'s whole chunks on ``server`` (as test_remote_tier derives them)."""
     ns = CacheNamespace(**server.pcr_state()["namespace"])
-    return set(chunk_keys(root_key(ns.chain_digest()), prompt[:len(prompt) - 1], CHUNK))
+    return set(chunk_keys(root_key(ns.chain_digest()), prompt[: len(prompt) - 1], CHUNK))
 
 
 def storage_tokens(out) -> int:
@@ -94,12 +109,17 @@ def test_a_hung_remote_read_is_given_up_on_under_steady_local_reads(servers, rag
         state = server.pcr_state()
         store = state["remote"]["store"] or {}
         filling_seen = max(filling_seen, state["host_slots"].get("filling", 0))
-        if store.get("calls_timed_out", 0) >= 1 and state["host_slots"].get("filling", 0) == 0 \
-                and state["ssd"]["reads_in_flight"] == 0:
+        if (
+            store.get("calls_timed_out", 0) >= 1
+            and state["host_slots"].get("filling", 0) == 0
+            and state["ssd"]["reads_in_flight"] == 0
+        ):
             break
-        assert time.monotonic() < deadline, (f"the hung remote read was never given up on (max filling "
-                                             f"{filling_seen}): {state['host_slots']}, {state['remote']}, "
-                                             f"reads in flight {state['ssd']['reads_in_flight']}")
+        assert time.monotonic() < deadline, (
+            f"the hung remote read was never given up on (max filling "
+            f"{filling_seen}): {state['host_slots']}, {state['remote']}, "
+            f"reads in flight {state['ssd']['reads_in_flight']}"
+        )
         i = rounds % len(local_prompts)
         out = send(server, local_prompts[i])
         assert out["output_ids"] == baseline_outputs[i + 1]

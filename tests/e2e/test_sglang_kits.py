@@ -44,9 +44,21 @@ pytestmark = pytest.mark.e2e
 PCR_CHUNK_SIZE = 16
 _SHARED = ("--context-length", "2048", "--log-level", "warning", "--sleep-on-idle")
 BASELINE_ARGS = (*_SHARED, "--max-total-tokens", "24000", "--enable-streaming-session")
-PCR_ARGS = (*_SHARED, "--max-total-tokens", "3000", "--enable-pcr", "--pcr-debug-checks",
-            "--pcr-chunk-size", str(PCR_CHUNK_SIZE), "--pcr-dram-gb", "0.2",
-            "--pcr-ssd-gb", "1", "--pcr-ssd-reserve-gb", "0")
+PCR_ARGS = (
+    *_SHARED,
+    "--max-total-tokens",
+    "3000",
+    "--enable-pcr",
+    "--pcr-debug-checks",
+    "--pcr-chunk-size",
+    str(PCR_CHUNK_SIZE),
+    "--pcr-dram-gb",
+    "0.2",
+    "--pcr-ssd-gb",
+    "1",
+    "--pcr-ssd-reserve-gb",
+    "0",
+)
 SERVERS = ("baseline", "pcr")
 
 
@@ -78,8 +90,7 @@ def kit_case(mixin: type, target: KitServer, **knobs: Any) -> Any:
     """An instance of ``mixin`` mixed into a ``unittest.TestCase`` (for its assert
     methods), set up as SGLang's test classes set it up; ``knobs`` are the kit's own
     class attributes (request and token counts)."""
-    attrs = {"base_url": target.base_url, "process": _Process(target.server), "model": target.model,
-             **knobs}
+    attrs = {"base_url": target.base_url, "process": _Process(target.server), "model": target.model, **knobs}
 
     def flush_cache(cls: type) -> None:
         requests.post(cls.base_url + "/flush_cache", timeout=30).raise_for_status()
@@ -118,8 +129,14 @@ def run_kit(mixin: type, method: str, target: KitServer, **knobs: Any) -> None:
 
 # --- API contract --------------------------------------------------------------------------
 
-API_METHODS = ("test_health", "test_health_generate", "test_get_server_info", "test_get_model_info",
-               "test_openai_chat_completion", "test_openai_completion")
+API_METHODS = (
+    "test_health",
+    "test_health_generate",
+    "test_get_server_info",
+    "test_get_model_info",
+    "test_openai_chat_completion",
+    "test_openai_completion",
+)
 
 
 @pytest.mark.parametrize("method", API_METHODS)
@@ -134,13 +151,21 @@ def test_api_contract(target, method):
 _TOO_SMALL = "SmolLM2-135M answers it wrong on the baseline too (greedy, measured)"
 
 
-@pytest.mark.parametrize("method", [
-    "test_capital_france", "test_determinism_temp_zero", "test_max_token_one", "test_ascii_ratio",
-    "test_no_repetition_blowup",
-    pytest.param("test_basic_math", marks=pytest.mark.xfail(run=False, reason=f"{_TOO_SMALL}: 17*23 -> '17'")),
-    pytest.param("test_color_completion",
-                 marks=pytest.mark.xfail(run=False, reason=f"{_TOO_SMALL}: the third primary colour -> 'green'")),
-])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "test_capital_france",
+        "test_determinism_temp_zero",
+        "test_max_token_one",
+        "test_ascii_ratio",
+        "test_no_repetition_blowup",
+        pytest.param("test_basic_math", marks=pytest.mark.xfail(run=False, reason=f"{_TOO_SMALL}: 17*23 -> '17'")),
+        pytest.param(
+            "test_color_completion",
+            marks=pytest.mark.xfail(run=False, reason=f"{_TOO_SMALL}: the third primary colour -> 'green'"),
+        ),
+    ],
+)
 def test_decode_correctness(target, method):
     from sglang.test.kits.basic_decode_correctness_kit import BasicDecodeCorrectnessMixin
 
@@ -150,10 +175,14 @@ def test_decode_correctness(target, method):
 # --- Cache kits ----------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the kit expects the 2nd of three prompts sharing a 257-token prefix to hit nothing "
-    "(a cache that keeps only branching points, as SGLang's hybrid/mamba caches do); a radix "
-    "cache, SGLang's and PCR's alike, hits the shared prefix already on the 2nd"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "the kit expects the 2nd of three prompts sharing a 257-token prefix to hit nothing "
+        "(a cache that keeps only branching points, as SGLang's hybrid/mamba caches do); a radix "
+        "cache, SGLang's and PCR's alike, hits the shared prefix already on the 2nd"
+    ),
+)
 def test_prefix_cache_branching(target):
     from sglang.test.kits.prefix_cache_branching_kit import PrefixCacheBranchingMixin
 
@@ -196,8 +225,14 @@ def test_cache_hit_multiturn(target, tmp_path, monkeypatch):
     if target.name == "pcr":
         monkeypatch.setattr(kit, "_get_page_size", lambda base_url: PCR_CHUNK_SIZE)
     result = kit.run_multiturn_cache_hit_test(
-        target.base_url, target.model, num_clients=2, num_rounds=3, request_length=128, output_length=16,
-        dataset_path=str(_sharegpt_file(tmp_path)))
+        target.base_url,
+        target.model,
+        num_clients=2,
+        num_rounds=3,
+        request_length=128,
+        output_length=16,
+        dataset_path=str(_sharegpt_file(tmp_path)),
+    )
     assert result["rounds"]["round_2"]["cache_hit_rate"] > 0.5, result
 
 
@@ -216,7 +251,7 @@ def kl_prompts(monkeypatch, tmp_path, smollm2):
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     articles = [a for a in load_wiki_articles() if len(a.text) > 1500][:KL_SAMPLES]
-    prompts = [tokenizer.encode(a.text)[:200 + 40 * i] for i, a in enumerate(articles)]
+    prompts = [tokenizer.encode(a.text)[: 200 + 40 * i] for i, a in enumerate(articles)]
     monkeypatch.setattr(kl_test_utils, "CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kl_test_utils, "_cached_input_ids", {})
     name = smollm2.replace("/", "_").replace("\\", "_")
@@ -225,15 +260,24 @@ def kl_prompts(monkeypatch, tmp_path, smollm2):
     return prompts
 
 
-@pytest.mark.parametrize("method", ["test_input_output_logprobs_match_prefill_cache_hit",
-                                    "test_input_output_logprobs_match_decode_cache_hit"])
+@pytest.mark.parametrize(
+    "method",
+    ["test_input_output_logprobs_match_prefill_cache_hit", "test_input_output_logprobs_match_decode_cache_hit"],
+)
 def test_kl_divergence(target, method, kl_prompts):
     """Logprobs of tokens generated on a cache hit (a prefilled prompt; a previous turn's
     prompt and output) against the same tokens prefilled from scratch."""
     from sglang.test.kits.kl_divergence_kit import KLDivergenceMixin
 
-    run_kit(KLDivergenceMixin, method, target, kl_div_thres=KL_THRESHOLD, kl_div_max_samples=KL_SAMPLES,
-            kl_div_prefill_max_new_tokens=24, kl_div_decode_max_new_tokens=24)
+    run_kit(
+        KLDivergenceMixin,
+        method,
+        target,
+        kl_div_thres=KL_THRESHOLD,
+        kl_div_max_samples=KL_SAMPLES,
+        kl_div_prefill_max_new_tokens=24,
+        kl_div_decode_max_new_tokens=24,
+    )
 
 
 # --- Request lifecycle ---------------------------------------------------------------------
@@ -243,8 +287,14 @@ def test_abort_all(target):
     from sglang.test.kits.abort_timeout_kit import AbortAllMixin
 
     # max_new_tokens within the 2,048-token context (the kit's 16,000 is refused before it runs).
-    run_kit(AbortAllMixin, "test_abort_all", target, abort_all_num_requests=8, abort_all_max_new_tokens=1500,
-            abort_all_sleep=2)
+    run_kit(
+        AbortAllMixin,
+        "test_abort_all",
+        target,
+        abort_all_num_requests=8,
+        abort_all_max_new_tokens=1500,
+        abort_all_sleep=2,
+    )
 
 
 def test_pause_resume_in_place(target):
@@ -252,56 +302,100 @@ def test_pause_resume_in_place(target):
 
     # ignore_eos: at temperature 0.8 SmolLM2 sometimes ends an essay at once, and the kit
     # asserts every answer is non-empty (it failed so on the baseline).
-    run_kit(PauseResumeInPlaceMixin, "test_pause_resume_in_place", target, pause_num_requests=4,
-            pause_max_new_tokens=64, pause_duration=2, pause_ignore_eos=True)
+    run_kit(
+        PauseResumeInPlaceMixin,
+        "test_pause_resume_in_place",
+        target,
+        pause_num_requests=4,
+        pause_max_new_tokens=64,
+        pause_duration=2,
+        pause_ignore_eos=True,
+    )
 
 
 # --- Stops and constrained decoding --------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", [
-    "test_finish_length", "test_finish_stop_eos", "test_finish_stop_regex_str",
-    pytest.param("test_finish_stop_str", marks=pytest.mark.xfail(run=False, reason=(
-        "the chat half asks for a 3,000-word story and expects a newline within 1,000 tokens: "
-        "SmolLM2 writes none, and the 1,000 tokens take ~100 s a server (baseline, measured)"))),
-])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "test_finish_length",
+        "test_finish_stop_eos",
+        "test_finish_stop_regex_str",
+        pytest.param(
+            "test_finish_stop_str",
+            marks=pytest.mark.xfail(
+                run=False,
+                reason=(
+                    "the chat half asks for a 3,000-word story and expects a newline within 1,000 tokens: "
+                    "SmolLM2 writes none, and the 1,000 tokens take ~100 s a server (baseline, measured)"
+                ),
+            ),
+        ),
+    ],
+)
 def test_matched_stop(target, method):
     from sglang.test.kits.matched_stop_kit import MatchedStopMixin
 
     run_kit(MatchedStopMixin, method, target)
 
 
-_JSON_TRUNCATED = ("128 new tokens end inside SmolLM2's JSON (an unterminated 'name' string) on the "
-                   "baseline too; the grammar keeps it valid so far, the kit parses the whole text")
+_JSON_TRUNCATED = (
+    "128 new tokens end inside SmolLM2's JSON (an unterminated 'name' string) on the "
+    "baseline too; the grammar keeps it valid so far, the kit parses the whole text"
+)
 
 
-@pytest.mark.parametrize("method", [
-    "test_json_invalid", "test_json_openai",
-    pytest.param("test_json_generate", marks=pytest.mark.xfail(run=False, reason=_JSON_TRUNCATED)),
-    pytest.param("test_mix_json_and_other", marks=pytest.mark.xfail(run=False, reason=_JSON_TRUNCATED)),
-])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "test_json_invalid",
+        "test_json_openai",
+        pytest.param("test_json_generate", marks=pytest.mark.xfail(run=False, reason=_JSON_TRUNCATED)),
+        pytest.param("test_mix_json_and_other", marks=pytest.mark.xfail(run=False, reason=_JSON_TRUNCATED)),
+    ],
+)
 def test_json_constrained(target, method):
     from sglang.test.kits.json_constrained_kit import JSONConstrainedMixin
 
     run_kit(JSONConstrainedMixin, method, target)
 
 
-@pytest.mark.parametrize("method", ["test_regex_generate_greeting", "test_regex_generate_number",
-                                    "test_regex_generate_date", "test_regex_generate_phone"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "test_regex_generate_greeting",
+        "test_regex_generate_number",
+        "test_regex_generate_date",
+        "test_regex_generate_phone",
+    ],
+)
 def test_regex_constrained(target, method):
     from sglang.test.kits.regex_constrained_kit import RegexConstrainedMixin
 
     run_kit(RegexConstrainedMixin, method, target)
 
 
-@pytest.mark.parametrize("method", [
-    "test_ebnf_generate_greeting", "test_ebnf_generate_number", "test_ebnf_generate_email",
-    "test_ebnf_generate_date",
-    pytest.param("test_ebnf_generate_complex_json", marks=pytest.mark.xfail(run=False, reason=(
-        "three samples at temperature 0.5, and the grammar admits objects the kit's pattern "
-        "rejects (any of name/age/city, in any order): it fails at random; once, with PCR, on "
-        "the grammar-valid '{\"name\":\"London\",\"age\":25}'"))),
-])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "test_ebnf_generate_greeting",
+        "test_ebnf_generate_number",
+        "test_ebnf_generate_email",
+        "test_ebnf_generate_date",
+        pytest.param(
+            "test_ebnf_generate_complex_json",
+            marks=pytest.mark.xfail(
+                run=False,
+                reason=(
+                    "three samples at temperature 0.5, and the grammar admits objects the kit's pattern "
+                    "rejects (any of name/age/city, in any order): it fails at random; once, with PCR, on "
+                    'the grammar-valid \'{"name":"London","age":25}\''
+                ),
+            ),
+        ),
+    ],
+)
 def test_ebnf_constrained(target, method):
     from sglang.test.kits.ebnf_constrained_kit import EBNFConstrainedMixin
 
@@ -321,14 +415,22 @@ def frontend(target):
     sgl.global_config.default_backend = previous
 
 
-@pytest.mark.parametrize("program,kwargs", [
-    ("test_select", {"check_answer": False}),
-    ("test_tool_use", {}),
-    ("test_regex", {}),
-    ("test_dtype_gen", {}),
-    pytest.param("test_few_shot_qa", {}, marks=pytest.mark.xfail(run=False, reason=(
-        f"{_TOO_SMALL}: the capital of the United States -> 'New York'"))),
-])
+@pytest.mark.parametrize(
+    "program,kwargs",
+    [
+        ("test_select", {"check_answer": False}),
+        ("test_tool_use", {}),
+        ("test_regex", {}),
+        ("test_dtype_gen", {}),
+        pytest.param(
+            "test_few_shot_qa",
+            {},
+            marks=pytest.mark.xfail(
+                run=False, reason=(f"{_TOO_SMALL}: the capital of the United States -> 'New York'")
+            ),
+        ),
+    ],
+)
 def test_frontend_program(target, frontend, program, kwargs):
     from sglang.test import test_programs
 
@@ -338,12 +440,22 @@ def test_frontend_program(target, frontend, program, kwargs):
 # --- Streaming sessions --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", [
-    "test_kv_cache_inheritance",
-    pytest.param("test_nth_mid_abort_recovery", marks=pytest.mark.xfail(run=False, reason=(
-        "its second turn asks for 100,000 new tokens, refused beyond the 2,048-token context "
-        "before the abort it tests (baseline, measured)"))),
-])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "test_kv_cache_inheritance",
+        pytest.param(
+            "test_nth_mid_abort_recovery",
+            marks=pytest.mark.xfail(
+                run=False,
+                reason=(
+                    "its second turn asks for 100,000 new tokens, refused beyond the 2,048-token context "
+                    "before the abort it tests (baseline, measured)"
+                ),
+            ),
+        ),
+    ],
+)
 def test_streaming_session(target, method, smollm2):
     """SGLang's multi-turn session API. PCR refuses ``--enable-streaming-session`` (its
     sessions keep their KV in UnifiedRadixCache's session slots: docs/testing.md says why
@@ -353,8 +465,9 @@ def test_streaming_session(target, method, smollm2):
     from transformers import AutoTokenizer
 
     if target.name == "pcr":
-        reply = requests.post(target.base_url + "/open_session", json={"capacity_of_str_len": 100, "streaming": True},
-                              timeout=30)
+        reply = requests.post(
+            target.base_url + "/open_session", json={"capacity_of_str_len": 100, "streaming": True}, timeout=30
+        )
         assert "--enable-streaming-session" in reply.text, reply.text
         # Not run: the kit would send this error reply (a JSON object) as its session id,
         # and SGLang 0.5.23's scheduler dies on a session id it cannot hash (TypeError in
@@ -370,8 +483,9 @@ def test_pcr_refuses_streaming_sessions_saying_what_to_do_instead(smollm2):
     from sglang.srt.server_args import prepare_server_args
 
     load_plugins()
-    args = prepare_server_args(["--model-path", smollm2, "--device", "cpu", "--enable-pcr",
-                                "--enable-streaming-session"])
+    args = prepare_server_args(
+        ["--model-path", smollm2, "--device", "cpu", "--enable-pcr", "--enable-streaming-session"]
+    )
     message = "cannot be combined with --enable-streaming-session: .*UnifiedRadixCache.*whole conversation"
     with pytest.raises((ValueError, RuntimeError), match=message):
         args.resolve_once()

@@ -27,6 +27,7 @@ from tests.e2e.helpers import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paced]
 
+
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("pcr-ssd") / "store"
@@ -45,8 +46,18 @@ def servers(tiny_model, baseline_server, store_dir, tmp_path_factory):
     # fills those 200 MB, as another tenant of the disk would.
     full_dir = tmp_path_factory.mktemp("pcr-ssd-full") / "store"
     free_gb = shutil.disk_usage(full_dir.parent).free / 2**30
-    full = ServerProcess(tiny_model, (*TIERED_ARGS, "--pcr-ssd-path", str(full_dir), "--pcr-ssd-gb", "0.5",
-                                      "--pcr-ssd-reserve-gb", f"{free_gb - 0.2:.6f}"))
+    full = ServerProcess(
+        tiny_model,
+        (
+            *TIERED_ARGS,
+            "--pcr-ssd-path",
+            str(full_dir),
+            "--pcr-ssd-gb",
+            "0.5",
+            "--pcr-ssd-reserve-gb",
+            f"{free_gb - 0.2:.6f}",
+        ),
+    )
     full.filler_dir = full_dir.parent
     everything = {"ssd": ssd, "full": full}
     with serving(everything, shared={"baseline": baseline_server}):
@@ -132,22 +143,36 @@ def _hint(payload=None, version="1") -> dict:
 def _hint_counters(server) -> dict:
     state = server.pcr_state()
     ssd = state["ssd"]
-    return {**state["hints"]["counters"], **{k: v for k, v in ssd["counters"].items() if k.startswith("hint_")},
-            "forwards": state["forwards"], "reads_in_flight": ssd["reads_in_flight"]}
+    return {
+        **state["hints"]["counters"],
+        **{k: v for k, v in ssd["counters"].items() if k.startswith("hint_")},
+        "forwards": state["forwards"],
+        "reads_in_flight": ssd["reads_in_flight"],
+    }
 
 
 def _send_hint(server, ids, **extra) -> dict:
     return server.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "kv_hints": _hint(), **extra})
 
 
-@pytest.mark.parametrize("payload, version, message", [
-    ({"ttl_s": -5}, "1", "ttl_s must be a number of seconds"),
-    ({"hint_only": "yes"}, "1", "hint_only must be true or false"),
-    ({}, "9", "action_version '9' is not supported"),
-])
+@pytest.mark.parametrize(
+    "payload, version, message",
+    [
+        ({"ttl_s": -5}, "1", "ttl_s must be a number of seconds"),
+        ({"hint_only": "yes"}, "1", "hint_only must be true or false"),
+        ({}, "9", "action_version '9' is not supported"),
+    ],
+)
 def test_a_malformed_kv_hint_gets_http_400_naming_the_problem(servers, rag_prompt_ids, payload, version, message):
-    response = requests.post(servers["ssd"].base_url + "/generate", timeout=60, json={
-        "input_ids": rag_prompt_ids[0], "sampling_params": {"max_new_tokens": 0}, "kv_hints": _hint(payload, version)})
+    response = requests.post(
+        servers["ssd"].base_url + "/generate",
+        timeout=60,
+        json={
+            "input_ids": rag_prompt_ids[0],
+            "sampling_params": {"max_new_tokens": 0},
+            "kv_hints": _hint(payload, version),
+        },
+    )
     assert response.status_code == 400, response.text
     assert message in response.text
 
@@ -162,8 +187,9 @@ def test_a_kv_hint_then_the_final_request_finds_its_chain_in_host_memory(servers
     deadline = time.monotonic() + 30
     while True:  # the prefetcher reads the hinted chain in the background
         counters = _hint_counters(server)
-        if (counters["hint_issued"] > before["hint_issued"] and counters["reads_in_flight"] == 0) \
-                or time.monotonic() > deadline:
+        if (
+            counters["hint_issued"] > before["hint_issued"] and counters["reads_in_flight"] == 0
+        ) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     assert counters["hint_issued"] > before["hint_issued"] and counters["reads_in_flight"] == 0, counters
@@ -193,7 +219,8 @@ def test_a_kv_hint_under_another_tenants_salt_prefetches_nothing(servers, rag_pr
     assert final["output_ids"] == baseline_outputs[HINTED][2]
     ssd = server.pcr_state()["ssd"]
     assert final["meta_info"]["cached_tokens_details"].get("storage", 0) > 0, json.dumps(
-        [ssd["cost_model"], ssd["counters"], ssd["prefetch_timeliness"]])
+        [ssd["cost_model"], ssd["counters"], ssd["prefetch_timeliness"]]
+    )
 
 
 def test_a_kv_hint_in_upstreams_words_is_registered_and_the_capability_advertised(servers, rag_prompt_ids):
@@ -203,14 +230,18 @@ def test_a_kv_hint_in_upstreams_words_is_registered_and_the_capability_advertise
     before = _hint_counters(server)
     envelope = _hint()
     envelope["actions"][0].update(action_type="kv.prefetch", action_version="1.0")
-    out = server.generate({"input_ids": rag_prompt_ids[43], "sampling_params": {"max_new_tokens": 0},
-                           "kv_hints": envelope})
+    out = server.generate(
+        {"input_ids": rag_prompt_ids[43], "sampling_params": {"max_new_tokens": 0}, "kv_hints": envelope}
+    )
     assert out["meta_info"]["finish_reason"]["pcr_hint"] == "registered"
     assert _hint_counters(server)["registered"] == before["registered"] + 1
     assert server.pcr_state()["hints"]["capabilities"][0] == "kv_hint.prefetch.v1"
     envelope["actions"][0]["action_version"] = "1"
-    refused = requests.post(server.base_url + "/generate", timeout=60, json={
-        "input_ids": rag_prompt_ids[43], "sampling_params": {"max_new_tokens": 0}, "kv_hints": envelope})
+    refused = requests.post(
+        server.base_url + "/generate",
+        timeout=60,
+        json={"input_ids": rag_prompt_ids[43], "sampling_params": {"max_new_tokens": 0}, "kv_hints": envelope},
+    )
     assert refused.status_code == 400 and "kv.prefetch action_version '1' is not supported" in refused.text
 
 
@@ -233,12 +264,18 @@ def test_a_hyde_pipeline_on_the_frontend_sends_its_hint_and_searches_exactly(ser
     texts = [f"{a.title}. {a.text[:300]}" for a in articles]
     datastore = IVFDatastore.build(embed_texts(texts), 8, seed=0)
     embedder = load_embedder()
-    retriever = LookaheadRetriever(datastore, embedder.encode, nprobe=2, k=3,
-                                   tier=HostClusterTier(datastore.table, 8 << 20),
-                                   budget=BudgetModel(stage_bytes={"hyde": 4 << 20}))
+    retriever = LookaheadRetriever(
+        datastore,
+        embedder.encode,
+        nprobe=2,
+        k=3,
+        tier=HostClusterTier(datastore.table, 8 << 20),
+        budget=BudgetModel(stage_bytes={"hyde": 4 << 20}),
+    )
     hinter = KVHinter(server.base_url)
-    pipelines = Pipelines(retriever, texts, RuntimeEndpoint(server.base_url), hinter,
-                          PipelineConfig(hyde_tokens=16, answer_tokens=8))
+    pipelines = Pipelines(
+        retriever, texts, RuntimeEndpoint(server.base_url), hinter, PipelineConfig(hyde_tokens=16, answer_tokens=8)
+    )
     before = _hint_counters(server)
     try:
         result = pipelines.hyde(f"What is {articles[5].title} known for?")
@@ -252,8 +289,12 @@ def test_a_hyde_pipeline_on_the_frontend_sends_its_hint_and_searches_exactly(ser
     assert result.searches[0].probed == 2
     assert hinter.stats.sent == 1 and hinter.stats.registered == 1 and hinter.stats.failed == 0
     assert _hint_counters(server)["registered"] == before["registered"] + 1
-    direct = server.generate({"text": render_rag_prompt([texts[i] for i in result.doc_ids], result.question),
-                              "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    direct = server.generate(
+        {
+            "text": render_rag_prompt([texts[i] for i in result.doc_ids], result.question),
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+        }
+    )
     assert result.answer == direct["text"].strip()
 
 
@@ -271,8 +312,9 @@ def test_after_a_restart_every_prompt_is_served_right_from_ssd(servers, rag_prom
     assert state["invariants"]["ok"] and state["tree"]["locked_chunks"] == 0
 
 
-def test_kill_9_during_write_back_then_restart(servers, tiny_model, store_dir, damaged_payloads, rag_prompt_ids,
-                                              baseline_outputs):
+def test_kill_9_during_write_back_then_restart(
+    servers, tiny_model, store_dir, damaged_payloads, rag_prompt_ids, baseline_outputs
+):
     from pcr_tools.store_cli import main as store_cli
 
     for path in damaged_payloads:  # still there unless a read found it: verify below checks the crash alone
@@ -331,8 +373,9 @@ def test_kill_9_during_write_back_then_restart(servers, tiny_model, store_dir, d
     assert state["ssd"]["store"]["corrupt_chunks"] == 0
     assert state["ssd"]["store"]["discarded_tmp_files"] >= len(cut_off) and not list(store_dir.rglob("*.tmp"))
     outputs, _ = replay_with_details(restarted, [[7, *ids] for ids in rag_prompt_ids[:8]])
-    assert outputs == [ids for ids, _ in generate_greedy(servers["baseline"],
-                                                         [[7, *ids] for ids in rag_prompt_ids[:8]])]
+    assert outputs == [
+        ids for ids, _ in generate_greedy(servers["baseline"], [[7, *ids] for ids in rag_prompt_ids[:8]])
+    ]
     outputs, _ = replay_with_details(restarted, rag_prompt_ids[:10])
     assert outputs == baseline_outputs[:10]
 

@@ -46,9 +46,10 @@ def test_two_servers_share_a_store_through_a_crash_of_one(servers, tiny_model, s
     burst = [[7, *ids] for ids in rag_prompt_ids[20:44]]  # a is killed while writing these
     later_a = [[11, *ids] for ids in rag_prompt_ids[44:50]]
     later_b = [[13, *ids] for ids in rag_prompt_ids[44:50]]
-    expected = {name: [ids for ids, _ in generate_greedy(baseline_server, prompts, concurrency=4)]
-                for name, prompts in (("first", first), ("second", second), ("later_a", later_a),
-                                      ("later_b", later_b))}
+    expected = {
+        name: [ids for ids, _ in generate_greedy(baseline_server, prompts, concurrency=4)]
+        for name, prompts in (("first", first), ("second", second), ("later_a", later_a), ("later_b", later_b))
+    }
 
     assert [ids for ids, _ in generate_greedy(a, first, concurrency=4)] == expected["first"]
     assert wait_for_write_back(a)["ssd"]["writes_in_flight"] == 0

@@ -24,8 +24,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.paced]
 # Two ranks on two cores: each rank's OpenMP threads on a core of its own, and an explicit
 # KV pool size (SGLang's CPU sizing would refuse a rank, or be OOM-killed, without one).
 TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
-TP_ARGS = ("--tp", "2", "--max-total-tokens", "2600", "--context-length", "2048", "--log-level", "warning",
-           "--sleep-on-idle")
+TP_ARGS = (
+    "--tp",
+    "2",
+    "--max-total-tokens",
+    "2600",
+    "--context-length",
+    "2048",
+    "--log-level",
+    "warning",
+    "--sleep-on-idle",
+)
 PROMPTS = 16
 
 
@@ -35,9 +44,22 @@ def servers(tiny_model, tmp_path_factory):
     # Host memory of ~100 chunks per rank for a working set of ~500: most reuse is from SSD.
     pcr = ServerProcess(
         tiny_model,
-        (*TP_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE), "--pcr-dram-gb", "0.003",
-         "--pcr-ssd-path", str(tmp_path_factory.mktemp("pcr-tp") / "store"), "--pcr-ssd-gb", "0.5",
-         "--pcr-ssd-reserve-gb", "0", "--enable-metrics"),
+        (
+            *TP_ARGS,
+            "--enable-pcr",
+            "--pcr-debug-checks",
+            "--pcr-chunk-size",
+            str(CHUNK_SIZE),
+            "--pcr-dram-gb",
+            "0.003",
+            "--pcr-ssd-path",
+            str(tmp_path_factory.mktemp("pcr-tp") / "store"),
+            "--pcr-ssd-gb",
+            "0.5",
+            "--pcr-ssd-reserve-gb",
+            "0",
+            "--enable-metrics",
+        ),
         env={**TP_ENV, "PCR_IO_TEST_FAULTS": '{"tp_ranks": [1], "read_delay_s": 0.002}'},
     )
     everything = {"baseline": baseline, "pcr": pcr}
@@ -81,8 +103,13 @@ def test_tp2_a_kv_hint_reads_its_chain_ahead_on_both_ranks(servers, rag_prompt_i
     wait_for_write_back(server)
     server.flush_cache()
     before = server.pcr_state()
-    out = server.generate({"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 0},
-                           "kv_hints": hint_envelope({"hint_only": True, "ttl_s": 30}, uuid.uuid4().hex)})
+    out = server.generate(
+        {
+            "input_ids": prompts[0],
+            "sampling_params": {"max_new_tokens": 0},
+            "kv_hints": hint_envelope({"hint_only": True, "ttl_s": 30}, uuid.uuid4().hex),
+        }
+    )
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0, "pcr_hint": "registered"}
     deadline = time.monotonic() + 60
     while True:  # the prefetcher reads the hinted chain in the background

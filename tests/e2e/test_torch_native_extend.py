@@ -47,8 +47,11 @@ def run(server: ServerProcess, prompts: Sequence[list[int]], concurrency: int) -
     def one(ids: list[int]) -> dict:
         out = server.generate({"input_ids": ids, "sampling_params": SAMPLING, "return_logprob": True})
         meta = out["meta_info"]
-        return {"ids": out["output_ids"], "logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
-                "cached": meta["cached_tokens"]}
+        return {
+            "ids": out["output_ids"],
+            "logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
+            "cached": meta["cached_tokens"],
+        }
 
     if concurrency == 1:
         return [one(p) for p in prompts]

@@ -157,8 +157,10 @@ class Run:
 
 def _initial(shape: Shape, seed: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, HostChunkLayout]:
     gen = torch.Generator().manual_seed(seed)
-    kv = [(torch.randn(shape.tokens, HEADS, DIM, generator=gen), torch.randn(shape.tokens, HEADS, DIM, generator=gen))
-          for _ in range(shape.layers)]
+    kv = [
+        (torch.randn(shape.tokens, HEADS, DIM, generator=gen), torch.randn(shape.tokens, HEADS, DIM, generator=gen))
+        for _ in range(shape.layers)
+    ]
     layout = HostChunkLayout(shape.host_slots, shape.layers, shape.chunk, HEADS * DIM * 4)
     host = torch.randn(layout.total_bytes // 4, generator=gen).view(torch.uint8)
     return kv, host, layout
@@ -212,8 +214,12 @@ def scenario_replacement_of_fresh_kv(run: Run, s: Shape) -> None:
     """Re-placing KV the forward still running just wrote."""
     n = s.chunk
     run.forward("prefill", writes=range(0, n), value=7.0)
-    run.engine.replace(run.slots(range(0, n)), run.slots(range(n, 2 * n)),
-                       torch.zeros(n, dtype=torch.int64, device=run.kv[0][0].device), s.rope)
+    run.engine.replace(
+        run.slots(range(0, n)),
+        run.slots(range(n, 2 * n)),
+        torch.zeros(n, dtype=torch.int64, device=run.kv[0][0].device),
+        s.rope,
+    )
     run.forward("replaced", reads=range(n, 2 * n), writes=range(2 * n, 2 * n + 2))
 
 
@@ -222,18 +228,24 @@ def scenario_steps(run: Run, s: Shape) -> None:
     c, e = s.chunk, run.engine
     dev = run.kv[0][0].device
     e.load(run.slots(range(0, 2 * c)), [0, 1])
-    e.replace(run.slots(range(0, c)), run.slots(range(4 * c, 5 * c)),
-              torch.full((c,), 2, dtype=torch.int64, device=dev), s.rope)
+    e.replace(
+        run.slots(range(0, c)),
+        run.slots(range(4 * c, 5 * c)),
+        torch.full((c,), 2, dtype=torch.int64, device=dev),
+        s.rope,
+    )
     e.plan_offload("a", run.slots(range(5 * c, 6 * c)), 2)
     run.forward("step 1", reads=[*range(0, 2 * c), *range(4 * c, 5 * c)], writes=range(5 * c, 6 * c), owners=["a"])
     e.copy_to_host(run.slots(range(5 * c, 6 * c)), [3])
     e.fence_before_reuse()
     e.load(run.slots(range(5 * c, 6 * c)), [1])
-    e.replace(run.slots(range(5 * c, 6 * c)), run.slots(range(0, c)), torch.ones(c, dtype=torch.int64, device=dev),
-              s.rope)
+    e.replace(
+        run.slots(range(5 * c, 6 * c)), run.slots(range(0, c)), torch.ones(c, dtype=torch.int64, device=dev), s.rope
+    )
     e.plan_offload("b", run.slots(range(6 * c, 7 * c)), 4)
-    run.forward("step 2", reads=[*range(0, c), *range(5 * c, 6 * c)], writes=range(6 * c, 7 * c), owners=["b"],
-                value=2.0)
+    run.forward(
+        "step 2", reads=[*range(0, c), *range(5 * c, 6 * c)], writes=range(6 * c, 7 * c), owners=["b"], value=2.0
+    )
     e.fence_before_reuse()
     run.forward("step 3", writes=range(5 * c, 7 * c), value=3.0)
 
@@ -277,8 +289,9 @@ class _NoStreams:
         return contextlib.nullcontext()
 
 
-def run_on_gpu(name: str, mode: str, shape: Shape, seed: int, sleep_cycles: int,
-               drop_waits: bool) -> list[tuple[str, torch.Tensor]]:
+def run_on_gpu(
+    name: str, mode: str, shape: Shape, seed: int, sleep_cycles: int, drop_waits: bool
+) -> list[tuple[str, torch.Tensor]]:
     from pcr_sglang.tiers.host_pool import HostChunkPool
 
     device = torch.device("cuda")
@@ -323,8 +336,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if 8 * shape.chunk > shape.tokens:
         parser.error(f"--tokens must be at least 8 x --chunk ({8 * shape.chunk})")
     if not gpu:
-        print("No GPU: the reduced form (the scenarios on the ordering model against the engine's inline CPU "
-              "algorithm), so the script does not rot. The CUDA branch is not run.")
+        print(
+            "No GPU: the reduced form (the scenarios on the ordering model against the engine's inline CPU "
+            "algorithm), so the script does not rot. The CUDA branch is not run."
+        )
         shape = Shape(min(args.layers, 3), 8 * 8, 8, host_slots=8)
     else:
         # torch.cuda._sleep counts cycles; measure how many make a millisecond here.

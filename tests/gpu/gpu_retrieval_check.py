@@ -46,8 +46,9 @@ def synthetic_vectors(count: int, dim: int, centres: int, seed: int) -> np.ndarr
     out = np.empty((count, dim), np.float32)
     for start in range(0, count, 100_000):  # in blocks: a 1M x 384 draw at once doubles peak memory
         end = min(start + 100_000, count)
-        out[start:end] = base[rng.integers(0, centres, end - start)] + \
-            0.8 * rng.standard_normal((end - start, dim)).astype(np.float32)
+        out[start:end] = base[rng.integers(0, centres, end - start)] + 0.8 * rng.standard_normal(
+            (end - start, dim)
+        ).astype(np.float32)
     return normalized(out)
 
 
@@ -82,14 +83,19 @@ def copy_bandwidth(datastore: IVFDatastore, device: torch.device, budget_bytes: 
     dest.copy_(host, non_blocking=True)
     sync(device)
     plain_s = time.perf_counter() - start
-    return {"clusters": len(chosen), "bytes": total, "tier_gb_s": total / tier_s / 1e9,
-            "tier_measured_gb_s": (tier.stats.bandwidth_bytes_s or 0) / 1e9,
-            "contiguous_pinned_gb_s": total / plain_s / 1e9}
+    return {
+        "clusters": len(chosen),
+        "bytes": total,
+        "tier_gb_s": total / tier_s / 1e9,
+        "tier_measured_gb_s": (tier.stats.bandwidth_bytes_s or 0) / 1e9,
+        "contiguous_pinned_gb_s": total / plain_s / 1e9,
+    }
 
 
-def decode_overlap(datastore: IVFDatastore, device: torch.device, hidden: int, layers: int, batch: int,
-                   steps: int) -> dict:
-    weights = [torch.randn(hidden, hidden, device=device) / hidden ** 0.5 for _ in range(layers)]
+def decode_overlap(
+    datastore: IVFDatastore, device: torch.device, hidden: int, layers: int, batch: int, steps: int
+) -> dict:
+    weights = [torch.randn(hidden, hidden, device=device) / hidden**0.5 for _ in range(layers)]
     x0 = torch.randn(batch, hidden, device=device)
 
     def step() -> None:
@@ -125,17 +131,23 @@ def decode_overlap(datastore: IVFDatastore, device: torch.device, hidden: int, l
         tier.close()
     if not beside:
         beside = alone  # the copies ended before a step did: nothing to compare
-    return {"step_ms_alone": 1000 * statistics.median(alone), "step_ms_with_copies": 1000 * statistics.median(beside),
-            "slowdown": statistics.median(beside) / statistics.median(alone), "steps_during_copies": len(beside),
-            "copy_s": copy_s, "bytes_copied_during": copied_during}
+    return {
+        "step_ms_alone": 1000 * statistics.median(alone),
+        "step_ms_with_copies": 1000 * statistics.median(beside),
+        "slowdown": statistics.median(beside) / statistics.median(alone),
+        "steps_during_copies": len(beside),
+        "copy_s": copy_s,
+        "bytes_copied_during": copied_during,
+    }
 
 
-def search_check(datastore: IVFDatastore, queries: np.ndarray, device: torch.device, nprobe: int, k: int,
-                 landed_share: float) -> dict:
+def search_check(
+    datastore: IVFDatastore, queries: np.ndarray, device: torch.device, nprobe: int, k: int, landed_share: float
+) -> dict:
     table = datastore.table
     _, probes = datastore.probe(queries, nprobe)
     probed = sorted({int(c) for c in probes.ravel() if c >= 0})
-    held = probed[:max(1, int(len(probed) * landed_share))]
+    held = probed[: max(1, int(len(probed) * landed_share))]
     tier = DeviceClusterTier(table, sum(table.nbytes(c) for c in held) * 2 + (64 << 20), device=str(device))
     try:
         tier.submit(held)
@@ -154,9 +166,14 @@ def search_check(datastore: IVFDatastore, queries: np.ndarray, device: torch.dev
         retriever.close()
     finally:
         tier.close()
-    return {"landed_share": landed_share, "queries": len(queries), "identical": identical,
-            "cluster_hit_rate": hits / probes.size, "merged_ms": 1000 * statistics.median(merged_s),
-            "faiss_cpu_ms": 1000 * statistics.median(faiss_s)}
+    return {
+        "landed_share": landed_share,
+        "queries": len(queries),
+        "identical": identical,
+        "cluster_hit_rate": hits / probes.size,
+        "merged_ms": 1000 * statistics.median(merged_s),
+        "faiss_cpu_ms": 1000 * statistics.median(faiss_s),
+    }
 
 
 def same_results(d: np.ndarray, i: np.ndarray, ref_d: np.ndarray, ref_i: np.ndarray, tol: float = 1e-5) -> bool:
@@ -169,9 +186,12 @@ def same_results(d: np.ndarray, i: np.ndarray, ref_d: np.ndarray, ref_i: np.ndar
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.gpu.gpu_retrieval_check",
-                                     description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.gpu.gpu_retrieval_check",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--vectors", type=int, default=None, help="default 1,000,000 on a GPU, 20,000 on the CPU")
     parser.add_argument("--dim", type=int, default=384)
@@ -181,8 +201,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--queries", type=int, default=50)
     parser.add_argument("--copy-gb", type=float, default=2.0, help="clusters copied for the bandwidth figure")
-    parser.add_argument("--hidden", type=int, default=None,
-                        help="decode stand-in width (4096 on a GPU, 256 on the CPU)")
+    parser.add_argument(
+        "--hidden", type=int, default=None, help="decode stand-in width (4096 on a GPU, 256 on the CPU)"
+    )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=50)
@@ -204,33 +225,43 @@ def main(argv: Optional[list[str]] = None) -> int:
     start = time.perf_counter()
     data = synthetic_vectors(vectors, args.dim, args.centres, args.seed)
     datastore = IVFDatastore.build(data, nlist, seed=args.seed)
-    print(f"table: {vectors:,} x {args.dim} ({data.nbytes / 1e9:.2f} GB), {nlist} clusters, built in "
-          f"{time.perf_counter() - start:.1f} s")
+    print(
+        f"table: {vectors:,} x {args.dim} ({data.nbytes / 1e9:.2f} GB), {nlist} clusters, built in "
+        f"{time.perf_counter() - start:.1f} s"
+    )
     rng = np.random.default_rng(args.seed + 1)
-    queries = normalized(data[rng.integers(0, vectors, args.queries)]
-                         + 0.3 * rng.standard_normal((args.queries, args.dim)).astype(np.float32))
+    queries = normalized(
+        data[rng.integers(0, vectors, args.queries)]
+        + 0.3 * rng.standard_normal((args.queries, args.dim)).astype(np.float32)
+    )
     report = {"device": str(device), "vectors": vectors, "dim": args.dim, "nlist": nlist, "nprobe": nprobe}
 
     report["copy"] = copy_bandwidth(datastore, device, int(args.copy_gb * 1e9))
     c = report["copy"]
-    print(f"\n1. copy: {c['clusters']} clusters, {c['bytes'] / 1e9:.2f} GB: fast tier {c['tier_gb_s']:.1f} GB/s "
-          f"end to end (copy thread's own measure {c['tier_measured_gb_s']:.1f} GB/s), one contiguous pinned "
-          f"copy_ {c['contiguous_pinned_gb_s']:.1f} GB/s")
+    print(
+        f"\n1. copy: {c['clusters']} clusters, {c['bytes'] / 1e9:.2f} GB: fast tier {c['tier_gb_s']:.1f} GB/s "
+        f"end to end (copy thread's own measure {c['tier_measured_gb_s']:.1f} GB/s), one contiguous pinned "
+        f"copy_ {c['contiguous_pinned_gb_s']:.1f} GB/s"
+    )
 
     report["overlap"] = decode_overlap(datastore, device, hidden, args.layers, args.batch, args.steps)
     o = report["overlap"]
-    print(f"2. decode stand-in ({args.layers} x [{args.batch}, {hidden}] x [{hidden}, {hidden}]): "
-          f"{o['step_ms_alone']:.2f} ms/step alone, {o['step_ms_with_copies']:.2f} ms/step while "
-          f"{o['bytes_copied_during'] / 1e9:.2f} GB of clusters copied in {o['copy_s']:.2f} s "
-          f"({o['steps_during_copies']} steps, x{o['slowdown']:.2f})")
+    print(
+        f"2. decode stand-in ({args.layers} x [{args.batch}, {hidden}] x [{hidden}, {hidden}]): "
+        f"{o['step_ms_alone']:.2f} ms/step alone, {o['step_ms_with_copies']:.2f} ms/step while "
+        f"{o['bytes_copied_during'] / 1e9:.2f} GB of clusters copied in {o['copy_s']:.2f} s "
+        f"({o['steps_during_copies']} steps, x{o['slowdown']:.2f})"
+    )
 
     report["search"] = []
     for share in (1.0, 0.5):
         s = search_check(datastore, queries, device, nprobe, args.k, share)
         report["search"].append(s)
-        print(f"3. search, {share:.0%} of probed clusters landed: identical to faiss IVF {s['identical']}/"
-              f"{s['queries']}, cluster hit rate {s['cluster_hit_rate']:.0%}, median merged {s['merged_ms']:.2f} ms, "
-              f"faiss-cpu alone {s['faiss_cpu_ms']:.2f} ms")
+        print(
+            f"3. search, {share:.0%} of probed clusters landed: identical to faiss IVF {s['identical']}/"
+            f"{s['queries']}, cluster hit rate {s['cluster_hit_rate']:.0%}, median merged {s['merged_ms']:.2f} ms, "
+            f"faiss-cpu alone {s['faiss_cpu_ms']:.2f} ms"
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0 if all(s["identical"] == s["queries"] for s in report["search"]) else 1

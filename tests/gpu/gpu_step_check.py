@@ -97,8 +97,11 @@ def _compiled_kernels() -> Optional[int]:
     from pcr_sglang.transfer import copy_kv, rope_shift
 
     try:
-        return sum(len(caches[0]) for kernel in (copy_kv._KERNEL, rope_shift._KERNEL)
-                   for caches in kernel.device_caches.values())
+        return sum(
+            len(caches[0])
+            for kernel in (copy_kv._KERNEL, rope_shift._KERNEL)
+            for caches in kernel.device_caches.values()
+        )
     except (AttributeError, TypeError, IndexError):
         return None
 
@@ -123,8 +126,13 @@ def check_step(device: torch.device, layers: int, steps: int) -> list[Row]:
     cuda = device.type == "cuda"
     tokens, host_slots = 8192, 64
     rope = RopeSpec(DIM, DIM, True, tuple(10000.0 ** (-2 * i / DIM) for i in range(DIM // 2)))
-    kv = [(torch.zeros(tokens, HEADS, DIM, dtype=torch.bfloat16, device=device),
-           torch.zeros(tokens, HEADS, DIM, dtype=torch.bfloat16, device=device)) for _ in range(layers)]
+    kv = [
+        (
+            torch.zeros(tokens, HEADS, DIM, dtype=torch.bfloat16, device=device),
+            torch.zeros(tokens, HEADS, DIM, dtype=torch.bfloat16, device=device),
+        )
+        for _ in range(layers)
+    ]
     layout = HostChunkLayout(host_slots, layers, CHUNK, HEADS * DIM * 2)
     host = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     if cuda:
@@ -162,11 +170,16 @@ def check_step(device: torch.device, layers: int, steps: int) -> list[Row]:
 
     # The permuted-rows step's inputs, made before the checked steps (making them uploads).
     mode = SimpleNamespace(is_extend=lambda: True, is_target_verify=lambda: False)
-    forward = SimpleNamespace(positions=torch.zeros(3 + 6, dtype=torch.int64, device=device), forward_mode=mode,
-                              extend_prefix_lens=torch.tensor([4, 2], device=device),
-                              extend_seq_lens=torch.tensor([3, 6], device=device),
-                              seq_lens=torch.tensor([7, 8], device=device), extend_prefix_lens_cpu=None,
-                              extend_seq_lens_cpu=None, seq_lens_cpu=None)
+    forward = SimpleNamespace(
+        positions=torch.zeros(3 + 6, dtype=torch.int64, device=device),
+        forward_mode=mode,
+        extend_prefix_lens=torch.tensor([4, 2], device=device),
+        extend_seq_lens=torch.tensor([3, 6], device=device),
+        seq_lens=torch.tensor([7, 8], device=device),
+        extend_prefix_lens_cpu=None,
+        extend_seq_lens_cpu=None,
+        seq_lens_cpu=None,
+    )
     pool_rows = torch.tensor([7, 3], device=device)
     reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
     batch = _Batch(reqs=reqs, prefix_lens=[4, 2], extend_lens=[3, 6])
@@ -214,24 +227,34 @@ def check_step(device: torch.device, layers: int, steps: int) -> list[Row]:
     measured = None if not cuda else True
     after = _compiled_kernels()
     return [
-        Row("step: synchronizing calls (sync debug mode)", error or "none", "none",
-            None if not cuda else not error),
-        Row("step: uploads from pageable memory", str(len(pageable.pageable)), "0",
-            None if not cuda else not pageable.pageable),
-        Row("step: allocations in layer hooks past layer 0", str(per_layer), "0",
-            None if not cuda else per_layer == 0),
-        Row("step: kernels compiled after the warm-up",
+        Row("step: synchronizing calls (sync debug mode)", error or "none", "none", None if not cuda else not error),
+        Row(
+            "step: uploads from pageable memory",
+            str(len(pageable.pageable)),
+            "0",
+            None if not cuda else not pageable.pageable,
+        ),
+        Row("step: allocations in layer hooks past layer 0", str(per_layer), "0", None if not cuda else per_layer == 0),
+        Row(
+            "step: kernels compiled after the warm-up",
             "unknown (Triton keeps no cache here)" if compiled is None or after is None else str(after - compiled),
-            "0", None if not cuda or compiled is None or after is None else after == compiled),
+            "0",
+            None if not cuda or compiled is None or after is None else after == compiled,
+        ),
         Row("control: .item() under the debug mode raises", str(caught), "True", None if not cuda else caught),
-        Row("control: a pageable upload is counted", str(len(control.pageable)), "1",
-            None if not cuda else len(control.pageable) == 1),
+        Row(
+            "control: a pageable upload is counted",
+            str(len(control.pageable)),
+            "1",
+            None if not cuda else len(control.pageable) == 1,
+        ),
         Row("step: host time per step (16 docs, 4 loads, 2 offloads)", f"{seconds * 1e3:.1f} ms", "-", measured),
     ]
 
 
-def _stand_in_decoder(layers: int, hidden: int, heads: int, kv_heads: int, dim: int, inter: int,
-                      device: torch.device, dtype: torch.dtype) -> Any:
+def _stand_in_decoder(
+    layers: int, hidden: int, heads: int, kv_heads: int, dim: int, inter: int, device: torch.device, dtype: torch.dtype
+) -> Any:
     """The modules blend's probe drives (``model.model.embed_tokens`` and ``layers``), in a
     1B-class shape; weights random (memory, not accuracy, is measured)."""
 
@@ -254,18 +277,29 @@ def _stand_in_decoder(layers: int, hidden: int, heads: int, kv_heads: int, dim: 
             return self.down_proj(torch.nn.functional.silu(gate) * up)
 
     def layer() -> Any:
-        attn = SimpleNamespace(qkv_proj=linear(hidden, (heads + 2 * kv_heads) * dim),
-                               o_proj=linear(heads * dim, hidden), rotary_emb=rope, q_size=heads * dim,
-                               kv_size=kv_heads * dim, head_dim=dim, scaling=dim ** -0.5)
-        return SimpleNamespace(self_attn=attn,
-                               input_layernorm=torch.nn.LayerNorm(hidden, device=device, dtype=dtype),
-                               post_attention_layernorm=torch.nn.LayerNorm(hidden, device=device, dtype=dtype),
-                               mlp=Mlp())
+        attn = SimpleNamespace(
+            qkv_proj=linear(hidden, (heads + 2 * kv_heads) * dim),
+            o_proj=linear(heads * dim, hidden),
+            rotary_emb=rope,
+            q_size=heads * dim,
+            kv_size=kv_heads * dim,
+            head_dim=dim,
+            scaling=dim**-0.5,
+        )
+        return SimpleNamespace(
+            self_attn=attn,
+            input_layernorm=torch.nn.LayerNorm(hidden, device=device, dtype=dtype),
+            post_attention_layernorm=torch.nn.LayerNorm(hidden, device=device, dtype=dtype),
+            mlp=Mlp(),
+        )
 
     torch.manual_seed(0)
-    return SimpleNamespace(model=SimpleNamespace(
-        embed_tokens=torch.nn.Embedding(32000, hidden, device=device, dtype=dtype),
-        layers=[layer() for _ in range(layers)]))
+    return SimpleNamespace(
+        model=SimpleNamespace(
+            embed_tokens=torch.nn.Embedding(32000, hidden, device=device, dtype=dtype),
+            layers=[layer() for _ in range(layers)],
+        )
+    )
 
 
 def check_probe(device: torch.device, sizes: list[int], small: bool) -> list[Row]:
@@ -280,9 +314,13 @@ def check_probe(device: torch.device, sizes: list[int], small: bool) -> list[Row
     n_layers = probe_layers(16)
     model = _stand_in_decoder(n_layers, device=device, dtype=dtype, **shape)
     pool_tokens = 2 * max(sizes) + max(sizes) // 2 + 1024
-    kv = [(torch.randn(pool_tokens, shape["kv_heads"], shape["dim"], device=device, dtype=dtype),
-           torch.randn(pool_tokens, shape["kv_heads"], shape["dim"], device=device, dtype=dtype))
-          for _ in range(n_layers)]
+    kv = [
+        (
+            torch.randn(pool_tokens, shape["kv_heads"], shape["dim"], device=device, dtype=dtype),
+            torch.randn(pool_tokens, shape["kv_heads"], shape["dim"], device=device, dtype=dtype),
+        )
+        for _ in range(n_layers)
+    ]
     probe = BlendProbe(model, kv)
     rows = []
     for tokens in sizes:
@@ -301,14 +339,28 @@ def check_probe(device: torch.device, sizes: list[int], small: bool) -> list[Row
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
-            probe.select(ids, positions, prefix_slots, reused, candidates, count, anchored, selector,
-                         question_ids if selector == "prophet" else None)
+            probe.select(
+                ids,
+                positions,
+                prefix_slots,
+                reused,
+                candidates,
+                count,
+                anchored,
+                selector,
+                question_ids if selector == "prophet" else None,
+            )
             if cuda:
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated(device) - base
-                rows.append(Row(f"probe: {selector}, {tokens} tokens after {prefix}",
-                                f"{peak / 2**20:.0f} MiB ({peak / estimate:.2f} of the estimate)",
-                                f"{estimate / 2**20:.0f} MiB", peak <= estimate))
+                rows.append(
+                    Row(
+                        f"probe: {selector}, {tokens} tokens after {prefix}",
+                        f"{peak / 2**20:.0f} MiB ({peak / estimate:.2f} of the estimate)",
+                        f"{estimate / 2**20:.0f} MiB",
+                        peak <= estimate,
+                    )
+                )
             else:
                 rows.append(Row(f"probe: {selector}, {tokens} tokens after {prefix}", "ran", "-", None))
     return rows
@@ -320,7 +372,7 @@ def check_mask(device: torch.device, extend: int) -> list[Row]:
     extend_lens = [extend, extend // 2, extend, extend // 4]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     order = list(range(seq_lens[0]))
-    order[extend // 2: extend] = reversed(order[extend // 2: extend])  # a permuted prefix
+    order[extend // 2 : extend] = reversed(order[extend // 2 : extend])  # a permuted prefix
     rows = {0: torch.tensor(order, dtype=torch.int64, device=device)}
     need = permuted_rows.position_mask_bytes(prefix_lens, extend_lens)
     slack = 8 * sum(seq_lens) + (1 << 20)  # each plain request's arange of positions, the indptr
@@ -333,8 +385,14 @@ def check_mask(device: torch.device, extend: int) -> list[Row]:
         return [Row(f"mask: batch of 4, {need / 2**20:.0f} MiB of mask", "ran", "-", None)]
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(device) - base
-    return [Row(f"mask: batch of 4 ({need / 2**20:.0f} MiB of mask)", f"{peak / 2**20:.1f} MiB",
-                f"{(need + slack) / 2**20:.1f} MiB", peak <= need + slack and mask.numel() == need)]
+    return [
+        Row(
+            f"mask: batch of 4 ({need / 2**20:.0f} MiB of mask)",
+            f"{peak / 2**20:.1f} MiB",
+            f"{(need + slack) / 2**20:.1f} MiB",
+            peak <= need + slack and mask.numel() == need,
+        )
+    ]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -95,15 +95,18 @@ def bandwidth(args, device: str, timer: Timer) -> None:
     label = "kernel" if cuda else "torch path"
     print(f"\n[bandwidth] one layer of {chunks} chunks x {args.chunk} tokens, K+V = {moved / 2**20:.1f} MiB")
     for direction in Direction:
-        t_kernel = timer.run(lambda: copy_layer(direction, k, v, host, token_slots, host_slots, 0, layout),
-                             args.repeats)
+        t_kernel = timer.run(
+            lambda: copy_layer(direction, k, v, host, token_slots, host_slots, 0, layout), args.repeats
+        )
         if direction == Direction.HOST_TO_DEVICE:
             t_plain = timer.run(lambda: plain_dev.copy_(plain_host, non_blocking=True), args.repeats)
         else:
             t_plain = timer.run(lambda: plain_host.copy_(plain_dev, non_blocking=True), args.repeats)
         name = "host->device" if direction == Direction.HOST_TO_DEVICE else "device->host"
-        print(f"  {name}: {label} {moved / t_kernel / 1e9:6.2f} GB/s, plain copy_ {moved / t_plain / 1e9:6.2f} GB/s "
-              f"({label} at {100 * t_plain / t_kernel:.0f}% of plain)")
+        print(
+            f"  {name}: {label} {moved / t_kernel / 1e9:6.2f} GB/s, plain copy_ {moved / t_plain / 1e9:6.2f} GB/s "
+            f"({label} at {100 * t_plain / t_kernel:.0f}% of plain)"
+        )
 
 
 class AttentionLayer(torch.nn.Module):
@@ -134,8 +137,9 @@ def pipeline(args, device: str, timer: Timer) -> bool:
     row_bytes = KV_HEADS * HEAD_DIM * dtype.itemsize
     prefix_chunks = args.prefix // args.chunk
     new_chunks = args.new // args.chunk
-    layout = HostChunkLayout(num_slots=prefix_chunks + new_chunks, num_layers=args.layers,
-                             chunk_size=args.chunk, row_bytes=row_bytes)
+    layout = HostChunkLayout(
+        num_slots=prefix_chunks + new_chunks, num_layers=args.layers, chunk_size=args.chunk, row_bytes=row_bytes
+    )
     pool = HostChunkPool(layout)  # the server's host tier: shared memory, registered on CUDA
     host = pool.buffer
     host.view(dtype).copy_(torch.randn(layout.total_bytes // dtype.itemsize, dtype=dtype))
@@ -160,8 +164,8 @@ def pipeline(args, device: str, timer: Timer) -> bool:
 
     def layer_compute(i, x):
         x, k_new, v_new = layers[i](x, k_pool[i][: args.prefix], v_pool[i][: args.prefix])
-        k_pool[i][args.prefix:args.prefix + args.new] = k_new
-        v_pool[i][args.prefix:args.prefix + args.new] = v_new
+        k_pool[i][args.prefix : args.prefix + args.new] = k_new
+        v_pool[i][args.prefix : args.prefix + args.new] = v_new
         return x
 
     def compute_only():
@@ -184,7 +188,7 @@ def pipeline(args, device: str, timer: Timer) -> bool:
         if doc:
             layered.replace(doc_src, doc_dst, doc_delta, rope)
         for c, slot in enumerate(new_host):
-            layered.plan_offload("bench", new_slots[c * args.chunk:(c + 1) * args.chunk], slot)
+            layered.plan_offload("bench", new_slots[c * args.chunk : (c + 1) * args.chunk], slot)
         layered.begin_batch(["bench"])
         layered.note_forward_stream()
         x = x0
@@ -201,11 +205,17 @@ def pipeline(args, device: str, timer: Timer) -> bool:
     def document_rows_ok(layer: int, k_rows: torch.Tensor, v_rows: torch.Tensor) -> bool:
         """The document's private rows of ``layer`` hold its host rows re-placed: V
         exact, K equal to the torch rotation up to bf16 rounding."""
-        host_k, host_v = (host_view[:prefix_chunks, layer, kv].reshape(args.prefix, -1)[:doc].contiguous()
-                          .view(dtype).view(doc, KV_HEADS, HEAD_DIM).to(device) for kv in (0, 1))
+        host_k, host_v = (
+            host_view[:prefix_chunks, layer, kv]
+            .reshape(args.prefix, -1)[:doc]
+            .contiguous()
+            .view(dtype)
+            .view(doc, KV_HEADS, HEAD_DIM)
+            .to(device)
+            for kv in (0, 1)
+        )
         want_k = shift_keys_torch(host_k, doc_delta, rope)
-        return (torch.allclose(k_rows.float(), want_k.float(), atol=2e-2, rtol=2e-2)
-                and torch.equal(v_rows, host_v))
+        return torch.allclose(k_rows.float(), want_k.float(), atol=2e-2, rtol=2e-2) and torch.equal(v_rows, host_v)
 
     def synchronous_is_correct() -> bool:
         for pool in k_pool + v_pool:
@@ -231,8 +241,9 @@ def pipeline(args, device: str, timer: Timer) -> bool:
                 rows = pool[i].view(torch.uint8).reshape(pool_tokens, row_bytes).cpu()
                 if not torch.equal(rows[: args.prefix], host_view[:prefix_chunks, i, kv].reshape(args.prefix, -1)):
                     return False
-                if not torch.equal(rows[args.prefix:args.prefix + args.new],
-                                   host_view[prefix_chunks:, i, kv].reshape(args.new, -1)):
+                if not torch.equal(
+                    rows[args.prefix : args.prefix + args.new], host_view[prefix_chunks:, i, kv].reshape(args.new, -1)
+                ):
                     return False
             if doc and not document_rows_ok(i, *seen[i]):
                 return False
@@ -250,13 +261,17 @@ def pipeline(args, device: str, timer: Timer) -> bool:
         polls += 1
     t_ready = time.perf_counter() - start
     moved = layout.layer_bytes * (prefix_chunks + new_chunks) * args.layers / 2
-    print(f"\n[pipeline] {args.layers} layers, {args.prefix} cached + {args.new} new tokens, "
-          f"{moved / 2**20:.0f} MiB moved per forward, {doc} cached tokens re-placed as a reused document")
+    print(
+        f"\n[pipeline] {args.layers} layers, {args.prefix} cached + {args.new} new tokens, "
+        f"{moved / 2**20:.0f} MiB moved per forward, {doc} cached tokens re-placed as a reused document"
+    )
     print(f"  compute only      {t_compute * 1000:8.2f} ms")
     print(f"  synchronous       {t_sync * 1000:8.2f} ms  (exposed transfer {1000 * (t_sync - t_compute):7.2f} ms)")
     print(f"  layer-wise        {t_layer * 1000:8.2f} ms  (exposed transfer {1000 * (t_layer - t_compute):7.2f} ms)")
-    print(f"  layer-wise copies byte-exact in every layer, the document re-placed before each layer's "
-          f"read: {correct}; synchronous re-placement right: {sync_correct}")
+    print(
+        f"  layer-wise copies byte-exact in every layer, the document re-placed before each layer's "
+        f"read: {correct}; synchronous re-placement right: {sync_correct}"
+    )
     print(f"  host slots ready {t_ready * 1000:.2f} ms after the run was launched ({polls} event polls)")
     pool.close()
     return correct and sync_correct
@@ -277,8 +292,9 @@ def main() -> int:
     if cuda:
         print(f"GPU: {torch.cuda.get_device_name()}")
     else:
-        print("No GPU found: running a reduced CPU version (torch copy path, no side streams). "
-              "These are not GPU figures.")
+        print(
+            "No GPU found: running a reduced CPU version (torch copy path, no side streams). These are not GPU figures."
+        )
         args.layers, args.prefix, args.new = min(args.layers, 2), min(args.prefix, 512), min(args.new, 256)
         args.doc = min(args.doc, 128)
         args.bw_chunks, args.repeats = min(args.bw_chunks, 16), min(args.repeats, 3)

@@ -10,8 +10,7 @@ from pcr_sglang.transfer.copy_kv import Direction
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]  # uint8 stands for fp8 bytes
 
 
-def make_case(dtype, chunk_size, num_chunks, heads=3, head_dim=5, pool_tokens=211, slots=9,
-              layers=4, seed=0):
+def make_case(dtype, chunk_size, num_chunks, heads=3, head_dim=5, pool_tokens=211, slots=9, layers=4, seed=0):
     """Odd sizes on purpose: rows of heads*head_dim*itemsize bytes, non-contiguous and
     unsorted device token slots, host slots out of order."""
     g = torch.Generator().manual_seed(seed)

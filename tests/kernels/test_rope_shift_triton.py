@@ -34,8 +34,7 @@ POOL, TOKENS, HEADS = 37, 6, 3  # odd sizes: masked heads, slots scattered over 
 
 
 def _spec(head_dim: int, rotary_dim: int, neox: bool, base: float = 10000.0) -> RopeSpec:
-    return RopeSpec(head_dim, rotary_dim, neox,
-                    tuple(base ** (-2 * i / rotary_dim) for i in range(rotary_dim // 2)))
+    return RopeSpec(head_dim, rotary_dim, neox, tuple(base ** (-2 * i / rotary_dim) for i in range(rotary_dim // 2)))
 
 
 def _case(dtype, head_dim, v_head_dim, seed, pad=0):
@@ -46,7 +45,7 @@ def _case(dtype, head_dim, v_head_dim, seed, pad=0):
     k = torch.randn(POOL, HEADS, head_dim + pad, generator=g).to(dtype)[..., :head_dim]
     v = torch.randn(POOL, HEADS, v_head_dim + pad, generator=g).to(dtype)[..., :v_head_dim]
     slots = torch.randperm(POOL, generator=g)
-    src, dst = slots[:TOKENS], slots[TOKENS:2 * TOKENS]
+    src, dst = slots[:TOKENS], slots[TOKENS : 2 * TOKENS]
     deltas = torch.randint(-100_000, 100_000, (TOKENS,), generator=g)
     deltas[0] = 0
     k[src[0], 0, 0] = float("inf")  # delta 0 must keep it (a rotation by 0 would make a nan)
@@ -60,8 +59,7 @@ def _run_both(spec, k, v, src, dst, deltas):
     want_k, want_v = k.clone(), v.clone()
     replace_layer(want_k, want_v, src, dst, deltas, spec, use_triton=False)
     got_k, got_v = k.to(DEVICE), v.to(DEVICE)
-    replace_layer(got_k, got_v, src.to(DEVICE), dst.to(DEVICE), deltas.to(DEVICE), spec,
-                  use_triton=True)
+    replace_layer(got_k, got_v, src.to(DEVICE), dst.to(DEVICE), deltas.to(DEVICE), spec, use_triton=True)
     if DEVICE != "cpu":
         torch.cuda.synchronize()
     return got_k.cpu(), got_v.cpu(), want_k, want_v
@@ -88,8 +86,7 @@ def _check(spec, k, v, src, dst, deltas):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
-@pytest.mark.parametrize("head_dim,rotary_dim,v_head_dim", [(32, 32, 32), (32, 16, 24)],
-                         ids=["full", "partial-v24"])
+@pytest.mark.parametrize("head_dim,rotary_dim,v_head_dim", [(32, 32, 32), (32, 16, 24)], ids=["full", "partial-v24"])
 def test_triton_matches_torch(dtype, neox, head_dim, rotary_dim, v_head_dim):
     spec = _spec(head_dim, rotary_dim, neox)
     _check(spec, *_case(dtype, head_dim, v_head_dim, seed=head_dim + rotary_dim + int(neox)))
@@ -121,7 +118,6 @@ def test_angles_are_formed_in_float64():
     k = torch.zeros(2, 1, 16)
     k[0, 0, 0] = 1.0  # pair 0 (inv_freq 1): the rotated row is (cos d, ..., sin d, ...)
     v = torch.zeros(2, 1, 16)
-    got_k, _, _, _ = _run_both(spec, k, v, torch.tensor([0]), torch.tensor([1]),
-                               torch.tensor([100_003]))
+    got_k, _, _, _ = _run_both(spec, k, v, torch.tensor([0]), torch.tensor([1]), torch.tensor([100_003]))
     assert abs(float(got_k[1, 0, 0]) - math.cos(100_003)) < 1e-7
     assert abs(float(got_k[1, 0, 8]) - math.sin(100_003)) < 1e-7

@@ -24,8 +24,13 @@ ROPE = RopeSpec(DIM, DIM, True, (1.0, 0.1, 0.01, 0.001))
 
 def test_the_warm_up_launches_change_no_kv_row_and_no_host_slot_but_slot_0():
     gen = torch.Generator().manual_seed(3)
-    kv = [(torch.randn(TOKENS, HEADS, DIM, generator=gen, dtype=torch.float32).to(torch.bfloat16).to(DEVICE),
-           torch.randn(TOKENS, HEADS, DIM, generator=gen).to(torch.bfloat16).to(DEVICE)) for _ in range(LAYERS)]
+    kv = [
+        (
+            torch.randn(TOKENS, HEADS, DIM, generator=gen, dtype=torch.float32).to(torch.bfloat16).to(DEVICE),
+            torch.randn(TOKENS, HEADS, DIM, generator=gen).to(torch.bfloat16).to(DEVICE),
+        )
+        for _ in range(LAYERS)
+    ]
     layout = HostChunkLayout(3, LAYERS, CHUNK, HEADS * DIM * 2)
     host = torch.randint(0, 255, (layout.total_bytes,), dtype=torch.uint8, generator=gen)
     if DEVICE == "cuda":
@@ -37,8 +42,9 @@ def test_the_warm_up_launches_change_no_kv_row_and_no_host_slot_but_slot_0():
     report = warm_up_on_cuda(engine=engine, kv_layers=kv, rope=ROPE, on_cuda=True, synchronize=sync)
     assert report is not None and len(report.launches) == 3 * LAYERS
     for (k, v), (k0, v0) in zip(kv, before_kv):
-        assert torch.equal(k.view(torch.int16), k0.view(torch.int16)) and torch.equal(v.view(torch.int16),
-                                                                                         v0.view(torch.int16))
+        assert torch.equal(k.view(torch.int16), k0.view(torch.int16)) and torch.equal(
+            v.view(torch.int16), v0.view(torch.int16)
+        )
     assert torch.equal(host.view(layout.shape)[1:], before_host[1:])
 
 
@@ -51,11 +57,19 @@ def test_after_the_warm_up_serving_launches_compile_nothing():
     from pcr_sglang.transfer.rope_shift import replace_layer
 
     def compiled() -> int:
-        return sum(len(caches[0]) for kernel in (copy_kv._KERNEL, rope_shift._KERNEL)
-                   for caches in kernel.device_caches.values())
+        return sum(
+            len(caches[0])
+            for kernel in (copy_kv._KERNEL, rope_shift._KERNEL)
+            for caches in kernel.device_caches.values()
+        )
 
-    kv = [(torch.randn(TOKENS, HEADS, DIM, device=DEVICE).to(torch.bfloat16),
-           torch.randn(TOKENS, HEADS, DIM, device=DEVICE).to(torch.bfloat16)) for _ in range(LAYERS)]
+    kv = [
+        (
+            torch.randn(TOKENS, HEADS, DIM, device=DEVICE).to(torch.bfloat16),
+            torch.randn(TOKENS, HEADS, DIM, device=DEVICE).to(torch.bfloat16),
+        )
+        for _ in range(LAYERS)
+    ]
     layout = HostChunkLayout(3, LAYERS, CHUNK, HEADS * DIM * 2)
     host = torch.zeros(layout.total_bytes, dtype=torch.uint8).pin_memory()
     engine = TransferEngine(kv, host, layout, LayerwiseMode.BOTH)

@@ -24,21 +24,40 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m tests.mutations",
         description="Break, in a temporary copy of the tree, the code each claimed negative control guards, "
-                    "and check that the tests named for it fail. The working tree is never modified.")
-    parser.add_argument("--list", action="store_true",
-                        help="list the mutants and whether each one's original text still occurs exactly once "
-                             "(exit 1 if any is stale); run nothing")
+        "and check that the tests named for it fail. The working tree is never modified.",
+    )
+    parser.add_argument(
+        "--list",
+        action="store_true",
+        help="list the mutants and whether each one's original text still occurs exactly once "
+        "(exit 1 if any is stale); run nothing",
+    )
     parser.add_argument("--only", default="", metavar="NAME[,NAME]", help="run only these mutants")
-    parser.add_argument("--kind", default=",".join(KINDS), metavar="KIND[,KIND]",
-                        help=f"run only mutants of these kinds ({', '.join(KINDS)}; default: all; e2e ones start "
-                             "servers and take minutes each)")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S",
-                        help="seconds per pytest run (default by kind: unit 600, kernel 900, e2e 2400)")
-    parser.add_argument("--no-baseline", action="store_true",
-                        help="skip running each mutant's tests on the unmutated copy first (a kill then proves less)")
+    parser.add_argument(
+        "--kind",
+        default=",".join(KINDS),
+        metavar="KIND[,KIND]",
+        help=f"run only mutants of these kinds ({', '.join(KINDS)}; default: all; e2e ones start "
+        "servers and take minutes each)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds per pytest run (default by kind: unit 600, kernel 900, e2e 2400)",
+    )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip running each mutant's tests on the unmutated copy first (a kill then proves less)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep each mutant's copy and print where")
-    parser.add_argument("--python", default=sys.executable,
-                        help="the interpreter that runs the tests (default: this one, i.e. the project's venv)")
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the interpreter that runs the tests (default: this one, i.e. the project's venv)",
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
     return parser.parse_args(argv)
 
@@ -87,8 +106,14 @@ def print_table(results: Sequence[MutantResult]) -> None:
                 for line in rest:
                     print(f"    {line}")
     killed = sum(r.status == KILLED for r in results)
-    print(f"\n{killed} of {len(results)} killed" + ("" if killed == len(results) else
-          f"; not killed: {', '.join(r.name + ' (' + r.status + ')' for r in results if r.status != KILLED)}"))
+    print(
+        f"\n{killed} of {len(results)} killed"
+        + (
+            ""
+            if killed == len(results)
+            else f"; not killed: {', '.join(r.name + ' (' + r.status + ')' for r in results if r.status != KILLED)}"
+        )
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -76,29 +76,71 @@ class MutantResult:
         return self.status == KILLED
 
 
-def occurrences(mutant: Mutant, root: Path) -> int:
-    """How often the mutant's original text occurs in its file under ``root`` (-1: no file)."""
-    path = root / mutant.file
-    if not path.is_file():
-        return -1
-    return path.read_text(encoding="utf-8").count(mutant.original)
+# A mutant's code is anchored by a comment line ``# mutant: <name>`` right above it: its
+# original text is looked for in the lines that follow (ANCHOR_REACH, marker lines not
+# counted), so an entry names which occurrence it breaks, survives ``ruff format`` moving
+# code around, and a reader of the source sees the line is guarded by a negative control.
+MARKER = "# mutant: "
+ANCHOR_REACH = 12
+
+
+def anchored_region(text: str, name: str) -> Optional[tuple[int, int]]:
+    """The character span the mutant ``name``'s marker anchors in ``text`` (the
+    ANCHOR_REACH lines after its marker line, other markers skipped), or None without one."""
+    lines = text.splitlines(keepends=True)
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    markers = [i for i, line in enumerate(lines) if line.strip() == MARKER + name]
+    if len(markers) != 1:
+        return None
+    start = end = markers[0] + 1
+    taken = 0
+    while end < len(lines) and taken < ANCHOR_REACH:
+        if not lines[end].strip().startswith(MARKER):
+            taken += 1
+        end += 1
+    return offsets[start], offsets[end]
+
+
+def locate(mutant: Mutant, text: str) -> tuple[int, Optional[str]]:
+    """Where the mutant's original text starts in ``text``, or why it cannot be placed: no
+    marker (or more than one), or its original not exactly once in the anchored lines."""
+    region = anchored_region(text, mutant.name)
+    if region is None:
+        count = text.count(MARKER + mutant.name + "\n")
+        return -1, (
+            f"no marker line '{MARKER}{mutant.name}' in {mutant.file}"
+            if count == 0
+            else f"{count} marker lines '{MARKER}{mutant.name}' in {mutant.file} (must be exactly one)"
+        )
+    start, end = region
+    count = text.count(mutant.original, start, end)
+    if count != 1:
+        return -1, (
+            f"its original text occurs {count} times in the {ANCHOR_REACH} lines after its marker in "
+            f"{mutant.file} (must be exactly once)"
+        )
+    return text.index(mutant.original, start, end), None
 
 
 def stale_reason(mutant: Mutant, root: Path) -> Optional[str]:
     """Why the entry no longer applies to the tree at ``root``, or None when it does."""
-    count = occurrences(mutant, root)
-    if count == -1:
+    path = root / mutant.file
+    if not path.is_file():
         return f"{mutant.file} does not exist"
-    if count != 1:
-        return f"its original text occurs {count} times in {mutant.file} (must be exactly once)"
-    return None
+    return locate(mutant, path.read_text(encoding="utf-8"))[1]
 
 
 def tree_files(root: Path) -> list[str]:
     """The files ``git status`` would show: tracked ones still present, and untracked ones
     that are not ignored."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=root, capture_output=True, check=True).stdout.decode()
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
     return sorted({p for p in listed.split("\0") if p and os.path.lexists(root / p)})
 
 
@@ -117,9 +159,10 @@ def apply_mutant(mutant: Mutant, copy: Path) -> Optional[str]:
     that no longer compiles: its tests would fail at collection, which proves nothing)."""
     path = copy / mutant.file
     text = path.read_text(encoding="utf-8")
-    if text.count(mutant.original) != 1:  # the copy is the tree's: checked before, checked again
-        raise ValueError(f"{mutant.name}: original text not found exactly once in the copy's {mutant.file}")
-    mutated = text.replace(mutant.original, mutant.replacement, 1)
+    at, problem = locate(mutant, text)  # the copy is the tree's: checked before, checked again
+    if problem is not None:
+        raise ValueError(f"{mutant.name}: {problem} (the copy's)")
+    mutated = text[:at] + mutant.replacement + text[at + len(mutant.original) :]
     path.write_text(mutated, encoding="utf-8")
     if path.suffix == ".py":
         try:
@@ -142,7 +185,12 @@ def imported_from(python: str, copy: Path, package: str, env: dict[str, str]) ->
     """Where ``package`` is found when run as the tests are (without importing it)."""
     found = subprocess.run(
         [python, "-c", f"import importlib.util as u; s = u.find_spec({package!r}); print(s.origin if s else '')"],
-        cwd=copy, env=env, capture_output=True, text=True, timeout=120)
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return found.stdout.strip()
 
 
@@ -174,8 +222,9 @@ def run_pytest(argv: Sequence[str], copy: Path, env: dict[str, str], timeout_s: 
     report.unlink(missing_ok=True)
     start = time.monotonic()
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(list(argv), cwd=copy, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            list(argv), cwd=copy, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             returncode: Optional[int] = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -282,7 +331,9 @@ class Runner:
                     return
                 if base.passed == 0:
                     result.status, result.detail = (
-                        NOT_RUN, f"unmutated: no test ran ({base.skipped} skipped)\n{base.tail}")
+                        NOT_RUN,
+                        f"unmutated: no test ran ({base.skipped} skipped)\n{base.tail}",
+                    )
                     return
             unusable = apply_mutant(mutant, copy)
             if unusable:
@@ -302,8 +353,9 @@ def _classify(outcome: PytestOutcome, result: MutantResult) -> None:
         result.status, result.detail = TIMEOUT, _failure_detail("mutated", outcome)
     elif outcome.collection_errors:  # an import error proves nothing about the behaviour under test
         result.status = ERROR
-        result.detail = (f"test modules failed to import with the mutant: {', '.join(outcome.collection_errors)}\n"
-                         f"{outcome.tail}")
+        result.detail = (
+            f"test modules failed to import with the mutant: {', '.join(outcome.collection_errors)}\n{outcome.tail}"
+        )
     elif outcome.errored and not outcome.failed:  # nothing failed: the tests never ran as written
         result.status = ERROR
         result.detail = f"setup or teardown errors, no test failed: {', '.join(outcome.errored[:3])}\n{outcome.tail}"

@@ -2,13 +2,18 @@
 
 Each entry breaks, in a copy of the tree, the code a claimed test guards (one exact text
 replaced by another) and names the tests that must then fail. ``python -m tests.mutations``
-applies them one at a time and reports which were killed. An entry whose original text no
-longer occurs exactly once is reported as stale (an error), never skipped: when the guarded
-code changes, update the entry with it.
+applies them one at a time and reports which were killed. The guarded code carries a marker
+line ``# mutant: <name>`` right above it, and the entry's original text is looked for only in
+the lines after its marker (``runner.ANCHOR_REACH``): the marker says which occurrence is
+broken, survives the formatter moving code, and shows a reader of the source that the line
+is guarded. An entry without its marker, or whose original text no longer occurs exactly once
+after it, is reported as stale (an error), never skipped: when the guarded code changes,
+update the entry with it.
 
-Adding a control: append a :class:`Mutant` to the section of the claim it backs (or a new
-section), with the smallest replacement that breaks the behaviour the claim names, and the
-narrowest tests that should catch it (a node id, or a file with ``k``). ``kind`` decides how
+Adding a control: put ``# mutant: <name>`` above the code and append a :class:`Mutant` to the
+section of the claim it backs (or a new section), with the smallest replacement that breaks
+the behaviour the claim names, and the narrowest tests that should catch it (a node id, or a
+file with ``k``). ``kind`` decides how
 it runs: ``unit`` (fast, no server), ``kernel`` (Triton, under ``TRITON_INTERPRET=1`` unless
 set otherwise) or ``e2e`` (starts real servers: minutes).
 """
@@ -26,7 +31,7 @@ class Mutant:
     name: str
     kind: str  # one of KINDS
     file: str  # relative to the repository root
-    original: str  # must occur exactly once in ``file``
+    original: str  # must occur exactly once in the lines after ``# mutant: <name>`` in ``file``
     replacement: str
     tests: tuple[str, ...]  # pytest node ids or paths, relative to the repository root
     k: Optional[str] = None  # a pytest -k expression narrowing ``tests``
@@ -45,9 +50,11 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/transfer/copy_kv.py",
         original="dev_rows[rows] = words[slots, layer, kv].reshape(chunks * chunk, -1).to(device.device)",
         replacement="dev_rows[rows] = words[slots, layer, kv].roll(1, dims=1).reshape(chunks * chunk, -1)"
-                    ".to(device.device)",
-        tests=(E2E + "test_http_server.py::test_every_layerwise_setting_serves_host_hits_token_for_token",
-               E2E + "test_http_server.py::test_host_tier_serves_evicted_chunks_back_without_recomputing"),
+        ".to(device.device)",
+        tests=(
+            E2E + "test_http_server.py::test_every_layerwise_setting_serves_host_hits_token_for_token",
+            E2E + "test_http_server.py::test_host_tier_serves_evicted_chunks_back_without_recomputing",
+        ),
         claim="docs/testing.md, What the tests prove: token-for-token equality with --disable-radix-cache",
         breaks="every chunk loaded from host memory lands one token off (the CPU copy path)",
     ),
@@ -57,7 +64,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="unit",
         file="pcr_client/rag/lookahead.py",
         original='if self.mode == "exact":\n                mine = [[int(c) for c in row[h]] for row, h in zip(probe, hit)]',
-        replacement='if False:\n                mine = [[int(c) for c in row[h]] for row, h in zip(probe, hit)]',
+        replacement="if False:\n                mine = [[int(c) for c in row[h]] for row, h in zip(probe, hit)]",
         tests=(UNIT + "rag/test_rag_retriever.py::test_merged_search_equals_faiss_ivf_whatever_the_fast_tier_holds",),
         claim="docs/testing.md, Watched go red: the merged search's identity with faiss",
         breaks="exact mode searches every landed cluster, not only each query's probed ones",
@@ -66,8 +73,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="rag-unlanded-clusters-searched",
         kind="unit",
         file="pcr_client/rag/fast_host.py",
-        original='if c in self._clusters and self._clusters[c].state == "landed"]',
-        replacement="if c in self._clusters]",
+        original='if c in self._clusters and self._clusters[c].state == "landed"\n',
+        replacement="if c in self._clusters\n",
         tests=(UNIT + "rag/test_rag_retriever.py::test_a_cluster_still_copying_is_a_miss_searched_by_faiss",),
         claim="docs/testing.md, Watched go red: a cluster still copying counted as a miss",
         breaks="a search reads clusters still being copied into the fast tier",
@@ -78,7 +85,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/core/prefetch_plan.py",
         original="hinted_held = len(self.unused.hinted)",
         replacement="hinted_held = sum(1 for n in self.unused.hinted if self.ledger.reading(n))",
-        tests=(UNIT + "sglang_adapter/test_kv_hints.py::test_landed_hinted_chunks_count_against_the_hint_budget_and_never_take_the_queues",),
+        tests=(
+            UNIT
+            + "sglang_adapter/test_kv_hints.py::test_landed_hinted_chunks_count_against_the_hint_budget_and_never_take_the_queues",
+        ),
         claim="docs/testing.md, Watched go red: the hint budget holding landed hinted chunks too",
         breaks="landed hinted chunks no longer count against the hint budget",
     ),
@@ -88,8 +98,11 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/reuse/warmup.py",
         original="if count < self.policy.after and not now:",
         replacement="if count < 1 and not now:",
-        tests=(UNIT + "reuse/test_doc_warmup.py::test_a_document_is_due_from_its_after_th_sighting",
-               UNIT + "reuse/test_doc_warmup.py::test_request_mode_after_two_warms_only_recurring_documents_and_waits_for_them"),
+        tests=(
+            UNIT + "reuse/test_doc_warmup.py::test_a_document_is_due_from_its_after_th_sighting",
+            UNIT
+            + "reuse/test_doc_warmup.py::test_request_mode_after_two_warms_only_recurring_documents_and_waits_for_them",
+        ),
         claim="docs/testing.md, Watched go red: the warm-up policy's sighting count",
         breaks="every document is warmed at its first sighting, whatever --pcr-doc-warmup-after says",
     ),
@@ -99,8 +112,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/reuse/doc_warmer.py",
         original='if getattr(manager, "rid_to_state", None):',
         replacement="if False:",
-        tests=(UNIT + "reuse/test_doc_warmup.py::"
-               "test_idle_mode_sends_the_request_at_once_and_warms_one_at_a_time_when_nothing_is_in_flight",),
+        tests=(
+            UNIT + "reuse/test_doc_warmup.py::"
+            "test_idle_mode_sends_the_request_at_once_and_warms_one_at_a_time_when_nothing_is_in_flight",
+        ),
         claim="docs/testing.md, Watched go red: the idle drain waiting for an empty server",
         breaks="idle warm-ups run while requests are in flight",
     ),
@@ -121,7 +136,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/sglang_adapter/scheduler_side.py",
         original="        self.requests.clear()\n        self.hints.clear()\n",
         replacement="        self.requests.clear()\n",
-        tests=(UNIT + "sglang_adapter/test_prefix_cache_adapter.py::test_a_flush_ends_the_live_hints_so_nothing_is_read_back",),
+        tests=(
+            UNIT
+            + "sglang_adapter/test_prefix_cache_adapter.py::test_a_flush_ends_the_live_hints_so_nothing_is_read_back",
+        ),
         claim="docs/lookahead-retrieval.md, KV hints: /flush_cache ends every live hint (commit f033188: test seen red)",
         breaks="a hint registered before /flush_cache reads its chain back into the emptied cache",
     ),
@@ -131,10 +149,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/core/agreement.py",
         original="agreed = Agreed(bool(header[4]), bool(header[5]), digests_match=digests_match, hint_clock_ms=header[8])",
         replacement="agreed = Agreed(bool(header[4]), bool(header[5]), digests_match=digests_match, "
-                    "hint_clock_ms=view.hint_clock_ms)",
+        "hint_clock_ms=view.hint_clock_ms)",
         tests=(UNIT + "core/test_agreement.py::test_a_kv_hint_lives_by_the_clock_the_ranks_agree_on",),
         claim="docs/architecture.md, Tensor parallelism: hints live by the earliest rank's clock (commit c169870: red with "
-              "each rank's own clock)",
+        "each rank's own clock)",
         breaks="each TP rank expires hints by its own clock",
     ),
     # ---------------------------------------------------------------- README: Document reuse (negative controls)
@@ -157,7 +175,7 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=(E2E + "test_doc_reuse.py::test_recompute_outputs_equal_an_independent_reference",),
         k="lego",
         claim="docs/document-reuse.md, Document reuse: lego/blend against transformers ('Without the mask applied in the "
-              "server, lego failed here')",
+        "server, lego failed here')",
         breaks="torch_native's extend runs plain causal attention over a permuted row",
     ),
     Mutant(
@@ -166,7 +184,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/transfer/engine.py",
         original="self._replacements.run(layer)\n            return",
         replacement="self._replacements.run(layer - 1)\n            return",
-        tests=(UNIT + "transfer/test_transfer_engine.py::test_a_replacement_runs_layer_by_layer_after_that_layer_of_the_loads_it_reads",),
+        tests=(
+            UNIT
+            + "transfer/test_transfer_engine.py::test_a_replacement_runs_layer_by_layer_after_that_layer_of_the_loads_it_reads",
+        ),
         claim="commit a3673a4: engine tests red with the rotation after the forward's read",
         breaks="layer i is re-placed only after the forward has read layer i",
     ),
@@ -176,7 +197,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/sglang_adapter/request_keys.py",
         original="return [own, *self.docs.canonical_chain_nodes(req)]",
         replacement="return [own]",
-        tests=(UNIT + "sglang_adapter/test_prefix_cache_adapter.py::test_prefetch_reads_a_waiting_requests_document_chains_from_ssd",),
+        tests=(
+            UNIT
+            + "sglang_adapter/test_prefix_cache_adapter.py::test_prefetch_reads_a_waiting_requests_document_chains_from_ssd",
+        ),
         claim="commit 39f4168: the queue prefetcher reads a waiting request's documents' chains (fails without it)",
         breaks="the queue prefetch reads only a waiting request's own prefix",
     ),
@@ -184,9 +208,11 @@ MUTANTS: tuple[Mutant, ...] = (
         name="accuracy-bench-warm-up-without-the-modes-key",
         kind="unit",
         file="pcr_eval/trace_workload.py",
-        original="        server.generate(mode_request(prompt, spec, **greedy(1)))",
-        replacement="        server.generate(mode_request(prompt, None, **greedy(1)))",
-        tests=(UNIT + "eval/test_doc_reuse_accuracy.py::test_every_request_of_a_mode_measurement_carries_the_modes_key",),
+        original="else server.generate(mode_request(prompt, spec, **greedy(1)))",
+        replacement="else server.generate(mode_request(prompt, None, **greedy(1)))",
+        tests=(
+            UNIT + "eval/test_doc_reuse_accuracy.py::test_every_request_of_a_mode_measurement_carries_the_modes_key",
+        ),
         claim="commit c3b5251: every request of a measurement carries the mode's key (red with a raw body)",
         breaks="the accuracy bench's warm-up request goes without the mode's key",
     ),
@@ -195,8 +221,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="position-mask-excludes-the-query-itself",
         kind="kernel",
         file="pcr_sglang/reuse/rows.py",
-        original="torch.le(positions.unsqueeze(0), positions[prefix:seq_len].unsqueeze(1),",
-        replacement="torch.lt(positions.unsqueeze(0), positions[prefix:seq_len].unsqueeze(1),",
+        original="torch.le(\n",
+        replacement="torch.lt(\n",
         tests=("tests/kernels/test_position_mask_triton.py",),
         claim="docs/document-reuse.md, Document reuse: the Triton mask under TRITON_INTERPRET=1 against the torch path",
         breaks="the Triton custom mask hides each query's own key",
@@ -220,7 +246,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="",
         tests=(UNIT + "sglang_adapter/test_remote_follow.py",),
         claim="docs/scale-out.md, Several servers: nothing of an in-memory update's namespace goes to or comes from "
-              "the remote tier (admission stops probing it too)",
+        "the remote tier (admission stops probing it too)",
         breaks="after an in-memory weight update every request waits the remote probe's timeout",
     ),
     Mutant(
@@ -229,9 +255,11 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/core/ssd_residency.py",
         original="self.tree.match(iter(keys[:end]))  # the most recent now",
         replacement="pass  # mutant: adopted chunks left least recent",
-        tests=(UNIT + "core/test_cache_state.py::test_chunks_a_remote_probe_found_enter_the_ssd_level_past_the_match_only",),
+        tests=(
+            UNIT + "core/test_cache_state.py::test_chunks_a_remote_probe_found_enter_the_ssd_level_past_the_match_only",
+        ),
         claim="docs/scale-out.md, Several servers: watched go red, the adopted chunks' recency (without it they evicted "
-              "themselves)",
+        "themselves)",
         breaks="chunks adopted from a remote probe are the first the SSD level evicts",
     ),
     # ---------------------------------------------------------------- README: KV cache events
@@ -272,11 +300,13 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/tiers/ssd_store.py",
         original='            if self.durability == "record":\n                self.ops.fsync(fd)\n            self.ops.close(fd)',
         replacement="            self.ops.close(fd)",
-        tests=(UNIT + "tiers/test_store_crash_states.py::"
-               "test_every_crash_state_recovers_without_serving_bad_records_or_losing_completed_ones",),
+        tests=(
+            UNIT + "tiers/test_store_crash_states.py::"
+            "test_every_crash_state_recovers_without_serving_bad_records_or_losing_completed_ones",
+        ),
         k="record",
         claim="docs/testing.md, faults: a power cut after any operation of the store's writes (commit d8b78bf: "
-              "fsync-removal negative controls)",
+        "fsync-removal negative controls)",
         breaks="--pcr-ssd-durability record renames a record into place before its data is durable",
     ),
     # ---------------------------------------------------------------- README: "Weight updates in place" (issue 26, item 1)
@@ -286,8 +316,11 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/sglang_adapter/prefix_cache.py",
         original="if pending is not None and self.namespace_mover is not None:",
         replacement="if False:",
-        tests=(UNIT + "sglang_adapter/test_weight_updates.py::test_a_flush_after_a_weight_update_restores_nothing_of_the_old_weights",
-               UNIT + "sglang_adapter/test_weight_updates.py::test_leaving_an_in_memory_namespace_purges_its_directory"),
+        tests=(
+            UNIT
+            + "sglang_adapter/test_weight_updates.py::test_a_flush_after_a_weight_update_restores_nothing_of_the_old_weights",
+            UNIT + "sglang_adapter/test_weight_updates.py::test_leaving_an_in_memory_namespace_purges_its_directory",
+        ),
         claim="docs/architecture.md, Weight updates in place: the flush after an update restores no SSD record",
         breaks="the flush after a weight update restores every SSD record of the old weights",
     ),
@@ -297,7 +330,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/sglang_adapter/weight_updates.py",
         original="    if namespace is not None:\n        begin(cache, namespace)",
         replacement="    if False:\n        begin(cache, namespace)",
-        tests=(UNIT + "sglang_adapter/test_weight_updates.py::test_a_session_that_wrote_the_weights_directly_moves_the_namespace",),
+        tests=(
+            UNIT
+            + "sglang_adapter/test_weight_updates.py::test_a_session_that_wrote_the_weights_directly_moves_the_namespace",
+        ),
         claim="docs/architecture.md, Weight updates in place: the end of a begin_weight_update session moves too",
         breaks="weights written over P2P/RDMA in a session leave the old weights' SSD records servable",
     ),
@@ -307,7 +343,9 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/sglang_adapter/scheduler_side.py",
         original="        self.keys.forget()\n        self.hints.clear()\n        self.probes.clear()",
         replacement="        self.keys.forget()\n        self.probes.clear()",
-        tests=(UNIT + "sglang_adapter/test_weight_updates.py::test_a_rekey_drops_what_was_derived_under_the_old_namespace",),
+        tests=(
+            UNIT + "sglang_adapter/test_weight_updates.py::test_a_rekey_drops_what_was_derived_under_the_old_namespace",
+        ),
         claim="docs/architecture.md, Weight updates in place: the keys PCR kept are dropped",
         breaks="a hint registered before an update reads the old weights' chain back from the SSD",
     ),
@@ -320,15 +358,18 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=(E2E + "test_fingerprint.py::test_a_weight_update_in_place_never_serves_the_old_weights_kv",),
         claim="docs/architecture.md, Weight updates in place: /update_weights_from_disk to B gets no hit of any tier",
         breaks="the namespace stays the startup one after an update (seen red: cached tokens [704, 464, 704, "
-               "736, 592, 720] from A's SSD records where a fresh server on B has none)",
+        "736, 592, 720] from A's SSD records where a fresh server on B has none)",
     ),
     Mutant(
         name="lora-adapter-files-not-in-the-namespace",
         kind="unit",
         file="pcr_sglang/sglang_adapter/fingerprint.py",
-        original="                                            adapters=adapters_text(server_args)),",
-        replacement="                                            adapters=\"\"),",
-        tests=(UNIT + "sglang_adapter/test_fingerprint.py::test_a_retrained_adapter_at_the_same_path_changes_the_server_namespace",),
+        original="adapters=adapters_text(server_args),",
+        replacement='adapters="",',
+        tests=(
+            UNIT
+            + "sglang_adapter/test_fingerprint.py::test_a_retrained_adapter_at_the_same_path_changes_the_server_namespace",
+        ),
         claim="docs/architecture.md, cache namespace: the files of every startup LoRA adapter",
         breaks="a retrained adapter saved at the same path keeps the old adapter's namespace",
     ),
@@ -405,8 +446,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/core/hints.py",
         original="    return (hint.tenant, 0, hint.group) if hint.group is not None else (hint.tenant, 1, hint.hint_id)",
         replacement="    return (None, 0, hint.group) if hint.group is not None else (None, 1, hint.hint_id)",
-        tests=(UNIT + "sglang_adapter/test_hint_tenants.py::"
-               "test_a_tenants_group_consumed_leaves_another_tenants_group_of_the_same_name_alive",),
+        tests=(
+            UNIT + "sglang_adapter/test_hint_tenants.py::"
+            "test_a_tenants_group_consumed_leaves_another_tenants_group_of_the_same_name_alive",
+        ),
         claim="docs/lookahead-retrieval.md, KV hints: limits and groups per tenant",
         breaks="tenant A's group 'g' consumed drops tenant B's group 'g'",
     ),
@@ -417,7 +460,9 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/io/process.py",
         original="        hung_s = self.remote.overdue_s(now) if self.remote is not None else 0.0",
         replacement="        hung_s = 0.0",
-        tests=(UNIT + "io/test_remote_watchdog.py::test_a_hung_remote_read_is_failed_while_local_reads_keep_completing",),
+        tests=(
+            UNIT + "io/test_remote_watchdog.py::test_a_hung_remote_read_is_failed_while_local_reads_keep_completing",
+        ),
         claim="docs/scale-out.md, remote tier: a call past its deadline fails its orders and the client is restarted",
         breaks="a remote read that never returns keeps its host slot filling forever",
     ),
@@ -438,7 +483,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/reuse/plan.py",
         original="anchors = leading(recompute.anchor_tokens)[:count] if recompute.anchor_tokens else ()",
         replacement="anchors = leading(recompute.anchor_tokens) if recompute.anchor_tokens else ()",
-        tests=(UNIT + "reuse/test_doc_reuse_plan.py::test_blend_anchors_fill_its_budget_in_document_order_and_never_grow_it",),
+        tests=(
+            UNIT
+            + "reuse/test_doc_reuse_plan.py::test_blend_anchors_fill_its_budget_in_document_order_and_never_grow_it",
+        ),
         claim="docs/flags.md, Flags: anchors are inside the R budget",
         breaks="anchors recompute more than R",
     ),
@@ -479,8 +527,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="blend-prophet-reads-gap-slots",
         kind="unit",
         file="pcr_sglang/reuse/blend_select.py",
-        original="                               filled if layer > 1 else None)",
-        replacement="                               None)",
+        original="filled if layer > 1 else None,",
+        replacement="None,",
         tests=(UNIT + "reuse/test_doc_reuse_setup.py::test_prophet_does_not_read_what_gap_slots_hold_above_layer_1",),
         claim="docs/document-reuse.md, Choosing the recomputed tokens: prophet hides gaps above layer 1",
         breaks="the question attends a gap's slots above layer 1 before the forward has written them",
@@ -492,8 +540,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/io/supervisor.py",
         original="if self._phase is not _Phase.DOWN and not self._kill_and_wait():",
         replacement="if self._phase is not _Phase.DOWN and not (self._kill_and_wait() or True):",
-        tests=(UNIT + "io/test_io_supervisor.py::"
-               "test_a_restart_keeps_the_orders_of_a_process_that_does_not_exit_until_it_has",),
+        tests=(
+            UNIT + "io/test_io_supervisor.py::"
+            "test_a_restart_keeps_the_orders_of_a_process_that_does_not_exit_until_it_has",
+        ),
         claim="docs/ssd-store.md, The I/O process: a restart onto a new namespace keeps a live process's orders",
         breaks="a restart hands back the orders (and host slots) of an I/O process the kernel has not confirmed dead",
     ),
@@ -503,8 +553,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/tiers/kept_namespaces.py",
         original="while candidates and (len(candidates) > keep or",
         replacement="while candidates and (len(candidates) > keep + 100 or",
-        tests=(UNIT + "sglang_adapter/test_ssd_namespaces.py::"
-               "test_at_most_the_kept_namespaces_stay_on_disk_oldest_purged_first",),
+        tests=(
+            UNIT + "sglang_adapter/test_ssd_namespaces.py::"
+            "test_at_most_the_kept_namespaces_stay_on_disk_oldest_purged_first",
+        ),
         claim="docs/ssd-store.md, Namespaces kept for a rollback: at most --pcr-ssd-keep-namespaces (review N8)",
         breaks="every namespace left at a disk weight update stays on disk (an RL run fills the disk)",
     ),
@@ -524,8 +576,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/sglang_adapter/metrics.py",
         original="set(1 if state.writes_enabled else 0)",
         replacement="set(1)",
-        tests=(UNIT + "sglang_adapter/test_ssd_namespaces.py::"
-               "test_the_ssd_tier_switching_its_writes_off_is_a_gauge_and_a_server_info_state",),
+        tests=(
+            UNIT + "sglang_adapter/test_ssd_namespaces.py::"
+            "test_the_ssd_tier_switching_its_writes_off_is_a_gauge_and_a_server_info_state",
+        ),
         claim="docs/ssd-store.md: the SSD tier switching its writes off is sglang:pcr_ssd_tier_up (review N8)",
         breaks="the gauge says the SSD tier writes after it switched its writes off",
     ),
@@ -535,8 +589,9 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/tiers/sealed_records.py",
         original="if sealed[0] >= self.seals_per_epoch:",
         replacement="if False:",
-        tests=(UNIT + "tiers/test_sealed_records.py::"
-               "test_no_key_seals_more_than_its_bound_and_every_epoch_stays_readable",),
+        tests=(
+            UNIT + "tiers/test_sealed_records.py::test_no_key_seals_more_than_its_bound_and_every_epoch_stays_readable",
+        ),
         claim="docs/scale-out.md, The remote tier: keys rotate by epoch (review N13)",
         breaks="one AES-GCM key seals records under random nonces without bound",
     ),
@@ -556,8 +611,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/core/hints.py",
         original="        if own.tokens < 1.0 or theirs.tokens < 1.0:",
         replacement="        if own.tokens < 1.0:",
-        tests=(UNIT + "sglang_adapter/test_hint_callers.py::"
-               "test_a_client_rotating_salts_is_still_one_caller_bounded_in_rate",),
+        tests=(
+            UNIT + "sglang_adapter/test_hint_callers.py::"
+            "test_a_client_rotating_salts_is_still_one_caller_bounded_in_rate",
+        ),
         claim="docs/lookahead-retrieval.md, Hints per tenant: a caller has a rate bucket too (review N14)",
         breaks="a client rotating cache_salt gets a fresh rate bucket with every salt",
     ),
@@ -567,8 +624,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/core/hints.py",
         original="        caller = _fullest(self._by_caller)",
         replacement="        caller = next(iter(self._hints.values())).caller",
-        tests=(UNIT + "sglang_adapter/test_hint_callers.py::"
-               "test_over_max_live_the_caller_holding_the_most_loses_its_own_hints",),
+        tests=(
+            UNIT + "sglang_adapter/test_hint_callers.py::"
+            "test_over_max_live_the_caller_holding_the_most_loses_its_own_hints",
+        ),
         claim="docs/lookahead-retrieval.md, Hints per tenant: the caller holding the most loses first (review N14)",
         breaks="a client rotating salts pushes out a victim tenant's hints over max_live",
     ),
@@ -610,8 +669,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/sglang_adapter/scheduler_side.py",
         original="        self.executor.cancel_deferred()  # CUDA: orders still waiting for their slot's copies\n",
         replacement="",
-        tests=(UNIT + "sglang_adapter/test_ssd_namespaces.py::"
-               "test_orders_kept_back_for_their_copies_do_not_outlive_a_weight_update",),
+        tests=(
+            UNIT + "sglang_adapter/test_ssd_namespaces.py::"
+            "test_orders_kept_back_for_their_copies_do_not_outlive_a_weight_update",
+        ),
         claim="docs/ssd-store.md, The I/O process: orders kept back for their copies end at a reset (issue 39, left open)",
         breaks="writes kept back for their host slot's copies are sent after a weight update, into the new namespace",
     ),
@@ -623,7 +684,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="        if False:",
         tests=(UNIT + "sglang_adapter/test_update_without_flush.py",),
         claim="docs/architecture.md, Weight updates in place: a request running across an update without "
-              "flush inserts nothing (issue 39, left open)",
+        "flush inserts nothing (issue 39, left open)",
         breaks="a request admitted before a flush_cache: false update inserts its old-weights KV under the new keys",
     ),
     # ---------------------------------------------------------------- issue 39, item 4: review N3, N10, N7, N12, N13(b)
@@ -633,11 +694,13 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/sglang_adapter/weight_updates.py",
         original='        return getattr(manager, "_session", None) is None  # SGLang refuses a second open session',
         replacement="        return False",
-        tests=(UNIT + "sglang_adapter/test_weight_updates.py::"
-               "test_kv_computed_while_a_session_writes_the_weights_is_not_kept_under_the_checkpoints_namespace",),
+        tests=(
+            UNIT + "sglang_adapter/test_weight_updates.py::"
+            "test_kv_computed_while_a_session_writes_the_weights_is_not_kept_under_the_checkpoints_namespace",
+        ),
         claim="docs/architecture.md, Weight updates in place: the opening of a session moves the namespace (review N3)",
         breaks="KV computed while a session writes the weights is kept under the checkpoint's namespace and served "
-               "after a rollback",
+        "after a rollback",
     ),
     Mutant(
         name="weight-update-session-begin-keeps-the-namespace-on-a-server",
@@ -655,7 +718,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/sglang_adapter/weight_updates.py",
         original="WRAPPED_METHODS = (*UPDATE_METHODS, SESSION_BEGIN, SESSION_END, CHECK_WEIGHTS, MEMORY_RESUME)",
         replacement="WRAPPED_METHODS = (*UPDATE_METHODS, SESSION_END, CHECK_WEIGHTS, MEMORY_RESUME)",
-        tests=(UNIT + "sglang_adapter/test_weight_updates.py::test_the_plugin_wraps_every_call_that_can_change_the_weights",),
+        tests=(
+            UNIT
+            + "sglang_adapter/test_weight_updates.py::test_the_plugin_wraps_every_call_that_can_change_the_weights",
+        ),
         claim="docs/architecture.md, Weight updates in place: every updater method is wrapped or listed (review N10)",
         breaks="the plugin no longer hooks begin_weight_update",
     ),
@@ -663,16 +729,14 @@ MUTANTS: tuple[Mutant, ...] = (
         name="weight-update-hub-id-gets-a-name-only-namespace",
         kind="unit",
         file="pcr_sglang/sglang_adapter/weight_updates.py",
-        original="""        if not Path(path).exists():
-            raise WeightsNotLocal(f"{path} is not a local file or folder")
-        return model_fingerprint(self.model_config, self.model_path, self.revision, self.download_dir,
-                                 weights_path=path, adapters=self.adapters, require_files=True)""",
-        replacement="""        return model_fingerprint(self.model_config, self.model_path, self.revision, self.download_dir,
-                                 weights_path=path, adapters=self.adapters)""",
-        tests=(UNIT + "sglang_adapter/test_weight_updates.py::"
-               "test_a_disk_update_to_weights_not_on_this_machine_gets_a_namespace_of_its_own",),
+        original='        if not Path(path).exists():\n            raise WeightsNotLocal(f"{path} is not a local file or folder")\n        return model_fingerprint(\n            self.model_config,\n            self.model_path,\n            self.revision,\n            self.download_dir,\n            weights_path=path,\n            adapters=self.adapters,\n            require_files=True,\n        )',
+        replacement="        return model_fingerprint(\n            self.model_config,\n            self.model_path,\n            self.revision,\n            self.download_dir,\n            weights_path=path,\n            adapters=self.adapters,\n        )",
+        tests=(
+            UNIT + "sglang_adapter/test_weight_updates.py::"
+            "test_a_disk_update_to_weights_not_on_this_machine_gets_a_namespace_of_its_own",
+        ),
         claim="docs/architecture.md, Weight updates in place: a disk update to a hub id gets a namespace of its own "
-              "(review N7)",
+        "(review N7)",
         breaks="every revision pushed under one hub id shares one name-only namespace after a disk update",
     ),
     Mutant(
@@ -681,9 +745,11 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/sglang_adapter/refusals.py",
         original="    if not x.weights_loaded or x.model_config is None or",
         replacement="    if True or x.model_config is None or",
-        tests=(UNIT + "sglang_adapter/test_refusals.py::test_weights_not_found_locally_are_refused_with_persistent_tiers",),
+        tests=(
+            UNIT + "sglang_adapter/test_refusals.py::test_weights_not_found_locally_are_refused_with_persistent_tiers",
+        ),
         claim="docs/architecture.md, Cache namespace: weights not found locally are refused with the SSD or remote tier "
-              "(review N7)",
+        "(review N7)",
         breaks="a model PCR cannot find locally gets a name-only namespace on the SSD and remote tiers",
     ),
     Mutant(
@@ -692,8 +758,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_tools/models/merged.py",
         original='_CHECKED_FILES = ((ADAPTER_FILE, "adapter_sha256"), (CONFIG_FILE, "adapter_config_sha256"))',
         replacement='_CHECKED_FILES = ((ADAPTER_FILE, "adapter_sha256"),)',
-        tests=(UNIT + "tools/test_merged.py::"
-               "test_an_edited_adapter_config_is_refused_and_a_merged_folder_never_returned_stale",),
+        tests=(
+            UNIT + "tools/test_merged.py::"
+            "test_an_edited_adapter_config_is_refused_and_a_merged_folder_never_returned_stale",
+        ),
         claim="pcr_tools/models/merged.py: adapter_config.json is checked and stamped like the weights (review N12)",
         breaks="an edited adapter_config.json is merged without notice and a merged folder is returned stale",
     ),
@@ -765,9 +833,11 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/reuse/bounds.py",
         original="    if server.gate is not None:\n        server.gate.check(asked)\n",
         replacement="",
-        tests=(UNIT + "reuse/test_doc_calibration.py",
-               UNIT + "reuse/test_doc_calibration_serving.py::"
-               "test_a_refused_request_that_reaches_the_scheduler_is_served_without_reuse"),
+        tests=(
+            UNIT + "reuse/test_doc_calibration.py",
+            UNIT + "reuse/test_doc_calibration_serving.py::"
+            "test_a_refused_request_that_reaches_the_scheduler_is_served_without_reuse",
+        ),
         k="refused or tokenizer_answers or reaches_the_scheduler",
         claim="docs/document-reuse.md, A per-model gate: a request outside the calibration gets a 400 (review N4)",
         breaks="a request asking for concat, R=0 or another selector is served in it on a calibrated server",
@@ -782,7 +852,7 @@ MUTANTS: tuple[Mutant, ...] = (
         k="disagree",
         claim="docs/document-reuse.md, A per-model gate: meets and value are recomputed when read (review N11)",
         breaks="a file saying a mode meets the target, or naming a setting that was not measured to meet it, opens "
-               "the gate",
+        "the gate",
     ),
     Mutant(
         name="calibration-not-rechecked-after-a-weight-update",
@@ -790,8 +860,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/reuse/setup.py",
         original="    if model_fingerprint != gate.fingerprint:",
         replacement="    if False:",
-        tests=(UNIT + "reuse/test_doc_calibration_serving.py::"
-               "test_a_weight_update_to_other_weights_stops_document_reuse_and_says_why",),
+        tests=(
+            UNIT + "reuse/test_doc_calibration_serving.py::"
+            "test_a_weight_update_to_other_weights_stops_document_reuse_and_says_why",
+        ),
         claim="docs/document-reuse.md, A per-model gate: reuse stops on weights the file was not measured on (review N5)",
         breaks="after a weight update to other weights, documents are reused at the old weights' K or R",
     ),
@@ -828,14 +900,14 @@ MUTANTS: tuple[Mutant, ...] = (
         k="takes_documents",
         claim="docs/document-reuse.md, Entry points: a documents= template's running index is not marked",
         breaks="what a RAG template writes before each document (its index) is marked with it: no reuse in "
-               "another order",
+        "another order",
     ),
     Mutant(
         name="chat-documents-bounds-dropped",
         kind="e2e",
         file="pcr_sglang/reuse/chat.py",
-        original="    sampling[\"custom_params\"] = {**(custom or {}), DOC_BOUNDS_PARAM: list(job.marked.doc_bounds)}",
-        replacement="    sampling[\"custom_params\"] = custom",
+        original='    sampling["custom_params"] = {**(custom or {}), DOC_BOUNDS_PARAM: list(job.marked.doc_bounds)}',
+        replacement='    sampling["custom_params"] = custom',
         tests=(E2E + "test_doc_reuse.py",),
         k="openai_chat_documents",
         claim="docs/document-reuse.md: the chat example reuses every document in another order",
@@ -868,8 +940,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="reorder-tenants-share-orders",
         kind="unit",
         file="pcr_sglang/reuse/reorder.py",
-        original='    return _digest(b"pcr-doc-order-v1", _field(tenant.extra_key), _field(tenant.cache_salt),',
-        replacement='    return _digest(b"pcr-doc-order-v1",',
+        original="        _field(tenant.extra_key),\n        _field(tenant.cache_salt),\n",
+        replacement="",
         tests=(UNIT + "reuse/test_doc_reorder.py",),
         k="tenant",
         claim="docs/document-reuse.md, reorder: no tenant follows (or learns) another's order",
@@ -902,7 +974,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="unit",
         file="pcr_sglang/reuse/bounds.py",
         original="    if mode in EXACT_MODES:\n        return None  # served exactly",
-        replacement="    if mode == \"off\":\n        return None  # served exactly",
+        replacement='    if mode == "off":\n        return None  # served exactly',
         tests=(UNIT + "reuse/test_doc_reorder.py",),
         k="exact_mode or calibration",
         claim="docs/document-reuse.md, reorder: no KV approximated, and a calibration never refuses it",
@@ -912,8 +984,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="reorder-bounds-without-tokens",
         kind="e2e",
         file="pcr_sglang/reuse/reorder.py",
-        original="        tokenized.input_ids = (array(tokens.typecode, result.input_ids) if isinstance(tokens, array)",
-        replacement="        tokenized.input_ids = (array(tokens.typecode, tokens) if isinstance(tokens, array)",
+        original="array(tokens.typecode, result.input_ids) if isinstance(tokens, array)",
+        replacement="array(tokens.typecode, tokens) if isinstance(tokens, array)",
         tests=(E2E + "test_doc_reuse.py",),
         k="reorder_serves",
         claim="docs/document-reuse.md, reorder: the answer is the unmarked prompt's in the order served",
@@ -948,8 +1020,10 @@ MUTANTS: tuple[Mutant, ...] = (
         file="pcr_sglang/reuse/doc_warmer.py",
         original="        wait_s = self.wait_s()",
         replacement="        wait_s = WARM_TIMEOUT_S",
-        tests=(UNIT + "reuse/test_doc_warmup.py::"
-               "test_a_request_waits_for_its_warm_ups_a_few_prefills_then_goes_without_them",),
+        tests=(
+            UNIT + "reuse/test_doc_warmup.py::"
+            "test_a_request_waits_for_its_warm_ups_a_few_prefills_then_goes_without_them",
+        ),
         claim="docs/document-reuse.md, warm-ups: a request waits a few prefills at most (review N9)",
         breaks="a request behind other tenants' warm-ups waits up to WARM_TIMEOUT_S before it is sent",
     ),
@@ -958,8 +1032,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="gpu-host-pool-pinned-in-one-call",
         kind="unit",
         file="pcr_sglang/tiers/host_pool.py",
-        original="                                    register_piece_bytes(self.layout.slot_bytes))",
-        replacement="                                    self.buffer.numel())",
+        original="register_piece_bytes(self.layout.slot_bytes),",
+        replacement="self.buffer.numel(),",
         tests=(UNIT + "tiers/test_host_pool_pinning.py",),
         k="pins_in_whole_slot_pieces",
         claim="docs/architecture.md, On a GPU: the host pool is registered in pieces as HiCache does",
@@ -1076,7 +1150,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="unit",
         file="pcr_sglang/transfer/engine.py",
         original="            check_copy_slots_on_device(transfer.device_slots, index, self._pool_tokens(), "
-                 "self.layout.num_slots)",
+        "self.layout.num_slots)",
         replacement="            pass",
         tests=(UNIT + "transfer/test_debug_checks.py",),
         k="outside_either_pool",
@@ -1142,7 +1216,7 @@ MUTANTS: tuple[Mutant, ...] = (
         kind="unit",
         file="pcr_sglang/reuse/forward_plan.py",
         original="                positions = permuted_rows.to_device(plan.rows[i], device)  # one non-blocking copy per "
-                 "permuted request",
+        "permuted request",
         replacement="                positions = plan.rows[i].to(device)",
         tests=("tests/unit/reuse/test_rows_no_sync.py",),
         claim="docs/architecture.md, On a GPU: permuted rows' positions cross through the pinned ring",
@@ -1240,9 +1314,11 @@ MUTANTS: tuple[Mutant, ...] = (
         name="kv-hints-upstream-action-name-ignored",
         kind="unit",
         file="pcr_sglang/core/hints.py",
-        original="    return getattr(action, \"action_type\", None) in HINT_ACTION_VERSIONS",
-        replacement="    return getattr(action, \"action_type\", None) == HINT_ACTION",
-        tests=(UNIT + "sglang_adapter/test_kv_hints.py::test_the_upstream_action_name_is_a_synonym_with_its_own_version",),
+        original='    return getattr(action, "action_type", None) in HINT_ACTION_VERSIONS',
+        replacement='    return getattr(action, "action_type", None) == HINT_ACTION',
+        tests=(
+            UNIT + "sglang_adapter/test_kv_hints.py::test_the_upstream_action_name_is_a_synonym_with_its_own_version",
+        ),
         claim="docs/lookahead-retrieval.md, KV hints: kv.prefetch@1.0 is a synonym (issue 40.6)",
         breaks="a hint sent as kv.prefetch is left unread: no prefetch, no hint-only finish",
     ),
@@ -1250,8 +1326,8 @@ MUTANTS: tuple[Mutant, ...] = (
         name="layerwise-auto-reads-the-unresolved-record",
         kind="unit",
         file="pcr_sglang/config.py",
-        original="    graphs = getattr(_resolved(args), \"cuda_graph_config\", None)",
-        replacement="    graphs = getattr(args, \"cuda_graph_config\", None)",
+        original='    graphs = getattr(_resolved(args), "cuda_graph_config", None)',
+        replacement='    graphs = getattr(args, "cuda_graph_config", None)',
         tests=(UNIT + "sglang_adapter/test_refusal_prefill_graph.py",),
         k="default_layerwise",
         claim="docs/flags.md, --pcr-layerwise auto: offload under a prefill CUDA graph",

@@ -45,19 +45,42 @@ class FakeReq:
 
 
 class Harness:
-    def __init__(self, *, host_slots: int = 0, ssd_path=None, layerwise: str = "both", ssd_write: str = "through",
-                 lookahead_window: int = 0, prefetch_window: int = 0, pool: int = POOL, tp=None, tp_rank: int = 0,
-                 model_fingerprint: str = "m", hint_to_device: str = "auto", remote_config: Optional[str] = None):
+    def __init__(
+        self,
+        *,
+        host_slots: int = 0,
+        ssd_path=None,
+        layerwise: str = "both",
+        ssd_write: str = "through",
+        lookahead_window: int = 0,
+        prefetch_window: int = 0,
+        pool: int = POOL,
+        tp=None,
+        tp_rank: int = 0,
+        model_fingerprint: str = "m",
+        hint_to_device: str = "auto",
+        remote_config: Optional[str] = None,
+    ):
         self.kvcache = MHATokenToKVPool(pool, 1, torch.float32, HEADS, DIM, LAYERS, "cpu", False)
         self.allocator = TokenToKVPoolAllocator(pool, torch.float32, "cpu", self.kvcache, need_sort=False)
-        params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
-                                 page_size=1)
-        config = PCRConfig(enabled=True, chunk_size=CHUNK, lookahead_window=lookahead_window,
-                           dram_gb=(host_slots + 0.5) * SLOT_BYTES / 2**30 if host_slots else 0.0,
-                           layerwise=layerwise, ssd_path=str(ssd_path) if ssd_path else None,
-                           ssd_gb=0.01 if ssd_path else 0.0, ssd_reserve_gb=0.0, ssd_write=ssd_write,
-                           prefetch_window=prefetch_window, hint_to_device=hint_to_device,
-                           remote="mooncake" if remote_config else "off", remote_config=remote_config)
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator, page_size=1
+        )
+        config = PCRConfig(
+            enabled=True,
+            chunk_size=CHUNK,
+            lookahead_window=lookahead_window,
+            dram_gb=(host_slots + 0.5) * SLOT_BYTES / 2**30 if host_slots else 0.0,
+            layerwise=layerwise,
+            ssd_path=str(ssd_path) if ssd_path else None,
+            ssd_gb=0.01 if ssd_path else 0.0,
+            ssd_reserve_gb=0.0,
+            ssd_write=ssd_write,
+            prefetch_window=prefetch_window,
+            hint_to_device=hint_to_device,
+            remote="mooncake" if remote_config else "off",
+            remote_config=remote_config,
+        )
         self.pool = pool
         namespace = CacheNamespace(model_fingerprint, "float32", CHUNK, tp_rank=tp_rank, tp_size=tp.size if tp else 1)
         self.cache = assemble_pcr_cache(params, config, namespace, tp, tp_rank)
@@ -81,14 +104,18 @@ class Harness:
         self.cache.inc_lock_ref(req.last_node)  # the adder's temporary pin
         try:
             if match.host_hit_length:
-                loaded, node = self.cache.init_load_back(InitLoadBackParams(
-                    best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req))
+                loaded, node = self.cache.init_load_back(
+                    InitLoadBackParams(
+                        best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req
+                    )
+                )
                 if loaded:
                     req.last_node = node
         finally:
             self.cache.dec_lock_ref(match.last_device_node)
         req.cached_tokens_device, req.cached_tokens_host, req.cached_tokens_storage = split_cached_prefix_by_tier(
-            device + loaded, min(match.host_hit_length, loaded), req.storage_hit_length, req.storage_hit_start)
+            device + loaded, min(match.host_hit_length, loaded), req.storage_hit_length, req.storage_hit_start
+        )
         req.prefix_len = device + loaded
         return device, loaded
 
@@ -111,7 +138,7 @@ class Harness:
         prefix = self.cache.path_device_indices(req.last_node)[:cached]
         slots = torch.cat([prefix, new.to(torch.int64)])
         result = self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots))
-        self.allocator.free(new[result.total_len - cached:])  # the partial last chunk
+        self.allocator.free(new[result.total_len - cached :])  # the partial last chunk
         if result.prefix_len > cached:  # chunks another request cached meanwhile
             self.allocator.free(new[: result.prefix_len - cached])
         self.cache.dec_lock_ref(req.last_node)
@@ -145,9 +172,10 @@ class Harness:
         self.scheduler.worker.run_batch(forward, run_in_batch_of or [rid])
         result = self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=row))
         node = self.cache.state.tree.match(iter(self.scheduler.keys.of_tokens(tokens)), touch=False).last_node
-        self.scheduler.adopt_offloads(rid, node.path_from_root(), cached // CHUNK, result.prefix_len // CHUNK,
-                                      result.total_len // CHUNK)
-        self.allocator.free(new[result.total_len - cached:])
+        self.scheduler.adopt_offloads(
+            rid, node.path_from_root(), cached // CHUNK, result.prefix_len // CHUNK, result.total_len // CHUNK
+        )
+        self.allocator.free(new[result.total_len - cached :])
         self.cache.dec_lock_ref(req.last_node)
         self.cache.on_release(req, checkpointed=True)
         return req

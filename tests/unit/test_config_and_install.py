@@ -57,8 +57,10 @@ def test_invalid_lookahead_window_names_the_flag(window):
         ({"ssd_path": "/x", "ssd_gb": 1.0}, "--pcr-ssd-path needs --pcr-dram-gb > 0"),
         ({"ssd_path": "/x", "ssd_gb": -1.0}, "--pcr-ssd-gb must be a number of GB >= 0"),
         ({"ssd_reserve_gb": -1}, "--pcr-ssd-reserve-gb must be a number of GB >= 0"),
-        ({"ssd_path": "/x", "ssd_gb": 1.0, "dram_gb": 1.0, "ssd_write": "later"},
-         "--pcr-ssd-write must be one of through, on-evict"),
+        (
+            {"ssd_path": "/x", "ssd_gb": 1.0, "dram_gb": 1.0, "ssd_write": "later"},
+            "--pcr-ssd-write must be one of through, on-evict",
+        ),
         ({"ssd_read_threads": 0}, "--pcr-ssd-read-threads must be an integer from 1 to 64, got 0"),
         ({"ssd_read_threads": 65}, "--pcr-ssd-read-threads must be an integer from 1 to 64"),
         ({"ssd_read_threads": 2.5}, "--pcr-ssd-read-threads must be an integer from 1 to 64"),
@@ -194,8 +196,9 @@ def test_each_declared_range_and_choice_is_checked_naming_the_flag(fields, messa
 
 
 def test_config_from_server_args_reads_each_flag_as_declared():
-    args = SimpleNamespace(enable_pcr=1, pcr_ssd_path="", pcr_doc_reuse_calibration_warn=0, pcr_chunk_size=32,
-                           pcr_doc_recompute_ratio=0.5)
+    args = SimpleNamespace(
+        enable_pcr=1, pcr_ssd_path="", pcr_doc_reuse_calibration_warn=0, pcr_chunk_size=32, pcr_doc_recompute_ratio=0.5
+    )
     config = PCRConfig.from_server_args(args)
     assert (config.enabled, config.ssd_path, config.doc_reuse_calibration_warn) == (True, None, False)
     assert (config.chunk_size, config.doc_recompute_ratio, config.layerwise) == (32, 0.5, "both")

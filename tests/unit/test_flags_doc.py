@@ -69,6 +69,8 @@ def test_rows_follow_the_declarations_a_new_flag_gets_its_help_and_a_gone_one_lo
 
 def test_defaults_are_written_as_the_page_writes_them():
     doc = load_flags_doc()
-    cells = [doc.default_cell(v) for v in (False, True, None, 0.0, 1.0, 0.15, 64, "through", "on-evict",
-                                            "Document: {doc}\n\n")]
+    cells = [
+        doc.default_cell(v)
+        for v in (False, True, None, 0.0, 1.0, 0.15, 64, "through", "on-evict", "Document: {doc}\n\n")
+    ]
     assert cells == ["off", "on", "none", "0", "1", "0.15", "64", "through", "on-evict", "`Document: {doc}\\n\\n`"]

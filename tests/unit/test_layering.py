@@ -88,8 +88,10 @@ def import_circles(roots: tuple[str, ...], repo: Path = REPO) -> list[list[str]]
     """Every circle of imports among the modules under ``roots`` (each import counted,
     lazy ones included): a strongly connected group of more than one module."""
     paths = {module_name(p, repo): p for root in roots for p in sorted((repo / root).rglob("*.py"))}
-    edges = {name: sorted(m for m in imported_modules(path, repo / name.split(".")[0]) if m in paths and m != name)
-             for name, path in paths.items()}
+    edges = {
+        name: sorted(m for m in imported_modules(path, repo / name.split(".")[0]) if m in paths and m != name)
+        for name, path in paths.items()
+    }
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -149,11 +151,14 @@ def test_the_core_imports_neither_sglang_nor_torch():
     assert violations(REPO / "pcr_sglang" / "core", ("sglang", "torch", "triton")) == []
 
 
-@pytest.mark.parametrize(("source", "caught"), [
-    ("import pcr_tools.launcher\n", "pcr_tools.launcher"),
-    ("def later():\n    from pcr_tools.models import build_cached\n", "pcr_tools.models"),
-    ("from bench.ragbench import common\n", "bench.ragbench"),
-])
+@pytest.mark.parametrize(
+    ("source", "caught"),
+    [
+        ("import pcr_tools.launcher\n", "pcr_tools.launcher"),
+        ("def later():\n    from pcr_tools.models import build_cached\n", "pcr_tools.models"),
+        ("from bench.ragbench import common\n", "bench.ragbench"),
+    ],
+)
 def test_the_walk_sees_a_forbidden_import_wherever_it_is(tmp_path, source, caught):
     package = tmp_path / "pcr_sglang"
     (package / "core").mkdir(parents=True)
@@ -166,7 +171,10 @@ def test_relative_imports_resolve_to_their_package(tmp_path):
     (package / "core").mkdir(parents=True)
     (package / "core" / "keys.py").write_text("from .lru import X\nfrom ..tiers import layout\n")
     assert imported_modules(package / "core" / "keys.py", package) >= {
-        "pcr_sglang.core.lru", "pcr_sglang.tiers", "pcr_sglang.tiers.layout"}
+        "pcr_sglang.core.lru",
+        "pcr_sglang.tiers",
+        "pcr_sglang.tiers.layout",
+    }
 
 
 def test_the_config_imports_no_feature():
@@ -185,8 +193,11 @@ def test_the_selector_list_imports_nothing():
 
 def test_every_end_to_end_module_is_marked_as_such():
     """``-m "not e2e"`` must leave out every module that starts a server."""
-    unmarked = [p.name for p in sorted((REPO / "tests" / "e2e").glob("test_*.py"))
-                if "pytest.mark.e2e" not in pytestmark_line(p)]
+    unmarked = [
+        p.name
+        for p in sorted((REPO / "tests" / "e2e").glob("test_*.py"))
+        if "pytest.mark.e2e" not in pytestmark_line(p)
+    ]
     assert unmarked == []
 
 
@@ -214,23 +225,37 @@ def test_the_reuse_wing_does_not_import_the_sglang_adapter():
 
 
 def violations_of_prefix(package_root: Path, prefix: str) -> list[str]:
-    return [f"{path.name}: {module}" for path in sorted(package_root.rglob("*.py"))
-            for module in sorted(imported_modules(path, package_root.parent))
-            if module == prefix or module.startswith(prefix + ".")]
+    return [
+        f"{path.name}: {module}"
+        for path in sorted(package_root.rglob("*.py"))
+        for module in sorted(imported_modules(path, package_root.parent))
+        if module == prefix or module.startswith(prefix + ".")
+    ]
 
 
 def test_the_core_is_the_ground_floor():
     """``core/`` imports nothing of the package outside ``core/``: its orders, outcomes and
     counters are its own words (the I/O process encodes them; it does not define them)."""
     core = REPO / "pcr_sglang" / "core"
-    outside = [f"{path.name}: {module}" for path in sorted(core.rglob("*.py"))
-               for module in sorted(imported_modules(path, REPO / "pcr_sglang"))
-               if module.startswith("pcr_sglang.") and not module.startswith("pcr_sglang.core")]
+    outside = [
+        f"{path.name}: {module}"
+        for path in sorted(core.rglob("*.py"))
+        for module in sorted(imported_modules(path, REPO / "pcr_sglang"))
+        if module.startswith("pcr_sglang.") and not module.startswith("pcr_sglang.core")
+    ]
     assert outside == []
 
 
-SCHEDULER_COLLABORATORS = ("admission", "executor", "hints", "offloads", "remote_probes", "request_keys",
-                           "requests", "step_agreement")
+SCHEDULER_COLLABORATORS = (
+    "admission",
+    "executor",
+    "hints",
+    "offloads",
+    "remote_probes",
+    "request_keys",
+    "requests",
+    "step_agreement",
+)
 
 
 @pytest.mark.parametrize("name", SCHEDULER_COLLABORATORS)

@@ -103,8 +103,10 @@ def run_two_ranks(tmp_path, monkeypatch, faults: str, body):
 
     monkeypatch.setenv("PCR_IO_TEST_FAULTS", faults)
     ranks = TwoRanks()
-    h0, h1 = on_both(lambda: Harness(host_slots=6, ssd_path=tmp_path / "r0", tp=ranks.group(0), tp_rank=0),
-                     lambda: Harness(host_slots=6, ssd_path=tmp_path / "r1", tp=ranks.group(1), tp_rank=1))
+    h0, h1 = on_both(
+        lambda: Harness(host_slots=6, ssd_path=tmp_path / "r0", tp=ranks.group(0), tp_rank=0),
+        lambda: Harness(host_slots=6, ssd_path=tmp_path / "r1", tp=ranks.group(1), tp_rank=1),
+    )
     try:
         return on_both(lambda: body(h0), lambda: body(h1))
     finally:
@@ -137,13 +139,15 @@ def read_first_prompt(h, prefill_tokens_per_second=None):
 
 # (rank 1's delay per read, prefill tokens/s: 12 tokens to recompute take 12 s or 1 ms)
 @pytest.mark.parametrize("delay_s,speed,loaded", [(0.05, 1.0, 12), (0.5, 10_000.0, 0)])
-def test_ranks_whose_reads_land_at_different_times_decide_the_same_prefix(tmp_path, monkeypatch, delay_s, speed,
-                                                                          loaded):
+def test_ranks_whose_reads_land_at_different_times_decide_the_same_prefix(
+    tmp_path, monkeypatch, delay_s, speed, loaded
+):
     """Rank 1's reads arrive late. Within the request's wait both ranks load all three
     chunks; past it both recompute, although rank 0's own reads had landed: a completion
     counts on a rank only once every rank has it."""
-    r0, r1 = run_two_ranks(tmp_path, monkeypatch, f'{{"tp_ranks": [1], "read_delay_s": {delay_s}}}',
-                           lambda h: read_first_prompt(h, speed))
+    r0, r1 = run_two_ranks(
+        tmp_path, monkeypatch, f'{{"tp_ranks": [1], "read_delay_s": {delay_s}}}', lambda h: read_first_prompt(h, speed)
+    )
     held0, admitted0, finished0, _, rounds0 = r0
     held1, admitted1, finished1, _, rounds1 = r1
     assert held0 == held1 and sum(held0) >= 1  # held back the same passes on both
@@ -224,9 +228,17 @@ def test_a_kv_hint_lives_by_the_clock_the_ranks_agree_on(tmp_path):
             h.scheduler.kv_hints.add(h.request(prompt(200) + [0], "later"), HintPayload(ttl_s=5.0))
             clock[0] += 6.0
             h.step()
-            return (registered, live, issued, admitted, h.state.ssd_stats.hint_in_time, len(h.scheduler.hints),
-                    h.scheduler.hints.stats.expired, h.scheduler.agreement.broken,
-                    h.scheduler.agreement.digest_mismatches)
+            return (
+                registered,
+                live,
+                issued,
+                admitted,
+                h.state.ssd_stats.hint_in_time,
+                len(h.scheduler.hints),
+                h.scheduler.hints.stats.expired,
+                h.scheduler.agreement.broken,
+                h.scheduler.agreement.digest_mismatches,
+            )
         finally:
             h.close()
 

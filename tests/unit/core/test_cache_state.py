@@ -164,8 +164,14 @@ def test_a_read_fills_a_slot_and_lands_or_drops_the_record():
     assert d.state.slots.counts()["filling"] == 3 and d.state.reads_in_flight == 3
     reads = [o for o in d.orders if isinstance(o, ReadChunk)]
     done = Effects()
-    d.state.apply_outcomes([(reads[0].seq, IoOutcome.OK, 0.001), (reads[1].seq, IoOutcome.BAD, 0.001),
-                            (reads[2].seq, IoOutcome.CANCELLED, 0.001)], done)
+    d.state.apply_outcomes(
+        [
+            (reads[0].seq, IoOutcome.OK, 0.001),
+            (reads[1].seq, IoOutcome.BAD, 0.001),
+            (reads[2].seq, IoOutcome.CANCELLED, 0.001),
+        ],
+        done,
+    )
     d.orders = [o for o in d.orders if o not in reads]
     d.run(done)
     first, second, third = match.nodes
@@ -213,8 +219,9 @@ def test_ranks_restoring_the_same_records_in_any_order_evict_the_same_chunks():
     from pcr_sglang.core import PersistedChunk
 
     chains = [keys(list(range(s, s + 2 * CHUNK))) for s in range(0, 80, 8)]  # ten chains of two
-    records = [PersistedChunk(k, bytes(16) if i == 0 else chain[i - 1], i + 1)
-               for chain in chains for i, k in enumerate(chain)]
+    records = [
+        PersistedChunk(k, bytes(16) if i == 0 else chain[i - 1], i + 1) for chain in chains for i, k in enumerate(chain)
+    ]
     survivors, victims = [], []
     for order in (records, list(reversed(records)), records[1::2] + records[::2]):
         state = CacheState(CacheStateConfig(chunk_size=CHUNK, host_slots=4, ssd_capacity_chunks=12))

@@ -79,9 +79,12 @@ def test_host_eviction_that_strands_descendants_releases_their_slots_and_records
     tree.evict_host(1, is_protected=lambda node: node is not c)
     tree.set_host(g, 7)  # G read back from SSD (a prefetch), C still SSD only
     freed_hosts, dropped_records = [], []
-    assert tree.evict_host(1, is_protected=lambda node: node is not n,
-                           on_drop_host=lambda node: freed_hosts.append(node.host_slot),
-                           on_drop_ssd=dropped_records.append) == [n]
+    assert tree.evict_host(
+        1,
+        is_protected=lambda node: node is not n,
+        on_drop_host=lambda node: freed_hosts.append(node.host_slot),
+        on_drop_ssd=dropped_records.append,
+    ) == [n]
     assert freed_hosts == [7] and dropped_records == [g, c]
     assert tree.num_chunks == 0 and tree.host_chunks == 0 and tree.ssd_chunks == 0
     tree.check_invariants()

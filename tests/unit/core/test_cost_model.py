@@ -52,4 +52,3 @@ def test_remote_reads_are_weighed_apart_from_local_ones():
     assert model.prefers_load(64) and not model.prefers_remote_load(64)
     assert [model.decide_remote(64) for _ in range(8)].count(True) == 2
     assert model.decisions_to_recompute == 0  # the local verdict's probing is its own
-

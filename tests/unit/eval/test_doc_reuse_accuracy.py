@@ -69,8 +69,14 @@ def test_parse_modes():
     assert specs[3].custom_params() == {"pcr_doc_reuse": "blend", "pcr_doc_recompute_ratio": 0.3}
     assert specs[2].custom_params() == {"pcr_doc_reuse": "blend"}  # the server's R
     assert server_mode(specs) == "blend" and server_mode(parse_modes("concat")) == "concat"
-    for bad, message in [("bogus", "unknown mode 'bogus'"), (" , ", "at least one"), ("concat:3", "no :value"),
-                         ("lego:x", "integer K"), ("lego:-1", "K must be >= 0"), ("blend:1.5", "R must be in")]:
+    for bad, message in [
+        ("bogus", "unknown mode 'bogus'"),
+        (" , ", "at least one"),
+        ("concat:3", "no :value"),
+        ("lego:x", "integer K"),
+        ("lego:-1", "K must be >= 0"),
+        ("blend:1.5", "R must be in"),
+    ]:
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             parse_modes(bad)
 
@@ -96,8 +102,12 @@ def _row(identical: bool, f1: float, nll: float, first: bool, reused: bool = Tru
 
 
 def test_summarize_and_table():
-    rows = [_row(True, 1.0, 1.0, True), _row(False, 0.5, 2.0, True, reused=False), _row(False, 0.0, 3.0, False),
-            {"error": "HTTPError: 500"}]
+    rows = [
+        _row(True, 1.0, 1.0, True),
+        _row(False, 0.5, 2.0, True, reused=False),
+        _row(False, 0.0, 3.0, False),
+        {"error": "HTTPError: 500"},
+    ]
     s = summarize(rows, reference_nll=1.0)
     assert s["requests"] == 3 and s["errors"] == 1
     assert s["identical_answers"] == pytest.approx(1 / 3)
@@ -107,12 +117,21 @@ def test_summarize_and_table():
     assert s["first_token_agreement"] == pytest.approx(2 / 3)
     control = summarize([_row(True, 1.0, 1.0, True)], reference_nll=1.0, docs_reused=False)
     assert control["all_docs_reused"] is None and control["nll_ratio"] == 1.0
-    full = {"requests": 3, "errors": 0, "all_docs_reused": None, "identical_answers": 1.0, "mean_f1": 1.0,
-            "nll": 1.0, "nll_ratio": 1.0, "first_token_agreement": 1.0}
+    full = {
+        "requests": 3,
+        "errors": 0,
+        "all_docs_reused": None,
+        "identical_answers": 1.0,
+        "mean_f1": 1.0,
+        "nll": 1.0,
+        "nll_ratio": 1.0,
+        "first_token_agreement": 1.0,
+    }
     table = markdown_table({FULL: full, EXACT: control, "concat": s})
     lines = table.splitlines()
-    assert lines[0].startswith("| mode | requests | all docs reused | reordered | identical answers | mean F1 | NLL "
-                               "| NLL / full")
+    assert lines[0].startswith(
+        "| mode | requests | all docs reused | reordered | identical answers | mean F1 | NLL | NLL / full"
+    )
     assert lines[4] == "| concat | 3 | 67% | n/a | 33% | 0.500 | 2.000 | 2.00 | 67% |"  # reordered: reorder's only
     assert "| n/a |" in lines[3]  # the control reuses no documents
     targets = "\n".join(target_lines({FULL: full, EXACT: control, "concat": s}))
@@ -130,8 +149,10 @@ def test_each_mode_reads_only_what_it_cached_and_its_warm_up_warms_every_documen
     mode, the next mode's measured request hit that exact prefix (seen: 105 of 120
     measured requests answered from it, scored as perfect reuse)."""
     prompt = Prompt(0, "r0", "Why?", ["d1", "d2"], list(range(40)), [3, 13, 13, 30])
-    bodies = [mode_request(prompt, spec, **{"temperature": 0.0, "max_new_tokens": 1})
-              for spec in (ModeSpec("blend", 0.7), ModeSpec("blend", 0.85), ModeSpec("lego", 256))]
+    bodies = [
+        mode_request(prompt, spec, **{"temperature": 0.0, "max_new_tokens": 1})
+        for spec in (ModeSpec("blend", 0.7), ModeSpec("blend", 0.85), ModeSpec("lego", 256))
+    ]
     assert len({b["extra_key"] for b in bodies}) == 3
     assert all(b["sampling_params"]["custom_params"]["pcr_doc_bounds"] == [3, 13, 13, 30] for b in bodies)
     assert "extra_key" not in mode_request(prompt, None)  # the control: plain prefix caching
@@ -149,10 +170,13 @@ class _RecordingServer:
 
     def generate(self, body):
         self.bodies.append(body)
-        tail = body["input_ids"][body.get("logprob_start_len", len(body["input_ids"])):]
+        tail = body["input_ids"][body.get("logprob_start_len", len(body["input_ids"])) :]
         logprobs = [[None if i == 0 else -1.0, t, None] for i, t in enumerate(tail)]
-        return {"output_ids": [7, 8], "text": "a b",
-                "meta_info": {"cached_tokens": 0, "input_token_logprobs": logprobs}}
+        return {
+            "output_ids": [7, 8],
+            "text": "a b",
+            "meta_info": {"cached_tokens": 0, "input_token_logprobs": logprobs},
+        }
 
 
 def test_every_request_of_a_mode_measurement_carries_the_modes_key():

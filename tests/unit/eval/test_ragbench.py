@@ -139,14 +139,33 @@ def test_workload_params_are_validated():
 
 # ---------------------------------------------------------------------------- runner
 def test_server_configs_share_budgets():
-    budgets = Budgets(device_pool_tokens=1000, oracle_pool_tokens=90000, host_gb=0.5, ssd_gb=2.0,
-                      context_length=900, kv_bytes_per_token=2**16, chunk_size=16, page_size=16)
+    budgets = Budgets(
+        device_pool_tokens=1000,
+        oracle_pool_tokens=90000,
+        host_gb=0.5,
+        ssd_gb=2.0,
+        context_length=900,
+        kv_bytes_per_token=2**16,
+        chunk_size=16,
+        page_size=16,
+    )
     from pathlib import Path
 
     storage = Path("/nonexistent-store")
-    configs = {n: server_config(n, budgets, storage) for n in
-               ("radix", "hicache", "oracle", "pcr", "pcr-layerwise", "pcr-prefetch", "pcr-lookahead", "pcr-device",
-                "pcr-blend-cal-idle")}
+    configs = {
+        n: server_config(n, budgets, storage)
+        for n in (
+            "radix",
+            "hicache",
+            "oracle",
+            "pcr",
+            "pcr-layerwise",
+            "pcr-prefetch",
+            "pcr-lookahead",
+            "pcr-device",
+            "pcr-blend-cal-idle",
+        )
+    }
 
     def flag(config, name):
         return config.args[config.args.index(name) + 1]
@@ -173,15 +192,29 @@ def test_cached_tokens_are_split_by_tier():
     assert _cached_by_tier({"cached_tokens": 0}) == {}
     assert _cached_by_tier({"cached_tokens": 48}) == {"device": 48}
     assert _cached_by_tier({"cached_tokens": 64, "cached_tokens_details": {"host": 16, "storage": 32}}) == {
-        "device": 16, "host": 16, "storage": 32}
+        "device": 16,
+        "host": 16,
+        "storage": 32,
+    }
 
 
 # ---------------------------------------------------------------------------- report
 def _record(rid: str, ttft: float, cached: int, output: list[int], tiers=None, input_ids=(), sent=0.0) -> RequestRecord:
-    return RequestRecord(rid=rid, session=rid, turn=0, scheduled_s=0.0, sent_s=sent, ttft_s=ttft, e2e_s=ttft + 0.5,
-                         itl_s=0.1, prompt_tokens=100, cached_tokens=cached,
-                         cached_by_tier=tiers or ({"device": cached} if cached else {}), output_ids=output,
-                         input_ids=list(input_ids))
+    return RequestRecord(
+        rid=rid,
+        session=rid,
+        turn=0,
+        scheduled_s=0.0,
+        sent_s=sent,
+        ttft_s=ttft,
+        e2e_s=ttft + 0.5,
+        itl_s=0.1,
+        prompt_tokens=100,
+        cached_tokens=cached,
+        cached_by_tier=tiers or ({"device": cached} if cached else {}),
+        output_ids=output,
+        input_ids=list(input_ids),
+    )
 
 
 def test_reuse_potential_counts_longest_earlier_prefix_in_send_order():
@@ -195,8 +228,17 @@ def test_reuse_potential_counts_longest_earlier_prefix_in_send_order():
 
 def _run(config: str, ttfts: list[float], cached: int, outputs: list[list[int]], rate: float = 2.0) -> RunResult:
     records = [_record(f"r{i}", t, cached, o) for i, (t, o) in enumerate(zip(ttfts, outputs))]
-    return RunResult(config=config, rate=rate, label="headline", pool_fraction=0.05, records=records,
-                     makespan_s=10.0, startup_s=5.0, queue_depth_mean=4.5, queue_depth_max=9)
+    return RunResult(
+        config=config,
+        rate=rate,
+        label="headline",
+        pool_fraction=0.05,
+        records=records,
+        makespan_s=10.0,
+        startup_s=5.0,
+        queue_depth_mean=4.5,
+        queue_depth_max=9,
+    )
 
 
 def test_percentile_interpolates():
@@ -208,8 +250,12 @@ def test_percentile_interpolates():
 
 def test_report_ratios_and_outputs_check(tmp_path):
     outputs = [[1, 2], [3, 4]]
-    runs = [_run("oracle", [0.1, 0.1], 80, outputs), _run("radix", [0.4, 0.8], 40, outputs),
-            _run("hicache", [0.3, 0.6], 60, outputs), _run("pcr", [0.1, 0.2], 78, outputs)]
+    runs = [
+        _run("oracle", [0.1, 0.1], 80, outputs),
+        _run("radix", [0.4, 0.8], 40, outputs),
+        _run("hicache", [0.3, 0.6], 60, outputs),
+        _run("pcr", [0.1, 0.2], 78, outputs),
+    ]
     report = build_report(runs, {"date": "2026-11-29", "headline_label": "headline"})
     assert report["outputs_identical"] is True
     (headline,) = report["headline"]
@@ -218,8 +264,13 @@ def test_report_ratios_and_outputs_check(tmp_path):
     pcr = next(s for s in report["runs"] if s["config"] == "pcr")
     assert pcr["hit_ratio"] == pytest.approx(0.78) and pcr["throughput_rps"] == pytest.approx(0.2)
     paths = write_report(report, tmp_path)
-    assert {p.name for p in paths} == {"report.json", "report.md", "ttft_vs_rate.png", "ttft_percentiles.png",
-                                      "hit_ratio_by_tier.png"}
+    assert {p.name for p in paths} == {
+        "report.json",
+        "report.md",
+        "ttft_vs_rate.png",
+        "ttft_percentiles.png",
+        "hit_ratio_by_tier.png",
+    }
     assert all(p.stat().st_size > 0 for p in paths)
     assert "every configuration's greedy outputs match" in (tmp_path / "report.md").read_text()
 

@@ -40,23 +40,44 @@ def test_a_prompt_with_one_document_is_not_shuffled():
 
 def test_agreement_is_token_f1_over_decoded_answers_and_the_identical_share():
     decode = {(1, 2): "Paris France", (1, 3): "Paris", (4,): "Berlin"}.__getitem__
-    out = agreement({"a": [1, 2], "b": [1, 3], "c": [4]}, {"a": [1, 2], "b": [1, 2], "c": [1, 3]},
-                    lambda ids: decode(tuple(ids)))
+    out = agreement(
+        {"a": [1, 2], "b": [1, 3], "c": [4]}, {"a": [1, 2], "b": [1, 2], "c": [1, 3]}, lambda ids: decode(tuple(ids))
+    )
     # a: identical (1.0); b: "paris" vs "paris france" (2/3); c: nothing shared (0).
     assert out["f1"] == pytest.approx((1 + 2 / 3 + 0) / 3)
     assert out["identical"] == pytest.approx(1 / 3) and out["requests"] == 3
 
 
 def _record(rid: str, ttft: float, cached: int, output: list[int], error: str | None = None) -> RequestRecord:
-    return RequestRecord(rid=rid, session=rid, turn=0, scheduled_s=0.0, sent_s=0.0, ttft_s=ttft, e2e_s=2 * ttft,
-                         itl_s=None, prompt_tokens=100, cached_tokens=cached, cached_by_tier={},
-                         output_ids=output, error=error)
+    return RequestRecord(
+        rid=rid,
+        session=rid,
+        turn=0,
+        scheduled_s=0.0,
+        sent_s=0.0,
+        ttft_s=ttft,
+        e2e_s=2 * ttft,
+        itl_s=None,
+        prompt_tokens=100,
+        cached_tokens=cached,
+        cached_by_tier={},
+        output_ids=output,
+        error=error,
+    )
 
 
 def test_a_rows_figures_leave_failed_requests_out_and_count_them():
-    run = RunResult("pcr-blend-cal", 0.5, "load-0.6", 0.1,
-                    [_record("a", 0.1, 80, [1]), _record("b", 0.3, 60, [2]), _record("c", float("nan"), 0, [], "x")],
-                    makespan_s=10.0, startup_s=0.0, queue_depth_mean=0.0, queue_depth_max=0.0)
+    run = RunResult(
+        "pcr-blend-cal",
+        0.5,
+        "load-0.6",
+        0.1,
+        [_record("a", 0.1, 80, [1]), _record("b", 0.3, 60, [2]), _record("c", float("nan"), 0, [], "x")],
+        makespan_s=10.0,
+        startup_s=0.0,
+        queue_depth_mean=0.0,
+        queue_depth_max=0.0,
+    )
     run.server_state = {"doc_reuse": {"counters": {"canonical_requests": 2}}}
     row = run_row(run, 0.6, Reference({"a": [1], "b": [3], "c": [1]}, {}), lambda ids: str(ids))
     assert row["doc_reuse_counters"] == {"canonical_requests": 2}
@@ -71,8 +92,14 @@ def _row(config, load, mean, p99, f1=0.8):
 
 
 def test_the_targets_hold_document_reuse_to_hicache_the_noise_floor_and_radix():
-    rows = [_row("radix", 0.6, 500, 900), _row("hicache", 0.6, 400, 1000), _row("pcr-blend-cal", 0.6, 150, 600),
-            _row("pcr-blend-cal-pre", 0.6, 100, 400, f1=0.5), _row("pcr", 0.3, 300, 500), _row("radix", 0.3, 250, 400)]
+    rows = [
+        _row("radix", 0.6, 500, 900),
+        _row("hicache", 0.6, 400, 1000),
+        _row("pcr-blend-cal", 0.6, 150, 600),
+        _row("pcr-blend-cal-pre", 0.6, 100, 400, f1=0.5),
+        _row("pcr", 0.3, 300, 500),
+        _row("radix", 0.3, 250, 400),
+    ]
     checks = {c["what"]: c for c in check_targets(rows, noise_floor_f1=0.6)}
     p99 = checks["pcr-blend-cal at 60% load: HiCache's P99 TTFT / its own"]
     assert p99["value"] == pytest.approx(1000 / 600) and p99["met"] is False
@@ -87,11 +114,24 @@ def test_the_targets_hold_document_reuse_to_hicache_the_noise_floor_and_radix():
 
 def test_the_anatomy_fits_ttft_to_uncached_tokens_and_finds_the_slowest_requests_wait():
     """TTFT = 50 ms + 1 ms per uncached token, except one request that waited 300 ms more."""
-    records = [_record(rid, (50 + uncached + extra) / 1000, 100 - uncached, [1])
-               for rid, uncached, extra in (("a", 10, 0), ("b", 40, 0), ("c", 70, 0), ("d", 20, 300))]
-    run = RunResult("pcr", 0.4, "load-0.6", 0.1, records, makespan_s=10.0, startup_s=0.0, queue_depth_mean=1.5,
-                    queue_depth_max=3.0, server_state={"scheduler_step": {"pcr": {"p50_ms": 0.5, "p99_ms": 2.0},
-                                                                          "iteration": {"p50_ms": 40, "p99_ms": 90}}})
+    records = [
+        _record(rid, (50 + uncached + extra) / 1000, 100 - uncached, [1])
+        for rid, uncached, extra in (("a", 10, 0), ("b", 40, 0), ("c", 70, 0), ("d", 20, 300))
+    ]
+    run = RunResult(
+        "pcr",
+        0.4,
+        "load-0.6",
+        0.1,
+        records,
+        makespan_s=10.0,
+        startup_s=0.0,
+        queue_depth_mean=1.5,
+        queue_depth_max=3.0,
+        server_state={
+            "scheduler_step": {"pcr": {"p50_ms": 0.5, "p99_ms": 2.0}, "iteration": {"p50_ms": 40, "p99_ms": 90}}
+        },
+    )
     row = anatomy(run, 0.6)
     assert row["slowest_uncached"] == 20 and row["slowest_ttft_ms"] == pytest.approx(370)
     assert row["ms_per_uncached_token"] == pytest.approx(1.0) and row["intercept_ms"] == pytest.approx(50)
@@ -105,27 +145,59 @@ def _run_dir(tmp_path, name, rows, noise_f1=0.6, failed=()):
 
     d = tmp_path / name
     d.mkdir()
-    meta = {"date": "2026-12-07", "command": f"python -m bench.ragbench headline ({name})", "commit": name,
-            "machine": "m", "elapsed_s": 60.0, "model": "tuned", "trace": "t", "pool_tokens": 100,
-            "working_set_over_pool": 2.0, "host_gb": 0.1, "ssd_gb": 1.0, "capacity_rps": 0.4, "capacity_requests": 12,
-            "capacity_makespan_s": 30.0, "rates": {str(r["load"]): r["rate"] for r in rows},
-            "capacity_measured": False, "failed_runs": list(failed)}
-    (d / "headline.json").write_text(json.dumps({"meta": meta, "rows": rows, "anatomy": [],
-                                                 "noise_floor": {"f1": noise_f1, "identical": 0.3}}))
+    meta = {
+        "date": "2026-12-07",
+        "command": f"python -m bench.ragbench headline ({name})",
+        "commit": name,
+        "machine": "m",
+        "elapsed_s": 60.0,
+        "model": "tuned",
+        "trace": "t",
+        "pool_tokens": 100,
+        "working_set_over_pool": 2.0,
+        "host_gb": 0.1,
+        "ssd_gb": 1.0,
+        "capacity_rps": 0.4,
+        "capacity_requests": 12,
+        "capacity_makespan_s": 30.0,
+        "rates": {str(r["load"]): r["rate"] for r in rows},
+        "capacity_measured": False,
+        "failed_runs": list(failed),
+    }
+    (d / "headline.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "anatomy": [], "noise_floor": {"f1": noise_f1, "identical": 0.3}})
+    )
     return d
 
 
 def _full_row(config, load, mean, p99):
-    return {"config": config, "load": load, "rate": load * 0.4, "requests": 12, "failed": 0, "ttft_median_ms": mean,
-            "ttft_p99_ms": p99, "ttft_mean_ms": mean, "e2e_p99_ms": 2 * p99, "reused_tokens": 10,
-            "prompt_tokens": 100, "reused_share": 0.1, "f1_vs_full": 1.0, "identical_to_full": 1.0}
+    return {
+        "config": config,
+        "load": load,
+        "rate": load * 0.4,
+        "requests": 12,
+        "failed": 0,
+        "ttft_median_ms": mean,
+        "ttft_p99_ms": p99,
+        "ttft_mean_ms": mean,
+        "e2e_p99_ms": 2 * p99,
+        "reused_tokens": 10,
+        "prompt_tokens": 100,
+        "reused_share": 0.1,
+        "f1_vs_full": 1.0,
+        "identical_to_full": 1.0,
+    }
 
 
 def test_merged_runs_make_one_report_a_later_row_replacing_an_earlier_one(tmp_path):
     from pcr_eval.ragbench.headline import merge
 
-    first = _run_dir(tmp_path, "a", [_full_row("radix", 0.6, 500, 900), _full_row("pcr-blend-cal-pre", 0.6, 300, 500)],
-                     failed=["hicache@60%: no memory"])
+    first = _run_dir(
+        tmp_path,
+        "a",
+        [_full_row("radix", 0.6, 500, 900), _full_row("pcr-blend-cal-pre", 0.6, 300, 500)],
+        failed=["hicache@60%: no memory"],
+    )
     second = _run_dir(tmp_path, "b", [_full_row("hicache", 0.6, 700, 1200), _full_row("radix", 0.6, 520, 950)])
     assert merge([first, second], tmp_path / "out") == 0
     text = (tmp_path / "out" / "headline.md").read_text()
@@ -160,8 +232,10 @@ def test_saturate_sends_every_first_turn_and_a_failed_one_raises_with_its_label(
     from pcr_eval.ragbench.operating_points import saturate
     from pcr_eval.ragbench.workload import WorkloadParams, make_trace
 
-    trace = make_trace(WorkloadParams(source="synthetic", num_requests=3, corpus_docs=10, seed=1),
-                       count_tokens=lambda text: len(text.split()))
+    trace = make_trace(
+        WorkloadParams(source="synthetic", num_requests=3, corpus_docs=10, seed=1),
+        count_tokens=lambda text: len(text.split()),
+    )
     ids = {r.rid: [i + 1, 0, 0] for i, r in enumerate(trace.first_turns())}
     model = SimpleNamespace(prompt=lambda t, r, a: (ids[r.rid], []), decode=str)
     capacity, records = saturate(_SaturatedServer(), model, trace, "capacity run")

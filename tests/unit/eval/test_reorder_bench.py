@@ -53,7 +53,7 @@ def test_the_warm_up_sets_the_shuffled_order_and_the_measured_prompt_is_served_a
     p = gold("ABC", "CAB")
     warm = warm_request(p, ModeSpec("reorder"), "ns")
     ids, bounds = warm["input_ids"], warm["sampling_params"]["custom_params"][DOC_BOUNDS_PARAM]
-    assert ids == p.shuffled_ids[:p.shuffled_bounds[-1]]  # the documents, no question
+    assert ids == p.shuffled_ids[: p.shuffled_bounds[-1]]  # the documents, no question
     assert warm["sampling_params"]["custom_params"][DOC_MODE_PARAM] == "reorder" and warm["extra_key"] == "ns"
     # Replayed through the server's own order store: the measured request becomes the shuffled prompt.
     store = OrderStore()
@@ -64,8 +64,9 @@ def test_the_warm_up_sets_the_shuffled_order_and_the_measured_prompt_is_served_a
 
     assert warm_request(p, ModeSpec("concat"), "ns")["sampling_params"]["custom_params"][WARM_NOW_PARAM] is True
     with pytest.raises(ValueError, match="shuffled bounds"):
-        warm_request(GoldPrompt(0, "q", None, p.input_ids, p.doc_bounds, p.shuffled_ids, [7]), ModeSpec("reorder"),
-                     "ns")
+        warm_request(
+            GoldPrompt(0, "q", None, p.input_ids, p.doc_bounds, p.shuffled_ids, [7]), ModeSpec("reorder"), "ns"
+        )
 
 
 def test_reorder_reuses_all_documents_when_its_exact_hit_reaches_their_last_whole_chunk():
@@ -123,8 +124,9 @@ class _Server:
         key, ids = body["extra_key"], body["input_ids"]
         hit = any((key, tuple(ids[:n])) in self.prefixes for n in range(1, len(ids)))
         cached = self.cached if marked or hit else 0
-        return StreamedResponse(ttft_s=ids[0] / 1000, latency_s=ids[0] / 1000, final={"meta_info": {
-            "cached_tokens": cached}})
+        return StreamedResponse(
+            ttft_s=ids[0] / 1000, latency_s=ids[0] / 1000, final={"meta_info": {"cached_tokens": cached}}
+        )
 
 
 def test_the_ttft_benchmark_measures_reorder_beside_an_exact_hit_of_the_same_length():
@@ -135,10 +137,13 @@ def test_the_ttft_benchmark_measures_reorder_beside_an_exact_hit_of_the_same_len
     medians, errors, not_reused = measure_start(server, [], [prompt], [ModeSpec("reorder")], chunk_size=4)
     assert set(medians) == {FULL, "reorder", EXACT_HIT} and not any(errors.values())
     assert not any(not_reused.values())
-    warm = next(b for b in server.sent if b["sampling_params"].get("custom_params", {}).get(DOC_MODE_PARAM)
-                == "reorder" and b["input_ids"] != ids)
-    assert warm["input_ids"] == shuffled_ids[:shuffled_bounds[-1]]
-    exact_warm = [b for b in server.sent if b["input_ids"] == ids[:bounds[-1]]]
+    warm = next(
+        b
+        for b in server.sent
+        if b["sampling_params"].get("custom_params", {}).get(DOC_MODE_PARAM) == "reorder" and b["input_ids"] != ids
+    )
+    assert warm["input_ids"] == shuffled_ids[: shuffled_bounds[-1]]
+    exact_warm = [b for b in server.sent if b["input_ids"] == ids[: bounds[-1]]]
     assert len(exact_warm) == 1 and "custom_params" not in exact_warm[0]["sampling_params"]
     _, _, short = measure_start(_Server(cached=8), [], [prompt], [ModeSpec("reorder")], chunk_size=4)
     assert short == {FULL: 0, "reorder": 1, EXACT_HIT: 1}  # 8 cached: the last chunk of the documents missed
@@ -151,8 +156,10 @@ def test_the_accuracy_report_holds_reorder_to_the_noise_floor_on_every_model():
     from pcr_eval.questions_report import FULL as QUESTIONS_FULL
     from pcr_eval.questions_report import target_lines
 
-    summaries = {"base": {QUESTIONS_FULL: {"noise_floor_f1": {"mean": 0.6}}, "reorder": {"f1": {"mean": 0.6}}},
-                 "tuned": {QUESTIONS_FULL: {"noise_floor_f1": {"mean": 0.7}}, "reorder": {"f1": {"mean": 0.65}}}}
+    summaries = {
+        "base": {QUESTIONS_FULL: {"noise_floor_f1": {"mean": 0.6}}, "reorder": {"f1": {"mean": 0.6}}},
+        "tuned": {QUESTIONS_FULL: {"noise_floor_f1": {"mean": 0.7}}, "reorder": {"f1": {"mean": 0.65}}},
+    }
     lines = target_lines({"base": summaries["base"]}, "blend")
     assert "base, reorder" in lines[0] and lines[0].endswith("0.600 vs 0.600 -> met")
     assert lines[-1].startswith("targets: need both")
@@ -169,10 +176,13 @@ class _TraceServer:
 
     def generate(self, body):
         self.bodies.append(body)
-        tail = body["input_ids"][body.get("logprob_start_len", len(body["input_ids"])):]
+        tail = body["input_ids"][body.get("logprob_start_len", len(body["input_ids"])) :]
         logprobs = [[None if i == 0 else -1.0, t, None] for i, t in enumerate(tail)]
-        return {"output_ids": [7, 8], "text": "a b", "meta_info": {
-            "cached_tokens": self.cached, "input_token_logprobs": logprobs, "pcr_doc_order": self.served}}
+        return {
+            "output_ids": [7, 8],
+            "text": "a b",
+            "meta_info": {"cached_tokens": self.cached, "input_token_logprobs": logprobs, "pcr_doc_order": self.served},
+        }
 
 
 def test_the_trace_workload_sends_reorder_unwarmed_and_records_the_order_served():
@@ -181,11 +191,17 @@ def test_the_trace_workload_sends_reorder_unwarmed_and_records_the_order_served(
 
     prompt = Prompt(0, "r0", "Why?", ["d1", "d2"], list(range(40)), [3, 13, 13, 30])
     server = _TraceServer(cached=16, served=[1, 0])
-    row = measure_mode(server, prompt, {"answer_ids": [7, 8]}, 2, ModeSpec("reorder"), lambda ids: "a b",
-                       chunk_size=16)
+    row = measure_mode(server, prompt, {"answer_ids": [7, 8]}, 2, ModeSpec("reorder"), lambda ids: "a b", chunk_size=16)
     assert len(server.bodies) == 2 and row["warm_cached_tokens"] is None  # measured, teacher-forced: no warm-up
     assert row["served_order"] == [1, 0] and row["reordered"] and row["all_docs_reused"]  # 16: the last whole chunk
-    short = measure_mode(_TraceServer(cached=0, served=[0, 1]), prompt, {"answer_ids": [7, 8]}, 2,
-                         ModeSpec("reorder"), lambda ids: "a b", chunk_size=16)
+    short = measure_mode(
+        _TraceServer(cached=0, served=[0, 1]),
+        prompt,
+        {"answer_ids": [7, 8]},
+        2,
+        ModeSpec("reorder"),
+        lambda ids: "a b",
+        chunk_size=16,
+    )
     assert not short["reordered"] and not short["all_docs_reused"]
     assert summarize([row, short], reference_nll=1.0)["reordered"] == 0.5

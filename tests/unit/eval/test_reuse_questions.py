@@ -42,11 +42,36 @@ def _prompt(kind: str, index: int) -> GoldPrompt:
 
 def test_summaries_and_tables():
     prompts = [_prompt("lead", 0), _prompt("needle", 1), _prompt("two_hop", 2)]
-    full = [{"answer_ids": [1], "answer": "x", "ttft_s": 0.2, "top": [], "nll": 1.0, "gold_nll": 2.0,
-             **gold_scores(p.kind, "gold answer", "gold"), "noise_f1": 0.5, "noise_identical": 0.0} for p in prompts]
-    mode = [{**f, "ttft_s": 0.1, "identical": 1.0, "f1": 0.8, "recomputed_tokens": 2, "all_docs_reused": True,
-             "nll": 1.5, "kl": 0.2, "top1": 0.9, "gold_nll": 4.0, "em": 0.0 if f["em"] is not None else None}
-            for f in full]
+    full = [
+        {
+            "answer_ids": [1],
+            "answer": "x",
+            "ttft_s": 0.2,
+            "top": [],
+            "nll": 1.0,
+            "gold_nll": 2.0,
+            **gold_scores(p.kind, "gold answer", "gold"),
+            "noise_f1": 0.5,
+            "noise_identical": 0.0,
+        }
+        for p in prompts
+    ]
+    mode = [
+        {
+            **f,
+            "ttft_s": 0.1,
+            "identical": 1.0,
+            "f1": 0.8,
+            "recomputed_tokens": 2,
+            "all_docs_reused": True,
+            "nll": 1.5,
+            "kl": 0.2,
+            "top1": 0.9,
+            "gold_nll": 4.0,
+            "em": 0.0 if f["em"] is not None else None,
+        }
+        for f in full
+    ]
     s = summarize_mode(mode, prompts, full, full, seed=0)
     assert s["em_needle"]["mean"] == 0.0 and s["em_needle_pct_of_base_full"]["mean"] == 0.0
     assert s["lead_f1_pct_of_base_full"]["mean"] == pytest.approx(1.0)

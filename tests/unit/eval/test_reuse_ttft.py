@@ -31,10 +31,12 @@ def test_models_alternate_between_rounds():
 
 def _starts():
     # Round 0: tuned 10% slower in full prefill; round 1: 10% faster; concat equal in both.
-    return [StartResult("base", 0, "doc-reuse", 20.0, {FULL: 0.500, "concat": 0.200}),
-            StartResult("tuned", 0, "doc-reuse", 20.0, {FULL: 0.550, "concat": 0.200}),
-            StartResult("tuned", 1, "doc-reuse", 20.0, {FULL: 0.540, "concat": 0.250}),
-            StartResult("base", 1, "doc-reuse", 20.0, {FULL: 0.600, "concat": 0.250})]
+    return [
+        StartResult("base", 0, "doc-reuse", 20.0, {FULL: 0.500, "concat": 0.200}),
+        StartResult("tuned", 0, "doc-reuse", 20.0, {FULL: 0.550, "concat": 0.200}),
+        StartResult("tuned", 1, "doc-reuse", 20.0, {FULL: 0.540, "concat": 0.250}),
+        StartResult("base", 1, "doc-reuse", 20.0, {FULL: 0.600, "concat": 0.250}),
+    ]
 
 
 def test_ratios_pair_the_starts_of_one_round():
@@ -60,8 +62,9 @@ def test_a_round_missing_the_base_model_gives_no_ratio_and_shifts_none(missing):
     ratio is still its own (pairing the two models' lists in order would give 1.08 or 0.92)."""
     starts = [s for i, s in enumerate(_starts()) if i != missing]
     expected = [0.9] if missing == 0 else [1.1]
-    assert summarize(starts, ["base", "tuned"], [FULL])["ratio_to_base"]["tuned"][FULL]["per_round"] == \
-        pytest.approx(expected)
+    assert summarize(starts, ["base", "tuned"], [FULL])["ratio_to_base"]["tuned"][FULL]["per_round"] == pytest.approx(
+        expected
+    )
 
 
 def test_the_report_names_every_mode_and_the_ratio():
@@ -116,8 +119,9 @@ class _Server:
             cached = len(self.prefixes[body["extra_key"]])
         else:
             cached = 4 if first in self.cached_unmarked else 0
-        return StreamedResponse(ttft_s=first / 1000, latency_s=first / 1000, final={"meta_info": {
-            "cached_tokens": cached}})
+        return StreamedResponse(
+            ttft_s=first / 1000, latency_s=first / 1000, final={"meta_info": {"cached_tokens": cached}}
+        )
 
 
 def _prompts(firsts):
@@ -126,10 +130,14 @@ def _prompts(firsts):
 
 def test_warm_up_questions_are_sent_but_not_counted():
     server = _Server()
-    medians, errors, not_reused = measure_start(server, _prompts([900, 800]), _prompts([10, 20, 30]),
-                                                [ModeSpec("concat")])
-    assert medians == {FULL: pytest.approx(0.020), "concat": pytest.approx(0.020),
-                       EXACT_HIT: pytest.approx(0.020)}  # 900 and 800 left out
+    medians, errors, not_reused = measure_start(
+        server, _prompts([900, 800]), _prompts([10, 20, 30]), [ModeSpec("concat")]
+    )
+    assert medians == {
+        FULL: pytest.approx(0.020),
+        "concat": pytest.approx(0.020),
+        EXACT_HIT: pytest.approx(0.020),
+    }  # 900 and 800 left out
     assert len(server.streamed) == 3 * 5 and len(server.warmed) == 5  # every question, every mode, once
     assert errors == {FULL: 0, "concat": 0, EXACT_HIT: 0} and not_reused == {FULL: 0, "concat": 0, EXACT_HIT: 0}
     # Each request under a namespace of its own: nothing one caches is another's prefix.
@@ -168,8 +176,9 @@ def test_a_marked_request_warms_and_is_measured_under_one_namespace():
 def test_a_recomputing_mode_counts_its_recomputed_tokens_as_reused():
     """Documents [3, 6) re-placed: blend at R=0.5 recomputes 2 of its 3 tokens, so 4 cached
     tokens are all of them reused; for concat, 4 of 6 are not."""
-    _, _, not_reused = measure_start(_Server(cached_marked=4), [], _prompts([10]),
-                                     [ModeSpec("concat"), ModeSpec("blend", 0.5)])
+    _, _, not_reused = measure_start(
+        _Server(cached_marked=4), [], _prompts([10]), [ModeSpec("concat"), ModeSpec("blend", 0.5)]
+    )
     assert not_reused == {FULL: 0, "concat": 1, "blend:0.5": 0, EXACT_HIT: 0, recompute_bound_name("blend:0.5"): 0}
 
 

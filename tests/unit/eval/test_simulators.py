@@ -55,9 +55,29 @@ def test_fleet_sim_prices_remote_hits_by_the_link():
 
 def test_fleet_sim_writes_its_table_json_and_plot(tmp_path, capsys):
     out = tmp_path / "sim"
-    assert fleet_sim.main(["--docs", "500,2000", "--servers", "2,4", "--requests", "600", "--local-chunks", "100",
-                           "--shared-per-server", "100", "--policies", "round_robin,cache_aware",
-                           "--networks", "slow=1@50,fast=25@10", "--out", str(out)]) == 0
+    assert (
+        fleet_sim.main(
+            [
+                "--docs",
+                "500,2000",
+                "--servers",
+                "2,4",
+                "--requests",
+                "600",
+                "--local-chunks",
+                "100",
+                "--shared-per-server",
+                "100",
+                "--policies",
+                "round_robin,cache_aware",
+                "--networks",
+                "slow=1@50,fast=25@10",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert len(rows) == 2 * 2 * 2 * 2  # corpora x servers x policies x shared
     assert {tuple(r["ttft_ms"]) for r in rows} == {("slow", "fast")}
@@ -67,9 +87,17 @@ def test_fleet_sim_writes_its_table_json_and_plot(tmp_path, capsys):
 
 
 def test_fleet_sim_refuses_bad_options():
-    for bad in (["--networks", "fast=25"], ["--networks", "x=0@1"], ["--networks", "a=1@1,a=2@1"], ["--docs", "0"],
-                ["--servers", "two"], ["--policies", "nearest"], ["--requests", "0"], ["--prefill-tps", "0"],
-                ["--rate-per-server", "-1"]):
+    for bad in (
+        ["--networks", "fast=25"],
+        ["--networks", "x=0@1"],
+        ["--networks", "a=1@1,a=2@1"],
+        ["--docs", "0"],
+        ["--servers", "two"],
+        ["--policies", "nearest"],
+        ["--requests", "0"],
+        ["--prefill-tps", "0"],
+        ["--rate-per-server", "-1"],
+    ):
         with pytest.raises(SystemExit):
             fleet_sim.main(bad + ["--out", ""])
 

@@ -31,11 +31,24 @@ def supervisor(tmp_path, request):
         os.environ["PCR_IO_TEST_FAULTS"] = faults  # read by the I/O process at its start
     pool = HostChunkPool(LAYOUT, pin=False)
     store = ChunkFileStore(tmp_path / "store", bytes(16), LAYOUT, "float32", 1 << 20, low_watermark_bytes=0)
-    sup = IOSupervisor(IoProcessConfig(
-        store_root=str(store.root), namespace_hex=store.namespace.hex(), dtype="float32",
-        num_slots=LAYOUT.num_slots, num_layers=LAYOUT.num_layers, chunk_size=LAYOUT.chunk_size,
-        row_bytes=LAYOUT.row_bytes, reserve_bytes=0, shm_name=pool.info().shm_name, orders_endpoint="",
-        replies_endpoint="", parent_pid=0, read_threads=read_threads), stall_timeout_s=0.5)
+    sup = IOSupervisor(
+        IoProcessConfig(
+            store_root=str(store.root),
+            namespace_hex=store.namespace.hex(),
+            dtype="float32",
+            num_slots=LAYOUT.num_slots,
+            num_layers=LAYOUT.num_layers,
+            chunk_size=LAYOUT.chunk_size,
+            row_bytes=LAYOUT.row_bytes,
+            reserve_bytes=0,
+            shm_name=pool.info().shm_name,
+            orders_endpoint="",
+            replies_endpoint="",
+            parent_pid=0,
+            read_threads=read_threads,
+        ),
+        stall_timeout_s=0.5,
+    )
     assert sup.wait_ready(30)
     os.environ.pop("PCR_IO_TEST_FAULTS", None)
     yield sup, pool
@@ -206,10 +219,12 @@ def test_a_restart_keeps_the_orders_of_a_process_that_does_not_exit_until_it_has
     monkeypatch.setattr(old, "poll", lambda: None)  # SIGKILL has not taken effect yet
     monkeypatch.setattr(old, "wait", stuck_wait)
     sup.exit_wait_s = 0.1
-    new_store = ChunkFileStore(tmp_path / "new-store", bytes(15) + b"\x01", LAYOUT, "float32", 1 << 20,
-                               low_watermark_bytes=0)
-    config = msgspec.structs.replace(sup.config, store_root=str(new_store.root),
-                                     namespace_hex=new_store.namespace.hex())
+    new_store = ChunkFileStore(
+        tmp_path / "new-store", bytes(15) + b"\x01", LAYOUT, "float32", 1 << 20, low_watermark_bytes=0
+    )
+    config = msgspec.structs.replace(
+        sup.config, store_root=str(new_store.root), namespace_hex=new_store.namespace.hex()
+    )
     assert sup.restart(config) is False and sup.phase == "dying"
     for _ in range(20):  # killed, not gone: nothing is cancelled, nothing waits, no second process
         start = time.perf_counter()

@@ -43,8 +43,9 @@ def test_a_scheduler_that_takes_no_replies_never_blocks_the_main_loop(tmp_path):
     pull.setsockopt(zmq.RCVHWM, 1)
     pull.bind("inproc://replies")
     slots = [bytearray(LAYOUT.slot_bytes) for _ in range(LAYOUT.num_slots)]
-    thread = RemoteThread(store, ctx, "inproc://replies", lambda i: memoryview(slots[i]), RemoteFaults(fail=True),
-                          new_store=lambda: store)
+    thread = RemoteThread(
+        store, ctx, "inproc://replies", lambda i: memoryview(slots[i]), RemoteFaults(fail=True), new_store=lambda: store
+    )
     thread.start()
     orders = 20
     for seq in range(orders):

@@ -128,8 +128,14 @@ def test_a_hung_call_fails_its_orders_and_its_late_result_is_dropped(mooncake):
     HangingStore.release.clear()
     replies = Replies()
     slots = [bytearray(LAYOUT.slot_bytes) for _ in range(LAYOUT.num_slots)]
-    hung = RemoteThread(new_store(mooncake, HangingStore), replies.ctx, replies.endpoint,
-                        lambda i: memoryview(slots[i]), deadline_s=60.0, new_store=lambda: new_store(mooncake))
+    hung = RemoteThread(
+        new_store(mooncake, HangingStore),
+        replies.ctx,
+        replies.endpoint,
+        lambda i: memoryview(slots[i]),
+        deadline_s=60.0,
+        new_store=lambda: new_store(mooncake),
+    )
     hung.start()
     successor = None
     try:
@@ -187,12 +193,25 @@ def io_process(tmp_path, mooncake, request):
     os.environ["PCR_IO_TEST_FAULTS"] = json.dumps({"remote_read_delay_s": 3600})
     pool = HostChunkPool(LAYOUT, pin=False)
     store = ChunkFileStore(tmp_path / "store", NAMESPACE, LAYOUT, "float32", 1 << 20, low_watermark_bytes=0)
-    sup = IOSupervisor(IoProcessConfig(
-        store_root=str(store.root), namespace_hex=store.namespace.hex(), dtype="float32",
-        num_slots=LAYOUT.num_slots, num_layers=LAYOUT.num_layers, chunk_size=LAYOUT.chunk_size,
-        row_bytes=LAYOUT.row_bytes, reserve_bytes=0, shm_name=pool.info().shm_name, orders_endpoint="",
-        replies_endpoint="", parent_pid=0, remote_config=remote_config(mooncake).to_json(),
-        remote_call_timeout_s=deadline_s), stall_timeout_s=30.0)
+    sup = IOSupervisor(
+        IoProcessConfig(
+            store_root=str(store.root),
+            namespace_hex=store.namespace.hex(),
+            dtype="float32",
+            num_slots=LAYOUT.num_slots,
+            num_layers=LAYOUT.num_layers,
+            chunk_size=LAYOUT.chunk_size,
+            row_bytes=LAYOUT.row_bytes,
+            reserve_bytes=0,
+            shm_name=pool.info().shm_name,
+            orders_endpoint="",
+            replies_endpoint="",
+            parent_pid=0,
+            remote_config=remote_config(mooncake).to_json(),
+            remote_call_timeout_s=deadline_s,
+        ),
+        stall_timeout_s=30.0,
+    )
     try:
         assert sup.wait_ready(30)
     finally:

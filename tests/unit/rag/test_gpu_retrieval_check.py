@@ -13,9 +13,37 @@ from tests.gpu import gpu_retrieval_check
 
 def test_the_gpu_retrieval_check_runs_on_the_cpu_and_finds_the_searches_identical(tmp_path, capsys):
     out = tmp_path / "check.json"
-    assert gpu_retrieval_check.main(["--device", "cpu", "--vectors", "3000", "--dim", "32", "--centres", "50",
-                                     "--nlist", "16", "--nprobe", "4", "--queries", "8", "--copy-gb", "0.001",
-                                     "--hidden", "64", "--layers", "2", "--steps", "3", "--json", str(out)]) == 0
+    assert (
+        gpu_retrieval_check.main(
+            [
+                "--device",
+                "cpu",
+                "--vectors",
+                "3000",
+                "--dim",
+                "32",
+                "--centres",
+                "50",
+                "--nlist",
+                "16",
+                "--nprobe",
+                "4",
+                "--queries",
+                "8",
+                "--copy-gb",
+                "0.001",
+                "--hidden",
+                "64",
+                "--layers",
+                "2",
+                "--steps",
+                "3",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert [s["identical"] for s in report["search"]] == [8, 8]
     assert report["search"][0]["cluster_hit_rate"] == 1.0 > report["search"][1]["cluster_hit_rate"] > 0

@@ -57,8 +57,7 @@ def _assert_same_as_ivf(result_d, result_i, ref_d, ref_i):
         if set(result_i[row]) != set(ref_i[row]):
             extra = set(result_i[row]) ^ set(ref_i[row])
             kth = ref_d[row][-1]
-            tied = [d for d, i in zip(np.r_[result_d[row], ref_d[row]], np.r_[result_i[row], ref_i[row]])
-                    if i in extra]
+            tied = [d for d, i in zip(np.r_[result_d[row], ref_d[row]], np.r_[result_i[row], ref_i[row]]) if i in extra]
             assert all(abs(d - kth) < 1e-6 for d in tied), (row, result_i[row], ref_i[row])
         np.testing.assert_allclose(np.sort(result_d[row]), np.sort(ref_d[row]), atol=1e-5)
 
@@ -139,9 +138,12 @@ def test_merged_search_equals_faiss_ivf_whatever_the_fast_tier_holds(datastore, 
     rng = np.random.default_rng(hash(contents) % 1000)
     _, probes = datastore.probe(queries, NPROBE)
     probed = sorted({int(c) for c in probes.ravel()})
-    held = {"empty": [], "full": list(range(NLIST)),
-            "partial": sorted(rng.choice(NLIST, NLIST // 3, replace=False).tolist()),
-            "outside-probes": [c for c in range(NLIST) if c not in probed[: len(probed) // 2]]}[contents]
+    held = {
+        "empty": [],
+        "full": list(range(NLIST)),
+        "partial": sorted(rng.choice(NLIST, NLIST // 3, replace=False).tolist()),
+        "outside-probes": [c for c in range(NLIST) if c not in probed[: len(probed) // 2]],
+    }[contents]
     tier = _tier(datastore, tier_kind)
     try:
         tier.submit(held)
@@ -188,8 +190,9 @@ def test_superset_mode_never_recalls_less_than_ivf(datastore, queries, vectors, 
         got = retriever.search_vectors(queries)
         ref_d, ref_i = datastore.search(queries, K, NPROBE)
         truth = _flat_truth(vectors, queries)
-        assert sum(len(truth[q] & set(got.ids[q])) for q in range(len(queries))) > \
-            sum(len(truth[q] & set(ref_i[q])) for q in range(len(queries)))  # it searched more
+        assert sum(len(truth[q] & set(got.ids[q])) for q in range(len(queries))) > sum(
+            len(truth[q] & set(ref_i[q])) for q in range(len(queries))
+        )  # it searched more
         for row in range(len(queries)):
             assert np.all(got.distances[row] >= ref_d[row] - 1e-5)  # rank by rank, never worse
             assert len(truth[row] & set(got.ids[row])) >= len(truth[row] & set(ref_i[row]))
@@ -283,8 +286,9 @@ def test_lookahead_fills_the_tier_within_its_budget_and_the_search_then_hits(dat
     tier = _tier(datastore, tier_kind)
     try:
         budget_bytes = sum(tier.cost(c) for c in range(NLIST)) // 4
-        retriever = LookaheadRetriever(datastore, embed=None, nprobe=NPROBE, k=K, tier=tier,
-                                       budget=BudgetModel(stage_bytes={"hyde": budget_bytes}))
+        retriever = LookaheadRetriever(
+            datastore, embed=None, nprobe=NPROBE, k=K, tier=tier, budget=BudgetModel(stage_bytes={"hyde": budget_bytes})
+        )
         ticket = retriever.lookahead_vectors(queries[:1], stage="hyde")
         assert ticket.submitted and sum(tier.cost(c) for c in ticket.submitted) <= budget_bytes
         assert ticket.submitted[0] == ticket.ranked[0][0]  # the best-ranked cluster goes first
@@ -305,8 +309,11 @@ def test_lookahead_fills_the_tier_within_its_budget_and_the_search_then_hits(dat
 
 
 def test_merge_keeps_the_best_of_both_lists_and_drops_empty_slots():
-    d, i = merge_top_k((np.array([[0.9, 0.5, -np.inf]], np.float32), np.array([[0.7, 0.5, 0.1]], np.float32)),
-                       (np.array([[3, 8, -1]]), np.array([[4, 2, 6]])), 4)
+    d, i = merge_top_k(
+        (np.array([[0.9, 0.5, -np.inf]], np.float32), np.array([[0.7, 0.5, 0.1]], np.float32)),
+        (np.array([[3, 8, -1]]), np.array([[4, 2, 6]])),
+        4,
+    )
     assert i.tolist() == [[3, 4, 2, 8]]  # the tie at 0.5 goes to the smaller id
     d, i = merge_top_k((np.full((1, 2), -np.inf, np.float32),), (np.full((1, 2), -1),), 2)
     assert i.tolist() == [[-1, -1]]
@@ -317,8 +324,9 @@ def test_merge_keeps_the_best_of_both_lists_and_drops_empty_slots():
 def test_a_lookahead_without_prefetch_still_predicts_and_copies_nothing(datastore, queries, tier_kind):
     tier = _tier(datastore, tier_kind)
     try:
-        retriever = LookaheadRetriever(datastore, embed=None, nprobe=NPROBE, k=K, tier=tier,
-                                       budget=BudgetModel(stage_bytes={"hyde": 1 << 30}))
+        retriever = LookaheadRetriever(
+            datastore, embed=None, nprobe=NPROBE, k=K, tier=tier, budget=BudgetModel(stage_bytes={"hyde": 1 << 30})
+        )
         ticket = retriever.lookahead_vectors(queries[:1], stage="hyde", prefetch=False)
         assert ticket.submitted == [] and tier.stats.submitted == 0
         np.testing.assert_array_equal(ticket.predicted_ids, datastore.search(queries[:1], 2 * K, NPROBE)[1])
@@ -330,6 +338,7 @@ def test_a_lookahead_without_prediction_searches_nothing(datastore, queries, mon
     """Without KV hints nothing uses the predicted documents: the look-ahead must not run
     the prediction's faiss search (on a memory-mapped datastore, disk reads beside the
     LLM's generation for nothing)."""
+
     def no_search(*args, **kwargs):
         raise AssertionError("the prediction searched the datastore")
 
@@ -351,8 +360,9 @@ def test_a_pipeline_predicts_documents_only_when_it_sends_hints(hints):
     calls = []
     retriever = SimpleNamespace(lookahead=lambda query, **kwargs: calls.append(kwargs))
     hinter = SimpleNamespace(tokenizer=None)
-    pipelines = Pipelines(retriever, ["doc"], backend=None, hinter=hinter,
-                          config=PipelineConfig(lookahead=True, hints=hints))
+    pipelines = Pipelines(
+        retriever, ["doc"], backend=None, hinter=hinter, config=PipelineConfig(lookahead=True, hints=hints)
+    )
     pipelines._lookahead("question", "hyde")
     assert calls == [{"stage": "hyde", "prefetch": True, "predict": hints}]
 
@@ -397,7 +407,7 @@ def test_a_marked_prompt_is_hinted_as_the_final_request_sends_it(tokenizer):
         ids, bounds = marked_input(tokenizer, marked)
         assert fields["input_ids"] == ids and fields["sampling_params"]["custom_params"] == {DOC_BOUNDS_PARAM: bounds}
         assert len(bounds) == 4 and fields["sampling_params"]["max_new_tokens"] == 0
-        assert tokenizer.decode(ids[bounds[2]:bounds[3]]).startswith("Document: Mount Fuji")
+        assert tokenizer.decode(ids[bounds[2] : bounds[3]]).startswith("Document: Mount Fuji")
         assert hinter._prompt_fields(strip_markers(marked))["text"] == strip_markers(marked)
     finally:
         hinter.close()

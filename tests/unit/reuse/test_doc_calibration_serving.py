@@ -39,9 +39,17 @@ def _calibration(tmp_path, fingerprint: str) -> str:
 def _with_docs(h, config: PCRConfig, fingerprint: str) -> DocReuse:
     """What ``attach_doc_reuse`` builds (it needs a real model for its RoPE self-test)."""
     kv = h.allocator.get_kvcache()
-    docs = DocReuse(h.state, reuse_settings.recompute(config), CHUNK, 0, RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
-                    list(zip(kv.k_buffer, kv.v_buffer)), h.allocator, h.scheduler.keyer,
-                    h.scheduler.executor.free_private)
+    docs = DocReuse(
+        h.state,
+        reuse_settings.recompute(config),
+        CHUNK,
+        0,
+        RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
+        list(zip(kv.k_buffer, kv.v_buffer)),
+        h.allocator,
+        h.scheduler.keyer,
+        h.scheduler.executor.free_private,
+    )
     docs.calibration = with_gate(calibration_status(config, fingerprint), docs.server.gate)
     h.scheduler.docs = docs
     return docs
@@ -64,12 +72,14 @@ def test_a_refused_request_that_reaches_the_scheduler_is_served_without_reuse(ma
     """The tokenizer refuses it first (HTTP 400); a path that skipped that check still gets
     no reuse in a mode, selector or ratio the gate refused."""
     h = make(model_fingerprint="a" * 32)
-    config = PCRConfig(enabled=True, chunk_size=CHUNK, doc_reuse="blend", doc_reuse_calibration=_calibration(
-        tmp_path, "a" * 32))
+    config = PCRConfig(
+        enabled=True, chunk_size=CHUNK, doc_reuse="blend", doc_reuse_calibration=_calibration(tmp_path, "a" * 32)
+    )
     docs = _with_docs(h, config, "a" * 32)
     assert _reused(docs, _marked(h, "inside"))
-    for i, custom in enumerate(({"pcr_doc_reuse": "concat"}, {"pcr_doc_recompute_ratio": 0.0},
-                                {"pcr_doc_selector": "deviation"})):
+    for i, custom in enumerate(
+        ({"pcr_doc_reuse": "concat"}, {"pcr_doc_recompute_ratio": 0.0}, {"pcr_doc_selector": "deviation"})
+    ):
         req = _marked(h, f"outside-{i}", **custom)
         assert not _reused(docs, req)
         assert docs.plan(req, req.origin_input_ids[:-1], 0) is None
@@ -79,24 +89,35 @@ def test_a_refused_request_that_reaches_the_scheduler_is_served_without_reuse(ma
 def test_with_warn_overrides_are_served_and_counted_in_prometheus(make, tmp_path, monkeypatch):
     registry = prometheus_client.CollectorRegistry()
     for name in ("Counter", "Gauge"):  # PCRMetrics' series in a registry of this test's
-        monkeypatch.setattr(prometheus_client, name, functools.partial(getattr(prometheus_client, name),
-                                                                       registry=registry))
+        monkeypatch.setattr(
+            prometheus_client, name, functools.partial(getattr(prometheus_client, name), registry=registry)
+        )
     from pcr_sglang.sglang_adapter.metrics import PCRMetrics
 
     h = make(model_fingerprint="a" * 32)
-    config = PCRConfig(enabled=True, chunk_size=CHUNK, doc_reuse="blend", doc_reuse_calibration_warn=True,
-                       doc_reuse_calibration=_calibration(tmp_path, "a" * 32))
+    config = PCRConfig(
+        enabled=True,
+        chunk_size=CHUNK,
+        doc_reuse="blend",
+        doc_reuse_calibration_warn=True,
+        doc_reuse_calibration=_calibration(tmp_path, "a" * 32),
+    )
     docs = _with_docs(h, config, "a" * 32)
     h.cache.metrics = PCRMetrics({"model_name": "m"})
-    for rid, custom in (("r1", {"pcr_doc_reuse": "concat"}), ("r2", {"pcr_doc_recompute_ratio": 0.05}),
-                        ("r3", {"pcr_doc_recompute_ratio": 0.0, "pcr_doc_anchor_tokens": 2}), ("r4", {})):
+    for rid, custom in (
+        ("r1", {"pcr_doc_reuse": "concat"}),
+        ("r2", {"pcr_doc_recompute_ratio": 0.05}),
+        ("r3", {"pcr_doc_recompute_ratio": 0.0, "pcr_doc_anchor_tokens": 2}),
+        ("r4", {}),
+    ):
         req = _marked(h, rid, **custom)
         assert _reused(docs, req) and _reused(docs, req)  # asked twice: counted once
     h.cache.on_scheduler_step([], busy=False)
 
     def count(what: str) -> float:
-        return registry.get_sample_value("sglang:pcr_doc_reuse_calibration_overrides_total",
-                                         {"model_name": "m", "what": what})
+        return registry.get_sample_value(
+            "sglang:pcr_doc_reuse_calibration_overrides_total", {"model_name": "m", "what": what}
+        )
 
     assert (count("mode"), count("recompute_ratio"), count("anchor_tokens"), count("selector")) == (1, 2, 1, None)
     assert build_report(h.cache)["doc_reuse"]["calibration"]["overrides"]["recompute_ratio"] == 2
@@ -108,8 +129,12 @@ def _disk_update(h, path: Path):
         h.cache.token_to_kv_pool_allocator.clear()
         return SimpleNamespace(success=True)
 
-    around_weight_update("update_weights_from_disk", flushing, SimpleNamespace(scheduler=SimpleNamespace(
-        tree_cache=h.cache)), SimpleNamespace(model_path=str(path)))
+    around_weight_update(
+        "update_weights_from_disk",
+        flushing,
+        SimpleNamespace(scheduler=SimpleNamespace(tree_cache=h.cache)),
+        SimpleNamespace(model_path=str(path)),
+    )
 
 
 def test_a_weight_update_to_other_weights_stops_document_reuse_and_says_why(make, tmp_path):
@@ -124,8 +149,9 @@ def test_a_weight_update_to_other_weights_stops_document_reuse_and_says_why(make
     fingerprint_a = identity.of_checkpoint(str(model_a))
     h = make(model_fingerprint=fingerprint_a)
     h.cache.weights_identity = identity
-    config = PCRConfig(enabled=True, chunk_size=CHUNK, doc_reuse="blend",
-                       doc_reuse_calibration=_calibration(tmp_path, fingerprint_a))
+    config = PCRConfig(
+        enabled=True, chunk_size=CHUNK, doc_reuse="blend", doc_reuse_calibration=_calibration(tmp_path, fingerprint_a)
+    )
     docs = _with_docs(h, config, fingerprint_a)
     assert _reused(docs, _marked(h, "before"))
 
@@ -145,8 +171,12 @@ def test_a_weight_update_to_other_weights_stops_document_reuse_and_says_why(make
         h.cache.reset()
         return SimpleNamespace(success=True)
 
-    around_weight_update("update_weights_from_tensor", in_memory,
-                         SimpleNamespace(scheduler=SimpleNamespace(tree_cache=h.cache)), SimpleNamespace())
+    around_weight_update(
+        "update_weights_from_tensor",
+        in_memory,
+        SimpleNamespace(scheduler=SimpleNamespace(tree_cache=h.cache)),
+        SimpleNamespace(),
+    )
     assert not _reused(docs, _marked(h, "in-memory"))
     assert build_report(h.cache)["doc_reuse"]["calibration"]["stopped"]
 
@@ -162,6 +192,10 @@ def test_without_a_calibration_a_weight_update_changes_nothing_of_document_reuse
         h.cache.reset()
         return SimpleNamespace(success=True)
 
-    around_weight_update("update_weights_from_tensor", in_memory,
-                         SimpleNamespace(scheduler=SimpleNamespace(tree_cache=h.cache)), SimpleNamespace())
+    around_weight_update(
+        "update_weights_from_tensor",
+        in_memory,
+        SimpleNamespace(scheduler=SimpleNamespace(tree_cache=h.cache)),
+        SimpleNamespace(),
+    )
     assert _reused(docs, _marked(h, "after"))

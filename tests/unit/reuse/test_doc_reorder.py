@@ -35,8 +35,9 @@ QUESTION = [90, 91, 92]
 DOCS = {name: [ord(name) * 10 + i for i in range(3 + k)] for k, name in enumerate("ABCDEFG")}  # all lengths apart
 
 
-def prompt(names: str, gaps: list[list[int]] | None = None, lead: list[int] = LEAD,
-           question: list[int] = QUESTION) -> tuple[list[int], list[DocSpan]]:
+def prompt(
+    names: str, gaps: list[list[int]] | None = None, lead: list[int] = LEAD, question: list[int] = QUESTION
+) -> tuple[list[int], list[DocSpan]]:
     """``lead ‖ D0 ‖ gap1 ‖ D1 ‖ ... ‖ question`` and its documents' spans."""
     tokens, bounds = list(lead), []
     for k, name in enumerate(names):
@@ -63,7 +64,7 @@ def test_a_permutation_of_a_served_sequence_is_served_in_its_order_and_is_its_ex
     again = store.plan(tokens, spans, Tenant())
     assert served_names("CADB", again.order) == "ABCD" and again.moved and again.matched == 4
     assert again.input_ids == prompt("ABCD", question=[77, 78])[0]  # the question stays last
-    assert again.input_ids[:first_spans[-1].end] == first_tokens[:first_spans[-1].end]
+    assert again.input_ids[: first_spans[-1].end] == first_tokens[: first_spans[-1].end]
     assert again.doc_bounds == [s for span in first_spans for s in (span.start, span.end)]
     assert store.stats.requests == 2 and store.stats.hits == 1 and store.stats.moved == 1
 
@@ -119,9 +120,15 @@ def test_repeated_documents_are_each_placed_once():
     assert again.input_ids == prompt("ABA")[0]
 
 
-@pytest.mark.parametrize("other", [
-    Tenant(extra_key="t2"), Tenant(cache_salt="s"), Tenant(lora_id="7"), Tenant(lora_name="adapter"),
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        Tenant(extra_key="t2"),
+        Tenant(cache_salt="s"),
+        Tenant(lora_id="7"),
+        Tenant(lora_name="adapter"),
+    ],
+)
 def test_tenants_and_leading_tokens_keep_their_orders_apart(other):
     store = OrderStore()
     store.plan(*prompt("ABCD"), Tenant())
@@ -162,9 +169,19 @@ def tokenized(tokens: list[int], bounds: list[int], custom: dict | None = None, 
 
     params = {DOC_BOUNDS_PARAM: bounds, DOC_MODE_PARAM: "reorder"} if custom is None else custom
     return TokenizedGenerateReqInput(
-        input_text=None, input_ids=array("q", tokens), input_embeds=None, mm_inputs=None, token_type_ids=None,
-        sampling_params=SamplingParams(max_new_tokens=4, custom_params=params), return_logprob=False,
-        logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False, rid=rid)
+        input_text=None,
+        input_ids=array("q", tokens),
+        input_embeds=None,
+        mm_inputs=None,
+        token_type_ids=None,
+        sampling_params=SamplingParams(max_new_tokens=4, custom_params=params),
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        stream=False,
+        rid=rid,
+    )
 
 
 def flat(spans: list[DocSpan]) -> list[int]:
@@ -212,12 +229,15 @@ def test_every_sample_of_a_request_is_served_in_the_same_order():
     assert base.sampling_params.custom_params[DOC_BOUNDS_PARAM] == flat(spans2)  # the shared one, as sent
 
 
-@pytest.mark.parametrize("custom, server_mode", [
-    ({DOC_MODE_PARAM: "concat"}, "concat"),  # another mode: as given
-    ({}, "concat"),  # the server's mode, not reorder
-    ({DOC_MODE_PARAM: "bogus"}, "concat"),  # refused at validation; never reaches here rewritten
-    ({DOC_MODE_PARAM: "reorder", DOC_BOUNDS_PARAM: [0, 3]}, "concat"),  # bad bounds: as given
-])
+@pytest.mark.parametrize(
+    "custom, server_mode",
+    [
+        ({DOC_MODE_PARAM: "concat"}, "concat"),  # another mode: as given
+        ({}, "concat"),  # the server's mode, not reorder
+        ({DOC_MODE_PARAM: "bogus"}, "concat"),  # refused at validation; never reaches here rewritten
+        ({DOC_MODE_PARAM: "reorder", DOC_BOUNDS_PARAM: [0, 3]}, "concat"),  # bad bounds: as given
+    ],
+)
 def test_other_requests_are_left_as_they_are(custom, server_mode):
     manager = SimpleNamespace(rid_to_state={})
     tokens, spans = prompt("AB")
@@ -300,8 +320,13 @@ def test_the_send_hooks_reorder_before_the_scheduler_sees_the_request_and_warm_n
     tokens, spans = prompt("ABC")
     swapped, swapped_spans = prompt("BCA")
     asyncio.run(send_after_warming(original, manager, tokenized(tokens, flat(spans), {DOC_BOUNDS_PARAM: flat(spans)})))
-    asyncio.run(send_batch_after_warming(original, manager, [
-        tokenized(swapped, flat(swapped_spans), {DOC_BOUNDS_PARAM: flat(swapped_spans)}, rid="b1")]))
+    asyncio.run(
+        send_batch_after_warming(
+            original,
+            manager,
+            [tokenized(swapped, flat(swapped_spans), {DOC_BOUNDS_PARAM: flat(swapped_spans)}, rid="b1")],
+        )
+    )
     assert [list(t.input_ids) for batch in sent for t in batch] == [tokens, tokens]
     assert manager._pcr_doc_warmer is False  # an exact server warms nothing
     off = SimpleNamespace(server_args=SimpleNamespace(enable_pcr=False, pcr_doc_reuse="off"), rid_to_state={})

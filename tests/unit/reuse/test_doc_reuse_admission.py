@@ -22,9 +22,18 @@ DOC_TOKENS = 4
 
 def _with_docs(h, limits=None) -> DocReuse:
     kv = h.allocator.get_kvcache()
-    h.scheduler.docs = DocReuse(h.state, Recompute("concat"), CHUNK, 0, RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
-                                list(zip(kv.k_buffer, kv.v_buffer)), h.allocator, h.scheduler.keyer,
-                                h.scheduler.executor.free_private, limits=limits)
+    h.scheduler.docs = DocReuse(
+        h.state,
+        Recompute("concat"),
+        CHUNK,
+        0,
+        RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
+        list(zip(kv.k_buffer, kv.v_buffer)),
+        h.allocator,
+        h.scheduler.keyer,
+        h.scheduler.executor.free_private,
+        limits=limits,
+    )
     return h.scheduler.docs
 
 
@@ -81,10 +90,16 @@ def test_a_marked_requests_canonical_keys_are_hashed_once_with_the_leading_token
     h.check()
 
 
-@pytest.mark.parametrize("custom", ["xpcr_doc_boundsx", ["pcr_doc_bounds"],
-                                    lambda bounds: {"pcr_doc_bounds": bounds, "pcr_doc_reuse": 3},
-                                    lambda bounds: {"pcr_doc_bounds": bounds}],
-                         ids=["string", "list", "bad-mode", "over-the-limit"])
+@pytest.mark.parametrize(
+    "custom",
+    [
+        "xpcr_doc_boundsx",
+        ["pcr_doc_bounds"],
+        lambda bounds: {"pcr_doc_bounds": bounds, "pcr_doc_reuse": 3},
+        lambda bounds: {"pcr_doc_bounds": bounds},
+    ],
+    ids=["string", "list", "bad-mode", "over-the-limit"],
+)
 def test_the_scheduler_serves_a_malformed_request_without_reuse_and_never_dies(make, custom):
     """Review finding 14: the scheduler caught only DocBoundsError, and a non-dict
     ``custom_params`` holding the substring raised AttributeError in the window, the match

@@ -25,20 +25,23 @@ from pcr_sglang.reuse.plan import (
 )
 
 
-@pytest.mark.parametrize("raw, message", [
-    ("0,5", "flat list"),
-    ([], "pairs"),
-    ([3, 5, 7], "pairs"),
-    ([3, 5.0], "integers"),
-    ([3, True], "integers"),
-    ([0, 5], "token 0"),
-    ([5, 3], "empty or reversed"),
-    ([5, 5], "empty or reversed"),
-    ([3, 8, 6, 9], "before the previous"),
-    ([6, 9, 3, 5], "before the previous"),
-    ([3, 50], "outside the prompt"),
-    ([-1, 4], "outside the prompt"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ("0,5", "flat list"),
+        ([], "pairs"),
+        ([3, 5, 7], "pairs"),
+        ([3, 5.0], "integers"),
+        ([3, True], "integers"),
+        ([0, 5], "token 0"),
+        ([5, 3], "empty or reversed"),
+        ([5, 5], "empty or reversed"),
+        ([3, 8, 6, 9], "before the previous"),
+        ([6, 9, 3, 5], "before the previous"),
+        ([3, 50], "outside the prompt"),
+        ([-1, 4], "outside the prompt"),
+    ],
+)
 def test_bad_bounds_are_refused_naming_the_problem(raw, message):
     with pytest.raises(DocBoundsError, match=message):
         parse_doc_bounds(raw, 20)
@@ -51,12 +54,21 @@ def test_bounds_parse_to_spans():
 LIMITS = DocLimits(max_documents=3, min_tokens=2)
 
 
-@pytest.mark.parametrize("raw, message", [
-    ([2, 4, 4, 6, 6, 8, 8, 10], r"marks 4 documents; this server takes at most 3 per request "
-                                r"\(--pcr-doc-max-documents\)"),
-    ([2, 4, 4, 5], r"document 1 \[4, 5\) has 1 tokens; this server takes documents of at least 2 "
-                   r"\(--pcr-doc-min-tokens\)"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (
+            [2, 4, 4, 6, 6, 8, 8, 10],
+            r"marks 4 documents; this server takes at most 3 per request "
+            r"\(--pcr-doc-max-documents\)",
+        ),
+        (
+            [2, 4, 4, 5],
+            r"document 1 \[4, 5\) has 1 tokens; this server takes documents of at least 2 "
+            r"\(--pcr-doc-min-tokens\)",
+        ),
+    ],
+)
 def test_bounds_past_the_servers_limits_are_refused_naming_the_flag(raw, message):
     """Review finding 4: any number of documents, of any length, was accepted (2,000
     two-token documents cost 1.44 s of hashing in the scheduler thread)."""
@@ -71,8 +83,7 @@ def test_malformed_bounds_are_named_as_such_before_any_limit():
 
 
 def test_bounds_within_the_limits_parse():
-    assert parse_doc_bounds([2, 4, 4, 6, 8, 20], 20, LIMITS) == (DocSpan(0, 2, 4), DocSpan(1, 4, 6),
-                                                                DocSpan(2, 8, 20))
+    assert parse_doc_bounds([2, 4, 4, 6, 8, 20], 20, LIMITS) == (DocSpan(0, 2, 4), DocSpan(1, 4, 6), DocSpan(2, 8, 20))
 
 
 @pytest.mark.parametrize("custom", ["xpcr_doc_boundsx", ["pcr_doc_bounds"], 3])
@@ -195,20 +206,24 @@ SERVER = Recompute("blend", tokens=4, ratio=0.25)
 def test_request_recompute_defaults_to_the_server_and_takes_overrides():
     assert request_recompute({}, SERVER) == SERVER
     assert request_recompute({"pcr_doc_reuse": "off"}, SERVER) is None
-    assert request_recompute({"pcr_doc_reuse": "lego", "pcr_doc_recompute_tokens": 9}, SERVER) == \
-        Recompute("lego", 9, 0.25)
+    assert request_recompute({"pcr_doc_reuse": "lego", "pcr_doc_recompute_tokens": 9}, SERVER) == Recompute(
+        "lego", 9, 0.25
+    )
     assert request_recompute({"pcr_doc_recompute_ratio": 1}, SERVER) == Recompute("blend", 4, 1.0)
     assert request_recompute({}, Recompute("concat")) == Recompute("concat")
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"pcr_doc_recompute_tokens": -1}, "integer >= 0"),
-    ({"pcr_doc_recompute_tokens": 2.5}, "integer >= 0"),
-    ({"pcr_doc_recompute_tokens": True}, "integer >= 0"),
-    ({"pcr_doc_recompute_ratio": 1.5}, r"in \[0, 1\]"),
-    ({"pcr_doc_recompute_ratio": "0.1"}, r"in \[0, 1\]"),
-    ({"pcr_doc_reuse": "mosaic"}, "must be one of"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"pcr_doc_recompute_tokens": -1}, "integer >= 0"),
+        ({"pcr_doc_recompute_tokens": 2.5}, "integer >= 0"),
+        ({"pcr_doc_recompute_tokens": True}, "integer >= 0"),
+        ({"pcr_doc_recompute_ratio": 1.5}, r"in \[0, 1\]"),
+        ({"pcr_doc_recompute_ratio": "0.1"}, r"in \[0, 1\]"),
+        ({"pcr_doc_reuse": "mosaic"}, "must be one of"),
+    ],
+)
 def test_bad_recompute_parameters_are_refused(params, message):
     with pytest.raises(DocBoundsError, match=message):
         request_recompute(params, SERVER)
@@ -249,8 +264,9 @@ def test_blend_anchors_fill_its_budget_in_document_order_and_never_grow_it():
     asked = request_recompute({"pcr_doc_selector": "query"}, SERVER)
     assert asked.selector == "query" and with_recompute(plan, SPANS, asked).selector == "query"
     assert request_recompute({}, SERVER).selector == "gradual"
-    with pytest.raises(DocBoundsError,
-                       match="pcr_doc_selector must be one of 'deviation', 'gradual', 'query', 'prophet'"):
+    with pytest.raises(
+        DocBoundsError, match="pcr_doc_selector must be one of 'deviation', 'gradual', 'query', 'prophet'"
+    ):
         request_recompute({"pcr_doc_selector": "oracle"}, SERVER)
     ended = request_recompute({"pcr_doc_selector": "query", "pcr_doc_question_end": 42}, SERVER)
     assert with_recompute(plan, SPANS, ended).question_end == 42

@@ -45,8 +45,9 @@ class _Model(torch.nn.Module):
 
 def _model(**rope) -> _Model:
     torch.manual_seed(0)
-    rotary = get_rope(HEAD_DIM, rotary_dim=HEAD_DIM, max_position=4096, base=10000, is_neox_style=True,
-                      dtype=torch.float32, **rope)
+    rotary = get_rope(
+        HEAD_DIM, rotary_dim=HEAD_DIM, max_position=4096, base=10000, is_neox_style=True, dtype=torch.float32, **rope
+    )
     return _Model(rotary)
 
 
@@ -97,7 +98,8 @@ def test_recompute_needs_a_masking_backend_one_rank_and_a_probe_able_model():
 
     native = object.__new__(TorchNativeAttnBackend)
     assert "needs --attention-backend torch_native or triton" in recompute_support(
-        worker(FlashInferAttnBackend()), None, 1)
+        worker(FlashInferAttnBackend()), None, 1
+    )
     assert "--tp-size > 1" in recompute_support(worker(native), None, 2)
     assert "no model.embed_tokens" in recompute_support(worker(native), SimpleNamespace(), 1)
     # What concat needs to compute an uncached document in place: the mask, one rank; no probe.
@@ -105,18 +107,24 @@ def test_recompute_needs_a_masking_backend_one_rank_and_a_probe_able_model():
 
     assert permuted_row_support(worker(native), 1) is None
     assert "needs --attention-backend torch_native or triton" in permuted_row_support(
-        worker(FlashInferAttnBackend()), 1)
+        worker(FlashInferAttnBackend()), 1
+    )
     assert "--tp-size > 1" in permuted_row_support(worker(native), 2)
 
 
-@pytest.mark.parametrize("backend, tp_size, flags_problem, fills", [
-    ("torch_native", 1, None, True),
-    ("flashinfer", 1, None, False),
-    ("torch_native", 2, None, False),
-    ("torch_native", 1, "is not supported with --enable-pdmux", False),
-], ids=["torch-native", "flashinfer", "tp2", "pdmux"])
-def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows(backend, tp_size, flags_problem,
-                                                                                fills, caplog):
+@pytest.mark.parametrize(
+    "backend, tp_size, flags_problem, fills",
+    [
+        ("torch_native", 1, None, True),
+        ("flashinfer", 1, None, False),
+        ("torch_native", 2, None, False),
+        ("torch_native", 1, "is not supported with --enable-pdmux", False),
+    ],
+    ids=["torch-native", "flashinfer", "tp2", "pdmux"],
+)
+def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows(
+    backend, tp_size, flags_problem, fills, caplog
+):
     """``attach_doc_reuse`` for ``concat``: a document with no cached KV between reused
     ones is computed in place only where the attention takes a position-causal mask on
     one rank and the flags allow a permuted row; elsewhere reuse stops at it, logged."""
@@ -134,12 +142,22 @@ def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows
     attn = object.__new__(TorchNativeAttnBackend) if backend == "torch_native" else FlashInferAttnBackend()
     kv = SimpleNamespace(k_buffer=[torch.zeros(8, KV_HEADS, HEAD_DIM)], v_buffer=[torch.zeros(8, KV_HEADS, HEAD_DIM)])
     worker = SimpleNamespace(model_runner=SimpleNamespace(model=_model(), attn_backend=attn))
-    scheduler = SimpleNamespace(keyer=SimpleNamespace(request_root=lambda tenant: b"root"),
-                                executor=SimpleNamespace(free_private=lambda slots: None), engine=None)
+    scheduler = SimpleNamespace(
+        keyer=SimpleNamespace(request_root=lambda tenant: b"root"),
+        executor=SimpleNamespace(free_private=lambda slots: None),
+        engine=None,
+    )
     with caplog.at_level(logging.INFO, logger="pcr_sglang.reuse.setup"):
-        docs = attach_doc_reuse(PCRConfig(enabled=True, doc_reuse="concat"), None, scheduler,
-                                SimpleNamespace(get_kvcache=lambda: kv), worker, SimpleNamespace(),
-                                tp_size=tp_size, row_flags_problem=flags_problem)
+        docs = attach_doc_reuse(
+            PCRConfig(enabled=True, doc_reuse="concat"),
+            None,
+            scheduler,
+            SimpleNamespace(get_kvcache=lambda: kv),
+            worker,
+            SimpleNamespace(),
+            tp_size=tp_size,
+            row_flags_problem=flags_problem,
+        )
     assert docs.fill_gaps is fills
     assert ("reuse stops at its first document that is not cached" in caplog.text) is not fills
 
@@ -159,30 +177,56 @@ def test_blend_selection_asks_the_probe_about_re_placed_tokens_and_refreshes_onl
     from pcr_sglang.transfer.rope_shift import RopeSpec
 
     # Positions 4..7 exact (delta 0), 8..13 re-placed; slots 20..29 hold them.
-    plan = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 8, 14, 4)), 4, 14, 8, recompute_count=2,
-                     selector="deviation")
+    plan = ReusePlan(
+        (CopySegment(0, 4, 8, 4), CopySegment(1, 8, 14, 4)), 4, 14, 8, recompute_count=2, selector="deviation"
+    )
     slots = torch.arange(20, 30)
     layers = [(torch.zeros(40, 1, 2), torch.zeros(40, 1, 2)) for _ in range(3)]
     calls = []
 
     def select(ids, positions, prefix_slots, reused_slots, candidates, count, anchored, selector, question, gaps):
-        calls.append(dict(ids=ids.tolist(), positions=positions.tolist(), prefix=prefix_slots.tolist(),
-                          slots=reused_slots.tolist(), candidates=candidates.tolist(), count=count,
-                          anchored=anchored.tolist(), selector=selector,
-                          question=None if question is None else question.tolist(), gaps=gaps.tolist()))
+        calls.append(
+            dict(
+                ids=ids.tolist(),
+                positions=positions.tolist(),
+                prefix=prefix_slots.tolist(),
+                slots=reused_slots.tolist(),
+                candidates=candidates.tolist(),
+                count=count,
+                anchored=anchored.tolist(),
+                selector=selector,
+                question=None if question is None else question.tolist(),
+                gaps=gaps.tolist(),
+            )
+        )
         n = len(candidates)
-        exact = [ExactKv(1, candidates, torch.full((n, 1, 2), 1.0), torch.full((n, 1, 2), 2.0)),
-                 ExactKv(2, candidates[:2], torch.full((2, 1, 2), 3.0), torch.full((2, 1, 2), 4.0))]
+        exact = [
+            ExactKv(1, candidates, torch.full((n, 1, 2), 1.0), torch.full((n, 1, 2), 2.0)),
+            ExactKv(2, candidates[:2], torch.full((2, 1, 2), 3.0), torch.full((2, 1, 2), 4.0)),
+        ]
         return Selection(torch.tensor([5, 8]), exact)
 
     node = SimpleNamespace(path_from_root=lambda: [SimpleNamespace(device_value=torch.tensor([0, 1, 2, 3]))])
-    this = DocCopier(layers, RopeSpec(2, 2, True, (1.0,)), allocator=None,
-                     probe=SimpleNamespace(select=select, layers_read=lambda selector: 3))
+    this = DocCopier(
+        layers,
+        RopeSpec(2, 2, True, (1.0,)),
+        allocator=None,
+        probe=SimpleNamespace(select=select, layers_read=lambda selector: 3),
+    )
     req = SimpleNamespace(origin_input_ids=list(range(100, 120)))
     assert this._blend_selection(req, plan, node, slots) == (9, 12)
-    assert calls[-1] == dict(ids=list(range(104, 114)), positions=list(range(4, 14)), prefix=[0, 1, 2, 3],
-                             slots=list(range(20, 30)), candidates=[4, 5, 6, 7, 8, 9], count=2,
-                             anchored=[False] * 6, selector="deviation", question=None, gaps=[])
+    assert calls[-1] == dict(
+        ids=list(range(104, 114)),
+        positions=list(range(4, 14)),
+        prefix=[0, 1, 2, 3],
+        slots=list(range(20, 30)),
+        candidates=[4, 5, 6, 7, 8, 9],
+        count=2,
+        anchored=[False] * 6,
+        selector="deviation",
+        question=None,
+        gaps=[],
+    )
     k1, v1 = layers[1]
     assert k1[24:30].eq(1.0).all() and v1[24:30].eq(2.0).all()
     assert k1[20:24].eq(0).all() and v1[20:24].eq(0).all()  # the exact tokens' slots untouched
@@ -200,8 +244,15 @@ def test_blend_selection_asks_the_probe_about_re_placed_tokens_and_refreshes_onl
     assert calls[-1]["question"] == [114, 115, 116]
     this._blend_selection(req, replace(plan, selector="gradual"), node, slots)
     assert calls[-1]["question"] is None
-    gapped = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 10, 14, 4)), 4, 14, 8, recompute_count=2,
-                       gaps=((8, 10),), selector="deviation")
+    gapped = ReusePlan(
+        (CopySegment(0, 4, 8, 4), CopySegment(1, 10, 14, 4)),
+        4,
+        14,
+        8,
+        recompute_count=2,
+        gaps=((8, 10),),
+        selector="deviation",
+    )
     this._blend_selection(req, gapped, node, slots)
     assert calls[-1]["gaps"] == [4, 5] and calls[-1]["candidates"] == [6, 7, 8, 9]
 
@@ -219,16 +270,26 @@ def _stand_in_model(layers: int, hidden: int = 16, heads: int = 4, kv_heads: int
         return q * positions[:, None].cos(), k * positions[:, None].sin()
 
     def layer():
-        attn = SimpleNamespace(qkv_proj=linear(hidden, (heads + 2 * kv_heads) * dim),
-                               o_proj=linear(heads * dim, hidden), rotary_emb=rope, q_size=heads * dim,
-                               kv_size=kv_heads * dim, head_dim=dim, scaling=0.5)
-        return SimpleNamespace(self_attn=attn, input_layernorm=torch.nn.LayerNorm(hidden),
-                               post_attention_layernorm=torch.nn.LayerNorm(hidden),
-                               mlp=torch.nn.Linear(hidden, hidden))
+        attn = SimpleNamespace(
+            qkv_proj=linear(hidden, (heads + 2 * kv_heads) * dim),
+            o_proj=linear(heads * dim, hidden),
+            rotary_emb=rope,
+            q_size=heads * dim,
+            kv_size=kv_heads * dim,
+            head_dim=dim,
+            scaling=0.5,
+        )
+        return SimpleNamespace(
+            self_attn=attn,
+            input_layernorm=torch.nn.LayerNorm(hidden),
+            post_attention_layernorm=torch.nn.LayerNorm(hidden),
+            mlp=torch.nn.Linear(hidden, hidden),
+        )
 
     torch.manual_seed(0)
-    model = SimpleNamespace(model=SimpleNamespace(embed_tokens=torch.nn.Embedding(50, hidden),
-                                                  layers=[layer() for _ in range(layers)]))
+    model = SimpleNamespace(
+        model=SimpleNamespace(embed_tokens=torch.nn.Embedding(50, hidden), layers=[layer() for _ in range(layers)])
+    )
     pools = [(torch.randn(40, kv_heads, dim), torch.randn(40, kv_heads, dim)) for _ in range(layers)]
     return model, pools
 
@@ -285,7 +346,8 @@ def test_every_selector_picks_its_count_anchors_first():
     gradual = probe.select(*PROBE_ARGS, CANDIDATES, 2, none, "gradual", QUESTION)
     finalists = CANDIDATES[torch.topk(deviation, 4).indices]
     assert [e.layer for e in gradual.exact] == [1, 2] and set(gradual.exact[1].offsets.tolist()) == set(
-        finalists.tolist())
+        finalists.tolist()
+    )
     assert set(gradual.chosen.tolist()) <= set(finalists.tolist())
     # Among the finalists, layer 2's deviation picks (not layer 1's).
     first = probe.layer1(*PROBE_ARGS)
@@ -334,8 +396,10 @@ def test_prophet_does_not_read_what_gap_slots_hold_above_layer_1():
     torch.testing.assert_close(probe.question_attention(first, QUESTION, *PROBE_ARGS[1:], 4, gaps), before)
     assert not torch.allclose(probe.question_attention(first, QUESTION, *PROBE_ARGS[1:], 4), unmasked)
     # At layer 1 the gap is seen: its full-context KV is the probe's own.
-    torch.testing.assert_close(probe.question_attention(first, QUESTION, *PROBE_ARGS[1:], 1, gaps),
-                               probe.question_attention(first, QUESTION, *PROBE_ARGS[1:], 1))
+    torch.testing.assert_close(
+        probe.question_attention(first, QUESTION, *PROBE_ARGS[1:], 1, gaps),
+        probe.question_attention(first, QUESTION, *PROBE_ARGS[1:], 1),
+    )
 
 
 def test_blend_copies_the_layers_its_selector_reads_before_the_probe_and_the_rest_after():
@@ -349,8 +413,12 @@ def test_blend_copies_the_layers_its_selector_reads_before_the_probe_and_the_res
     from pcr_sglang.reuse.plan import CopySegment, ReusePlan, row_order
 
     plan = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 8, 14, 4)), 4, 14, 8, recompute_count=2)
-    for selector, question_after, first in (("deviation", True, 2), ("gradual", True, 3), ("prophet", True, 5),
-                                            ("prophet", False, 2)):
+    for selector, question_after, first in (
+        ("deviation", True, 2),
+        ("gradual", True, 3),
+        ("prophet", True, 5),
+        ("prophet", False, 2),
+    ):
         copies, probed, freed = [], [], []
 
         def copy(plan, chains, slots, layers=None, keep=None):
@@ -360,9 +428,13 @@ def test_blend_copies_the_layers_its_selector_reads_before_the_probe_and_the_res
             probed.append(plan.selector)
             return (9, 12)
 
-        this = SimpleNamespace(copy=copy, _blend_selection=blend_selection, kv_layers=[None] * 8,
-                               probe=SimpleNamespace(layers_read={"deviation": 2, "gradual": 3, "prophet": 5}.get),
-                               allocator=SimpleNamespace(free=lambda slots: freed.append(slots.tolist())))
+        this = SimpleNamespace(
+            copy=copy,
+            _blend_selection=blend_selection,
+            kv_layers=[None] * 8,
+            probe=SimpleNamespace(layers_read={"deviation": 2, "gradual": 3, "prophet": 5}.get),
+            allocator=SimpleNamespace(free=lambda slots: freed.append(slots.tolist())),
+        )
         req = SimpleNamespace(origin_input_ids=list(range(100, 120 if question_after else 114)))
         asked = ReusePlan(**{**plan.__dict__, "selector": selector})
         placed = DocCopier._keep_unrecomputed(this, req, asked, {}, None, torch.arange(20, 30))
@@ -395,8 +467,9 @@ def test_a_load_that_did_not_go_through_leaves_no_row_order_behind():
     entry = _Planned((DocSpan(0, 2, 6), DocSpan(1, 6, 10)), Recompute("lego", 2))
     entry.slots, entry.row = torch.arange(8), RowOrder(2, (2, 3, 4, 5, 8, 9, 6, 7))
     docs._requests = {"r": entry}
-    req = SimpleNamespace(rid="r", sampling_params=None, origin_input_ids=list(range(12)), extra_key=None,
-                          cache_salt=None)
+    req = SimpleNamespace(
+        rid="r", sampling_params=None, origin_input_ids=list(range(12)), extra_key=None, cache_salt=None
+    )
     assert docs.plan(req, list(range(11)), exact_len=0) is None  # nothing cached now
     assert len(freed) == 1 and freed[0].tolist() == list(range(8))
     assert docs.row("r") is None and entry.row is None

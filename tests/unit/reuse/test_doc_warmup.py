@@ -55,13 +55,16 @@ def test_the_ledger_forgets_the_oldest_sightings_first():
     assert ledger.should_warm("c")
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"doc_warmup": "later"}, "--pcr-doc-warmup must be one of request, idle"),
-    ({"doc_warmup_after": 0}, "--pcr-doc-warmup-after must be an integer >= 1"),
-    ({"doc_warmup_after": True}, "--pcr-doc-warmup-after must be an integer >= 1"),
-    ({"doc_max_documents": 0}, "--pcr-doc-max-documents must be an integer >= 1"),
-    ({"doc_min_tokens": 0}, "--pcr-doc-min-tokens must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"doc_warmup": "later"}, "--pcr-doc-warmup must be one of request, idle"),
+        ({"doc_warmup_after": 0}, "--pcr-doc-warmup-after must be an integer >= 1"),
+        ({"doc_warmup_after": True}, "--pcr-doc-warmup-after must be an integer >= 1"),
+        ({"doc_max_documents": 0}, "--pcr-doc-max-documents must be an integer >= 1"),
+        ({"doc_min_tokens": 0}, "--pcr-doc-min-tokens must be an integer >= 1"),
+    ],
+)
 def test_bad_warmup_flags_name_the_flag(fields, message):
     with pytest.raises(PCRConfigError, match=message):
         PCRConfig(enabled=True, **fields).validate(page_size=1)
@@ -82,8 +85,14 @@ def test_the_document_limit_flags_reach_the_limits():
 
 # ---------------------------------------------------------------- the warmer
 def _marked(tokens: list[int], bounds: list[int], salt=None) -> SimpleNamespace:
-    return SimpleNamespace(input_ids=tokens, sampling_params={"custom_params": {"pcr_doc_bounds": bounds}},
-                           extra_key=None, cache_salt=salt, priority=None, lora_id=None)
+    return SimpleNamespace(
+        input_ids=tokens,
+        sampling_params={"custom_params": {"pcr_doc_bounds": bounds}},
+        extra_key=None,
+        cache_salt=salt,
+        priority=None,
+        lora_id=None,
+    )
 
 
 # S = [1, 2]; documents [10, 11, 12] and [20, 21]; question [30].
@@ -139,6 +148,7 @@ def test_request_mode_after_two_warms_only_recurring_documents_and_waits_for_the
         # Another tenant's sightings are its own.
         await warmer.warm(manager, _marked(PROMPT, BOUNDS, salt="other"), send=None)
         assert len(recorder.sent) == 2
+
     asyncio.run(run())
 
 
@@ -147,6 +157,7 @@ def test_request_mode_after_one_warms_first_sightings():
         warmer, recorder, manager = _warmer(WarmupPolicy("request", after=1))
         await warmer.warm(manager, _marked(PROMPT, BOUNDS), send=None)
         assert [c for c, _ in recorder.sent] == CANONICAL
+
     asyncio.run(run())
 
 
@@ -165,6 +176,7 @@ def test_idle_mode_sends_the_request_at_once_and_warms_one_at_a_time_when_nothin
         assert [c for c, _ in recorder.sent] == CANONICAL
         assert recorder.most_concurrent == 1
         assert warmer.stats.completed == 2
+
     asyncio.run(run())
 
 
@@ -180,11 +192,13 @@ def test_a_request_waits_for_a_document_already_being_warmed_instead_of_sending_
         recorder.release.set()
         await asyncio.wait_for(asyncio.gather(first, second), timeout=1)
         assert len(recorder.sent) == 2
+
     asyncio.run(run())
 
 
 def test_a_request_asking_for_a_warm_up_gets_it_at_once_whatever_the_policy():
     """What the precompute command sends: every document is seen once there."""
+
     async def run():
         for policy in (WarmupPolicy("request", after=2), WarmupPolicy("idle", after=2)):
             warmer, recorder, manager = _warmer(policy)
@@ -193,6 +207,7 @@ def test_a_request_asking_for_a_warm_up_gets_it_at_once_whatever_the_policy():
             asked.sampling_params["custom_params"]["pcr_doc_warm"] = True
             await asyncio.wait_for(warmer.warm(manager, asked, send=None), timeout=1)
             assert [c for c, _ in recorder.sent] == CANONICAL, policy  # done before it returned
+
     asyncio.run(run())
 
 
@@ -208,8 +223,9 @@ def test_a_hint_only_request_marking_documents_warms_nothing():
     from pcr_sglang.reuse.tokenizer import _marked as needs_warming
 
     def action(hint_only):
-        return SimpleNamespace(action_type="pcr.lookahead_prefetch", action_version="1",
-                               payload={"hint_only": hint_only})
+        return SimpleNamespace(
+            action_type="pcr.lookahead_prefetch", action_version="1", payload={"hint_only": hint_only}
+        )
 
     request = _marked(PROMPT, BOUNDS)
     assert needs_warming(request)
@@ -231,10 +247,15 @@ def _many(first_token: int, count: int, warm_now: bool = False) -> SimpleNamespa
     return request
 
 
-@pytest.mark.parametrize("policy, warm_now", [(WarmupPolicy("request", after=1), False),
-                                              (WarmupPolicy("request", after=2), True),
-                                              (WarmupPolicy("idle", after=2), True)],
-                         ids=["due", "pcr_doc_warm", "pcr_doc_warm-idle"])
+@pytest.mark.parametrize(
+    "policy, warm_now",
+    [
+        (WarmupPolicy("request", after=1), False),
+        (WarmupPolicy("request", after=2), True),
+        (WarmupPolicy("idle", after=2), True),
+    ],
+    ids=["due", "pcr_doc_warm", "pcr_doc_warm-idle"],
+)
 def test_warm_ups_in_flight_are_capped_per_request_and_per_server(policy, warm_now):
     """Review finding 4: one request started one warm-up prefill per due document, all at
     once, and ``pcr_doc_warm: true`` made every document due. Now at most
@@ -258,6 +279,7 @@ def test_warm_ups_in_flight_are_capped_per_request_and_per_server(policy, warm_n
         await asyncio.wait_for(asyncio.gather(first, second), timeout=5)
         assert len(recorder.sent) == 24 and recorder.most_concurrent == 4
         assert warmer.stats.completed == 24 and not warmer._in_flight
+
     asyncio.run(run())
 
 
@@ -284,11 +306,14 @@ def test_one_tenants_flood_of_warm_ups_leaves_places_for_another_tenant():
     from pcr_sglang.reuse.doc_warmer import WarmupCaps
 
     async def run():
-        warmer, recorder, manager = _warmer(WarmupPolicy("request", after=1),
-                                            caps=WarmupCaps(per_request=8, per_tenant=2, per_server=4))
+        warmer, recorder, manager = _warmer(
+            WarmupPolicy("request", after=1), caps=WarmupCaps(per_request=8, per_tenant=2, per_server=4)
+        )
         recorder.hold = True
-        floods = [asyncio.ensure_future(warmer.warm(manager, _salted(_many(100 + 50 * i, 8, True), "flood"),
-                                                    send=None)) for i in range(3)]
+        floods = [
+            asyncio.ensure_future(warmer.warm(manager, _salted(_many(100 + 50 * i, 8, True), "flood"), send=None))
+            for i in range(3)
+        ]
         await asyncio.sleep(0.05)
         assert recorder.concurrent == 2  # the flooding tenant's share of the server's 4
         victim = asyncio.ensure_future(warmer.warm(manager, _salted(_many(900, 2, True), "victim"), send=None))
@@ -297,6 +322,7 @@ def test_one_tenants_flood_of_warm_ups_leaves_places_for_another_tenant():
         recorder.release.set()
         await asyncio.wait_for(asyncio.gather(*floods, victim), timeout=5)
         assert len(warmer._tenants) == 0  # nothing kept for tenants with nothing in flight
+
     asyncio.run(run())
 
 
@@ -307,8 +333,9 @@ def test_a_request_waits_for_its_warm_ups_a_few_prefills_then_goes_without_them(
     from pcr_sglang.reuse.doc_warmer import WarmupWait
 
     async def run():
-        warmer, recorder, manager = _warmer(WarmupPolicy("request", after=1),
-                                            wait=WarmupWait(multiple=3.0, floor_s=0.05, initial_s=5.0))
+        warmer, recorder, manager = _warmer(
+            WarmupPolicy("request", after=1), wait=WarmupWait(multiple=3.0, floor_s=0.05, initial_s=5.0)
+        )
         assert warmer.wait_s() == 5.0  # nothing measured yet
         await warmer.warm(manager, _many(100, 2, True), send=None)  # quick prefills: measured
         assert 0.05 <= warmer.wait_s() < 1.0
@@ -323,6 +350,7 @@ def test_a_request_waits_for_its_warm_ups_a_few_prefills_then_goes_without_them(
                 break
             await asyncio.sleep(0.01)
         assert warmer.stats.completed == 4
+
     asyncio.run(run())
 
 

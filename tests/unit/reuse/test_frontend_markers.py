@@ -13,9 +13,8 @@ def test_documents_are_tokenized_alone_and_bounded(tokenizer):
     first = tokenizer.encode("First document.\n\n", add_special_tokens=False)
     second = tokenizer.encode("Second one.\n\n", add_special_tokens=False)
     lead = tokenizer("Lead text.\n\n").input_ids
-    assert bounds == [len(lead), len(lead) + len(first), len(lead) + len(first),
-                      len(lead) + len(first) + len(second)]
-    assert ids[bounds[0]:bounds[1]] == first and ids[bounds[2]:bounds[3]] == second
+    assert bounds == [len(lead), len(lead) + len(first), len(lead) + len(first), len(lead) + len(first) + len(second)]
+    assert ids[bounds[0] : bounds[1]] == first and ids[bounds[2] : bounds[3]] == second
     assert strip_markers(text) == "Lead text.\n\nFirst document.\n\nSecond one.\n\nQuestion: why?"
 
 

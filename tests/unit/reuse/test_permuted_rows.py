@@ -46,9 +46,20 @@ def _bound(rows):
 
 def _native(b, rows, scaling=0.3):
     output = torch.full_like(b.query, float("nan"))
-    return position_causal_sdpa_extend(rows, b.query, output, b.k_cache, b.v_cache, b.req_to_token,
-                                       b.req_pool_indices, b.seq_lens, b.prefix_lens, b.extend_lens, scaling,
-                                       b.query.shape[1] != b.k_cache.shape[1])
+    return position_causal_sdpa_extend(
+        rows,
+        b.query,
+        output,
+        b.k_cache,
+        b.v_cache,
+        b.req_to_token,
+        b.req_pool_indices,
+        b.seq_lens,
+        b.prefix_lens,
+        b.extend_lens,
+        scaling,
+        b.query.shape[1] != b.k_cache.shape[1],
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -77,10 +88,16 @@ def _natural_and_permuted(dtype, num_heads=4, num_kv_heads=2, seed=0):
     def batch(positions, prefix_len):
         req_to_token = torch.zeros((2, SEQ + 3), dtype=torch.int64)
         req_to_token[1, :SEQ] = slot_of[torch.tensor(positions)]
-        return SimpleNamespace(query=query_at[torch.tensor(positions[prefix_len:])].clone(), k_cache=k_cache,
-                               v_cache=v_cache, req_to_token=req_to_token, req_pool_indices=torch.tensor([1]),
-                               seq_lens=torch.tensor([SEQ]), prefix_lens=torch.tensor([prefix_len]),
-                               extend_lens=torch.tensor([SEQ - prefix_len]))
+        return SimpleNamespace(
+            query=query_at[torch.tensor(positions[prefix_len:])].clone(),
+            k_cache=k_cache,
+            v_cache=v_cache,
+            req_to_token=req_to_token,
+            req_pool_indices=torch.tensor([1]),
+            seq_lens=torch.tensor([SEQ]),
+            prefix_lens=torch.tensor([prefix_len]),
+            extend_lens=torch.tensor([SEQ - prefix_len]),
+        )
 
     natural = batch(list(range(SEQ)), 8)
     permuted = batch(order, prefix)
@@ -111,10 +128,22 @@ def test_the_backend_hook_routes_only_forwards_with_rows(monkeypatch):
 
     def run():
         output = torch.full_like(permuted.query, float("nan"))
-        forward_hooks.native_extend(original, backend, permuted.query, output, permuted.k_cache, permuted.v_cache,
-                              permuted.req_to_token, permuted.req_pool_indices, permuted.seq_lens,
-                              permuted.prefix_lens, permuted.extend_lens, scaling=0.3, enable_gqa=True,
-                              causal=True)
+        forward_hooks.native_extend(
+            original,
+            backend,
+            permuted.query,
+            output,
+            permuted.k_cache,
+            permuted.v_cache,
+            permuted.req_to_token,
+            permuted.req_pool_indices,
+            permuted.seq_lens,
+            permuted.prefix_lens,
+            permuted.extend_lens,
+            scaling=0.3,
+            enable_gqa=True,
+            causal=True,
+        )
         return output
 
     plans = _plans_with(backend, _bound({0: (1, order)}))  # request-pool row 1, as in the batch
@@ -133,24 +162,37 @@ def test_extend_inputs_are_the_tokens_of_the_slots_positions():
     recompute = SimpleNamespace(rid="r", get_fill_ids=lambda: fill)
     ids = torch.zeros(3 + SEQ - prefix, dtype=torch.int64)
     ids[:3] = torch.tensor([4, 5, 6])
-    batch = SimpleNamespace(reqs=[plain, recompute], prefix_lens=[4, prefix], extend_lens=[3, SEQ - prefix],
-                            prefill_input_ids_cpu=ids, input_ids=None)
+    batch = SimpleNamespace(
+        reqs=[plain, recompute],
+        prefix_lens=[4, prefix],
+        extend_lens=[3, SEQ - prefix],
+        prefill_input_ids_cpu=ids,
+        input_ids=None,
+    )
     rows = permute_extend_inputs(batch, {"r": ROW}.get)
     assert ids[:3].tolist() == [4, 5, 6]  # untouched
     assert ids[3:].tolist() == [100 + p for p in (8, 9, 10, 20, 21, *range(30, 40))]
     assert list(rows) == [1] and rows[1].tolist() == ROW.positions_of_slots(0, SEQ)
     # A later chunk past the permuted part is a plain extend: nothing to carry.
-    later = SimpleNamespace(reqs=[recompute], prefix_lens=[ROW.end], extend_lens=[5],
-                            prefill_input_ids_cpu=torch.zeros(5, dtype=torch.int64), input_ids=None)
+    later = SimpleNamespace(
+        reqs=[recompute],
+        prefix_lens=[ROW.end],
+        extend_lens=[5],
+        prefill_input_ids_cpu=torch.zeros(5, dtype=torch.int64),
+        input_ids=None,
+    )
     assert permute_extend_inputs(later, {"r": ROW}.get) is None
 
 
 def test_positions_are_the_true_ones_and_are_published_for_the_forward():
     mode = SimpleNamespace(is_extend=lambda: True)
     prefix = ROW.end - 5
-    forward = SimpleNamespace(positions=torch.arange(100, dtype=torch.int32)[:3 + SEQ - prefix].clone(),
-                              forward_mode=mode, extend_prefix_lens_cpu=[4, prefix],
-                              extend_seq_lens_cpu=[3, SEQ - prefix])
+    forward = SimpleNamespace(
+        positions=torch.arange(100, dtype=torch.int32)[: 3 + SEQ - prefix].clone(),
+        forward_mode=mode,
+        extend_prefix_lens_cpu=[4, prefix],
+        extend_seq_lens_cpu=[3, SEQ - prefix],
+    )
     forward.positions[:3] = torch.tensor([4, 5, 6], dtype=torch.int32)
     order = torch.tensor(ROW.positions_of_slots(0, SEQ))
     reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
@@ -181,8 +223,10 @@ def test_triton_mask_is_position_causal_per_request_in_row_order():
     plain = mask[:6].reshape(2, 3).tolist()
     assert plain == [[True, True, False], [True, True, True]]  # bottom-right causal
     permuted = mask[6:].reshape(2, 4).tolist()
-    assert permuted == [[True, True, True, True],  # the query at position 3 sees every position
-                        [True, True, False, True]]  # the one at position 2 not position 3 (in slot 2)
+    assert permuted == [
+        [True, True, True, True],  # the query at position 3 sees every position
+        [True, True, False, True],
+    ]  # the one at position 2 not position 3 (in slot 2)
 
 
 def test_the_triton_hooks_set_the_mask_for_a_forward_with_rows_and_only_then(monkeypatch):
@@ -200,9 +244,13 @@ def test_the_triton_hooks_set_the_mask_for_a_forward_with_rows_and_only_then(mon
         return kwargs
 
     mode = SimpleNamespace(is_extend=lambda: True, is_target_verify=lambda: False)
-    forward = SimpleNamespace(forward_mode=mode, req_pool_indices_cpu=torch.tensor([5, 9]),
-                              seq_lens_cpu=torch.tensor([3, 4]), extend_prefix_lens_cpu=[1, 2],
-                              seq_lens=torch.tensor([3, 4]))
+    forward = SimpleNamespace(
+        forward_mode=mode,
+        req_pool_indices_cpu=torch.tensor([5, 9]),
+        seq_lens_cpu=torch.tensor([3, 4]),
+        extend_prefix_lens_cpu=[1, 2],
+        seq_lens=torch.tensor([3, 4]),
+    )
     backend = SimpleNamespace()
     plans = _plans_with(backend, _bound({1: (9, order)}))
     plans.current.prefix_lens, plans.current.extend_lens = [1, 2], [2, 2]

@@ -44,8 +44,11 @@ def staged(monkeypatch):
 
 def test_on_cuda_host_values_go_through_the_pinned_ring(monkeypatch):
     seen = []
-    monkeypatch.setattr(permuted_rows, "_staging", lambda device: SimpleNamespace(
-        to_device=lambda values: seen.append((device, values.tolist())) or values))
+    monkeypatch.setattr(
+        permuted_rows,
+        "_staging",
+        lambda device: SimpleNamespace(to_device=lambda values: seen.append((device, values.tolist())) or values),
+    )
     permuted_rows.to_device(torch.tensor([3, 1]), torch.device("cuda", 0))
     assert seen == [(torch.device("cuda", 0), [3, 1])]
     assert permuted_rows.to_device(torch.tensor([2]), torch.device("cpu")).tolist() == [2] and len(seen) == 1
@@ -54,8 +57,13 @@ def test_on_cuda_host_values_go_through_the_pinned_ring(monkeypatch):
 def test_a_step_with_permuted_rows_waits_for_nothing_and_allocates_no_pinned_memory(staged):
     cuda, calls = staged
     mode = SimpleNamespace(is_extend=lambda: True)
-    forward = SimpleNamespace(positions=torch.zeros(3 + 6, dtype=torch.int32), forward_mode=mode,
-                              extend_prefix_lens_cpu=[4, 2], extend_seq_lens_cpu=[3, 6], seq_lens_cpu=[7, 8])
+    forward = SimpleNamespace(
+        positions=torch.zeros(3 + 6, dtype=torch.int32),
+        forward_mode=mode,
+        extend_prefix_lens_cpu=[4, 2],
+        extend_seq_lens_cpu=[3, 6],
+        seq_lens_cpu=[7, 8],
+    )
     order = torch.tensor([0, 1, 5, 4, 3, 2, 6, 7])
     reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
     plans = ForwardPlans()
@@ -76,10 +84,16 @@ def test_a_step_with_permuted_rows_waits_for_nothing_and_allocates_no_pinned_mem
 def _forward_without_companions():
     """A forward whose ``*_cpu`` companions are unset: only the (device) length tensors."""
     mode = SimpleNamespace(is_extend=lambda: True, is_target_verify=lambda: False)
-    return SimpleNamespace(positions=torch.zeros(3 + 6, dtype=torch.int32), forward_mode=mode,
-                           extend_prefix_lens=torch.tensor([4, 2]), extend_seq_lens=torch.tensor([3, 6]),
-                           seq_lens=torch.tensor([7, 8]), extend_prefix_lens_cpu=None, extend_seq_lens_cpu=None,
-                           seq_lens_cpu=None)
+    return SimpleNamespace(
+        positions=torch.zeros(3 + 6, dtype=torch.int32),
+        forward_mode=mode,
+        extend_prefix_lens=torch.tensor([4, 2]),
+        extend_seq_lens=torch.tensor([3, 6]),
+        seq_lens=torch.tensor([7, 8]),
+        extend_prefix_lens_cpu=None,
+        extend_seq_lens_cpu=None,
+        seq_lens_cpu=None,
+    )
 
 
 def test_without_sglangs_host_companions_the_lengths_come_from_the_batch_and_nothing_waits(staged):

@@ -22,8 +22,7 @@ from pcr_sglang.reuse.plan import CopySegment, ReusePlan
 from tests.unit.reuse.test_doc_reuse_setup import _stand_in_model
 
 # Positions 4..7 exact (delta 0), 8..13 re-placed; the request is 20 tokens long.
-PLAN = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 8, 14, 4)), 4, 14, 8, recompute_count=2,
-                 selector="deviation")
+PLAN = ReusePlan((CopySegment(0, 4, 8, 4), CopySegment(1, 8, 14, 4)), 4, 14, 8, recompute_count=2, selector="deviation")
 IN_ORDER = ReusePlan((CopySegment(0, 4, 8, 0), CopySegment(1, 8, 14, 0)), 4, 14, 14)
 TOTAL = 20
 
@@ -31,6 +30,7 @@ TOTAL = 20
 def _fail(what):
     def fail(*args, **kwargs):
         raise AssertionError(f"{what} reached for a request over its budget")
+
     return fail
 
 
@@ -104,8 +104,11 @@ def test_admission_indices_cross_through_the_pinned_ring_keeping_their_shape(mon
     """On CUDA the admission's index tensors go through the pinned ring allocated once, not
     a ``pin_memory()`` per admission, and keep their shape."""
     seen = []
-    monkeypatch.setattr(permuted_rows, "_staging", lambda device: SimpleNamespace(
-        to_device=lambda values: seen.append(values.shape) or values.reshape(-1)))
+    monkeypatch.setattr(
+        permuted_rows,
+        "_staging",
+        lambda device: SimpleNamespace(to_device=lambda values: seen.append(values.shape) or values.reshape(-1)),
+    )
     index = torch.arange(12).reshape(3, 4)
     out = to_device(index, torch.device("cuda", 0))
     assert seen == [torch.Size([3, 4])] and out.shape == (3, 4) and torch.equal(out, index)
@@ -150,14 +153,20 @@ def test_the_plugin_takes_the_reserve_where_sglang_sizes_its_kv_pool(monkeypatch
     if not plugin._registered:
         plugin.register()
     assert hasattr(KVCacheConfigurator, plugin.KV_POOL_BUDGET.rsplit(".", 1)[1])
-    assert any(kind is HookType.AFTER and hook is plugin._reserve_doc_scratch
-               for kind, hook, _ in HookRegistry._hooks.get(plugin.KV_POOL_BUDGET, []))
+    assert any(
+        kind is HookType.AFTER and hook is plugin._reserve_doc_scratch
+        for kind, hook, _ in HookRegistry._hooks.get(plugin.KV_POOL_BUDGET, [])
+    )
     cuda = SimpleNamespace(device="cuda")
     base = ["--model-path", str(tmp_path), "--skip-server-warmup"]
-    for argv, left in ((["--enable-pcr", "--pcr-doc-reuse", "blend", "--pcr-blend-probe-mb", "64",
-                         "--pcr-position-mask-mb", "32"], (1 << 30) - (96 << 20)),
-                       (["--enable-pcr"], 1 << 30),  # no document reuse: nothing reserved
-                       ([], 1 << 30)):  # not a PCR server
+    for argv, left in (
+        (
+            ["--enable-pcr", "--pcr-doc-reuse", "blend", "--pcr-blend-probe-mb", "64", "--pcr-position-mask-mb", "32"],
+            (1 << 30) - (96 << 20),
+        ),
+        (["--enable-pcr"], 1 << 30),  # no document reuse: nothing reserved
+        ([], 1 << 30),
+    ):  # not a PCR server
         monkeypatch.setattr(runtime_context, "get_server_args", lambda a=argv: prepare_server_args(base + a))
         assert plugin._reserve_doc_scratch(1 << 30, cuda, 0) == left, argv
 

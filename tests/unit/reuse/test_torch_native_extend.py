@@ -49,8 +49,9 @@ class ExtendBatch:
     extend_lens: torch.Tensor
 
 
-def make_batch(lengths: list[tuple[int, int]], num_heads: int, num_kv_heads: int, dtype: torch.dtype,
-               seed: int = 0) -> ExtendBatch:
+def make_batch(
+    lengths: list[tuple[int, int]], num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int = 0
+) -> ExtendBatch:
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in lengths]
     num_slots = sum(seq_lens) + 11
@@ -112,17 +113,28 @@ def run_backend(b: ExtendBatch, scaling: float, causal: bool, window: Optional[i
     backend = object.__new__(TorchNativeAttnBackend)  # the method needs no model runner
     output = torch.full_like(b.query, float("nan"))
     backend._run_sdpa_forward_extend(
-        b.query, output, b.k_cache, b.v_cache, b.req_to_token, b.req_pool_indices, b.seq_lens,
-        b.prefix_lens, b.extend_lens, scaling=scaling, enable_gqa=b.query.shape[1] != b.k_cache.shape[1],
-        causal=causal, sliding_window_size=window,
+        b.query,
+        output,
+        b.k_cache,
+        b.v_cache,
+        b.req_to_token,
+        b.req_pool_indices,
+        b.seq_lens,
+        b.prefix_lens,
+        b.extend_lens,
+        scaling=scaling,
+        enable_gqa=b.query.shape[1] != b.k_cache.shape[1],
+        causal=causal,
+        sliding_window_size=window,
     )
     return output
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (4, 4)])
-@pytest.mark.parametrize("causal,window", [(True, None), (True, 8), (False, None)],
-                         ids=["causal", "sliding-window", "non-causal"])
+@pytest.mark.parametrize(
+    "causal,window", [(True, None), (True, 8), (False, None)], ids=["causal", "sliding-window", "non-causal"]
+)
 def test_extend_rows_equal_padded_reference(monkeypatch, dtype, num_heads, num_kv_heads, causal, window):
     monkeypatch.delenv(PADDED_ENV, raising=False)
     b = make_batch(BATCH, num_heads, num_kv_heads, dtype)

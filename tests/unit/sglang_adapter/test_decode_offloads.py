@@ -129,7 +129,7 @@ class Batch:
         h.cache.checkpoint(req, up_to=len(req.tokens))
         row = self.rows.req_to_token[req.kv.req_pool_idx]
         h.scheduler.engine.fence_before_reuse()
-        h.allocator.free(row[req.kv.cache_protected_len: len(req.tokens)].to(torch.int64))
+        h.allocator.free(row[req.kv.cache_protected_len : len(req.tokens)].to(torch.int64))
         h.cache.unlock(req.lock)
         req.lock = None
         h.cache.on_release(req, checkpointed=True)
@@ -191,7 +191,7 @@ def test_long_generations_of_many_requests_never_take_more_than_the_decode_share
         for index, node in enumerate(nodes[1:], start=1):
             if node.on_host:
                 on_host += 1
-                assert torch.equal(host_chunk(h, node), expected_chunk(tokens[index * CHUNK:(index + 1) * CHUNK]))
+                assert torch.equal(host_chunk(h, node), expected_chunk(tokens[index * CHUNK : (index + 1) * CHUNK]))
     assert on_host == share
     # Everything off the device (copied to host where it fits), then served again.
     h.cache.evict(EvictParams(num_tokens=10**6))

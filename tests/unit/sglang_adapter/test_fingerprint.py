@@ -77,11 +77,13 @@ def test_documented_collision_an_edit_between_the_sampled_windows(tiny_model, mo
     folder = model_copy("interior-edit")
     path = folder / WEIGHTS
     header = json.loads(_header(path)[8:])
-    name, info = max(((k, v) for k, v in header.items() if k != "__metadata__"),
-                     key=lambda kv: kv[1]["data_offsets"][1] - kv[1]["data_offsets"][0])
+    name, info = max(
+        ((k, v) for k, v in header.items() if k != "__metadata__"),
+        key=lambda kv: kv[1]["data_offsets"][1] - kv[1]["data_offsets"][0],
+    )
     begin = len(_header(path)) + info["data_offsets"][0]
     data = bytearray(path.read_bytes())
-    data[begin + 4096: begin + 4100] = b"\x00\x00\x80\x7f"
+    data[begin + 4096 : begin + 4100] = b"\x00\x00\x80\x7f"
     path.write_bytes(bytes(data))
     assert weights_digest(folder) == weights_digest(Path(tiny_model))
 
@@ -139,6 +141,7 @@ def test_hub_id_resolves_to_the_local_snapshot(tiny_model, tmp_path, monkeypatch
 
 # --------------------------------------------------------------------------- numerics
 
+
 @pytest.fixture(scope="module")
 def namespace_of(tiny_model):
     """The namespace a server with these flags gets, through SGLang's real resolution."""
@@ -153,16 +156,25 @@ def namespace_of(tiny_model):
         args.resolve_once()
         mc = model_config_of(args)
         ns = cache_namespace(args, mc, kv_dtype="float32", chunk_size=16)
-        return ns if fields is fingerprint.NUMERICS_FIELDS else \
-            ns.__class__(**{**ns.__dict__, "numerics": fingerprint.numerics_text(args, mc, fields)})
+        return (
+            ns
+            if fields is fingerprint.NUMERICS_FIELDS
+            else ns.__class__(**{**ns.__dict__, "numerics": fingerprint.numerics_text(args, mc, fields)})
+        )
 
     return make
 
 
 def _kv_scales(tmp_path: Path, value: float) -> str:
     path = tmp_path / f"kv_scales_{value}.json"
-    path.write_text(json.dumps({"model_type": "llama", "kv_cache": {"dtype": "float8_e4m3fn",
-                                "scaling_factor": {"0": {"0": value, "1": value}}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": value, "1": value}}},
+            }
+        )
+    )
     return str(path)
 
 
@@ -186,8 +198,10 @@ def test_each_numerics_flag_changes_the_namespace(namespace_of, field):
     # assertion above is this field's doing, not some other difference).
     fields = tuple(f for f in fingerprint.NUMERICS_FIELDS if f[0] != field)
     if field != "json_model_override_args":  # the override also reaches the hashed HF config
-        assert namespace_of(*NUMERICS_CASES[field], fields=fields).chain_digest() == \
-            namespace_of(fields=fields).chain_digest()
+        assert (
+            namespace_of(*NUMERICS_CASES[field], fields=fields).chain_digest()
+            == namespace_of(fields=fields).chain_digest()
+        )
 
 
 def test_kv_scales_file_content_changes_the_namespace(namespace_of, tmp_path):
@@ -217,17 +231,28 @@ def _write_adapter(folder: Path, seed: int, hidden: int = 256) -> Path:
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "bias": "none",
-        "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": 4,
+                "lora_alpha": 8,
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "target_modules": ["q_proj", "v_proj"],
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(2):
         for proj in ("q_proj", "v_proj"):
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(4, hidden, generator=generator)
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden if proj == "q_proj" else 128, 4,
-                                                             generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(
+                hidden if proj == "q_proj" else 128, 4, generator=generator
+            )
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     return folder
 
@@ -275,8 +300,16 @@ def test_a_retrained_adapter_at_the_same_path_changes_the_server_namespace(names
     """Through SGLang's real flag resolution: the server's namespace follows the files of a
     --lora-paths adapter, not its name and path (SGLang's id for it)."""
     path = _write_adapter(tmp_path / "adapter", seed=1)
-    lora = ("--enable-lora", "--lora-paths", f"a={path}", "--max-lora-rank", "4",
-            "--lora-target-modules", "q_proj", "v_proj")
+    lora = (
+        "--enable-lora",
+        "--lora-paths",
+        f"a={path}",
+        "--max-lora-rank",
+        "4",
+        "--lora-target-modules",
+        "q_proj",
+        "v_proj",
+    )
     first = namespace_of(*lora).chain_digest()
     assert namespace_of(*lora).chain_digest() == first
     _write_adapter(path, seed=2)

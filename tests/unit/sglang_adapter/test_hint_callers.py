@@ -27,14 +27,17 @@ from pcr_sglang.sglang_adapter.kv_hints import stamp_caller, validate_kv_hints
 def test_a_client_rotating_salts_is_still_one_caller_bounded_in_rate():
     book = HintBook(HintLimits(rate_per_s=1, burst=2, max_live=1000))
     caller_burst = 2 * CALLER_RATE_FACTOR
-    results = [book.register(f"h{i}", [f"k{i}"], HintPayload(), now=0.0, tenant=f"salt:{i}", caller="peer:A")
-               for i in range(caller_burst + 3)]
+    results = [
+        book.register(f"h{i}", [f"k{i}"], HintPayload(), now=0.0, tenant=f"salt:{i}", caller="peer:A")
+        for i in range(caller_burst + 3)
+    ]
     assert results == [True] * caller_burst + [False] * 3
     assert book.stats.rate_limited == 3
     assert book.register("b", ["kb"], HintPayload(), now=0.0, tenant="salt:0", caller="peer:B")  # B's own bucket
     assert not book.register("a", ["ka"], HintPayload(), now=0.1, tenant="salt:new", caller="peer:A")
-    assert book.register("a", ["ka"], HintPayload(), now=0.1 + 1.0 / CALLER_RATE_FACTOR, tenant="salt:new",
-                         caller="peer:A")  # refilled at the caller's rate
+    assert book.register(
+        "a", ["ka"], HintPayload(), now=0.1 + 1.0 / CALLER_RATE_FACTOR, tenant="salt:new", caller="peer:A"
+    )  # refilled at the caller's rate
 
 
 def test_a_hint_over_its_tenants_rate_takes_no_token_of_its_caller():
@@ -42,8 +45,10 @@ def test_a_hint_over_its_tenants_rate_takes_no_token_of_its_caller():
     assert book.register("a0", ["k"], HintPayload(), now=0.0, tenant="salt:t", caller="peer:A")
     for i in range(10):  # the tenant's bucket is empty: none of these charges the caller's
         assert not book.register(f"a{i + 1}", ["k"], HintPayload(), now=0.0, tenant="salt:t", caller="peer:A")
-    others = [book.register(f"o{i}", ["k"], HintPayload(), now=0.0, tenant=f"salt:o{i}", caller="peer:A")
-              for i in range(CALLER_RATE_FACTOR)]
+    others = [
+        book.register(f"o{i}", ["k"], HintPayload(), now=0.0, tenant=f"salt:o{i}", caller="peer:A")
+        for i in range(CALLER_RATE_FACTOR)
+    ]
     assert others == [True] * (CALLER_RATE_FACTOR - 1) + [False]
 
 
@@ -76,8 +81,17 @@ def test_of_callers_holding_equally_many_the_newest_loses():
 
 # ------------------------------------------------------------------ the caller, set in the tokenizer process
 def http_request(host: str) -> Request:
-    return Request({"type": "http", "method": "POST", "path": "/generate", "headers": [],
-                    "client": (host, 51234), "server": ("127.0.0.1", 30000), "query_string": b""})
+    return Request(
+        {
+            "type": "http",
+            "method": "POST",
+            "path": "/generate",
+            "headers": [],
+            "client": (host, 51234),
+            "server": ("127.0.0.1", 30000),
+            "query_string": b"",
+        }
+    )
 
 
 @pytest.mark.parametrize("host, expected", [("10.0.0.7", "peer:10.0.0.7"), (None, DEFAULT_CALLER)])
@@ -91,8 +105,7 @@ def test_the_caller_is_the_connections_peer_whatever_the_client_wrote(host, expe
 
 
 def test_every_prompt_of_a_batch_gets_the_caller():
-    obj = GenerateReqInput(input_ids=[[1, 2, 3], [4, 5, 6]],
-                           kv_hints=[hint_envelope({"hint_only": True}, "m1"), None])
+    obj = GenerateReqInput(input_ids=[[1, 2, 3], [4, 5, 6]], kv_hints=[hint_envelope({"hint_only": True}, "m1"), None])
     obj.normalize_batch_and_arguments()
     stamp_caller(None, None, obj, http_request("192.0.2.1"))
     assert hint_payload(obj.kv_hints[0]).caller == "peer:192.0.2.1" and obj.kv_hints[1] is None

@@ -48,8 +48,11 @@ def test_one_tenant_at_the_live_limit_does_not_push_out_another_tenants_hints():
 
 def test_one_tenant_out_of_rate_tokens_does_not_rate_limit_another():
     book = HintBook(HintLimits(rate_per_s=1, burst=2))
-    assert [book.register(f"a{i}", ["k"], HintPayload(), now=0.0, tenant="salt:A") for i in range(3)] == \
-        [True, True, False]
+    assert [book.register(f"a{i}", ["k"], HintPayload(), now=0.0, tenant="salt:A") for i in range(3)] == [
+        True,
+        True,
+        False,
+    ]
     assert book.register("b", ["k"], HintPayload(), now=0.0, tenant="salt:B")  # B's own bucket
     assert book.stats.rate_limited == 1
 
@@ -325,8 +328,7 @@ def test_kept_chains_plan_exactly_what_matching_every_step_planned():
             if d is old:
                 d.state.hint_chains.reset()  # every chain matched afresh from the root
                 d.state.plan_prefetch(chains, [], effects, len(queue), hints)
-                runs = [list(d.state.promotable(d.state.match(iter(h.keys), touch=False).host_nodes))
-                        for h in hints]
+                runs = [list(d.state.promotable(d.state.match(iter(h.keys), touch=False).host_nodes)) for h in hints]
             else:
                 d.state.plan_prefetch(chains, [], effects, len(queue), hints)
                 runs = [d.state.hint_promotable(c, 1 << 30) for c in d.state.hint_chains.tracked()]
@@ -343,8 +345,7 @@ def test_kept_chains_plan_exactly_what_matching_every_step_planned():
         assert asdict(old.state.stats) == asdict(new.state.stats), f"step {step}"
         if step % 40 == 0:
             new.check()
-    tiers = [sorted((n.key, n.on_device, n.host_slot, n.on_ssd) for n in d.state.tree.iter_nodes())
-             for d in (old, new)]
+    tiers = [sorted((n.key, n.on_device, n.host_slot, n.on_ssd) for n in d.state.tree.iter_nodes()) for d in (old, new)]
     assert tiers[0] == tiers[1]
     ssd = new.state.ssd_stats
     assert ssd.hint_issued > 0 and ssd.hint_wasted > 0 and ssd.cancelled_reads > 0  # the run reached them

@@ -41,7 +41,7 @@ class Subscriber:
                 for i, h in enumerate(event.block_hashes):
                     assert h not in blocks, ("stored twice", event.medium, h)
                     blocks.add(h)
-                    self.tokens[h] = event.token_ids[i * CHUNK:(i + 1) * CHUNK]
+                    self.tokens[h] = event.token_ids[i * CHUNK : (i + 1) * CHUNK]
                     if parent is not None:
                         self.parents[h] = parent
                     parent = h
@@ -87,7 +87,7 @@ class EventDriver(Driver):
         reused = super().serve(tokens)
         self.events.learn(self.state.match(iter(ks), touch=False).nodes, tokens, None)
         for i, k in enumerate(ks):
-            self.chunk_tokens[block_hash(k)] = tokens[i * CHUNK:(i + 1) * CHUNK]
+            self.chunk_tokens[block_hash(k)] = tokens[i * CHUNK : (i + 1) * CHUNK]
         return reused
 
 
@@ -118,7 +118,7 @@ def test_a_subscriber_mirrors_every_tier_through_500_requests():
                 d.run(effects)
                 d.events.learn(d.state.match(iter(ks), touch=False).nodes, more, None)
                 for i, k in enumerate(ks):
-                    d.chunk_tokens[block_hash(k)] = more[i * CHUNK:(i + 1) * CHUNK]
+                    d.chunk_tokens[block_hash(k)] = more[i * CHUNK : (i + 1) * CHUNK]
         if step % 5 == 0:
             sub.apply(d.events.take())
             assert mirrored(sub) == tree_blocks(d.state), step

@@ -65,15 +65,18 @@ class _Envelope:
         self.actions = list(actions)
 
 
-@pytest.mark.parametrize("payload, message", [
-    ([1, 2], "payload must be an object"),
-    ({"ttl_s": -1}, r"ttl_s must be a number of seconds in \(0, 3600\]"),
-    ({"ttl_s": "10"}, "ttl_s must be a number"),
-    ({"hint_only": "yes"}, "hint_only must be true or false"),
-    ({"rank": 1.5}, "rank must be an integer"),
-    ({"group": 7}, "group must be a string"),
-    ({"promote": True}, "unknown fields"),
-])
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        ([1, 2], "payload must be an object"),
+        ({"ttl_s": -1}, r"ttl_s must be a number of seconds in \(0, 3600\]"),
+        ({"ttl_s": "10"}, "ttl_s must be a number"),
+        ({"hint_only": "yes"}, "hint_only must be true or false"),
+        ({"rank": 1.5}, "rank must be an integer"),
+        ({"group": 7}, "group must be a string"),
+        ({"promote": True}, "unknown fields"),
+    ],
+)
 def test_a_malformed_hint_names_the_field(payload, message):
     with pytest.raises(HintError, match=message):
         hint_payload(_Envelope(_Action(payload)))

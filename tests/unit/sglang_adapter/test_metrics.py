@@ -36,10 +36,15 @@ def test_the_docs_table_of_metrics_is_written_from_the_declaration():
         assert f"| `{metric.series}` |" in text
 
 
-@pytest.mark.parametrize("fed, counters", [
-    (metrics._COUNTER_FIELDS, CacheStats), (metrics._SSD_FIELDS, SSDStats),
-    (metrics._REMOTE_PROBE_FIELDS, RemoteProbeStats), (metrics._REMOTE_STORE_FIELDS, RemoteCounters),
-])
+@pytest.mark.parametrize(
+    "fed, counters",
+    [
+        (metrics._COUNTER_FIELDS, CacheStats),
+        (metrics._SSD_FIELDS, SSDStats),
+        (metrics._REMOTE_PROBE_FIELDS, RemoteProbeStats),
+        (metrics._REMOTE_STORE_FIELDS, RemoteCounters),
+    ],
+)
 def test_each_field_map_feeds_declared_series_from_existing_counters(fed, counters):
     declared = {metric.name: metric for metric in metrics.METRICS}
     assert set(fed) <= {f.name for f in fields(counters)}
@@ -54,8 +59,9 @@ def test_the_hint_kinds_are_hint_counters():
 def test_the_exporter_makes_every_declared_series(monkeypatch):
     registry = prometheus_client.CollectorRegistry()
     for name in ("Counter", "Gauge"):
-        monkeypatch.setattr(prometheus_client, name, functools.partial(getattr(prometheus_client, name),
-                                                                       registry=registry))
+        monkeypatch.setattr(
+            prometheus_client, name, functools.partial(getattr(prometheus_client, name), registry=registry)
+        )
     made = metrics.PCRMetrics({"model_name": "m"})
     families = {family.name: family for family in registry.collect()}
     for metric in metrics.METRICS:

@@ -526,8 +526,7 @@ def test_reads_and_writes_of_a_reset_tree_release_their_slots_when_they_complete
     h.check()
 
 
-def test_when_the_ranks_disagree_waiting_requests_are_admitted_and_nothing_more_is_read(make, tmp_path,
-                                                                                       monkeypatch):
+def test_when_the_ranks_disagree_waiting_requests_are_admitted_and_nothing_more_is_read(make, tmp_path, monkeypatch):
     """An agreement that finds the ranks inconsistent stops the SSD tier on every rank:
     requests waiting for reads must be admitted (to recompute), not held forever."""
     from pcr_sglang.core.agreement import Agreed
@@ -540,8 +539,9 @@ def test_when_the_ranks_disagree_waiting_requests_are_admitted_and_nothing_more_
     os.kill(h.scheduler.io.pid, signal.SIGSTOP)
     try:
         assert not h.scheduler.admission.admit_now(req)  # held for its reads
-        monkeypatch.setattr(step_agreement, "agree",
-                            lambda view, reduce_min: Agreed(False, False, consistent=False, error="test"))
+        monkeypatch.setattr(
+            step_agreement, "agree", lambda view, reduce_min: Agreed(False, False, consistent=False, error="test")
+        )
         h.step([req])
         assert h.scheduler.agreement.broken == "test" and not h.state.io_healthy
         assert h.scheduler.admission.admit_now(req)  # admitted now, to recompute
@@ -582,9 +582,17 @@ def test_lookahead_protects_a_waiting_requests_document_chains(make):
 
     h = make(lookahead_window=1)
     kv = h.allocator.get_kvcache()
-    h.scheduler.docs = DocReuse(h.state, Recompute("concat"), CHUNK, 0, RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
-                                list(zip(kv.k_buffer, kv.v_buffer)), h.allocator, h.scheduler.keyer,
-                                h.scheduler.executor.free_private)
+    h.scheduler.docs = DocReuse(
+        h.state,
+        Recompute("concat"),
+        CHUNK,
+        0,
+        RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
+        list(zip(kv.k_buffer, kv.v_buffer)),
+        h.allocator,
+        h.scheduler.keyer,
+        h.scheduler.executor.free_private,
+    )
     leading, doc = [7, 7], prompt(300, 2)[:6]
     tokens = leading + prompt(400, 1) + doc + [5, 5, 5]  # S, another document, doc, the question
     bounds = [2, 2 + CHUNK, 2 + CHUNK, 2 + CHUNK + 6]
@@ -613,9 +621,17 @@ def test_prefetch_reads_a_waiting_requests_document_chains_from_ssd(make, tmp_pa
 
     h = make(host_slots=6, ssd_path=tmp_path / "ssd", prefetch_window=1)
     kv = h.allocator.get_kvcache()
-    h.scheduler.docs = DocReuse(h.state, Recompute("concat"), CHUNK, 0, RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
-                                list(zip(kv.k_buffer, kv.v_buffer)), h.allocator, h.scheduler.keyer,
-                                h.scheduler.executor.free_private)
+    h.scheduler.docs = DocReuse(
+        h.state,
+        Recompute("concat"),
+        CHUNK,
+        0,
+        RopeSpec(8, 8, True, (1.0, 0.1, 0.01, 0.001)),
+        list(zip(kv.k_buffer, kv.v_buffer)),
+        h.allocator,
+        h.scheduler.keyer,
+        h.scheduler.executor.free_private,
+    )
     leading, doc = [7, 7], prompt(300, 2)[:6]
     tokens = leading + prompt(400, 1) + doc + [5, 5, 5]
     bounds = [2, 2 + CHUNK, 2 + CHUNK, 2 + CHUNK + 6]

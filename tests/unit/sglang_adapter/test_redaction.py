@@ -18,13 +18,32 @@ SSL = "ssl-pass-SECRET-99"
 
 
 def test_flags_and_their_values_are_redacted_in_both_spellings():
-    argv = ["--model-path", "m", "--admin-api-key", ADMIN, f"--api-key={API}", "--ssl-keyfile-password", SSL,
-            "--port", "30000"]
-    assert redact_argv(argv) == ["--model-path", "m", "--admin-api-key", REDACTED, f"--api-key={REDACTED}",
-                                 "--ssl-keyfile-password", REDACTED, "--port", "30000"]
+    argv = [
+        "--model-path",
+        "m",
+        "--admin-api-key",
+        ADMIN,
+        f"--api-key={API}",
+        "--ssl-keyfile-password",
+        SSL,
+        "--port",
+        "30000",
+    ]
+    assert redact_argv(argv) == [
+        "--model-path",
+        "m",
+        "--admin-api-key",
+        REDACTED,
+        f"--api-key={REDACTED}",
+        "--ssl-keyfile-password",
+        REDACTED,
+        "--port",
+        "30000",
+    ]
     line = f"python -m sglang.launch_server  --admin-api-key {ADMIN} --api-key={API}\t--port 1"
-    assert redact_command_line(line) == (f"python -m sglang.launch_server  --admin-api-key {REDACTED} "
-                                         f"--api-key={REDACTED}\t--port 1")
+    assert redact_command_line(line) == (
+        f"python -m sglang.launch_server  --admin-api-key {REDACTED} --api-key={REDACTED}\t--port 1"
+    )
 
 
 def test_a_secret_flag_last_on_the_line_redacts_nothing_else():
@@ -37,8 +56,17 @@ def test_sglangs_real_server_info_keeps_no_key_anywhere():
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils.common import build_server_info
 
-    argv = ["--model-path", "unused-model", "--admin-api-key", ADMIN, "--api-key", API,
-            "--ssl-keyfile-password", SSL, "--skip-server-warmup"]
+    argv = [
+        "--model-path",
+        "unused-model",
+        "--admin-api-key",
+        ADMIN,
+        "--api-key",
+        API,
+        "--ssl-keyfile-password",
+        SSL,
+        "--skip-server-warmup",
+    ]
     server_args = prepare_server_args(argv)
     info = build_server_info(server_args, {})
     as_text = json.dumps(info, default=str)
@@ -74,10 +102,12 @@ def test_short_values_are_redacted_by_name_but_not_searched_for():
 def test_a_key_with_spaces_leaves_no_word_in_the_launch_command():
     """SGLang joins argv with spaces (review R3: the flag's rule took the first word, and the
     whole value was no longer there to find)."""
+
     class Args:
         api_key = "open sesame 42"
         admin_api_key = None
 
-    answer = redact({"launch_command": "python -m sglang.launch_server --api-key open sesame 42 --port 1"},
-                    secret_values(Args()))
+    answer = redact(
+        {"launch_command": "python -m sglang.launch_server --api-key open sesame 42 --port 1"}, secret_values(Args())
+    )
     assert "sesame" not in answer["launch_command"] and answer["launch_command"].endswith("--port 1")

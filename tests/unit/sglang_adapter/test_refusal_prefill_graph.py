@@ -15,15 +15,25 @@ from pcr_sglang.sglang_adapter.refusals import SupportInputs
 
 def inputs(layerwise: str, backend: str, dram: bool = True) -> SupportInputs:
     cfg = SimpleNamespace(cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend=backend)))
-    pcr = PCRConfig(enabled=True, dram_gb=0.01, layerwise=layerwise) if dram else PCRConfig(enabled=True,
-                                                                                           layerwise=layerwise)
+    pcr = (
+        PCRConfig(enabled=True, dram_gb=0.01, layerwise=layerwise)
+        if dram
+        else PCRConfig(enabled=True, layerwise=layerwise)
+    )
     return SupportInputs(cfg, pcr)
 
 
-@pytest.mark.parametrize("layerwise, backend, refused", [
-    ("both", "breakable", True), ("load", "breakable", True), ("offload", "breakable", False),
-    ("off", "breakable", False), ("both", "disabled", False), ("both", "full", False),  # full: its own rule
-])
+@pytest.mark.parametrize(
+    "layerwise, backend, refused",
+    [
+        ("both", "breakable", True),
+        ("load", "breakable", True),
+        ("offload", "breakable", False),
+        ("off", "breakable", False),
+        ("both", "disabled", False),
+        ("both", "full", False),  # full: its own rule
+    ],
+)
 def test_layerwise_loads_with_a_breakable_prefill_graph_are_refused_naming_both_flags(layerwise, backend, refused):
     reason = refusals.check_graph_prefill_layerwise(inputs(layerwise, backend))
     assert (reason is not None) == refused
@@ -40,10 +50,10 @@ def test_the_rule_runs_with_the_others_and_the_full_graph_advice_is_not_refused_
     assert refusals.unsupported_reasons(inputs("both", "disabled")) == []
 
 
-@pytest.mark.parametrize("graph_flags, resolved", [(("--cuda-graph-backend-prefill", "breakable"), "offload"),
-                                                  ((), "both")])
-def test_the_default_layerwise_setting_is_served_under_sglangs_default_prefill_graph(tiny_model, graph_flags,
-                                                                                     resolved):
+@pytest.mark.parametrize(
+    "graph_flags, resolved", [(("--cuda-graph-backend-prefill", "breakable"), "offload"), ((), "both")]
+)
+def test_the_default_layerwise_setting_is_served_under_sglangs_default_prefill_graph(tiny_model, graph_flags, resolved):
     """SGLang's prefill graph is ``breakable`` by default on CUDA, so a default of ``both``
     would refuse ``--enable-pcr --pcr-dram-gb N`` on every GPU: ``auto`` (the flag's
     default) takes ``offload`` there, ``both`` without a prefill graph (CPU); a value the

@@ -17,15 +17,38 @@ from pcr_sglang.sglang_adapter.refusals import SupportInputs, UnsupportedConfigE
 
 DRAM = ("--pcr-dram-gb", "0.01")
 
-MLA = dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], kv_lora_rank=64,
-           q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
-MAMBA2 = dict(model_type="mamba2", architectures=["Mamba2ForCausalLM"], num_heads=16, head_dim=32,
-              n_groups=1, state_size=16, expand=2)
+MLA = dict(
+    model_type="deepseek_v2",
+    architectures=["DeepseekV2ForCausalLM"],
+    kv_lora_rank=64,
+    q_lora_rank=None,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+)
+MAMBA2 = dict(
+    model_type="mamba2",
+    architectures=["Mamba2ForCausalLM"],
+    num_heads=16,
+    head_dim=32,
+    n_groups=1,
+    state_size=16,
+    expand=2,
+)
 QWEN3_NEXT = dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"])
 SWA = dict(is_hybrid_swa=True, sliding_window=64)  # SGLang's opt-in for custom hybrid-SWA models
-DSA = dict(model_type="deepseek_v3", architectures=["DeepseekV32ForCausalLM"], kv_lora_rank=64,
-           q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, index_topk=16,
-           index_head_dim=32, index_n_heads=4)
+DSA = dict(
+    model_type="deepseek_v3",
+    architectures=["DeepseekV32ForCausalLM"],
+    kv_lora_rank=64,
+    q_lora_rank=64,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    index_topk=16,
+    index_head_dim=32,
+    index_n_heads=4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +93,11 @@ def test_supported_configuration_resolves(resolve, tiny_model):
     [
         (SWA, (), r"--model-path \S+ \(LlamaForCausalLM\) has sliding-window layers"),
         (MAMBA2, (), r"\(Mamba2ForCausalLM\) has state-space / linear-attention layers"),
-        (QWEN3_NEXT, ("--disable-overlap-schedule", "--mamba-radix-cache-strategy", "no_buffer"),
-         r"\(Qwen3NextForCausalLM\) has state-space / linear-attention layers"),
+        (
+            QWEN3_NEXT,
+            ("--disable-overlap-schedule", "--mamba-radix-cache-strategy", "no_buffer"),
+            r"\(Qwen3NextForCausalLM\) has state-space / linear-attention layers",
+        ),
         (MLA, DRAM, r"--pcr-dram-gb copies separate K and V rows \(MHA/GQA\); this model uses MLA"),
     ],
     ids=["swa", "mamba2", "qwen3-next", "mla-host-tier"],
@@ -95,8 +121,7 @@ def test_kv_cache_events_resolve_and_routers_are_told_the_chunk_size(resolve, ti
     from pcr_sglang import plugin
     from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
 
-    args = resolve(tiny_model, "--kv-events-config", '{"publisher": "zmq", "topic": "kv"}',
-                   "--pcr-chunk-size", "32")
+    args = resolve(tiny_model, "--kv-events-config", '{"publisher": "zmq", "topic": "kv"}', "--pcr-chunk-size", "32")
     assert args.enable_pcr and args.kv_events_config
     assert plugin._kv_event_block_size({"block_size": 1}, args) == {"block_size": 32}
     cache = object.__new__(PCRPrefixCache)
@@ -110,10 +135,11 @@ def test_kv_cache_events_resolve_and_routers_are_told_the_chunk_size(resolve, ti
     "flags,message",
     [
         (("--radix-eviction-policy", "lfu"), "drop --radix-eviction-policy lfu"),
-        ((*DRAM, "--enable-two-batch-overlap"),
-         "--pcr-layerwise both copies layer i .* --enable-two-batch-overlap"),
-        ((*DRAM, "--enable-unified-memory", "--attention-backend", "triton"),
-         r"--pcr-dram-gb copies token-major \(NHD\) KV rows; --enable-unified-memory"),
+        ((*DRAM, "--enable-two-batch-overlap"), "--pcr-layerwise both copies layer i .* --enable-two-batch-overlap"),
+        (
+            (*DRAM, "--enable-unified-memory", "--attention-backend", "triton"),
+            r"--pcr-dram-gb copies token-major \(NHD\) KV rows; --enable-unified-memory",
+        ),
     ],
     ids=["eviction-policy", "two-batch-overlap", "unified-memory"],
 )
@@ -122,9 +148,15 @@ def test_flags_are_refused_at_resolution(resolve, tiny_model, flags, message):
         resolve(tiny_model, *flags)
 
 
-@pytest.mark.parametrize("layerwise, backend, refused", [
-    ("both", "full", True), ("load", "full", True), ("offload", "full", False), ("both", "breakable", False),
-])
+@pytest.mark.parametrize(
+    "layerwise, backend, refused",
+    [
+        ("both", "full", True),
+        ("load", "full", True),
+        ("offload", "full", False),
+        ("both", "breakable", False),
+    ],
+)
 def test_layerwise_loads_are_refused_with_a_full_prefill_graph(layerwise, backend, refused):
     """A full prefill CUDA graph replays the forward without SGLang's per-layer read hook,
     where layer-wise loads are waited for and a reused document's layers re-placed."""
@@ -195,15 +227,19 @@ def test_dsa_model_is_refused(config_only_model):
     folder = config_only_model("dsa", DSA)
     model_config = ModelConfig(str(folder))
     reasons = refusals.unsupported_reasons(
-        SupportInputs(SimpleNamespace(model_path=str(folder)), PCRConfig(enabled=True), model_config))
+        SupportInputs(SimpleNamespace(model_path=str(folder)), PCRConfig(enabled=True), model_config)
+    )
     assert len(reasons) == 1 and "DeepSeek sparse-attention (DSA) layers" in reasons[0]
     assert "--model-path" in reasons[0]
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"kv_cache_layout": "hnd"}, "this KV pool's layout is hnd"),
-    ({"k_scale_buffer": "per-token scales"}, "also keeps k_scale_buffer"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"kv_cache_layout": "hnd"}, "this KV pool's layout is hnd"),
+        ({"k_scale_buffer": "per-token scales"}, "also keeps k_scale_buffer"),
+    ],
+)
 def test_host_pool_build_refuses_what_it_cannot_copy(change, message):
     """The second line, where the tree cache is built: SGLang's real CPU pool is accepted,
     and refused once it reports a layout or a scale buffer the host tier cannot copy."""
@@ -231,31 +267,53 @@ def test_selecting_pcr_by_radix_cache_backend_runs_the_same_refusals(tiny_model)
     from sglang.srt.server_args import prepare_server_args
 
     load_plugins()
-    args = prepare_server_args(["--model-path", str(tiny_model), "--device", "cpu", "--radix-cache-backend", "pcr",
-                                "--radix-eviction-policy", "lfu"])
+    args = prepare_server_args(
+        [
+            "--model-path",
+            str(tiny_model),
+            "--device",
+            "cpu",
+            "--radix-cache-backend",
+            "pcr",
+            "--radix-eviction-policy",
+            "lfu",
+        ]
+    )
     with pytest.raises(UnsupportedConfigError, match="--radix-eviction-policy"):
         args.resolve_once()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"attention_backend": "flashinfer"}, "needs the torch_native or triton attention backend"),
-    ({"attention_backend": "triton", "prefill_attention_backend": "fa3"}, "this server's is fa3"),
-    ({"tp_size": 2}, "--tp-size > 1"),
-    ({"enable_dp_attention": True}, "--enable-dp-attention"),
-    ({"dcp_size": 2}, "decode context parallelism"),
-    ({"enable_pdmux": True}, "--enable-pdmux"),
-    ({"lora_paths": ["adapter"]}, "LoRA"),
-    ({"cuda_graph_config": SimpleNamespace(prefill=SimpleNamespace(backend="breakable"))},
-     "--disable-prefill-cuda-graph"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"attention_backend": "flashinfer"}, "needs the torch_native or triton attention backend"),
+        ({"attention_backend": "triton", "prefill_attention_backend": "fa3"}, "this server's is fa3"),
+        ({"tp_size": 2}, "--tp-size > 1"),
+        ({"enable_dp_attention": True}, "--enable-dp-attention"),
+        ({"dcp_size": 2}, "decode context parallelism"),
+        ({"enable_pdmux": True}, "--enable-pdmux"),
+        ({"lora_paths": ["adapter"]}, "LoRA"),
+        (
+            {"cuda_graph_config": SimpleNamespace(prefill=SimpleNamespace(backend="breakable"))},
+            "--disable-prefill-cuda-graph",
+        ),
+    ],
+)
 def test_recompute_modes_refuse_what_cannot_mask_a_permuted_row(overrides, message):
     from pcr_sglang.sglang_adapter.refusals import _recompute_flags
 
     cfg = SimpleNamespace(**{"attention_backend": "torch_native", **overrides})
     assert message in _recompute_flags(cfg)
-    assert _recompute_flags(SimpleNamespace(attention_backend="triton", tp_size=1,
-                                            cuda_graph_config=SimpleNamespace(
-                                                prefill=SimpleNamespace(backend="disabled")))) is None
+    assert (
+        _recompute_flags(
+            SimpleNamespace(
+                attention_backend="triton",
+                tp_size=1,
+                cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend="disabled")),
+            )
+        )
+        is None
+    )
 
 
 def test_pipeline_parallelism_is_refused():
@@ -266,8 +324,7 @@ def test_pipeline_parallelism_is_refused():
     inputs = SupportInputs(SimpleNamespace(pp_size=2), PCRConfig(enabled=True))
     reason = refusals.check_pipeline_parallel(inputs)
     assert reason is not None and "--pp-size 2" in reason
-    assert refusals.check_pipeline_parallel(SupportInputs(SimpleNamespace(pp_size=1), PCRConfig(enabled=True))) \
-        is None
+    assert refusals.check_pipeline_parallel(SupportInputs(SimpleNamespace(pp_size=1), PCRConfig(enabled=True))) is None
     assert refusals.check_pipeline_parallel in refusals.RULES
 
 
@@ -280,11 +337,16 @@ def test_concat_under_tp_is_refused():
     """A copy failing on one rank would change that rank's prefix length alone."""
     from pcr_sglang.config import PCRConfig
 
-    reason = refusals.check_doc_reuse_tp(SupportInputs(SimpleNamespace(tp_size=2),
-                                                            PCRConfig(enabled=True, doc_reuse="concat")))
+    reason = refusals.check_doc_reuse_tp(
+        SupportInputs(SimpleNamespace(tp_size=2), PCRConfig(enabled=True, doc_reuse="concat"))
+    )
     assert reason is not None and "--pcr-doc-reuse concat" in reason and "--tp-size > 1" in reason
-    assert refusals.check_doc_reuse_tp(SupportInputs(SimpleNamespace(tp_size=1),
-                                                          PCRConfig(enabled=True, doc_reuse="concat"))) is None
+    assert (
+        refusals.check_doc_reuse_tp(
+            SupportInputs(SimpleNamespace(tp_size=1), PCRConfig(enabled=True, doc_reuse="concat"))
+        )
+        is None
+    )
     assert refusals.check_doc_reuse_tp in refusals.RULES
 
 
@@ -292,8 +354,13 @@ def test_concat_under_tp_is_refused():
 def test_an_adapter_without_local_files_is_refused_with_persistent_tiers(tmp_path, tiers, refused):
     from pcr_sglang.config import PCRConfig
 
-    pcr = PCRConfig(enabled=True, dram_gb=0.01, ssd_path=str(tmp_path) if tiers else None,
-                    ssd_gb=0.1 if tiers else 0.0, remote="mooncake" if "remote" in tiers else "off")
+    pcr = PCRConfig(
+        enabled=True,
+        dram_gb=0.01,
+        ssd_path=str(tmp_path) if tiers else None,
+        ssd_gb=0.1 if tiers else 0.0,
+        remote="mooncake" if "remote" in tiers else "off",
+    )
     missing = SupportInputs(SimpleNamespace(lora_paths=["a=org/adapter-on-the-hub"]), pcr)
     reason = refusals.check_lora_persistent_tiers(missing)
     assert (reason is not None) == refused
@@ -315,16 +382,20 @@ def test_only_the_debug_flag_or_the_admin_key_may_ask_for_the_tree_check():
 
 
 @pytest.mark.parametrize("tiers,refused", [((), False), (("ssd",), True), (("remote",), True)])
-def test_weights_not_found_locally_are_refused_with_persistent_tiers(tmp_path, tiny_model, monkeypatch, tiers,
-                                                                     refused):
+def test_weights_not_found_locally_are_refused_with_persistent_tiers(tmp_path, tiny_model, monkeypatch, tiers, refused):
     """review N7: a model whose files PCR cannot find once SGLang has loaded it got a cache
     namespace of its name and revision alone (a warning only), so every revision pushed
     under that name shared the SSD and remote tiers' KV."""
     from pcr_sglang.config import PCRConfig
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    pcr = PCRConfig(enabled=True, dram_gb=0.01, ssd_path=str(tmp_path) if "ssd" in tiers else None,
-                    ssd_gb=0.1 if "ssd" in tiers else 0.0, remote="mooncake" if "remote" in tiers else "off")
+    pcr = PCRConfig(
+        enabled=True,
+        dram_gb=0.01,
+        ssd_path=str(tmp_path) if "ssd" in tiers else None,
+        ssd_gb=0.1 if "ssd" in tiers else 0.0,
+        remote="mooncake" if "remote" in tiers else "off",
+    )
 
     def inputs(model_path: str, loaded: bool = True) -> SupportInputs:
         cfg = SimpleNamespace(model_path=model_path, revision=None, download_dir=str(tmp_path))

@@ -33,8 +33,10 @@ def remote_chunks(h, config_json: str, namespace_digest: bytes, tokens: list[int
     """How many leading chunks of ``tokens`` (keys as the server derives them now) the
     remote store holds under ``namespace_digest``, polled until ``wait_for`` or LANDS_S."""
     config = RemoteConfig.parse(config_json)
-    store = RemoteChunkStore(config, RecordCodec(load_fleet_key(config.key_file), namespace_digest,
-                                                 h.cache.host_pool.layout, h.cache.store.dtype))
+    store = RemoteChunkStore(
+        config,
+        RecordCodec(load_fleet_key(config.key_file), namespace_digest, h.cache.host_pool.layout, h.cache.store.dtype),
+    )
     store.open()
     try:
         keys = h.scheduler.keys.of_tokens(tokens)
@@ -48,8 +50,9 @@ def remote_chunks(h, config_json: str, namespace_digest: bytes, tokens: list[int
         store.close()
 
 
-def test_nothing_is_written_through_to_the_remote_tier_under_an_in_memory_namespace(make, mooncake, fleet_key,
-                                                                                    tmp_path):
+def test_nothing_is_written_through_to_the_remote_tier_under_an_in_memory_namespace(
+    make, mooncake, fleet_key, tmp_path
+):
     config_json = json.dumps(client_config(mooncake, fleet_key))
     h = make(host_slots=8, ssd_path=tmp_path / "ssd", remote_config=config_json)
     startup = h.cache.store.namespace
@@ -76,8 +79,9 @@ def test_nothing_is_written_through_to_the_remote_tier_under_an_in_memory_namesp
     model.mkdir()
     (model / "model.safetensors").write_bytes(b"M" * 4096)
     h.cache.weights_identity = WeightsIdentity(SimpleNamespace(hf_config=None), str(model))
-    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h),
-                         SimpleNamespace(model_path=str(model)))
+    around_weight_update(
+        "update_weights_from_disk", flushing_update(h.cache), manager_of(h), SimpleNamespace(model_path=str(model))
+    )
     persisted(h, prompt(700))
     assert h.scheduler.probes.enabled and h.scheduler.admission.probes is h.scheduler.probes
     assert remote_chunks(h, config_json, h.cache.store.namespace, prompt(700), 3) == 3

@@ -67,8 +67,13 @@ def test_every_policy_matches_without_moving_kv_and_admits_with_one_load_per_cha
     for i, req in enumerate(waiting):
         req.priority = i % 3
     free, counters = h.allocator.available_size(), dict(vars(h.state.stats))
-    schedule = SchedulePolicy(policy, h.cache, enable_hierarchical_cache=False, enable_priority_scheduling=priority,
-                              schedule_low_priority_values_first=False)
+    schedule = SchedulePolicy(
+        policy,
+        h.cache,
+        enable_hierarchical_cache=False,
+        enable_priority_scheduling=priority,
+        schedule_low_priority_values_first=False,
+    )
     for _ in range(3):
         schedule.calc_priority(waiting, None)
     assert sorted(r.rid for r in waiting) == [f"r{i}" for i in range(6)]

@@ -21,14 +21,17 @@ def request(**fields) -> GenerateReqInput:
     return obj
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"id": {"error": "no session"}}, "session_params.id must be str or null, got dict"),
-    ({"id": "s", "rid": 7}, "session_params.rid must be str or null, got int"),
-    ({"id": "s", "offset": "3"}, "session_params.offset must be int or null, got str"),
-    ({"id": "s", "offset": True}, "session_params.offset must be int or null, got bool"),
-    ({"id": "s", "replace": "yes"}, "session_params.replace must be bool or null, got str"),
-    ({"id": "s", "idx": 1}, "session_params has unknown fields ['idx']"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"id": {"error": "no session"}}, "session_params.id must be str or null, got dict"),
+        ({"id": "s", "rid": 7}, "session_params.rid must be str or null, got int"),
+        ({"id": "s", "offset": "3"}, "session_params.offset must be int or null, got str"),
+        ({"id": "s", "offset": True}, "session_params.offset must be int or null, got bool"),
+        ({"id": "s", "replace": "yes"}, "session_params.replace must be bool or null, got str"),
+        ({"id": "s", "idx": 1}, "session_params has unknown fields ['idx']"),
+    ],
+)
 def test_session_fields_of_the_wrong_type_are_refused_naming_the_field(params, message):
     """Red before: SGLang's ``SessionParams(**params)`` took a dict id, and the scheduler's
     ``session_id in self.sessions`` raised ``TypeError: unhashable type: 'dict'``."""
@@ -37,8 +40,11 @@ def test_session_fields_of_the_wrong_type_are_refused_naming_the_field(params, m
 
 
 def test_well_formed_session_fields_and_requests_without_any_go_on():
-    for params in (None, {"id": "s"}, {"id": "s", "rid": "r", "offset": 2, "replace": False,
-                                         "drop_previous_output": None}):
+    for params in (
+        None,
+        {"id": "s"},
+        {"id": "s", "rid": "r", "offset": 2, "replace": False, "drop_previous_output": None},
+    ):
         assert validate_session_fields(None, None, request(session_params=params), [1, 2, 3]) is None
         if params:
             SessionParams(**params)  # what SGLang builds from them

@@ -83,8 +83,7 @@ def test_layer_first_round_trip_matches_reference(dtype):
     host_v = torch.zeros_like(host_k)
     item = HEADS * DIM * dtype.itemsize
     # device -> host, all layers (backup)
-    transfer_kv_all_layer(_ptrs(dev_k), _ptrs(list(host_k)), _ptrs(dev_v), _ptrs(list(host_v)),
-                          SRC, DST, item, LAYERS)
+    transfer_kv_all_layer(_ptrs(dev_k), _ptrs(list(host_k)), _ptrs(dev_v), _ptrs(list(host_v)), SRC, DST, item, LAYERS)
     for layer in range(LAYERS):
         assert torch.equal(host_k[layer][DST], dev_k[layer][SRC])
         assert torch.equal(host_v[layer][DST], dev_v[layer][SRC])
@@ -103,8 +102,7 @@ def test_page_first_round_trip_matches_reference(dtype):
     host_v = torch.zeros_like(host_k)
     item = HEADS * DIM * dtype.itemsize
     layout_dim = item * LAYERS
-    transfer_kv_all_layer_lf_pf(_ptrs(dev_k), host_k, _ptrs(dev_v), host_v, SRC, DST, item,
-                                layout_dim, LAYERS)
+    transfer_kv_all_layer_lf_pf(_ptrs(dev_k), host_k, _ptrs(dev_v), host_v, SRC, DST, item, layout_dim, LAYERS)
     for layer in range(LAYERS):
         assert torch.equal(host_k[DST, layer], dev_k[layer][SRC])
         assert torch.equal(host_v[DST, layer], dev_v[layer][SRC])

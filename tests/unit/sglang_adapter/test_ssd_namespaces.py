@@ -68,7 +68,9 @@ def test_at_most_the_kept_namespaces_stay_on_disk_oldest_purged_first(make, tmp_
     assert h.state.ssd_stats.restored_chunks == restored + 3
     assert reusable_chunks(h, prompt(300)) == 3
     assert [k["namespace"] for k in build_report(h.cache)["ssd"]["namespaces"]["kept"]] == [
-        names["ckpt-c"], names["ckpt-d"]]
+        names["ckpt-c"],
+        names["ckpt-d"],
+    ]
     assert on_disk(h) == {names["ckpt-b"], names["ckpt-c"], names["ckpt-d"]}
     h.check()
 

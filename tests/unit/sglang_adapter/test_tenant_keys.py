@@ -41,8 +41,13 @@ class LoraRunningReq(RunningReq):
 
 def as_running(req: Req) -> LoraRunningReq:
     """The batch harness's request with SGLang's own ``extra_key`` and ``lora_id``."""
-    return LoraRunningReq(req.rid, array("q", req.origin_input_ids), extra_key=req.extra_key,
-                          cache_salt=req.cache_salt, lora_id=req.lora_id)
+    return LoraRunningReq(
+        req.rid,
+        array("q", req.origin_input_ids),
+        extra_key=req.extra_key,
+        cache_salt=req.cache_salt,
+        lora_id=req.lora_id,
+    )
 
 
 def test_sglang_concatenates_and_pcr_keys_the_adapter_apart():
@@ -56,8 +61,10 @@ def test_sglang_concatenates_and_pcr_keys_the_adapter_apart():
     assert both.extra_key == "team-a" + ADAPTER
     assert request_tenant(both) == RequestTenant(extra_key="team-a", cache_salt=None, lora_id=ADAPTER)
     digest = bytes(16)
-    roots = {root_key(digest, *(t.extra_key, t.cache_salt, t.lora_id))
-             for t in map(request_tenant, (victim, attacker, both, sglang_req("base", tokens)))}
+    roots = {
+        root_key(digest, *(t.extra_key, t.cache_salt, t.lora_id))
+        for t in map(request_tenant, (victim, attacker, both, sglang_req("base", tokens)))
+    }
     assert len(roots) == 4
 
 

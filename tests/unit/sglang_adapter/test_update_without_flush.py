@@ -25,8 +25,12 @@ def update_without_flush(h: Harness) -> None:
     def no_flush(manager, recv_req):
         return SimpleNamespace(success=True)
 
-    around_weight_update("update_weights_from_distributed", no_flush,
-                         SimpleNamespace(scheduler=SimpleNamespace(tree_cache=h.cache)), SimpleNamespace())
+    around_weight_update(
+        "update_weights_from_distributed",
+        no_flush,
+        SimpleNamespace(scheduler=SimpleNamespace(tree_cache=h.cache)),
+        SimpleNamespace(),
+    )
 
 
 def test_a_request_running_across_an_update_without_flush_inserts_nothing_under_the_new_keys(make):

@@ -65,8 +65,7 @@ def test_a_flush_after_a_weight_update_restores_nothing_of_the_old_weights(make,
     flush(h.cache)  # a plain /flush_cache keeps what is persisted
     assert reusable_chunks(h, tokens) == 3
 
-    around_weight_update("update_weights_from_tensor", flushing_update(h.cache), manager_of(h),
-                         SimpleNamespace())
+    around_weight_update("update_weights_from_tensor", flushing_update(h.cache), manager_of(h), SimpleNamespace())
     assert h.cache.namespace.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
     assert reusable_chunks(h, tokens) == 0 and h.state.tree.ssd_chunks == 0
     h.step()
@@ -106,29 +105,34 @@ def test_a_disk_update_moves_to_the_checkpoints_namespace_and_a_rollback_finds_i
     identity = WeightsIdentity(SimpleNamespace(hf_config=None), str(model_a))
     h.cache.weights_identity = identity
     tokens = prompt(100)
-    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h),
-                         SimpleNamespace(model_path=str(model_a)))  # to the checkpoint's own namespace
+    around_weight_update(
+        "update_weights_from_disk", flushing_update(h.cache), manager_of(h), SimpleNamespace(model_path=str(model_a))
+    )  # to the checkpoint's own namespace
     assert h.cache.namespace.model_fingerprint == identity.of_checkpoint(str(model_a))
     persisted(h, tokens)
     namespace_a = h.cache.namespace
 
-    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h),
-                         SimpleNamespace(model_path=str(model_b)))
+    around_weight_update(
+        "update_weights_from_disk", flushing_update(h.cache), manager_of(h), SimpleNamespace(model_path=str(model_b))
+    )
     assert h.cache.namespace.model_fingerprint == identity.of_checkpoint(str(model_b))
     assert reusable_chunks(h, tokens) == 0
     persisted(h, prompt(300))
 
     restored = h.state.ssd_stats.restored_chunks
-    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h),
-                         SimpleNamespace(model_path=str(model_a)))
+    around_weight_update(
+        "update_weights_from_disk", flushing_update(h.cache), manager_of(h), SimpleNamespace(model_path=str(model_a))
+    )
     assert h.cache.namespace == namespace_a
     assert h.state.ssd_stats.restored_chunks == restored + 3  # A's records, kept for the rollback
     assert reusable_chunks(h, tokens) == 3 and reusable_chunks(h, prompt(300)) == 0
     h.check()
     # Both checkpoints' directories stay on disk (purged by `python -m pcr_tools.store_cli purge`).
     kept = {ns.digest_hex for ns in list_namespaces(tmp_path / "ssd") if ns.chunks}
-    assert kept == {namespace_a.digest().hex(), replace(namespace_a, model_fingerprint=identity.of_checkpoint(
-        str(model_b))).digest().hex()}
+    assert kept == {
+        namespace_a.digest().hex(),
+        replace(namespace_a, model_fingerprint=identity.of_checkpoint(str(model_b))).digest().hex(),
+    }
 
 
 def test_a_failed_update_gets_a_namespace_of_its_own(make, tmp_path):
@@ -141,8 +145,12 @@ def test_a_failed_update_gets_a_namespace_of_its_own(make, tmp_path):
     h.cache.weights_identity = WeightsIdentity(SimpleNamespace(hf_config=None), str(tmp_path))
     tokens = prompt(100)
     persisted(h, tokens)
-    around_weight_update("update_weights_from_disk", flushing_update(h.cache, success=False), manager_of(h),
-                         SimpleNamespace(model_path=str(model_b)))
+    around_weight_update(
+        "update_weights_from_disk",
+        flushing_update(h.cache, success=False),
+        manager_of(h),
+        SimpleNamespace(model_path=str(model_b)),
+    )
     pending = h.cache.pending_namespace
     assert pending is not None and pending.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
 
@@ -180,8 +188,9 @@ def test_a_disk_update_to_weights_not_on_this_machine_gets_a_namespace_of_its_ow
     later update to ``org/model`` read the KV of another revision."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     h = make(host_slots=8, ssd_path=tmp_path / "ssd")
-    h.cache.weights_identity = WeightsIdentity(SimpleNamespace(hf_config=None), str(tmp_path),
-                                               download_dir=str(tmp_path / "hub"))
+    h.cache.weights_identity = WeightsIdentity(
+        SimpleNamespace(hf_config=None), str(tmp_path), download_dir=str(tmp_path / "hub")
+    )
     to_hub = SimpleNamespace(model_path="org/model")
     around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h), to_hub)
     first = h.cache.namespace
@@ -253,8 +262,9 @@ def test_a_disk_update_to_files_that_look_the_same_or_cannot_be_read_gets_a_name
     h.cache.namespace = replace(h.cache.namespace, model_fingerprint=identity.of_checkpoint(str(model_a)))
     tokens = prompt(100)
     persisted(h, tokens)
-    around_weight_update("update_weights_from_disk", flushing_update(h.cache), manager_of(h),
-                         SimpleNamespace(model_path=str(model_a)))
+    around_weight_update(
+        "update_weights_from_disk", flushing_update(h.cache), manager_of(h), SimpleNamespace(model_path=str(model_a))
+    )
     assert h.cache.namespace.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
     assert reusable_chunks(h, tokens) == 0
 
@@ -262,8 +272,12 @@ def test_a_disk_update_to_files_that_look_the_same_or_cannot_be_read_gets_a_name
     unreadable.mkdir()  # a folder where the fingerprint reads a file
     with pytest.raises(OSError):
         identity.of_checkpoint(str(tmp_path))
-    around_weight_update("update_weights_from_disk", flushing_update(h.cache, success=False), manager_of(h),
-                         SimpleNamespace(model_path=str(tmp_path)))
+    around_weight_update(
+        "update_weights_from_disk",
+        flushing_update(h.cache, success=False),
+        manager_of(h),
+        SimpleNamespace(model_path=str(tmp_path)),
+    )
     assert h.cache.pending_namespace.model_fingerprint.startswith(IN_MEMORY_UPDATE_TAG)
     h.check()
 
@@ -279,8 +293,9 @@ def test_a_rekey_drops_what_was_derived_under_the_old_namespace(make, tmp_path):
     req = h.request(tokens + [0], "hinted")
     assert h.scheduler.kv_hints.add(req, HintPayload(hint_only=True, ttl_s=30.0, group=None, rank=0))
     assert len(h.scheduler.hints) == 1
-    around_weight_update("update_weights_from_tensor", lambda m, r: SimpleNamespace(success=True), manager_of(h),
-                         SimpleNamespace())
+    around_weight_update(
+        "update_weights_from_tensor", lambda m, r: SimpleNamespace(success=True), manager_of(h), SimpleNamespace()
+    )
     assert len(h.scheduler.hints) == 0
     h.step()
     h.drain_io()
@@ -302,8 +317,9 @@ def test_the_plugin_wraps_every_call_that_can_change_the_weights():
 
     if not plugin._registered:
         plugin.register()
-    public = {name for name, member in inspect.getmembers(SchedulerWeightUpdaterManager, callable)
-              if not name.startswith("_")}
+    public = {
+        name for name, member in inspect.getmembers(SchedulerWeightUpdaterManager, callable) if not name.startswith("_")
+    }
     wrapped, unchanged = set(weight_updates.WRAPPED_METHODS), set(weight_updates.WEIGHTS_UNCHANGED)
     assert not wrapped & unchanged
     assert (wrapped | unchanged) - public == set(), "names SGLang's updater does not have"
@@ -312,8 +328,9 @@ def test_the_plugin_wraps_every_call_that_can_change_the_weights():
     prefix = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager."
     for method in sorted(wrapped):
         hooks = HookRegistry._hooks.get(prefix + method, [])
-        assert any(kind is HookType.AROUND and getattr(hook, "args", ()) == (method,)
-                   for kind, hook, _ in hooks), method
+        assert any(kind is HookType.AROUND and getattr(hook, "args", ()) == (method,) for kind, hook, _ in hooks), (
+            method
+        )
 
 
 def session_manager(h: Harness) -> SimpleNamespace:
@@ -367,25 +384,30 @@ def test_a_begin_that_sglang_refuses_keeps_the_namespace(make, tmp_path):
     assert h.cache.pending_namespace is None
 
 
-@pytest.mark.parametrize("method, recv_req, cpu_backup, moves", [
-    (weight_updates.CHECK_WEIGHTS, SimpleNamespace(action="reset_tensors"), False, True),
-    (weight_updates.CHECK_WEIGHTS, SimpleNamespace(action="checksum"), False, False),
-    (weight_updates.CHECK_WEIGHTS, SimpleNamespace(action="snapshot"), False, False),
-    (weight_updates.MEMORY_RESUME, SimpleNamespace(tags=None), False, True),
-    (weight_updates.MEMORY_RESUME, SimpleNamespace(tags=["weights", "kv_cache"]), False, True),
-    (weight_updates.MEMORY_RESUME, SimpleNamespace(tags=["weights"]), True, False),
-    (weight_updates.MEMORY_RESUME, SimpleNamespace(tags=["kv_cache"]), False, False),
-])
-def test_calls_that_overwrite_the_weights_in_place_move_the_namespace(make, tmp_path, method, recv_req,
-                                                                      cpu_backup, moves):
+@pytest.mark.parametrize(
+    "method, recv_req, cpu_backup, moves",
+    [
+        (weight_updates.CHECK_WEIGHTS, SimpleNamespace(action="reset_tensors"), False, True),
+        (weight_updates.CHECK_WEIGHTS, SimpleNamespace(action="checksum"), False, False),
+        (weight_updates.CHECK_WEIGHTS, SimpleNamespace(action="snapshot"), False, False),
+        (weight_updates.MEMORY_RESUME, SimpleNamespace(tags=None), False, True),
+        (weight_updates.MEMORY_RESUME, SimpleNamespace(tags=["weights", "kv_cache"]), False, True),
+        (weight_updates.MEMORY_RESUME, SimpleNamespace(tags=["weights"]), True, False),
+        (weight_updates.MEMORY_RESUME, SimpleNamespace(tags=["kv_cache"]), False, False),
+    ],
+)
+def test_calls_that_overwrite_the_weights_in_place_move_the_namespace(
+    make, tmp_path, method, recv_req, cpu_backup, moves
+):
     """``check_weights`` with ``reset_tensors`` overwrites every tensor; weights released
     without a CPU backup come back unwritten at the resume. KV computed after either must
     not match what the weights before computed."""
     h = make(host_slots=8, ssd_path=tmp_path / "ssd")
     tokens = prompt(100)
     persisted(h, tokens)
-    manager = SimpleNamespace(scheduler=SimpleNamespace(
-        tree_cache=h.cache, server_args=SimpleNamespace(enable_weights_cpu_backup=cpu_backup)))
+    manager = SimpleNamespace(
+        scheduler=SimpleNamespace(tree_cache=h.cache, server_args=SimpleNamespace(enable_weights_cpu_backup=cpu_backup))
+    )
     around_weight_update(method, lambda m, r: SimpleNamespace(success=True), manager, recv_req)
     assert (h.cache.pending_namespace is not None) == moves
     assert reusable_chunks(h, tokens) == (0 if moves else 3)

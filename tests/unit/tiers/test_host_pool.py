@@ -64,7 +64,7 @@ def test_segment_and_its_owner_lock_are_removed_when_the_owner_closes():
     segment = os.path.join(SHM_DIR, info.shm_name)
     assert os.path.exists(segment) and os.path.exists(segment + LOCK_SUFFIX)
     # The token never reads as a pid: older versions' pid-based sweeps leave it alone.
-    assert not info.shm_name[len(SHM_PREFIX):].split("-", 1)[0].isdigit()
+    assert not info.shm_name[len(SHM_PREFIX) :].split("-", 1)[0].isdigit()
     pool.close()
     assert not os.path.exists(segment) and not os.path.exists(segment + LOCK_SUFFIX)
     with pytest.raises(HostPoolError):
@@ -97,16 +97,18 @@ sys.stdin.readline()
 
 
 def _spawn(script: str, *args: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     line = proc.stdout.readline().strip()  # blocks until the child holds its lock
     assert line, f"the child failed (exit code {proc.wait()})"
     return proc, line
 
 
 def _dead_pid() -> int:
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     return int(done.stdout)
 
 

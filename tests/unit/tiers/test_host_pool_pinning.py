@@ -102,10 +102,16 @@ def test_the_pool_pins_in_whole_slot_pieces_and_unpins_each_on_close(cudart, mon
     with HostChunkPool(layout, pin=True) as pool:
         assert pool.pinned
         base, slot = pool.buffer.data_ptr(), layout.slot_bytes
-        assert cudart.calls == [("register", base, 2 * slot), ("register", base + 2 * slot, 2 * slot),
-                                ("register", base + 4 * slot, slot)]
+        assert cudart.calls == [
+            ("register", base, 2 * slot),
+            ("register", base + 2 * slot, 2 * slot),
+            ("register", base + 4 * slot, slot),
+        ]
     assert [c for c in cudart.calls if c[0] == "unregister"] == [
-        ("unregister", base + 4 * slot, 0), ("unregister", base + 2 * slot, 0), ("unregister", base, 0)]
+        ("unregister", base + 4 * slot, 0),
+        ("unregister", base + 2 * slot, 0),
+        ("unregister", base, 0),
+    ]
     assert cudart.registered == {}
 
 
@@ -123,8 +129,11 @@ def test_a_default_container_shm_is_refused_before_allocating_naming_the_fix(mon
     monkeypatch.setattr(host_pool, "shm_free_bytes", lambda: 64 << 20)  # docker's default /dev/shm
     big = HostChunkLayout(num_slots=1, num_layers=1, chunk_size=1, row_bytes=(65 << 20) // 2)
     created = []
-    monkeypatch.setattr(host_pool.shared_memory, "SharedMemory",
-                        lambda *a, **k: created.append(k) or pytest.fail("allocated despite the check"))
+    monkeypatch.setattr(
+        host_pool.shared_memory,
+        "SharedMemory",
+        lambda *a, **k: created.append(k) or pytest.fail("allocated despite the check"),
+    )
     with pytest.raises(HostPoolError, match=r"64 MiB /dev/shm by default.*docker run --shm-size=2g.*--ipc=host"):
         HostChunkPool(big, pin=False)
     assert created == []

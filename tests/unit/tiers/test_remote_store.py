@@ -59,8 +59,9 @@ def fleet_key(tmp_path_factory):
 
 def unopened_store(master, key_file, namespace=NS_A, mac_key=None, **config) -> RemoteChunkStore:
     config = RemoteConfig.parse(json.dumps(client_config(master, key_file, **config)))
-    return RemoteChunkStore(config, RecordCodec(mac_key or load_fleet_key(config.key_file), namespace, LAYOUT,
-                                                "torch.float32"))
+    return RemoteChunkStore(
+        config, RecordCodec(mac_key or load_fleet_key(config.key_file), namespace, LAYOUT, "torch.float32")
+    )
 
 
 def open_store(master, key_file, namespace=NS_A, mac_key=None):
@@ -87,8 +88,14 @@ def write(store, i, parent=bytes(16), depth=1, seed=None):
 
 # ------------------------------------------------------------------ config
 def test_config_parses_json_and_files_and_names_bad_keys(tmp_path, fleet_key):
-    text = json.dumps({"master_server_address": "127.0.0.1:1", "key_file": str(fleet_key),
-                       "global_segment_size": "64MB", "probe_timeout_ms": 20})
+    text = json.dumps(
+        {
+            "master_server_address": "127.0.0.1:1",
+            "key_file": str(fleet_key),
+            "global_segment_size": "64MB",
+            "probe_timeout_ms": 20,
+        }
+    )
     config = RemoteConfig.parse(text)
     assert config.global_segment_size == 64 << 20 and config.probe_timeout_ms == 20
     (tmp_path / "c.json").write_text(text)
@@ -105,8 +112,13 @@ def test_config_parses_json_and_files_and_names_bad_keys(tmp_path, fleet_key):
         RemoteConfig.parse(json.dumps({"master_server_address": "a:1", "key_file": "k", "protocol": "udp"}))
     with pytest.raises(RemoteConfigError, match="No such file"):
         RemoteConfig.parse(f"@{tmp_path / 'missing.json'}")
-    for bad in ({"probe_timeout_ms": "x"}, {"probe_timeout_ms": None}, {"write_queue_records": "x"},
-                {"write_queue_records": 1.5}, {"protocol": 3}):
+    for bad in (
+        {"probe_timeout_ms": "x"},
+        {"probe_timeout_ms": None},
+        {"write_queue_records": "x"},
+        {"write_queue_records": 1.5},
+        {"protocol": 3},
+    ):
         with pytest.raises(RemoteConfigError, match=f"{next(iter(bad))} must be a"):
             RemoteConfig.parse(json.dumps({"master_server_address": "a:1", "key_file": "k", **bad}))
     (tmp_path / "latin1.json").write_bytes(b"{\xe9}")
@@ -179,8 +191,12 @@ def test_corrupt_and_foreign_objects_are_refused_and_removed(mooncake, fleet_key
         assert remote.client.put(remote.object_key(key(i)), bytes(record)) == 0
         assert remote.read_into(key(i), out) is ReadResult.CORRUPT
     # A record for another key stored under this one.
-    assert remote.client.put(remote.object_key(key(142)), remote.build_record(
-        key(143), bytes(16), 1, LAYOUT.chunk_size, payload(143))) == 0
+    assert (
+        remote.client.put(
+            remote.object_key(key(142)), remote.build_record(key(143), bytes(16), 1, LAYOUT.chunk_size, payload(143))
+        )
+        == 0
+    )
     assert remote.read_into(key(142), out) is ReadResult.CORRUPT
     # An object larger than a record, and a shorter one.
     assert remote.client.put(remote.object_key(key(144)), os.urandom(remote.codec.record_bytes + 64)) == 0
@@ -190,8 +206,12 @@ def test_corrupt_and_foreign_objects_are_refused_and_removed(mooncake, fleet_key
     assert bytes(out) == untouched  # nothing of a refused object reached the slot
     # A record of another namespace copied under this namespace's name of its key.
     other = RemoteChunkStore(remote.config, codec(NS_B, load_fleet_key(remote.config.key_file)))
-    assert remote.client.put(remote.object_key(key(148)), other.build_record(
-        key(148), bytes(16), 1, LAYOUT.chunk_size, payload(148))) == 0
+    assert (
+        remote.client.put(
+            remote.object_key(key(148)), other.build_record(key(148), bytes(16), 1, LAYOUT.chunk_size, payload(148))
+        )
+        == 0
+    )
     assert remote.read_into(key(148), out) is ReadResult.CORRUPT
 
 
@@ -201,7 +221,7 @@ def test_stored_objects_hold_no_kv_nor_chunk_keys(remote):
     tell which prompt was served)."""
     marker = b"RECOGNISABLE-KV!"
     kv = (marker + bytes(range(16))) * (LAYOUT.slot_bytes // 32)
-    chunk, parent = b"chunk-key-151..." , b"parent-key-151.."
+    chunk, parent = b"chunk-key-151...", b"parent-key-151.."
     assert remote.write(chunk, remote.build_record(chunk, parent, 2, LAYOUT.chunk_size, kv)) is True
     stored = remote.client.get(remote.object_key(chunk))
     assert len(stored) == remote.codec.record_bytes
@@ -224,16 +244,20 @@ def test_object_names_are_keyed_hashes(remote):
     assert same_fleet.object_key(key(160)) == name  # another server, the same fleet key
     other_fleet = RemoteChunkStore(remote.config, codec(NS_A, os.urandom(32)))
     other_ns = RemoteChunkStore(remote.config, codec(NS_B, fleet))
-    assert len({name, other_fleet.object_key(key(160)), other_ns.object_key(key(160)),
-                remote.object_key(key(161))}) == 4
+    assert (
+        len({name, other_fleet.object_key(key(160)), other_ns.object_key(key(160)), remote.object_key(key(161))}) == 4
+    )
 
 
 def test_a_bad_object_under_a_good_name_does_not_block_a_good_write(remote):
     """Garbage put first (or a torn record, or one sealed for another key) under a chunk's
     name: the next good write replaces it, and the read serves the good record."""
     out = bytearray(LAYOUT.slot_bytes)
-    bad_objects = {170: os.urandom(remote.codec.record_bytes), 171: os.urandom(100),
-                   172: remote.build_record(key(173), bytes(16), 1, LAYOUT.chunk_size, payload(173))}
+    bad_objects = {
+        170: os.urandom(remote.codec.record_bytes),
+        171: os.urandom(100),
+        172: remote.build_record(key(173), bytes(16), 1, LAYOUT.chunk_size, payload(173)),
+    }
     for i, bad in bad_objects.items():
         assert remote.client.put(remote.object_key(key(i)), bad) == 0
         assert write(remote, i) is True, i
@@ -299,8 +323,9 @@ class Harness:
         self.pull = self.ctx.socket(zmq.PULL)
         port = self.pull.bind_to_random_port("tcp://127.0.0.1")
         self.slots = [bytearray(LAYOUT.slot_bytes) for _ in range(LAYOUT.num_slots)]
-        self.thread = RemoteThread(store, self.ctx, f"tcp://127.0.0.1:{port}", lambda i: memoryview(self.slots[i]),
-                                   faults)
+        self.thread = RemoteThread(
+            store, self.ctx, f"tcp://127.0.0.1:{port}", lambda i: memoryview(self.slots[i]), faults
+        )
         self.thread.start()
 
     def replies(self, want, timeout_s=20.0):

@@ -32,7 +32,7 @@ def payload(i: int) -> bytes:
 
 
 def epoch_of(record: bytearray) -> bytes:
-    return bytes(record[_EPOCH_AT:_EPOCH_AT + EPOCH_BYTES])
+    return bytes(record[_EPOCH_AT : _EPOCH_AT + EPOCH_BYTES])
 
 
 def opened(reader: SealedRecordCodec, i: int, record: bytearray) -> bytes | None:

@@ -19,8 +19,15 @@ NS_A, NS_B = bytes(range(16)), bytes(range(1, 17))
 
 def make_store(root, namespace=NS_A, capacity=1 << 20, **kwargs):
     kwargs.setdefault("low_watermark_bytes", 0)
-    return ChunkFileStore(root / "store", namespace, LAYOUT, "torch.float32", capacity,
-                          namespace_description={"num_layers": 2, "chunk_size": 4, "row_bytes": 32}, **kwargs)
+    return ChunkFileStore(
+        root / "store",
+        namespace,
+        LAYOUT,
+        "torch.float32",
+        capacity,
+        namespace_description={"num_layers": 2, "chunk_size": 4, "row_bytes": 32},
+        **kwargs,
+    )
 
 
 def payload(seed: int) -> bytes:

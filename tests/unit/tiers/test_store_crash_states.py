@@ -50,8 +50,17 @@ def payload(k: bytes) -> bytes:
 
 
 def open_store(root: Path, durability: str, ops=None) -> ChunkFileStore:
-    return ChunkFileStore(root, NS, LAYOUT, "float32", 1 << 20, low_watermark_bytes=0, durability=durability,
-                          fileops=ops, namespace_description={"num_layers": 1, "chunk_size": 2, "row_bytes": 256})
+    return ChunkFileStore(
+        root,
+        NS,
+        LAYOUT,
+        "float32",
+        1 << 20,
+        low_watermark_bytes=0,
+        durability=durability,
+        fileops=ops,
+        namespace_description={"num_layers": 1, "chunk_size": 2, "row_bytes": 256},
+    )
 
 
 class NoSyncFileOps(FileOps):
@@ -252,15 +261,16 @@ def explore(tmp_path: Path, durability: str, ops: RecordingFileOps) -> tuple[int
             elif kind == "deleted":
                 done.discard(k)
         for name, state in crash_states(t, crash):
-            fingerprint = (frozenset((p, c if c == "dir" else bytes(c)) for p, c in state.items()),
-                           frozenset(done))
+            fingerprint = (frozenset((p, c if c == "dir" else bytes(c)) for p, c in state.items()), frozenset(done))
             if fingerprint in seen:
                 continue
             seen.add(fingerprint)
             root = tmp_path / f"state{next(counter)}"
             materialize(state, root)
-            violations += [f"after op {crash} ({ops.log[crash].kind} {ops.log[crash].path}), {name}: {p}"
-                           for p in check(root, durability, done)]
+            violations += [
+                f"after op {crash} ({ops.log[crash].kind} {ops.log[crash].path}), {name}: {p}"
+                for p in check(root, durability, done)
+            ]
     return len(seen), violations
 
 

@@ -34,8 +34,15 @@ NOBODY = 65534
 
 def make_store(root, **kwargs):
     kwargs.setdefault("low_watermark_bytes", 0)
-    return ChunkFileStore(root, NS, LAYOUT, "torch.float32", 1 << 20,
-                          namespace_description={"num_layers": 2, "chunk_size": 4, "row_bytes": 32}, **kwargs)
+    return ChunkFileStore(
+        root,
+        NS,
+        LAYOUT,
+        "torch.float32",
+        1 << 20,
+        namespace_description={"num_layers": 2, "chunk_size": 4, "row_bytes": 32},
+        **kwargs,
+    )
 
 
 def payload(seed: int) -> bytes:
@@ -155,13 +162,15 @@ def test_capacity_counts_only_space_this_server_can_free(tmp_path):
     writes then failed at the reserve instead of evicting."""
     big = HostChunkLayout(num_slots=1, num_layers=2, chunk_size=64, row_bytes=4096)  # 1 MiB records
     desc = {"num_layers": 2, "chunk_size": 64, "row_bytes": 4096}
-    peer = ChunkFileStore(tmp_path / "store", NS, big, "torch.float32", 1 << 40, namespace_description=desc,
-                          low_watermark_bytes=0)
+    peer = ChunkFileStore(
+        tmp_path / "store", NS, big, "torch.float32", 1 << 40, namespace_description=desc, low_watermark_bytes=0
+    )
     for i in range(8):
         peer.write(key(i), key(0), 1, 64, bytes(big.slot_bytes))
     free = shutil.disk_usage(tmp_path).free
-    ours = ChunkFileStore(tmp_path / "store", NS, big, "torch.float32", 1 << 40, namespace_description=desc,
-                          low_watermark_bytes=0)
+    ours = ChunkFileStore(
+        tmp_path / "store", NS, big, "torch.float32", 1 << 40, namespace_description=desc, low_watermark_bytes=0
+    )
     assert ours.capacity_bytes <= free  # the peer's 8 MiB are not ours to free
     peer.close()
     ours.close()
@@ -186,11 +195,24 @@ def test_the_io_process_holds_the_lease_while_it_lives(tmp_path):
     copy is closed, no new server takes the slot until the I/O process is gone."""
     pool = HostChunkPool(LAYOUT, pin=False)
     store = make_store(tmp_path / "store")
-    sup = IOSupervisor(IoProcessConfig(
-        store_root=str(store.root), namespace_hex=NS.hex(), dtype="torch.float32", num_slots=LAYOUT.num_slots,
-        num_layers=LAYOUT.num_layers, chunk_size=LAYOUT.chunk_size, row_bytes=LAYOUT.row_bytes, reserve_bytes=0,
-        shm_name=pool.info().shm_name, orders_endpoint="", replies_endpoint="", parent_pid=0,
-        writer_slot=store.slot, lease_fd=store.lease_fd))
+    sup = IOSupervisor(
+        IoProcessConfig(
+            store_root=str(store.root),
+            namespace_hex=NS.hex(),
+            dtype="torch.float32",
+            num_slots=LAYOUT.num_slots,
+            num_layers=LAYOUT.num_layers,
+            chunk_size=LAYOUT.chunk_size,
+            row_bytes=LAYOUT.row_bytes,
+            reserve_bytes=0,
+            shm_name=pool.info().shm_name,
+            orders_endpoint="",
+            replies_endpoint="",
+            parent_pid=0,
+            writer_slot=store.slot,
+            lease_fd=store.lease_fd,
+        )
+    )
     try:
         assert sup.wait_ready(30)
         pool.buffer[: LAYOUT.slot_bytes] = torch.frombuffer(bytearray(payload(9)), dtype=torch.uint8)  # slot 0
@@ -217,16 +239,31 @@ def test_the_io_process_holds_the_lease_while_it_lives(tmp_path):
 def test_batch_durability_acknowledges_each_write_once_its_record_is_in_place(tmp_path):
     pool = HostChunkPool(LAYOUT, pin=False)
     store = make_store(tmp_path / "store", durability="batch")
-    sup = IOSupervisor(IoProcessConfig(
-        store_root=str(store.root), namespace_hex=NS.hex(), dtype="torch.float32", num_slots=LAYOUT.num_slots,
-        num_layers=LAYOUT.num_layers, chunk_size=LAYOUT.chunk_size, row_bytes=LAYOUT.row_bytes, reserve_bytes=0,
-        shm_name=pool.info().shm_name, orders_endpoint="", replies_endpoint="", parent_pid=0,
-        writer_slot=store.slot, lease_fd=store.lease_fd, durability="batch"))
+    sup = IOSupervisor(
+        IoProcessConfig(
+            store_root=str(store.root),
+            namespace_hex=NS.hex(),
+            dtype="torch.float32",
+            num_slots=LAYOUT.num_slots,
+            num_layers=LAYOUT.num_layers,
+            chunk_size=LAYOUT.chunk_size,
+            row_bytes=LAYOUT.row_bytes,
+            reserve_bytes=0,
+            shm_name=pool.info().shm_name,
+            orders_endpoint="",
+            replies_endpoint="",
+            parent_pid=0,
+            writer_slot=store.slot,
+            lease_fd=store.lease_fd,
+            durability="batch",
+        )
+    )
     try:
         assert sup.wait_ready(30)
         for slot in range(LAYOUT.num_slots):
-            pool.buffer[slot * LAYOUT.slot_bytes:(slot + 1) * LAYOUT.slot_bytes] = torch.frombuffer(
-                bytearray(payload(slot)), dtype=torch.uint8)
+            pool.buffer[slot * LAYOUT.slot_bytes : (slot + 1) * LAYOUT.slot_bytes] = torch.frombuffer(
+                bytearray(payload(slot)), dtype=torch.uint8
+            )
         for seq in range(40):  # more than one batch (16) in a burst
             sup.submit(WriteChunk(seq, key(100 + seq), key(0), 1, 4, seq % LAYOUT.num_slots))
         outcomes = []
@@ -256,20 +293,37 @@ def test_batch_durability_never_acknowledges_a_write_whose_record_was_replaced(t
 
     pool = HostChunkPool(LAYOUT, pin=False)
     store = make_store(tmp_path / "store", durability="batch")
-    proc = IoProcess(IoProcessConfig(
-        store_root=str(store.root), namespace_hex=NS.hex(), dtype="torch.float32", num_slots=LAYOUT.num_slots,
-        num_layers=LAYOUT.num_layers, chunk_size=LAYOUT.chunk_size, row_bytes=LAYOUT.row_bytes, reserve_bytes=0,
-        shm_name=pool.info().shm_name, orders_endpoint=f"ipc://{tmp_path}/orders",
-        replies_endpoint=f"ipc://{tmp_path}/replies", parent_pid=os.getpid(), writer_slot=store.slot,
-        lease_fd=store.lease_fd, durability="batch"))
+    proc = IoProcess(
+        IoProcessConfig(
+            store_root=str(store.root),
+            namespace_hex=NS.hex(),
+            dtype="torch.float32",
+            num_slots=LAYOUT.num_slots,
+            num_layers=LAYOUT.num_layers,
+            chunk_size=LAYOUT.chunk_size,
+            row_bytes=LAYOUT.row_bytes,
+            reserve_bytes=0,
+            shm_name=pool.info().shm_name,
+            orders_endpoint=f"ipc://{tmp_path}/orders",
+            replies_endpoint=f"ipc://{tmp_path}/replies",
+            parent_pid=os.getpid(),
+            writer_slot=store.slot,
+            lease_fd=store.lease_fd,
+            durability="batch",
+        )
+    )
     # The I/O process unregisters the segment from this process's resource tracker (in its own
     # process the scheduler owns it); here the pool is ours, so it is registered back.
     resource_tracker.register(proc.shm._name, "shared_memory")
     sent = []
     proc.replies.send = lambda raw: sent.append(reply_decoder.decode(raw))
     try:
-        for order in (WriteChunk(1, key(50), key(0), 1, 4, 0), WriteChunk(2, key(50), key(0), 1, 4, 1),
-                      WriteChunk(3, key(51), key(0), 1, 4, 2), DeleteChunk(key(51))):
+        for order in (
+            WriteChunk(1, key(50), key(0), 1, 4, 0),
+            WriteChunk(2, key(50), key(0), 1, 4, 1),
+            WriteChunk(3, key(51), key(0), 1, 4, 2),
+            DeleteChunk(key(51)),
+        ):
             assert proc.execute(order) is None  # held for the group fsync (or unacknowledged)
         proc.flush()
         outcomes = {d.seq: d.outcome for d in sent}
@@ -344,8 +398,9 @@ def test_the_server_refuses_a_shared_directory_naming_the_flag(tmp_path):
     pool = HostChunkPool(LAYOUT, pin=False)
     try:
         config = PCRConfig(enabled=True, dram_gb=0.01, ssd_path=str(shared), ssd_gb=0.01, ssd_reserve_gb=0)
-        namespace = CacheNamespace(model_fingerprint="m", kv_dtype="torch.float32", chunk_size=4,
-                                   layout="token-major", tp_rank=0, tp_size=1)
+        namespace = CacheNamespace(
+            model_fingerprint="m", kv_dtype="torch.float32", chunk_size=4, layout="token-major", tp_rank=0, tp_size=1
+        )
         with pytest.raises(PCRConfigError, match="--pcr-ssd-path"):
             build_ssd_store(config, namespace, pool)
     finally:
@@ -393,7 +448,7 @@ def test_short_reads_are_retried_not_taken_for_corruption():
         os.write(w, data[:100])
         first_read.wait(10)  # the rest only after the reader took a short read (not by timing)
         for i in range(100, len(data), 100):
-            os.write(w, data[i:i + 100])
+            os.write(w, data[i : i + 100])
             time.sleep(0.002)
         os.close(w)
 
@@ -401,7 +456,7 @@ def test_short_reads_are_retried_not_taken_for_corruption():
     t.start()
     out = bytearray(len(data))
     with open(r, "rb", buffering=0) as f:
-        first = f.readinto(memoryview(out)[:len(data)])
+        first = f.readinto(memoryview(out)[: len(data)])
         first_read.set()
         assert first == 100  # a real short read happened
         assert first + read_full(f, memoryview(out)[first:]) == len(data)

@@ -68,8 +68,14 @@ def test_every_python_file_a_step_runs_imports_without_sglang():
     files = _python_files_run()
     assert "tests/gpu/gpu_ordering_check.py" in files and "tests/kernels/test_copy_kv_host_pool.py" in files
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", IMPORT_ALL, ",".join(BLOCKED), *files], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL, ",".join(BLOCKED), *files],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == len(files), result.stdout
@@ -81,17 +87,28 @@ def test_every_python_file_a_step_runs_imports_without_sglang():
 def test_the_blocker_does_block():
     """The import check can fail: importing SGLang itself is refused."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c",
-                             IMPORT_ALL.replace("import_module(module)", "import_module('sglang')"),
-                             ",".join(BLOCKED), "tests/gpu/gpu_ordering_check.py"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            IMPORT_ALL.replace("import_module(module)", "import_module('sglang')"),
+            ",".join(BLOCKED),
+            "tests/gpu/gpu_ordering_check.py",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and "blocked on purpose: sglang" in result.stderr
 
 
 def test_without_cuda_the_check_refuses_clearly(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(["bash", str(CHECK), str(tmp_path / "out")], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["bash", str(CHECK), str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2
     assert "no CUDA device" in result.stdout and "--cpu-dry-run" in result.stdout
     assert "no CUDA device" in (tmp_path / "out" / "summary.txt").read_text()

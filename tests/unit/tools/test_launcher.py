@@ -174,13 +174,13 @@ class MetricsDirReporter(UvicornProcess):
     report: Path = Path()
 
     def argv(self) -> list[str]:
-        note = ("import os; open(%r, 'a').write(os.environ.get('PROMETHEUS_MULTIPROC_DIR', '-') + '\\n')"
-                % str(self.report))
+        note = "import os; open(%r, 'a').write(os.environ.get('PROMETHEUS_MULTIPROC_DIR', '-') + '\\n')" % str(
+            self.report
+        )
         return [sys.executable, "-c", note + "\n" + READY_APP, str(self.port)]
 
 
-def test_each_start_gets_a_metrics_directory_of_its_own_removed_however_it_ends(taken_port, monkeypatch,
-                                                                                   tmp_path):
+def test_each_start_gets_a_metrics_directory_of_its_own_removed_however_it_ends(taken_port, monkeypatch, tmp_path):
     """SGLang removes its PROMETHEUS_MULTIPROC_DIR at a graceful exit only (red without the
     launcher's own: every killed --enable-metrics server left one in the temporary
     directory). A start retried on another port gets a fresh one, the first removed."""
@@ -243,16 +243,20 @@ def test_keys_go_to_a_private_config_file_not_the_command_line(tmp_path):
 
     given = tmp_path / "given.yaml"
     given.write_text("log-level: warning\n")
-    server = ServerProcess("m", ("--admin-api-key", SECRET, f"--api-key={SECRET}-b", "--config", str(given),
-                                 "--enable-pcr"))
+    server = ServerProcess(
+        "m", ("--admin-api-key", SECRET, f"--api-key={SECRET}-b", "--config", str(given), "--enable-pcr")
+    )
     try:
         argv = server.argv()
         assert not any(SECRET in arg for arg in argv)
         assert argv[-2:-1] == ["--config"] and "--enable-pcr" in argv and str(given) not in argv
         path = Path(argv[-1])
         assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-        assert yaml.safe_load(path.read_text()) == {"log-level": "warning", "admin-api-key": SECRET,
-                                                    "api-key": f"{SECRET}-b"}
+        assert yaml.safe_load(path.read_text()) == {
+            "log-level": "warning",
+            "admin-api-key": SECRET,
+            "api-key": f"{SECRET}-b",
+        }
         assert server.admin_api_key == SECRET
         assert server.public_args[:2] == ["--admin-api-key", "<redacted>"]
     finally:

@@ -28,13 +28,18 @@ def adapter(tiny_model, tmp_path) -> Path:
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False))
+    model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     folder = tmp_path / "adapter"
     model.save_pretrained(str(folder))
-    recipe = {"base_model_sha256": weights_sha256(Path(tiny_model)),
-              "result": {"adapter_sha256": sha256(folder / "adapter_model.safetensors"),
-                         "adapter_config_sha256": sha256(folder / CONFIG_FILE)}}
+    recipe = {
+        "base_model_sha256": weights_sha256(Path(tiny_model)),
+        "result": {
+            "adapter_sha256": sha256(folder / "adapter_model.safetensors"),
+            "adapter_config_sha256": sha256(folder / CONFIG_FILE),
+        },
+    }
     (folder / RECIPE_FILE).write_text(json.dumps(recipe))
     return folder
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.mutations.runner import (
+    ANCHOR_REACH,
     BASELINE_FAILED,
     ERROR,
     KILLED,
@@ -27,7 +28,10 @@ from tests.mutations.table import KINDS, MUTANTS, Mutant
 
 REPO = Path(__file__).resolve().parents[3]
 MODULE = "tinymod/__init__.py"
-ORIGINAL = '"""A module small enough to mutate."""\n\n\ndef add(a, b):\n    return a + b\n'
+ORIGINAL = (
+    '"""A module small enough to mutate."""\n\n\ndef add(a, b):\n    # mutant: add-subtracts\n'
+    "    # mutant: add-commutes\n    return a + b\n"
+)
 
 
 @pytest.fixture
@@ -39,8 +43,9 @@ def tiny_repo(tmp_path) -> Path:
     (root / MODULE).write_text(ORIGINAL)
     (root / "checks").mkdir()
     (root / "checks" / "test_add.py").write_text(
-        "from tinymod import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
-        "def test_add_zero():\n    assert add(0, 0) == 0\n")
+        "# mutant: add-subtracts\nfrom tinymod import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+        "def test_add_zero():\n    assert add(0, 0) == 0\n"
+    )
     (root / ".gitignore").write_text("ignored.txt\n")
     (root / "ignored.txt").write_text("not copied\n")
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
@@ -48,8 +53,14 @@ def tiny_repo(tmp_path) -> Path:
 
 
 def mutant(**fields) -> Mutant:
-    defaults = dict(name="add-subtracts", kind="unit", file=MODULE, original="return a + b",
-                    replacement="return a - b", tests=("checks/test_add.py",))
+    defaults = dict(
+        name="add-subtracts",
+        kind="unit",
+        file=MODULE,
+        original="return a + b",
+        replacement="return a - b",
+        tests=("checks/test_add.py",),
+    )
     return Mutant(**{**defaults, **fields})
 
 
@@ -61,10 +72,31 @@ def test_a_stale_entry_is_an_error_not_a_skip(tiny_repo):
     gone = mutant(original="return a * b")
     doubled = mutant(file="checks/test_add.py", original="assert add(")
     missing = mutant(file="tinymod/nothing.py")
-    for entry, reason in ((gone, "occurs 0 times"), (doubled, "occurs 2 times"), (missing, "does not exist")):
+    unmarked = mutant(name="add-negates")
+    for entry, reason in (
+        (gone, "occurs 0 times"),
+        (doubled, "occurs 2 times"),
+        (missing, "does not exist"),
+        (unmarked, "no marker line '# mutant: add-negates'"),
+    ):
         result = runner(tiny_repo).run(entry)
         assert result.status == STALE and not result.ok and reason in result.detail, result
         assert reason in stale_reason(entry, tiny_repo)
+
+
+def test_the_marker_says_which_occurrence_a_mutant_breaks(tiny_repo, tmp_path):
+    """The same text elsewhere in the file, past the marker's reach, is neither counted nor
+    mutated: the marker, not the text, anchors the entry."""
+    later = "\n" * (ANCHOR_REACH + 1) + "def add_again(a, b):\n    return a + b\n"
+    (tiny_repo / MODULE).write_text(ORIGINAL + later)
+    assert stale_reason(mutant(), tiny_repo) is None
+    copy = tmp_path / "copy"
+    copy_tree(tiny_repo, copy)
+    assert apply_mutant(mutant(), copy) is None
+    mutated = (copy / MODULE).read_text()
+    assert mutated.count("return a - b") == 1 and mutated.endswith("return a + b\n")
+    (tiny_repo / MODULE).write_text(ORIGINAL + ORIGINAL[ORIGINAL.index("    # mutant: add-subtracts") :])
+    assert "2 marker lines" in stale_reason(mutant(), tiny_repo)
 
 
 def test_a_mutant_is_killed_in_a_copy_and_the_tree_is_left_alone(tiny_repo, monkeypatch):

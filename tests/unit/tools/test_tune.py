@@ -27,8 +27,10 @@ def hf_model(tiny_model):
 
 def _prompt(tokenizer, docs: int, seed: int = 0) -> MarkedPrompt:
     rng = random.Random(seed)
-    texts = [f"Passage {rng.randrange(1000)} about {word} and more words here." for word in
-             rng.sample(["rivers", "stars", "trains", "music", "salt", "glass"], docs)]
+    texts = [
+        f"Passage {rng.randrange(1000)} about {word} and more words here."
+        for word in rng.sample(["rivers", "stars", "trains", "music", "salt", "glass"], docs)
+    ]
     prompt = build_doc_prompt(tokenizer, "Answer briefly.", texts, "What is it?")
     return MarkedPrompt(tuple(prompt.input_ids), tuple(prompt.doc_bounds))
 
@@ -72,7 +74,7 @@ def test_greedy_generation_agrees_with_the_logits(hf_model, tokenizer):
     with torch.no_grad():
         logits = served_logits(hf_model, prompt, answer, mode="concat")
     first = len(prompt.input_ids) - 1 - prompt.doc_bounds[-1]
-    assert logits[first: first + len(answer)].argmax(-1).tolist() == answer
+    assert logits[first : first + len(answer)].argmax(-1).tolist() == answer
 
 
 def test_an_adapter_acts_in_every_part_of_the_served_forward(tiny_model, tokenizer):
@@ -106,8 +108,15 @@ def test_an_adapter_acts_in_every_part_of_the_served_forward(tiny_model, tokeniz
     assert not torch.allclose(adapted["concat"], frozen, atol=1e-3)
 
 
-@pytest.mark.parametrize("bounds, message", [((), "non-empty"), ((0, 3), "before its first document"),
-                                             ((2, 9, 5, 12), "out of order"), ((2, 99), "past the prompt")])
+@pytest.mark.parametrize(
+    "bounds, message",
+    [
+        ((), "non-empty"),
+        ((0, 3), "before its first document"),
+        ((2, 9, 5, 12), "out of order"),
+        ((2, 99), "past the prompt"),
+    ],
+)
 def test_bad_marks_are_refused(bounds, message):
     with pytest.raises(ValueError, match=message):
         MarkedPrompt(tuple(range(20)), bounds)
@@ -186,7 +195,7 @@ def test_the_gold_loss_is_the_gold_replys_cross_entropy_and_steps_lower_it(tiny_
     with torch.no_grad():
         logits = hf_model(torch.tensor([list(prompt.input_ids) + answer])).logits[0]
         n = len(prompt.input_ids)
-        expected = torch.nn.functional.cross_entropy(logits[n - 1:n - 1 + len(answer)], torch.tensor(answer))
+        expected = torch.nn.functional.cross_entropy(logits[n - 1 : n - 1 + len(answer)], torch.tensor(answer))
         assert float(gold_loss(hf_model, tokenizer, question, "full")) == pytest.approx(float(expected), rel=1e-4)
 
     torch.manual_seed(0)
@@ -236,9 +245,20 @@ def tiny_adapter(tiny_model, tmp_path_factory):
     from pcr_tools.tune.train import TuneParams, train
 
     out = tmp_path_factory.mktemp("tiny-adapter")
-    result = train(TuneParams(base_model=tiny_model, out_dir=str(out), samples=8, grad_accum=2, lr=3e-3,
-                              warmup_steps=1, answer_tokens=6, validation_questions=2, max_documents=3,
-                              log_every=2))
+    result = train(
+        TuneParams(
+            base_model=tiny_model,
+            out_dir=str(out),
+            samples=8,
+            grad_accum=2,
+            lr=3e-3,
+            warmup_steps=1,
+            answer_tokens=6,
+            validation_questions=2,
+            max_documents=3,
+            log_every=2,
+        )
+    )
     return out, result
 
 
@@ -247,9 +267,22 @@ def test_a_run_on_gold_answers_alone_logs_its_own_curve(tiny_model, tmp_path):
     cross-entropy still gets its curve, one point per interval."""
     from pcr_tools.tune.train import TuneParams, train
 
-    result = train(TuneParams(base_model=tiny_model, out_dir=str(tmp_path), samples=4, grad_accum=2, lr=3e-3,
-                              warmup_steps=1, answer_tokens=4, validation_questions=1, max_documents=3,
-                              log_every=2, gold_share=1.0, gold_kinds="lead,needle,two_hop"))
+    result = train(
+        TuneParams(
+            base_model=tiny_model,
+            out_dir=str(tmp_path),
+            samples=4,
+            grad_accum=2,
+            lr=3e-3,
+            warmup_steps=1,
+            answer_tokens=4,
+            validation_questions=1,
+            max_documents=3,
+            log_every=2,
+            gold_share=1.0,
+            gold_kinds="lead,needle,two_hop",
+        )
+    )
     assert result.loss_curve == [] and [n for n, _ in result.gold_curve] == [2, 4]
 
 
@@ -280,9 +313,22 @@ def test_gold_kinds_keep_the_gold_loss_to_those_kinds_questions(tiny_model, tmp_
     their gold reply, the needle and two-hop questions are distilled (the kinds come in turn)."""
     from pcr_tools.tune.train import TuneParams, train
 
-    result = train(TuneParams(
-        base_model=tiny_model, out_dir=str(tmp_path), samples=6, grad_accum=2, lr=3e-3, warmup_steps=1,
-        answer_tokens=4, validation_questions=0, max_documents=3, log_every=3, gold_share=1.0, gold_kinds="lead"))
+    result = train(
+        TuneParams(
+            base_model=tiny_model,
+            out_dir=str(tmp_path),
+            samples=6,
+            grad_accum=2,
+            lr=3e-3,
+            warmup_steps=1,
+            answer_tokens=4,
+            validation_questions=0,
+            max_documents=3,
+            log_every=3,
+            gold_share=1.0,
+            gold_kinds="lead",
+        )
+    )
     assert losses_seen["gold"] == ["lead", "lead"]
     assert losses_seen["distilled"] == ["needle", "two_hop", "needle", "two_hop"]
     assert [n for n, _ in result.gold_curve] == [3, 6] and [n for n, _ in result.loss_curve] == [3, 6]
@@ -292,9 +338,22 @@ def test_gold_kinds_keep_the_gold_loss_to_those_kinds_questions(tiny_model, tmp_
 def test_no_gold_share_means_no_gold_sample_whatever_the_kinds(tiny_model, tmp_path, losses_seen):
     from pcr_tools.tune.train import TuneParams, train
 
-    result = train(TuneParams(
-        base_model=tiny_model, out_dir=str(tmp_path), samples=3, grad_accum=3, lr=3e-3, warmup_steps=1,
-        answer_tokens=4, validation_questions=0, max_documents=3, log_every=3, gold_share=0.0, gold_kinds="lead"))
+    result = train(
+        TuneParams(
+            base_model=tiny_model,
+            out_dir=str(tmp_path),
+            samples=3,
+            grad_accum=3,
+            lr=3e-3,
+            warmup_steps=1,
+            answer_tokens=4,
+            validation_questions=0,
+            max_documents=3,
+            log_every=3,
+            gold_share=0.0,
+            gold_kinds="lead",
+        )
+    )
     assert losses_seen["gold"] == [] and result.gold_curve == [] and [n for n, _ in result.loss_curve] == [3]
     assert losses_seen["distilled"] == ["lead", "needle", "two_hop"]
 

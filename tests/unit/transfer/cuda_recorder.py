@@ -109,8 +109,25 @@ class RecordingCuda:
 
 _HOST_READS = {"tolist", "item", "cpu", "numpy", "pin_memory", "__bool__", "__int__", "__index__"}
 # Calls that make a new tensor (memory from the caching allocator on a GPU).
-_ALLOCATIONS = {"empty", "zeros", "ones", "full", "tensor", "arange", "cat", "stack", "empty_like", "zeros_like",
-                "ones_like", "full_like", "clone", "new_empty", "new_zeros", "new_full", "new_tensor"}
+_ALLOCATIONS = {
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "arange",
+    "cat",
+    "stack",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "clone",
+    "new_empty",
+    "new_zeros",
+    "new_full",
+    "new_tensor",
+}
 
 
 def _moves_to_a_device(args: Any, kwargs: dict[str, Any]) -> bool:
@@ -152,10 +169,15 @@ class HostTraffic(TorchFunctionMode):
             self.copies.append(("copy_", non_blocking, pinned))
             if not self.recorder.is_pinned_memory(args[0]):  # into the device (not into the staging ring)
                 self.uploads.append(("copy_", non_blocking, pinned))
-        elif name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor) \
-                and (name == "cuda" or _moves_to_a_device(args, kwargs)):
-            self.uploads.append((name, bool(kwargs.get("non_blocking", False)),
-                                 self.recorder.is_pinned_memory(args[0])))
+        elif (
+            name in ("to", "cuda")
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and (name == "cuda" or _moves_to_a_device(args, kwargs))
+        ):
+            self.uploads.append(
+                (name, bool(kwargs.get("non_blocking", False)), self.recorder.is_pinned_memory(args[0]))
+            )
         if name in _ALLOCATIONS:
             self.allocations.append((self.phase, name))
         return func(*args, **kwargs)

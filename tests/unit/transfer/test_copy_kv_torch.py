@@ -16,9 +16,11 @@ def test_torch_copy_matches_reference(dtype, direction, chunk_size, num_chunks):
 
 
 @pytest.mark.parametrize("direction", list(Direction))
-@pytest.mark.parametrize("heads, head_dim, misalign, words", [(4, 4, 0, torch.int64), (3, 5, 0, torch.int32),
-                                                               (4, 4, 1, torch.int64)],
-                         ids=["8-byte-words", "4-byte-words", "misaligned-device-bytes"])
+@pytest.mark.parametrize(
+    "heads, head_dim, misalign, words",
+    [(4, 4, 0, torch.int64), (3, 5, 0, torch.int32), (4, 4, 1, torch.int64)],
+    ids=["8-byte-words", "4-byte-words", "misaligned-device-bytes"],
+)
 def test_rows_moved_as_words_or_bytes_match_the_reference(direction, heads, head_dim, misalign, words):
     """The copy moves rows as the widest words they tile, and as bytes where the device
     buffer's address does not allow words (a view one fp32 element into a buffer)."""

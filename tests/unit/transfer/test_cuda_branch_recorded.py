@@ -31,10 +31,16 @@ ROPE = RopeSpec(DIM, DIM, True, (1.0, 0.1, 0.01, 0.001))
 def rig(monkeypatch):
     cuda = RecordingCuda()
     launches: list[tuple[str, int]] = []
-    monkeypatch.setattr(engine_module, "copy_layer", lambda d, k, v, h, ts, hs, layer, lay: launches.append(
-        ("copy", layer)))
-    monkeypatch.setattr(replacements_module, "replace_layer", lambda k, v, s, d, delta, rope, verify_slots:
-                        launches.append(("rope", [i for i, (kk, _) in enumerate(kv) if kk is k][0])))
+    monkeypatch.setattr(
+        engine_module, "copy_layer", lambda d, k, v, h, ts, hs, layer, lay: launches.append(("copy", layer))
+    )
+    monkeypatch.setattr(
+        replacements_module,
+        "replace_layer",
+        lambda k, v, s, d, delta, rope, verify_slots: launches.append(
+            ("rope", [i for i, (kk, _) in enumerate(kv) if kk is k][0])
+        ),
+    )
     monkeypatch.setattr(torch.cuda, "synchronize", cuda.synchronize)
     kv = [(torch.zeros(TOKENS, HEADS, DIM), torch.zeros(TOKENS, HEADS, DIM)) for _ in range(LAYERS)]
     layout = HostChunkLayout(SLOTS, LAYERS, CHUNK, HEADS * DIM * 4)
@@ -121,8 +127,17 @@ def _kernel_key(kernel: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
     on a GPU by tests/kernels/test_warmup_triton.py)."""
     if kernel == "copy":
         direction, k, v, host, token_slots, host_slots, _layer, layout = args
-        return ("copy", int(direction), k.dtype, v.dtype, tuple(k.shape[1:]),
-                getattr(host, "dtype", type(host).__name__), token_slots.dtype, host_slots.dtype, layout)
+        return (
+            "copy",
+            int(direction),
+            k.dtype,
+            v.dtype,
+            tuple(k.shape[1:]),
+            getattr(host, "dtype", type(host).__name__),
+            token_slots.dtype,
+            host_slots.dtype,
+            layout,
+        )
     k, v, src, dst, delta, rope = args
     return ("rope", k.dtype, v.dtype, tuple(k.shape[1:]), src.dtype, dst.dtype, delta.dtype, rope.signature())
 
@@ -151,11 +166,15 @@ def test_a_step_launches_only_kernels_the_warm_up_compiled(monkeypatch):
     host = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     streams = CudaStreams(torch.device("cpu"), events_per_stream=4 * LAYERS + 16, cuda=cuda, pin=cuda.pin)
     engine = TransferEngine(kv, host, layout, LayerwiseMode.BOTH, streams=streams)
-    report = warm_up_on_cuda(engine=engine, kv_layers=kv, rope=ROPE, on_cuda=True,
-                             copy=lambda *a: compiled.add(_kernel_key("copy", a)),
-                             rotate=lambda k, v, s, d, delta, rope, **kw: compiled.add(
-                                 _kernel_key("rope", (k, v, s, d, delta, rope))),
-                             synchronize=lambda: None)
+    report = warm_up_on_cuda(
+        engine=engine,
+        kv_layers=kv,
+        rope=ROPE,
+        on_cuda=True,
+        copy=lambda *a: compiled.add(_kernel_key("copy", a)),
+        rotate=lambda k, v, s, d, delta, rope, **kw: compiled.add(_kernel_key("rope", (k, v, s, d, delta, rope))),
+        synchronize=lambda: None,
+    )
     assert report is not None and compiled
     monkeypatch.setattr(engine_module, "copy_layer", copy)
     monkeypatch.setattr(replacements_module, "replace_layer", rotate)

@@ -76,5 +76,5 @@ def test_the_launch_passes_what_kernel_host_arg_gives_for_the_kv_device(monkeypa
     monkeypatch.setattr(copy_kv, "kernel_host_arg", lambda h, d: seen.append((h, d)) or marker)
     copy_layer_triton(Direction.HOST_TO_DEVICE, k, v, host, torch.arange(4), torch.tensor([1]), 1, layout)
     assert seen == [(host, k.device)]
-    (_, args, _), = kernel.launches
+    ((_, args, _),) = kernel.launches
     assert args[2] is marker

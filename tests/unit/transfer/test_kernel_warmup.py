@@ -28,11 +28,16 @@ def test_on_cuda_every_kernel_is_launched_on_every_layer_with_the_serving_operan
     kv, host, engine = make_engine()
     copies, rotations, syncs = [], [], []
     report = warm_up_on_cuda(
-        engine=engine, kv_layers=kv, rope=ROPE, on_cuda=True,
+        engine=engine,
+        kv_layers=kv,
+        rope=ROPE,
+        on_cuda=True,
         copy=lambda d, k, v, h, ts, hs, layer, layout: copies.append((d, k, v, h, layer, ts.tolist(), hs.tolist())),
         rotate=lambda k, v, s, d, delta, rope, use_triton, verify_slots: rotations.append(
-            (k, v, s.tolist(), d.tolist(), delta.tolist(), rope, use_triton)),
-        synchronize=lambda: syncs.append(1))
+            (k, v, s.tolist(), d.tolist(), delta.tolist(), rope, use_triton)
+        ),
+        synchronize=lambda: syncs.append(1),
+    )
     assert report is not None and len(report.launches) == 3 * LAYERS
     assert {(int(c[0]), c[4]) for c in copies} == {(d, layer) for d in (0, 1) for layer in range(LAYERS)}
     for d, k, v, h, layer, token_slots, host_slots in copies:  # the buffers serving uses, slot 0 only
@@ -47,5 +52,7 @@ def test_off_cuda_nothing_is_launched():
     kv, host, engine = make_engine()
     fail = lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched off CUDA"))  # noqa: E731
     assert warm_up_on_cuda(engine=engine, kv_layers=kv, rope=ROPE, copy=fail, rotate=fail, synchronize=fail) is None
-    assert warm_up_on_cuda(engine=None, kv_layers=kv, rope=None, on_cuda=True, copy=fail, rotate=fail,
-                           synchronize=fail) is None
+    assert (
+        warm_up_on_cuda(engine=None, kv_layers=kv, rope=None, on_cuda=True, copy=fail, rotate=fail, synchronize=fail)
+        is None
+    )

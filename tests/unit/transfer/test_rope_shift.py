@@ -51,25 +51,34 @@ from pcr_sglang.reuse.model_rope import UnsupportedRope, model_rope_spec, rope_s
 from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots, replace_layer, shift_keys_torch
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-           "original_max_position_embeddings": 8192}
-DEEPSEEK = {"rope_type": "deepseek_yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
-            "mscale": 1.0, "mscale_all_dim": 0.0}
+LLAMA31 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+DEEPSEEK = {
+    "rope_type": "deepseek_yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 32768,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.0,
+}
 # get_rope arguments; every table covers p + d < 110_000.
 VARIANTS = {
     "default-1e4": dict(head_size=64, rotary_dim=64, max_position=110_000, base=10000),
     "default-5e5": dict(head_size=64, rotary_dim=64, max_position=110_000, base=500000),
-    "linear-4": dict(head_size=64, rotary_dim=64, max_position=32768, base=10000,
-                     rope_scaling={"rope_type": "linear", "factor": 4.0}),
-    "llama3.1": dict(head_size=64, rotary_dim=64, max_position=131072, base=500000,
-                     rope_scaling=LLAMA31),
+    "linear-4": dict(
+        head_size=64, rotary_dim=64, max_position=32768, base=10000, rope_scaling={"rope_type": "linear", "factor": 4.0}
+    ),
+    "llama3.1": dict(head_size=64, rotary_dim=64, max_position=131072, base=500000, rope_scaling=LLAMA31),
     "yarn-4": dict(head_size=64, rotary_dim=64, max_position=131072, base=10000, rope_scaling=YARN),
-    "partial-half": dict(head_size=64, rotary_dim=64, max_position=110_000, base=10000,
-                         partial_rotary_factor=0.5),
-    "gptj": dict(head_size=64, rotary_dim=64, max_position=110_000, base=10000,
-                 is_neox_style=False),
-    "deepseek-yarn-gptj": dict(head_size=64, rotary_dim=64, max_position=131072, base=10000,
-                               is_neox_style=False, rope_scaling=DEEPSEEK),
+    "partial-half": dict(head_size=64, rotary_dim=64, max_position=110_000, base=10000, partial_rotary_factor=0.5),
+    "gptj": dict(head_size=64, rotary_dim=64, max_position=110_000, base=10000, is_neox_style=False),
+    "deepseek-yarn-gptj": dict(
+        head_size=64, rotary_dim=64, max_position=131072, base=10000, is_neox_style=False, rope_scaling=DEEPSEEK
+    ),
 }
 N, HEADS, POOL = 64, 2, 160
 MAX_P, MAX_D = 2048, 100_000
@@ -112,11 +121,10 @@ def _case(seed: int = 0, max_p: int = MAX_P, max_d: int = MAX_D):
     d[:3] = torch.tensor([0, -1, max_d])
     d = torch.maximum(d, -p)  # p + d >= 0: negative deltas move a token earlier
     slots = torch.randperm(POOL, generator=g)
-    return g, p, d, slots[:N], slots[N:2 * N]
+    return g, p, d, slots[:N], slots[N : 2 * N]
 
 
-def _shift_in_pool(k_at_p: torch.Tensor, d: torch.Tensor, spec: RopeSpec, src, dst, g,
-                   v_head_dim: int = 48):
+def _shift_in_pool(k_at_p: torch.Tensor, d: torch.Tensor, spec: RopeSpec, src, dst, g, v_head_dim: int = 48):
     """Put ``k_at_p`` in a random pool at ``src`` and re-place it at ``dst``; return the
     pool's K at dst, its V at dst and its V at src."""
     k_pool = torch.randn(POOL, HEADS, spec.head_dim, generator=g).to(k_at_p.dtype)
@@ -150,7 +158,7 @@ def test_spec_reproduces_sglang_table(name):
     table = rope.cos_sin_cache.double()
     exact = _exact_table(spec, _mscale(rope), table.shape[0])
     t = torch.arange(table.shape[0], dtype=torch.float64)[:, None]
-    bound = _mscale(rope) * (4 * 2.0 ** -24 * t * max(spec.inv_freq) + 4e-7)
+    bound = _mscale(rope) * (4 * 2.0**-24 * t * max(spec.inv_freq) + 4e-7)
     assert bool(((table - exact).abs() <= bound).all())
     assert abs(float(table[0, 0]) - _mscale(rope)) < 1e-6  # the table carries mscale
 
@@ -288,17 +296,21 @@ def test_shifting_with_the_mscaled_table_would_be_caught():
 
 # ---- refusals ---------------------------------------------------------------------------
 
+
 def test_dynamic_ntk_is_refused():
-    for rope in (DynamicNTKScalingRotaryEmbedding(16, 16, 64, 10000, True, 2.0, torch.float32),
-                 DynamicNTKAlphaRotaryEmbedding(16, 16, 64, 10000, True, 2.0, torch.float32)):
+    for rope in (
+        DynamicNTKScalingRotaryEmbedding(16, 16, 64, 10000, True, 2.0, torch.float32),
+        DynamicNTKAlphaRotaryEmbedding(16, 16, 64, 10000, True, 2.0, torch.float32),
+    ):
         with pytest.raises(UnsupportedRope, match=f"dynamic NTK.*{type(rope).__name__}"):
             rope_spec_of(rope)
 
 
 def test_mrope_is_refused():
-    for rope in (MRotaryEmbedding(16, 16, 64, 10000, True, torch.float32, mrope_section=[2, 3, 3]),
-                 YaRNScalingMRotaryEmbedding(16, 16, 64, 10000, True, 2.0, torch.float32,
-                                             mrope_section=[2, 3, 3])):
+    for rope in (
+        MRotaryEmbedding(16, 16, 64, 10000, True, torch.float32, mrope_section=[2, 3, 3]),
+        YaRNScalingMRotaryEmbedding(16, 16, 64, 10000, True, 2.0, torch.float32, mrope_section=[2, 3, 3]),
+    ):
         with pytest.raises(UnsupportedRope, match=f"multimodal RoPE.*{type(rope).__name__}"):
             rope_spec_of(rope)
 
@@ -316,15 +328,13 @@ def test_classes_off_the_allow_list_are_refused():
     refused = [
         MyRotaryEmbedding(16, 16, 64, 10000, True, torch.float32),
         Gemma4RotaryEmbedding(32, 16, 64, 10000, True, torch.float32),
-        Phi3LongRoPEScaledRotaryEmbedding(16, 16, 128, 64, 10000, True, torch.float32,
-                                          [1.0] * 8, [2.0] * 8),
+        Phi3LongRoPEScaledRotaryEmbedding(16, 16, 128, 64, 10000, True, torch.float32, [1.0] * 8, [2.0] * 8),
     ]
     for rope in refused:
         with pytest.raises(UnsupportedRope, match=f"{type(rope).__name__} is not supported"):
             rope_spec_of(rope)
     with pytest.raises(UnsupportedRope, match="several scaling factors"):
-        rope_spec_of(LinearScalingRotaryEmbedding(16, 16, 64, 10000, True, [1.0, 4.0],
-                                                  torch.float32))
+        rope_spec_of(LinearScalingRotaryEmbedding(16, 16, 64, 10000, True, [1.0, 4.0], torch.float32))
 
 
 def test_a_table_that_is_not_position_times_frequency_is_refused():
@@ -386,13 +396,13 @@ def test_model_rope_spec_refuses_per_layer_rope():
     with pytest.raises(UnsupportedRope, match="per-layer RoPE.*no RoPE"):
         model_rope_spec(_Model(local, None))
     with pytest.raises(UnsupportedRope, match="layers.1.rotary_emb: dynamic NTK"):
-        model_rope_spec(_Model(local, DynamicNTKScalingRotaryEmbedding(32, 32, 64, 10000, True, 2.0,
-                                                                       torch.float32)))
+        model_rope_spec(_Model(local, DynamicNTKScalingRotaryEmbedding(32, 32, 64, 10000, True, 2.0, torch.float32)))
     with pytest.raises(UnsupportedRope, match="no rotary embedding module"):
         model_rope_spec(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
 # ---- the spec and the argument checks ---------------------------------------------------
+
 
 def test_spec_validation():
     RopeSpec(8, 4, True, (1.0, 0.5))
@@ -411,8 +421,12 @@ def test_signature_is_stable_and_covers_every_field():
     assert spec.inv_freq == (1.0, 0.01)
     assert spec.signature() == RopeSpec(8, 4, True, (1.0, 0.01)).signature()
     assert spec.signature() == "af5f324d5ac1d5e2"  # the same in every process and release
-    others = [RopeSpec(10, 4, True, (1.0, 0.01)), RopeSpec(8, 4, False, (1.0, 0.01)),
-              RopeSpec(8, 4, True, (1.0, math.nextafter(0.01, 1))), RopeSpec(8, 2, True, (1.0,))]
+    others = [
+        RopeSpec(10, 4, True, (1.0, 0.01)),
+        RopeSpec(8, 4, False, (1.0, 0.01)),
+        RopeSpec(8, 4, True, (1.0, math.nextafter(0.01, 1))),
+        RopeSpec(8, 2, True, (1.0,)),
+    ]
     assert len({spec.signature(), *(o.signature() for o in others)}) == 5
 
 

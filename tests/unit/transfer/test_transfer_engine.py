@@ -15,8 +15,10 @@ LAYERS, CHUNK, HEADS, DIM, TOKENS, SLOTS = 3, 4, 2, 8, 64, 6
 
 def make_engine(mode: str = "both", seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    kv = [(torch.randn(TOKENS, HEADS, DIM, generator=gen), torch.randn(TOKENS, HEADS, DIM, generator=gen))
-          for _ in range(LAYERS)]
+    kv = [
+        (torch.randn(TOKENS, HEADS, DIM, generator=gen), torch.randn(TOKENS, HEADS, DIM, generator=gen))
+        for _ in range(LAYERS)
+    ]
     layout = HostChunkLayout(SLOTS, LAYERS, CHUNK, HEADS * DIM * 4)
     host = torch.randn(layout.total_bytes // 4, generator=gen).view(torch.uint8)  # no NaN patterns
     return TransferEngine(kv, host, layout, LayerwiseMode(mode)), kv, host.view(layout.shape)
@@ -39,8 +41,11 @@ def test_load_lands_layer_by_layer_when_the_layer_is_read():
     engine, kv, host = make_engine("load")
     slots = torch.tensor([9, 3, 40, 41, 17, 5, 6, 63])  # two chunks, scattered
     engine.load(slots, [4, 1])
-    expected = {(layer, i): torch.cat([host_rows(host, 4, layer, i), host_rows(host, 1, layer, i)])
-                for layer in range(LAYERS) for i in (0, 1)}
+    expected = {
+        (layer, i): torch.cat([host_rows(host, 4, layer, i), host_rows(host, 1, layer, i)])
+        for layer in range(LAYERS)
+        for i in (0, 1)
+    }
     assert not torch.equal(kv[0][0][slots], expected[(0, 0)])  # nothing moved yet
     assert not engine.host_slot_ready(4)  # the copy still reads the slot
     engine.wait_until(0)  # the forward reads layer 0
@@ -103,8 +108,11 @@ def test_a_batchs_offloads_and_loads_are_copied_together_layer_by_layer(monkeypa
 
     calls = []
     real = engine_module.copy_layer
-    monkeypatch.setattr(engine_module, "copy_layer",
-                        lambda direction, *args: calls.append((direction, args[-2])) or real(direction, *args))
+    monkeypatch.setattr(
+        engine_module,
+        "copy_layer",
+        lambda direction, *args: calls.append((direction, args[-2])) or real(direction, *args),
+    )
     engine, kv, host = make_engine("both")
     chunks = {"r1": ([7, 8, 9, 30], 2), "r2": ([40, 41, 42, 43], 0), "r3": ([1, 12, 3, 60], 5)}
     for owner, (slots, host_slot) in chunks.items():
@@ -139,8 +147,9 @@ def test_offloads_naming_one_host_slot_twice_are_copied_one_transfer_at_a_time(m
 
     calls = []
     real = engine_module.copy_layer
-    monkeypatch.setattr(engine_module, "copy_layer",
-                        lambda direction, *args: calls.append(args[-2]) or real(direction, *args))
+    monkeypatch.setattr(
+        engine_module, "copy_layer", lambda direction, *args: calls.append(args[-2]) or real(direction, *args)
+    )
     engine, kv, host = make_engine("offload")
     kv[0][0][torch.tensor([1, 2, 3, 4])] = 1.0
     kv[0][0][torch.tensor([5, 6, 7, 8])] = 2.0
@@ -213,8 +222,10 @@ def test_a_cpu_pool_runs_the_inline_algorithm_unless_given_streams():
     streamed = TransferEngine(kv, host, layout, LayerwiseMode.LOAD, streams=OrderingModel())
     streamed.load(torch.tensor([1, 2, 3, 4]), [0])
     assert streamed.pending_loads == 0 and not streamed.host_slot_ready(0)  # issued, not complete
-    assert torch.equal(kv[LAYERS - 1][0][torch.tensor([1, 2, 3, 4])],
-                       host.view(layout.shape)[0, LAYERS - 1, 0].view(torch.float32).view(CHUNK, HEADS, DIM))
+    assert torch.equal(
+        kv[LAYERS - 1][0][torch.tensor([1, 2, 3, 4])],
+        host.view(layout.shape)[0, LAYERS - 1, 0].view(torch.float32).view(CHUNK, HEADS, DIM),
+    )
 
 
 def test_layer_count_must_match_the_host_layout():

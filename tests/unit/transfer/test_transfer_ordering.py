@@ -90,8 +90,10 @@ class Rig:
 
 def make_rig(mode: str = "both", overlap: bool = True, seed: int = 0) -> Rig:
     gen = torch.Generator().manual_seed(seed)
-    kv = [(torch.randn(TOKENS, HEADS, DIM, generator=gen), torch.randn(TOKENS, HEADS, DIM, generator=gen))
-          for _ in range(LAYERS)]
+    kv = [
+        (torch.randn(TOKENS, HEADS, DIM, generator=gen), torch.randn(TOKENS, HEADS, DIM, generator=gen))
+        for _ in range(LAYERS)
+    ]
     layout = HostChunkLayout(SLOTS, LAYERS, CHUNK, HEADS * DIM * 4)
     host = torch.randn(layout.total_bytes // 4, generator=gen).view(torch.uint8)
     model = OrderingModel()
@@ -293,8 +295,9 @@ def test_a_replacement_of_kv_a_forward_just_wrote_waits_for_that_forward(mode, o
     chunks stashed into the tree): re-placing it waits for the compute streams."""
     rig = make_rig(mode, overlap)
     rig.forward(writes=[1, 2, 3, 4], value=7.0)
-    rig.engine.replace(torch.tensor([1, 2, 3, 4]), torch.tensor([20, 21, 22, 23]), torch.zeros(4, dtype=torch.int64),
-                       ROPE)
+    rig.engine.replace(
+        torch.tensor([1, 2, 3, 4]), torch.tensor([20, 21, 22, 23]), torch.zeros(4, dtype=torch.int64), ROPE
+    )
     rig.forward(reads=[20, 21, 22, 23], writes=[24])
     assert all(torch.all(rig.kv[layer][1][torch.tensor([20, 21, 22, 23])] == -(7.0 + layer)) for layer in range(LAYERS))
 
@@ -322,8 +325,12 @@ def test_fence_after_forward_orders_a_copy_on_the_schedule_stream_after_the_forw
     rig = make_rig("both")
     rig.forward(writes=[1, 2, 3, 4])
     rig.engine.fence_after_forward()
-    rig.model.accesses(rig.schedule, [device([1, 2, 3, 4], layer) for layer in range(LAYERS)],
-                       [device([40, 41, 42, 43], layer) for layer in range(LAYERS)], "a copy on the schedule stream")
+    rig.model.accesses(
+        rig.schedule,
+        [device([1, 2, 3, 4], layer) for layer in range(LAYERS)],
+        [device([40, 41, 42, 43], layer) for layer in range(LAYERS)],
+        "a copy on the schedule stream",
+    )
 
 
 # ---------------------------------------------------------------- everything at once
