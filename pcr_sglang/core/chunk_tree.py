@@ -18,7 +18,9 @@ per heap push, never O(tree).
 The tree decides each change (it matches and inserts chains, checks its callers' requests,
 and takes out of the tree a chunk no tier holds, with the descendants only it made
 reachable); what a change moves (the per-tier counts, lock counts and leaf sets, and the
-event recording it) is kept by :class:`pcr_sglang.core.tier_accounts.TierAccounts`.
+event recording it) is kept by :class:`pcr_sglang.core.tier_accounts.TierAccounts`, and
+carrying a removal out (children before parents) by
+:class:`pcr_sglang.core.tree_removal.ChunkRemoval`, which the tree inherits.
 
 The tree is a data structure, not a policy: which tier a chunk should move to, and which
 slots it uses there, is decided by :class:`pcr_sglang.core.residency.CacheState`, its
@@ -35,22 +37,18 @@ from pcr_sglang.core.chunk_node import (
     InsertOutcome,
     MatchOutcome,
     TreeStats,
-    held_once,
-    in_no_tier,
 )
 from pcr_sglang.core.keys import ChunkKey
 from pcr_sglang.core.lru import TierLeaves
 from pcr_sglang.core.tier_accounts import TierAccounts
 from pcr_sglang.core.tier_events import Tier, TierEvent, TierEventKind, TierEventLog
 from pcr_sglang.core.tree_check import check_tree
+from pcr_sglang.core.tree_removal import ChunkRemoval, NodeCallback, NodePredicate
 
 __all__ = ["ChunkNode", "ChunkTree", "InsertOutcome", "MatchOutcome", "NodeCallback", "NodePredicate", "TreeStats"]
 
-NodeCallback = Callable[[ChunkNode], None]
-NodePredicate = Callable[[ChunkNode], bool]
 
-
-class ChunkTree:
+class ChunkTree(ChunkRemoval):
     """A prefix tree of chunks over three tiers with lock counts and per-tier LRU eviction."""
 
     def __init__(self) -> None:
@@ -317,91 +315,7 @@ class ChunkTree:
             self._tiers.ssd, self._tiers.leave_ssd, num_chunks, on_evict, is_protected, on_drop_host, on_drop_ssd, None
         )
 
-    def _evict_leaves(
-        self,
-        tier: TierLeaves,
-        drop: NodeCallback,
-        num_chunks: int,
-        on_evict: Optional[NodeCallback],
-        is_protected: Optional[NodePredicate],
-        on_drop_host: Optional[NodeCallback],
-        on_drop_ssd: Optional[NodeCallback],
-        take: Optional[Callable[[ChunkNode], Optional[bool]]],
-    ) -> list[ChunkNode]:
-        """Each tier's eviction: take ``tier``'s LRU leaves out of it (``drop``); a chunk
-        left in no tier goes, with the descendants only it made reachable."""
-        evicted: list[ChunkNode] = []
-        for node in tier.pop_lru(num_chunks, is_protected, take):
-            if on_evict is not None:
-                on_evict(node)
-            self._leave(node, drop, on_drop_host, on_drop_ssd)
-            evicted.append(node)
-        return evicted
-
-    def _leave(
-        self,
-        node: ChunkNode,
-        drop: NodeCallback,
-        on_drop_host: Optional[NodeCallback],
-        on_drop_ssd: Optional[NodeCallback],
-    ) -> None:
-        """Take ``node`` out of one tier (``drop``); a chunk that tier held alone leaves the
-        tree, and the descendants only it made reachable go first (so that events name
-        children before parents)."""
-        last = held_once(node)
-        if last:
-            self._drop_children(node, on_drop_host, on_drop_ssd)
-        drop(node)
-        if last:
-            self._remove_leaf(node)
-
-    def _drop_children(
-        self, node: ChunkNode, on_drop_host: Optional[NodeCallback], on_drop_ssd: Optional[NodeCallback]
-    ) -> None:
-        for child in list(node.children.values()):
-            self._drop_subtree(child, on_drop_host, on_drop_ssd)
-
-    def _drop_subtree(
-        self, node: ChunkNode, on_drop_host: Optional[NodeCallback], on_drop_ssd: Optional[NodeCallback] = None
-    ) -> None:
-        stack = [node]
-        order = []
-        while stack:
-            n = stack.pop()
-            order.append(n)
-            stack.extend(n.children.values())
-        # mutant: kv-events-parent-removed-before-children
-        for n in reversed(order):  # children before parents
-            assert not n.on_device and n.lock_ref == 0, n
-            if n.on_host:
-                if on_drop_host is not None:
-                    on_drop_host(n)
-                self._tiers.leave_host(n)
-            if n.on_ssd:
-                if on_drop_ssd is not None:
-                    on_drop_ssd(n)
-                self._tiers.leave_ssd(n)
-            self._remove_leaf(n)
-
-    def _remove_leaf(self, node: ChunkNode) -> None:
-        parent = node.parent
-        assert parent is not None and not node.children and node.lock_ref == 0
-        assert in_no_tier(node)
-        self._log(TierEventKind.FORGOTTEN, node)
-        del parent.children[node.key]
-        self._tiers.forget(node)
-        self._num_chunks -= 1
-        node.parent = None
-
     # ------------------------------------------------------------------ helpers
-    def _log(self, kind: TierEventKind, node: ChunkNode, tier: Optional[Tier] = None) -> None:
-        """Record a residency change, when events are on."""
-        if self.events is None:
-            return
-        parent = node.parent
-        parent_key = None if parent is None or parent.parent is None else parent.key
-        self.events.append(TierEvent(kind, node.key, parent_key, tier))
-
     def _touch_chain(self, nodes: Sequence[ChunkNode]) -> None:
         self._tiers.touch(nodes, next(self._tick))
 

@@ -44,7 +44,6 @@ copy against the forward as a GPU would need.
 
 from __future__ import annotations
 
-import enum
 import logging
 from typing import Any, Iterable, Optional, Sequence
 
@@ -53,29 +52,15 @@ import torch
 from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.transfer.copy_kv import Direction, Host, check_copy_slots_on_device, copy_layer
 from pcr_sglang.transfer.host_pointer import resolve as resolve_host_pointer
+from pcr_sglang.transfer.layerwise_mode import LayerwiseMode
 from pcr_sglang.transfer.replacements import Replacement, Replacements
 from pcr_sglang.transfer.rope_shift import RopeSpec, check_slots_on_device
 from pcr_sglang.transfer.streams import DEVICE_KV, HOST_KV, CudaStreams, Event, Region, Streams
 from pcr_sglang.transfer.tickets import Tickets, Transfer
 
+__all__ = ["LayerwiseMode", "TransferEngine"]  # LayerwiseMode: re-exported, as before its own module
+
 logger = logging.getLogger(__name__)
-
-
-class LayerwiseMode(str, enum.Enum):
-    """Which transfers overlap with the forward (``--pcr-layerwise``)."""
-
-    OFF = "off"
-    LOAD = "load"
-    OFFLOAD = "offload"
-    BOTH = "both"
-
-    @property
-    def loads(self) -> bool:
-        return self in (LayerwiseMode.LOAD, LayerwiseMode.BOTH)
-
-    @property
-    def offloads(self) -> bool:
-        return self in (LayerwiseMode.OFFLOAD, LayerwiseMode.BOTH)
 
 
 class TransferEngine:

@@ -286,7 +286,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="kv-events-parent-removed-before-children",
         kind="unit",
-        file="pcr_sglang/core/chunk_tree.py",
+        file="pcr_sglang/core/tree_removal.py",
         original="for n in reversed(order):  # children before parents",
         replacement="for n in order:  # mutant: parents first",
         tests=(UNIT + "sglang_adapter/test_kv_events.py::test_a_subscriber_mirrors_every_tier_through_500_requests",),
