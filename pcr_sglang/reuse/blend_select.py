@@ -33,9 +33,10 @@ the forward's layer-wise copies of the kept tokens' other layers start after it.
 Anchors (the "hybrid" selector: each re-placed document's first tokens) come first at
 every stage, whatever their score.
 
-The probe drives the decoder layers' modules directly (norms, projections, MLP) rather
-than SGLang's forward, so it is allowed only for the layer classes whose structure it
-reproduces (``PROBE_LAYERS``); :func:`probe_support` says why not for any other.
+The probe drives the decoder layers' modules directly (norms, projections, MLP:
+:mod:`~pcr_sglang.reuse.decoder_pass`) rather than SGLang's forward, so it is allowed
+only for the layer classes whose structure it reproduces (``PROBE_LAYERS``);
+:func:`probe_support` says why not for any other.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from typing import Any, Optional
 
 import torch
 
+from pcr_sglang.reuse.decoder_pass import SCORE_ELEMENTS as SCORE_ELEMENTS
+from pcr_sglang.reuse.decoder_pass import attend, finish, project
 from pcr_sglang.reuse.selectors import QUESTION_SELECTORS
 
 logger = logging.getLogger(__name__)
@@ -53,10 +56,6 @@ logger = logging.getLogger(__name__)
 # Pre-norm decoder layers: x + attn(norm(x)), then + mlp(norm(.)), attention from a fused
 # qkv projection with RoPE, no q/k norms, no soft cap, full attention.
 PROBE_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
-# Attention scores one query block of the probe aims at (heads x queries x keys): 2^26
-# float32 is about 256 MiB per block, beside SGLang's own budget (approximate: a block has
-# at least one query, and SDPA's temporaries, the mask and the keys come on top).
-SCORE_ELEMENTS = 1 << 26
 # ``gradual``: layer 1 keeps this many times the budget for layer 2 to choose from.
 GRADUAL_WIDTH = 2
 # ``prophet``: the question's attention is fused over layers 1..QUERY_LAYERS (fewer on a
@@ -128,12 +127,6 @@ class ExactKv:
 class Selection:
     chosen: torch.Tensor  # offsets (into the probed tokens) to recompute, on the probe's device, unordered
     exact: list[ExactKv] = field(default_factory=list)
-
-
-def _first(output: Any) -> torch.Tensor:
-    """A module's output tensor (SGLang's linear layers return ``(output, bias)``)."""
-    first: torch.Tensor = output[0] if isinstance(output, tuple) else output
-    return first
 
 
 def _v_deviation(v: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -282,12 +275,12 @@ class BlendProbe:
         k0_pool, v0_pool = self.kv_layers[0]
         v1_pool = self.kv_layers[1][1]
         hidden = self.embed(token_ids)
-        q, k, v = self._project(0, hidden, positions)
+        q, k, v = project(self.layers[0], hidden, positions)
         keys = torch.cat([k0_pool[prefix_slots].to(q.dtype), k])
         values = torch.cat([v0_pool[prefix_slots].to(q.dtype), v])
         key_positions = torch.cat([torch.arange(prefix_slots.shape[0], device=q.device), positions])
-        residual = self._finish(0, hidden, self._attend(0, q, positions, keys, values, key_positions))
-        q1, k1, v1 = self._project(1, residual, positions)
+        residual = finish(self.layers[0], hidden, attend(self.layers[0], q, positions, keys, values, key_positions))
+        q1, k1, v1 = project(self.layers[1], residual, positions)
         k1, v1 = k1.to(v1_pool.dtype), v1.to(v1_pool.dtype)
         deviation = _v_deviation(v1, v1_pool, reused_slots)
         return Layer1Result(deviation, k1, v1, residual, q1, keys, values, key_positions)
@@ -308,9 +301,9 @@ class BlendProbe:
         dtype = first.q1.dtype
         keys = torch.cat([k1_pool[prefix_slots].to(dtype), first.k1.to(dtype)])
         values = torch.cat([v1_pool[prefix_slots].to(dtype), first.v1.to(dtype)])
-        out = self._attend(1, first.q1[offsets], positions[offsets], keys, values, first.key_positions)
-        residual = self._finish(1, first.residual[offsets], out)
-        _, k2, v2 = self._project(2, residual, positions[offsets])
+        out = attend(self.layers[1], first.q1[offsets], positions[offsets], keys, values, first.key_positions)
+        residual = finish(self.layers[1], first.residual[offsets], out)
+        _, k2, v2 = project(self.layers[2], residual, positions[offsets])
         k2_pool, v2_pool = self.kv_layers[2]
         v2 = v2.to(v2_pool.dtype)
         return ExactKv(2, offsets, k2.to(k2_pool.dtype), v2), _v_deviation(v2, v2_pool, reused_slots[offsets])
@@ -335,22 +328,22 @@ class BlendProbe:
         q_positions = positions[-1:] + 1 + torch.arange(m, device=positions.device)  # no read-back
         all_positions = torch.cat([first.key_positions, q_positions])
         hidden = self.embed(question_ids)
-        q, k, v = self._project(0, hidden, q_positions)
+        q, k, v = project(self.layers[0], hidden, q_positions)
         keys, values = torch.cat([first.keys0, k]), torch.cat([first.values0, v])
-        hidden = self._finish(0, hidden, self._attend(0, q, q_positions, keys, values, all_positions))
+        hidden = finish(self.layers[0], hidden, attend(self.layers[0], q, q_positions, keys, values, all_positions))
         weights = torch.zeros(all_positions.shape[0], dtype=torch.float32, device=q.device)
         filled: Optional[torch.Tensor] = None
         if gap_offsets is not None and gap_offsets.numel():
             filled = torch.ones(all_positions.shape[0], dtype=torch.bool, device=q.device)
             filled[start + gap_offsets.to(q.device)] = False
         for layer in range(1, depth + 1):
-            q, k, v = self._project(layer, hidden, q_positions)
+            q, k, v = project(self.layers[layer], hidden, q_positions)
             k_pool, v_pool = self.kv_layers[layer]
             context = (first.k1, first.v1) if layer == 1 else (k_pool[reused_slots], v_pool[reused_slots])
             keys = torch.cat([k_pool[prefix_slots].to(q.dtype), context[0].to(q.dtype), k])
             values = torch.cat([v_pool[prefix_slots].to(q.dtype), context[1].to(q.dtype), v])
-            out = self._attend(
-                layer,
+            out = attend(
+                self.layers[layer],
                 q,
                 q_positions,
                 keys,
@@ -361,75 +354,5 @@ class BlendProbe:
                 filled if layer > 1 else None,
             )
             if layer < depth:
-                hidden = self._finish(layer, hidden, out)
+                hidden = finish(self.layers[layer], hidden, out)
         return weights[start : start + positions.shape[0]]
-
-    # ------------------------------------------------------------------ one decoder layer
-    def _project(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Layer ``layer``'s Q, K, V for the residual stream ``hidden`` (RoPE at
-        ``positions``), as [tokens, heads, head_dim]."""
-        module = self.layers[layer]
-        attn = module.self_attn
-        n, d = hidden.shape[0], attn.head_dim
-        q, k, v = torch.split(
-            _first(attn.qkv_proj(_first(module.input_layernorm(hidden)))),
-            [attn.q_size, attn.kv_size, attn.kv_size],
-            dim=-1,
-        )
-        q, k = attn.rotary_emb(positions, q, k)
-        return q.reshape(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)
-
-    def _finish(self, layer: int, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
-        """The residual stream after layer ``layer``: its output projection and MLP."""
-        module = self.layers[layer]
-        residual = hidden + _first(module.self_attn.o_proj(attention_out))
-        mlp_out: torch.Tensor = module.mlp(_first(module.post_attention_layernorm(residual)))
-        return residual + mlp_out
-
-    def _attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        positions: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        key_positions: torch.Tensor,
-        weights: Optional[torch.Tensor] = None,
-        key_valid: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Position-causal attention of ``q`` ([n, heads, d] at ``positions``) over
-        ``keys``/``values`` ([keys, kv_heads, d] at ``key_positions``), flat per token.
-        With ``weights`` ([keys] float32), each key's attention (summed over queries and
-        heads) is added to it; ``key_valid`` (a [keys] mask) hides the others. Queries run
-        in blocks of at most ``SCORE_ELEMENTS`` scores."""
-        attn = self.layers[layer].self_attn
-        n, heads, d = q.shape
-        kv_heads = keys.shape[1]
-        block = max(1, SCORE_ELEMENTS // (heads * key_positions.shape[0]))
-        parts = []
-        if weights is not None:  # the explicit path's scores are float32
-            keys, values = keys.float(), values.float()
-        for begin in range(0, n, block):
-            end = min(begin + block, n)
-            mask = key_positions.unsqueeze(0) <= positions[begin:end].unsqueeze(1)  # [block, keys]
-            if key_valid is not None:
-                mask &= key_valid
-            if weights is None:
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    q[begin:end].transpose(0, 1).unsqueeze(0),
-                    keys.transpose(0, 1).unsqueeze(0),
-                    values.transpose(0, 1).unsqueeze(0),
-                    attn_mask=mask,
-                    scale=attn.scaling,
-                    enable_gqa=heads != kv_heads,
-                )
-                parts.append(out.squeeze(0).transpose(0, 1).reshape(end - begin, -1))
-                continue
-            grouped = q[begin:end].reshape(end - begin, kv_heads, heads // kv_heads, d).float()
-            probs = torch.einsum("mkgd,lkd->mkgl", grouped, keys).mul_(attn.scaling)
-            probs.masked_fill_(~mask[:, None, None, :], float("-inf"))
-            probs = probs.softmax(dim=-1)
-            weights += probs.sum(dim=(0, 1, 2))
-            out = torch.einsum("mkgl,lkd->mkgd", probs, values)
-            parts.append(out.reshape(end - begin, -1).to(q.dtype))
-        return torch.cat(parts)

@@ -35,17 +35,20 @@ Why these configurations, in short:
   be silently ignored.
 
 The same conditions are checked again where the tree cache is built
-(``factory.build_pcr_prefix_cache`` / ``build_host_pool``), as a second line of defence.
+(``factory.build_pcr_prefix_cache`` / ``tier_builders.build_host_pool``), as a second line of defence.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from pcr_sglang.config import PCRConfig, PCRConfigError
+from pcr_sglang.config import PCRConfigError
 from pcr_sglang.reuse.bounds import EXACT_MODES, RECOMPUTE_ATTENTION_BACKENDS, RECOMPUTE_MODES
+from pcr_sglang.sglang_adapter.refusal_inputs import Rule as Rule
+from pcr_sglang.sglang_adapter.refusal_inputs import SupportInputs as SupportInputs
+from pcr_sglang.sglang_adapter.refusal_inputs import collect_inputs as collect_inputs
+from pcr_sglang.sglang_adapter.refusal_inputs import inputs_from_server_args as inputs_from_server_args
 
 logger = logging.getLogger(__name__)
 
@@ -56,26 +59,6 @@ OFFLOADING_LAYERWISE_MODES = ("offload", "both")
 
 class UnsupportedConfigError(PCRConfigError):
     """``--enable-pcr`` cannot serve this configuration (the message says why and what to do)."""
-
-
-@dataclass(frozen=True)
-class SupportInputs:
-    """What the rules read: the resolved flags, the PCR flags, SGLang's model config
-    (None for a dummy or absent model) and the KV-layout environment."""
-
-    cfg: Any
-    pcr: PCRConfig
-    model_config: Any = None
-    use_hnd_kvcache: bool = False
-    aiter_kv_layout: Optional[str] = None  # only where SGLang's pool reads it (ROCm + AITER)
-    weights_loaded: bool = False  # where the tree cache is built: SGLang has downloaded the weights
-
-    @property
-    def host_tier(self) -> bool:
-        return self.pcr.dram_bytes > 0
-
-
-Rule = Callable[[SupportInputs], Optional[str]]
 
 
 def check_eviction_policy(x: SupportInputs) -> Optional[str]:
@@ -385,34 +368,6 @@ RULES: tuple[Rule, ...] = (
     check_graph_prefill_layerwise,
     check_eviction_policy,
 )
-
-
-def collect_inputs(cfg: Any, pcr: PCRConfig, model_config: Any, weights_loaded: bool = False) -> SupportInputs:
-    """The rules' inputs: these flags and model config, and the KV-layout environment as
-    SGLang's KV pool will read it (``weights_loaded``: called where the tree cache is built)."""
-    from sglang.srt.environ import envs
-    from sglang.srt.utils import is_hip
-
-    aiter = bool(envs.SGLANG_USE_AITER.get()) and is_hip()
-    return SupportInputs(
-        cfg=cfg,
-        pcr=pcr,
-        model_config=model_config,
-        use_hnd_kvcache=bool(envs.SGLANG_USE_HND_KVCACHE.get()),
-        aiter_kv_layout=envs.SGLANG_AITER_KV_CACHE_LAYOUT.get().lower() if aiter else None,
-        weights_loaded=weights_loaded,
-    )
-
-
-def inputs_from_server_args(server_args: Any) -> SupportInputs:
-    """The rules' inputs from a resolved ``ServerArgs`` (called in the resolution hook:
-    ``model_config_of`` returns the ModelConfig resolution already built from config.json)."""
-    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
-
-    cfg = resolving_view(server_args)
-    model_path = str(getattr(cfg, "model_path", "") or "")
-    model_config = None if model_path.lower() in ("", "none", "dummy") else model_config_of(server_args)
-    return collect_inputs(cfg, PCRConfig.from_server_args(server_args), model_config)
 
 
 def unsupported_reasons(inputs: SupportInputs, rules: tuple[Rule, ...] = RULES) -> list[str]:

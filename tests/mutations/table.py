@@ -563,7 +563,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="ssd-kept-namespaces-not-charged",
         kind="unit",
-        file="pcr_sglang/sglang_adapter/factory.py",
+        file="pcr_sglang/sglang_adapter/tier_builders.py",
         original="max(config.ssd_bytes - kept_bytes, 0)",
         replacement="config.ssd_bytes",
         tests=(UNIT + "sglang_adapter/test_ssd_namespaces.py::test_kept_namespaces_are_charged_to_the_ssd_budget",),

@@ -305,7 +305,7 @@ def test_the_probe_gives_the_same_kv_and_scores_in_any_query_blocks(monkeypatch)
     """The probe bounds its attention scores by running queries in blocks: one query per
     block and all at once give the same layer-1 KV and deviations, the same layer-2 KV
     (gradual) and the same question attention over four layers (prophet)."""
-    from pcr_sglang.reuse import blend_select
+    from pcr_sglang.reuse import blend_select, decoder_pass
 
     model, pools = _stand_in_model(5)
     probe = blend_select.BlendProbe(model, pools)
@@ -317,7 +317,7 @@ def test_the_probe_gives_the_same_kv_and_scores_in_any_query_blocks(monkeypatch)
         return first.k1, first.v1, first.deviation, second.k, second.v, attention
 
     whole = run()
-    monkeypatch.setattr(blend_select, "SCORE_ELEMENTS", 1)
+    monkeypatch.setattr(decoder_pass, "SCORE_ELEMENTS", 1)  # the attention's query blocks
     for a, b in zip(whole, run()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
