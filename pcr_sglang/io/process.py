@@ -6,8 +6,9 @@ pcr_sglang.io.process CONFIG`` (a msgpack-encoded
 memory by name (plain bytes: no torch here, so it starts in a fraction of a second), opens
 the store, connects to the scheduler's two IPC sockets, says hello, and then runs orders:
 urgent reads first (a request waits for them), then prefetch reads and deletes, then writes
-(a write only makes a chunk durable). Reads run on ``read_threads`` reader threads
-(``--pcr-ssd-read-threads``, :mod:`pcr_sglang.io.readers`), so up to that many are in flight
+(a write only makes a chunk durable; :mod:`pcr_sglang.io.dispatch` picks the next). Reads
+run on ``read_threads`` reader threads (``--pcr-ssd-read-threads``,
+:mod:`pcr_sglang.io.readers`), so up to that many are in flight
 at once: a disk serves reads in parallel (an NVMe drive needs a queue of several to reach
 its bandwidth, a network disk hides its latency only so) and a read mostly waits in the
 kernel, where Python threads run in parallel. Deletes and writes stay on the main thread, in
@@ -47,6 +48,7 @@ import msgspec
 import zmq
 
 from pcr_sglang.core.orders import DeleteChunk, IoOutcome, ProbeRemote, ReadChunk, Reorder, WriteChunk
+from pcr_sglang.io.dispatch import ReadQueue, dispatch_reads, ready, reorder, write_ready
 from pcr_sglang.io.faults import DelayedRenames, TestFaults
 from pcr_sglang.io.protocol import Done, Hello, IoProcessConfig, Probed, RemoteStatus, order_decoder, reply_encoder
 from pcr_sglang.io.readers import ReaderThreads
@@ -62,14 +64,9 @@ logger = logging.getLogger(__name__)
 # Batch durability: at most this many written records wait for their group fsync (a
 # group also ends whenever the write queue is empty, so a lone write is never held).
 BATCH_RECORDS = 16
-# Deletes run on the main thread and are not acknowledged; at most this many run before
-# the loop reads new orders again (a reset or a large eviction orders thousands).
-DELETES_PER_TURN = 32
 # Remote threads given up on (a call that never returned) and still stuck: each holds a
 # Mooncake client. With this many, the next hung call makes the process exit instead.
 MAX_HUNG_REMOTE_THREADS = 3
-
-_ReadQueue = collections.deque[ReadChunk | DeleteChunk]  # prefetch reads and deletes, in order
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -232,53 +229,12 @@ class IoProcess:
             done.seconds += share
             self.replies.send(reply_encoder.encode(done))
 
-    def dispatch_reads(self, urgent: collections.deque[ReadChunk], reads: _ReadQueue) -> None:
-        """Hand queued reads to free reader threads, urgent ones first; a delete reached in
-        the prefetch queue runs here, in its place."""
-        while urgent and self.readers.free:
-            self.readers.submit(urgent.popleft())
-        deletes = 0
-        while reads and deletes < DELETES_PER_TURN:
-            order = reads[0]
-            if isinstance(order, ReadChunk):
-                if not self.readers.free:
-                    return
-                reads.popleft()
-                self.readers.submit(order)
-            elif self.readers.reading(order.key):
-                return  # after the read of that key ordered before it
-            else:
-                reads.popleft()
-                self.execute(order)  # DeleteChunk: not acknowledged
-                deletes += 1
-
-    def _write_ready(
-        self, urgent: collections.deque[ReadChunk], reads: _ReadQueue, writes: collections.deque[WriteChunk]
-    ) -> bool:
-        """A write may run: no read waits, and none of its chunk runs."""
-        return bool(writes) and not urgent and not reads and not self.readers.reading(writes[0].key)
-
-    def _ready(
-        self, urgent: collections.deque[ReadChunk], reads: _ReadQueue, writes: collections.deque[WriteChunk]
-    ) -> bool:
-        """Work the main thread can do without waiting for a reader thread: a write, or more
-        deletes of a long run of them."""
-        if reads and isinstance(reads[0], DeleteChunk):
-            return not self.readers.reading(reads[0].key)
-        return self._write_ready(urgent, reads, writes)
-
-    def reorder(self, request: Reorder, urgent: collections.deque[ReadChunk], reads: _ReadQueue) -> None:
-        """Expedite a queued prefetch read, or cancel a queued read (a read that a request
-        waited for is cancelled too once that request has gone)."""
-        for pending in (reads, urgent) if request.cancel else (reads,):
-            for order in pending:
-                if isinstance(order, ReadChunk) and order.seq == request.target:
-                    pending.remove(order)
-                    if request.cancel:
-                        self.replies.send(reply_encoder.encode(Done(order.seq, IoOutcome.CANCELLED, "cancelled")))
-                    else:
-                        urgent.append(order)
-                    return
+    def reorder(self, request: Reorder, urgent: collections.deque[ReadChunk], reads: ReadQueue) -> None:
+        """Expedite or cancel a queued read (:func:`pcr_sglang.io.dispatch.reorder`); a
+        cancelled read is answered here."""
+        cancelled = reorder(request, urgent, reads)
+        if cancelled is not None:
+            self.replies.send(reply_encoder.encode(Done(cancelled.seq, IoOutcome.CANCELLED, "cancelled")))
 
     def probe(self, order: ProbeRemote) -> None:
         if self.remote is None:
@@ -335,7 +291,7 @@ class IoProcess:
         if self.remote_error:
             self.replies.send(reply_encoder.encode(RemoteStatus(False, self.remote_error, {}, os.getpid())))
         urgent: collections.deque[ReadChunk] = collections.deque()  # reads a request waits for, in order
-        reads: _ReadQueue = collections.deque()  # prefetch reads and deletes
+        reads: ReadQueue = collections.deque()  # prefetch reads and deletes
         writes: collections.deque[WriteChunk] = collections.deque()
         queues = (urgent, reads, writes)
         poller = zmq.Poller()
@@ -345,7 +301,7 @@ class IoProcess:
         while True:
             # Reads were handed out below as far as threads were free; what is left waits for
             # a thread's wake-up (or a new order), not a spin.
-            timeout_ms = 0 if self._ready(urgent, reads, writes) else (10 if self._to_cache else 1000)
+            timeout_ms = 0 if ready(self.readers, urgent, reads, writes) else (10 if self._to_cache else 1000)
             if poller.poll(timeout_ms):
                 self.readers.take_freed()
                 while True:
@@ -364,8 +320,8 @@ class IoProcess:
                         writes.append(order)
                     else:
                         reads.append(order)
-            self.dispatch_reads(urgent, reads)
-            if self._write_ready(urgent, reads, writes):
+            dispatch_reads(self.readers, urgent, reads, self.execute)
+            if write_ready(self.readers, urgent, reads, writes):
                 done = self.execute(writes.popleft())
                 if done is not None:
                     self.replies.send(reply_encoder.encode(done))

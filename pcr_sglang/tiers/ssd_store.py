@@ -8,8 +8,9 @@ layout, length), so a crash, another user or another deployment can cost a recom
 never wrong KV. Several servers may share a directory: each writes and deletes only in
 its own slot, and reads its peers'. The start-up scan (adopting dead writers' slots) is
 in :mod:`.store_scan`, the checks a record passes before it is served in :mod:`.store_verify`,
-the directory's access rules and leases in :mod:`.store_dir`. The file layout, the rules
-and why: docs/ssd-store.md#on-disk-format.
+the directory's access rules and leases in :mod:`.store_dir`, opening a namespace's
+directory (its key, ``namespace.json``, the writer slot) in :mod:`.store_namespace`. The
+file layout, the rules and why: docs/ssd-store.md#on-disk-format.
 
 This module knows nothing of SGLang or the tree: the cache decides what to write, read
 and delete; the store moves bytes and keeps them honest.
@@ -22,33 +23,30 @@ import json
 import logging
 import os
 import secrets
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional, cast
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from pcr_sglang.tiers.fileops import FileOps
 from pcr_sglang.tiers.layout import HostChunkLayout
-from pcr_sglang.tiers.records import FORMAT_VERSION, HEADER_BYTES, ChunkRecord, RecordCodec
+from pcr_sglang.tiers.records import HEADER_BYTES, ChunkRecord, RecordCodec
 from pcr_sglang.tiers.store_dir import (
     NAMESPACE_FILE,
-    SLOT_RE,
     SUFFIX,
     TMP_SUFFIX,
     SSDStoreError,
-    check_store_root,
-    load_key,
     namespace_dir,
-    owned_private_dir,
     slot_dirs,
     subdirs,
-    take_slot,
     unlink_quiet,
 )
+from pcr_sglang.tiers.store_namespace import describe_namespace as describe_namespace  # importable here too
+from pcr_sglang.tiers.store_namespace import open_namespace
 from pcr_sglang.tiers.store_scan import scan_store
 from pcr_sglang.tiers.store_verify import VerifyReport, read_record, verify_store
 
 if TYPE_CHECKING:
-    from _typeshed import DataclassInstance, ReadableBuffer, WriteableBuffer
+    from _typeshed import ReadableBuffer, WriteableBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -138,37 +136,15 @@ class ChunkFileStore:
 
     # ------------------------------------------------------------------ setup
     def _prepare(self, description: dict[str, Any], slot: Optional[str]) -> None:
-        parent = self.root.parent
-        if not self.root.exists() and not parent.is_dir():
-            raise SSDStoreError(f"--pcr-ssd-path {self.root}: parent directory {parent} does not exist")
-        try:
-            if not self.read_only and self.ops.mkdir(str(self.root), 0o700):
-                self.ops.fsync_dir(str(parent))
-            check_store_root(self.root)
-            if not self.read_only and self.ops.mkdir(str(self.dir), 0o700):
-                self.ops.fsync_dir(str(self.root))
-            owned_private_dir(self.dir, "namespace directory")
-            self._key = load_key(self.dir, self.ops, create=not self.read_only)
-            meta = self.dir / NAMESPACE_FILE
-            if not self.read_only and not meta.exists():
-                self._write_durably(
-                    meta,
-                    json.dumps(
-                        {"format_version": FORMAT_VERSION, "dtype": self.dtype, **description}, indent=1
-                    ).encode(),
-                )
-            if not self.read_only:
-                if slot is None:
-                    self.slot, self.lease_fd = take_slot(self.dir, self.ops)
-                else:
-                    if not SLOT_RE.fullmatch(slot):
-                        raise SSDStoreError(f"not a writer slot: {slot!r}")
-                    self.slot = slot
-                    owned_private_dir(self.own_dir, "writer slot")
-        except SSDStoreError:
-            raise
-        except OSError as e:
-            raise SSDStoreError(f"--pcr-ssd-path {self.root} is not a writable directory: {e}") from e
+        self._key, self.slot, self.lease_fd = open_namespace(
+            self.root,
+            self.dir,
+            self.ops,
+            dtype=self.dtype,
+            description=description,
+            slot=slot,
+            read_only=self.read_only,
+        )
         self.codec = RecordCodec(self._key, self.namespace, self.layout, self.dtype)
 
     @property
@@ -229,17 +205,6 @@ class ChunkFileStore:
         for slot_dir in dirs:
             for sub in subdirs(slot_dir):
                 yield from (p for p in sub.iterdir() if p.suffix == SUFFIX)
-
-    def _write_durably(self, path: Path, data: bytes) -> None:
-        tmp = path.with_name(f"{path.name}.{secrets.token_hex(8)}{TMP_SUFFIX}")
-        fd = self.ops.create(str(tmp))
-        try:
-            self.ops.write_all(fd, data)
-            self.ops.fsync(fd)
-        finally:
-            self.ops.close(fd)
-        self.ops.rename(str(tmp), str(path))
-        self.ops.fsync_dir(str(path.parent))
 
     # ------------------------------------------------------------------ records
     def _check_writable(self) -> None:
@@ -419,9 +384,3 @@ def namespace_store(root: str | os.PathLike[str], digest_hex: str) -> ChunkFileS
         low_watermark_bytes=0,
         read_only=True,
     )
-
-
-def describe_namespace(namespace: object, layout: HostChunkLayout) -> dict[str, Any]:
-    """What ``namespace.json`` records: the namespace's fields and the record layout."""
-    fields = asdict(cast("DataclassInstance", namespace)) if hasattr(namespace, "__dataclass_fields__") else {}
-    return {**fields, "num_layers": layout.num_layers, "chunk_size": layout.chunk_size, "row_bytes": layout.row_bytes}

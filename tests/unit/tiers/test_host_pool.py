@@ -154,7 +154,7 @@ def test_segments_without_an_owner_lock_are_never_swept_and_orphaned_locks_are(t
     other = tmp_path / "unrelated-123"
     for f in (legacy, orphan_lock, other):
         f.write_bytes(b"x")
-    with caplog.at_level(logging.WARNING, logger="pcr_sglang.tiers.host_pool"):
+    with caplog.at_level(logging.WARNING, logger="pcr_sglang.tiers.shm_owner"):
         assert remove_stale_segments(str(tmp_path)) == []
     assert legacy.exists() and other.exists() and not orphan_lock.exists()
     assert legacy.name in caplog.text and "no owner lock" in caplog.text
