@@ -289,6 +289,10 @@ def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **
 def _plan_decode_offloads(result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     """After SGLang prepares a decode step: chunks it completes get offloaded during it."""
     cache = _pcr_cache(batch)
+    if cache is not None:
+        # The batch decodes from now on: its extend's ForwardPlan (device copies included)
+        # is not kept for as long as SGLang keeps the batch object.
+        cache.scheduler.forward_plans.prepared(batch, None)
     if cache is not None and batch.reqs:
         cache.scheduler.plan_offloads(
             batch.reqs, batch.seq_lens_cpu.tolist(), cache.req_to_token_pool.req_to_token, decode=True

@@ -47,6 +47,7 @@ from typing import Any, Optional
 
 import torch
 
+from pcr_sglang.reuse import decoder_pass
 from pcr_sglang.reuse.decoder_pass import SCORE_ELEMENTS as SCORE_ELEMENTS
 from pcr_sglang.reuse.decoder_pass import attend, finish, project
 from pcr_sglang.reuse.selectors import QUESTION_SELECTORS
@@ -182,7 +183,7 @@ class BlendProbe:
         keys = prefix + n
         activations = n * (4 * hidden + int(getattr(attn, "q_size", hidden)) + 2 * kv_size + inter * 3 // 2) * element
         gathered = 2 * keys * 2 * kv_size * 4
-        scores = min(SCORE_ELEMENTS, heads * max(n, 1) * keys) * (4 + 4 + 1)
+        scores = min(decoder_pass.SCORE_ELEMENTS, heads * max(n, 1) * keys) * (4 + 4 + 1)
         return int(activations + gathered + scores)
 
     def check_budget(self, tokens: int, prefix: int, question: int = 0) -> None:

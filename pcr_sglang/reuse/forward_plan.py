@@ -41,6 +41,9 @@ class ForwardPlan:
 
     # Planned: batch index -> the positions of the request's row slots [0, seq_len), on the host.
     rows: dict[int, torch.Tensor]
+    # Planned: batch index -> the request-pool row its request held then (checked at bind:
+    # a batch filtered or reordered in between would hand the positions to another request).
+    pool_rows: dict[int, int] = field(default_factory=dict)
     # Bound: batch index -> (its request-pool row, those positions on the forward's device).
     bound: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # The forward's per-request lengths on the host (SGLang's ``*_cpu`` companions, or the
@@ -133,7 +136,8 @@ class ForwardPlans:
             if self._planned.get(key, (None,))[0] is ref:
                 del self._planned[key]
 
-        self._planned[key] = (weakref.ref(batch, forget), ForwardPlan(rows))
+        pool_rows = {i: int(batch.reqs[i].kv.req_pool_idx) for i in rows}
+        self._planned[key] = (weakref.ref(batch, forget), ForwardPlan(rows, pool_rows))
 
     def _plan_of(self, batch: Any) -> Optional[ForwardPlan]:
         entry = self._planned.get(id(batch))
@@ -161,7 +165,13 @@ class ForwardPlans:
                 forward_batch.positions[start : start + extend] = positions[prefix : prefix + extend].to(
                     forward_batch.positions.dtype
                 )
-                bound[i] = (int(batch.reqs[i].kv.req_pool_idx), positions)
+                row = int(batch.reqs[i].kv.req_pool_idx)
+                if row != plan.pool_rows.get(i, row):
+                    raise RuntimeError(
+                        f"PCR document reuse: batch entry {i} holds request-pool row {row}, planned with row "
+                        f"{plan.pool_rows[i]}; refusing to attend with wrong positions"
+                    )
+                bound[i] = (row, positions)
             start += extend
         plan.bound, plan.prefix_lens, plan.extend_lens, plan.position_mask = bound, prefix_lens, extend_lens, False
         self.current = plan

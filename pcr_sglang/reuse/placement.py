@@ -280,7 +280,10 @@ class DocReuse:
         documents are recomputed, counted as a load failure, and no slot is kept. With
         recompute, the recomputed tokens' slots are freed again: the row keeps the others."""
         entry = self._requests.get(req.rid)
-        assert entry is not None and entry.plan is not None, "place follows a load of the same plan"
+        if entry is None or entry.plan is None:  # place follows a load of the same plan: a slip, but no leak
+            if slots is not None:
+                self.free_slots(slots)
+            raise AssertionError(f"PCR document reuse: {req.rid} placed without a planned load")
         if slots is None:
             return self._failed(entry)
         slots = slots.to(torch.int64)

@@ -8,7 +8,8 @@ each set where SGLang builds it, for the requests whose extend touches a permute
 * the extend's input ids (``prepare_for_extend`` takes ``fill_ids[prefix_len:]``): the
   tokens at the slots' positions (:func:`permute_extend_inputs`, scheduler side);
 * the positions (``ForwardBatch.init_new`` computes ``prefix_len + i``): each token's
-  true position (:func:`apply_row_positions`), so RoPE and the sampled token are right;
+  true position (``ForwardPlans.bind``, :mod:`pcr_sglang.reuse.forward_plan`), so RoPE and
+  the sampled token are right;
 * attention: a query sees exactly the keys at positions up to its own, in whatever slot
   they sit (:func:`position_causal_sdpa_extend` for ``torch_native``;
   :func:`triton_position_mask` for ``triton``'s custom mask, prefix included).

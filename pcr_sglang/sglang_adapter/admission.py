@@ -225,7 +225,11 @@ class Admission:
             return None
         slots: Optional[torch.Tensor] = self.allocator.alloc(load.tokens)
         if slots is not None and load.fence:
-            self._fence_before_copy()  # the chains' loads are complete before the copy
+            try:
+                self._fence_before_copy()  # the chains' loads are complete before the copy
+            except BaseException:
+                self.allocator.free(slots)
+                raise
         return slots
 
     def load_chain(self, req: Optional[PcrReq], nodes: list[ChunkNode]) -> bool:

@@ -46,10 +46,22 @@ def current_plan(backend: Any) -> tuple[Optional[ForwardPlans], Optional[Forward
 
 
 def bind_forward_plan(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """After ``ForwardBatch.init_new``: ``batch``'s plan bound to the forward it built."""
+    """After ``ForwardBatch.init_new``: ``batch``'s plan bound to the forward it built. The
+    attention backends find it through the model runner's KV pool: a plan bound where that
+    pool leads elsewhere would leave a permuted row to plain causal attention, so it is an
+    error, never a silent fallback."""
     plans = plans_of_batch(batch)
-    if plans is not None:
-        plans.bind(result, batch)
+    if plans is None:
+        return result
+    plan = plans.bind(result, batch)
+    model_runner = args[0] if args else kwargs.get("model_runner")
+    runner_pool = getattr(model_runner, "token_to_kv_pool", None)
+    if plan is not None and ForwardPlans.for_pool(runner_pool) is not plans:
+        plans.current = None
+        raise RuntimeError(
+            "PCR document reuse: the model runner's KV pool is not the one the batch's plan was made for; "
+            "refusing to attend a permuted row without its position mask"
+        )
     return result
 
 

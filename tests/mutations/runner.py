@@ -108,7 +108,7 @@ def locate(mutant: Mutant, text: str) -> tuple[int, Optional[str]]:
     marker (or more than one), or its original not exactly once in the anchored lines."""
     region = anchored_region(text, mutant.name)
     if region is None:
-        count = text.count(MARKER + mutant.name + "\n")
+        count = sum(line.strip() == MARKER + mutant.name for line in text.splitlines())
         return -1, (
             f"no marker line '{MARKER}{mutant.name}' in {mutant.file}"
             if count == 0

@@ -264,3 +264,38 @@ def test_the_triton_hooks_set_the_mask_for_a_forward_with_rows_and_only_then(mon
     plugin.triton_metadata(init_forward_metadata, backend, forward)
     assert backend.forward_metadata.custom_mask is None
     assert "skip_prefix_custom_mask" not in plugin.triton_extend_kernel(kernel, backend, "layer")
+
+
+def test_a_plan_is_bound_only_where_the_backends_find_it_and_only_to_its_own_requests():
+    """The attention backends find the plan through the model runner's KV pool: a forward
+    whose runner holds another pool is refused, never left to plain causal attention. And
+    a batch whose request changed its request-pool row since the plan was made is refused,
+    never given another request's positions."""
+    from pcr_sglang.sglang_adapter import forward_hooks
+
+    mode = SimpleNamespace(is_extend=lambda: True)
+    prefix = ROW.end - 5
+    order = torch.tensor(ROW.positions_of_slots(0, SEQ))
+    reqs = [SimpleNamespace(kv=SimpleNamespace(req_pool_idx=7)), SimpleNamespace(kv=SimpleNamespace(req_pool_idx=3))]
+
+    def forward():
+        return SimpleNamespace(
+            positions=torch.zeros(3 + SEQ - prefix, dtype=torch.int32),
+            forward_mode=mode,
+            extend_prefix_lens_cpu=[4, prefix],
+            extend_seq_lens_cpu=[3, SEQ - prefix],
+        )
+
+    pool = torch.nn.Module()
+    plans = ForwardPlans().attach(pool)
+    batch = Batch(reqs=reqs, token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool))
+    plans.prepared(batch, {1: order})
+    forward_hooks.bind_forward_plan(forward(), None, batch, SimpleNamespace(token_to_kv_pool=pool))
+    assert plans.current is not None and list(plans.current.bound) == [1]
+    with pytest.raises(RuntimeError, match="not the one the batch's plan was made for"):
+        forward_hooks.bind_forward_plan(forward(), None, batch, SimpleNamespace(token_to_kv_pool=torch.nn.Module()))
+    assert plans.current is None
+
+    reqs[1].kv.req_pool_idx = 9  # the request moved rows after its plan was made
+    with pytest.raises(RuntimeError, match="planned with row 3"):
+        plans.bind(forward(), batch)
