@@ -55,8 +55,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import requests
-
 from pcr_eval.ragbench.common import (
     Model,
     batch_pool_budgets,
@@ -67,9 +65,9 @@ from pcr_eval.ragbench.common import (
     workload_args,
     workload_params,
 )
-from pcr_eval.ragbench.operating_points import Capacity, saturate
+from pcr_eval.ragbench.operating_points import Capacity, run_all, saturate
 from pcr_eval.ragbench.report import build_report, percentile, write_report
-from pcr_eval.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run, run_planned
+from pcr_eval.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run
 from pcr_eval.ragbench.workload import Trace, make_trace, save_trace
 
 logger = logging.getLogger(__name__)
@@ -558,7 +556,6 @@ def main(argv: list[str]) -> int:
     if args.requests is None:
         args.requests = QUICK_REQUESTS if args.quick else 30
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from tqdm import tqdm
 
     from pcr_eval.ragbench.runner import build_hicache_extension
     from pcr_tools.models.smollm2 import build_smollm2
@@ -600,28 +597,13 @@ def main(argv: list[str]) -> int:
             (load, plan_run(config, budgets, trace, rates[load], f"load-{load:g}", fraction, work))
             for config in configs
         ]
-    runs: list[tuple[float, RunResult]] = []
-    failed: list[str] = []
-    servers = ServerPool(model.path, [run.plan for _, run in planned])
-    with tqdm(total=len(planned) * len(trace.requests), unit="req", dynamic_ncols=True) as bar, servers:
-        for index, (load, run) in enumerate(planned):
-            bar.set_description(f"{run.config} @{load:.0%}")
-            try:
-                result = run_planned(
-                    run,
-                    servers,
-                    index,
-                    lambda r, a: model.prompt(trace, r, a),
-                    model.decode,
-                    on_done=lambda: bar.update(1),
-                )
-            except (RuntimeError, TimeoutError, OSError, requests.RequestException) as e:
-                logger.error("%s at %.0f%% failed: %s", run.config, 100 * load, e)
-                reason = str(e).splitlines()[-1][:200] if str(e) else type(e).__name__
-                failed.append(f"{run.config}@{load:.0%}: {reason}")
-                continue
-            result.server_state["budgets"] = run.budgets.__dict__
-            runs.append((load, result))
+    results, failed = run_all(
+        [run for _, run in planned],
+        [(f"{run.config} @{load:.0%}", f"{run.config}@{load:.0%}") for load, run in planned],
+        model,
+        trace,
+    )
+    runs = [(load, result) for (load, _), result in zip(planned, results) if result is not None]
 
     noise_floor = agreement(reference.shuffled, reference.full, model.decode)
     order = {c: i for i, c in enumerate(args.configs)}

@@ -29,7 +29,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import requests
 
@@ -43,7 +43,16 @@ from pcr_eval.ragbench.common import (
     workload_params,
 )
 from pcr_eval.ragbench.report import build_report, write_report
-from pcr_eval.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run, replay, run_planned
+from pcr_eval.ragbench.runner import (
+    Budgets,
+    PlannedRun,
+    RequestRecord,
+    RunResult,
+    ServerPool,
+    plan_run,
+    replay,
+    run_planned,
+)
 from pcr_eval.ragbench.workload import Trace, make_trace, save_trace
 
 logger = logging.getLogger(__name__)
@@ -80,6 +89,40 @@ class Capacity:
     @property
     def rps(self) -> float:
         return self.requests / self.makespan_s
+
+
+def run_all(
+    planned: Sequence[PlannedRun], names: Sequence[tuple[str, str]], model: Model, trace: Trace
+) -> tuple[list[Optional[RunResult]], list[str]]:
+    """Replay every planned run in order on one server pool, with one progress bar: each
+    run's result (None where it failed), and the failures as ``"<key>: <reason>"``.
+    ``names[i]`` is run ``i``'s progress label and the key its failure is reported under."""
+    from tqdm import tqdm
+
+    results: list[Optional[RunResult]] = []
+    failed: list[str] = []
+    servers = ServerPool(model.path, [run.plan for run in planned])
+    with tqdm(total=len(planned) * len(trace.requests), unit="req", dynamic_ncols=True) as bar, servers:
+        for index, (run, (label, key)) in enumerate(zip(planned, names)):
+            bar.set_description(label)
+            try:
+                result = run_planned(
+                    run,
+                    servers,
+                    index,
+                    lambda r, a: model.prompt(trace, r, a),
+                    model.decode,
+                    on_done=lambda: bar.update(1),
+                )
+            except (RuntimeError, TimeoutError, OSError, requests.RequestException) as e:
+                logger.error("%s failed: %s", label, e)
+                reason = str(e).splitlines()[-1][:200] if str(e) else type(e).__name__
+                failed.append(f"{key}: {reason}")
+                results.append(None)
+                continue
+            result.server_state["budgets"] = run.budgets.__dict__
+            results.append(result)
+    return results, failed
 
 
 def saturate(server: Any, model: Model, trace: Trace, label: str) -> tuple[Capacity, list[RequestRecord]]:
@@ -246,7 +289,6 @@ def main(argv: list[str]) -> int:
     if args.capacity_rps is not None and args.capacity_rps <= 0:
         parser.error("--capacity-rps must be > 0")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from tqdm import tqdm
 
     from pcr_tools.models.smollm2 import build_smollm2
 
@@ -281,28 +323,13 @@ def main(argv: list[str]) -> int:
             for config in args.configs:
                 # The oracle's server takes its never-evicting pool from the same budgets.
                 planned.append(plan_run(config, budgets, trace, rate, f"repeat-{repeat + 1}", fraction, work))
-    runs: list[RunResult] = []
-    failed: list[str] = []
-    servers = ServerPool(model.path, [r.plan for r in planned])
-    with tqdm(total=len(planned) * len(trace.requests), unit="req", dynamic_ncols=True) as bar, servers:
-        for index, run in enumerate(planned):
-            bar.set_description(f"{run.label} {run.config} @{run.rate:g}/s")
-            try:
-                result = run_planned(
-                    run,
-                    servers,
-                    index,
-                    lambda r, a: model.prompt(trace, r, a),
-                    model.decode,
-                    on_done=lambda: bar.update(1),
-                )
-            except (RuntimeError, TimeoutError, OSError, requests.RequestException) as e:
-                logger.error("%s %s @%g/s failed: %s", run.label, run.config, run.rate, e)
-                reason = str(e).splitlines()[-1][:200] if str(e) else type(e).__name__
-                failed.append(f"{run.label}/{run.config}@{run.rate:g}: {reason}")
-                continue
-            result.server_state["budgets"] = run.budgets.__dict__
-            runs.append(result)
+    results, failed = run_all(
+        planned,
+        [(f"{run.label} {run.config} @{run.rate:g}/s", f"{run.label}/{run.config}@{run.rate:g}") for run in planned],
+        model,
+        trace,
+    )
+    runs = [result for result in results if result is not None]
     meta: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),

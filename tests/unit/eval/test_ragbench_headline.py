@@ -242,3 +242,43 @@ def test_saturate_sends_every_first_turn_and_a_failed_one_raises_with_its_label(
     assert capacity.requests == 3 and [r.output_ids for r in records] == [[7]] * 3
     with pytest.raises(RuntimeError, match=r"^reference run: 1 of 3 requests failed"):
         saturate(_SaturatedServer(failing={2}), model, trace, "reference run")
+
+
+def test_run_all_replays_every_run_in_order_and_reports_a_failed_one_under_its_key(monkeypatch):
+    """The loop the headline and the operating points share: a run that fails is None in
+    the results and ``"<key>: <last line of the error>"`` in the failures; the others keep
+    their results, in order, with the budgets they ran under."""
+    from types import SimpleNamespace
+
+    from pcr_eval.ragbench import operating_points
+
+    class Pool:
+        def __init__(self, path, plans):
+            self.plans = plans
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def run_planned(run, servers, index, prompt_of, decode, on_done):
+        if run.config == "broken":
+            raise RuntimeError("server exited\nwith code -9")
+        on_done()
+        return SimpleNamespace(config=run.config, server_state={})
+
+    monkeypatch.setattr(operating_points, "ServerPool", Pool)
+    monkeypatch.setattr(operating_points, "run_planned", run_planned)
+    planned = [
+        SimpleNamespace(config=c, plan=c, budgets=SimpleNamespace(pool=i))
+        for i, c in enumerate(("radix", "broken", "pcr"))
+    ]
+    model = SimpleNamespace(path="m", prompt=None, decode=None)
+    trace = SimpleNamespace(requests=[1, 2])
+    results, failed = operating_points.run_all(
+        planned, [(c, f"{c}@60%") for c in ("radix", "broken", "pcr")], model, trace
+    )
+    assert [r.config if r else None for r in results] == ["radix", None, "pcr"]
+    assert results[2].server_state["budgets"] == {"pool": 2}
+    assert failed == ["broken@60%: with code -9"]
