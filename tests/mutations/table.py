@@ -1234,6 +1234,17 @@ MUTANTS: tuple[Mutant, ...] = (
         breaks="without SGLang's *_cpu companions the extend lengths are .tolist() of device tensors (a wait)",
     ),
     Mutant(
+        name="offloads-read-seq-lens-from-the-device",
+        kind="unit",
+        file="pcr_sglang/plugin.py",
+        original="    if batch.seq_lens_cpu is not None:",
+        replacement="    if True:",
+        tests=("tests/unit/sglang_adapter/test_decode_offloads.py",),
+        k="without_host_sequence_lengths",
+        claim="docs/architecture.md, On a GPU: no scheduler-thread wait; a batch without seq_lens_cpu plans no offload",
+        breaks="a batch SGLang prepared without seq_lens_cpu fails in the offload planning hook",
+    ),
+    Mutant(
         name="gpu-row-mask-lengths-read-from-the-device",
         kind="unit",
         file="pcr_sglang/reuse/rows.py",

@@ -247,3 +247,32 @@ def test_requests_finishing_give_their_decode_share_to_the_next_ones(make):
         h.check()
     assert h.state.stats.offloaded_chunks == 3 * 2  # two per wave, each wave
     assert batch.max_reserved == 2
+
+
+def test_a_batch_without_host_sequence_lengths_plans_no_offload_and_never_reads_the_device(make, monkeypatch, caplog):
+    """SGLang may leave ``seq_lens_cpu`` unset (its speculative path without verify sync):
+    the plugin's prepare hooks then plan no offload for that forward (its chunks reach
+    host memory when evicted) instead of failing or reading the device tensor."""
+    from pcr_sglang import plugin
+
+    h = make(host_slots=16, pool=1024)
+    batch = Batch(h)
+    req = batch.start("r1", list(range(CHUNK + 2)))
+    planned: list[tuple[list[int], bool]] = []
+    monkeypatch.setattr(
+        h.scheduler, "plan_offloads", lambda reqs, seq_lens, rows, decode: planned.append((list(seq_lens), decode))
+    )
+
+    class DeviceOnly:
+        def tolist(self):
+            raise AssertionError("the device's sequence lengths were read in the scheduler step")
+
+    prepared = SimpleNamespace(tree_cache=h.cache, reqs=[req], seq_lens_cpu=None, seq_lens=DeviceOnly())
+    monkeypatch.setattr(plugin, "_warned_no_host_seq_lens", False)
+    with caplog.at_level("WARNING", logger="pcr_sglang.plugin"):
+        assert plugin._plan_decode_offloads("result", prepared) == "result"
+    assert planned == []
+    assert "without seq_lens_cpu" in caplog.text
+    prepared.seq_lens_cpu = torch.tensor([CHUNK + 3])
+    plugin._plan_decode_offloads("result", prepared)
+    assert planned == [([CHUNK + 3], True)]
