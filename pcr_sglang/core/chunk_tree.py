@@ -20,7 +20,7 @@ and takes out of the tree a chunk no tier holds, with the descendants only it ma
 reachable); what a change moves (the per-tier counts, lock counts and leaf sets, and the
 event recording it) is kept by :class:`pcr_sglang.core.tier_accounts.TierAccounts`, and
 carrying a removal out (children before parents) by
-:class:`pcr_sglang.core.tree_removal.ChunkRemoval`, which the tree inherits.
+:class:`pcr_sglang.core.tree_removal.ChunkRemoval`; the tree holds one of each.
 
 The tree is a data structure, not a policy: which tier a chunk should move to, and which
 slots it uses there, is decided by :class:`pcr_sglang.core.residency.CacheState`, its
@@ -48,7 +48,7 @@ from pcr_sglang.core.tree_removal import ChunkRemoval, NodeCallback, NodePredica
 __all__ = ["ChunkNode", "ChunkTree", "InsertOutcome", "MatchOutcome", "NodeCallback", "NodePredicate", "TreeStats"]
 
 
-class ChunkTree(ChunkRemoval):
+class ChunkTree:
     """A prefix tree of chunks over three tiers with lock counts and per-tier LRU eviction."""
 
     def __init__(self) -> None:
@@ -66,6 +66,18 @@ class ChunkTree(ChunkRemoval):
         self.root.lock_ref = 1  # the root is never evicted
         self._num_chunks = 0
         self._tiers = TierAccounts(self._seq, self._log)
+        self._removal = ChunkRemoval(self._tiers, self._log, self._forgot_one)
+
+    def _forgot_one(self) -> None:
+        self._num_chunks -= 1
+
+    def _log(self, kind: TierEventKind, node: ChunkNode, tier: Optional[Tier] = None) -> None:
+        """Record a residency change, when events are on."""
+        if self.events is None:
+            return
+        parent = node.parent
+        parent_key = None if parent is None or parent.parent is None else parent.key
+        self.events.append(TierEvent(kind, node.key, parent_key, tier))
 
     @property
     def num_chunks(self) -> int:
@@ -219,7 +231,7 @@ class ChunkTree(ChunkRemoval):
         """``node``'s SSD record is gone (unreadable, corrupt): forget it. A chunk left in
         no tier is removed with the descendants only it made reachable."""
         if node.on_ssd:
-            self._leave(node, self._tiers.leave_ssd, on_drop_host, on_drop_ssd)
+            self._removal.leave(node, self._tiers.leave_ssd, on_drop_host, on_drop_ssd)
 
     # ------------------------------------------------------------------ host pins
     def pin_host(self, node: ChunkNode) -> None:
@@ -259,7 +271,7 @@ class ChunkTree(ChunkRemoval):
         ``on_drop_ssd`` free the host slot and the SSD record. Leaves for which
         ``is_protected`` answers true go only after every other (look-ahead protection).
         """
-        return self._evict_leaves(
+        return self._removal.evict_leaves(
             self._tiers.device,
             self._tiers.leave_device,
             num_chunks,
@@ -287,7 +299,7 @@ class ChunkTree(ChunkRemoval):
         the descendants it made reachable (``on_drop_host`` and ``on_drop_ssd`` release
         their host slots and SSD records).
         """
-        return self._evict_leaves(
+        return self._removal.evict_leaves(
             self._tiers.host,
             self._tiers.leave_host,
             num_chunks,
@@ -311,7 +323,7 @@ class ChunkTree(ChunkRemoval):
         ``on_evict(node)`` runs first (the caller deletes the record there). A chunk left
         in no tier is removed, with the descendants it made reachable.
         """
-        return self._evict_leaves(
+        return self._removal.evict_leaves(
             self._tiers.ssd, self._tiers.leave_ssd, num_chunks, on_evict, is_protected, on_drop_host, on_drop_ssd, None
         )
 

@@ -1,10 +1,11 @@
 """Taking chunks out of the chunk tree: a tier's eviction, and a chunk no tier holds any more
 leaving the tree with the descendants only it made reachable.
 
-Split out of :class:`pcr_sglang.core.chunk_tree.ChunkTree`, which inherits it: the tree
-decides which chunks leave a tier (its ``evict*`` and ``drop_ssd`` methods); this part
-carries each one out, in the order the KV cache events need (children before parents),
-and records each change in the tree's event log when that is on.
+A collaborator of :class:`pcr_sglang.core.chunk_tree.ChunkTree`: the tree decides which
+chunks leave a tier (its ``evict*`` and ``drop_ssd`` methods); this part carries each one
+out, in the order the KV cache events need (children before parents), through the tree's
+:class:`~pcr_sglang.core.tier_accounts.TierAccounts` and its event log, and tells the tree
+each chunk it forgot.
 """
 
 from __future__ import annotations
@@ -13,22 +14,23 @@ from typing import Callable, Optional
 
 from pcr_sglang.core.chunk_node import ChunkNode, held_once, in_no_tier
 from pcr_sglang.core.lru import TierLeaves
-from pcr_sglang.core.tier_accounts import TierAccounts
-from pcr_sglang.core.tier_events import Tier, TierEvent, TierEventKind, TierEventLog
+from pcr_sglang.core.tier_accounts import EventLog, TierAccounts
+from pcr_sglang.core.tier_events import TierEventKind
 
 NodeCallback = Callable[[ChunkNode], None]
 NodePredicate = Callable[[ChunkNode], bool]
 
 
 class ChunkRemoval:
-    """The removal half of :class:`~pcr_sglang.core.chunk_tree.ChunkTree` (a mixin: the
-    tree owns the state below and sets it in its constructor)."""
+    """Carries removals out of one tree: ``tiers`` are its accounts, ``log`` records a
+    residency change, ``forgotten`` is told each chunk that left the tree."""
 
-    events: Optional[TierEventLog]
-    _tiers: TierAccounts
-    _num_chunks: int
+    def __init__(self, tiers: TierAccounts, log: EventLog, forgotten: Callable[[], None]) -> None:
+        self._tiers = tiers
+        self._log = log
+        self._forgotten = forgotten
 
-    def _evict_leaves(
+    def evict_leaves(
         self,
         tier: TierLeaves,
         drop: NodeCallback,
@@ -45,11 +47,11 @@ class ChunkRemoval:
         for node in tier.pop_lru(num_chunks, is_protected, take):
             if on_evict is not None:
                 on_evict(node)
-            self._leave(node, drop, on_drop_host, on_drop_ssd)
+            self.leave(node, drop, on_drop_host, on_drop_ssd)
             evicted.append(node)
         return evicted
 
-    def _leave(
+    def leave(
         self,
         node: ChunkNode,
         drop: NodeCallback,
@@ -98,16 +100,8 @@ class ChunkRemoval:
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
         assert in_no_tier(node)
-        self._log(TierEventKind.FORGOTTEN, node)
+        self._log(TierEventKind.FORGOTTEN, node, None)
         del parent.children[node.key]
         self._tiers.forget(node)
-        self._num_chunks -= 1
+        self._forgotten()
         node.parent = None
-
-    def _log(self, kind: TierEventKind, node: ChunkNode, tier: Optional[Tier] = None) -> None:
-        """Record a residency change, when events are on."""
-        if self.events is None:
-            return
-        parent = node.parent
-        parent_key = None if parent is None or parent.parent is None else parent.key
-        self.events.append(TierEvent(kind, node.key, parent_key, tier))
