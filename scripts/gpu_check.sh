@@ -13,7 +13,8 @@
 #                     below: the copy kernel on pin_memory() and on the server's host pool
 #                     (POSIX shared memory + cudaHostRegister in pieces), given the pool's
 #                     device address resolved explicitly (never the CPU tensor); the startup
-#                     warm-up, after which serving-shaped launches compile nothing
+#                     warm-ups, after which serving-shaped launches compile nothing (SGLang's
+#                     masked extend too, its first permuted launch timed, where SGLang is installed)
 #   kernels-rope      the RoPE re-placement kernel against the torch path
 #   kernels-mask      SGLang's Triton extend attention with the position-causal mask; SKIP
 #                     where SGLang is not installed (the kernel is SGLang's)
@@ -40,7 +41,7 @@ OUTDIR=""
 for arg in "$@"; do
     case "$arg" in
         --cpu-dry-run) DRY_RUN=1 ;;
-        -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "gpu_check: unknown option $arg" >&2; exit 2 ;;
         *) OUTDIR=$arg ;;
     esac

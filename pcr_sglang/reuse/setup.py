@@ -25,6 +25,7 @@ from pcr_sglang.reuse.blend_select import BlendProbe, probe_support
 from pcr_sglang.reuse.bounds import EXACT_MODES, RECOMPUTE_ATTENTION_BACKENDS, RECOMPUTE_MODES
 from pcr_sglang.reuse.calibration import CalibrationConditions
 from pcr_sglang.reuse.gate import CalibrationGate
+from pcr_sglang.reuse.mask_warmup import warm_up_position_mask
 from pcr_sglang.reuse.model_rope import UnsupportedRope, model_rope_spec
 from pcr_sglang.reuse.placement import DocReuse
 from pcr_sglang.reuse.seam import DocReuseStatus
@@ -185,6 +186,8 @@ def attach_doc_reuse(
                 "cached; computing that document in place needs a permuted row (%s)",
                 gap_problem,
             )
+    # SGLang's extend kernel with the position mask compiled now, not at the first permuted admission
+    warm_up_position_mask(tp_worker, model, fill_gaps=fill_gaps)
     pad = doc_pad_token_id(hf_config)
     conditions = CalibrationConditions(
         config.doc_selector, int(config.doc_anchor_tokens), str(kv_dtype).removeprefix("torch.")

@@ -1125,6 +1125,17 @@ MUTANTS: tuple[Mutant, ...] = (
         breaks="the rotation kernel is compiled at the first document admission, in the scheduler thread",
     ),
     Mutant(
+        name="position-mask-warm-up-skips-the-prefix",
+        kind="unit",
+        file="pcr_sglang/reuse/mask_warmup.py",
+        original="skip_prefix_custom_mask=False,",
+        replacement="skip_prefix_custom_mask=True,",
+        tests=(UNIT + "reuse/test_position_mask_warmup.py",),
+        claim="docs/architecture.md, No JIT in the serving path: SGLang's extend kernel with PCR's position mask",
+        breaks="the warm-up compiles SGLang's masked extend with the prefix unmasked; serving's variant compiles at "
+        "the first permuted admission",
+    ),
+    Mutant(
         name="gpu-warm-up-copies-one-direction",
         kind="unit",
         file="pcr_sglang/transfer/warmup.py",
