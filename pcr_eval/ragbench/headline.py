@@ -250,6 +250,9 @@ def anatomy(run: RunResult, load: float) -> dict[str, Any]:
                 "prefetch_late",
                 "recompute_chosen_chunks",
                 "bytes_read_on_demand",
+                "held_requests",
+                "held_expired",
+                "held_ms",
             )
         }
     return row
@@ -259,12 +262,14 @@ def anatomy_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| load | config | TTFT P99 | ms per uncached token | intercept | uncached tokens, mean "
         "| slowest: TTFT, uncached, above the line | reused by tier | queue | PCR step p50 / p99 "
-        "| iteration p50 / p99 | SSD: hits, on-demand reads, prefetch late |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | --- | --- |",
+        "| iteration p50 / p99 | SSD: hits, on-demand reads, prefetch late | held for reads (expired), mean wait |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | --- | --- | --- |",
     ]
     for r in rows:
         tiers = ", ".join(f"{t} {v:.0%}" for t, v in r["reused_by_tier"].items()) or "-"
         ssd = r.get("ssd") or {}
+        held = ssd.get("held_requests")
+        wait = ssd["held_ms"] / held if held and ssd.get("held_ms") is not None else None
         lines.append(
             f"| {r['load']:.0%} | {r['config']} | {_fmt(r['ttft_p99_ms'], '{:.0f} ms')} "
             f"| {_fmt(r['ms_per_uncached_token'], '{:.2f}')} | {_fmt(r['intercept_ms'], '{:.0f} ms')} "
@@ -274,7 +279,8 @@ def anatomy_table(rows: Sequence[dict[str, Any]]) -> str:
             f"| {_fmt(r.get('pcr_step_p50_ms'), '{:g}')} / {_fmt(r.get('pcr_step_p99_ms'), '{:g}')} ms "
             f"| {_fmt(r.get('iteration_p50_ms'), '{:g}')} / {_fmt(r.get('iteration_p99_ms'), '{:g}')} ms "
             f"| {_fmt(ssd.get('hit_chunks'), '{}')}, {_fmt(ssd.get('on_demand_reads'), '{}')}, "
-            f"{_fmt(ssd.get('prefetch_late'), '{}')} |"
+            f"{_fmt(ssd.get('prefetch_late'), '{}')} "
+            f"| {_fmt(held, '{}')} ({_fmt(ssd.get('held_expired'), '{}')}), {_fmt(wait, '{:.0f} ms')} |"
         )
     return "\n".join(lines) + "\n"
 

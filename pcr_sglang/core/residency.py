@@ -196,6 +196,13 @@ class CacheState:
         self.ssd_stats.prefetch_late += late
         self.ssd_stats.on_demand_reads += on_demand
 
+    def count_hold(self, seconds: float, expired: bool) -> None:
+        """A request held for its SSD reads was admitted after ``seconds``; ``expired``: its
+        wait ran out first."""
+        self.ssd_stats.held_requests += 1
+        self.ssd_stats.held_expired += int(expired)
+        self.ssd_stats.held_ms += round(seconds * 1000)
+
     def note_recompute_chosen(self, chunks: int) -> None:
         """The cost model left ``chunks`` SSD hits of an admission to recomputation."""
         self.ssd_stats.recompute_chosen_chunks += chunks

@@ -51,6 +51,11 @@ class SSDStats:
     abandoned_reads: int = 0  # reads whose waiting request left before they landed (an abort)
     cancelled_reads: int = 0  # reads cancelled before they started (prefetch or abandoned)
     on_demand_reads: int = 0  # ordered only when its request was considered for admission
+    # Admission holds: requests that waited in the queue for their SSD reads, those whose
+    # wait ran out before the reads landed (the rest recomputed), and the time they waited.
+    held_requests: int = 0
+    held_expired: int = 0
+    held_ms: int = 0
     # KV hints (pcr_sglang.core.hints): reads ordered for hinted chains, found in host
     # memory / still in flight when a request needed them, landed and dropped unused.
     hint_issued: int = 0

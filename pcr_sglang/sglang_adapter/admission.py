@@ -83,6 +83,11 @@ class Admission:
             still_reading=lambda: any(self.state.reading(n) for n in held_chain),
         )
         if entry is not None:
+            # mutant: admission-hold-not-counted
+            if entry.phase.held and gate.verdict is Verdict.ADMIT:
+                self.state.count_hold(
+                    time.monotonic() - entry.held_since, expired=entry.phase is AdmissionPhase.EXPIRED
+                )
             entry.phase = gate.phase
             if not gate.phase.held:
                 entry.held_chain = []
@@ -124,7 +129,8 @@ class Admission:
         wait_s = self.state.cost_model.recompute_seconds(sum(len(nodes) for nodes in reads) * self.chunk)
         entry.phase = held.phase
         entry.held_chain = [n for chain in chains for n in chain.nodes]
-        entry.deadline = time.monotonic() + wait_s
+        entry.held_since = time.monotonic()
+        entry.deadline = entry.held_since + wait_s
         return False
 
     def _worth_reading(self, chains: Sequence[Sequence[ChunkNode]]) -> list[Sequence[ChunkNode]]:

@@ -23,6 +23,7 @@ class RequestState:
     probe_seq: Optional[int] = None  # PROBING: the remote tier's probe for its chains
     held_chain: list[ChunkNode] = field(default_factory=list)  # HOLDING: its matched chain when the hold began
     deadline: float = 0.0  # HOLDING: local clock, past which this rank no longer wants to wait
+    held_since: float = 0.0  # HOLDING: local clock when the hold began (its wait is counted at admission)
     timeliness: Optional[Timeliness] = None  # taken at its first consideration, counted when it is admitted
 
 

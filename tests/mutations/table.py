@@ -1245,6 +1245,17 @@ MUTANTS: tuple[Mutant, ...] = (
         breaks="without SGLang's *_cpu companions the extend lengths are .tolist() of device tensors (a wait)",
     ),
     Mutant(
+        name="admission-hold-not-counted",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/admission.py",
+        original="            if entry.phase.held and gate.verdict is Verdict.ADMIT:",
+        replacement="            if False:",
+        tests=("tests/unit/sglang_adapter/test_prefix_cache_adapter.py",),
+        k="waits_for_its_reads_in_the_queue",
+        claim="bench/README.md, the headline's anatomy: requests held for their SSD reads and their mean wait",
+        breaks="holds for SSD reads are not counted (held_requests, held_expired, held_ms stay 0)",
+    ),
+    Mutant(
         name="offloads-read-seq-lens-from-the-device",
         kind="unit",
         file="pcr_sglang/plugin.py",

@@ -256,10 +256,13 @@ def test_chunks_come_back_from_ssd_and_survive_a_restart(make, tmp_path, ssd_wri
         assert h.state.writes_in_flight == 3 and h.state.reads_in_flight == 0
         h.drain_io()
     assert h.state.tree.ssd_chunks >= 3 and h.state.tree.host_chunks <= 3
+    held = h.state.ssd_stats.held_requests
     req, passes = read_through_hold(h, prompts[0] + [0])
     h.admit(req)
     h.scheduler.admitted(req)
     assert req.prefix_len == 12 and req.cached_tokens_storage > 0
+    # The hold is counted once, as a wait that ended when the reads landed.
+    assert h.state.ssd_stats.held_requests == held + (passes > 0) and h.state.ssd_stats.held_expired == 0
     assert req.cached_tokens_storage + req.cached_tokens_host == 12
     h.assert_kv(prompts[0], h.cache.path_device_indices(req.last_node))
     h.step()
@@ -473,6 +476,10 @@ def test_a_request_waits_for_its_reads_in_the_queue_not_in_the_scheduler(make, t
         waited = time.monotonic() - start
         assert phases[-1] is AdmissionPhase.EXPIRED and entry.phase is AdmissionPhase.WAITED  # never held again
         assert waited >= entry.deadline - start - 0.05
+        # Counted once, as a wait that ran out, and for about as long as it lasted.
+        stats = h.state.ssd_stats
+        assert (stats.held_requests, stats.held_expired) == (1, 1)
+        assert 0 < stats.held_ms <= 1000 * waited + 1
         assert worst < 0.5  # each step returned at once (generous: a loaded CI machine)
         assert h.admit(req) == (0, 0)  # recomputed: the reads have not landed
     finally:
