@@ -454,6 +454,11 @@ class ServerProcess(ServerRequests):
             time.sleep(0.5)
         raise TimeoutError(f"SGLang server not ready after {self.startup_timeout_s:.0f} s; log:\n{self.log_tail()}")
 
+    @property
+    def pid(self) -> Optional[int]:
+        """The launcher's process id (its children are the server's processes), None when stopped."""
+        return self._proc.pid if self._proc is not None else None
+
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
             return ""

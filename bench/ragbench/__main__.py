@@ -1,6 +1,6 @@
 """``python -m bench.ragbench``: the RAG serving benchmark, PCR against SGLang's radix cache,
-HiCache and the oracle, with its subcommands ``generate``, ``operating-points`` and
-``headline``. The benchmark is :mod:`pcr_eval.ragbench` (the full comparison in
+HiCache and the oracle, with its subcommands ``generate``, ``operating-points``,
+``headline`` and ``one-at-a-time``. The benchmark is :mod:`pcr_eval.ragbench` (the full comparison in
 :mod:`pcr_eval.ragbench.compare`, whose docstring and ``--help`` say what it runs)."""
 
 from __future__ import annotations

@@ -5,6 +5,7 @@
     python -m bench.ragbench generate --out trace.jsonl [--followups 2] [--source synthetic]
     python -m bench.ragbench operating-points   # document reuse at 50% / 80% of no-cache capacity, repeated
     python -m bench.ragbench headline [--quick]  # the tuned model at 30/60/90% load: radix, HiCache, PCR, reuse
+    python -m bench.ragbench one-at-a-time       # the headline trace one request at a time: per-request cost
 
 The full comparison: one seeded retrieval trace with the device pool at 5% of its working
 set, every configuration at each ``--rates`` entry (ablations at the highest rate); then,
@@ -140,6 +141,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from pcr_eval.ragbench.headline import main as headline
 
         return headline(argv[1:])
+    if argv[:1] == ["one-at-a-time"]:
+        from pcr_eval.ragbench.one_at_a_time import main as one_at_a_time
+
+        return one_at_a_time(argv[1:])
     if argv[:1] == ["operating-points"]:
         from pcr_eval.ragbench.operating_points import main as operating_points
 

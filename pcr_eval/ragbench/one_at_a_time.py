@@ -1,0 +1,253 @@
+"""The headline's trace sent one request at a time: what each configuration costs a request.
+
+Under load, TTFT mixes what a configuration costs each request with how requests queue and
+batch, and over 30 Poisson arrivals the second dominates (the headline's P99 is its slowest
+request). Sent one at a time, no request waits for another: each configuration's TTFT is
+its own work, paired request by request across configurations on the same prompts, beside
+the CPU seconds its server's processes used (scheduler, detokenizer, PCR's I/O process).
+What a configuration loses under load that it does not lose here comes from queueing and
+batching, not from its per-request work.
+
+Writes ``one_at_a_time.json`` and ``one_at_a_time.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import shlex
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from pcr_eval.ragbench.common import (
+    Model,
+    batch_pool_budgets,
+    config_list,
+    machine,
+    trace_shape,
+    workload_args,
+    workload_params,
+)
+from pcr_eval.ragbench.runner import ServerPool, _cached_by_tier, plan_run
+from pcr_eval.ragbench.workload import make_trace
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONFIGS = ("hicache", "pcr", "radix")
+SETTLE_S = 0.3  # after each reply, so write-backs finish before the next request is sent
+
+
+@dataclass
+class Sent:
+    """One request's reply on one configuration."""
+
+    rid: str
+    ttft_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    cached_by_tier: dict[str, int]
+    cpu_s: float  # the server's processes, from send to reply (plus the settle time)
+    output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def uncached(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+def summarize(runs: dict[str, list[Sent]], reference: str) -> list[dict[str, Any]]:
+    """Per configuration: TTFT mean and median, uncached tokens, reuse by tier, CPU seconds
+    per request, the least-squares TTFT per uncached token and intercept, and against
+    ``reference`` on the same requests: the median paired TTFT difference (all requests,
+    and those computing as many tokens on both) and how many outputs are identical."""
+    by_rid = {s.rid: s for s in runs.get(reference, [])}
+    rows = []
+    for config, sent in runs.items():
+        ttft = [s.ttft_ms for s in sent]
+        xs = [float(s.uncached) for s in sent]
+        slope = intercept = None
+        if len(set(xs)) > 1:
+            mx, my = statistics.mean(xs), statistics.mean(ttft)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ttft)) / sum((x - mx) ** 2 for x in xs)
+            intercept = my - slope * mx
+        prompt = sum(s.prompt_tokens for s in sent)
+        tiers: dict[str, int] = {}
+        for s in sent:
+            for tier, tokens in s.cached_by_tier.items():
+                tiers[tier] = tiers.get(tier, 0) + tokens
+        pairs = [(s, by_rid[s.rid]) for s in sent if s.rid in by_rid]
+        same_work = [a.ttft_ms - b.ttft_ms for a, b in pairs if a.uncached == b.uncached]
+        rows.append(
+            {
+                "config": config,
+                "requests": len(sent),
+                "ttft_mean_ms": statistics.mean(ttft) if ttft else None,
+                "ttft_median_ms": statistics.median(ttft) if ttft else None,
+                "uncached_mean": statistics.mean(xs) if xs else None,
+                "reused_by_tier": {t: v / prompt for t, v in sorted(tiers.items())} if prompt else {},
+                "cpu_s_per_request": statistics.mean(s.cpu_s for s in sent) if sent else None,
+                "ms_per_uncached_token": slope,
+                "intercept_ms": intercept,
+                "paired_median_diff_ms": statistics.median(a.ttft_ms - b.ttft_ms for a, b in pairs) if pairs else None,
+                "same_work_requests": len(same_work),
+                "same_work_median_diff_ms": statistics.median(same_work) if same_work else None,
+                "identical_outputs": sum(a.output_ids == b.output_ids for a, b in pairs),
+            }
+        )
+    return rows
+
+
+def _fmt(value: Optional[float], pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], reference: str) -> str:
+    lines = [
+        f"# The headline trace, one request at a time ({meta['date']})",
+        "",
+        f"`{meta['command']}` on {meta['commit']}: {meta['machine']}, {meta['elapsed_s'] / 60:.1f} min.",
+        "",
+        f"- trace: {meta['trace']}; device pool {meta['pool_tokens']} tokens, the headline's budgets",
+        f"- each request sent after the previous reply (and {SETTLE_S:g} s): no queueing, no batching",
+        "",
+        "| config | TTFT mean | TTFT median | uncached tokens, mean | reused by tier | ms per uncached token "
+        f"| intercept | CPU s per request | vs {reference}: median paired TTFT difference "
+        "(all; same uncached tokens) | identical outputs |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for r in rows:
+        tiers = ", ".join(f"{t} {v:.0%}" for t, v in r["reused_by_tier"].items()) or "-"
+        lines.append(
+            f"| {r['config']} | {_fmt(r['ttft_mean_ms'], '{:.0f} ms')} | {_fmt(r['ttft_median_ms'], '{:.0f} ms')} "
+            f"| {_fmt(r['uncached_mean'], '{:.0f}')} | {tiers} | {_fmt(r['ms_per_uncached_token'], '{:.2f}')} "
+            f"| {_fmt(r['intercept_ms'], '{:.0f} ms')} | {_fmt(r['cpu_s_per_request'], '{:.2f}')} "
+            f"| {_fmt(r['paired_median_diff_ms'], '{:+.0f} ms')}; "
+            f"{_fmt(r['same_work_median_diff_ms'], '{:+.0f} ms')} ({r['same_work_requests']} requests) "
+            f"| {r['identical_outputs']}/{r['requests']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _server_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and its descendants."""
+    import psutil
+
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return total
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:  # it exited meanwhile
+            continue
+        total += times.user + times.system
+    return total
+
+
+def main(argv: list[str]) -> int:
+    intro, _, details = (__doc__ or "").partition("\n\n")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.ragbench one-at-a-time",
+        description=intro,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=details,
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(f"bench/results/{datetime.date.today().isoformat()}/headline/one-at-a-time"),
+        help="where the report, trace and server logs go",
+    )
+    parser.add_argument(
+        "--configs",
+        type=config_list,
+        default=DEFAULT_CONFIGS,
+        help=f"comma-separated configurations, the first the reference of the paired differences "
+        f"(default: {','.join(DEFAULT_CONFIGS)})",
+    )
+    workload_args(parser)
+    parser.set_defaults(requests=30, max_new_tokens=16)
+    args = parser.parse_args(argv)
+    if args.followups:
+        parser.error("--followups: first turns only (a follow-up holds each server's own earlier answers)")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    from pcr_eval.ragbench.headline import CALIBRATED_CONTEXT_LENGTH, _commit
+    from pcr_eval.ragbench.runner import build_hicache_extension
+    from pcr_tools.models.smollm2 import build_smollm2
+
+    started = time.monotonic()
+    out_dir: Path = args.out
+    work = out_dir / "runs"
+    work.mkdir(parents=True, exist_ok=True)
+    model = Model(str(build_smollm2(doc_reuse_tuned=True)))
+    trace = make_trace(workload_params(args), count_tokens=model.count_tokens)
+    shape = trace_shape(trace, model, 16)
+    budgets, fraction = batch_pool_budgets(shape, 3, 0.25, 16, model.kv_bytes_per_token())
+    budgets = replace(budgets, context_length=max(budgets.context_length, CALIBRATED_CONTEXT_LENGTH))
+    if "hicache" in args.configs:
+        build_hicache_extension()
+    firsts = sorted(trace.first_turns(), key=lambda r: r.arrival)
+    planned = [plan_run(c, budgets, trace, 1.0, "one-at-a-time", fraction, work) for c in args.configs]
+    runs: dict[str, list[Sent]] = {}
+    with ServerPool(model.path, [run.plan for run in planned]) as servers:
+        for index, run in enumerate(planned):
+            server, _ = servers.acquire(index)
+            pid = server.pid
+            assert pid is not None, "the server was not started"
+            sent: list[Sent] = []
+            try:
+                for request in firsts:
+                    ids, _bounds = model.prompt(trace, request, {})
+                    before = _server_cpu_s(pid)
+                    reply = server.generate_stream(
+                        {
+                            "input_ids": list(ids),
+                            "sampling_params": {"temperature": 0.0, "max_new_tokens": request.max_new_tokens},
+                        }
+                    )
+                    time.sleep(SETTLE_S)
+                    meta = reply.final.get("meta_info", {})
+                    sent.append(
+                        Sent(
+                            rid=request.rid,
+                            ttft_ms=1000 * (reply.latency_s if math.isnan(reply.ttft_s) else reply.ttft_s),
+                            prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
+                            cached_tokens=int(meta.get("cached_tokens", 0)),
+                            cached_by_tier=_cached_by_tier(meta),
+                            cpu_s=_server_cpu_s(pid) - before,
+                            output_ids=list(reply.final.get("output_ids") or []),
+                        )
+                    )
+                    logger.info("%s: %d/%d", run.config, len(sent), len(firsts))
+            finally:
+                servers.release(index, server)
+            runs[run.config] = sent
+    reference = args.configs[0]
+    rows = summarize(runs, reference)
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": "python -m bench.ragbench one-at-a-time " + shlex.join(argv),
+        "commit": _commit(),
+        "trace": f"{len(firsts)} first turns of the headline trace (seed {args.seed})",
+        "pool_tokens": budgets.device_pool_tokens,
+        "elapsed_s": time.monotonic() - started,
+    }
+    (out_dir / "one_at_a_time.json").write_text(
+        json.dumps(
+            {"meta": meta, "rows": rows, "requests": {c: [s.__dict__ for s in v] for c, v in runs.items()}}, indent=1
+        )
+    )
+    text = markdown(meta, rows, reference)
+    (out_dir / "one_at_a_time.md").write_text(text)
+    print(text)
+    return 0
