@@ -258,6 +258,21 @@ def anatomy(run: RunResult, load: float) -> dict[str, Any]:
     return row
 
 
+def per_request(run: RunResult) -> list[dict[str, Any]]:
+    """Each request of ``run`` as sent (for pairing runs request by request): when it was
+    sent, its TTFT, its uncached prompt tokens and its reuse by tier."""
+    return [
+        {
+            "rid": r.rid,
+            "sent_s": round(r.sent_s, 3),
+            "ttft_ms": None if r.error else round(1000 * r.ttft_s, 1),
+            "uncached": r.prompt_tokens - r.cached_tokens,
+            "cached_by_tier": r.cached_by_tier,
+        }
+        for r in run.records
+    ]
+
+
 def anatomy_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| load | config | TTFT P99 | ms per uncached token | intercept | uncached tokens, mean "
@@ -650,7 +665,14 @@ def main(argv: list[str]) -> int:
     meta["elapsed_s"] = time.monotonic() - started
     (out_dir / "headline.json").write_text(
         json.dumps(
-            {"meta": meta, "rows": rows, "noise_floor": noise_floor, "targets": checks, "anatomy": anatomy_rows},
+            {
+                "meta": meta,
+                "rows": rows,
+                "noise_floor": noise_floor,
+                "targets": checks,
+                "anatomy": anatomy_rows,
+                "requests": {f"{run.config}@{load:g}": per_request(run) for load, run in runs},
+            },
             indent=1,
         )
     )

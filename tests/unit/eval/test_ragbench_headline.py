@@ -13,6 +13,7 @@ from pcr_eval.ragbench.headline import (
     anatomy,
     anatomy_table,
     check_targets,
+    per_request,
     run_row,
     shuffled_prompt,
     table,
@@ -282,3 +283,11 @@ def test_run_all_replays_every_run_in_order_and_reports_a_failed_one_under_its_k
     assert [r.config if r else None for r in results] == ["radix", None, "pcr"]
     assert results[2].server_state["budgets"] == {"pool": 2}
     assert failed == ["broken@60%: with code -9"]
+
+
+def test_per_request_keeps_each_request_for_pairing_runs_a_failed_one_without_a_ttft():
+    run = RunResult("pcr", 0.5, "load-0.6", 0.1, [_record("a", 0.25, 80, [1]), _record("b", float("nan"), 0, [], "x")])
+    rows = per_request(run)
+    assert [r["rid"] for r in rows] == ["a", "b"]
+    assert rows[0]["ttft_ms"] == 250.0 and rows[0]["uncached"] == 20
+    assert rows[1]["ttft_ms"] is None and rows[1]["uncached"] == 100
