@@ -286,7 +286,8 @@ def test_run_all_replays_every_run_in_order_and_reports_a_failed_one_under_its_k
 
 
 def test_per_request_keeps_each_request_for_pairing_runs_a_failed_one_without_a_ttft():
-    run = RunResult("pcr", 0.5, "load-0.6", 0.1, [_record("a", 0.25, 80, [1]), _record("b", float("nan"), 0, [], "x")])
+    records = [_record("a", 0.25, 80, [1]), _record("b", float("nan"), 0, [], "x")]
+    run = RunResult("pcr", 0.5, "load-0.6", 0.1, records, 10.0, 0.0, 0.0, 0.0)
     rows = per_request(run)
     assert [r["rid"] for r in rows] == ["a", "b"]
     assert rows[0]["ttft_ms"] == 250.0 and rows[0]["uncached"] == 20
