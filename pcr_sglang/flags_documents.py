@@ -132,9 +132,10 @@ class DocumentFlags(CacheFlags):
         Arg(
             help=(
                 "Document reuse with permuted rows (lego, blend, concat computing a document in "
-                "place): the most memory (MiB) one request's position mask (a byte per query and "
-                "key of its extend) may take in a forward; a request whose mask could need more is "
-                "recomputed instead. Reserved with --pcr-blend-probe-mb from the KV pool on CUDA. "
+                "place): the most memory (MiB) a forward's position mask (a byte per query and key "
+                "of each batched request's extend) may take. A request whose own part could need "
+                "more is recomputed instead; one that could take its batch's mask past it waits for "
+                "a later batch. Reserved with --pcr-blend-probe-mb from the KV pool on CUDA. "
                 f"Default: {DEFAULT_POSITION_MASK_MB}."
             )
         ),

@@ -15,8 +15,9 @@ It registers the ``pcr`` radix-cache backend and these hooks, each a thin call i
 * the scheduler's ``get_next_batch_to_run`` (BEFORE): once per loop iteration on every
   rank, the scheduler side's step (I/O completions, TP agreement, look-ahead, prefetch,
   metrics);
-* ``PrefillAdder.add_one_req`` (AROUND): a request whose SSD chunks are being read waits
-  in the queue (the adder moves on to the next request) instead of being admitted;
+* ``PrefillAdder.add_one_req`` (AROUND): a request whose SSD chunks are being read, or
+  that could take its batch's position mask past its budget, waits in the queue (the
+  adder moves on to the next request) instead of being admitted;
   ``PrefillAdder.preempt_to_schedule`` (AROUND): such a request preempts nobody;
 * ``ScheduleBatch.prepare_for_extend`` (AROUND) and ``prepare_for_decode`` (AFTER): a
   request's hits are counted once, by tier, as SGLang reports them, and the chunks the
@@ -251,17 +252,27 @@ def _on_scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """A request waiting for its SSD reads, or one that could take its batch's position
+    mask past ``--pcr-position-mask-mb`` (``sglang_adapter/mask_admission``), is not
+    admitted this pass; the adder goes on to the next request."""
     cache = _pcr_cache(adder)
-    if cache is not None and not cache.scheduler.admission.admit_now(req):
-        return adder.budget_state()  # not admitted this pass; the adder goes on to the next request
-    return original(adder, req, *args, **kwargs)
+    if cache is None:
+        return original(adder, req, *args, **kwargs)
+    # mutant: batch-mask-not-asked-at-admission
+    if not cache.scheduler.admission.admit_now(req) or cache.scheduler.batch_masks.hold(adder, req):
+        return adder.budget_state()
+    result = original(adder, req, *args, **kwargs)
+    cache.scheduler.batch_masks.committed(adder)
+    return result
 
 
 def _preempt_to_schedule(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """Priority preemption retracts running requests to make room for ``req``: not for a
-    request that would then wait for its SSD reads (its hold is asked first)."""
+    request that would then wait for its SSD reads or its batch's mask (asked first)."""
     cache = _pcr_cache(adder)
-    if cache is not None and not cache.scheduler.admission.admit_now(req):
+    if cache is not None and (
+        not cache.scheduler.admission.admit_now(req) or cache.scheduler.batch_masks.hold(adder, req, count=False)
+    ):
         return False
     return original(adder, req, *args, **kwargs)
 

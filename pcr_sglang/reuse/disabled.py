@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 class NoDocReuse:
     fill_gaps = False  # no request's row is ever permuted
+    mask_bytes: Optional[int] = None  # so no position mask, and no budget for one
 
     def canonical_chain_keys(self, req: PcrReq) -> list[list[ChunkKey]]:
         return []

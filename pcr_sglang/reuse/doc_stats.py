@@ -30,6 +30,9 @@ class DocReuseStats:
     # permuted row's position mask (--pcr-position-mask-mb).
     probe_over_budget: int = 0
     mask_over_budget: int = 0
+    # Admission passes a request waited in the queue because the batch's position mask (every
+    # request's part, beside a permuted row) could exceed --pcr-position-mask-mb (reuse/batch_mask).
+    mask_batch_held: int = 0
     malformed: int = 0  # bounds the scheduler could not use (the HTTP server checks them first)
 
     def count_admitted(self, plan: ReusePlan, docs_marked: int) -> None:

@@ -50,7 +50,7 @@ from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.keys import ChainKeyer, ChunkKey
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.req import PcrReq, request_tenant
-from pcr_sglang.reuse import rows as permuted_rows
+from pcr_sglang.reuse.batch_mask import needs_position_mask, own_mask_bound
 from pcr_sglang.reuse.blend_select import BlendProbe, ProbeBudgetError
 from pcr_sglang.reuse.bounds import (
     RECOMPUTE_MODES,
@@ -134,8 +134,8 @@ class DocReuse:
         # SGLang's forward stream (CUDA): without an engine, a copy is ordered after the
         # forward in flight by a GPU-side wait on it (``fence_after_forward``).
         self.forward_stream = forward_stream
-        # The most bytes a permuted row's own position mask may take (--pcr-position-mask-mb;
-        # None: unbounded).
+        # The most bytes a forward's position mask may take (--pcr-position-mask-mb; None: no
+        # budget): a permuted row's own part is checked here, the batch's at admission (batch_mask).
         self.mask_bytes = mask_bytes
         self.stats = DocReuseStats()
         # Fills the slots admission allocated for a load (the pool's ``kv_layers``; the
@@ -305,12 +305,11 @@ class DocReuse:
 
     def _over_budget(self, req: PcrReq, plan: ReusePlan) -> Optional[str]:
         """Why serving ``plan`` could need more scratch than reserved (None: it fits): a
-        permuted row's own position mask over ``mask_bytes`` (:func:`rows.row_mask_bound`),
+        permuted row's own position mask over ``mask_bytes`` (:func:`batch_mask.own_mask_bound`),
         or blend's probe over its budget (:meth:`BlendProbe.check_budget`). Counted."""
-        if not (plan.recompute_count or plan.gaps):
+        if not needs_position_mask(plan):
             return None  # an in-order row: no position mask, no probe
-        total = len(req.origin_input_ids) + len(getattr(req, "output_ids", None) or ())
-        need = permuted_rows.row_mask_bound(plan.start + plan.prefix_tokens, total)
+        need = own_mask_bound(req, plan)
         # mutant: gpu-position-mask-unbounded
         if self.mask_bytes is not None and need > self.mask_bytes:
             self.stats.mask_over_budget += 1

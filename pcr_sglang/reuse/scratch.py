@@ -4,7 +4,7 @@ Two things of document reuse take GPU memory outside SGLang's own budget, at mom
 SGLang does not plan for: blend's probe (``reuse/blend_select.py``: 3-5 decoder layers run
 at admission, beside the forward in flight; held to ``--pcr-blend-probe-mb``) and the
 position mask of a forward with permuted rows (``reuse/rows.py``: a byte per query and
-key; each request's own part held to ``--pcr-position-mask-mb`` at admission). SGLang
+key; held to ``--pcr-position-mask-mb`` at admission, ``reuse/batch_mask.py``). SGLang
 sizes its KV pool from the free memory minus a slack it keeps for activations
 (``--mem-fraction-static``); memory PCR then takes at admission comes out of that slack,
 and the forward in flight can run out of memory. So both budgets are taken from the KV
@@ -29,7 +29,7 @@ class ScratchReserve:
     """Bytes taken from the KV pool for document reuse's scratch, by what needs them."""
 
     probe: int = 0  # blend's probe: --pcr-blend-probe-mb
-    mask: int = 0  # one request's position mask: --pcr-position-mask-mb
+    mask: int = 0  # a forward's position mask: --pcr-position-mask-mb
 
     @property
     def total(self) -> int:

@@ -12,8 +12,8 @@ KV connector, whose interface is split by the process that calls it):
   loads, eviction, fresh slots, a fence) and hands the slots back to be placed into (all
   or nothing), the row written for its first extend owns its private slots, and it is
   released when it leaves. A flush forgets every plan; a weight update every derived key.
-* :class:`DocReuseRows`, the forward's half: whether any row is permuted at all, and
-  where a request's permuted row holds which positions.
+* :class:`DocReuseRows`, the forward's half: whether any row is permuted at all, where a
+  request's permuted row holds which positions, and the budget of a forward's position mask.
 * :class:`DocReuseStatus`, what the server reports of the feature (``/server_info``, the
   metrics, the calibration recheck after a weight update): only where it is on.
 
@@ -123,6 +123,11 @@ class DocReuseRows(Protocol):
     @property
     def fill_gaps(self) -> bool:
         """Some request's row may be permuted (False: no row ever is, nothing to look up)."""
+
+    @property
+    def mask_bytes(self) -> Optional[int]:
+        """The most bytes a forward's position mask may take (``--pcr-position-mask-mb``;
+        None: no row is ever permuted, no budget applies)."""
 
     def row(self, rid: str) -> Optional[RowOrder]:
         """Where ``rid``'s row holds which positions (None: in order)."""

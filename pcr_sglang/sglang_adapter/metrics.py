@@ -86,6 +86,7 @@ METRICS = (
         "(gap_tokens), planned reuse not loadable at admission (load_failures), "
         "requests recomputed at admission because blend's probe or the permuted row's position mask "
         "could need more than reserved (probe_over_budget, mask_over_budget), "
+        "admission passes a request waited because its batch's position mask could exceed it (mask_batch_held), "
         "bounds the scheduler could not use (malformed).",
         "kind",
     ),

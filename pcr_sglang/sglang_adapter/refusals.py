@@ -217,6 +217,12 @@ def permuted_row_flags(cfg: Any) -> Optional[str]:
         return "is not supported with decode context parallelism (its extend takes no custom mask): use concat"
     if getattr(cfg, "enable_pdmux", False):
         return "is not supported with --enable-pdmux (a split prefill runs one batch over several forwards)"
+    # mutant: mixed-chunk-accepted-with-permuted-rows
+    if getattr(cfg, "enable_mixed_chunk", False):
+        return (
+            "is not supported with --enable-mixed-chunk (a mixed forward's position mask also covers every running "
+            "request's decode row, which admission cannot hold to --pcr-position-mask-mb): drop it, or use concat"
+        )
     prefill_graph = prefill_graph_backend(cfg)
     if prefill_graph not in ("disabled", "none"):
         return (

@@ -45,6 +45,7 @@ from pcr_sglang.reuse.seam import DocReuseSeam, DocReuseStatus
 from pcr_sglang.sglang_adapter.admission import Admission, up_to_first_remote_only
 from pcr_sglang.sglang_adapter.executor import EffectsExecutor
 from pcr_sglang.sglang_adapter.hints import KvHints
+from pcr_sglang.sglang_adapter.mask_admission import MaskAdmission
 from pcr_sglang.sglang_adapter.offloads import Offloads
 from pcr_sglang.sglang_adapter.remote_probes import NoRemoteProbes, RemoteProbes
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
@@ -124,6 +125,8 @@ class SchedulerSide:
             self.agreement,
             tensor_parallel=tp is not None,
         )
+        # The position mask's budget over each batch SGLang's prefill adder forms (``add_one_req``).
+        self.batch_masks = MaskAdmission()
         self._docs: DocReuseSeam = NoDocReuse()
         self.doc_status: Optional[DocReuseStatus] = None  # what is reported of document reuse, where it is on
         self.step_time = StepHistogram()  # PCR's own work per scheduler step
@@ -152,7 +155,8 @@ class SchedulerSide:
     def docs(self, docs: Optional[DocReuse]) -> None:
         self.doc_status = docs
         seam: DocReuseSeam = docs if docs is not None else NoDocReuse()
-        self._docs = self.keys.docs = self.admission.docs = self.kv_hints.docs = seam
+        self._docs = self.keys.docs = self.admission.docs = self.kv_hints.docs = self.batch_masks.docs = seam
+        self.batch_masks.stats = docs.stats if docs is not None else None
 
     # ------------------------------------------------------------------ per step
     def step(self, waiting_queue: Sequence[PcrReq], busy: bool = True) -> None:

@@ -1369,3 +1369,48 @@ def test_a_hint_only_request_with_text_documents_hints_each_documents_chain(serv
     )
     assert out["meta_info"]["finish_reason"]["pcr_hint"] == "registered"
     assert by_text == live_hints() - before == 1 + len(pair)  # the prompt's chain and each document's
+
+
+@pytest.fixture(scope="module")
+def mask_server(tiny_model):
+    """A document-reuse server with the least position-mask budget there is (1 MiB): one
+    request of ~900 tokens fits it, two side by side do not."""
+    args = (*TIERED_ARGS, *DOC_REUSE, "--pcr-position-mask-mb", "1", "--max-total-tokens", "12000")
+    server = {"mask": ServerProcess(tiny_model, args)}
+    with serving(server):
+        yield server["mask"]
+
+
+def test_requests_that_could_take_their_batchs_position_mask_over_budget_wait_and_answer_exactly(
+    mask_server, baseline_server, tokenizer, passages
+):
+    """Issue 42: the mask a forward with a permuted row builds covers every request of its
+    batch. Each request's own part fits the budget (placement recomputes none), two do not:
+    sent 8 at a time, some wait a pass in the queue (``mask_batch_held``), and every answer
+    equals the no-cache server's token for token (``lego`` recomputing every re-placed token)."""
+    rng = random.Random(11)
+    prompts = []
+    for i in range(8):
+        chosen: list[str] = []
+        for passage in rng.sample(passages, len(passages)):
+            chosen.append(passage)
+            prompt = build_doc_prompt(tokenizer, "Mask budget.", chosen, f"Mask question {i}?")
+            if len(prompt.input_ids) >= 820:
+                break
+        assert 820 <= len(prompt.input_ids) < 1000, len(prompt.input_ids)  # own part < 1 MiB; two > 1 MiB
+        prompts.append(prompt)
+    for prompt in prompts:  # every document warmed, one request at a time
+        _generate(mask_server, prompt, marked=True, mode="concat")
+    before = _doc_counters(mask_server)
+    lego = {"pcr_doc_recompute_tokens": 100000}
+    for _ in range(3):  # until some pass had two of them waiting at once
+        with ThreadPoolExecutor(len(prompts)) as executor:
+            outs = list(executor.map(lambda p: _generate(mask_server, p, True, "lego", **lego), prompts))
+        for prompt, out in zip(prompts, outs):
+            assert out["output_ids"] == _generate(baseline_server, prompt, marked=False)["output_ids"]
+        if _doc_counters(mask_server)["mask_batch_held"] > before["mask_batch_held"]:
+            break
+    after = _doc_counters(mask_server)
+    assert after["mask_batch_held"] > before["mask_batch_held"], after
+    assert after["mask_over_budget"] == before["mask_over_budget"]  # the batch's budget, not placement's
+    assert after["tokens_recomputed"] > before["tokens_recomputed"]

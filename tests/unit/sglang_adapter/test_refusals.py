@@ -292,6 +292,7 @@ def test_selecting_pcr_by_radix_cache_backend_runs_the_same_refusals(tiny_model)
         ({"enable_dp_attention": True}, "--enable-dp-attention"),
         ({"dcp_size": 2}, "decode context parallelism"),
         ({"enable_pdmux": True}, "--enable-pdmux"),
+        ({"enable_mixed_chunk": True}, "--enable-mixed-chunk"),
         ({"lora_paths": ["adapter"]}, "LoRA"),
         (
             {"cuda_graph_config": SimpleNamespace(prefill=SimpleNamespace(backend="breakable"))},

@@ -156,11 +156,14 @@ def test_a_request_waiting_for_its_reads_preempts_nobody():
     from types import SimpleNamespace
 
     from pcr_sglang import plugin
+    from pcr_sglang.sglang_adapter.mask_admission import MaskAdmission
     from pcr_sglang.sglang_adapter.prefix_cache import PCRPrefixCache
 
     calls = []
     cache = PCRPrefixCache.__new__(PCRPrefixCache)
-    cache.scheduler = SimpleNamespace(admission=SimpleNamespace(admit_now=lambda req: req.rid != "held"))
+    cache.scheduler = SimpleNamespace(
+        admission=SimpleNamespace(admit_now=lambda req: req.rid != "held"), batch_masks=MaskAdmission()
+    )
     adder = SimpleNamespace(tree_cache=cache)
     original = lambda adder, req: calls.append(req.rid) or True  # noqa: E731
     assert plugin._preempt_to_schedule(original, adder, SimpleNamespace(rid="held")) is False
