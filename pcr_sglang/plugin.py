@@ -252,26 +252,36 @@ def _on_scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """A request waiting for its SSD reads, or one that could take its batch's position
-    mask past ``--pcr-position-mask-mb`` (``sglang_adapter/mask_admission``), is not
-    admitted this pass; the adder goes on to the next request."""
+    """A request that could take its batch's position mask past ``--pcr-position-mask-mb``
+    (``sglang_adapter/mask_admission``) ends this pass: the batch is full for masks, and
+    nothing behind it in the queue goes first (so it cannot starve). A request waiting for
+    its SSD reads is not admitted this pass, and the adder goes on to the next one."""
     cache = _pcr_cache(adder)
     if cache is None:
         return original(adder, req, *args, **kwargs)
     # mutant: batch-mask-not-asked-at-admission
-    if not cache.scheduler.admission.admit_now(req) or cache.scheduler.batch_masks.hold(adder, req):
+    if cache.scheduler.batch_masks.hold(adder, req):
+        return _batch_full()
+    if not cache.scheduler.admission.admit_now(req):
         return adder.budget_state()
-    result = original(adder, req, *args, **kwargs)
-    cache.scheduler.batch_masks.committed(adder)
-    return result
+    return original(adder, req, *args, **kwargs)
+
+
+def _batch_full() -> Any:
+    """SGLang's verdict that ends the adder's pass over the waiting queue."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    return AddReqResult.OTHER
 
 
 def _preempt_to_schedule(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """Priority preemption retracts running requests to make room for ``req``: not for a
-    request that would then wait for its SSD reads or its batch's mask (asked first)."""
+    request that would then wait for its batch's mask or its SSD reads (asked first; SGLang
+    asks before matching the request, so the mask's bound is taken from its whole input)."""
     cache = _pcr_cache(adder)
     if cache is not None and (
-        not cache.scheduler.admission.admit_now(req) or cache.scheduler.batch_masks.hold(adder, req, count=False)
+        cache.scheduler.batch_masks.hold(adder, req, count=False, before_match=True)
+        or not cache.scheduler.admission.admit_now(req)
     ):
         return False
     return original(adder, req, *args, **kwargs)

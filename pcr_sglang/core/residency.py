@@ -197,8 +197,8 @@ class CacheState:
         self.ssd_stats.on_demand_reads += on_demand
 
     def count_hold(self, seconds: float, expired: bool) -> None:
-        """A request held for its SSD reads was admitted after ``seconds``; ``expired``: its
-        wait ran out first."""
+        """A request's hold for its SSD reads ended after ``seconds`` (it goes at this pass);
+        ``expired``: its wait ran out before the reads landed."""
         self.ssd_stats.held_requests += 1
         self.ssd_stats.held_expired += int(expired)
         self.ssd_stats.held_ms += round(seconds * 1000)

@@ -188,6 +188,23 @@ def warm_up_position_mask(
 
     ``on_cuda``, ``extend``, ``synchronize``: decided from the pool's device, the backend's
     kernel, and ``torch.cuda.synchronize``; tests pass stand-ins to check on CPU."""
+    try:
+        return _warm_up(tp_worker, model, fill_gaps, on_cuda, extend, synchronize)
+    except Exception as e:  # a warm-up only saves time: serving compiles at first use instead
+        logger.warning(
+            "PCR: compiling SGLang's masked extend kernel at startup failed (%s); it compiles at first use", e
+        )
+        return None
+
+
+def _warm_up(
+    tp_worker: Any,
+    model: Any,
+    fill_gaps: bool,
+    on_cuda: Optional[bool],
+    extend: Optional[Callable[..., Any]],
+    synchronize: Optional[Callable[[], None]],
+) -> Optional[WarmupReport]:
     backend = triton_extend_backend(tp_worker)
     if not fill_gaps or backend is None:
         return None
@@ -208,15 +225,9 @@ def warm_up_position_mask(
         dtype = backend.token_to_kv_pool.get_key_buffer(layers[0].layer_id).dtype
     report = WarmupReport()
     start = time.monotonic()
-    try:
-        with torch.no_grad():
-            launch_masked_extends(backend, layers, dtype, report, extend or backend.extend_attention_fwd)
-        (synchronize or torch.cuda.synchronize)()
-    except Exception as e:  # a warm-up only saves time: serving compiles at first use instead
-        logger.warning(
-            "PCR: compiling SGLang's masked extend kernel at startup failed (%s); it compiles at first use", e
-        )
-        return None
+    with torch.no_grad():
+        launch_masked_extends(backend, layers, dtype, report, extend or backend.extend_attention_fwd)
+    (synchronize or torch.cuda.synchronize)()
     report.seconds = time.monotonic() - start
     logger.info(
         "PCR: compiled SGLang's Triton extend kernel with the position mask at startup (%d launches: batch "

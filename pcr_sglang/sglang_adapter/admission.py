@@ -84,7 +84,7 @@ class Admission:
         )
         if entry is not None:
             # mutant: admission-hold-not-counted
-            if entry.phase.held and gate.verdict is Verdict.ADMIT:
+            if entry.phase.held and not gate.phase.held:  # its one hold ends (once)
                 self.state.count_hold(
                     time.monotonic() - entry.held_since, expired=entry.phase is AdmissionPhase.EXPIRED
                 )

@@ -9,7 +9,8 @@ forward with a permuted row takes one position mask over all its requests. So, a
 :class:`~pcr_sglang.reuse.batch_mask.BatchMask` per adder, keyed weakly by it (nothing is
 put on SGLang's object): before the call it counts the requests committed since it last
 looked and asks whether this one must wait for a later batch; it stays in the waiting
-queue, and the adder goes on to the next. SGLang's mixed chunks (decode rows joining the
+queue, and the pass ends there (the batch is full for masks; nothing behind it goes first,
+so under SGLang's first-come order it is its batch's first soon). SGLang's mixed chunks (decode rows joining the
 extend, their parts unknown at admission) are refused with permuted rows instead
 (``refusals.permuted_row_flags``).
 """
@@ -33,10 +34,12 @@ class MaskAdmission:
         self.stats: Optional[DocReuseStats] = None  # where mask_batch_held is counted
         self._batches: weakref.WeakKeyDictionary[Any, BatchMask] = weakref.WeakKeyDictionary()
 
-    def hold(self, adder: Any, req: Any, count: bool = True) -> bool:
+    def hold(self, adder: Any, req: Any, count: bool = True, before_match: bool = False) -> bool:
         """Before ``adder.add_one_req(req)``: whether ``req`` waits for a later batch
         because the batch's position mask could then exceed the budget (counted in
-        ``mask_batch_held`` with ``count``). Never without a budget (no permuted rows)."""
+        ``mask_batch_held`` with ``count``). Never without a budget (no permuted rows).
+        ``before_match``: SGLang has not matched ``req`` this pass (priority preemption asks
+        first), so its whole input bounds its part, and marking documents may permute it."""
         budget = self.docs.mask_bytes
         if budget is None:
             return False
@@ -44,21 +47,17 @@ class MaskAdmission:
         if batch is None:
             batch = self._batches[adder] = BatchMask(budget)
         self._count(batch, adder)
-        total = len(req.full_untruncated_fill_ids)
-        candidate = MaskCandidate(
-            extend_bound(int(req.prefix_len), total, getattr(adder, "rem_chunk_tokens", None)),
-            self._may_permute(req, budget),
-        )
+        chunk = getattr(adder, "rem_chunk_tokens", None)
+        if before_match:
+            total = len(req.origin_input_ids) + len(getattr(req, "output_ids", None) or ())
+            candidate = MaskCandidate(extend_bound(0, total, chunk), bool(self.docs.canonical_chain_keys(req)))
+        else:
+            total = len(req.full_untruncated_fill_ids)
+            candidate = MaskCandidate(extend_bound(int(req.prefix_len), total, chunk), self._may_permute(req, budget))
         held = batch.holds(candidate)
         if held and count and self.stats is not None:
             self.stats.mask_batch_held += 1
         return held
-
-    def committed(self, adder: Any) -> None:
-        """After ``adder.add_one_req``: what it committed, counted now."""
-        batch = self._batches.get(adder)
-        if batch is not None:
-            self._count(batch, adder)
 
     def _count(self, batch: BatchMask, adder: Any) -> None:
         """Count the adder's requests committed since the last look (the continuing chunked

@@ -217,8 +217,9 @@ def permuted_row_flags(cfg: Any) -> Optional[str]:
         return "is not supported with decode context parallelism (its extend takes no custom mask): use concat"
     if getattr(cfg, "enable_pdmux", False):
         return "is not supported with --enable-pdmux (a split prefill runs one batch over several forwards)"
+    chunked = getattr(cfg, "chunked_prefill_size", None)  # SGLang mixes chunks only with chunked prefill on
     # mutant: mixed-chunk-accepted-with-permuted-rows
-    if getattr(cfg, "enable_mixed_chunk", False):
+    if getattr(cfg, "enable_mixed_chunk", False) and not (chunked is not None and int(chunked) <= 0):
         return (
             "is not supported with --enable-mixed-chunk (a mixed forward's position mask also covers every running "
             "request's decode row, which admission cannot hold to --pcr-position-mask-mb): drop it, or use concat"

@@ -1,7 +1,7 @@
 """The position mask's budget at admission (issue 42), through the plugin's hook around
 SGLang's ``PrefillAdder.add_one_req``: per batch being formed, a request that could take
 the forward's mask past ``--pcr-position-mask-mb`` beside a permuted row waits in the queue
-(the adder goes on to the next one), counted in ``mask_batch_held``; the continuing chunked
+and ends the pass (nothing behind it goes first), counted in ``mask_batch_held``; the continuing chunked
 request counts; a batch's first request, and any request without the budget (no permuted
 rows), goes through. On stand-in adders, then once on SGLang's own adder."""
 
@@ -20,15 +20,20 @@ from pcr_sglang.sglang_adapter.mask_admission import MaskAdmission
 PLAN = ReusePlan((CopySegment(0, 4, 8, 4),), 4, 8, 4, recompute_count=2)
 ROW = RowOrder(4, (6, 7, 4, 5))
 CONTINUE = "continue"
+OTHER = plugin._batch_full()
 
 
 class Docs:
     """Document reuse through its seam, as the accounting asks it."""
 
-    def __init__(self, mask_bytes, plans=None, rows=None):
+    def __init__(self, mask_bytes, plans=None, rows=None, marked=()):
         self.mask_bytes = mask_bytes
         self.plans = plans or {}
         self.rows = rows or {}
+        self.marked = set(marked)  # requests that mark documents
+
+    def canonical_chain_keys(self, req):
+        return [[b"doc"]] if req.rid in self.marked else []
 
     def planned(self, rid):
         return self.plans.get(rid)
@@ -85,7 +90,8 @@ def _pass(cache, reqs, committed=(), chunk=None):
     """One scheduling pass: the adder's loop over the waiting requests; the rids admitted."""
     adder = Adder(cache, committed, chunk)
     for req in reqs:
-        assert plugin._add_one_req(add_one_req, adder, req) == CONTINUE  # the adder goes on
+        if plugin._add_one_req(add_one_req, adder, req) != CONTINUE:
+            break  # SGLang's loop over the waiting queue ends there
     return [r.rid for r in adder.can_run_list]
 
 
@@ -93,12 +99,14 @@ def test_beside_a_permuted_row_a_request_that_could_exceed_the_budget_waits_for_
     docs = Docs(2000, plans={"perm": PLAN, "perm2": PLAN}, rows={"perm": ROW})
     cache, stats = _cache(docs)
     perm, big, small = _req("perm", 40), _req("big", 30), _req("small", 10)
-    # perm's part: 40 x 40 = 1600; big could add 900 (over 2000), small 100.
-    assert _pass(cache, [perm, big, small]) == ["perm", "small"]
+    # perm's part: 40 x 40 = 1600; big could add 900 (over 2000): the pass ends at big, and
+    # small, behind it in the queue, does not go first (big cannot starve).
+    assert _pass(cache, [perm, big, small]) == ["perm"]
     assert stats.mask_batch_held == 1
     # Next pass: big is the batch's first; perm2 may get a permuted row and could add 1600.
-    assert _pass(cache, [big, _req("perm2", 40), _req("tiny", 5)]) == ["big", "tiny"]
+    assert _pass(cache, [big, _req("perm2", 40), _req("tiny", 5)]) == ["big"]
     assert stats.mask_batch_held == 2
+    assert _pass(cache, [_req("perm2", 40), _req("tiny", 5)]) == ["perm2", "tiny"]
 
 
 def test_plain_requests_are_never_held_for_a_mask_no_forward_builds():
@@ -145,21 +153,37 @@ def test_a_plan_whose_own_mask_placement_refuses_does_not_count_as_permuting():
     assert stats.mask_batch_held == 0
 
 
+def _unmatched(rid, tokens):
+    """A waiting request as SGLang's priority preemption sees it: not matched this pass yet
+    (no fill ids, no prefix, no plan)."""
+    req = _req(rid, tokens)
+    req.full_untruncated_fill_ids = []
+    return req
+
+
 def test_a_request_held_for_its_batchs_mask_preempts_nobody():
-    cache, stats = _cache(Docs(2000, plans={"perm": PLAN}, rows={"perm": ROW}))
+    """Priority preemption asks before SGLang matches the request: its whole input bounds
+    its part, and marking documents counts as a permuted row to come."""
+    cache, stats = _cache(Docs(2000, plans={"perm": PLAN}, rows={"perm": ROW}, marked={"docs"}))
     adder = Adder(cache)
     plugin._add_one_req(add_one_req, adder, _req("perm", 40))
     preempted = []
     original = lambda adder, req: preempted.append(req.rid) or True  # noqa: E731
-    assert plugin._preempt_to_schedule(original, adder, _req("big", 30)) is False
-    assert plugin._preempt_to_schedule(original, adder, _req("small", 10)) is True
+    assert plugin._preempt_to_schedule(original, adder, _unmatched("big", 30)) is False  # 1600 + 900
+    assert plugin._preempt_to_schedule(original, adder, _unmatched("small", 10)) is True
     assert preempted == ["small"] and stats.mask_batch_held == 0  # counted where it waits, not here
+    # In a batch with no permuted row yet, a request marking documents may bring one.
+    cache, _ = _cache(Docs(1000, marked={"docs"}))
+    adder = Adder(cache)
+    plugin._add_one_req(add_one_req, adder, _req("plain", 20))
+    assert plugin._preempt_to_schedule(original, adder, _unmatched("docs", 30)) is False  # 400 + 900
+    assert plugin._preempt_to_schedule(original, adder, _unmatched("other", 30)) is True
 
 
 def test_sglangs_own_adder_keeps_the_held_request_out_and_admits_the_next():
     """The same through SGLang's ``PrefillAdder.add_one_req`` over PCR's cache, with real
-    ``Req``s: the held request returns CONTINUE (the scheduler's loop goes on), holds no
-    slot or lock, and the next request is admitted."""
+    ``Req``s: the held request returns OTHER (the scheduler's loop over the queue ends) and
+    holds no slot or lock; the next pass admits it first."""
     pytest.importorskip("sglang")
     from array import array
 
@@ -185,14 +209,19 @@ def test_sglangs_own_adder_keeps_the_held_request_out_and_admits_the_next():
         original = getattr(PrefillAdder.add_one_req, "__wrapped__", PrefillAdder.add_one_req)
         adder = PrefillAdder(1, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 10_000, None)
         waiting = [real_req("a", list(range(100, 121))), real_req("b", list(range(200, 221))), real_req("c", [1] * 5)]
-        for req in waiting:
+        results = {}
+        for req in waiting:  # SGLang's loop over the waiting queue
             req.init_next_round_input(h.cache)
             free = h.allocator.available_size()
-            result = plugin._add_one_req(original, adder, req, has_chunked_req=False, truncation_align_size=None)
-            assert result == AddReqResult.CONTINUE
-            if req.rid == "b":  # 21 x 21 beside a's 441 bytes: over 800
-                assert h.allocator.available_size() == free and req.extend_end is None
-        assert [r.rid for r in adder.can_run_list] == ["a", "c"] and stats.mask_batch_held == 1
+            results[req.rid] = plugin._add_one_req(
+                original, adder, req, has_chunked_req=False, truncation_align_size=None
+            )
+            if results[req.rid] != AddReqResult.CONTINUE:
+                break
+        # b: 21 x 21 beside a's 441 bytes, over 800: the pass ends there, b holding nothing.
+        assert results == {"a": AddReqResult.CONTINUE, "b": AddReqResult.OTHER}
+        assert h.allocator.available_size() == free and waiting[1].extend_end is None
+        assert [r.rid for r in adder.can_run_list] == ["a"] and stats.mask_batch_held == 1
         for req in adder.can_run_list:
             h.cache.unlock(req.lock)
         h.check()

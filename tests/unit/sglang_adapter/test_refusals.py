@@ -317,6 +317,18 @@ def test_recompute_modes_refuse_what_cannot_mask_a_permuted_row(overrides, messa
     )
 
 
+def test_mixed_chunks_are_refused_only_where_sglang_mixes_them():
+    """SGLang mixes decode rows into an extend only with chunked prefill on."""
+    from pcr_sglang.sglang_adapter.refusals import _recompute_flags
+
+    def verdict(**flags):
+        return _recompute_flags(SimpleNamespace(attention_backend="torch_native", enable_mixed_chunk=True, **flags))
+
+    assert "--enable-mixed-chunk" in verdict(chunked_prefill_size=8192)
+    assert "--enable-mixed-chunk" in verdict(chunked_prefill_size=None)  # SGLang picks a size
+    assert verdict(chunked_prefill_size=-1) is None
+
+
 def test_pipeline_parallelism_is_refused():
     """Every stage would share one namespace (one SSD directory and key), so a stage could
     read another stage's layers as its own (it was accepted)."""
