@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import requests
+
 from pcr_eval.ragbench.common import (
     Model,
     batch_pool_budgets,
@@ -52,8 +54,9 @@ class Sent:
     prompt_tokens: int
     cached_tokens: int
     cached_by_tier: dict[str, int]
-    cpu_s: float  # the server's processes, from send to reply (plus the settle time)
+    cpu_s: float  # the server's processes, from send to reply
     output_ids: list[int] = field(default_factory=list)
+    error: Optional[str] = None  # failed: left out of every figure, counted
 
     @property
     def uncached(self) -> int:
@@ -65,9 +68,10 @@ def summarize(runs: dict[str, list[Sent]], reference: str) -> list[dict[str, Any
     per request, the least-squares TTFT per uncached token and intercept, and against
     ``reference`` on the same requests: the median paired TTFT difference (all requests,
     and those computing as many tokens on both) and how many outputs are identical."""
-    by_rid = {s.rid: s for s in runs.get(reference, [])}
+    by_rid = {s.rid: s for s in runs.get(reference, []) if s.error is None}
     rows = []
-    for config, sent in runs.items():
+    for config, every in runs.items():
+        sent = [s for s in every if s.error is None]
         ttft = [s.ttft_ms for s in sent]
         xs = [float(s.uncached) for s in sent]
         slope = intercept = None
@@ -86,6 +90,7 @@ def summarize(runs: dict[str, list[Sent]], reference: str) -> list[dict[str, Any
             {
                 "config": config,
                 "requests": len(sent),
+                "failed": len(every) - len(sent),
                 "ttft_mean_ms": statistics.mean(ttft) if ttft else None,
                 "ttft_median_ms": statistics.median(ttft) if ttft else None,
                 "uncached_mean": statistics.mean(xs) if xs else None,
@@ -96,7 +101,9 @@ def summarize(runs: dict[str, list[Sent]], reference: str) -> list[dict[str, Any
                 "paired_median_diff_ms": statistics.median(a.ttft_ms - b.ttft_ms for a, b in pairs) if pairs else None,
                 "same_work_requests": len(same_work),
                 "same_work_median_diff_ms": statistics.median(same_work) if same_work else None,
-                "identical_outputs": sum(a.output_ids == b.output_ids for a, b in pairs),
+                "identical_outputs": (
+                    None if config == reference else sum(a.output_ids == b.output_ids for a, b in pairs)
+                ),
             }
         )
     return rows
@@ -117,8 +124,8 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], reference: st
         "",
         "| config | TTFT mean | TTFT median | uncached tokens, mean | reused by tier | ms per uncached token "
         f"| intercept | CPU s per request | vs {reference}: median paired TTFT difference "
-        "(all; same uncached tokens) | identical outputs |",
-        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: |",
+        "(all; same uncached tokens) | identical outputs | failed |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for r in rows:
         tiers = ", ".join(f"{t} {v:.0%}" for t, v in r["reused_by_tier"].items()) or "-"
@@ -128,8 +135,13 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], reference: st
             f"| {_fmt(r['intercept_ms'], '{:.0f} ms')} | {_fmt(r['cpu_s_per_request'], '{:.2f}')} "
             f"| {_fmt(r['paired_median_diff_ms'], '{:+.0f} ms')}; "
             f"{_fmt(r['same_work_median_diff_ms'], '{:+.0f} ms')} ({r['same_work_requests']} requests) "
-            f"| {r['identical_outputs']}/{r['requests']} |"
+            f"| {_fmt(r['identical_outputs'], '{}')}/{r['requests']} | {r['failed']} |"
         )
+    lines += [
+        "",
+        "The per-token line is a least-squares fit of TTFT against uncached prompt tokens over every request; CPU "
+        "seconds are the server's processes (scheduler, detokenizer, PCR's I/O process) from send to reply.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -208,12 +220,18 @@ def main(argv: list[str]) -> int:
                 for request in firsts:
                     ids, _bounds = model.prompt(trace, request, {})
                     before = _server_cpu_s(pid)
-                    reply = server.generate_stream(
-                        {
-                            "input_ids": list(ids),
-                            "sampling_params": {"temperature": 0.0, "max_new_tokens": request.max_new_tokens},
-                        }
-                    )
+                    try:
+                        reply = server.generate_stream(
+                            {
+                                "input_ids": list(ids),
+                                "sampling_params": {"temperature": 0.0, "max_new_tokens": request.max_new_tokens},
+                            }
+                        )
+                    except (requests.RequestException, ValueError) as e:
+                        sent.append(Sent(request.rid, math.nan, len(ids), 0, {}, 0.0, error=str(e)[:200]))
+                        logger.error("%s: request %s failed: %s", run.config, request.rid, e)
+                        continue
+                    cpu_s = _server_cpu_s(pid) - before
                     time.sleep(SETTLE_S)
                     meta = reply.final.get("meta_info", {})
                     sent.append(
@@ -223,7 +241,7 @@ def main(argv: list[str]) -> int:
                             prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
                             cached_tokens=int(meta.get("cached_tokens", 0)),
                             cached_by_tier=_cached_by_tier(meta),
-                            cpu_s=_server_cpu_s(pid) - before,
+                            cpu_s=cpu_s,
                             output_ids=list(reply.final.get("output_ids") or []),
                         )
                     )
@@ -250,4 +268,4 @@ def main(argv: list[str]) -> int:
     text = markdown(meta, rows, reference)
     (out_dir / "one_at_a_time.md").write_text(text)
     print(text)
-    return 0
+    return 0 if not any(s.error for sent in runs.values() for s in sent) else 1
