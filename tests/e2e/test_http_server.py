@@ -40,10 +40,13 @@ def servers(tiny_model, baseline_server):
         tiny_model, (*SMALL_POOL_ARGS, "--enable-pcr", "--pcr-debug-checks", "--pcr-chunk-size", str(CHUNK_SIZE))
     )
     # SGLang's own HiCache on CPU (our host-pool patch and kvcacheio stand-in): the
-    # benchmarks' baseline, checked here for correctness under the same small pool.
+    # benchmarks' baseline, checked here for correctness under the same small pool. Its
+    # host pool is sized by ratio (20x the device pool: the whole working set, a few MB),
+    # not by --hicache-size 1: SGLang refuses a host pool unless 10 GiB stay free beside
+    # it, and a 1 GB pool was refused while the e2e module running beside this one held memory.
     hicache = ServerProcess(
         tiny_model,
-        (*SMALL_POOL_ARGS, "--page-size", "16", "--enable-hierarchical-cache", "--hicache-size", "1"),
+        (*SMALL_POOL_ARGS, "--page-size", "16", "--enable-hierarchical-cache", "--hicache-ratio", "20"),
     )
     # The same small device pool with PCR's host tier behind it.
     pcr_dram = ServerProcess(
