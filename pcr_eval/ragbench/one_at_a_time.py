@@ -3,7 +3,8 @@
 Under load, TTFT mixes what a configuration costs each request with how requests queue and
 batch, and over 30 Poisson arrivals the second dominates (the headline's P99 is its slowest
 request). Sent one at a time, no request waits for another: each configuration's TTFT is
-its own work, paired request by request across configurations on the same prompts, beside
+its own work, paired request by request across configurations on the same prompts (all
+servers up at once, each request sent to each in turn), beside
 the CPU seconds its server's processes used (scheduler, detokenizer, PCR's I/O process).
 What a configuration loses under load that it does not lose here comes from queueing and
 batching, not from its per-request work.
@@ -120,7 +121,9 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], reference: st
         f"`{meta['command']}` on {meta['commit']}: {meta['machine']}, {meta['elapsed_s'] / 60:.1f} min.",
         "",
         f"- trace: {meta['trace']}; device pool {meta['pool_tokens']} tokens, the headline's budgets",
-        f"- each request sent after the previous reply (and {SETTLE_S:g} s): no queueing, no batching",
+        "- every server up at once; each request sent to each configuration in turn (the first rotating), after the "
+        f"previous reply and {SETTLE_S:g} s: no queueing, no batching, and a drift of the machine's speed falls on all "
+        "alike",
         "",
         "| config | TTFT mean | TTFT median | uncached tokens, mean | reused by tier | ms per uncached token "
         f"| intercept | CPU s per request | vs {reference}: median paired TTFT difference "
@@ -162,6 +165,32 @@ def _server_cpu_s(pid: int) -> float:
             continue
         total += times.user + times.system
     return total
+
+
+def _send(server: Any, request: Any, ids: list[int]) -> Sent:
+    """Send one request (greedy) and wait for its reply and for write-backs to settle."""
+    pid = server.pid
+    assert pid is not None, "the server was not started"
+    before = _server_cpu_s(pid)
+    try:
+        reply = server.generate_stream(
+            {"input_ids": list(ids), "sampling_params": {"temperature": 0.0, "max_new_tokens": request.max_new_tokens}}
+        )
+    except (requests.RequestException, ValueError) as e:
+        logger.error("request %s failed: %s", request.rid, e)
+        return Sent(request.rid, math.nan, len(ids), 0, {}, 0.0, error=str(e)[:200])
+    cpu_s = _server_cpu_s(pid) - before
+    time.sleep(SETTLE_S)
+    meta = reply.final.get("meta_info", {})
+    return Sent(
+        rid=request.rid,
+        ttft_ms=1000 * (reply.latency_s if math.isnan(reply.ttft_s) else reply.ttft_s),
+        prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        cached_by_tier=_cached_by_tier(meta),
+        cpu_s=cpu_s,
+        output_ids=list(reply.final.get("output_ids") or []),
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -209,46 +238,20 @@ def main(argv: list[str]) -> int:
         build_hicache_extension()
     firsts = sorted(trace.first_turns(), key=lambda r: r.arrival)
     planned = [plan_run(c, budgets, trace, 1.0, "one-at-a-time", fraction, work) for c in args.configs]
-    runs: dict[str, list[Sent]] = {}
+    runs: dict[str, list[Sent]] = {run.config: [] for run in planned}
     with ServerPool(model.path, [run.plan for run in planned]) as servers:
-        for index, run in enumerate(planned):
-            server, _ = servers.acquire(index)
-            pid = server.pid
-            assert pid is not None, "the server was not started"
-            sent: list[Sent] = []
-            try:
-                for request in firsts:
-                    ids, _bounds = model.prompt(trace, request, {})
-                    before = _server_cpu_s(pid)
-                    try:
-                        reply = server.generate_stream(
-                            {
-                                "input_ids": list(ids),
-                                "sampling_params": {"temperature": 0.0, "max_new_tokens": request.max_new_tokens},
-                            }
-                        )
-                    except (requests.RequestException, ValueError) as e:
-                        sent.append(Sent(request.rid, math.nan, len(ids), 0, {}, 0.0, error=str(e)[:200]))
-                        logger.error("%s: request %s failed: %s", run.config, request.rid, e)
-                        continue
-                    cpu_s = _server_cpu_s(pid) - before
-                    time.sleep(SETTLE_S)
-                    meta = reply.final.get("meta_info", {})
-                    sent.append(
-                        Sent(
-                            rid=request.rid,
-                            ttft_ms=1000 * (reply.latency_s if math.isnan(reply.ttft_s) else reply.ttft_s),
-                            prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
-                            cached_tokens=int(meta.get("cached_tokens", 0)),
-                            cached_by_tier=_cached_by_tier(meta),
-                            cpu_s=cpu_s,
-                            output_ids=list(reply.final.get("output_ids") or []),
-                        )
-                    )
-                    logger.info("%s: %d/%d", run.config, len(sent), len(firsts))
-            finally:
-                servers.release(index, server)
-            runs[run.config] = sent
+        # Every server up at once, each idle while another serves: request i goes to each
+        # configuration in turn, the first one rotating, so a drift of the machine's speed
+        # over the run falls on every configuration alike.
+        started_servers = [servers.acquire(index)[0] for index in range(len(planned))]
+        for i, request in enumerate(firsts):
+            ids, _bounds = model.prompt(trace, request, {})
+            for k in range(len(planned)):
+                index = (i + k) % len(planned)
+                runs[planned[index].config].append(_send(started_servers[index], request, ids))
+            logger.info("%d/%d requests sent to every configuration", i + 1, len(firsts))
+        for index, server in enumerate(started_servers):
+            servers.release(index, server)
     reference = args.configs[0]
     rows = summarize(runs, reference)
     meta = {
