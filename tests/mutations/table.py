@@ -1252,7 +1252,7 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="            if False:",
         tests=("tests/unit/sglang_adapter/test_prefix_cache_adapter.py",),
         k="waits_for_its_reads_in_the_queue",
-        claim="bench/README.md, headline: the anatomy table's requests held for their SSD reads and their mean wait",
+        claim="bench/README.md, the headline: requests held for their SSD reads and their mean wait",
         breaks="holds for SSD reads are not counted (held_requests, held_expired, held_ms stay 0)",
     ),
     Mutant(
