@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from pcr_sglang.flags import flag_value
 from pcr_sglang.install_check import check_sglang_install
@@ -301,7 +301,9 @@ def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **
     for req in fresh:
         if req._cache_breakdown_computed:
             cache.scheduler.admitted(req)
-    seq_lens = _host_seq_lens(batch)
+    from pcr_sglang.sglang_adapter.offloads import host_seq_lens
+
+    seq_lens = host_seq_lens(batch)
     if seq_lens is not None:
         cache.scheduler.plan_offloads(batch.reqs, seq_lens, cache.req_to_token_pool.req_to_token, decode=False)
     return result
@@ -314,32 +316,12 @@ def _plan_decode_offloads(result: Any, batch: Any, *args: Any, **kwargs: Any) ->
         # The batch decodes from now on: its extend's ForwardPlan (device copies included)
         # is not kept for as long as SGLang keeps the batch object.
         cache.scheduler.forward_plans.prepared(batch, None)
-    seq_lens = _host_seq_lens(batch) if cache is not None and batch.reqs else None
+    from pcr_sglang.sglang_adapter.offloads import host_seq_lens
+
+    seq_lens = host_seq_lens(batch) if cache is not None and batch.reqs else None
     if cache is not None and seq_lens is not None:
         cache.scheduler.plan_offloads(batch.reqs, seq_lens, cache.req_to_token_pool.req_to_token, decode=True)
     return result
-
-
-_warned_no_host_seq_lens = False
-
-
-def _host_seq_lens(batch: Any) -> Optional[list[int]]:
-    """The prepared batch's sequence lengths from SGLang's host copy (``seq_lens_cpu``), or
-    None where SGLang left it unset (its speculative path without verify sync, which PCR
-    refuses; older ROCm paths did too). Then no offload is planned for this forward: its
-    chunks enter the tree device-resident and reach host memory when evicted. Reading the
-    device tensor instead would make the scheduler thread wait for the GPU."""
-    global _warned_no_host_seq_lens
-    # mutant: offloads-read-seq-lens-from-the-device
-    if batch.seq_lens_cpu is not None:
-        return [int(n) for n in batch.seq_lens_cpu.tolist()]
-    if not _warned_no_host_seq_lens:
-        _warned_no_host_seq_lens = True
-        logger.warning(
-            "PCR: SGLang prepared a batch without seq_lens_cpu; its new chunks are not offloaded "
-            "during the forward (they reach host memory when evicted)"
-        )
-    return None
 
 
 def _around_run_batch(original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ plans copies on the transfer engine, and never calls back into the scheduler loo
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -17,6 +18,28 @@ from pcr_sglang.core.chunk_tree import ChunkNode
 from pcr_sglang.core.effects import Effects
 from pcr_sglang.core.residency import CacheState
 from pcr_sglang.sglang_adapter.requests import RequestRegistry
+
+logger = logging.getLogger(__name__)
+_warned_no_host_seq_lens = False
+
+
+def host_seq_lens(batch: Any) -> Optional[list[int]]:
+    """A prepared batch's sequence lengths from SGLang's host copy (``seq_lens_cpu``), or
+    None where SGLang left it unset (its speculative path without verify sync, which PCR
+    refuses; older ROCm paths did too). Then no offload is planned for this forward: its
+    chunks enter the tree device-resident and reach host memory when evicted. Reading the
+    device tensor instead would make the scheduler thread wait for the GPU."""
+    global _warned_no_host_seq_lens
+    # mutant: offloads-read-seq-lens-from-the-device
+    if batch.seq_lens_cpu is not None:
+        return [int(n) for n in batch.seq_lens_cpu.tolist()]
+    if not _warned_no_host_seq_lens:
+        _warned_no_host_seq_lens = True
+        logger.warning(
+            "PCR: SGLang prepared a batch without seq_lens_cpu; its new chunks are not offloaded "
+            "during the forward (they reach host memory when evicted)"
+        )
+    return None
 
 
 class Offloads:

@@ -1258,7 +1258,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="offloads-read-seq-lens-from-the-device",
         kind="unit",
-        file="pcr_sglang/plugin.py",
+        file="pcr_sglang/sglang_adapter/offloads.py",
         original="    if batch.seq_lens_cpu is not None:",
         replacement="    if True:",
         tests=("tests/unit/sglang_adapter/test_decode_offloads.py",),

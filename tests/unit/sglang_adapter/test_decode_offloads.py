@@ -254,6 +254,7 @@ def test_a_batch_without_host_sequence_lengths_plans_no_offload_and_never_reads_
     the plugin's prepare hooks then plan no offload for that forward (its chunks reach
     host memory when evicted) instead of failing or reading the device tensor."""
     from pcr_sglang import plugin
+    from pcr_sglang.sglang_adapter import offloads
 
     h = make(host_slots=16, pool=1024)
     batch = Batch(h)
@@ -268,8 +269,8 @@ def test_a_batch_without_host_sequence_lengths_plans_no_offload_and_never_reads_
             raise AssertionError("the device's sequence lengths were read in the scheduler step")
 
     prepared = SimpleNamespace(tree_cache=h.cache, reqs=[req], seq_lens_cpu=None, seq_lens=DeviceOnly())
-    monkeypatch.setattr(plugin, "_warned_no_host_seq_lens", False)
-    with caplog.at_level("WARNING", logger="pcr_sglang.plugin"):
+    monkeypatch.setattr(offloads, "_warned_no_host_seq_lens", False)
+    with caplog.at_level("WARNING", logger="pcr_sglang.sglang_adapter.offloads"):
         assert plugin._plan_decode_offloads("result", prepared) == "result"
     assert planned == []
     assert "without seq_lens_cpu" in caplog.text
