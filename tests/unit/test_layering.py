@@ -17,7 +17,8 @@
   it; no test imports a benchmark (``bench`` holds commands, the tests test the library);
 * no two modules of the evaluation, the tools or the benchmarks import each other, however
   lazily or through others (a circle made the questions workload and the accuracy
-  benchmark importable only in one order).
+  benchmark importable only in one order);
+* no module of the server package is over 400 lines.
 """
 
 from __future__ import annotations
@@ -270,3 +271,28 @@ def test_the_scheduler_loop_stays_a_loop():
     """A feature that lands in the loop instead of a collaborator shows up here first."""
     lines = (REPO / "pcr_sglang" / "sglang_adapter" / "scheduler_side.py").read_text(encoding="utf-8").count("\n")
     assert lines <= 300, f"scheduler_side.py has {lines} lines: give the new job a collaborator"
+
+
+MAX_LINES = 400  # a module longer than this (and so any class in it) does more than one job
+
+
+def oversized(package: Path) -> list[str]:
+    """Modules of ``package`` over :data:`MAX_LINES` lines."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").count("\n")
+        if lines > MAX_LINES:
+            found.append(f"{path.relative_to(package.parent)}: {lines} lines")
+    return found
+
+
+def test_no_module_of_the_server_package_is_over_400_lines():
+    assert oversized(REPO / "pcr_sglang") == []
+
+
+def test_the_size_rule_sees_a_long_module(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "short.py").write_text("x = 1\n" * MAX_LINES)
+    (package / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert oversized(package) == [f"pkg/long.py: {MAX_LINES + 1} lines"]
