@@ -130,7 +130,8 @@ def test_the_anatomy_fits_ttft_to_uncached_tokens_and_finds_the_slowest_requests
         queue_depth_mean=1.5,
         queue_depth_max=3.0,
         server_state={
-            "scheduler_step": {"pcr": {"p50_ms": 0.5, "p99_ms": 2.0}, "iteration": {"p50_ms": 40, "p99_ms": 90}}
+            "scheduler_step": {"pcr": {"p50_ms": 0.5, "p99_ms": 2.0}, "iteration": {"p50_ms": 40, "p99_ms": 90}},
+            "ssd": {"counters": {"hit_chunks": 9, "held_requests": 4, "held_expired": 1, "held_ms": 500}},
         },
     )
     row = anatomy(run, 0.6)
@@ -138,7 +139,8 @@ def test_the_anatomy_fits_ttft_to_uncached_tokens_and_finds_the_slowest_requests
     assert row["ms_per_uncached_token"] == pytest.approx(1.0) and row["intercept_ms"] == pytest.approx(50)
     assert row["slowest_wait_ms"] == pytest.approx(300)
     assert row["pcr_step_p99_ms"] == 2.0 and row["iteration_p50_ms"] == 40
-    assert "| 60% | pcr |" in anatomy_table([row])
+    text = anatomy_table([row])
+    assert "| 60% | pcr |" in text and "| 4 (1), 125 ms |" in text  # 4 held (1 ran out), 500 ms in all
 
 
 def _run_dir(tmp_path, name, rows, noise_f1=0.6, failed=()):
