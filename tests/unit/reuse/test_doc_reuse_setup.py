@@ -123,7 +123,7 @@ def test_recompute_needs_a_masking_backend_one_rank_and_a_probe_able_model():
     ids=["torch-native", "flashinfer", "tp2", "pdmux"],
 )
 def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows(
-    backend, tp_size, flags_problem, fills, caplog
+    backend, tp_size, flags_problem, fills, caplog, monkeypatch
 ):
     """``attach_doc_reuse`` for ``concat``: a document with no cached KV between reused
     ones is computed in place only where the attention takes a position-causal mask on
@@ -147,6 +147,10 @@ def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows
         executor=SimpleNamespace(free_private=lambda slots: None),
         engine=None,
     )
+    from pcr_sglang.reuse import setup
+
+    warmed = []  # the masked-extend warm-up is asked with the verdict on gaps
+    monkeypatch.setattr(setup, "warm_up_position_mask", lambda w, m, *, fill_gaps: warmed.append(fill_gaps))
     with caplog.at_level(logging.INFO, logger="pcr_sglang.reuse.setup"):
         docs = attach_doc_reuse(
             PCRConfig(enabled=True, doc_reuse="concat"),
@@ -158,7 +162,7 @@ def test_a_concat_server_fills_gaps_only_where_its_attention_takes_permuted_rows
             tp_size=tp_size,
             row_flags_problem=flags_problem,
         )
-    assert docs.fill_gaps is fills
+    assert docs.fill_gaps is fills and warmed == [fills]
     assert ("reuse stops at its first document that is not cached" in caplog.text) is not fills
 
 
