@@ -66,7 +66,7 @@ from pcr_eval.ragbench.common import (
     workload_params,
 )
 from pcr_eval.ragbench.operating_points import Capacity, run_all, saturate
-from pcr_eval.ragbench.report import build_report, percentile, write_report
+from pcr_eval.ragbench.report import build_report, least_squares, percentile, reuse_by_tier, write_report
 from pcr_eval.ragbench.runner import Budgets, RequestRecord, RunResult, ServerPool, plan_run
 from pcr_eval.ragbench.workload import Trace, make_trace, save_trace
 
@@ -84,6 +84,8 @@ VS_HICACHE_TARGET = 2.0
 # calibration holds for the model as SGLang resolved it (the fingerprint covers the resolved
 # config, context length included), so the calibrated configurations need this one.
 CALIBRATED_CONTEXT_LENGTH = 4096
+# Server budgets (the defaults of --batch-prompts, --host-fraction and --chunk-size).
+BATCH_PROMPTS, HOST_FRACTION, CHUNK_SIZE = 3, 0.25, 16
 
 
 @dataclass(frozen=True)
@@ -204,17 +206,7 @@ def anatomy(run: RunResult, load: float) -> dict[str, Any]:
     ys = [1000 * r.ttft_s for r in ok]
     slowest = max(ok, key=lambda r: r.ttft_s) if ok else None
     # The line is fitted to the other requests: the slowest one's wait is read against them.
-    others = [(x, y) for r, x, y in zip(ok, xs, ys) if r is not slowest]
-    slope = intercept = None
-    if len(others) >= 2 and len({x for x, _ in others}) > 1:
-        mx, my = statistics.mean(x for x, _ in others), statistics.mean(y for _, y in others)
-        slope = sum((x - mx) * (y - my) for x, y in others) / sum((x - mx) ** 2 for x, _ in others)
-        intercept = my - slope * mx
-    prompt = sum(r.prompt_tokens for r in ok)
-    tiers: dict[str, int] = {}
-    for r in ok:
-        for tier, tokens in r.cached_by_tier.items():
-            tiers[tier] = tiers.get(tier, 0) + tokens
+    slope, intercept = least_squares([(x, y) for r, x, y in zip(ok, xs, ys) if r is not slowest])
     row: dict[str, Any] = {
         "config": run.config,
         "load": load,
@@ -229,7 +221,7 @@ def anatomy(run: RunResult, load: float) -> dict[str, Any]:
             if slowest and slope is not None and intercept is not None
             else None
         ),
-        "reused_by_tier": {t: v / prompt for t, v in sorted(tiers.items())} if prompt else {},
+        "reused_by_tier": reuse_by_tier(ok),
         "queue_depth_mean": run.queue_depth_mean,
     }
     state = run.server_state or {}
@@ -505,6 +497,18 @@ def merge(run_dirs: Sequence[Path], out_dir: Path) -> int:
     return 0
 
 
+def headline_budgets(
+    model: Model, trace: Trace, batch_prompts: int, host_fraction: float, chunk_size: int
+) -> tuple[dict[str, int], Budgets, float]:
+    """The trace's shape and the servers' budgets: a device pool of ``batch_prompts`` of its
+    longest prompts, the same host memory and disk for every tiered configuration, and the
+    context length the committed calibration holds at. Also that pool as a fraction of the
+    working set."""
+    shape = trace_shape(trace, model, chunk_size)
+    budgets, fraction = batch_pool_budgets(shape, batch_prompts, host_fraction, chunk_size, model.kv_bytes_per_token())
+    return shape, replace(budgets, context_length=max(budgets.context_length, CALIBRATED_CONTEXT_LENGTH)), fraction
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--merge"]:
         end = argv.index("--out") if "--out" in argv else len(argv)
@@ -545,16 +549,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--batch-prompts",
         type=int,
-        default=3,
+        default=BATCH_PROMPTS,
         help="device pool in longest prompts (plus slack): how many requests can batch",
     )
     parser.add_argument(
         "--host-fraction",
         type=float,
-        default=0.25,
+        default=HOST_FRACTION,
         help="host memory (PCR and HiCache alike) as a fraction of the working set",
     )
-    parser.add_argument("--chunk-size", type=int, default=16, help="PCR chunk and HiCache page, in tokens")
+    parser.add_argument("--chunk-size", type=int, default=CHUNK_SIZE, help="PCR chunk and HiCache page, in tokens")
     parser.add_argument(
         "--capacity-rps",
         type=float,
@@ -588,11 +592,7 @@ def main(argv: list[str]) -> int:
     model = Model(str(build_smollm2(doc_reuse_tuned=True)))
     trace = make_trace(workload_params(args), count_tokens=model.count_tokens)
     save_trace(trace, out_dir / "trace.jsonl")
-    shape = trace_shape(trace, model, args.chunk_size)
-    budgets, fraction = batch_pool_budgets(
-        shape, args.batch_prompts, args.host_fraction, args.chunk_size, model.kv_bytes_per_token()
-    )
-    budgets = replace(budgets, context_length=max(budgets.context_length, CALIBRATED_CONTEXT_LENGTH))
+    shape, budgets, fraction = headline_budgets(model, trace, args.batch_prompts, args.host_fraction, args.chunk_size)
     pool_tokens = budgets.device_pool_tokens
     logger.info(
         "pool %d tokens; working set %d tokens (%.1fx the pool)",

@@ -22,7 +22,7 @@ import math
 import shlex
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -30,13 +30,12 @@ import requests
 
 from pcr_eval.ragbench.common import (
     Model,
-    batch_pool_budgets,
     config_list,
     machine,
-    trace_shape,
     workload_args,
     workload_params,
 )
+from pcr_eval.ragbench.report import least_squares, reuse_by_tier
 from pcr_eval.ragbench.runner import ServerPool, _cached_by_tier, plan_run
 from pcr_eval.ragbench.workload import make_trace
 
@@ -75,16 +74,7 @@ def summarize(runs: dict[str, list[Sent]], reference: str) -> list[dict[str, Any
         sent = [s for s in every if s.error is None]
         ttft = [s.ttft_ms for s in sent]
         xs = [float(s.uncached) for s in sent]
-        slope = intercept = None
-        if len(set(xs)) > 1:
-            mx, my = statistics.mean(xs), statistics.mean(ttft)
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ttft)) / sum((x - mx) ** 2 for x in xs)
-            intercept = my - slope * mx
-        prompt = sum(s.prompt_tokens for s in sent)
-        tiers: dict[str, int] = {}
-        for s in sent:
-            for tier, tokens in s.cached_by_tier.items():
-                tiers[tier] = tiers.get(tier, 0) + tokens
+        slope, intercept = least_squares(list(zip(xs, ttft)))
         pairs = [(s, by_rid[s.rid]) for s in sent if s.rid in by_rid]
         same_work = [a.ttft_ms - b.ttft_ms for a, b in pairs if a.uncached == b.uncached]
         rows.append(
@@ -95,7 +85,7 @@ def summarize(runs: dict[str, list[Sent]], reference: str) -> list[dict[str, Any
                 "ttft_mean_ms": statistics.mean(ttft) if ttft else None,
                 "ttft_median_ms": statistics.median(ttft) if ttft else None,
                 "uncached_mean": statistics.mean(xs) if xs else None,
-                "reused_by_tier": {t: v / prompt for t, v in sorted(tiers.items())} if prompt else {},
+                "reused_by_tier": reuse_by_tier(sent),
                 "cpu_s_per_request": statistics.mean(s.cpu_s for s in sent) if sent else None,
                 "ms_per_uncached_token": slope,
                 "intercept_ms": intercept,
@@ -221,7 +211,7 @@ def main(argv: list[str]) -> int:
         parser.error("--followups: first turns only (a follow-up holds each server's own earlier answers)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    from pcr_eval.ragbench.headline import CALIBRATED_CONTEXT_LENGTH, _commit
+    from pcr_eval.ragbench.headline import BATCH_PROMPTS, CHUNK_SIZE, HOST_FRACTION, _commit, headline_budgets
     from pcr_eval.ragbench.runner import build_hicache_extension
     from pcr_tools.models.smollm2 import build_smollm2
 
@@ -231,9 +221,7 @@ def main(argv: list[str]) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = Model(str(build_smollm2(doc_reuse_tuned=True)))
     trace = make_trace(workload_params(args), count_tokens=model.count_tokens)
-    shape = trace_shape(trace, model, 16)
-    budgets, fraction = batch_pool_budgets(shape, 3, 0.25, 16, model.kv_bytes_per_token())
-    budgets = replace(budgets, context_length=max(budgets.context_length, CALIBRATED_CONTEXT_LENGTH))
+    _shape, budgets, fraction = headline_budgets(model, trace, BATCH_PROMPTS, HOST_FRACTION, CHUNK_SIZE)
     if "hicache" in args.configs:
         build_hicache_extension()
     firsts = sorted(trace.first_turns(), key=lambda r: r.arrival)

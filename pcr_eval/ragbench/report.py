@@ -14,7 +14,7 @@ import math
 import statistics
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -37,6 +37,34 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def least_squares(points: Sequence[tuple[float, float]]) -> tuple[Optional[float], Optional[float]]:
+    """The least-squares line ``y = slope * x + intercept`` through ``points``: (slope,
+    intercept), or (None, None) where no line is defined (fewer than two distinct x)."""
+    if len({x for x, _ in points}) < 2:
+        return None, None
+    mx, my = statistics.mean(x for x, _ in points), statistics.mean(y for _, y in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return slope, my - slope * mx
+
+
+class Served(Protocol):
+    """A request as served: its prompt's tokens and its cached tokens by tier."""
+
+    prompt_tokens: int
+    cached_by_tier: dict[str, int]
+
+
+def reuse_by_tier(served: Iterable[Served]) -> dict[str, float]:
+    """Prompt tokens reused, by the tier they came from, as shares of all prompt tokens."""
+    prompt = 0
+    tiers: dict[str, int] = {}
+    for r in served:
+        prompt += r.prompt_tokens
+        for tier, tokens in r.cached_by_tier.items():
+            tiers[tier] = tiers.get(tier, 0) + tokens
+    return {t: v / prompt for t, v in sorted(tiers.items())} if prompt else {}
 
 
 def reuse_potential(records: Sequence[RequestRecord]) -> int:
@@ -69,10 +97,6 @@ def summarize(run: RunResult, oracle: Optional[RunResult]) -> dict[str, Any]:
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     potential = reuse_potential(ok)
-    tiers: dict[str, int] = {}
-    for r in ok:
-        for tier, tokens in r.cached_by_tier.items():
-            tiers[tier] = tiers.get(tier, 0) + tokens
     summary: dict[str, Any] = {
         "config": run.config,
         "rate": run.rate,
@@ -92,7 +116,7 @@ def summarize(run: RunResult, oracle: Optional[RunResult]) -> dict[str, Any]:
         "hit_ratio": cached / prompt if prompt else 0.0,
         "reuse_potential_tokens": potential,
         "reuse_vs_potential": cached / potential if potential else None,
-        "hit_ratio_by_tier": {t: v / prompt for t, v in sorted(tiers.items())} if prompt else {},
+        "hit_ratio_by_tier": reuse_by_tier(ok),
         "throughput_rps": len(ok) / run.makespan_s if run.makespan_s else 0.0,
         "output_tokens_per_s": sum(len(r.output_ids) for r in ok) / run.makespan_s if run.makespan_s else 0.0,
         "makespan_s": run.makespan_s,
