@@ -301,11 +301,7 @@ def _prepare_for_extend(original: Callable[..., Any], batch: Any, *args: Any, **
     for req in fresh:
         if req._cache_breakdown_computed:
             cache.scheduler.admitted(req)
-    from pcr_sglang.sglang_adapter.offloads import host_seq_lens
-
-    seq_lens = host_seq_lens(batch)
-    if seq_lens is not None:
-        cache.scheduler.plan_offloads(batch.reqs, seq_lens, cache.req_to_token_pool.req_to_token, decode=False)
+    _plan_offloads(cache, batch, decode=False)
     return result
 
 
@@ -316,12 +312,19 @@ def _plan_decode_offloads(result: Any, batch: Any, *args: Any, **kwargs: Any) ->
         # The batch decodes from now on: its extend's ForwardPlan (device copies included)
         # is not kept for as long as SGLang keeps the batch object.
         cache.scheduler.forward_plans.prepared(batch, None)
+    if cache is not None and batch.reqs:
+        _plan_offloads(cache, batch, decode=True)
+    return result
+
+
+def _plan_offloads(cache: Any, batch: Any, decode: bool) -> None:
+    """Host slots for the whole chunks ``batch``'s coming forward completes, from the batch's
+    sequence lengths on the host (none planned without them: ``offloads.host_seq_lens``)."""
     from pcr_sglang.sglang_adapter.offloads import host_seq_lens
 
-    seq_lens = host_seq_lens(batch) if cache is not None and batch.reqs else None
-    if cache is not None and seq_lens is not None:
-        cache.scheduler.plan_offloads(batch.reqs, seq_lens, cache.req_to_token_pool.req_to_token, decode=True)
-    return result
+    seq_lens = host_seq_lens(batch)
+    if seq_lens is not None:
+        cache.scheduler.plan_offloads(batch.reqs, seq_lens, cache.req_to_token_pool.req_to_token, decode=decode)
 
 
 def _around_run_batch(original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -29,11 +29,16 @@ def needs_position_mask(plan: ReusePlan) -> bool:
     return bool(plan.recompute_count or plan.gaps)
 
 
+def input_length(req: PcrReq) -> int:
+    """All of ``req``'s tokens so far (its prompt and what it generated): the most keys
+    its part of a mask can have, known before SGLang matches it."""
+    return len(req.origin_input_ids) + len(getattr(req, "output_ids", None) or ())
+
+
 def own_mask_bound(req: PcrReq, plan: ReusePlan) -> int:
     """The most bytes ``req``'s own part of the mask can take once ``plan`` is placed: its
     extend past the reused tokens over all its tokens (:func:`rows.row_mask_bound`)."""
-    total = len(req.origin_input_ids) + len(getattr(req, "output_ids", None) or ())
-    return row_mask_bound(plan.start + plan.prefix_tokens, total)
+    return row_mask_bound(plan.start + plan.prefix_tokens, input_length(req))
 
 
 def extend_bound(prefix: int, total: int, chunk: Optional[int]) -> int:

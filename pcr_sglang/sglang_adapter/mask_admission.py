@@ -10,9 +10,9 @@ forward with a permuted row takes one position mask over all its requests. So, a
 put on SGLang's object): before the call it counts the requests committed since it last
 looked and asks whether this one must wait for a later batch; it stays in the waiting
 queue, and the pass ends there (the batch is full for masks; nothing behind it goes first,
-so under SGLang's first-come order it is its batch's first soon). SGLang's mixed chunks (decode rows joining the
-extend, their parts unknown at admission) are refused with permuted rows instead
-(``refusals.permuted_row_flags``).
+so under SGLang's first-come order it is its batch's first soon). SGLang's mixed chunks
+(decode rows joining the extend, their parts unknown at admission) are refused with
+permuted rows instead (``refusals.permuted_row_flags``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
-from pcr_sglang.reuse.batch_mask import BatchMask, MaskCandidate, extend_bound, needs_position_mask, own_mask_bound
+from pcr_sglang.reuse.batch_mask import (
+    BatchMask,
+    MaskCandidate,
+    extend_bound,
+    input_length,
+    needs_position_mask,
+    own_mask_bound,
+)
 from pcr_sglang.reuse.disabled import NoDocReuse
 from pcr_sglang.reuse.doc_stats import DocReuseStats
 from pcr_sglang.reuse.seam import DocReuseSeam
@@ -49,8 +56,9 @@ class MaskAdmission:
         self._count(batch, adder)
         chunk = getattr(adder, "rem_chunk_tokens", None)
         if before_match:
-            total = len(req.origin_input_ids) + len(getattr(req, "output_ids", None) or ())
-            candidate = MaskCandidate(extend_bound(0, total, chunk), bool(self.docs.canonical_chain_keys(req)))
+            candidate = MaskCandidate(
+                extend_bound(0, input_length(req), chunk), bool(self.docs.canonical_chain_keys(req))
+            )
         else:
             total = len(req.full_untruncated_fill_ids)
             candidate = MaskCandidate(extend_bound(int(req.prefix_len), total, chunk), self._may_permute(req, budget))
