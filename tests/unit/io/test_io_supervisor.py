@@ -12,12 +12,12 @@ import msgspec
 import pytest
 
 from pcr_sglang.core.orders import DeleteChunk, IoOutcome, ReadChunk, Reorder, WriteChunk
-from pcr_sglang.io.protocol import IoProcessConfig
 from pcr_sglang.io.readers import BusyClock
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.tiers.host_pool import HostChunkPool
 from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
+from tests.unit.io_config import io_config
 
 LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=16)
 
@@ -32,19 +32,11 @@ def supervisor(tmp_path, request):
     pool = HostChunkPool(LAYOUT, pin=False)
     store = ChunkFileStore(tmp_path / "store", bytes(16), LAYOUT, "float32", 1 << 20, low_watermark_bytes=0)
     sup = IOSupervisor(
-        IoProcessConfig(
-            store_root=str(store.root),
-            namespace_hex=store.namespace.hex(),
-            dtype="float32",
-            num_slots=LAYOUT.num_slots,
-            num_layers=LAYOUT.num_layers,
-            chunk_size=LAYOUT.chunk_size,
-            row_bytes=LAYOUT.row_bytes,
-            reserve_bytes=0,
-            shm_name=pool.info().shm_name,
-            orders_endpoint="",
-            replies_endpoint="",
-            parent_pid=0,
+        io_config(
+            pool,
+            store.root,
+            store.namespace.hex(),
+            "float32",
             read_threads=read_threads,
         ),
         stall_timeout_s=0.5,

@@ -20,7 +20,7 @@ import zmq
 
 from pcr_sglang.core.orders import IoOutcome, ProbeRemote, ReadChunk, WriteChunk
 from pcr_sglang.io.process import MAX_HUNG_REMOTE_THREADS
-from pcr_sglang.io.protocol import Done, IoProcessConfig, Probed, RemoteStatus, reply_decoder
+from pcr_sglang.io.protocol import Done, Probed, RemoteStatus, reply_decoder
 from pcr_sglang.io.remote_thread import RemoteThread
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.tiers.host_pool import HostChunkPool
@@ -29,6 +29,7 @@ from pcr_sglang.tiers.records import RecordCodec
 from pcr_sglang.tiers.remote_store import ReadResult, RemoteChunkStore, RemoteConfig, load_fleet_key
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
 from pcr_tools.mooncake_services import MooncakeMaster, MooncakeStoreProcess, client_config, keygen
+from tests.unit.io_config import io_config
 
 LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=32)
 NAMESPACE = bytes(range(16))
@@ -194,19 +195,11 @@ def io_process(tmp_path, mooncake, request):
     pool = HostChunkPool(LAYOUT, pin=False)
     store = ChunkFileStore(tmp_path / "store", NAMESPACE, LAYOUT, "float32", 1 << 20, low_watermark_bytes=0)
     sup = IOSupervisor(
-        IoProcessConfig(
-            store_root=str(store.root),
-            namespace_hex=store.namespace.hex(),
-            dtype="float32",
-            num_slots=LAYOUT.num_slots,
-            num_layers=LAYOUT.num_layers,
-            chunk_size=LAYOUT.chunk_size,
-            row_bytes=LAYOUT.row_bytes,
-            reserve_bytes=0,
-            shm_name=pool.info().shm_name,
-            orders_endpoint="",
-            replies_endpoint="",
-            parent_pid=0,
+        io_config(
+            pool,
+            store.root,
+            store.namespace.hex(),
+            "float32",
             remote_config=remote_config(mooncake).to_json(),
             remote_call_timeout_s=deadline_s,
         ),

@@ -18,7 +18,6 @@ import torch
 from pcr_sglang.config import PCRConfig, PCRConfigError
 from pcr_sglang.core import CacheNamespace
 from pcr_sglang.core.orders import IoOutcome, WriteChunk
-from pcr_sglang.io.protocol import IoProcessConfig
 from pcr_sglang.io.supervisor import IOSupervisor
 from pcr_sglang.sglang_adapter.factory import build_ssd_store
 from pcr_sglang.tiers.host_pool import HostChunkPool
@@ -26,6 +25,7 @@ from pcr_sglang.tiers.layout import HostChunkLayout
 from pcr_sglang.tiers.records import HEADER_BYTES, read_full
 from pcr_sglang.tiers.ssd_store import ChunkFileStore
 from pcr_sglang.tiers.store_dir import KEY_FILE, SSDStoreError
+from tests.unit.io_config import io_config
 
 LAYOUT = HostChunkLayout(num_slots=4, num_layers=2, chunk_size=4, row_bytes=32)
 NS = bytes(range(16))
@@ -196,19 +196,11 @@ def test_the_io_process_holds_the_lease_while_it_lives(tmp_path):
     pool = HostChunkPool(LAYOUT, pin=False)
     store = make_store(tmp_path / "store")
     sup = IOSupervisor(
-        IoProcessConfig(
-            store_root=str(store.root),
-            namespace_hex=NS.hex(),
-            dtype="torch.float32",
-            num_slots=LAYOUT.num_slots,
-            num_layers=LAYOUT.num_layers,
-            chunk_size=LAYOUT.chunk_size,
-            row_bytes=LAYOUT.row_bytes,
-            reserve_bytes=0,
-            shm_name=pool.info().shm_name,
-            orders_endpoint="",
-            replies_endpoint="",
-            parent_pid=0,
+        io_config(
+            pool,
+            store.root,
+            NS.hex(),
+            "torch.float32",
             writer_slot=store.slot,
             lease_fd=store.lease_fd,
         )
@@ -240,19 +232,11 @@ def test_batch_durability_acknowledges_each_write_once_its_record_is_in_place(tm
     pool = HostChunkPool(LAYOUT, pin=False)
     store = make_store(tmp_path / "store", durability="batch")
     sup = IOSupervisor(
-        IoProcessConfig(
-            store_root=str(store.root),
-            namespace_hex=NS.hex(),
-            dtype="torch.float32",
-            num_slots=LAYOUT.num_slots,
-            num_layers=LAYOUT.num_layers,
-            chunk_size=LAYOUT.chunk_size,
-            row_bytes=LAYOUT.row_bytes,
-            reserve_bytes=0,
-            shm_name=pool.info().shm_name,
-            orders_endpoint="",
-            replies_endpoint="",
-            parent_pid=0,
+        io_config(
+            pool,
+            store.root,
+            NS.hex(),
+            "torch.float32",
             writer_slot=store.slot,
             lease_fd=store.lease_fd,
             durability="batch",
@@ -294,16 +278,11 @@ def test_batch_durability_never_acknowledges_a_write_whose_record_was_replaced(t
     pool = HostChunkPool(LAYOUT, pin=False)
     store = make_store(tmp_path / "store", durability="batch")
     proc = IoProcess(
-        IoProcessConfig(
-            store_root=str(store.root),
-            namespace_hex=NS.hex(),
-            dtype="torch.float32",
-            num_slots=LAYOUT.num_slots,
-            num_layers=LAYOUT.num_layers,
-            chunk_size=LAYOUT.chunk_size,
-            row_bytes=LAYOUT.row_bytes,
-            reserve_bytes=0,
-            shm_name=pool.info().shm_name,
+        io_config(
+            pool,
+            store.root,
+            NS.hex(),
+            "torch.float32",
             orders_endpoint=f"ipc://{tmp_path}/orders",
             replies_endpoint=f"ipc://{tmp_path}/replies",
             parent_pid=os.getpid(),
