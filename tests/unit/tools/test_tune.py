@@ -240,48 +240,34 @@ def test_the_gradient_reaches_every_documents_canonical_kv(tiny_model, tokenizer
     assert all(k.grad is not None and k.grad.abs().sum() > 0 and v.grad.abs().sum() > 0 for k, v in kept)
 
 
-@pytest.fixture(scope="module")
-def tiny_adapter(tiny_model, tmp_path_factory):
+def tiny_training(base_model: str, out_dir, **params):
+    """A training run small enough for a unit test on the tiny model (a few samples, three
+    documents a question, one warm-up step); ``params`` set the rest of :class:`TuneParams`."""
     from pcr_tools.tune.train import TuneParams, train
 
+    settings = dict(grad_accum=2, lr=3e-3, warmup_steps=1, max_documents=3)
+    return train(TuneParams(base_model=base_model, out_dir=str(out_dir), **{**settings, **params}))
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-adapter")
-    result = train(
-        TuneParams(
-            base_model=tiny_model,
-            out_dir=str(out),
-            samples=8,
-            grad_accum=2,
-            lr=3e-3,
-            warmup_steps=1,
-            answer_tokens=6,
-            validation_questions=2,
-            max_documents=3,
-            log_every=2,
-        )
-    )
+    result = tiny_training(tiny_model, out, samples=8, answer_tokens=6, validation_questions=2, log_every=2)
     return out, result
 
 
 def test_a_run_on_gold_answers_alone_logs_its_own_curve(tiny_model, tmp_path):
     """With every sample on a gold answer there is no distillation KL to log: the gold
     cross-entropy still gets its curve, one point per interval."""
-    from pcr_tools.tune.train import TuneParams, train
-
-    result = train(
-        TuneParams(
-            base_model=tiny_model,
-            out_dir=str(tmp_path),
-            samples=4,
-            grad_accum=2,
-            lr=3e-3,
-            warmup_steps=1,
-            answer_tokens=4,
-            validation_questions=1,
-            max_documents=3,
-            log_every=2,
-            gold_share=1.0,
-            gold_kinds="lead,needle,two_hop",
-        )
+    result = tiny_training(
+        tiny_model,
+        tmp_path,
+        samples=4,
+        answer_tokens=4,
+        validation_questions=1,
+        log_every=2,
+        gold_share=1.0,
+        gold_kinds="lead,needle,two_hop",
     )
     assert result.loss_curve == [] and [n for n, _ in result.gold_curve] == [2, 4]
 
@@ -311,23 +297,15 @@ def losses_seen(monkeypatch):
 def test_gold_kinds_keep_the_gold_loss_to_those_kinds_questions(tiny_model, tmp_path, losses_seen):
     """``gold_kinds="lead"`` with every sample drawn for gold: the lead questions train on
     their gold reply, the needle and two-hop questions are distilled (the kinds come in turn)."""
-    from pcr_tools.tune.train import TuneParams, train
-
-    result = train(
-        TuneParams(
-            base_model=tiny_model,
-            out_dir=str(tmp_path),
-            samples=6,
-            grad_accum=2,
-            lr=3e-3,
-            warmup_steps=1,
-            answer_tokens=4,
-            validation_questions=0,
-            max_documents=3,
-            log_every=3,
-            gold_share=1.0,
-            gold_kinds="lead",
-        )
+    result = tiny_training(
+        tiny_model,
+        tmp_path,
+        samples=6,
+        answer_tokens=4,
+        validation_questions=0,
+        log_every=3,
+        gold_share=1.0,
+        gold_kinds="lead",
     )
     assert losses_seen["gold"] == ["lead", "lead"]
     assert losses_seen["distilled"] == ["needle", "two_hop", "needle", "two_hop"]
@@ -336,23 +314,16 @@ def test_gold_kinds_keep_the_gold_loss_to_those_kinds_questions(tiny_model, tmp_
 
 
 def test_no_gold_share_means_no_gold_sample_whatever_the_kinds(tiny_model, tmp_path, losses_seen):
-    from pcr_tools.tune.train import TuneParams, train
-
-    result = train(
-        TuneParams(
-            base_model=tiny_model,
-            out_dir=str(tmp_path),
-            samples=3,
-            grad_accum=3,
-            lr=3e-3,
-            warmup_steps=1,
-            answer_tokens=4,
-            validation_questions=0,
-            max_documents=3,
-            log_every=3,
-            gold_share=0.0,
-            gold_kinds="lead",
-        )
+    result = tiny_training(
+        tiny_model,
+        tmp_path,
+        samples=3,
+        grad_accum=3,
+        answer_tokens=4,
+        validation_questions=0,
+        log_every=3,
+        gold_share=0.0,
+        gold_kinds="lead",
     )
     assert losses_seen["gold"] == [] and result.gold_curve == [] and [n for n, _ in result.loss_curve] == [3]
     assert losses_seen["distilled"] == ["lead", "needle", "two_hop"]
