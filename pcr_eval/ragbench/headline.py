@@ -497,16 +497,36 @@ def merge(run_dirs: Sequence[Path], out_dir: Path) -> int:
     return 0
 
 
-def headline_budgets(
-    model: Model, trace: Trace, batch_prompts: int, host_fraction: float, chunk_size: int
-) -> tuple[dict[str, int], Budgets, float]:
-    """The trace's shape and the servers' budgets: a device pool of ``batch_prompts`` of its
-    longest prompts, the same host memory and disk for every tiered configuration, and the
-    context length the committed calibration holds at. Also that pool as a fraction of the
-    working set."""
+@dataclass(frozen=True)
+class HeadlineSetup:
+    """What the headline's runs serve: the tuned model, the trace, its shape (token counts)
+    and the servers' budgets, with the device pool as a fraction of the working set."""
+
+    model: Model
+    trace: Trace
+    shape: dict[str, int]
+    budgets: Budgets
+    pool_fraction: float
+
+
+def headline_setup(
+    args: argparse.Namespace,
+    batch_prompts: int = BATCH_PROMPTS,
+    host_fraction: float = HOST_FRACTION,
+    chunk_size: int = CHUNK_SIZE,
+) -> HeadlineSetup:
+    """The document-reuse tuned SmolLM2, the trace of the workload arguments ``args``, and
+    the budgets: a device pool of ``batch_prompts`` of its longest prompts, the same host
+    memory and disk for every tiered configuration, the context length the committed
+    calibration holds at."""
+    from pcr_tools.models.smollm2 import build_smollm2
+
+    model = Model(str(build_smollm2(doc_reuse_tuned=True)))
+    trace = make_trace(workload_params(args), count_tokens=model.count_tokens)
     shape = trace_shape(trace, model, chunk_size)
     budgets, fraction = batch_pool_budgets(shape, batch_prompts, host_fraction, chunk_size, model.kv_bytes_per_token())
-    return shape, replace(budgets, context_length=max(budgets.context_length, CALIBRATED_CONTEXT_LENGTH)), fraction
+    budgets = replace(budgets, context_length=max(budgets.context_length, CALIBRATED_CONTEXT_LENGTH))
+    return HeadlineSetup(model, trace, shape, budgets, fraction)
 
 
 def main(argv: list[str]) -> int:
@@ -583,16 +603,14 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     from pcr_eval.ragbench.runner import build_hicache_extension
-    from pcr_tools.models.smollm2 import build_smollm2
 
     started = time.monotonic()
     out_dir: Path = args.out
     work = out_dir / "runs"
     work.mkdir(parents=True, exist_ok=True)
-    model = Model(str(build_smollm2(doc_reuse_tuned=True)))
-    trace = make_trace(workload_params(args), count_tokens=model.count_tokens)
+    setup = headline_setup(args, args.batch_prompts, args.host_fraction, args.chunk_size)
+    model, trace, shape, budgets, fraction = setup.model, setup.trace, setup.shape, setup.budgets, setup.pool_fraction
     save_trace(trace, out_dir / "trace.jsonl")
-    shape, budgets, fraction = headline_budgets(model, trace, args.batch_prompts, args.host_fraction, args.chunk_size)
     pool_tokens = budgets.device_pool_tokens
     logger.info(
         "pool %d tokens; working set %d tokens (%.1fx the pool)",

@@ -29,15 +29,12 @@ from typing import Any, Optional, Sequence
 import requests
 
 from pcr_eval.ragbench.common import (
-    Model,
     config_list,
     machine,
     workload_args,
-    workload_params,
 )
 from pcr_eval.ragbench.report import least_squares, reuse_by_tier
 from pcr_eval.ragbench.runner import ServerPool, _cached_by_tier, plan_run
-from pcr_eval.ragbench.workload import make_trace
 
 logger = logging.getLogger(__name__)
 
@@ -211,21 +208,19 @@ def main(argv: list[str]) -> int:
         parser.error("--followups: first turns only (a follow-up holds each server's own earlier answers)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    from pcr_eval.ragbench.headline import BATCH_PROMPTS, CHUNK_SIZE, HOST_FRACTION, _commit, headline_budgets
+    from pcr_eval.ragbench.headline import _commit, headline_setup
     from pcr_eval.ragbench.runner import build_hicache_extension
-    from pcr_tools.models.smollm2 import build_smollm2
 
     started = time.monotonic()
     out_dir: Path = args.out
     work = out_dir / "runs"
     work.mkdir(parents=True, exist_ok=True)
-    model = Model(str(build_smollm2(doc_reuse_tuned=True)))
-    trace = make_trace(workload_params(args), count_tokens=model.count_tokens)
-    _shape, budgets, fraction = headline_budgets(model, trace, BATCH_PROMPTS, HOST_FRACTION, CHUNK_SIZE)
+    setup = headline_setup(args)
+    model, trace, budgets = setup.model, setup.trace, setup.budgets
     if "hicache" in args.configs:
         build_hicache_extension()
     firsts = sorted(trace.first_turns(), key=lambda r: r.arrival)
-    planned = [plan_run(c, budgets, trace, 1.0, "one-at-a-time", fraction, work) for c in args.configs]
+    planned = [plan_run(c, budgets, trace, 1.0, "one-at-a-time", setup.pool_fraction, work) for c in args.configs]
     runs: dict[str, list[Sent]] = {run.config: [] for run in planned}
     with ServerPool(model.path, [run.plan for run in planned]) as servers:
         # Every server up at once, each idle while another serves: request i goes to each
