@@ -255,7 +255,8 @@ def _add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any,
     """A request that could take its batch's position mask past ``--pcr-position-mask-mb``
     (``sglang_adapter/mask_admission``) ends this pass: the batch is full for masks, and
     nothing behind it in the queue goes first (so it cannot starve). A request waiting for
-    its SSD reads is not admitted this pass, and the adder goes on to the next one."""
+    its SSD reads is not admitted this pass, and the adder goes on to the next one. With
+    others in the batch or running, a request's documents may wait for device room."""
     cache = _pcr_cache(adder)
     if cache is None:
         return original(adder, req, *args, **kwargs)
@@ -264,7 +265,10 @@ def _add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any,
         return _batch_full()
     if not cache.scheduler.admission.admit_now(req):
         return adder.budget_state()
-    return original(adder, req, *args, **kwargs)
+    running = getattr(adder, "running_batch", None)
+    others = bool(adder.can_run_list) or (running is not None and not running.is_empty())
+    with cache.scheduler.admission.adding(others_in_flight=others):
+        return original(adder, req, *args, **kwargs)
 
 
 def _batch_full() -> Any:

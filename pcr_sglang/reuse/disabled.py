@@ -56,6 +56,9 @@ class NoDocReuse:
     def place(self, req: PcrReq, prefix_node: ChunkNode, slots: Optional[torch.Tensor]) -> bool:
         return False
 
+    def defer(self, rid: str) -> None:
+        return None
+
     def fence_after_forward(self) -> bool:
         return False
 

@@ -25,6 +25,7 @@ class DocReuseStats:
     tokens_recomputed: int = 0  # re-placed tokens recomputed instead (lego, blend)
     gap_tokens: int = 0  # tokens between reused documents with no cached KV, computed in place
     load_failures: int = 0  # planned but not loadable at admission (recomputed)
+    load_deferred: int = 0  # admission passes a planned load waited for device room (others in flight)
     # Recomputed at admission, before anything was copied, because serving the reuse could
     # need more scratch than reserved: blend's probe (--pcr-blend-probe-mb) or the
     # permuted row's position mask (--pcr-position-mask-mb).

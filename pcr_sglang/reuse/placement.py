@@ -6,14 +6,11 @@ it carries a host hit, so its admission budget, locks and row writing apply unch
 The adapter asks in this order (the protocol is :class:`~pcr_sglang.reuse.seam.SchedulerDocReuse`,
 in the manner of vLLM's scheduler-side KV connector: the scheduler allocates, the connector fills):
 
-* :meth:`DocReuse.plan` (from ``match_prefix``, only looking): past the exact prefix, the
-  documents whose canonical chain ``S ‖ d ‖ pad`` is in device or host memory; their
-  tokens are reported as part of ``host_hit_length``;
+* :meth:`DocReuse.plan` (from ``match_prefix``, only looking): past the exact prefix, the documents
+  whose canonical chain ``S ‖ d ‖ pad`` is in device or host memory, reported in ``host_hit_length``;
 * :meth:`DocReuse.load` (from ``init_load_back``, under the adder's budget): what admission
-  must provide first, as data (:class:`~pcr_sglang.reuse.seam.DocLoad`): the chains,
-  locked while they are loaded and copied from, their host chunks loaded into the tree like
-  any host hit, fresh device slots for the copy, and the copy's fence where it runs at
-  admission;
+  provides first (:class:`~pcr_sglang.reuse.seam.DocLoad`): the chains locked and on the
+  device, fresh slots for the copy, its fence; no room yet: :meth:`DocReuse.defer`;
 * :meth:`DocReuse.place`: each document's KV copied into those slots, the request's own, K
   rotated by the position delta (:mod:`pcr_sglang.reuse.doc_copy`): with a transfer engine,
   layer by layer with the chains' loads, before the forward reads each layer
@@ -21,18 +18,16 @@ in the manner of vLLM's scheduler-side KV connector: the scheduler allocates, th
   request keeps (``blend`` rotates the first layers of every candidate first, those its
   selector's probe reads: 0-1, 0-2 for ``gradual``, 0-4 for ``prophet``);
 * ``prefix_device_indices`` appends those private slots to the tree path, so
-  ``alloc_for_extend`` writes them into the request's row; from then on they are the
-  request's, freed with its row like any slot past ``cache_protected_len``
-  (:meth:`DocReuse.written_into_row`; :meth:`DocReuse.release` when it leaves);
+  ``alloc_for_extend`` writes them into the request's row, which frees them like any slot
+  past ``cache_protected_len`` (:meth:`DocReuse.written_into_row`, :meth:`DocReuse.release`);
 * checkpoints stop at the plan's ``exact_end``: blended KV never enters the tree;
 * recompute modes (``lego``, ``blend``) keep only part of the re-placed tokens: the
   recomputed ones' slots are freed at admission, and they are extended at their true
   positions behind the kept ones (:class:`pcr_sglang.reuse.plan.RowOrder`,
   :mod:`pcr_sglang.reuse.rows`); ``blend`` picks them with its probe
   (:mod:`pcr_sglang.reuse.blend_select`);
-* with ``fill_gaps`` (every mode where the attention takes permuted rows), a document that
-  is not cached, between reused ones, is extended in place the same way, and the
-  documents after it are still reused.
+* with ``fill_gaps`` (every mode where the attention takes permuted rows), a document not
+  cached, between reused ones, is extended in place the same way; those after it are reused.
 
 The cache state still owns every tree chunk: this module reads residency and frees only
 its private slots; admission locks, loads, evicts and allocates.
@@ -118,8 +113,7 @@ class DocReuse:
         self.calibration: dict[str, Any] = {"file": None, "measured": False}
         # What a calibration of this server must have been measured under (reuse.setup).
         self.conditions: Optional[CalibrationConditions] = None
-        # Compute a document that is not cached in place and go on reusing the ones after
-        # it (a permuted row, as recompute has): needs the position-causal attention.
+        # Compute an uncached document in place, reusing those after it (a permuted row).
         self.fill_gaps = fill_gaps or recompute.mode in RECOMPUTE_MODES
         self.probe = probe  # blend's selection (built for the recompute modes)
         self.chunk = chunk_size
@@ -127,8 +121,7 @@ class DocReuse:
         self.rope = rope
         self.keyer = keyer  # the server's one key derivation (the scheduler side's)
         self.free_slots = free_slots
-        # Re-placements go through the transfer engine where there is one (layer by layer
-        # with the loads); without one (no host tier) they run at admission, fenced.
+        # Re-placed layer by layer with the loads by a transfer engine; without one, at admission.
         self.engine = engine
         self.limits = limits  # the server's --pcr-doc-max-documents / --pcr-doc-min-tokens
         # SGLang's forward stream (CUDA): without an engine, a copy is ordered after the
@@ -290,9 +283,7 @@ class DocReuse:
         try:
             placed = self.copier.place(req, entry.plan, entry.chains, prefix_node, slots)
         except Exception:  # noqa: BLE001 - a failed copy or probe recomputes the request, never loses slots
-            logger.exception(
-                "PCR document reuse: re-placing request %s's documents failed; they are recomputed", req.rid
-            )
+            logger.exception("PCR document reuse: re-placing request %s's documents failed; recomputed", req.rid)
             self.free_slots(slots)
             entry.row = None
             return self._failed(entry)
@@ -326,6 +317,14 @@ class DocReuse:
                 self.stats.probe_over_budget += 1
                 return str(e)
         return None
+
+    def defer(self, rid: str) -> None:
+        """No device room for ``rid``'s planned load this pass: it waits for the next one
+        (others in flight free some), counted, and is planned again at its next match."""
+        entry = self._requests.get(rid)
+        if entry is not None and entry.plan is not None:
+            self.stats.load_deferred += 1
+            entry.plan = entry.row = None
 
     def _failed(self, entry: _Planned) -> bool:
         self.stats.load_failures += 1

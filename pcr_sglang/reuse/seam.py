@@ -87,6 +87,10 @@ class SchedulerDocReuse(Protocol):
         None where admission could not provide them), past ``prefix_node`` (the end of the
         exact prefix, on the device). All or nothing: True when the request's reuse is loaded."""
 
+    def defer(self, rid: str) -> None:
+        """``rid``'s planned load found no device room this pass and waits for the next
+        (counted): it is matched and planned again then."""
+
     def fence_after_forward(self) -> bool:
         """Order a copy on the current stream after the forward in flight; False when that
         stream is unknown (the caller waits for the device)."""

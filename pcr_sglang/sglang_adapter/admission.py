@@ -5,7 +5,10 @@
   what recomputing them costs, in the queue, never in the scheduler); the verdicts (hold,
   read or recompute, by the request's explicit phase) are core's (:mod:`pcr_sglang.core.admission`).
 * :meth:`Admission.load_back` (``init_load_back``) copies the host part of an admitted
-  request's chain to the device, then the documents it reuses.
+  request's chain to the device, then the documents it reuses. Where the documents find no
+  device room while other requests are in flight (:meth:`Admission.adding`), the request
+  waits for a later pass (SGLang's "retry admission"), up to ``MAX_ROOM_WAITS`` passes,
+  instead of recomputing all it planned to reuse; alone, it is recomputed.
 * :meth:`Admission.admitted` counts its hits once, by tier, and folds it into the digest
   the TP ranks compare.
 
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -38,6 +42,11 @@ from pcr_sglang.sglang_adapter.remote_probes import NoRemoteProbes, RemoteProbes
 from pcr_sglang.sglang_adapter.request_keys import RequestKeys
 from pcr_sglang.sglang_adapter.requests import RequestRegistry, RequestState
 from pcr_sglang.sglang_adapter.step_agreement import StepAgreement
+
+# Admission passes a request whose documents find no device room waits for others in flight
+# to free some, before it is recomputed instead (a bound: under a policy that lets later
+# requests go first, room could be taken again and again).
+MAX_ROOM_WAITS = 64
 
 
 class Admission:
@@ -67,6 +76,18 @@ class Admission:
         self.tensor_parallel = tensor_parallel
         self.digest = 0  # of (rid, prefix length) of every admitted request (compared across TP ranks)
         self.last_load_private = False  # the last load_back gave the request private slots
+        self._others_in_flight = False  # within ``adding``: the batch being formed or the running one has requests
+
+    @contextmanager
+    def adding(self, others_in_flight: bool) -> Iterator[None]:
+        """Around SGLang's ``add_one_req``: whether other requests, already in the batch being
+        formed or running, will free device memory, so a request whose documents find no
+        room now can wait for a later pass instead of recomputing them."""
+        self._others_in_flight = others_in_flight
+        try:
+            yield
+        finally:
+            self._others_in_flight = False
 
     # ------------------------------------------------------------------ the gate
     def admit_now(self, req: PcrReq) -> bool:
@@ -171,11 +192,12 @@ class Admission:
         return entry
 
     # ------------------------------------------------------------------ loads
-    def load_back(self, req: PcrReq, host_node: ChunkNode, host_hit_length: int) -> tuple[int, Any]:
+    def load_back(self, req: PcrReq, host_node: ChunkNode, host_hit_length: int) -> Optional[tuple[int, Any]]:
         """``init_load_back``: copy the host-resident chunks between the request's device
         prefix and ``host_node`` to fresh device slots, then the documents it reuses (if
         :meth:`DocReuse.plan` found any) to slots of its own. All or nothing: returns the
-        tokens the request's prefix grew by (SGLang refuses a partial load), or 0."""
+        tokens the request's prefix grew by (SGLang refuses a partial load), or 0; None
+        when the documents wait for device room (SGLang admits it at a later pass)."""
         self.last_load_private = False
         device_node = req.last_node
         plan = self.docs.planned(req.rid)
@@ -196,6 +218,8 @@ class Admission:
                 loaded = self._load_documents(req, host_node)
             finally:
                 self.state.unlock(host_node)
+            if loaded is None:
+                return None  # a later pass; the exact host part stays in the tree
             if not loaded:
                 return 0, device_node  # the exact host part stays in the tree; all is recomputed
             # The tree owns the exact prefix; the private slots past it are the request's.
@@ -203,21 +227,37 @@ class Admission:
             self.last_load_private = True
         return host_hit_length, host_node
 
-    def _load_documents(self, req: PcrReq, host_node: ChunkNode) -> bool:
+    def _load_documents(self, req: PcrReq, host_node: ChunkNode) -> Optional[bool]:
         """The documents' part of ``load_back``, as document reuse asks for it (a
         :class:`~pcr_sglang.reuse.seam.DocLoad`): their chains locked while they are loaded
         and copied from, then the copy placed past ``host_node`` into the slots
-        :meth:`_doc_slots` provides. All or nothing."""
+        :meth:`_doc_slots` provides. All or nothing; None: no room yet, and it waits."""
         load = self.docs.load(req)
         if load is None:
             return False  # refused before anything ran, or a chain left memory
         for node in load.ends:
             self.state.lock(node)
         try:
-            return self.docs.place(req, host_node, self._doc_slots(load))
+            slots = self._doc_slots(load)
+            if slots is None and self._waits_for_room(req.rid):
+                self.docs.defer(req.rid)
+                return None
+            return self.docs.place(req, host_node, slots)
         finally:
             for node in load.ends:
                 self.state.unlock(node)
+
+    def _waits_for_room(self, rid: str) -> bool:
+        """Whether a request whose documents found no device room waits for a later pass:
+        while others in flight will free some, at most ``MAX_ROOM_WAITS`` passes."""
+        # mutant: documents-without-room-recomputed-beside-others
+        if not self._others_in_flight:
+            return False
+        entry = self.requests.get(rid)
+        if entry.room_waits >= MAX_ROOM_WAITS:
+            return False
+        entry.room_waits += 1
+        return True
 
     def _doc_slots(self, load: DocLoad) -> Optional[torch.Tensor]:
         """Fresh device slots for ``load``'s copy, its chains on the device first and the

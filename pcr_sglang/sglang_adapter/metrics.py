@@ -84,6 +84,7 @@ METRICS = (
         "position (tokens_rotated), re-placed tokens recomputed instead (tokens_recomputed: "
         "lego, blend), tokens between reused documents with no cached KV, computed in place "
         "(gap_tokens), planned reuse not loadable at admission (load_failures), "
+        "admission passes a planned load waited for device room while other requests ran (load_deferred), "
         "requests recomputed at admission because blend's probe or the permuted row's position mask "
         "could need more than reserved (probe_over_budget, mask_over_budget), "
         "admission passes a request waited because its batch's position mask could exceed it (mask_batch_held), "

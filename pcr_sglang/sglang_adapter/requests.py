@@ -25,6 +25,7 @@ class RequestState:
     deadline: float = 0.0  # HOLDING: local clock, past which this rank no longer wants to wait
     held_since: float = 0.0  # HOLDING: local clock when the hold began (its wait is counted at admission)
     timeliness: Optional[Timeliness] = None  # taken at its first consideration, counted when it is admitted
+    room_waits: int = 0  # admission passes its documents' load waited for device room
 
 
 class RequestRegistry:

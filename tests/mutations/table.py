@@ -119,6 +119,19 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/testing.md, Watched go red: the idle drain waiting for an empty server",
         breaks="idle warm-ups run while requests are in flight",
     ),
+    Mutant(
+        name="documents-without-room-recomputed-beside-others",
+        kind="unit",
+        file="pcr_sglang/sglang_adapter/admission.py",
+        original="if not self._others_in_flight:",
+        replacement="if True:",
+        tests=(
+            UNIT + "reuse/test_doc_reuse_admission.py::"
+            "test_without_room_beside_requests_in_flight_the_documents_wait_for_a_later_pass",
+        ),
+        claim="docs/document-reuse.md: documents without device room wait beside requests in flight",
+        breaks="a request whose documents find no room is recomputed whole while others would free room",
+    ),
     # ---------------------------------------------------------------- README: Look-ahead retrieval and KV hints
     Mutant(
         name="hint-only-request-skips-document-chains",

@@ -95,8 +95,9 @@ class Harness:
     def request(self, tokens: list[int], rid: str = "r") -> FakeReq:
         return FakeReq(rid, array("q", tokens))
 
-    def admit(self, req: FakeReq) -> tuple[int, int]:
-        """Match, then admit as ``PrefillAdder.add_one_req`` does; returns (device, host) tokens reused."""
+    def admit(self, req: FakeReq) -> tuple[int, Optional[int]]:
+        """Match, then admit as ``PrefillAdder.add_one_req`` does; returns (device, host) tokens
+        reused (host None: the load asked SGLang to retry admission at a later pass)."""
         tokens = list(req.origin_input_ids)
         match = self.match(tokens, req)
         req.prefix_len, req.last_node = match.device_prefix_len, match.last_device_node
@@ -104,11 +105,14 @@ class Harness:
         self.cache.inc_lock_ref(req.last_node)  # the adder's temporary pin
         try:
             if match.host_hit_length:
-                loaded, node = self.cache.init_load_back(
+                result = self.cache.init_load_back(
                     InitLoadBackParams(
                         best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req
                     )
                 )
+                if result is None:
+                    return device, None
+                loaded, node = result
                 if loaded:
                     req.last_node = node
         finally:

@@ -198,3 +198,43 @@ def test_without_room_for_the_documents_admission_places_nothing_and_it_is_count
     finally:
         h.allocator.free(held)
     h.check()
+
+
+def test_without_room_beside_requests_in_flight_the_documents_wait_for_a_later_pass(make):
+    """With other requests in the batch or running (``Admission.adding``), no room for the
+    copy asks SGLang to retry admission instead of recomputing every planned token: nothing
+    is kept or locked, it is counted, and once room is freed the next pass reuses them."""
+    h = make()
+    docs = _with_docs(h)
+    tokens, req, chain_b = _two_documents(h)
+    held = h.allocator.alloc(h.allocator.available_size() - 5)  # room for 5 of the 6 tokens
+    try:
+        with h.scheduler.admission.adding(others_in_flight=True):
+            assert h.admit(req) == (12, None)
+        assert docs.stats.load_deferred == 1 and docs.stats.load_failures == 0
+        assert docs.private_slots(req.rid) is None and all(n.lock_ref == 0 for n in chain_b)
+    finally:
+        h.allocator.free(held)  # the requests in flight finished
+    with h.scheduler.admission.adding(others_in_flight=True):
+        assert h.admit(req) == (12, 6)
+    assert docs.stats.load_failures == 0 and docs.private_slots(req.rid) is not None
+    h.scheduler.release(req.rid)
+    h.check()
+
+
+def test_documents_wait_for_room_a_bounded_number_of_passes_then_are_recomputed(make, monkeypatch):
+    from pcr_sglang.sglang_adapter import admission
+
+    monkeypatch.setattr(admission, "MAX_ROOM_WAITS", 2)
+    h = make()
+    docs = _with_docs(h)
+    tokens, req, chain_b = _two_documents(h)
+    held = h.allocator.alloc(h.allocator.available_size() - 5)
+    try:
+        with h.scheduler.admission.adding(others_in_flight=True):
+            assert [h.admit(req) for _ in range(3)] == [(12, None), (12, None), (12, 0)]
+        assert docs.stats.load_deferred == 2 and docs.stats.load_failures == 1
+        assert docs.private_slots(req.rid) is None and all(n.lock_ref == 0 for n in chain_b)
+    finally:
+        h.allocator.free(held)
+    h.check()

@@ -7,6 +7,7 @@ rows), goes through. On stand-in adders, then once on SGLang's own adder."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -82,7 +83,8 @@ def _cache(docs):
     masks = MaskAdmission()
     masks.docs, masks.stats = docs, DocReuseStats()
     cache = PCRPrefixCache.__new__(PCRPrefixCache)
-    cache.scheduler = SimpleNamespace(admission=SimpleNamespace(admit_now=lambda req: True), batch_masks=masks)
+    admission = SimpleNamespace(admit_now=lambda req: True, adding=lambda others_in_flight: nullcontext())
+    cache.scheduler = SimpleNamespace(admission=admission, batch_masks=masks)
     return cache, masks.stats
 
 
@@ -228,3 +230,22 @@ def test_sglangs_own_adder_keeps_the_held_request_out_and_admits_the_next():
     finally:
         h.close()
         override.restore()
+
+
+def test_admission_is_told_whether_others_are_in_the_batch_or_running():
+    """A request's documents may wait for device room only beside others that will free
+    some (``Admission.adding``): the batch's committed requests or the running batch."""
+    cache, _ = _cache(Docs(None))
+    seen = []
+
+    @contextmanager
+    def adding(others_in_flight):
+        seen.append(others_in_flight)
+        yield
+
+    cache.scheduler.admission.adding = adding
+    _pass(cache, [_req("first", 8), _req("second", 8)])
+    running = Adder(cache)
+    running.running_batch = SimpleNamespace(is_empty=lambda: False)
+    plugin._add_one_req(add_one_req, running, _req("beside-running", 8))
+    assert seen == [False, True, True]
