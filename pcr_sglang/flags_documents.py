@@ -38,12 +38,13 @@ DEFAULT_DOC_RECOMPUTE_RATIO = 0.15
 DEFAULT_DOC_ANCHOR_TOKENS = 0  # blend's selector picks every recomputed token
 # When a document's canonical KV is computed (pcr_sglang.reuse.warmup): bench/ragbench
 # --unique-docs measured warming every first sighting several times slower than radix
-# (bench/README.md, "When documents are warmed").
-DOC_WARMUP_CHOICES = ["request", "idle"]
+# (bench/results/2026-12-01/ragbench-warmup.md at commit d886199); at 90% load, requests
+# waiting for warm-ups made 'request' slower than radix ('auto' waits only when alone).
+DOC_WARMUP_CHOICES = ["auto", "request", "idle"]
 # What ranks blend's recomputed tokens: the one list, which a request chooses from too.
 DOC_SELECTOR_CHOICES = list(SELECTORS)
 DEFAULT_DOC_SELECTOR = DEFAULT_SELECTOR
-DEFAULT_DOC_WARMUP = "request"
+DEFAULT_DOC_WARMUP = "auto"
 DEFAULT_DOC_WARMUP_AFTER = 2
 # What one request may mark (the worst allowed request was measured by bench/doc_bounds_step.py, at commit d886199).
 DEFAULT_DOC_MAX_DOCUMENTS = 64
@@ -167,6 +168,8 @@ class DocumentFlags(CacheFlags):
                 "would have done). 'idle': the request is sent at once with what is cached, and "
                 "the document is warmed later, one at a time while the server has no request "
                 "in flight (never delays a request; on a busy server it may never run). "
+                "'auto': 'request' when nothing else is in flight (its warm-ups delay no one "
+                "else), 'idle' when other requests are (a busy server never waits for warm-ups). "
                 f"Default: {DEFAULT_DOC_WARMUP}."
             ),
             choices=DOC_WARMUP_CHOICES,

@@ -15,7 +15,7 @@ trace's working set); the tiered ones get the same host-memory and disk budgets:
 * ``pcr-layerwise``, ``pcr-prefetch``, ``pcr-lookahead``: PCR without that one feature;
   ``pcr-device``: PCR without its host and SSD tiers (the chunk tree over the device pool).
 * ``pcr-docs``, ``pcr-blend`` (``-pre``, ``-eager``, ``-idle``), ``pcr-blend-cal`` (``-pre``,
-  ``-idle``), ``pcr-reorder``: PCR with document reuse (``DOC_REUSE_CONFIGS`` below).
+  ``-idle``, ``-request``), ``pcr-reorder``: PCR with document reuse (``DOC_REUSE_CONFIGS`` below).
 
 The client sends each first turn at its Poisson arrival time (scaled to the rate) and each
 follow-up after its session's previous answer plus the think time, streams the reply, and
@@ -66,6 +66,7 @@ CONFIG_NAMES = (
     "pcr-blend-cal",
     "pcr-blend-cal-pre",
     "pcr-blend-cal-idle",
+    "pcr-blend-cal-request",
     "pcr-reorder",
     "pcr-device",
 )
@@ -74,7 +75,8 @@ CONFIG_NAMES = (
 # "-pre" first fills the store with every trace document's canonical KV (TurboRAG's
 # offline phase, ``python -m pcr_tools.precompute``) and restarts the server.
 # The warm-up policy (--pcr-doc-warmup, --pcr-doc-warmup-after): the default warms a
-# document when it recurs, before the request that sees it again; "-eager" warms every
+# document when it recurs, before the request that sees it again if nothing else is in
+# flight, else while the server is idle ("-request": always before); "-eager" warms every
 # first sighting before its request; "-idle" every first sighting, after its request,
 # while nothing else is in flight.
 DOC_REUSE_CONFIGS = {
@@ -100,10 +102,19 @@ DOC_REUSE_CONFIGS = {
         "--pcr-doc-warmup",
         "idle",
     ),
+    # The same with every request waiting for its due warm-ups (the default before "auto").
+    "pcr-blend-cal-request": (
+        "--pcr-doc-reuse",
+        "blend",
+        "--pcr-doc-reuse-calibration",
+        str(TUNED_CALIBRATION),
+        "--pcr-doc-warmup",
+        "request",
+    ),
     "pcr-reorder": ("--pcr-doc-reuse", "reorder"),
 }
 # Configurations that need the document-reuse tuned model (its calibration refuses others).
-TUNED_ONLY_CONFIGS = ("pcr-blend-cal", "pcr-blend-cal-pre", "pcr-blend-cal-idle")
+TUNED_ONLY_CONFIGS = ("pcr-blend-cal", "pcr-blend-cal-pre", "pcr-blend-cal-idle", "pcr-blend-cal-request")
 # What runs without --configs: the warm-up variants and the tuned model's only when asked for.
 DEFAULT_CONFIGS = tuple(
     c

@@ -182,7 +182,8 @@ class DocWarmer:
 
     async def warm(self, manager: Any, tokenized: Any, send: Callable[..., Any]) -> None:
         """Warm the documents ``tokenized`` marks that are due (``request``, or asked for with
-        ``pcr_doc_warm``: and wait for them; ``idle``: queue them and return at once), at
+        ``pcr_doc_warm``: and wait for them; ``idle``: queue them and return at once; ``auto``:
+        as ``request`` while no other request is at the scheduler, else as ``idle``), at
         most ``caps.per_request`` of its warm-ups in flight at once."""
         tokens = tokenized.input_ids
         try:
@@ -194,6 +195,7 @@ class DocWarmer:
         except DocBoundsError:
             return  # checked at validation; the scheduler serves it without reuse
         extra_key, salt = getattr(tokenized, "extra_key", None), getattr(tokenized, "cache_salt", None)
+        waits_here = now or self._waits(manager)
         request_slots = asyncio.Semaphore(self.caps.per_request)
         # mutant: a-request-waits-for-its-warm-ups-up-to-two-minutes
         wait_s = self.wait_s()
@@ -202,12 +204,12 @@ class DocWarmer:
             if key in self._in_flight:
                 waits.append(self._in_flight[key])
                 continue
-            if key in self._idle_queue and not now:
+            if key in self._idle_queue and not waits_here:
                 continue  # queued already
             if not self.ledger.should_warm(key, now):
                 continue
             canonical = canonical_tokens(tokens, span, spans[0].start, self.chunk, self.pad_token_id)
-            if self.policy.when == "idle" and not now:
+            if not waits_here:
                 self._queue_for_idle(manager, send, key, (canonical, extra_key, salt))
                 continue
             self._idle_queue.pop(key, None)
@@ -216,7 +218,7 @@ class DocWarmer:
                     manager, send, key, canonical, extra_key, salt, getattr(tokenized, "priority", None), request_slots
                 )
             )
-        if waits and (self.policy.when == "request" or now):
+        if waits and waits_here:
             # Shielded: a waiter cancelled (its client gone) must not cancel another's warm-up.
             try:
                 await asyncio.wait_for(
@@ -225,6 +227,18 @@ class DocWarmer:
             except asyncio.TimeoutError:
                 self.stats.wait_timeouts += 1
                 logger.info("PCR document reuse: warm-ups not done after %.1f s; the request goes without them", wait_s)
+
+    def _waits(self, manager: Any) -> bool:
+        """Whether a request being sent waits for its warm-ups under the policy: always with
+        ``request``, never with ``idle``; with ``auto`` only while no other request is at
+        the scheduler (dispatched, in the tokenizer manager's ``rid_to_state``; warm-ups
+        included), where its wait delays no one. The request itself and the rest of its
+        batch are not dispatched yet."""
+        if self.policy.when != "auto":
+            return self.policy.when == "request"
+        states = getattr(manager, "rid_to_state", None) or {}
+        # mutant: auto-warm-up-waits-beside-other-requests
+        return not any(getattr(state, "dispatched", True) for state in states.values())
 
     def _start(
         self,

@@ -13,7 +13,8 @@ warmed before the request that needs them.
   from a document's ``--pcr-doc-warmup-after``-th sighting, not within ``WARM_TTL_S`` of
   its last warm-up. ``--pcr-doc-warmup request``: concurrently, at the request's priority,
   before it is sent, so it reuses them itself; ``idle``: queued, one at a time while no
-  request is in flight, and the request is sent at once. One being warmed is waited for
+  request is in flight, and the request is sent at once; ``auto`` (the default): as
+  ``request`` while no other request is at the scheduler, else as ``idle``. One being warmed is waited for
   (``request``), not sent twice. A failed warm-up only costs reuse: the request is served
   either way. Warm-ups in flight are capped per request, per tenant and per server
   (:class:`~pcr_sglang.reuse.doc_warmer.WarmupCaps`; ``pcr_doc_warm: true`` obeys the same caps): the rest wait in this
@@ -37,7 +38,8 @@ does not have it yet, so it is sent again right after the request.
 ``request`` is the "as part of the request" choice of computing a document's canonical KV
 the first time it is due (the request pays about the prefill it would have paid anyway,
 its documents computed one by one instead of in sequence); ``idle`` is the background,
-low-priority one. ``bench/README.md`` ("When documents are warmed") measures both.
+low-priority one; ``auto`` takes the first only where its wait delays no other request.
+``bench/README.md`` (the headline's follow-ups) measures them.
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ parts:
 * ``when``: ``request`` (the request waits for its documents' warm-ups and reuses them
   itself) or ``idle`` (the request is sent at once with whatever is cached; its missing
   documents are queued and warmed one at a time while the server has nothing else in
-  flight, so warm-ups never delay a request, and may never run on a busy server).
+  flight, so warm-ups never delay a request, and may never run on a busy server), or
+  ``auto`` (the default: ``request`` for a request arriving while nothing else is in
+  flight, whose wait delays no one else; ``idle`` for one arriving beside others: under
+  load, requests waiting behind warm-ups made ``request`` slower than no document reuse).
 
 The ledger only decides; the tokenizer side (``reuse/doc_warmer``) sends
 the prefills. Its memory is bounded: the oldest sightings and warm-ups are forgotten first.
@@ -25,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, TypeVar
 
-DEFAULT_WARMUP_WHEN = "request"
+DEFAULT_WARMUP_WHEN = "auto"
 DEFAULT_WARMUP_AFTER = 2
 WARM_TTL_S = 30.0  # a document warmed this recently is not warmed again (its prefill is cheap, not free)
 MAX_REMEMBERED = 1 << 16

@@ -235,8 +235,12 @@ def test_concurrent_reuse_and_exact_requests_and_everything_balances(servers, to
         prompt = build_doc_prompt(tokenizer, "Use the documents.", chosen, f"Question {i}?")
         jobs.append((prompt, *MIXED_MODES[i % 4]))
     before = _doc_counters(docs)
+    # Each marked request waits for its documents' warm-ups (``pcr_doc_warm``), which the
+    # default (``auto``) would leave for idle time beside the others in flight.
     with ThreadPoolExecutor(8) as executor:
-        outs = list(executor.map(lambda job: _generate(docs, job[0], job[1], job[2], **job[3]), jobs))
+        outs = list(
+            executor.map(lambda job: _generate(docs, job[0], job[1], job[2], **job[3], pcr_doc_warm=True), jobs)
+        )
     for (prompt, marked, _, _), out in zip(jobs, outs):
         if not marked:
             assert out["output_ids"] == _generate(ref, prompt, marked=False)["output_ids"]

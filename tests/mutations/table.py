@@ -132,6 +132,19 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/document-reuse.md: documents without device room wait beside requests in flight",
         breaks="a request whose documents find no room is recomputed whole while others would free room",
     ),
+    Mutant(
+        name="auto-warm-up-waits-beside-other-requests",
+        kind="unit",
+        file="pcr_sglang/reuse/doc_warmer.py",
+        original='return not any(getattr(state, "dispatched", True) for state in states.values())',
+        replacement="return True",
+        tests=(
+            UNIT + "reuse/test_doc_warmup.py::"
+            "test_auto_mode_waits_for_warm_ups_only_while_no_other_request_is_at_the_scheduler",
+        ),
+        claim="docs/document-reuse.md, Warm-ups: auto waits only on an otherwise idle server",
+        breaks="under load, requests wait for their warm-ups and everyone behind them waits too",
+    ),
     # ---------------------------------------------------------------- README: Look-ahead retrieval and KV hints
     Mutant(
         name="hint-only-request-skips-document-chains",

@@ -164,6 +164,7 @@ def test_server_configs_share_budgets():
             "pcr-lookahead",
             "pcr-device",
             "pcr-blend-cal-idle",
+            "pcr-blend-cal-request",
         )
     }
 
@@ -184,6 +185,7 @@ def test_server_configs_share_budgets():
     assert flag(configs["pcr-device"], "--pcr-dram-gb") == "0" and "--pcr-ssd-path" not in configs["pcr-device"].args
     assert flag(configs["pcr-blend-cal-idle"], "--pcr-doc-warmup") == "idle"
     assert flag(configs["pcr-blend-cal-idle"], "--pcr-doc-reuse") == "blend"
+    assert flag(configs["pcr-blend-cal-request"], "--pcr-doc-warmup") == "request"
     with pytest.raises(ValueError, match="unknown configuration"):
         server_config("lmcache", budgets, storage)
 

@@ -58,7 +58,7 @@ def test_the_ledger_forgets_the_oldest_sightings_first():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"doc_warmup": "later"}, "--pcr-doc-warmup must be one of request, idle"),
+        ({"doc_warmup": "later"}, "--pcr-doc-warmup must be one of auto, request, idle"),
         ({"doc_warmup_after": 0}, "--pcr-doc-warmup-after must be an integer >= 1"),
         ({"doc_warmup_after": True}, "--pcr-doc-warmup-after must be an integer >= 1"),
         ({"doc_max_documents": 0}, "--pcr-doc-max-documents must be an integer >= 1"),
@@ -176,6 +176,40 @@ def test_idle_mode_sends_the_request_at_once_and_warms_one_at_a_time_when_nothin
         assert [c for c, _ in recorder.sent] == CANONICAL
         assert recorder.most_concurrent == 1
         assert warmer.stats.completed == 2
+
+    asyncio.run(run())
+
+
+def test_auto_mode_waits_for_warm_ups_only_while_no_other_request_is_at_the_scheduler():
+    from sglang.srt.managers.tokenizer_manager import ReqState
+
+    # What the warmer reads of SGLang's request states: sent to the scheduler or not yet.
+    assert ReqState.__dataclass_fields__["dispatched"].default is False
+
+    async def run():
+        warmer, recorder, manager = _warmer(WarmupPolicy("auto", after=1))
+        undispatched = SimpleNamespace(dispatched=False)
+        manager.rid_to_state["the-marked-request"] = undispatched  # its own state, not sent yet
+        manager.rid_to_state["another-request"] = SimpleNamespace(dispatched=True)
+        await asyncio.wait_for(warmer.warm(manager, _marked(PROMPT, BOUNDS), send=None), timeout=1)
+        await asyncio.sleep(0.1)
+        assert recorder.sent == []  # beside another request: queued for idle time, not waited for
+        assert len(warmer._idle_queue) == 2
+
+        # Alone (a batch-mate not sent yet is not another request), it waits for its
+        # warm-ups, the queued ones included, as with ``request``.
+        manager.rid_to_state["another-request"] = SimpleNamespace(dispatched=False)
+        recorder.hold = True
+        alone = asyncio.ensure_future(warmer.warm(manager, _marked(PROMPT, BOUNDS), send=None))
+        for _ in range(100):
+            if len(recorder.sent) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert [c for c, _ in recorder.sent] == CANONICAL
+        assert not alone.done()  # it waits for them
+        recorder.release.set()
+        await asyncio.wait_for(alone, timeout=1)
+        assert warmer._idle_queue == {}
 
     asyncio.run(run())
 
