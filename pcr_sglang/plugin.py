@@ -255,8 +255,8 @@ def _add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any,
     """A request that could take its batch's position mask past ``--pcr-position-mask-mb``
     (``sglang_adapter/mask_admission``) ends this pass: the batch is full for masks, and
     nothing behind it in the queue goes first (so it cannot starve). A request waiting for
-    its SSD reads is not admitted this pass, and the adder goes on to the next one. With
-    others in the batch or running, a request's documents may wait for device room."""
+    its SSD reads is not admitted this pass, and the adder goes on to the next one, as it
+    does past a request whose documents wait for device room beside others in flight."""
     cache = _pcr_cache(adder)
     if cache is None:
         return original(adder, req, *args, **kwargs)
@@ -267,8 +267,10 @@ def _add_one_req(original: Callable[..., Any], adder: Any, req: Any, *args: Any,
         return adder.budget_state()
     running = getattr(adder, "running_batch", None)
     others = bool(adder.can_run_list) or (running is not None and not running.is_empty())
-    with cache.scheduler.admission.adding(others_in_flight=others):
-        return original(adder, req, *args, **kwargs)
+    with cache.scheduler.admission.adding(others_in_flight=others) as attempt:
+        result = original(adder, req, *args, **kwargs)
+    # mutant: a-request-waiting-for-room-ends-the-pass
+    return adder.budget_state() if attempt.deferred else result
 
 
 def _batch_full() -> Any:

@@ -232,8 +232,9 @@ class DocWarmer:
         """Whether a request being sent waits for its warm-ups under the policy: always with
         ``request``, never with ``idle``; with ``auto`` only while no other request is at
         the scheduler (dispatched, in the tokenizer manager's ``rid_to_state``; warm-ups
-        included), where its wait delays no one. The request itself and the rest of its
-        batch are not dispatched yet."""
+        included), where its wait delays no one. The request itself is not dispatched yet,
+        nor the rest of a batch of token prompts (sent together); SGLang sends a batch of
+        text prompts one by one, so there only the first waits."""
         if self.policy.when != "auto":
             return self.policy.when == "request"
         states = getattr(manager, "rid_to_state", None) or {}

@@ -39,7 +39,7 @@ does not have it yet, so it is sent again right after the request.
 the first time it is due (the request pays about the prefill it would have paid anyway,
 its documents computed one by one instead of in sequence); ``idle`` is the background,
 low-priority one; ``auto`` takes the first only where its wait delays no other request.
-``bench/README.md`` (the headline's follow-ups) measures them.
+``bench/README.md`` ("The headline") measures them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@
   request's chain to the device, then the documents it reuses. Where the documents find no
   device room while other requests are in flight (:meth:`Admission.adding`), the request
   waits for a later pass (SGLang's "retry admission"), up to ``MAX_ROOM_WAITS`` passes,
-  instead of recomputing all it planned to reuse; alone, it is recomputed.
+  instead of recomputing all it planned to reuse, and the requests behind it are still
+  considered this pass; alone, it is recomputed.
 * :meth:`Admission.admitted` counts its hits once, by tier, and folds it into the digest
   the TP ranks compare.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -44,9 +46,18 @@ from pcr_sglang.sglang_adapter.requests import RequestRegistry, RequestState
 from pcr_sglang.sglang_adapter.step_agreement import StepAgreement
 
 # Admission passes a request whose documents find no device room waits for others in flight
-# to free some, before it is recomputed instead (a bound: under a policy that lets later
-# requests go first, room could be taken again and again).
-MAX_ROOM_WAITS = 64
+# to free some, before it is recomputed instead: a pass is about one decode step, so about
+# a second on these CPUs and tens of milliseconds on a GPU, near what recomputing a few
+# hundred tokens costs there. Counted in passes, not time, so every TP rank decides alike.
+MAX_ROOM_WAITS = 16
+
+
+@dataclass
+class AddAttempt:
+    """One ``add_one_req`` call as admission sees it (:meth:`Admission.adding`)."""
+
+    others_in_flight: bool  # the batch being formed or the running batch has requests
+    deferred: bool = False  # its documents found no room: it waits for a later pass
 
 
 class Admission:
@@ -76,18 +87,19 @@ class Admission:
         self.tensor_parallel = tensor_parallel
         self.digest = 0  # of (rid, prefix length) of every admitted request (compared across TP ranks)
         self.last_load_private = False  # the last load_back gave the request private slots
-        self._others_in_flight = False  # within ``adding``: the batch being formed or the running one has requests
+        self._attempt: Optional[AddAttempt] = None  # within ``adding``
 
     @contextmanager
-    def adding(self, others_in_flight: bool) -> Iterator[None]:
+    def adding(self, others_in_flight: bool) -> Iterator[AddAttempt]:
         """Around SGLang's ``add_one_req``: whether other requests, already in the batch being
         formed or running, will free device memory, so a request whose documents find no
-        room now can wait for a later pass instead of recomputing them."""
-        self._others_in_flight = others_in_flight
+        room now can wait for a later pass instead of recomputing them (the attempt says
+        whether it did: the caller lets the adder go on to the next request)."""
+        self._attempt = AddAttempt(others_in_flight)
         try:
-            yield
+            yield self._attempt
         finally:
-            self._others_in_flight = False
+            self._attempt = None
 
     # ------------------------------------------------------------------ the gate
     def admit_now(self, req: PcrReq) -> bool:
@@ -250,13 +262,15 @@ class Admission:
     def _waits_for_room(self, rid: str) -> bool:
         """Whether a request whose documents found no device room waits for a later pass:
         while others in flight will free some, at most ``MAX_ROOM_WAITS`` passes."""
+        attempt = self._attempt
         # mutant: documents-without-room-recomputed-beside-others
-        if not self._others_in_flight:
+        if attempt is None or not attempt.others_in_flight:
             return False
         entry = self.requests.get(rid)
         if entry.room_waits >= MAX_ROOM_WAITS:
             return False
         entry.room_waits += 1
+        attempt.deferred = True
         return True
 
     def _doc_slots(self, load: DocLoad) -> Optional[torch.Tensor]:

@@ -123,14 +123,29 @@ MUTANTS: tuple[Mutant, ...] = (
         name="documents-without-room-recomputed-beside-others",
         kind="unit",
         file="pcr_sglang/sglang_adapter/admission.py",
-        original="if not self._others_in_flight:",
+        original="if attempt is None or not attempt.others_in_flight:",
         replacement="if True:",
         tests=(
             UNIT + "reuse/test_doc_reuse_admission.py::"
             "test_without_room_beside_requests_in_flight_the_documents_wait_for_a_later_pass",
+            UNIT + "reuse/test_doc_reuse_admission.py::"
+            "test_waiting_for_room_after_the_host_prefix_and_the_chains_came_to_the_device",
         ),
         claim="docs/document-reuse.md: documents without device room wait beside requests in flight",
         breaks="a request whose documents find no room is recomputed whole while others would free room",
+    ),
+    Mutant(
+        name="a-request-waiting-for-room-ends-the-pass",
+        kind="unit",
+        file="pcr_sglang/plugin.py",
+        original="return adder.budget_state() if attempt.deferred else result",
+        replacement="return result",
+        tests=(
+            UNIT + "sglang_adapter/test_mask_admission.py::"
+            "test_a_request_waiting_for_device_room_lets_the_adder_go_on_to_the_next",
+        ),
+        claim="docs/document-reuse.md: the requests behind one waiting for device room are still admitted",
+        breaks="one request waiting for room keeps every request behind it out of the batch",
     ),
     Mutant(
         name="auto-warm-up-waits-beside-other-requests",

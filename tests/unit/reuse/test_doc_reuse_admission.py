@@ -238,3 +238,32 @@ def test_documents_wait_for_room_a_bounded_number_of_passes_then_are_recomputed(
     finally:
         h.allocator.free(held)
     h.check()
+
+
+def test_waiting_for_room_after_the_host_prefix_and_the_chains_came_to_the_device(make):
+    """The exact prefix and the document's chain only in host memory: admission brings both
+    to the device, then finds no room for the copy beside requests in flight. They stay in
+    the tree (unlocked, the tree's), nothing is kept for the request, and the next pass
+    reuses them from the device."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    h = make(host_slots=16)
+    docs = _with_docs(h)
+    tokens, req, chain_b = _two_documents(h)
+    h.cache.evict(EvictParams(num_tokens=10**6))
+    assert all(n.on_host and not n.on_device for n in chain_b)
+    # Room for the exact prefix's 12 tokens and the chain's 8, not for the 6-token copy.
+    held = h.allocator.alloc(h.allocator.available_size() - (12 + 8 + 5))
+    try:
+        with h.scheduler.admission.adding(others_in_flight=True) as attempt:
+            assert h.admit(req) == (0, None)
+        assert attempt.deferred and docs.stats.load_deferred == 1 and docs.stats.load_failures == 0
+        assert all(n.on_device and n.lock_ref == 0 for n in chain_b)
+        assert docs.private_slots(req.rid) is None
+    finally:
+        h.allocator.free(held)
+    h.check()  # every slot the tree's or free
+    with h.scheduler.admission.adding(others_in_flight=True):
+        assert h.admit(req) == (12, 6)
+    h.scheduler.release(req.rid)
+    h.check()

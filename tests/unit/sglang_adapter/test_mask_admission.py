@@ -15,6 +15,7 @@ import pytest
 from pcr_sglang import plugin
 from pcr_sglang.reuse.doc_stats import DocReuseStats
 from pcr_sglang.reuse.plan import CopySegment, ReusePlan, RowOrder
+from pcr_sglang.sglang_adapter.admission import AddAttempt
 from pcr_sglang.sglang_adapter.mask_admission import MaskAdmission
 
 # Tokens 4..7 re-placed, two of them recomputed: a permuted row once placed.
@@ -83,7 +84,9 @@ def _cache(docs):
     masks = MaskAdmission()
     masks.docs, masks.stats = docs, DocReuseStats()
     cache = PCRPrefixCache.__new__(PCRPrefixCache)
-    admission = SimpleNamespace(admit_now=lambda req: True, adding=lambda others_in_flight: nullcontext())
+    admission = SimpleNamespace(
+        admit_now=lambda req: True, adding=lambda others_in_flight: nullcontext(AddAttempt(others_in_flight))
+    )
     cache.scheduler = SimpleNamespace(admission=admission, batch_masks=masks)
     return cache, masks.stats
 
@@ -241,7 +244,7 @@ def test_admission_is_told_whether_others_are_in_the_batch_or_running():
     @contextmanager
     def adding(others_in_flight):
         seen.append(others_in_flight)
-        yield
+        yield AddAttempt(others_in_flight)
 
     cache.scheduler.admission.adding = adding
     _pass(cache, [_req("first", 8), _req("second", 8)])
@@ -249,3 +252,31 @@ def test_admission_is_told_whether_others_are_in_the_batch_or_running():
     running.running_batch = SimpleNamespace(is_empty=lambda: False)
     plugin._add_one_req(add_one_req, running, _req("beside-running", 8))
     assert seen == [False, True, True]
+
+
+def test_a_request_waiting_for_device_room_lets_the_adder_go_on_to_the_next():
+    """SGLang ends its pass on the OTHER a load's retry gives; the hook turns it into the
+    adder's own verdict, so the requests behind one waiting for room are still considered."""
+    cache, _ = _cache(Docs(None))
+
+    attempts = []
+
+    @contextmanager
+    def adding(others_in_flight):
+        attempts.append(AddAttempt(others_in_flight))
+        yield attempts[-1]
+
+    def add_or_retry(adder, req, *args, **kwargs):
+        """``add_one_req``, whose load (``init_load_back``) asks to retry one request."""
+        if req.rid == "waits-for-room":
+            attempts[-1].deferred = True
+            return OTHER
+        return add_one_req(adder, req)
+
+    cache.scheduler.admission.adding = adding
+    adder = Adder(cache, committed=[_req("running", 8)])
+    admitted = []
+    for req in [_req("waits-for-room", 8), _req("next", 8)]:
+        admitted.append(plugin._add_one_req(add_or_retry, adder, req))
+    assert admitted == [CONTINUE, CONTINUE]
+    assert [r.rid for r in adder.can_run_list] == ["running", "next"]
