@@ -79,6 +79,7 @@ CONFIG_NAMES = (
 # flight, else while the server is idle ("-request": always before); "-eager" warms every
 # first sighting before its request; "-idle" every first sighting, after its request,
 # while nothing else is in flight.
+CALIBRATED_BLEND = ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration", str(TUNED_CALIBRATION))
 DOC_REUSE_CONFIGS = {
     "pcr-docs": ("--pcr-doc-reuse", "concat"),
     "pcr-docs-pre": ("--pcr-doc-reuse", "concat"),
@@ -89,28 +90,14 @@ DOC_REUSE_CONFIGS = {
     # The tuned model's calibrated default (its committed calibration chooses the
     # mode's R and selector, and refuses other weights), and the exact mode that
     # serves documents in an order already cached.
-    "pcr-blend-cal": ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration", str(TUNED_CALIBRATION)),
-    "pcr-blend-cal-pre": ("--pcr-doc-reuse", "blend", "--pcr-doc-reuse-calibration", str(TUNED_CALIBRATION)),
+    "pcr-blend-cal": CALIBRATED_BLEND,
+    "pcr-blend-cal-pre": CALIBRATED_BLEND,
     # The same with warm-ups only while the server is idle: a request never
     # waits for its documents' warm-ups (what they cost under load, read
     # against pcr-blend-cal).
-    "pcr-blend-cal-idle": (
-        "--pcr-doc-reuse",
-        "blend",
-        "--pcr-doc-reuse-calibration",
-        str(TUNED_CALIBRATION),
-        "--pcr-doc-warmup",
-        "idle",
-    ),
+    "pcr-blend-cal-idle": (*CALIBRATED_BLEND, "--pcr-doc-warmup", "idle"),
     # The same with every request waiting for its due warm-ups (the default before "auto").
-    "pcr-blend-cal-request": (
-        "--pcr-doc-reuse",
-        "blend",
-        "--pcr-doc-reuse-calibration",
-        str(TUNED_CALIBRATION),
-        "--pcr-doc-warmup",
-        "request",
-    ),
+    "pcr-blend-cal-request": (*CALIBRATED_BLEND, "--pcr-doc-warmup", "request"),
     "pcr-reorder": ("--pcr-doc-reuse", "reorder"),
 }
 # Configurations that need the document-reuse tuned model (its calibration refuses others).

@@ -235,36 +235,36 @@ def test_sglangs_own_adder_keeps_the_held_request_out_and_admits_the_next():
         override.restore()
 
 
+def _record_attempts(cache) -> list[AddAttempt]:
+    """Admission's ``adding`` on the stand-in cache, keeping each call's attempt."""
+    attempts: list[AddAttempt] = []
+
+    @contextmanager
+    def adding(others_in_flight):
+        attempts.append(AddAttempt(others_in_flight))
+        yield attempts[-1]
+
+    cache.scheduler.admission.adding = adding
+    return attempts
+
+
 def test_admission_is_told_whether_others_are_in_the_batch_or_running():
     """A request's documents may wait for device room only beside others that will free
     some (``Admission.adding``): the batch's committed requests or the running batch."""
     cache, _ = _cache(Docs(None))
-    seen = []
-
-    @contextmanager
-    def adding(others_in_flight):
-        seen.append(others_in_flight)
-        yield AddAttempt(others_in_flight)
-
-    cache.scheduler.admission.adding = adding
+    attempts = _record_attempts(cache)
     _pass(cache, [_req("first", 8), _req("second", 8)])
     running = Adder(cache)
     running.running_batch = SimpleNamespace(is_empty=lambda: False)
     plugin._add_one_req(add_one_req, running, _req("beside-running", 8))
-    assert seen == [False, True, True]
+    assert [a.others_in_flight for a in attempts] == [False, True, True]
 
 
 def test_a_request_waiting_for_device_room_lets_the_adder_go_on_to_the_next():
     """SGLang ends its pass on the OTHER a load's retry gives; the hook turns it into the
     adder's own verdict, so the requests behind one waiting for room are still considered."""
     cache, _ = _cache(Docs(None))
-
-    attempts = []
-
-    @contextmanager
-    def adding(others_in_flight):
-        attempts.append(AddAttempt(others_in_flight))
-        yield attempts[-1]
+    attempts = _record_attempts(cache)
 
     def add_or_retry(adder, req, *args, **kwargs):
         """``add_one_req``, whose load (``init_load_back``) asks to retry one request."""
@@ -273,7 +273,6 @@ def test_a_request_waiting_for_device_room_lets_the_adder_go_on_to_the_next():
             return OTHER
         return add_one_req(adder, req)
 
-    cache.scheduler.admission.adding = adding
     adder = Adder(cache, committed=[_req("running", 8)])
     admitted = []
     for req in [_req("waits-for-room", 8), _req("next", 8)]:
