@@ -204,9 +204,11 @@ class DocWarmer:
             if key in self._in_flight:
                 waits.append(self._in_flight[key])
                 continue
-            if key in self._idle_queue and not waits_here:
-                continue  # queued already
-            if not self.ledger.should_warm(key, now):
+            queued = key in self._idle_queue  # ordered by the ledger already: not asked twice
+            if queued and not waits_here:
+                continue
+            # mutant: a-queued-warm-up-is-ordered-again-when-started
+            if not queued and not self.ledger.should_warm(key, now):
                 continue
             canonical = canonical_tokens(tokens, span, spans[0].start, self.chunk, self.pad_token_id)
             if not waits_here:

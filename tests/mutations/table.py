@@ -160,6 +160,19 @@ MUTANTS: tuple[Mutant, ...] = (
         claim="docs/document-reuse.md, Warm-ups: auto waits only on an otherwise idle server",
         breaks="under load, requests wait for their warm-ups and everyone behind them waits too",
     ),
+    Mutant(
+        name="a-queued-warm-up-is-ordered-again-when-started",
+        kind="unit",
+        file="pcr_sglang/reuse/doc_warmer.py",
+        original="if not queued and not self.ledger.should_warm(key, now):",
+        replacement="if not self.ledger.should_warm(key, now):",
+        tests=(
+            UNIT + "reuse/test_doc_warmup.py::"
+            "test_auto_mode_waits_for_warm_ups_only_while_no_other_request_is_at_the_scheduler",
+        ),
+        claim="reuse/warmup.py, WarmupStats.ordered: the warm-ups the ledger asked for, each once",
+        breaks="a warm-up queued for idle time and then started for a request alone is counted twice",
+    ),
     # ---------------------------------------------------------------- README: Look-ahead retrieval and KV hints
     Mutant(
         name="hint-only-request-skips-document-chains",

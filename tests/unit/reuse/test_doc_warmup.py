@@ -210,6 +210,8 @@ def test_auto_mode_waits_for_warm_ups_only_while_no_other_request_is_at_the_sche
         recorder.release.set()
         await asyncio.wait_for(alone, timeout=1)
         assert warmer._idle_queue == {}
+        # Queued, then started for the request alone: each warm-up ordered once.
+        assert warmer.stats.ordered == warmer.stats.completed == 2
 
     asyncio.run(run())
 
