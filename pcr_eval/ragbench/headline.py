@@ -1,7 +1,7 @@
 """The headline comparison: accurate document reuse against SGLang's radix cache and HiCache
 on the retrieval trace, at three loads, with the answers checked on the same requests.
 
-    python -m bench.ragbench headline            # 30 requests at 30%, 60% and 90% load (about 40 min on 2 cores)
+    python -m bench.ragbench headline            # 30 requests at 30%, 60% and 90% load (about 56 min on 2 cores)
     python -m bench.ragbench headline --quick    # 12 requests at 60% load (under 10 min)
     python -m bench.ragbench headline --merge RUN_DIR RUN_DIR --out DIR   # one report of runs of one trace
 
@@ -113,6 +113,30 @@ def shuffled_prompt(ids: Sequence[int], bounds: Sequence[int], rng: random.Rando
         following = bounds[2 * i + 2] if 2 * i + 2 < len(bounds) else len(ids)
         out += list(ids[end:following])
     return out
+
+
+def online_reuse_bound(trace: Trace, prompt_of: Any) -> dict[str, float]:
+    """The most of the trace's prompt tokens an earlier request can spare (its KV computed
+    before), in arrival order: the leading tokens from the second request on, and each
+    document from its second sighting (every document kept once computed) or from its third
+    (the default ``--pcr-doc-warmup-after 2``: a document's KV is computed for reuse, by a
+    warm-up, at its second sighting). Precomputed documents are spared from their first;
+    questions never. ``prompt_of(trace, request, {})`` gives a first turn's ids and
+    document bounds (:meth:`Model.prompt`)."""
+    sightings: dict[str, int] = {}
+    total = from_second = from_third = 0
+    for index, request in enumerate(trace.first_turns()):
+        ids, bounds = prompt_of(trace, request, {})
+        total += len(ids)
+        leading = bounds[0] if bounds and index else 0
+        from_second += leading
+        from_third += leading
+        for doc_id, start, end in zip(request.doc_ids, bounds[0::2], bounds[1::2]):
+            seen = sightings.get(doc_id, 0)
+            from_second += (end - start) if seen >= 1 else 0
+            from_third += (end - start) if seen >= 2 else 0
+            sightings[doc_id] = seen + 1
+    return {"from_second_sighting": from_second / max(total, 1), "from_third_sighting": from_third / max(total, 1)}
 
 
 def measure_reference(
@@ -377,6 +401,15 @@ def markdown(
         "",
         f"- model: {meta['model']}",
         f"- trace: {meta['trace']}",
+        *(
+            [
+                f"- online reuse bound: with nothing precomputed, earlier requests can spare at most "
+                f"{bound['from_second_sighting']:.0%} of the prompt tokens (each document from its second "
+                f"sighting), {bound['from_third_sighting']:.0%} with `--pcr-doc-warmup-after 2` (from its third)"
+            ]
+            if (bound := meta.get("online_reuse_bound"))
+            else []
+        ),
         f"- device pool {meta['pool_tokens']} tokens (the working set is {meta['working_set_over_pool']:.1f}x "
         f"it); host {meta['host_gb']:g} GB and disk {meta['ssd_gb']:g} GB for every tiered configuration",
         f"- no-cache capacity {meta['capacity_rps']:.3f} requests/s ("
@@ -666,6 +699,7 @@ def main(argv: list[str]) -> int:
             f"{shape['longest']} tokens, documents in {trace.params.doc_order} order, "
             f"{trace.params.max_new_tokens} output tokens at most (greedy)"
         ),
+        "online_reuse_bound": online_reuse_bound(trace, model.prompt),
         "pool_tokens": pool_tokens,
         "working_set_over_pool": shape["working_set"] / pool_tokens,
         "host_gb": budgets.host_gb,

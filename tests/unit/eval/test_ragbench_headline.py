@@ -13,12 +13,15 @@ from pcr_eval.ragbench.headline import (
     anatomy,
     anatomy_table,
     check_targets,
+    markdown,
+    online_reuse_bound,
     per_request,
     run_row,
     shuffled_prompt,
     table,
 )
 from pcr_eval.ragbench.runner import RequestRecord, RunResult
+from pcr_eval.ragbench.workload import Document, Trace, TraceRequest, WorkloadParams
 
 
 def test_a_shuffled_prompt_moves_whole_documents_and_keeps_what_lies_between():
@@ -294,3 +297,52 @@ def test_per_request_keeps_each_request_for_pairing_runs_a_failed_one_without_a_
     assert [r["rid"] for r in rows] == ["a", "b"]
     assert rows[0]["ttft_ms"] == 250.0 and rows[0]["uncached"] == 20
     assert rows[1]["ttft_ms"] is None and rows[1]["uncached"] == 100
+
+
+def test_the_online_reuse_bound_counts_documents_from_their_second_and_third_sightings():
+    # Each prompt: 2 leading tokens, its documents (a: 4 tokens, b: 3, c: 5), 1 question token.
+    lengths = {"a": 4, "b": 3, "c": 5}
+    requests = [("a", "b"), ("b", "a"), ("c", "a"), ("b",)]
+    trace = Trace(
+        WorkloadParams(),
+        {d: Document(d, d, d) for d in lengths},
+        [TraceRequest(f"r{i}", docs, "q", 4, arrival=float(i)) for i, docs in enumerate(requests)]
+        + [TraceRequest("follow-up", (), "q", 4, parent="r0")],  # not a first turn: not counted
+    )
+
+    def prompt_of(trace, request, answers):
+        bounds, at = [], 2
+        for doc_id in request.doc_ids:
+            bounds += [at, at + lengths[doc_id]]
+            at += lengths[doc_id]
+        return list(range(at + 1)), bounds
+
+    bound = online_reuse_bound(trace, prompt_of)
+    total = (2 + 7 + 1) * 2 + (2 + 9 + 1) + (2 + 3 + 1)
+    # Leading tokens from the second request on; a from r1 (second sighting) and r2; b from
+    # r1 and r3 (its third); c never.
+    assert bound["from_second_sighting"] == pytest.approx((3 * 2 + 7 + 4 + 3) / total)
+    assert bound["from_third_sighting"] == pytest.approx((3 * 2 + 4 + 3) / total)
+
+    meta = {
+        "date": "d",
+        "command": "c",
+        "commit": "x",
+        "machine": "m",
+        "elapsed_s": 60,
+        "model": "m",
+        "trace": "t",
+        "online_reuse_bound": bound,
+        "pool_tokens": 1,
+        "working_set_over_pool": 1.0,
+        "host_gb": 1,
+        "ssd_gb": 1,
+        "capacity_rps": 1.0,
+        "capacity_requests": 1,
+        "capacity_makespan_s": 1.0,
+        "rates": {0.6: 0.6},
+    }
+    text = markdown(meta, [], {"f1": None, "identical": None}, [])
+    assert f"at most {bound['from_second_sighting']:.0%} of the prompt tokens" in text
+    del meta["online_reuse_bound"]  # a report of an earlier run has none
+    assert "online reuse bound" not in markdown(meta, [], {"f1": None, "identical": None}, [])
