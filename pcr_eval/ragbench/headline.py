@@ -1,7 +1,7 @@
 """The headline comparison: accurate document reuse against SGLang's radix cache and HiCache
 on the retrieval trace, at three loads, with the answers checked on the same requests.
 
-    python -m bench.ragbench headline            # 30 requests at 30%, 60% and 90% load (about 56 min on 2 cores)
+    python -m bench.ragbench headline            # 30 requests at 30%, 60% and 90% load (about 54 min on 2 cores)
     python -m bench.ragbench headline --quick    # 12 requests at 60% load (under 10 min)
     python -m bench.ragbench headline --merge RUN_DIR RUN_DIR --out DIR   # one report of runs of one trace
 
