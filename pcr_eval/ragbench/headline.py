@@ -115,28 +115,23 @@ def shuffled_prompt(ids: Sequence[int], bounds: Sequence[int], rng: random.Rando
     return out
 
 
-def online_reuse_bound(trace: Trace, prompt_of: Any) -> dict[str, float]:
-    """The most of the trace's prompt tokens an earlier request can spare (its KV computed
-    before), in arrival order: the leading tokens from the second request on, and each
-    document from its second sighting (every document kept once computed) or from its third
-    (the default ``--pcr-doc-warmup-after 2``: a document's KV is computed for reuse, by a
-    warm-up, at its second sighting). Precomputed documents are spared from their first;
-    questions never. ``prompt_of(trace, request, {})`` gives a first turn's ids and
-    document bounds (:meth:`Model.prompt`)."""
-    sightings: dict[str, int] = {}
-    total = from_second = from_third = 0
+def online_reuse_bound(trace: Trace, prompt_of: Any) -> float:
+    """The most of the trace's first turns' prompt tokens that earlier requests can spare
+    (their KV computed before), in arrival order: the leading tokens from the second
+    request on, and each document from its second sighting (as if every document were
+    kept once computed). Precomputed documents are spared from their first; questions
+    never. ``prompt_of(trace, request, {})`` gives a first turn's ids and document bounds
+    (:meth:`Model.prompt`)."""
+    seen: set[str] = set()
+    total = spared = 0
     for index, request in enumerate(trace.first_turns()):
         ids, bounds = prompt_of(trace, request, {})
         total += len(ids)
-        leading = bounds[0] if bounds and index else 0
-        from_second += leading
-        from_third += leading
+        spared += bounds[0] if bounds and index else 0
         for doc_id, start, end in zip(request.doc_ids, bounds[0::2], bounds[1::2]):
-            seen = sightings.get(doc_id, 0)
-            from_second += (end - start) if seen >= 1 else 0
-            from_third += (end - start) if seen >= 2 else 0
-            sightings[doc_id] = seen + 1
-    return {"from_second_sighting": from_second / max(total, 1), "from_third_sighting": from_third / max(total, 1)}
+            spared += (end - start) if doc_id in seen else 0
+            seen.add(doc_id)
+    return spared / max(total, 1)
 
 
 def measure_reference(
@@ -403,11 +398,10 @@ def markdown(
         f"- trace: {meta['trace']}",
         *(
             [
-                f"- online reuse bound: with nothing precomputed, earlier requests can spare at most "
-                f"{bound['from_second_sighting']:.0%} of the prompt tokens (each document from its second "
-                f"sighting), {bound['from_third_sighting']:.0%} with `--pcr-doc-warmup-after 2` (from its third)"
+                f"- online reuse bound: with nothing precomputed, earlier requests can spare at most {bound:.0%} "
+                "of the prompt tokens (each document reused from its second sighting)"
             ]
-            if (bound := meta.get("online_reuse_bound"))
+            if (bound := meta.get("online_reuse_bound")) is not None
             else []
         ),
         f"- device pool {meta['pool_tokens']} tokens (the working set is {meta['working_set_over_pool']:.1f}x "

@@ -45,7 +45,7 @@ class WarmupPolicy:
 
 @dataclass
 class WarmupStats:
-    sightings: int = 0  # documents seen in marked requests (at any position)
+    sightings: int = 0  # documents seen in marked requests (at any position), not queued or in flight already
     not_yet: int = 0  # sightings below the policy's ``after``: served without a warm-up
     fresh: int = 0  # warmed within the TTL: nothing to do
     ordered: int = 0  # warm-ups the ledger asked for

@@ -170,7 +170,7 @@ MUTANTS: tuple[Mutant, ...] = (
             UNIT + "reuse/test_doc_warmup.py::"
             "test_auto_mode_waits_for_warm_ups_only_while_no_other_request_is_at_the_scheduler",
         ),
-        claim="reuse/warmup.py, WarmupStats.ordered: the warm-ups the ledger asked for, each once",
+        claim="pcr_sglang/reuse/warmup.py, WarmupStats.ordered: the warm-ups the ledger asked for, each once",
         breaks="a warm-up queued for idle time and then started for a request alone is counted twice",
     ),
     # ---------------------------------------------------------------- README: Look-ahead retrieval and KV hints
