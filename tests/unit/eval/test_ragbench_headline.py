@@ -146,12 +146,9 @@ def test_the_anatomy_fits_ttft_to_uncached_tokens_and_finds_the_slowest_requests
     assert "| 60% | pcr |" in text and "| 4 (1), 125 ms |" in text  # 4 held (1 ran out), 500 ms in all
 
 
-def _run_dir(tmp_path, name, rows, noise_f1=0.6, failed=()):
-    import json
-
-    d = tmp_path / name
-    d.mkdir()
-    meta = {
+def _meta(name, rows, failed=()):
+    """A run's ``headline.json`` meta, as ``main`` writes it (rates keyed by load, as JSON has them)."""
+    return {
         "date": "2026-12-07",
         "command": f"python -m bench.ragbench headline ({name})",
         "commit": name,
@@ -170,6 +167,14 @@ def _run_dir(tmp_path, name, rows, noise_f1=0.6, failed=()):
         "capacity_measured": False,
         "failed_runs": list(failed),
     }
+
+
+def _run_dir(tmp_path, name, rows, noise_f1=0.6, failed=()):
+    import json
+
+    d = tmp_path / name
+    d.mkdir()
+    meta = _meta(name, rows, failed)
     (d / "headline.json").write_text(
         json.dumps({"meta": meta, "rows": rows, "anatomy": [], "noise_floor": {"f1": noise_f1, "identical": 0.3}})
     )
@@ -322,24 +327,7 @@ def test_the_online_reuse_bound_counts_documents_from_their_second_sighting():
     # Leading tokens from the second request on; a in r1 and r2, b in r1 and r3; c never.
     assert bound == pytest.approx((3 * 2 + 7 + 4 + 3) / total)
 
-    meta = {
-        "date": "d",
-        "command": "c",
-        "commit": "x",
-        "machine": "m",
-        "elapsed_s": 60,
-        "model": "m",
-        "trace": "t",
-        "online_reuse_bound": bound,
-        "pool_tokens": 1,
-        "working_set_over_pool": 1.0,
-        "host_gb": 1,
-        "ssd_gb": 1,
-        "capacity_rps": 1.0,
-        "capacity_requests": 1,
-        "capacity_makespan_s": 1.0,
-        "rates": {0.6: 0.6},
-    }
+    meta = {**_meta("bound", []), "online_reuse_bound": bound}
     text = markdown(meta, [], {"f1": None, "identical": None}, [])
     assert f"at most {bound:.0%} of the prompt tokens" in text
     del meta["online_reuse_bound"]  # a report of an earlier run has none
